@@ -13,6 +13,9 @@ import sys
 
 COMMAND_MODULES = (
     "server.commands.serve",
+    "server.commands.convert",
+    "server.commands.audit",
+    "server.commands.service",
 )
 
 

@@ -1,0 +1,177 @@
+"""Run one quantized layer on each kernel path the model will take; measure its error.
+
+A probe calls the layer (or a workaround wrapper with the same interface) on fresh
+random inputs and compares with a float32 NumPy reference built from the decoded
+weight (`audit_reference`). Paths: matmul at decode (M=1), short blocks (M=2..8), the
+tiled matrix path (M>=33) and a prompt-sized M; embedding lookups of odd and even row
+counts (the gather+dequantize path) plus `as_linear` for tied heads; gather_qmm for
+MoE switch layers, unsorted at decode and sorted (mlx-lm sorts from 64 rows) for prompts.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from kernels.audit_reference import reference_dequantize
+from kernels.audit_report import LayerConfig, PathResult
+
+# Max |out - ref| / max |ref| allowed, by (mode family, activation dtype). Measured on
+# MLX 0.32.4 CPU with correct kernels (K 576..2064, M 1..128): float32 <= 2e-6 for
+# every mode; float16 affine <= 8e-3, fp modes <= 2.2e-3; bfloat16 affine <= 6.3e-2,
+# fp modes <= 1.6e-2 (the reference rounds the weight to the activation dtype too).
+# Bounds are 2.5-500x those, and still well below a kernel fault (a 16-column tail
+# read twice or dropped is ~1e-1; garbage tiles are O(1)).
+TOLERANCE = {
+    ("affine", "float32"): 1e-3, ("fp", "float32"): 1e-3,
+    ("affine", "float16"): 3e-2, ("fp", "float16"): 1e-2,
+    ("affine", "bfloat16"): 1.5e-1, ("fp", "bfloat16"): 5e-2,
+}
+
+MATMUL_ROWS = (("decode", 1), ("short", 2), ("short", 5), ("short", 8),
+               ("tiled", 33), ("tiled", 64))
+LOOKUP_ROWS = (1, 2, 3, 8, 23)
+TOP_K = 2
+
+
+def tolerance(mode: str, dtype: str) -> float:
+    return TOLERANCE[("affine" if mode == "affine" else "fp", dtype)]
+
+
+def layer_kind(module: nn.Module) -> str | None:
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    if isinstance(module, nn.QuantizedEmbedding):
+        return "embedding"
+    if isinstance(module, nn.QuantizedLinear):
+        return "linear"
+    if isinstance(module, QuantizedSwitchLinear):
+        return "switch"
+    return None
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def describe(module: nn.Module, kind: str, model_dtype: mx.Dtype) -> LayerConfig:
+    # Affine layers compute in their scales' dtype; fp-mode scales are uint8 and the
+    # activations come from the rest of the model.
+    scales = module["scales"]
+    dtype = scales.dtype if mx.issubdtype(scales.dtype, mx.floating) else model_dtype
+    weight = module["weight"]
+    dense_in = weight.shape[-1] * 32 // module.bits
+    return LayerConfig(kind=kind, shape=(*weight.shape[:-1], dense_in), mode=module.mode,
+                       bits=module.bits, group_size=module.group_size,
+                       dtype=dtype_name(dtype), has_bias="bias" in module)
+
+
+def reference_weight(module: nn.Module) -> np.ndarray:
+    return reference_dequantize(module["weight"], module["scales"], module.get("biases"),
+                                module.mode, module.bits, module.group_size)
+
+
+def _round_to(a: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float32":
+        return a.astype(np.float32)
+    return np.array(mx.array(a).astype(getattr(mx, dtype)).astype(mx.float32))
+
+
+def _rel_error(out: mx.array, ref: np.ndarray) -> float:
+    got = np.array(out.astype(mx.float32))
+    if got.shape != ref.shape:
+        raise ValueError(f"output shape {got.shape} != expected {ref.shape}")
+    scale = float(np.abs(ref).max()) or 1.0
+    err = np.abs(got - ref)
+    return float("inf") if not np.isfinite(err).all() else float(err.max()) / scale
+
+
+def _measure(path: str, rows: int, tol: float, run: Callable[[], tuple[mx.array, np.ndarray]]) -> PathResult:
+    try:
+        out, ref = run()
+        mx.eval(out)
+        return PathResult(path, rows, _rel_error(out, ref), tol)
+    except Exception as exc:  # a kernel that raises is a failing path, not a crash
+        return PathResult(path, rows, None, tol, exception=f"{type(exc).__name__}: {exc}")
+
+
+def _inputs(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> tuple[mx.array, np.ndarray]:
+    x = _round_to(rng.standard_normal(shape).astype(np.float32), dtype)
+    return mx.array(x).astype(getattr(mx, dtype)), x
+
+
+def _matmul_paths(call, w: np.ndarray, bias: np.ndarray | None, cfg: LayerConfig,
+                  rng, rows_list, prefix: str = "matmul") -> list[PathResult]:
+    tol = tolerance(cfg.mode, cfg.dtype)
+    results = []
+    for name, rows in rows_list:
+        def run(rows=rows):
+            x, xn = _inputs(rng, (1, rows, w.shape[1]), cfg.dtype)
+            ref = xn @ w.T + (bias if bias is not None else 0.0)
+            return call(x), ref
+        results.append(_measure(f"{prefix} {name}", rows, tol, run))
+    return results
+
+
+def probe_linear(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: int) -> list[PathResult]:
+    bias = np.array(module["bias"].astype(mx.float32)) if cfg.has_bias else None
+    w = _round_to(w, cfg.dtype)
+    rows = (*MATMUL_ROWS, ("prompt", prompt_rows))
+    return _matmul_paths(module, w, bias, cfg, rng, rows)
+
+
+def probe_embedding(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: int) -> list[PathResult]:
+    tol = tolerance(cfg.mode, cfg.dtype)
+    w = _round_to(w, cfg.dtype)
+    results = []
+    for rows in LOOKUP_ROWS:
+        def run(rows=rows):
+            idx = rng.integers(0, w.shape[0], size=(1, rows))
+            return module(mx.array(idx)), w[idx]
+        parity = "odd" if rows % 2 else "even"
+        results.append(_measure(f"lookup {parity}", rows, tol, run))
+    rows = (*MATMUL_ROWS, ("prompt", prompt_rows))
+    return results + _matmul_paths(module.as_linear, w, None, cfg, rng, rows, prefix="as_linear")
+
+
+def probe_switch(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: int) -> list[PathResult]:
+    tol = tolerance(cfg.mode, cfg.dtype)
+    w = _round_to(w, cfg.dtype)
+    experts, _, k = w.shape
+    bias = np.array(module["bias"].astype(mx.float32)) if cfg.has_bias else None
+    top_k = min(TOP_K, experts)
+    results = []
+
+    def ref_rows(xn: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        out = np.einsum("nk,nok->no", xn, w[idx])
+        return out + bias[idx] if bias is not None else out
+
+    for name, tokens in (("decode", 1), ("short", 5)):
+        def run(tokens=tokens):
+            # SwitchGLU's unsorted layout: x (B, L, 1, 1, K), indices (B, L, top_k).
+            x, xn = _inputs(rng, (1, tokens, 1, 1, k), cfg.dtype)
+            idx = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])[None]
+            ref = ref_rows(np.repeat(xn[0, :, 0, 0], top_k, 0), idx.reshape(-1))
+            return module(x, mx.array(idx)), ref.reshape(1, tokens, top_k, 1, -1)
+        results.append(_measure(f"gather {name}", tokens, tol, run))
+    for name, tokens in (("sorted tiled", 33), ("sorted prompt", prompt_rows)):
+        def run(tokens=tokens):
+            # Sorted layout (mlx-lm sorts once indices.size >= 64): x (N, 1, K), sorted ids.
+            n = tokens * top_k
+            x, xn = _inputs(rng, (n, 1, k), cfg.dtype)
+            idx = np.sort(rng.integers(0, experts, size=n))
+            ref = ref_rows(xn[:, 0], idx)[:, None]
+            return module(x, mx.array(idx), sorted_indices=True), ref
+        results.append(_measure(f"gather {name}", tokens, tol, run))
+    return results
+
+
+PROBES = {"linear": probe_linear, "embedding": probe_embedding, "switch": probe_switch}
+
+
+def probe(module, cfg: LayerConfig, w: np.ndarray, seed: int, prompt_rows: int) -> list[PathResult]:
+    """All paths for `module` (a quantized layer or a wrapper standing in for one)."""
+    rng = np.random.default_rng(seed)
+    return PROBES[cfg.kind](module, cfg, w, rng, prompt_rows)

@@ -1,0 +1,196 @@
+"""Route MLX's CPU float32 matmul from netlib reference BLAS to OpenBLAS.
+
+The `mlx[cpu]` Linux wheel bundles netlib reference BLAS (a few GFLOP/s) and
+imports `cblas_sgemm`/`cblas_dgemm`/`cblas_cgemm` dynamically. A tiny C shim
+(`cpu_blas/shim.c`) defines those and forwards to pip's `scipy-openblas32`
+(`scipy_cblas_*`). LD_PRELOAD must be set before the process starts, hence
+`preload_env` for children and `ensure_preloaded` to re-exec ourselves.
+
+OpenBLAS results depend on the matmul shape (M=1 vs M>1 rows differ bitwise),
+so which BLAS is active belongs in any determinism fingerprint: see `active`.
+Imports nothing heavy: the server calls this before mlx is loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CHOICES = ("openblas", "reference")
+SHIM_SOURCE = Path(__file__).with_suffix("") / "shim.c"
+# Names the built file, so /proc/self/maps can tell the shim is mapped.
+_SHIM_STEM = "lockstep-cpu-blas-shim"
+# Set on re-exec so a shim that fails to take effect cannot loop us forever.
+_REEXEC_MARKER = "LOCKSTEP_CPU_BLAS_REEXEC"
+_THREADS_ENV = "OPENBLAS_NUM_THREADS"
+
+
+class ShimUnavailable(RuntimeError):
+    """The shim cannot be built here; the message says why."""
+
+
+def openblas_lib() -> Path:
+    """libscipy_openblas*.so from the scipy-openblas32 wheel, found without importing it."""
+    spec = importlib.util.find_spec("scipy_openblas32")
+    if spec is None or spec.origin is None:
+        raise ShimUnavailable("scipy-openblas32 is not installed (pip install scipy-openblas32)")
+    libs = sorted((Path(spec.origin).parent / "lib").glob("libscipy_openblas*.so"))
+    if not libs:
+        raise ShimUnavailable(f"no libscipy_openblas*.so under {Path(spec.origin).parent / 'lib'}")
+    return libs[0].resolve()
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    raise ShimUnavailable("no C compiler found ($CC, cc, gcc)")
+
+
+def _cache_dir() -> Path:
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("lockstep")) / "cpu_blas"
+
+
+def build_shim() -> Path:
+    """Build (once) and return the shim .so; raise ShimUnavailable with the reason."""
+    if not sys.platform.startswith("linux"):
+        raise ShimUnavailable(f"LD_PRELOAD shim is Linux-only (platform {sys.platform})")
+    lib = openblas_lib()
+    source = SHIM_SOURCE.read_bytes()
+    # Keyed by the library path (baked in as rpath) and the source, so a new
+    # venv or an edited shim gets its own build and stale ones are never used.
+    key = hashlib.sha256(str(lib).encode() + b"\0" + source).hexdigest()[:16]
+    out = _cache_dir() / f"{_SHIM_STEM}-{key}.so"
+    if out.exists():
+        return out
+    cc = _compiler()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target then rename: concurrent builders never see a half-written .so.
+    fd, tmp = tempfile.mkstemp(prefix=out.stem, suffix=".tmp.so", dir=out.parent)
+    os.close(fd)
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(SHIM_SOURCE),
+           f"-L{lib.parent}", f"-l:{lib.name}", f"-Wl,-rpath,{lib.parent}"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise ShimUnavailable(f"compiling the shim failed ({' '.join(cmd)}):\n{proc.stderr.strip()}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built CPU BLAS shim %s against %s", out, lib)
+    return out
+
+
+def shim_path() -> Path | None:
+    """The built shim, or None (reason logged) where it cannot be had."""
+    try:
+        return build_shim()
+    except ShimUnavailable as e:
+        log.warning("OpenBLAS shim unavailable, MLX CPU keeps reference BLAS: %s", e)
+        return None
+
+
+def default_threads() -> int:
+    # OpenBLAS workers spin-wait, and MLX's CPU stream plus the server need a
+    # core too: on 2 cores, 2 threads ran at 0.06-0.6x the speed of 1
+    # (bench/cpu_blas.py). Half the cores, at most 4 (larger untested).
+    return max(1, min(4, (os.cpu_count() or 1) // 2))
+
+
+def _strip_shim(preload: str) -> list[str]:
+    return [p for p in preload.replace(":", " ").split() if _SHIM_STEM not in p]
+
+
+def preload_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """A copy of env (default os.environ) that makes a child process load the shim.
+
+    The OpenBLAS lib dir travels as the shim's rpath, not LD_LIBRARY_PATH, so
+    grandchildren's library search is left alone. Raises ShimUnavailable.
+    """
+    out = dict(os.environ if env is None else env)
+    shim = build_shim()
+    out["LD_PRELOAD"] = " ".join([str(shim), *_strip_shim(out.get("LD_PRELOAD", ""))])
+    out.setdefault(_THREADS_ENV, str(default_threads()))
+    return out
+
+
+def reference_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """A copy of env with the shim removed from LD_PRELOAD (reference BLAS)."""
+    out = dict(os.environ if env is None else env)
+    rest = _strip_shim(out.pop("LD_PRELOAD", ""))
+    if rest:
+        out["LD_PRELOAD"] = " ".join(rest)
+    return out
+
+
+def active() -> str:
+    """Which BLAS MLX's CPU matmul uses in this process: openblas | reference | accelerate."""
+    if sys.platform == "darwin":
+        return "accelerate"
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "reference"
+    if _SHIM_STEM not in maps:
+        return "reference"
+    # Mapped is not enough (dlopen'd late it would not interpose): preloaded
+    # objects are in the global scope, so the marker resolves from RTLD_DEFAULT.
+    try:
+        ctypes.c_char.in_dll(ctypes.CDLL(None), "lockstep_cpu_blas_shim")
+    except ValueError:
+        return "reference"
+    return "openblas"
+
+
+def describe() -> str:
+    """active() plus the OpenBLAS build, core kernel and threads: for logs and fingerprints."""
+    which = active()
+    if which != "openblas":
+        return which
+    lib = ctypes.CDLL(None)
+    lib.scipy_openblas_get_config.restype = ctypes.c_char_p
+    config = lib.scipy_openblas_get_config().decode()
+    return f"openblas ({config}; threads={lib.scipy_openblas_get_num_threads()})"
+
+
+def ensure_preloaded(argv: list[str] | None = None, choice: str = "openblas") -> None:
+    """Re-exec this process so MLX uses `choice`; returns only when it already does.
+
+    argv: interpreter arguments to re-run (default sys.orig_argv[1:], which keeps
+    `-m module` invocations intact). Call before anything imports mlx.
+    """
+    if choice not in CHOICES:
+        raise ValueError(f"cpu blas must be one of {CHOICES}, got {choice!r}")
+    # Popped so our own children may re-exec for a different choice.
+    reexeced = os.environ.pop(_REEXEC_MARKER, None)
+    if not sys.platform.startswith("linux") or active() == choice:
+        return
+    if reexeced:
+        log.warning("re-exec for cpu blas %r did not take effect; running with %s", choice, active())
+        return
+    if choice == "openblas":
+        try:
+            env = preload_env()
+        except ShimUnavailable as e:
+            log.warning("OpenBLAS shim unavailable, MLX CPU keeps reference BLAS: %s", e)
+            return
+    else:
+        env = reference_env()
+    env[_REEXEC_MARKER] = "1"
+    args = sys.orig_argv[1:] if argv is None else list(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *args], env)

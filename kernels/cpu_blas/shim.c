@@ -1,0 +1,59 @@
+/* LD_PRELOAD shim: route MLX's CPU BLAS calls to OpenBLAS.
+ *
+ * The mlx[cpu] Linux wheel links netlib reference BLAS and imports exactly
+ * cblas_sgemm / cblas_dgemm / cblas_cgemm (float32 / float64 / complex64
+ * matmul; fp16/bf16 and quantized matmuls never reach BLAS). libmlx.so binds
+ * them through the PLT without -Bsymbolic, so a preloaded definition wins.
+ * pip's scipy-openblas32 exports the same functions with a `scipy_` prefix
+ * (so it never clashes with another BLAS in-process); we forward to those.
+ *
+ * Built by kernels/cpu_blas.py, linked against libscipy_openblas.so with an
+ * rpath, so preloading this one file pulls OpenBLAS in.
+ *
+ * CBLAS enums are passed as int: their values (101/102, 111/112/113) are
+ * fixed by the CBLAS standard, identical in both libraries. */
+
+typedef int blasint; /* scipy-openblas32: 32-bit integer interface */
+
+void scipy_cblas_sgemm(int order, int ta, int tb, blasint m, blasint n,
+                       blasint k, float alpha, const float *a, blasint lda,
+                       const float *b, blasint ldb, float beta, float *c,
+                       blasint ldc);
+void scipy_cblas_dgemm(int order, int ta, int tb, blasint m, blasint n,
+                       blasint k, double alpha, const double *a, blasint lda,
+                       const double *b, blasint ldb, double beta, double *c,
+                       blasint ldc);
+void scipy_cblas_cgemm(int order, int ta, int tb, blasint m, blasint n,
+                       blasint k, const void *alpha, const void *a,
+                       blasint lda, const void *b, blasint ldb,
+                       const void *beta, void *c, blasint ldc);
+
+#define EXPORT __attribute__((visibility("default")))
+
+/* Marker symbol: lets a process (or a test) confirm the shim is the loaded
+ * definition, not just mapped. */
+EXPORT const char lockstep_cpu_blas_shim[] = "openblas";
+
+EXPORT void cblas_sgemm(int order, int ta, int tb, blasint m, blasint n,
+                        blasint k, float alpha, const float *a, blasint lda,
+                        const float *b, blasint ldb, float beta, float *c,
+                        blasint ldc) {
+  scipy_cblas_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c,
+                    ldc);
+}
+
+EXPORT void cblas_dgemm(int order, int ta, int tb, blasint m, blasint n,
+                        blasint k, double alpha, const double *a, blasint lda,
+                        const double *b, blasint ldb, double beta, double *c,
+                        blasint ldc) {
+  scipy_cblas_dgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c,
+                    ldc);
+}
+
+EXPORT void cblas_cgemm(int order, int ta, int tb, blasint m, blasint n,
+                        blasint k, const void *alpha, const void *a,
+                        blasint lda, const void *b, blasint ldb,
+                        const void *beta, void *c, blasint ldc) {
+  scipy_cblas_cgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c,
+                    ldc);
+}

@@ -1,0 +1,128 @@
+"""Batch-invariant execution: one call per deployment makes a loaded mlx-lm model give every
+row of a forward pass of M <= L rows the bits it gets alone (M = 1, same KV cache), so
+speculative verification and batched requests return exactly what plain decoding does.
+
+    plan = set_batch_invariant_limit(model, 8)      # strategy="auto": proven, fastest
+    plan.guaranteed, plan.strategy, plan.reason
+    set_batch_invariant_limit(model, 0)             # native again
+
+Every linear (dense, quantized in any mode, the tied embedding head) and attention block
+with M <= L rows, M = 1 decode included, runs one canonical form (kernels/invariant_ops.py);
+M > L (long prefill) runs the native fast path. The form is chosen per backend by proof:
+each candidate is installed and self-tested bitwise on this model (kernels/selftest.py);
+"auto" keeps the fastest that passes, and falls back to rowwise, the safest, unclaimed.
+Per request the engine must also check its cache: `cache_invariance_problem(cache)`.
+"""
+import inspect
+import sys
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .invariant_cache import cache_invariance_problem  # noqa: F401  (part of the API)
+from .invariant_layers import LAYER_SWAPS, Setting, install, model_module_names, uninstall
+from .invariant_ops import ROWWISE, STRATEGIES, Strategy
+from .selftest import SelfTestResult, seconds_per_step, self_test
+
+# Candidates "auto" tries, all proven, the fastest kept; rowwise is the fallback.
+AUTO_CANDIDATES = ("native", "strided_gemv", "rowwise")
+
+
+@dataclass(frozen=True)
+class InvariancePlan:
+    limit: int  # L; 0 = off
+    strategy: str
+    backend: str
+    guaranteed: bool  # self-test passed and nothing in the model is left uncovered
+    reason: str
+    uncovered: tuple = ()  # parts of the model the canonical path does not reach
+    self_test: SelfTestResult | None = None
+    candidates: tuple = field(default=())  # (name, passed, seconds per L-row step or None)
+    layers: dict = field(default_factory=dict)  # swapped layer counts
+
+
+def uncovered_parts(model) -> tuple:
+    """Parts of the model whose rows the canonical ops do not reach (the guarantee is refused)."""
+    found = []
+    for name, m in model.named_modules():
+        kind = type(m).__name__
+        if kind in ("SwitchLinear", "QuantizedSwitchLinear"):
+            found.append(f"{name}: {kind} (MoE gather_mm/gather_qmm) is not canonicalised")
+        elif isinstance(m, nn.QQLinear):
+            found.append(f"{name}: QQLinear (quantized activations) is not canonicalised")
+        elif isinstance(m, tuple(LAYER_SWAPS)) and type(m) not in LAYER_SWAPS:
+            found.append(f"{name}: {kind} subclasses {type(m).__mro__[1].__name__} with its own call")
+    for mod in sorted(model_module_names(model)):
+        try:
+            source = inspect.getsource(sys.modules[mod])
+        except (OSError, TypeError):
+            continue
+        if "mx.fast.scaled_dot_product_attention" in source and mod != "mlx_lm.models.base":
+            found.append(f"{mod}: calls mx.fast.scaled_dot_product_attention directly")
+    return tuple(found)
+
+
+def batch_invariant_plan(model) -> InvariancePlan | None:
+    """The plan installed on this model, or None."""
+    return getattr(model, "_lockstep_plan", None)
+
+
+def _resolve(strategy) -> tuple:
+    if isinstance(strategy, Strategy):
+        return (strategy,)
+    if strategy == "auto":
+        return tuple(STRATEGIES[n] for n in AUTO_CANDIDATES)
+    if strategy in STRATEGIES:
+        return (STRATEGIES[strategy],)
+    raise ValueError(f"strategy {strategy!r}: use 'auto', a Strategy, or one of {sorted(STRATEGIES)}")
+
+
+def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: bool = True,
+                              **self_test_options) -> InvariancePlan:
+    """Install batch invariance for M <= `limit` rows (0 restores native). Idempotent.
+
+    strategy: "auto" (prove every candidate, keep the fastest that passes, else rowwise),
+    a name in STRATEGIES, or a Strategy. verify=False skips the proof (nothing is claimed).
+    self_test_options go to kernels.selftest.self_test (prefixes, widths, seed).
+    """
+    uninstall(model)
+    backend = str(mx.default_device())
+    if limit <= 0:
+        plan = InvariancePlan(0, "native", backend, False, "off (L = 0)")
+        model._lockstep_plan = plan
+        return plan
+
+    uncovered = uncovered_parts(model)
+    candidates = _resolve(strategy)
+    tried = []  # (strategy, self-test result or None, seconds per step or None)
+    for candidate in candidates:
+        install(model, Setting(limit, candidate))
+        result = self_test(model, limit, **self_test_options) if verify else None
+        # Time only when there is a choice to make: one L-row step plus one decode step.
+        seconds = (seconds_per_step(model, limit) + seconds_per_step(model, 1)
+                   if result and len(candidates) > 1 else None)
+        tried.append((candidate, result, seconds))
+        uninstall(model)
+
+    passing = [t for t in tried if t[1]]
+    if passing:
+        chosen, result, _ = min(passing, key=lambda t: t[2] or 0.0)
+        why = f"self-test passed on {backend}"
+        if len(candidates) > 1:
+            why += f"; fastest of {[c.name for c, _, _ in passing]}"
+    else:
+        chosen = ROWWISE if strategy == "auto" else candidates[0]
+        result = next(r for c, r, _ in tried if c == chosen)
+        why = ("not verified (verify=False)" if result is None
+               else f"self-test failed on {backend}: {result.reason}")
+
+    layers = install(model, Setting(limit, chosen))
+    guaranteed = bool(result) and not uncovered
+    if uncovered:
+        why += f"; not guaranteed: {len(uncovered)} uncovered part(s), first: {uncovered[0]}"
+    plan = InvariancePlan(limit, chosen.name, backend, guaranteed, why, uncovered, result,
+                          tuple((c.name, None if r is None else bool(r), s) for c, r, s in tried),
+                          layers)
+    model._lockstep_plan = plan
+    return plan

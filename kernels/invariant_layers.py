@@ -1,0 +1,199 @@
+"""Puts the canonical ops (kernels/invariant_ops.py) into a loaded mlx-lm model from outside.
+
+Nothing in MLX or the mlx-lm model files is changed. Instead:
+- each nn.Linear / nn.QuantizedLinear / nn.Embedding / nn.QuantizedEmbedding instance gets a
+  subclass as its class (same parameters, same names, so weights and the parameter tree are
+  untouched) whose call / as_linear routes M <= L rows through the canonical form;
+- the model's module namespace gets a wrapper in place of the `scaled_dot_product_attention`
+  name it imported from mlx_lm.models.base;
+- the model instance gets a subclass whose __call__ makes its setting (L, strategy) the
+  active one on this thread for the duration of the forward pass. The attention wrapper is
+  shared by every model of that family, so it reads the active setting rather than holding
+  one; another model in the process runs native.
+"""
+import sys
+import threading
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import wraps
+import inspect
+
+import mlx.nn as nn
+from mlx_lm.models import base as mlx_base
+
+from .invariant_cache import is_positional
+from .invariant_ops import Strategy, attention_per_query, dense_rows, quantized_rows, rows_of
+
+
+@dataclass(frozen=True)
+class Setting:
+    limit: int
+    strategy: Strategy
+
+
+_local = threading.local()
+
+
+def active_setting() -> Setting | None:
+    return getattr(_local, "setting", None)
+
+
+@contextmanager
+def batch_invariant(setting: Setting | None):
+    """Make `setting` the active one on this thread (None: native) for the enclosed calls."""
+    previous = active_setting()
+    _local.setting = setting
+    try:
+        yield
+    finally:
+        _local.setting = previous
+
+
+def _setting_for(rows: int) -> Setting | None:
+    s = active_setting()
+    return s if s is not None and rows <= s.limit else None
+
+
+class InvariantLinear(nn.Linear):
+    def __call__(self, x):
+        s = _setting_for(rows_of(x))
+        if s is None or s.strategy.dense == "native":
+            return super().__call__(x)
+        # The bias is a separate elementwise add for every M, never fused (addmm) for some.
+        y = dense_rows(x, self["weight"], s.strategy.dense)
+        return y + self["bias"] if "bias" in self else y
+
+
+class InvariantQuantizedLinear(nn.QuantizedLinear):
+    def __call__(self, x):
+        s = _setting_for(rows_of(x))
+        if s is None or s.strategy.quantized_rows == 0:
+            return super().__call__(x)
+        y = quantized_rows(
+            x, self["weight"], self["scales"], self.get("biases"),
+            group_size=self.group_size, bits=self.bits, mode=self.mode,
+            rows_per_call=s.strategy.quantized_rows,
+        )
+        return y + self["bias"] if "bias" in self else y
+
+
+class InvariantEmbedding(nn.Embedding):
+    def as_linear(self, x):
+        s = _setting_for(rows_of(x))
+        if s is None or s.strategy.dense == "native":
+            return super().as_linear(x)
+        return dense_rows(x, self["weight"], s.strategy.dense)
+
+
+class InvariantQuantizedEmbedding(nn.QuantizedEmbedding):
+    def as_linear(self, x):
+        s = _setting_for(rows_of(x))
+        if s is None or s.strategy.quantized_rows == 0:
+            return super().as_linear(x)
+        return quantized_rows(
+            x, self["weight"], self["scales"], self.get("biases"),
+            group_size=self.group_size, bits=self.bits, mode=self.mode,
+            rows_per_call=s.strategy.quantized_rows,
+        )
+
+
+LAYER_SWAPS = {
+    nn.Linear: InvariantLinear,
+    nn.QuantizedLinear: InvariantQuantizedLinear,
+    nn.Embedding: InvariantEmbedding,
+    nn.QuantizedEmbedding: InvariantQuantizedEmbedding,
+}
+_LAYER_RESTORES = {v: k for k, v in LAYER_SWAPS.items()}
+
+_NATIVE_SDPA = mlx_base.scaled_dot_product_attention
+_SDPA_SIGNATURE = inspect.signature(_NATIVE_SDPA)
+
+
+@wraps(_NATIVE_SDPA)
+def invariant_sdpa(*args, **kwargs):
+    """mlx-lm's attention, per query over exactly its key range when T <= L."""
+    s = active_setting()
+    if s is not None and s.strategy.attention == "per_query":
+        a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
+        q = a.pop("queries")
+        # Per-query slicing is only meaningful on keys stored in position order.
+        if q.shape[2] <= s.limit and is_positional(a.get("cache")):
+            k, v, mask = a.pop("keys"), a.pop("values"), a.pop("mask", None)
+            return attention_per_query(_NATIVE_SDPA, q, k, v, mask=mask, **a)
+    return _NATIVE_SDPA(*args, **kwargs)
+
+
+# module name -> installed models using the wrapper there (weak: a model dropped without
+# uninstall does not pin the wrapper in place forever)
+# (nn.Module is a dict, so unhashable: keyed by id, holding weak references).
+_sdpa_users: dict[str, dict[int, weakref.ref]] = {}
+_model_classes: dict[type, type] = {}
+
+
+def _invariant_model_class(cls: type) -> type:
+    if cls not in _model_classes:
+
+        def __call__(self, *args, **kwargs):
+            with batch_invariant(self._lockstep_setting):
+                return cls.__call__(self, *args, **kwargs)
+
+        _model_classes[cls] = type(
+            cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__}
+        )
+    return _model_classes[cls]
+
+
+def model_module_names(model) -> set[str]:
+    """Python modules defining the classes the model is built from (where names like
+    `scaled_dot_product_attention` were imported into)."""
+    names = {type(m).__module__ for _, m in model.named_modules()}
+    names.add(type(model).__module__)
+    return {n for n in names if n in sys.modules}
+
+
+def install(model, setting: Setting) -> dict:
+    """Swap the model's layers and attention name for canonical ones; returns counts."""
+    if hasattr(model, "_lockstep_setting"):
+        uninstall(model)
+    counts, wrapped = {}, []
+    for _, m in model.named_modules():
+        swap = LAYER_SWAPS.get(type(m))
+        if swap is not None:
+            m.__class__ = swap
+            counts[swap.__name__] = counts.get(swap.__name__, 0) + 1
+    for name in model_module_names(model):
+        module = sys.modules[name]
+        current = getattr(module, "scaled_dot_product_attention", None)
+        if current is _NATIVE_SDPA or current is invariant_sdpa:
+            module.scaled_dot_product_attention = invariant_sdpa
+            _sdpa_users.setdefault(name, {})[id(model)] = weakref.ref(model)
+            wrapped.append(name)
+    counts["attention_modules"] = len(wrapped)
+    # Plain attributes (not tuple/list/dict, which nn.Module would file as children).
+    model._lockstep_setting = setting
+    model._lockstep_sdpa_modules = frozenset(wrapped)
+    model.__class__ = _invariant_model_class(type(model))
+    return counts
+
+
+def uninstall(model) -> None:
+    """Give the model back its own classes and attention name (no-op if not installed)."""
+    if not hasattr(model, "_lockstep_setting"):
+        return
+    for _, m in model.named_modules():
+        original = _LAYER_RESTORES.get(type(m))
+        if original is not None:
+            m.__class__ = original
+    for name in model._lockstep_sdpa_modules:
+        users = _sdpa_users.get(name)
+        if users is not None:
+            users.pop(id(model), None)
+            for key in [k for k, ref in users.items() if ref() is None]:
+                del users[key]
+            if not users:
+                del _sdpa_users[name]
+                sys.modules[name].scaled_dot_product_attention = _NATIVE_SDPA
+    model.__class__ = type(model).__mro__[1]
+    del model._lockstep_setting
+    del model._lockstep_sdpa_modules

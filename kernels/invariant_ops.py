@@ -1,0 +1,150 @@
+"""Canonical forms of the per-row ops of a transformer forward pass.
+
+A GPU backend picks its kernel (GEMV or GEMM, split-K, SDPA split count) from the shape of
+the call, so a row's result can depend on how many rows share the call. Each function here
+computes every row the way a single row (M = 1, plain decode) would be computed, whatever M
+is: that is the whole batch-invariance mechanism. Which canonical form is bit-identical to
+M = 1 *and* cheapest differs per backend, so the form is a parameter (`Strategy`), chosen
+at load time by proof (kernels/selftest.py), never assumed.
+
+Every op is looked up on `mx` at call time (`@`, `mx.quantized_matmul`, the model's SDPA),
+so the shape-variant test double (kernels/shape_variant.py) sees these calls too.
+"""
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+DENSE_FORMS = ("native", "rowwise", "strided_gemv")
+ATTENTION_FORMS = ("native", "per_query")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How rows are computed when a call has M <= L rows.
+
+    dense: "rowwise" (one call per row), "strided_gemv" (one batched call over an (M, 1, K)
+        view that cannot be folded into a GEMM, so each row gets the single-row kernel), or
+        "native" (the call as the model makes it).
+    quantized_rows: most rows per `mx.quantized_matmul` call (1 = one row per call; CUDA
+        keeps its per-row kernel up to 7 rows); 0 = native, one call for all rows.
+    attention: "per_query" (each query attends exactly its key range, unmasked, one call
+        each: the call decode makes) or "native".
+    """
+
+    name: str
+    dense: str
+    quantized_rows: int
+    attention: str
+
+    def __post_init__(self):
+        if self.dense not in DENSE_FORMS:
+            raise ValueError(f"dense form {self.dense!r} is not one of {DENSE_FORMS}")
+        if self.attention not in ATTENTION_FORMS:
+            raise ValueError(f"attention form {self.attention!r} is not one of {ATTENTION_FORMS}")
+        if self.quantized_rows < 0:
+            raise ValueError("quantized_rows must be >= 0 (0 = native)")
+
+    @property
+    def is_native(self) -> bool:
+        return self.dense == "native" and self.quantized_rows == 0 and self.attention == "native"
+
+
+NATIVE = Strategy("native", dense="native", quantized_rows=0, attention="native")
+STRIDED_GEMV = Strategy("strided_gemv", dense="strided_gemv", quantized_rows=7, attention="per_query")
+ROWWISE = Strategy("rowwise", dense="rowwise", quantized_rows=1, attention="per_query")
+STRATEGIES = {s.name: s for s in (NATIVE, STRIDED_GEMV, ROWWISE)}
+
+
+def rows_of(x: mx.array) -> int:
+    """Number of rows a linear layer sees in x (all leading dimensions together)."""
+    m = 1
+    for d in x.shape[:-1]:
+        m *= d
+    return m
+
+
+def dense_rows(x: mx.array, weight: mx.array, form: str) -> mx.array:
+    """x @ weight.T (weight is (N, K), as nn.Linear stores it), each row in canonical `form`."""
+    *lead, k = x.shape
+    rows = x.reshape(-1, k)
+    wt = weight.T
+    if form == "native":
+        out = rows @ wt
+    elif form == "rowwise":
+        out = mx.concatenate([rows[i : i + 1] @ wt for i in range(rows.shape[0])], axis=0)
+    elif form == "strided_gemv":
+        # Rows 2K apart in an (M, 1, K) view against a 3-D weight: MLX cannot fold the batch
+        # into one (M, K) GEMM, so each row runs the single-row (GEMV) kernel, batched.
+        view = mx.stack([rows, mx.zeros_like(rows)], axis=1)[:, :1]
+        out = (view @ wt[None])[:, 0]
+    else:
+        raise ValueError(f"dense form {form!r} is not one of {DENSE_FORMS}")
+    return out.reshape(*lead, out.shape[-1])
+
+
+def quantized_rows(
+    x: mx.array,
+    weight: mx.array,
+    scales: mx.array,
+    biases,
+    *,
+    group_size: int,
+    bits: int,
+    mode: str,
+    rows_per_call: int,
+) -> mx.array:
+    """mx.quantized_matmul(x, W.T) (any mode) with at most `rows_per_call` rows per call."""
+    *lead, k = x.shape
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+
+    def call(r):
+        return mx.quantized_matmul(
+            r, weight, scales=scales, biases=biases, transpose=True,
+            group_size=group_size, bits=bits, mode=mode,
+        )
+
+    if rows_per_call <= 0 or m <= rows_per_call:
+        out = call(rows)
+    else:
+        out = mx.concatenate(
+            [call(rows[i : i + rows_per_call]) for i in range(0, m, rows_per_call)], axis=0
+        )
+    return out.reshape(*lead, out.shape[-1])
+
+
+def _mask_row(mask, b: int, i: int, end: int):
+    """Row i (keys [0, end)) of an explicit mask; None for no mask or "causal", because a
+    query restricted to its own key range needs none, and decode passes none."""
+    if mask is None or isinstance(mask, str):
+        return None
+    if mask.ndim >= 3 and mask.shape[0] > 1:
+        mask = mask[b : b + 1]
+    return mask[..., i : i + 1, :end]
+
+
+def attention_per_query(sdpa, queries, keys, values, *, mask=None, **kwargs) -> mx.array:
+    """Attention where the query at absolute position p attends keys [0, p] alone.
+
+    queries (B, H, T, D) are the last T positions of keys/values (B, Hkv, S, D), as after
+    a KV-cache update. `sdpa(q, k, v, mask=..., **kwargs)` is the model's own attention
+    function, so each call is exactly the one decode makes at that position.
+    """
+    batch, _, t, _ = queries.shape
+    first = keys.shape[2] - t
+    per_batch = []
+    for b in range(batch):
+        outs = []
+        for i in range(t):
+            end = first + i + 1
+            outs.append(
+                sdpa(
+                    queries[b : b + 1, :, i : i + 1],
+                    keys[b : b + 1, :, :end],
+                    values[b : b + 1, :, :end],
+                    mask=_mask_row(mask, b, i, end),
+                    **kwargs,
+                )
+            )
+        per_batch.append(outs[0] if t == 1 else mx.concatenate(outs, axis=2))
+    return per_batch[0] if batch == 1 else mx.concatenate(per_batch, axis=0)

@@ -1,0 +1,158 @@
+"""Startup self-test: prove, bitwise, on the loaded model and the running backend, that a
+block of M <= L tokens gives each row the logits (and KV) of feeding the tokens one at a time.
+
+No tolerance: logits are compared as raw bit patterns. A failure names the prefix length,
+block width and row that differed, and by how much; the caller must then not claim the
+guarantee.
+"""
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from .invariant_cache import cache_invariance_problem
+
+_UINT = {2: mx.uint16, 4: mx.uint32, 8: mx.uint64, 1: mx.uint8}
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    prefix: int  # tokens in the cache before the block
+    width: int  # block width M
+    row: int  # row within the block (-1: the KV rows of the whole block)
+    what: str  # "logits", "keys" or "values" (layer given for KV)
+    max_abs_diff: float
+
+    def __str__(self):
+        row = f", row {self.row}" if self.row >= 0 else ""
+        return (f"{self.what} differ at prefix {self.prefix}, width {self.width}{row}"
+                f" (max |diff| {self.max_abs_diff:.3g})")
+
+
+@dataclass(frozen=True)
+class SelfTestResult:
+    passed: bool
+    backend: str
+    limit: int
+    widths: tuple
+    prefixes: tuple
+    mismatches: tuple = field(default=())
+    reason: str = ""
+    seconds: float = 0.0
+
+    def __bool__(self):
+        return self.passed
+
+
+def bits_equal(a: mx.array, b: mx.array) -> bool:
+    """Bitwise equality (tells -0.0 from 0.0, equal NaN payloads match)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    u = _UINT[a.dtype.size]
+    return bool(mx.array_equal(a.view(u), b.view(u)))
+
+
+def sample_widths(limit: int, most: int = 6) -> tuple:
+    """Block widths to test: all of 2..L when few, else 2, L, 8 (where CUDA's quantized
+    matmul leaves its per-row kernel) and evenly spaced ones between."""
+    if limit < 2:
+        return ()
+    if limit - 1 <= most:
+        return tuple(range(2, limit + 1))
+    picks = {2, limit} | ({8} if limit >= 8 else set())
+    step = (limit - 2) / (most - 1)
+    picks |= {round(2 + i * step) for i in range(most)}
+    return tuple(sorted(picks))
+
+
+def _vocab_size(model) -> int:
+    args = getattr(model, "args", None)
+    if args is not None and getattr(args, "vocab_size", None):
+        return int(args.vocab_size)
+    return int(model.model.embed_tokens.weight.shape[0])
+
+
+def _rewind(cache, n: int) -> None:
+    for c in cache:
+        c.trim(n)
+
+
+def _kv_rows(cache, start: int, n: int):
+    return [(c.keys[..., start : start + n, :], c.values[..., start : start + n, :]) for c in cache]
+
+
+def _max_diff(a, b) -> float:
+    return float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item())
+
+
+def self_test(model, limit: int, *, prefixes=(11, 70), widths=None, seed: int = 0,
+              stop_at_first: bool = True) -> SelfTestResult:
+    """Feed fresh random tokens after a random prefix of each length in `prefixes`; for each
+    width M in `widths` (default: sample_widths(L)) compare a block of M tokens against the
+    same M tokens fed one at a time from the same cache state (rewound between)."""
+    t0 = time.perf_counter()
+    widths = tuple(widths) if widths is not None else sample_widths(limit)
+    backend = str(mx.default_device())
+
+    def result(mismatches=(), reason=""):
+        passed = not mismatches and not reason
+        return SelfTestResult(passed, backend, limit, widths, tuple(prefixes), tuple(mismatches),
+                              reason or ("; ".join(map(str, mismatches[:3])) if mismatches else "ok"),
+                              time.perf_counter() - t0)
+
+    if not widths:
+        return result(reason=f"nothing to prove for L={limit}")
+    vocab = _vocab_size(model)
+    key = mx.random.key(seed)
+    mismatches = []
+    for prefix in prefixes:
+        key, k1, k2 = mx.random.split(key, 3)
+        prompt = mx.random.randint(0, vocab, (1, prefix), key=k1)
+        block = mx.random.randint(0, vocab, (1, max(widths)), key=k2)
+        cache = make_prompt_cache(model)
+        problem = cache_invariance_problem(cache)
+        if problem:
+            return result(reason=f"cache: {problem}")
+        mx.eval(model(prompt, cache=cache))
+
+        singles = []
+        for i in range(max(widths)):
+            out = model(block[:, i : i + 1], cache=cache)
+            mx.eval(out)
+            singles.append(out[0, 0])
+        single_kv = _kv_rows(cache, prefix, max(widths))
+        mx.eval(single_kv)
+        _rewind(cache, max(widths))
+
+        for w in widths:
+            out = model(block[:, :w], cache=cache)
+            mx.eval(out)
+            for row in range(w):
+                if not bits_equal(out[0, row], singles[row]):
+                    mismatches.append(Mismatch(prefix, w, row, "logits", _max_diff(out[0, row], singles[row])))
+            for layer, ((k, v), (sk, sv)) in enumerate(zip(_kv_rows(cache, prefix, w), single_kv)):
+                for name, got, want in (("keys", k, sk[..., :w, :]), ("values", v, sv[..., :w, :])):
+                    if not bits_equal(got, want):
+                        mismatches.append(Mismatch(prefix, w, -1, f"layer {layer} {name}", _max_diff(got, want)))
+            _rewind(cache, w)
+            if mismatches and stop_at_first:
+                return result(mismatches)
+    return result(mismatches)
+
+
+def seconds_per_step(model, width: int, *, prefix: int = 11, repeats: int = 3, seed: int = 1) -> float:
+    """Best-of-`repeats` wall time of one forward pass of `width` tokens after `prefix`."""
+    vocab = _vocab_size(model)
+    k1, k2 = mx.random.split(mx.random.key(seed))
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.random.randint(0, vocab, (1, prefix), key=k1), cache=cache))
+    tokens = mx.random.randint(0, vocab, (1, width), key=k2)
+    mx.eval(tokens)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        mx.eval(model(tokens, cache=cache))
+        best = min(best, time.perf_counter() - t)
+        _rewind(cache, width)
+    return best

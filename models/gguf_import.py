@@ -1,0 +1,251 @@
+"""GGUF file → cached mlx-lm model directory (config.json, model.safetensors, tokenizer).
+
+Architectures are a table (`ARCHITECTURES`): each entry turns GGUF metadata into an
+mlx-lm config and GGUF tensor names into HF/mlx-lm names. Only llama is there so far;
+anything else is refused with the file and the architecture named.
+"""
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGUFReader
+from platformdirs import user_cache_dir
+from tqdm import tqdm
+
+from models.errors import ModelError
+from models.gguf_tensors import GROUP_SIZE, NATIVE_BITS, dequantized, native_affine, unpermute_rope_rows
+from models.gguf_tokenizer import GGUFVocab, write_tokenizer
+
+log = logging.getLogger(__name__)
+
+WEIGHT_FORMATS = ("q4", "float32", "float16")
+# Bump when the produced directory changes, so stale caches are not reused.
+IMPORT_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Architecture:
+    config: Callable[[dict, "GGUFFile"], dict]   # GGUF metadata → mlx-lm config.json
+    tensor_name: Callable[[str], str | None]     # GGUF tensor name → HF name (None: unknown)
+    rope_heads: Callable[[str, dict], int | None]  # heads to un-permute a Q/K weight by
+
+
+# ---- llama ---------------------------------------------------------------------------
+
+_LLAMA_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LLAMA_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _llama_tensor_name(name: str) -> str | None:
+    if name in _LLAMA_GLOBAL:
+        return _LLAMA_GLOBAL[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LLAMA_LAYER and parts[3] in ("weight", "bias"):
+        return f"model.layers.{parts[1]}.{_LLAMA_LAYER[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _llama_rope_heads(name: str, config: dict) -> int | None:
+    if ".attn_q." in name:
+        return config["num_attention_heads"]
+    if ".attn_k." in name:
+        return config["num_key_value_heads"]
+    return None
+
+
+def _llama_config(meta: dict, gguf: "GGUFFile") -> dict:
+    arch = "llama"
+
+    def need(key):
+        if f"{arch}.{key}" not in meta:
+            raise ModelError(f"{gguf.path}: GGUF metadata lacks {arch}.{key}")
+        return meta[f"{arch}.{key}"]
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ModelError(f"{gguf.path}: partial RoPE ({rope_dims} of {head_dim} dims) is not supported")
+    if "rope_freqs.weight" in gguf.tensor_names:
+        raise ModelError(f"{gguf.path}: per-frequency RoPE scaling (rope_freqs, llama 3.1+) is not supported yet")
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "vocab_size": int(meta.get(f"{arch}.vocab_size", len(meta["tokenizer.ggml.tokens"]))),
+        "max_position_embeddings": int(need("context_length")),
+        "tie_word_embeddings": "output.weight" not in gguf.tensor_names,
+        "attention_bias": any(n.endswith(".attn_q.bias") for n in gguf.tensor_names),
+        "mlp_bias": False,
+    }
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        config["rope_scaling"] = {"type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+    elif scaling != "none":
+        raise ModelError(f"{gguf.path}: RoPE scaling {scaling!r} is not supported")
+    return config
+
+
+ARCHITECTURES = {
+    "llama": Architecture(config=_llama_config, tensor_name=_llama_tensor_name, rope_heads=_llama_rope_heads),
+}
+
+
+# ---- reading -------------------------------------------------------------------------
+
+class GGUFFile:
+    """A parsed GGUF: metadata as plain Python values plus the tensor list."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.reader = GGUFReader(path)
+            self.meta = {name: field.contents() for name, field in self.reader.fields.items()}
+        except Exception as exc:  # gguf raises ValueError/IndexError/struct errors on bad files
+            raise ModelError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+        self.tensor_names = {t.name for t in self.reader.tensors}
+        self.arch_name = self.meta.get("general.architecture")
+
+    @property
+    def architecture(self) -> Architecture:
+        if self.arch_name not in ARCHITECTURES:
+            raise ModelError(
+                f"{self.path}: GGUF architecture {self.arch_name!r} is not supported "
+                f"(supported: {', '.join(sorted(ARCHITECTURES))})"
+            )
+        return ARCHITECTURES[self.arch_name]
+
+
+def read_gguf(path: Path) -> GGUFFile:
+    """Parse a GGUF file; `ModelError` naming it if missing or corrupt."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"{path}: GGUF file not found")
+    return GGUFFile(path)
+
+
+# ---- conversion ----------------------------------------------------------------------
+
+def _convert_tensors(gguf: GGUFFile, config: dict, weights: str, progress: bool):
+    """All tensors as HF-named numpy arrays, plus mlx-lm per-layer quantization entries."""
+    arch = gguf.architecture
+    out: dict[str, np.ndarray] = {}
+    quantized: dict[str, dict | bool] = {}
+    float_dtype = np.float16 if weights == "float16" else np.float32
+    for t in tqdm(gguf.reader.tensors, desc=f"import {gguf.path.name} [{weights}]", unit="tensor", disable=not progress):
+        name = arch.tensor_name(t.name)
+        if name is None:
+            raise ModelError(f"{gguf.path}: unexpected tensor {t.name!r} for architecture {gguf.arch_name!r}")
+        cols = int(t.shape[0])
+        rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 0
+        arrays = None
+        if weights == "q4" and rows and t.tensor_type in NATIVE_BITS and cols % GROUP_SIZE == 0:
+            arrays = native_affine(t.data.reshape(rows, -1), t.tensor_type, cols)
+            quantized[name.rsplit(".", 1)[0]] = {"group_size": GROUP_SIZE, "bits": NATIVE_BITS[t.tensor_type]}
+        else:
+            w = dequantized(t.data, t.tensor_type, float_dtype)
+            w = w.reshape(rows, cols) if rows else w.reshape(cols)
+            arrays = {"weight": w}
+            if rows and weights == "q4":
+                quantized[name.rsplit(".", 1)[0]] = False  # kept in float: no native form
+        heads = arch.rope_heads(t.name, config)
+        base, leaf = name.rsplit(".", 1)
+        for key, a in arrays.items():
+            if heads:
+                a = unpermute_rope_rows(a, heads)
+            out[f"{base}.{key}" if key != "weight" else f"{base}.{leaf}"] = np.ascontiguousarray(a)
+    return out, quantized
+
+
+def _cache_key(path: Path, weights: str) -> str:
+    st = path.stat()
+    digest = hashlib.sha256(f"{IMPORT_FORMAT_VERSION}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return f"{path.stem}-{digest}-{weights}"
+
+
+def default_cache_root() -> Path:
+    return Path(user_cache_dir("lockstep")) / "models"
+
+
+def imported_dir(path: Path, weights: str, cache_root: Path | None = None) -> Path:
+    """Where the import of `path` with `weights` lives (whether or not it exists yet)."""
+    return (cache_root or default_cache_root()) / _cache_key(Path(path), weights)
+
+
+def _write_model_dir(gguf: GGUFFile, weights: str, out: Path, progress: bool) -> None:
+    vocab = GGUFVocab(gguf.meta, gguf.path)
+    config = gguf.architecture.config(gguf.meta, gguf)
+    tensors, quantized = _convert_tensors(gguf, config, weights, progress)
+    eos_ids = vocab.eos_token_ids()
+    config["bos_token_id"] = vocab.bos_id
+    config["eos_token_id"] = eos_ids
+    if weights == "q4":
+        config["quantization"] = {"group_size": GROUP_SIZE, "bits": 4, "mode": "affine", **quantized}
+    config["lockstep"] = {"source": str(gguf.path), "weights": weights, "gguf_name": gguf.meta.get("general.name")}
+    mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v) for k, v in tensors.items()}, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {"bos_token_id": vocab.bos_id, "eos_token_id": eos_ids}
+    if vocab.pad_id is not None:
+        generation["pad_token_id"] = vocab.pad_id
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    write_tokenizer(vocab, out, config["max_position_embeddings"])
+
+
+def import_gguf(path: Path, weights: str = "q4", cache_root: Path | None = None, progress: bool = True) -> Path:
+    """Convert a GGUF file into an mlx-lm directory (cached); returns the directory.
+
+    The directory is built in a temporary sibling and renamed into place, so the cache
+    never holds a half-written model.
+    """
+    if weights not in WEIGHT_FORMATS:
+        raise ModelError(f"{path}: unknown weights format {weights!r} (choose from {', '.join(WEIGHT_FORMATS)})")
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"{path}: GGUF file not found")
+    final = imported_dir(path, weights, cache_root)
+    if (final / "config.json").is_file():  # complete by construction (atomic rename)
+        return final
+    gguf = read_gguf(path)
+    gguf.architecture  # refuse unsupported architectures before any work
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    try:
+        _write_model_dir(gguf, weights, tmp, progress)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").is_file():  # not a concurrent import that won the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("imported %s (%s) into %s", gguf.path, weights, final)
+    return final

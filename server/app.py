@@ -1,0 +1,256 @@
+"""FastAPI routes: /v1/chat/completions, /v1/completions, /v1/models, /health.
+
+A route turns its request into a `GenerationRequest` (prompt tokens, limits, sampling),
+submits it to the engine and turns the engine's `Delta`s into OpenAI JSON, either one
+response or server-sent events (`data: {...}` ... `data: [DONE]`).
+
+The `model` field must name the served model (its `name`) or the alias "default".
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from importlib import metadata
+from typing import AsyncIterator, Callable
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from server import protocol as p
+from server.engine import Engine, GenerationError
+from server.errors import APIError, context_length_exceeded, install_error_handlers, model_not_found
+from server.generate import Delta, GenerationRequest
+from server.sampling import SamplingParams
+
+MODEL_ALIAS = "default"
+
+
+def _fingerprint(loaded) -> str:
+    recipe = f"{loaded.name}|{loaded.weights}|mlx {metadata.version('mlx')}"
+    return "fp_" + hashlib.sha256(recipe.encode()).hexdigest()[:10]
+
+
+def _sse(payload: p.Response | dict) -> str:
+    data = payload.model_dump_json() if isinstance(payload, p.Response) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def _usage(last: Delta) -> p.Usage:
+    return p.Usage(
+        prompt_tokens=last.prompt_tokens,
+        completion_tokens=last.completion_tokens,
+        total_tokens=last.prompt_tokens + last.completion_tokens,
+    )
+
+
+def _chat_logprobs(delta: Delta) -> p.ChatLogprobs:
+    def top(token: str, logprob: float) -> p.TopLogprob:
+        return p.TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+
+    return p.ChatLogprobs(
+        content=[
+            p.ChatTokenLogprob(
+                token=lp.token, logprob=lp.logprob, bytes=list(lp.token.encode()),
+                top_logprobs=[top(t, v) for t, v in lp.top],
+            )
+            for lp in delta.logprobs
+        ]
+    )
+
+
+def _completion_logprobs(delta: Delta) -> p.CompletionLogprobs:
+    return p.CompletionLogprobs(
+        tokens=[lp.token for lp in delta.logprobs],
+        token_logprobs=[lp.logprob for lp in delta.logprobs],
+        top_logprobs=[dict(lp.top) for lp in delta.logprobs],
+        text_offset=list(delta.text_offsets),
+    )
+
+
+def _merge(deltas: list[Delta]) -> Delta:
+    last = deltas[-1]
+    return Delta(
+        text="".join(d.text for d in deltas),
+        prompt_tokens=last.prompt_tokens,
+        completion_tokens=last.completion_tokens,
+        logprobs=[lp for d in deltas for lp in d.logprobs],
+        text_offsets=[o for d in deltas for o in d.text_offsets],
+        finish_reason=last.finish_reason,
+    )
+
+
+class Routes:
+    """Request handling for one served model."""
+
+    def __init__(self, engine: Engine, fingerprint: str):
+        self.engine = engine
+        self.loaded = engine.loaded
+        self.fingerprint = fingerprint
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------ request -> generation
+
+    def _check_model(self, model: str) -> None:
+        if model not in (self.loaded.name, MODEL_ALIAS):
+            raise model_not_found(model)
+
+    def _chat_tokens(self, body: p.ChatCompletionRequest) -> list[int]:
+        # Chat templates know system/user/assistant; "developer" is OpenAI's new "system".
+        messages = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in body.messages
+        ]
+        return list(self.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    def _completion_tokens(self, body: p.CompletionRequest) -> list[int]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return list(self.loaded.tokenizer.encode(prompt))
+        vocab = len(self.loaded.tokenizer)
+        if any(not 0 <= t < vocab for t in prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return list(prompt)
+
+    async def _submit(self, body: p.SamplingRequest, tokenize: Callable, param: str):
+        self._check_model(body.model)
+        # Tokenizing is CPU work: keep it off the event loop (MLX work is on the engine).
+        prompt = await asyncio.to_thread(tokenize, body)
+        context = self.loaded.context_length
+        if not prompt:
+            raise APIError(400, "the prompt is empty", param=param)
+        if len(prompt) >= context:
+            raise context_length_exceeded(len(prompt), context, param)
+        sampling = SamplingParams(
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+            top_logprobs=body.logprobs_count(),
+            **({} if body.seed is None else {"seed": body.seed}),
+        )
+        request = GenerationRequest(
+            prompt_tokens=prompt,
+            max_tokens=body.token_limit() or context - len(prompt),
+            sampling=sampling,
+            stop=tuple(body.stop_list()),
+            deterministic=body.deterministic,
+            speculative=body.speculative,
+            num_draft_tokens=body.num_draft_tokens,
+        )
+        try:
+            return self.engine.submit(request)
+        except GenerationError as exc:
+            raise APIError(503, str(exc), type="server_error") from exc
+
+    async def _collect(self, handle) -> Delta:
+        try:
+            return _merge([delta async for delta in handle])
+        except GenerationError as exc:
+            raise APIError(500, str(exc), type="server_error") from exc
+        finally:
+            handle.cancel()  # frees the slot if this handler is cancelled mid-way
+
+    async def _stream(self, handle, chunks: Callable[[Delta], list], usage_chunk) -> AsyncIterator[str]:
+        try:
+            async for delta in handle:
+                for chunk in chunks(delta):
+                    yield _sse(chunk)
+                if delta.finish_reason is not None and usage_chunk is not None:
+                    yield _sse(usage_chunk(delta))
+        except GenerationError as exc:
+            error = APIError(500, str(exc), type="server_error")
+            yield _sse(p.ErrorResponse(error=error.body))
+        finally:
+            handle.cancel()  # the client went away (or we are done): free the slot
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------- endpoints
+
+    async def chat(self, body: p.ChatCompletionRequest):
+        handle = await self._submit(body, self._chat_tokens, "messages")
+        common = {"id": p.new_id("chatcmpl"), "model": body.model, "system_fingerprint": self.fingerprint}
+        wants_logprobs = body.logprobs
+        if not body.stream:
+            d = await self._collect(handle)
+            choice = p.ChatChoice(
+                message=p.AssistantMessage(content=d.text), finish_reason=d.finish_reason,
+                logprobs=_chat_logprobs(d) if wants_logprobs else None,
+            )
+            return JSONResponse(p.ChatCompletion(**common, choices=[choice], usage=_usage(d)).model_dump())
+
+        first = [True]
+
+        def chunks(d: Delta) -> list[p.ChatCompletionChunk]:
+            out = []
+            if d.text or d.logprobs or first[0]:
+                delta = p.ChatDelta(role="assistant" if first[0] else None, content=d.text)
+                logprobs = _chat_logprobs(d) if wants_logprobs else None
+                out.append(p.ChatChunkChoice(delta=delta, logprobs=logprobs))
+                first[0] = False
+            if d.finish_reason is not None:
+                out.append(p.ChatChunkChoice(delta=p.ChatDelta(), finish_reason=d.finish_reason))
+            return [p.ChatCompletionChunk(**common, choices=[c]) for c in out]
+
+        def usage_chunk(d: Delta) -> p.ChatCompletionChunk:
+            return p.ChatCompletionChunk(**common, choices=[], usage=_usage(d))
+
+        usage = usage_chunk if body.include_usage() else None
+        return StreamingResponse(self._stream(handle, chunks, usage), media_type="text/event-stream")
+
+    async def completions(self, body: p.CompletionRequest):
+        handle = await self._submit(body, self._completion_tokens, "prompt")
+        common = {"id": p.new_id("cmpl"), "model": body.model, "system_fingerprint": self.fingerprint}
+        wants_logprobs = body.logprobs is not None
+
+        def choice(d: Delta) -> p.CompletionChoice:
+            logprobs = _completion_logprobs(d) if wants_logprobs else None
+            return p.CompletionChoice(text=d.text, finish_reason=d.finish_reason, logprobs=logprobs)
+
+        if not body.stream:
+            d = await self._collect(handle)
+            return JSONResponse(p.TextCompletion(**common, choices=[choice(d)], usage=_usage(d)).model_dump())
+
+        def chunks(d: Delta) -> list[p.TextCompletion]:
+            return [p.TextCompletion(**common, choices=[choice(d)])]
+
+        def usage_chunk(d: Delta) -> p.TextCompletion:
+            return p.TextCompletion(**common, choices=[], usage=_usage(d))
+
+        usage = usage_chunk if body.include_usage() else None
+        return StreamingResponse(self._stream(handle, chunks, usage), media_type="text/event-stream")
+
+    def models(self, extras: dict | None) -> p.ModelList:
+        info = {"weights": self.loaded.weights, "context_length": self.loaded.context_length}
+        card = p.ModelCard(
+            id=self.loaded.name,
+            created=self.created,
+            lockstep={**info, **(extras or {})},
+        )
+        return p.ModelList(data=[card])
+
+
+def create_app(engine: Engine, *, model_extras: dict | None = None, fingerprint: str | None = None) -> FastAPI:
+    """The HTTP app for `engine`'s model. `model_extras` is added to its /v1/models entry."""
+    routes = Routes(engine, fingerprint or _fingerprint(engine.loaded))
+    app = FastAPI(title="lockstep", docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    install_error_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: p.ChatCompletionRequest):
+        return await routes.chat(body)
+
+    @app.post("/v1/completions")
+    async def completions(body: p.CompletionRequest):
+        return await routes.completions(body)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return JSONResponse(routes.models(model_extras).model_dump())
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": engine.loaded.name, **engine.counts()}
+
+    return app

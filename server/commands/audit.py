@@ -1,0 +1,51 @@
+"""`lockstep audit MODEL [--quantize MODE]`: print the quantized-kernel audit table."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+log = logging.getLogger("lockstep.audit")
+
+WEIGHT_CHOICES = ("auto", "q4", "float32", "float16")
+
+
+def register(subparsers) -> None:
+    from models.quantize import Q_MODES
+
+    parser = subparsers.add_parser("audit", help="audit a model's quantized kernels on this backend")
+    parser.add_argument("model", help='"default", an mlx-lm directory or a .gguf file')
+    parser.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
+                        help="GGUF import format (default auto; float32 when --quantize)")
+    parser.add_argument("--quantize", choices=Q_MODES, default=None,
+                        help="quantize in memory first, as `serve --quantize` would")
+    parser.add_argument("--q-bits", type=int, default=None)
+    parser.add_argument("--q-group-size", type=int, default=None)
+    parser.add_argument("--prompt-rows", type=int, default=None,
+                        help="rows of the prompt-sized matmul probe")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kernels.audit import apply_workarounds, audit_model, format_table
+    from models.errors import ModelError
+    from models.load import load_model
+    from models.quantize import quantize_model_in_memory
+
+    try:
+        weights = "float32" if args.quantize and args.weights == "auto" else args.weights
+        loaded = load_model(args.model, weights=weights)
+        if args.quantize:
+            quantize_model_in_memory(loaded.model, None, args.quantize, args.q_bits,
+                                     args.q_group_size)
+        kwargs = {"prompt_rows": args.prompt_rows} if args.prompt_rows else {}
+        report = audit_model(loaded.model, **kwargs)
+    except (ModelError, ValueError) as exc:
+        log.error("%s", exc)
+        return 1
+    print(format_table(report))
+    try:
+        apply_workarounds(loaded.model, report)
+    except ModelError as exc:
+        print(f"REFUSED: {exc}")
+        return 2
+    return 0

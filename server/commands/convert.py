@@ -1,0 +1,39 @@
+"""`lockstep convert SRC DST --q-mode MODE`: write a quantized mlx-lm model directory."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+log = logging.getLogger("lockstep.convert")
+
+
+def register(subparsers) -> None:
+    from models.quantize import Q_MODES
+
+    parser = subparsers.add_parser("convert", help="quantize a model into an mlx-lm directory")
+    parser.add_argument("src", help='"default", an mlx-lm/HF model directory or a .gguf file')
+    parser.add_argument("dst", help="output directory (must not exist or be empty)")
+    parser.add_argument("--q-mode", required=True, choices=Q_MODES, help="quantization mode")
+    parser.add_argument("--q-bits", type=int, default=None,
+                        help="bits per weight (default: the mode's; affine 4)")
+    parser.add_argument("--q-group-size", type=int, default=None,
+                        help="group size (default: the mode's; affine 64, mxfp 32, nvfp4 16)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from models.errors import ModelError
+    from models.quantize import convert
+
+    try:
+        result = convert(args.src, args.dst, args.q_mode, args.q_bits, args.q_group_size)
+    except (ModelError, ValueError) as exc:
+        log.error("%s", exc)
+        return 1
+    print(f"{result.dst}: {result.spec.label()}, {result.bits_per_weight:.2f} bits/weight, "
+          f"{result.size_bytes / 1e6:.1f} MB on disk, {len(result.quantized)} layers quantized")
+    if result.dense:
+        print(f"WARNING: {len(result.dense)} layers left dense (float):")
+        for d in result.dense:
+            print(f"  {d.path} {list(d.shape)}: {d.reason}")
+    return 0

@@ -1,0 +1,45 @@
+"""`system_fingerprint`: names everything that can change a deterministic answer's bits.
+
+Weights (file contents plus any load-time transformation), the kernel strategy, the
+backend and MLX version, the batch-invariant limit and the CPU BLAS in use. Two servers
+with the same fingerprint return the same tokens for the same deterministic request.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+
+
+@lru_cache(maxsize=8)
+def weights_digest(model_dir: str) -> str:
+    """sha256 over the model directory's config and weight files (read once per process)."""
+    digest = hashlib.sha256()
+    root = Path(model_dir)
+    for path in sorted(root.glob("*.safetensors")) + [root / "config.json"]:
+        if not path.is_file():
+            continue
+        digest.update(path.name.encode())
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def system_fingerprint(model_dir: str | Path, *, transform: str, strategy: str, limit: int,
+                       blas: str) -> str:
+    """`fp_` + 16 hex digits over every input that can change the output bits."""
+    parts = {
+        "weights": weights_digest(str(model_dir)),
+        "transform": transform,  # e.g. load-time quantization and audit workarounds
+        "strategy": strategy,
+        "limit": limit,
+        "backend": str(mx.default_device()),
+        "mlx": mx.__version__,
+        "blas": blas,
+    }
+    blob = json.dumps(parts, sort_keys=True).encode()
+    return "fp_" + hashlib.sha256(blob).hexdigest()[:16]

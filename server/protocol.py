@@ -1,0 +1,267 @@
+"""Pydantic models mirroring the OpenAI API: requests, responses, stream chunks, errors.
+
+Requests forbid unknown fields, so a typo is a 400 naming the field instead of being
+silently ignored. Fields lockstep cannot honour (n > 1, penalties, echo) are rejected
+with the field named as `param`. The `lockstep` request fields and the `lockstep`
+response object are this server's extensions; everything else follows the spec.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_SEQUENCES = 4
+MAX_TOP_LOGPROBS = 20
+
+
+def _omit_if_none(value) -> bool:
+    return value is None
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Request):
+    include_usage: bool = False
+
+
+class SamplingRequest(Request):
+    """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)  # 0 = off (OpenAI has no top_k; vLLM-style)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # lockstep extensions, carried to the engine unchanged.
+    deterministic: bool = False
+    speculative: Literal["none", "draft", "prompt_lookup"] | None = None
+    num_draft_tokens: int | None = Field(default=None, ge=1)
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, value: float) -> float:
+        if value != 0.0:
+            raise ValueError("penalties are not supported; use 0")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, stop):
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return stop
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextContentPart(Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        """Alternatives per token, or None when logprobs are off."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+TokenIds = Annotated[list[int], Field(min_length=1)]
+
+
+class CompletionRequest(SamplingRequest):
+    # A string, one string in a list, token ids, or one list of token ids.
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | TokenIds | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=1)
+    ]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("echo is not supported")
+        return echo
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix):
+        if suffix:
+            raise ValueError("suffix is not supported")
+        return suffix
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
+
+# ----------------------------------------------------------------------------- responses
+
+FinishReason = Literal["stop", "length"]
+
+
+class Response(BaseModel):
+    pass
+
+
+class Usage(Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Response):
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(Response):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class AssistantMessage(Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(Response):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: FinishReason | None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatDelta(Response):
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_omit_if_none)
+    content: str | None = Field(default=None, exclude_if=_omit_if_none)
+
+
+class ChatChunkChoice(Response):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: FinishReason | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class CompletionChoice(Response):
+    index: int = 0
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class _Completion(Response):
+    id: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    system_fingerprint: str | None = None
+    usage: Usage | None = None
+    # lockstep extension (e.g. determinism or speculative-decoding statistics).
+    lockstep: dict | None = Field(default=None, exclude_if=_omit_if_none)
+
+
+class ChatCompletion(_Completion):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(_Completion):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class TextCompletion(_Completion):
+    # OpenAI uses the same object name for streamed chunks of /v1/completions.
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ModelCard(Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "lockstep"
+    # lockstep extension: per-model details (weights, context length, audit summary...).
+    lockstep: dict | None = Field(default=None, exclude_if=_omit_if_none)
+
+
+class ModelList(Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(Response):
+    error: ErrorBody
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

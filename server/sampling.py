@@ -1,0 +1,127 @@
+"""Position-keyed sampling and OpenAI logprobs.
+
+The random noise used to pick the token at absolute sequence position `t` depends only on
+`(seed, t)`: Gumbel-max sampling with a key derived from both. So a seed gives the same
+tokens however positions are grouped into forward passes (one token per step, or several
+verified at once by speculative decoding). Temperature 0 is greedy and uses no noise.
+
+Logprobs are the log-softmax of the raw logits (before temperature and masks), as OpenAI
+reports them.
+"""
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
+    seed: int = field(default_factory=lambda: secrets.randbits(63))
+    top_logprobs: int | None = None  # None = no logprobs; n = the n most likely alternatives
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Sampled:
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def key_for(seed: int, position: int) -> mx.array:
+    """A PRNG key that depends only on (seed, position)."""
+    return mx.random.key(_splitmix64((seed & _MASK64) ^ _splitmix64(position)))
+
+
+def _mask_top_k(logprobs: mx.array, k: int) -> mx.array:
+    if k <= 0 or k >= logprobs.shape[-1]:
+        return logprobs
+    kth_largest = mx.expand_dims(mx.partition(logprobs, -k, axis=-1)[..., -k], -1)
+    return mx.where(logprobs >= kth_largest, logprobs, -mx.inf)
+
+
+def _mask_top_p(logprobs: mx.array, top_p: float) -> mx.array:
+    if top_p >= 1.0:
+        return logprobs
+    order = mx.argsort(-logprobs, axis=-1)
+    sorted_probs = mx.exp(mx.take_along_axis(logprobs, order, axis=-1))
+    # Keep a token if the probability mass strictly before it is below top_p (the most
+    # likely token is always kept).
+    mass_before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
+    keep_sorted = mass_before < top_p
+    keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
+    return mx.where(keep, logprobs, -mx.inf)
+
+
+def _mask_min_p(logprobs: mx.array, min_p: float) -> mx.array:
+    if min_p <= 0.0:
+        return logprobs
+    threshold = logprobs.max(axis=-1, keepdims=True) + mx.log(mx.array(min_p))
+    return mx.where(logprobs >= threshold, logprobs, -mx.inf)
+
+
+def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Temperature, then top-k, top-p and min-p masks (masked tokens are -inf)."""
+    scaled = logits.astype(mx.float32) / params.temperature
+    logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+    logprobs = _mask_top_k(logprobs, params.top_k)
+    logprobs = _mask_top_p(logprobs, params.top_p)
+    return _mask_min_p(logprobs, params.min_p)
+
+
+def choose_tokens(logits: mx.array, positions: list[int], params: SamplingParams) -> mx.array:
+    """Token ids for logits of shape (len(positions), vocab); row i is for positions[i]."""
+    if params.greedy:
+        return mx.argmax(logits, axis=-1)
+    masked = filtered_logprobs(logits, params)
+    vocab = logits.shape[-1]
+    noise = mx.stack([mx.random.gumbel((vocab,), key=key_for(params.seed, t)) for t in positions])
+    return mx.argmax(masked + noise, axis=-1)
+
+
+def _top_n(logprobs: mx.array, n: int) -> tuple[mx.array, mx.array]:
+    """The n largest logprobs per row and their ids, most likely first."""
+    if n == 0:
+        return mx.zeros((logprobs.shape[0], 0), mx.uint32), mx.zeros((logprobs.shape[0], 0))
+    candidates = mx.argpartition(-logprobs, n - 1, axis=-1)[:, :n]
+    values = mx.take_along_axis(logprobs, candidates, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    return mx.take_along_axis(candidates, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+
+
+def sample(logits: mx.array, positions: list[int], params: SamplingParams) -> list[Sampled]:
+    """Choose one token per row of `logits` (rows, vocab), with logprobs if requested."""
+    tokens = choose_tokens(logits, positions, params)
+    if params.top_logprobs is None:
+        mx.eval(tokens)
+        return [Sampled(token) for token in tokens.tolist()]
+
+    logprobs = logits.astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_ids, top_values = _top_n(logprobs, params.top_logprobs)
+    mx.eval(tokens, chosen, top_ids, top_values)
+    return [
+        Sampled(token, logprob, list(zip(ids, values)))
+        for token, logprob, ids, values in zip(
+            tokens.tolist(), chosen.tolist(), top_ids.tolist(), top_values.tolist()
+        )
+    ]

@@ -1,0 +1,159 @@
+"""The OpenBLAS shim: builds, is correct, is really active, and is shape-variant.
+
+Everything that needs the shim runs in a subprocess (LD_PRELOAD acts only at
+process start). On Linux a shim that cannot be built FAILS with the reason:
+CI has gcc and scipy-openblas32, so a skip there would hide a broken backend.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kernels import cpu_blas
+
+ROOT = Path(__file__).resolve().parents[1]
+LINUX = sys.platform.startswith("linux")
+pytestmark = pytest.mark.skipif(not LINUX, reason="LD_PRELOAD shim is Linux-only (macOS uses Accelerate)")
+
+# (K, N) weight shapes of SmolLM2-135M (q/o_proj 576x576, down_proj 1536->576)
+# for which OpenBLAS gives rows of an M=8 block that differ bitwise from the
+# same rows computed one at a time (M=1); reference BLAS never does.
+# Measured on SkylakeX kernels: 576x576 differs for M>=3, 1536x576 for M>=2.
+VARYING_SHAPES = [(576, 576), (1536, 576)]
+BLOCK_M = 8
+
+
+def _shim_env() -> dict[str, str]:
+    try:
+        return cpu_blas.preload_env()
+    except cpu_blas.ShimUnavailable as e:
+        pytest.fail(f"OpenBLAS shim cannot be built on this Linux machine: {e}")
+
+
+def _run(code: str, env: dict[str, str]) -> dict:
+    """Run code in a fresh interpreter at the repo root; it prints one JSON line last."""
+    env = {**env, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+MATMUL = """
+    import json, numpy as np, mlx.core as mx
+    from kernels import cpu_blas
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((64, 576)).astype(np.float32)
+    w = rng.standard_normal((576, 576)).astype(np.float32)
+    got = np.array(mx.matmul(mx.array(a), mx.array(w)))
+    want = a.astype(np.float64) @ w.astype(np.float64)
+    print(json.dumps({"active": cpu_blas.active(), "describe": cpu_blas.describe(),
+                      "max_rel": float(np.abs(got - want).max() / np.abs(want).max())}))
+"""
+
+VARIANCE = f"""
+    import json, numpy as np, mlx.core as mx
+    from kernels import cpu_blas
+    rng = np.random.default_rng(0)
+    out = {{"active": cpu_blas.active()}}
+    for k, n in {VARYING_SHAPES!r}:
+        x = mx.array(rng.standard_normal(({BLOCK_M}, k)).astype(np.float32))
+        w = mx.array(rng.standard_normal((n, k)).astype(np.float32))
+        block = np.array(x @ w.T)  # the nn.Linear layout mlx-lm uses
+        rows = np.concatenate([np.array(x[i:i + 1] @ w.T) for i in range({BLOCK_M})])
+        out[f"{{k}}x{{n}}"] = int((block != rows).sum())
+    print(json.dumps(out))
+"""
+
+
+def test_shim_builds_and_is_cached():
+    env = _shim_env()
+    first = cpu_blas.build_shim()
+    assert first.exists() and str(first) in env["LD_PRELOAD"]
+    assert cpu_blas.build_shim() == first  # second call reuses the cached build
+    assert env["OPENBLAS_NUM_THREADS"] == str(cpu_blas.default_threads())
+
+
+def test_openblas_matmul_correct_and_reported():
+    r = _run(MATMUL, _shim_env())
+    assert r["active"] == "openblas", r
+    assert r["describe"].startswith("openblas (OpenBLAS "), r
+    assert r["max_rel"] < 1e-5, r
+
+
+def test_reference_blas_reported_without_shim():
+    r = _run(MATMUL, cpu_blas.reference_env(_shim_env()))
+    assert r["active"] == "reference", r
+    assert r["max_rel"] < 1e-5, r
+
+
+def test_openblas_is_shape_variant_reference_is_not():
+    """The real negative control: block vs single-row fp32 matmul differs only with OpenBLAS."""
+    shim = _run(VARIANCE, _shim_env())
+    ref = _run(VARIANCE, cpu_blas.reference_env())
+    assert shim.pop("active") == "openblas" and ref.pop("active") == "reference"
+    assert all(v > 0 for v in shim.values()), f"OpenBLAS expected shape-variant, got {shim}"
+    assert all(v == 0 for v in ref.values()), f"reference BLAS expected invariant, got {ref}"
+
+
+REEXEC = """
+    import json, sys
+    from kernels import cpu_blas
+    cpu_blas.ensure_preloaded(choice=sys.argv[1])
+    print(json.dumps({"active": cpu_blas.active()}))
+"""
+
+
+def _reexec(choice: str, env: dict[str, str]) -> str:
+    env = {**env, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(REEXEC), choice], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])["active"]
+
+
+def test_ensure_preloaded_switches_both_ways():
+    assert _reexec("openblas", cpu_blas.reference_env(_shim_env())) == "openblas"
+    assert _reexec("reference", _shim_env()) == "reference"
+
+
+def test_ensure_preloaded_does_not_loop():
+    # The marker says "already re-exec'd": a shim that did not take must not exec again.
+    env = {**cpu_blas.reference_env(_shim_env()), "LOCKSTEP_CPU_BLAS_REEXEC": "1"}
+    assert _reexec("openblas", env) == "reference"
+
+
+LOGITS = """
+    import json, numpy as np, mlx.core as mx
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import make_prompt_cache
+    from kernels import cpu_blas
+    args = llama.ModelArgs(model_type="llama", hidden_size=576, num_hidden_layers=2,
+                           num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                           vocab_size=1024, rms_norm_eps=1e-5, rope_theta=100000.0,
+                           tie_word_embeddings=True)
+    mx.random.seed(0)
+    model = llama.Model(args)
+    model.set_dtype(mx.float32)
+    tokens = mx.array([[5, 17, 300, 42, 9, 1000, 77, 3]])
+    block = np.array(model(tokens, cache=make_prompt_cache(model)))[0]  # prefill, M=8
+    cache = make_prompt_cache(model)
+    steps = np.concatenate([np.array(model(tokens[:, i:i + 1], cache=cache))[0] for i in range(8)])
+    print(json.dumps({"active": cpu_blas.active(), "rows_differing": int((block != steps).any(-1).sum())}))
+"""
+
+
+def test_model_logits_prefill_vs_decode():
+    """Model level, SmolLM2-shaped layers: one prefill vs 8 decode steps give bitwise equal
+    logits on reference BLAS, and differ on OpenBLAS (measured: all 8 rows)."""
+    shim = _run(LOGITS, _shim_env())
+    ref = _run(LOGITS, cpu_blas.reference_env())
+    assert (shim["active"], ref["active"]) == ("openblas", "reference")
+    assert ref["rows_differing"] == 0, ref
+    assert shim["rows_differing"] > 0, shim
