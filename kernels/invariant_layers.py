@@ -124,9 +124,9 @@ def invariant_sdpa(*args, **kwargs):
     return _NATIVE_SDPA(*args, **kwargs)
 
 
-# module name -> installed models using the wrapper there (weak: a model dropped without
-# uninstall does not pin the wrapper in place forever)
-# (nn.Module is a dict, so unhashable: keyed by id, holding weak references).
+# module name -> {id(model): weak ref} of installed models using the wrapper there. Weak, so
+# a model dropped without uninstall does not pin the wrapper; by id, as nn.Module (a dict)
+# is unhashable.
 _sdpa_users: dict[str, dict[int, weakref.ref]] = {}
 _model_classes: dict[type, type] = {}
 
@@ -156,6 +156,10 @@ def install(model, setting: Setting) -> dict:
     """Swap the model's layers and attention name for canonical ones; returns counts."""
     if hasattr(model, "_lockstep_setting"):
         uninstall(model)
+    model._lockstep_setting = setting
+    model._lockstep_sdpa_modules = frozenset()
+    if setting.strategy.is_native:
+        return {}  # the model's own calls are the proven form: nothing to swap
     counts, wrapped = {}, []
     for _, m in model.named_modules():
         swap = LAYER_SWAPS.get(type(m))
@@ -171,7 +175,6 @@ def install(model, setting: Setting) -> dict:
             wrapped.append(name)
     counts["attention_modules"] = len(wrapped)
     # Plain attributes (not tuple/list/dict, which nn.Module would file as children).
-    model._lockstep_setting = setting
     model._lockstep_sdpa_modules = frozenset(wrapped)
     model.__class__ = _invariant_model_class(type(model))
     return counts
@@ -194,6 +197,7 @@ def uninstall(model) -> None:
             if not users:
                 del _sdpa_users[name]
                 sys.modules[name].scaled_dot_product_attention = _NATIVE_SDPA
-    model.__class__ = type(model).__mro__[1]
+    if type(model) in _model_classes.values():
+        model.__class__ = type(model).__mro__[1]
     del model._lockstep_setting
     del model._lockstep_sdpa_modules

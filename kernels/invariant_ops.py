@@ -131,20 +131,22 @@ def attention_per_query(sdpa, queries, keys, values, *, mask=None, **kwargs) -> 
     function, so each call is exactly the one decode makes at that position.
     """
     batch, _, t, _ = queries.shape
-    first = keys.shape[2] - t
+    total = keys.shape[2]
+    first = total - t
+
+    def upto(x, b, end):
+        # Decode passes the cache's keys as they are; so do we wherever the range is all.
+        return x if batch == 1 and end == total else x[b : b + 1, :, :end]
+
     per_batch = []
     for b in range(batch):
         outs = []
         for i in range(t):
             end = first + i + 1
+            q = queries if batch == 1 and t == 1 else queries[b : b + 1, :, i : i + 1]
             outs.append(
-                sdpa(
-                    queries[b : b + 1, :, i : i + 1],
-                    keys[b : b + 1, :, :end],
-                    values[b : b + 1, :, :end],
-                    mask=_mask_row(mask, b, i, end),
-                    **kwargs,
-                )
+                sdpa(q, upto(keys, b, end), upto(values, b, end),
+                     mask=_mask_row(mask, b, i, end), **kwargs)
             )
         per_batch.append(outs[0] if t == 1 else mx.concatenate(outs, axis=2))
     return per_batch[0] if batch == 1 else mx.concatenate(per_batch, axis=0)

@@ -167,7 +167,6 @@ def _convert_tensors(gguf: GGUFFile, config: dict, weights: str, progress: bool)
             raise ModelError(f"{gguf.path}: unexpected tensor {t.name!r} for architecture {gguf.arch_name!r}")
         cols = int(t.shape[0])
         rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 0
-        arrays = None
         if weights == "q4" and rows and t.tensor_type in NATIVE_BITS and cols % GROUP_SIZE == 0:
             arrays = native_affine(t.data.reshape(rows, -1), t.tensor_type, cols)
             quantized[name.rsplit(".", 1)[0]] = {"group_size": GROUP_SIZE, "bits": NATIVE_BITS[t.tensor_type]}

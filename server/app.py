@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import time
 from importlib import metadata
 from typing import AsyncIterator, Callable
@@ -32,9 +31,8 @@ def _fingerprint(loaded) -> str:
     return "fp_" + hashlib.sha256(recipe.encode()).hexdigest()[:10]
 
 
-def _sse(payload: p.Response | dict) -> str:
-    data = payload.model_dump_json() if isinstance(payload, p.Response) else json.dumps(payload)
-    return f"data: {data}\n\n"
+def _sse(payload: p.Response) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
 
 
 def _usage(last: Delta) -> p.Usage:
@@ -118,7 +116,12 @@ class Routes:
     async def _submit(self, body: p.SamplingRequest, tokenize: Callable, param: str):
         self._check_model(body.model)
         # Tokenizing is CPU work: keep it off the event loop (MLX work is on the engine).
-        prompt = await asyncio.to_thread(tokenize, body)
+        try:
+            prompt = await asyncio.to_thread(tokenize, body)
+        except APIError:
+            raise
+        except Exception as exc:  # e.g. the chat template rejects the message sequence
+            raise APIError(400, f"could not build the prompt: {exc}", param=param) from exc
         context = self.loaded.context_length
         if not prompt:
             raise APIError(400, "the prompt is empty", param=param)
@@ -151,16 +154,13 @@ class Routes:
         finally:
             handle.cancel()  # frees the slot if this handler is cancelled mid-way
 
-    async def _stream(self, handle, chunks: Callable[[Delta], list], usage_chunk) -> AsyncIterator[str]:
+    async def _stream(self, handle, chunks: AsyncIterator[p.Response]) -> AsyncIterator[str]:
+        """SSE framing for `chunks` (made from `handle`'s deltas), ending in [DONE]."""
         try:
-            async for delta in handle:
-                for chunk in chunks(delta):
-                    yield _sse(chunk)
-                if delta.finish_reason is not None and usage_chunk is not None:
-                    yield _sse(usage_chunk(delta))
-        except GenerationError as exc:
-            error = APIError(500, str(exc), type="server_error")
-            yield _sse(p.ErrorResponse(error=error.body))
+            async for chunk in chunks:
+                yield _sse(chunk)
+        except GenerationError as exc:  # headers are sent: report it as an event
+            yield _sse(p.ErrorResponse(error=APIError(500, str(exc), type="server_error").body))
         finally:
             handle.cancel()  # the client went away (or we are done): free the slot
         yield "data: [DONE]\n\n"
@@ -169,56 +169,52 @@ class Routes:
 
     async def chat(self, body: p.ChatCompletionRequest):
         handle = await self._submit(body, self._chat_tokens, "messages")
-        common = {"id": p.new_id("chatcmpl"), "model": body.model, "system_fingerprint": self.fingerprint}
-        wants_logprobs = body.logprobs
+        common = {"id": p.new_id("chatcmpl"), "model": self.loaded.name, "system_fingerprint": self.fingerprint}
+
+        def logprobs(d: Delta) -> p.ChatLogprobs | None:
+            return _chat_logprobs(d) if body.logprobs else None
+
         if not body.stream:
             d = await self._collect(handle)
             choice = p.ChatChoice(
-                message=p.AssistantMessage(content=d.text), finish_reason=d.finish_reason,
-                logprobs=_chat_logprobs(d) if wants_logprobs else None,
+                message=p.AssistantMessage(content=d.text), finish_reason=d.finish_reason, logprobs=logprobs(d)
             )
             return JSONResponse(p.ChatCompletion(**common, choices=[choice], usage=_usage(d)).model_dump())
 
-        first = [True]
+        async def chunks() -> AsyncIterator[p.ChatCompletionChunk]:
+            role = "assistant"  # sent once, in the first chunk
+            async for d in handle:
+                if d.text or d.logprobs or role:
+                    choice = p.ChatChunkChoice(delta=p.ChatDelta(role=role, content=d.text), logprobs=logprobs(d))
+                    yield p.ChatCompletionChunk(**common, choices=[choice])
+                    role = None
+                if d.finish_reason is not None:
+                    finish = p.ChatChunkChoice(delta=p.ChatDelta(), finish_reason=d.finish_reason)
+                    yield p.ChatCompletionChunk(**common, choices=[finish])
+                    if body.include_usage():
+                        yield p.ChatCompletionChunk(**common, choices=[], usage=_usage(d))
 
-        def chunks(d: Delta) -> list[p.ChatCompletionChunk]:
-            out = []
-            if d.text or d.logprobs or first[0]:
-                delta = p.ChatDelta(role="assistant" if first[0] else None, content=d.text)
-                logprobs = _chat_logprobs(d) if wants_logprobs else None
-                out.append(p.ChatChunkChoice(delta=delta, logprobs=logprobs))
-                first[0] = False
-            if d.finish_reason is not None:
-                out.append(p.ChatChunkChoice(delta=p.ChatDelta(), finish_reason=d.finish_reason))
-            return [p.ChatCompletionChunk(**common, choices=[c]) for c in out]
-
-        def usage_chunk(d: Delta) -> p.ChatCompletionChunk:
-            return p.ChatCompletionChunk(**common, choices=[], usage=_usage(d))
-
-        usage = usage_chunk if body.include_usage() else None
-        return StreamingResponse(self._stream(handle, chunks, usage), media_type="text/event-stream")
+        return StreamingResponse(self._stream(handle, chunks()), media_type="text/event-stream")
 
     async def completions(self, body: p.CompletionRequest):
         handle = await self._submit(body, self._completion_tokens, "prompt")
-        common = {"id": p.new_id("cmpl"), "model": body.model, "system_fingerprint": self.fingerprint}
-        wants_logprobs = body.logprobs is not None
+        common = {"id": p.new_id("cmpl"), "model": self.loaded.name, "system_fingerprint": self.fingerprint}
 
         def choice(d: Delta) -> p.CompletionChoice:
-            logprobs = _completion_logprobs(d) if wants_logprobs else None
+            logprobs = _completion_logprobs(d) if body.logprobs is not None else None
             return p.CompletionChoice(text=d.text, finish_reason=d.finish_reason, logprobs=logprobs)
 
         if not body.stream:
             d = await self._collect(handle)
             return JSONResponse(p.TextCompletion(**common, choices=[choice(d)], usage=_usage(d)).model_dump())
 
-        def chunks(d: Delta) -> list[p.TextCompletion]:
-            return [p.TextCompletion(**common, choices=[choice(d)])]
+        async def chunks() -> AsyncIterator[p.TextCompletion]:
+            async for d in handle:
+                yield p.TextCompletion(**common, choices=[choice(d)])
+                if d.finish_reason is not None and body.include_usage():
+                    yield p.TextCompletion(**common, choices=[], usage=_usage(d))
 
-        def usage_chunk(d: Delta) -> p.TextCompletion:
-            return p.TextCompletion(**common, choices=[], usage=_usage(d))
-
-        usage = usage_chunk if body.include_usage() else None
-        return StreamingResponse(self._stream(handle, chunks, usage), media_type="text/event-stream")
+        return StreamingResponse(self._stream(handle, chunks()), media_type="text/event-stream")
 
     def models(self, extras: dict | None) -> p.ModelList:
         info = {"weights": self.loaded.weights, "context_length": self.loaded.context_length}

@@ -61,8 +61,8 @@ def _validation_message(error: dict) -> str:
         return f"Malformed JSON body: {error.get('ctx', {}).get('error', error['msg'])}"
     if error["type"] == "extra_forbidden":
         return f"Unrecognized request argument supplied: {where}"
-    if error["type"] == "missing" and not fields:
-        return "A JSON request body is required"
+    if not fields and error["type"] in ("missing", "model_attributes_type", "dict_type"):
+        return "The request body must be a JSON object (Content-Type: application/json)"
     return f"Invalid value for '{where}': {error['msg']}" if where else error["msg"]
 
 

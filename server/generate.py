@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from server.sampling import SamplingParams, Sampled, sample
+from server.sampling import SamplingParams, sample
 from server.stops import IncrementalDecoder, StopTextStream
 
 PREFILL_CHUNK = 512
@@ -61,10 +61,12 @@ def forward(model, cache: list, tokens: list[int]) -> mx.array:
     return model(mx.array(tokens)[None], cache=cache)[0]
 
 
-def prefill(model, cache: list, tokens: list[int], chunk: int = PREFILL_CHUNK) -> Iterator[None]:
+def prefill(
+    model, cache: list, tokens: list[int], step: Forward = forward, chunk: int = PREFILL_CHUNK
+) -> Iterator[None]:
     """Fill `cache` with `tokens` in chunks, yielding after each so others can run."""
     for start in range(0, len(tokens), chunk):
-        forward(model, cache, tokens[start : start + chunk])
+        step(model, cache, tokens[start : start + chunk])
         mx.eval([c.state for c in cache])
         yield None
 
@@ -91,7 +93,8 @@ def generate(loaded, request: GenerationRequest, step: Forward = forward) -> Ite
 
     model = loaded.model
     cache = make_prompt_cache(model)
-    yield from prefill(model, cache, prompt[:-1])
+    # All but the last prompt token; decoding starts by feeding the last one.
+    yield from prefill(model, cache, prompt[:-1], step)
 
     texts = _TokenTexts(loaded.tokenizer)
     stream = StopTextStream(IncrementalDecoder(loaded.tokenizer, prompt), list(request.stop))
@@ -110,8 +113,8 @@ def generate(loaded, request: GenerationRequest, step: Forward = forward) -> Ite
 
     while True:
         logits = step(model, cache, [last])[-1:]
-        position = len(prompt) + generated
-        chosen: Sampled = sample(logits, [position], request.sampling)[0]
+        position = len(prompt) + generated  # absolute index of the token being chosen
+        chosen = sample(logits, [position], request.sampling)[0]
         generated += 1
         last = chosen.token
 

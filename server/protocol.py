@@ -214,9 +214,11 @@ class CompletionChoice(Response):
 
 class _Completion(Response):
     id: str
+    object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     system_fingerprint: str | None = None
+    choices: list
     usage: Usage | None = None
     # lockstep extension (e.g. determinism or speculative-decoding statistics).
     lockstep: dict | None = Field(default=None, exclude_if=_omit_if_none)

@@ -1,4 +1,7 @@
-"""The HTTP API on a live uvicorn, driven by the official `openai` client (errors: raw HTTP via httpx2, the openai client's HTTP library)."""
+"""The HTTP API on a live uvicorn, driven by the official `openai` client.
+
+Error cases use raw HTTP through httpx2 (the openai client's own HTTP library).
+"""
 import json
 import threading
 import time
@@ -38,7 +41,7 @@ def streamed_chat(client, messages=GREETING, **kwargs):
 
 def test_chat_streamed_equals_non_streamed_for_greedy(client, embedded_model):
     full = chat(client)
-    assert full.object == "chat.completion" and full.model == "default"
+    assert full.object == "chat.completion" and full.model == embedded_model.name  # alias resolved
     assert full.choices[0].message.role == "assistant" and full.choices[0].message.content
     chunks, text, finish = streamed_chat(client)
     assert text == full.choices[0].message.content
@@ -105,7 +108,8 @@ def test_chat_logprobs_shape_and_greedy_consistency(client):
         assert len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].token == entry.token
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
-        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
         assert entry.logprob <= 0 and entry.bytes == list(entry.token.encode())
     chunks = list(chat(client, stream=True, max_tokens=8, logprobs=True, top_logprobs=3))
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
@@ -210,6 +214,12 @@ def test_long_chat_prompt_exceeds_context(http, embedded_model):
     body = {"model": "default", "messages": [{"role": "user", "content": words}]}
     error = post(http, "/v1/chat/completions", body).json()["error"]
     assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+
+
+def test_body_that_is_not_json_is_rejected(http):
+    response = http.post("/v1/chat/completions", content="model=default",
+                         headers={"content-type": "application/x-www-form-urlencoded"})
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
 
 
 def test_unknown_route_and_wrong_method(http):

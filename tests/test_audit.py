@@ -13,7 +13,7 @@ from kernels.audit_probes import layer_kind, reference_weight
 from kernels.audit_reference import reference_dequantize
 from kernels.faulty_kernels import faulty_tiled_qmm
 from models.errors import ModelError
-from tests.synthetic import build_llama_dir
+from tests.synthetic import build_llama_dir, write_tiny_tokenizer
 
 # Logits of the patched nvfp4 model vs its float32 dequantized twin, relative to the
 # largest logit. Measured ~1e-6 (float32 accumulation order only); a wrong kernel or a
@@ -24,7 +24,9 @@ PROMPT_LENGTHS = (1, 2, 7, 40)  # odd and even; 40 rows reach the tiled path (>=
 
 @pytest.fixture(scope="module")
 def nvfp4_dir(tmp_path_factory):
-    return build_llama_dir(tmp_path_factory.mktemp("nvfp4"), q_mode="nvfp4")
+    path = build_llama_dir(tmp_path_factory.mktemp("nvfp4"), q_mode="nvfp4")
+    write_tiny_tokenizer(path)  # only `lockstep audit` (models.load) needs it
+    return path
 
 
 def load(path):
@@ -149,3 +151,11 @@ def test_switch_layer_gather_paths_audited():
     assert [p.path for p in config.paths][:2] == ["gather decode", "gather short"]
     assert config.verdict != "refused"
     assert len(quantized_layers(model)) == 1
+
+
+def test_cli_audit_prints_table(nvfp4_dir, capsys):
+    from server.cli import main as cli_main
+
+    assert cli_main(["audit", str(nvfp4_dir), "--prompt-rows", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "embedding 384x1040 nvfp4" in out and "pad32" in out and "lookup odd" in out

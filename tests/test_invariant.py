@@ -19,7 +19,7 @@ from kernels.invariant import (
     uncovered_parts,
 )
 from kernels.invariant_layers import Setting, batch_invariant, invariant_sdpa
-from kernels.invariant_ops import ROWWISE, STRIDED_GEMV, attention_per_query, dense_rows, quantized_rows
+from kernels.invariant_ops import ROWWISE, attention_per_query, dense_rows, quantized_rows
 from kernels.prefill import prefill
 from kernels.selftest import bits_equal, self_test
 from kernels.shape_variant import shape_variant_backend
@@ -148,9 +148,23 @@ def test_auto_picks_a_proven_strategy_and_records_why():
     assert plan.guaranteed and plan.strategy in CANONICAL
     assert plan.backend == str(mx.default_device()) and plan.limit == 9
     tried = {name: passed for name, passed, _ in plan.candidates}
-    assert tried == {"native": False, "strided_gemv": True, "rowwise": True}
-    assert "self-test passed" in plan.reason
+    assert tried == {"native": False, "strided_gemv": True}  # first proven in speed order
+    assert plan.strategy == "strided_gemv" and "failed: ['native']" in plan.reason
     assert batch_invariant_plan(model) is plan
+
+
+def test_auto_can_measure_every_candidate():
+    model = tiny_llama()
+    with shape_variant_backend():
+        plan = set_batch_invariant_limit(model, 3, measure=True, prefixes=(7,))
+    assert plan.guaranteed and plan.strategy in CANONICAL and "measured fastest" in plan.reason
+    assert [(n, ok) for n, ok, _ in plan.candidates] == [("native", False), ("strided_gemv", True), ("rowwise", True)]
+    assert all(s > 0 for n, ok, s in plan.candidates if ok)
+
+
+def test_auto_on_the_plain_cpu_keeps_native():
+    plan = set_batch_invariant_limit(tiny_llama(), 4, prefixes=(7,))
+    assert plan.strategy == "native" and plan.guaranteed and plan.layers.get("InvariantLinear") is None
 
 
 def test_an_unproven_strategy_is_not_claimed():

@@ -15,7 +15,7 @@ WEIGHT_CHOICES = ("auto", "q4", "float32", "float16")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default",
-                        help='"default" (embedded SmolLM2-135M-Instruct), an mlx-lm directory or a .gguf file')
+                        help='"default" (the embedded SmolLM2-135M-Instruct), an mlx-lm dir or a .gguf')
     parser.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
                         help="weight format (default auto: as stored)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     except ModelError as exc:
         log.error("%s", exc)
         return 1
-    log.info("serving on http://%s:%d/v1 (model id %r, or \"default\")", args.host, args.port, engine.loaded.name)
+    log.info("serving %s on http://%s:%d/v1 (model id %r or \"default\")",
+             engine.loaded.path, args.host, args.port, engine.loaded.name)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=logging.getLogger().level, access_log=True)
     finally:
