@@ -12,14 +12,22 @@ import asyncio
 import hashlib
 import time
 from importlib import metadata
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Sequence
 
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server import protocol as p
-from server.engine import Engine, GenerationError
+from server.access_log import AccessLog
+from server.auth import APIKeyAuth
+from server.disconnect import unless_disconnected
+from server.drain import Drain, DrainMiddleware
+from server.engine import Engine, GenerationError, QueueFull
+from server.limits import BodySizeLimit, Limits, max_tokens_too_large, prompt_too_long, queue_full
+from server.metrics import Metrics
+from server.request_record import RecordRequests, current, track
 from server.errors import APIError, context_length_exceeded, install_error_handlers, model_not_found
+from server.decoding import DecodePlan, RequestRejected, plan_request
 from server.generate import Delta, GenerationRequest
 from server.sampling import SamplingParams
 
@@ -76,16 +84,19 @@ def _merge(deltas: list[Delta]) -> Delta:
         logprobs=[lp for d in deltas for lp in d.logprobs],
         text_offsets=[o for d in deltas for o in d.text_offsets],
         finish_reason=last.finish_reason,
+        extension=last.extension,
     )
 
 
 class Routes:
     """Request handling for one served model."""
 
-    def __init__(self, engine: Engine, fingerprint: str):
+    def __init__(self, engine: Engine, fingerprint: str, limits: Limits = Limits(), log_prompts: bool = False):
         self.engine = engine
         self.loaded = engine.loaded
         self.fingerprint = fingerprint
+        self.limits = limits
+        self.log_prompts = log_prompts
         self.created = int(time.time())
 
     # ------------------------------------------------------------ request -> generation
@@ -127,6 +138,13 @@ class Routes:
             raise APIError(400, "the prompt is empty", param=param)
         if len(prompt) >= context:
             raise context_length_exceeded(len(prompt), context, param)
+        if self.limits.max_prompt_tokens is not None and len(prompt) > self.limits.max_prompt_tokens:
+            raise prompt_too_long(len(prompt), self.limits.max_prompt_tokens, param)
+        requested = body.token_limit()
+        if requested is not None and requested > self.limits.max_tokens:
+            cap_param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+            raise max_tokens_too_large(requested, self.limits.max_tokens, cap_param)
+        plan = self._plan(body)
         sampling = SamplingParams(
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
             top_logprobs=body.logprobs_count(),
@@ -134,17 +152,31 @@ class Routes:
         )
         request = GenerationRequest(
             prompt_tokens=prompt,
-            max_tokens=body.token_limit() or context - len(prompt),
+            max_tokens=requested or min(self.limits.max_tokens, context - len(prompt)),
             sampling=sampling,
             stop=tuple(body.stop_list()),
             deterministic=body.deterministic,
             speculative=body.speculative,
             num_draft_tokens=body.num_draft_tokens,
         )
+        record = current()
+        if self.log_prompts and record is not None:
+            record.prompt = body.messages if isinstance(body, p.ChatCompletionRequest) else body.prompt
         try:
-            return self.engine.submit(request)
+            return track(self.engine.submit(request, plan))
+        except QueueFull as exc:
+            raise queue_full(self.limits.max_queue) from exc
         except GenerationError as exc:
             raise APIError(503, str(exc), type="server_error") from exc
+
+    def _plan(self, body: p.SamplingRequest) -> DecodePlan:
+        if body.deterministic and body.temperature != 0 and body.seed is None:
+            raise APIError(400, "deterministic sampling with temperature > 0 needs a seed", param="seed")
+        try:
+            return plan_request(self.engine.deployment, deterministic=body.deterministic,
+                                speculative=body.speculative, num_draft_tokens=body.num_draft_tokens)
+        except RequestRejected as exc:
+            raise APIError(400, str(exc), param=exc.param) from exc
 
     async def _collect(self, handle) -> Delta:
         try:
@@ -153,6 +185,11 @@ class Routes:
             raise APIError(500, str(exc), type="server_error") from exc
         finally:
             handle.cancel()  # frees the slot if this handler is cancelled mid-way
+
+    async def _collect_unless_disconnected(self, handle, receive) -> Delta:
+        if receive is None:
+            return await self._collect(handle)
+        return await unless_disconnected(self._collect(handle), receive)
 
     async def _stream(self, handle, chunks: AsyncIterator[p.Response]) -> AsyncIterator[str]:
         """SSE framing for `chunks` (made from `handle`'s deltas), ending in [DONE]."""
@@ -167,7 +204,7 @@ class Routes:
 
     # ------------------------------------------------------------------- endpoints
 
-    async def chat(self, body: p.ChatCompletionRequest):
+    async def chat(self, body: p.ChatCompletionRequest, receive=None):
         handle = await self._submit(body, self._chat_tokens, "messages")
         common = {"id": p.new_id("chatcmpl"), "model": self.loaded.name, "system_fingerprint": self.fingerprint}
 
@@ -175,11 +212,12 @@ class Routes:
             return _chat_logprobs(d) if body.logprobs else None
 
         if not body.stream:
-            d = await self._collect(handle)
+            d = await self._collect_unless_disconnected(handle, receive)
             choice = p.ChatChoice(
                 message=p.AssistantMessage(content=d.text), finish_reason=d.finish_reason, logprobs=logprobs(d)
             )
-            return JSONResponse(p.ChatCompletion(**common, choices=[choice], usage=_usage(d)).model_dump())
+            return JSONResponse(p.ChatCompletion(**common, choices=[choice], usage=_usage(d),
+                                                 lockstep=d.extension).model_dump())
 
         async def chunks() -> AsyncIterator[p.ChatCompletionChunk]:
             role = "assistant"  # sent once, in the first chunk
@@ -190,13 +228,13 @@ class Routes:
                     role = None
                 if d.finish_reason is not None:
                     finish = p.ChatChunkChoice(delta=p.ChatDelta(), finish_reason=d.finish_reason)
-                    yield p.ChatCompletionChunk(**common, choices=[finish])
+                    yield p.ChatCompletionChunk(**common, choices=[finish], lockstep=d.extension)
                     if body.include_usage():
                         yield p.ChatCompletionChunk(**common, choices=[], usage=_usage(d))
 
         return StreamingResponse(self._stream(handle, chunks()), media_type="text/event-stream")
 
-    async def completions(self, body: p.CompletionRequest):
+    async def completions(self, body: p.CompletionRequest, receive=None):
         handle = await self._submit(body, self._completion_tokens, "prompt")
         common = {"id": p.new_id("cmpl"), "model": self.loaded.name, "system_fingerprint": self.fingerprint}
 
@@ -205,12 +243,13 @@ class Routes:
             return p.CompletionChoice(text=d.text, finish_reason=d.finish_reason, logprobs=logprobs)
 
         if not body.stream:
-            d = await self._collect(handle)
-            return JSONResponse(p.TextCompletion(**common, choices=[choice(d)], usage=_usage(d)).model_dump())
+            d = await self._collect_unless_disconnected(handle, receive)
+            return JSONResponse(p.TextCompletion(**common, choices=[choice(d)], usage=_usage(d),
+                                                 lockstep=d.extension).model_dump())
 
         async def chunks() -> AsyncIterator[p.TextCompletion]:
             async for d in handle:
-                yield p.TextCompletion(**common, choices=[choice(d)])
+                yield p.TextCompletion(**common, choices=[choice(d)], lockstep=d.extension)
                 if d.finish_reason is not None and body.include_usage():
                     yield p.TextCompletion(**common, choices=[], usage=_usage(d))
 
@@ -226,20 +265,41 @@ class Routes:
         return p.ModelList(data=[card])
 
 
-def create_app(engine: Engine, *, model_extras: dict | None = None, fingerprint: str | None = None) -> FastAPI:
-    """The HTTP app for `engine`'s model. `model_extras` is added to its /v1/models entry."""
-    routes = Routes(engine, fingerprint or _fingerprint(engine.loaded))
+def create_app(
+    engine: Engine,
+    *,
+    model_extras: dict | None = None,
+    fingerprint: str | None = None,
+    api_keys: Sequence[str] = (),
+    limits: Limits = Limits(),
+    log_prompts: bool = False,
+) -> FastAPI:
+    """The HTTP app for `engine`'s model. `model_extras` is added to its /v1/models entry.
+
+    `api_keys` (empty: auth off) guard /v1 and /metrics; `limits` caps bodies, tokens and
+    the queue; prompts appear in the access log only with `log_prompts`.
+    """
+    routes = Routes(engine, fingerprint or _fingerprint(engine.loaded), limits, log_prompts)
     app = FastAPI(title="lockstep", docs_url=None, redoc_url=None)
     app.state.engine = engine
+    app.state.drain = Drain()
+    metrics = Metrics()
+    metrics.watch_engine(engine)
+    engine.max_waiting = limits.max_queue
     install_error_handlers(app)
+    # Added innermost first: record (log, metrics) -> drain -> auth -> body size -> routes.
+    app.add_middleware(BodySizeLimit, limit=limits.max_body_bytes)
+    app.add_middleware(APIKeyAuth, keys=list(api_keys))
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
+    app.add_middleware(RecordRequests, sinks=[AccessLog(log_prompts), metrics])
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: p.ChatCompletionRequest):
-        return await routes.chat(body)
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
+        return await routes.chat(body, request.receive)
 
     @app.post("/v1/completions")
-    async def completions(body: p.CompletionRequest):
-        return await routes.completions(body)
+    async def completions(body: p.CompletionRequest, request: Request):
+        return await routes.completions(body, request.receive)
 
     @app.get("/v1/models")
     async def list_models():
@@ -249,4 +309,10 @@ def create_app(engine: Engine, *, model_extras: dict | None = None, fingerprint:
     async def health():
         return {"status": "ok", "model": engine.loaded.name, **engine.counts()}
 
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics():
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    metrics.endpoints = {route.path for route in app.routes}
     return app

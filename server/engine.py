@@ -14,7 +14,9 @@ import logging
 import threading
 from typing import AsyncIterator, Callable, Iterator
 
+from server.decoding import DecodePlan, Deployment
 from server.generate import Delta, GenerationRequest, generate
+from server.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -23,11 +25,16 @@ class GenerationError(Exception):
     """Generation failed on the worker; the message is safe to show to the client."""
 
 
+class QueueFull(GenerationError):
+    """`submit()` refused: `max_waiting` requests are already waiting (the API answers 429)."""
+
+
 class RequestHandle:
     """The asyncio side of one request: iterate it for `Delta`s; `cancel()` to give up."""
 
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, plan=None):
         self.request = request
+        self.plan = plan  # server.decoding.DecodePlan, or None for plain decoding
         self._loop = loop
         self._events: asyncio.Queue[Delta | Exception] = asyncio.Queue()
         self._cancelled = threading.Event()
@@ -58,9 +65,14 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, loaded, max_active: int = 4, generate_fn: Callable[..., Iterator] = generate):
+    max_waiting: int | None = None  # waiting requests before submit() refuses; None = unbounded
+
+    def __init__(self, loaded, max_active: int = 4, generate_fn: Callable[..., Iterator] = generate,
+                 deployment: Deployment | None = None, prefix_cache: PrefixCache | None = None):
         self.loaded = loaded
         self.max_active = max_active
+        self.deployment = deployment or Deployment()
+        self.prefix_cache = prefix_cache
         self._generate = generate_fn
         self._waiting: collections.deque[RequestHandle] = collections.deque()
         self._active: collections.deque[tuple[RequestHandle, Iterator]] = collections.deque()
@@ -81,12 +93,16 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
+    def submit(self, request: GenerationRequest, plan: DecodePlan | None = None) -> RequestHandle:
         """Queue a request; call from the event loop. Output arrives on the handle."""
-        handle = RequestHandle(request, asyncio.get_running_loop())
+        handle = RequestHandle(request, asyncio.get_running_loop(), plan)
         with self._wake:
             if self._stopping:
                 raise GenerationError("the server is shutting down")
+            # Requests about to take a free slot are not "waiting" for the cap's purposes.
+            queued = len(self._waiting) - max(0, self.max_active - len(self._active))
+            if self.max_waiting is not None and queued >= self.max_waiting:
+                raise QueueFull(f"{queued} requests are already waiting")
             self._waiting.append(handle)
             self._wake.notify()
         return handle
@@ -122,10 +138,22 @@ class Engine:
             if self._stopping:
                 return False
             while self._waiting and len(self._active) < self.max_active:
+                if self._exclusive_blocks(self._waiting[0]):
+                    break  # FIFO: later requests wait too, so nobody overtakes it
                 handle = self._waiting.popleft()
                 if not handle.cancelled:
-                    self._active.append((handle, self._generate(self.loaded, handle.request)))
+                    self._active.append((handle, self._start(handle)))
             return True
+
+    def _exclusive_blocks(self, handle: RequestHandle) -> bool:
+        """An exclusive request runs alone: it waits for an empty engine, and blocks others."""
+        if handle.plan is not None and handle.plan.exclusive:
+            return bool(self._active)
+        return any(h.plan is not None and h.plan.exclusive for h, _ in self._active)
+
+    def _start(self, handle: RequestHandle) -> Iterator:
+        return self._generate(self.loaded, handle.request, plan=handle.plan, deployment=self.deployment,
+                        prefix_cache=self.prefix_cache)
 
     def _step(self, handle: RequestHandle, steps: Iterator) -> bool:
         """Advance one request by one unit of work; False when it is finished."""

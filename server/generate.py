@@ -14,9 +14,15 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from server.sampling import SamplingParams, sample
+from kernels.prefill import rows_are_canonical
+
+from server.decoding import DecodePlan, Deployment
+from server.prefix_cache import PrefixCache
+from server.sampling import SamplingParams
+from server.speculative import DraftModelDrafter, PromptLookupDrafter
+from server.token_steps import SpeculationStats, plain_tokens, speculative_tokens
 from server.stops import IncrementalDecoder, StopTextStream
 
 PREFILL_CHUNK = 512
@@ -31,7 +37,7 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
-    # lockstep extensions, not yet acted on here (see server/protocol.py).
+    # lockstep extensions (see server/decoding.py for how they are acted on).
     deterministic: bool = False
     speculative: str | None = None
     num_draft_tokens: int | None = None
@@ -54,6 +60,7 @@ class Delta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text_offsets: list[int] = field(default_factory=list)  # start of each token in the output
     finish_reason: str | None = None
+    extension: dict | None = None  # the `lockstep` response object, on the final Delta
 
 
 def forward(model, cache: list, tokens: list[int]) -> mx.array:
@@ -64,10 +71,23 @@ def forward(model, cache: list, tokens: list[int]) -> mx.array:
 def prefill(
     model, cache: list, tokens: list[int], step: Forward = forward, chunk: int = PREFILL_CHUNK
 ) -> Iterator[None]:
-    """Fill `cache` with `tokens` in chunks, yielding after each so others can run."""
-    for start in range(0, len(tokens), chunk):
-        step(model, cache, tokens[start : start + chunk])
+    """Feed `tokens` past what `cache` holds, in chunks aligned to absolute positions.
+
+    Chunk boundaries sit at multiples of `chunk` from position 0, so a prefix reused from
+    the prefix cache ends with the same KV as a cold prefill (kernels/prefill.py); a cached
+    prefix ending mid-chunk is rewound to the chunk start unless rows are canonical.
+    Yields after each chunk so other requests can run.
+    """
+    done = cache[0].offset if cache else 0
+    start = done if rows_are_canonical(model, chunk) else done - done % chunk
+    if start < done:
+        trim_prompt_cache(cache, done - start)
+    pos = start
+    while pos < len(tokens):
+        end = min(len(tokens), (pos // chunk + 1) * chunk)
+        step(model, cache, tokens[pos:end])
         mx.eval([c.state for c in cache])
+        pos = end
         yield None
 
 
@@ -84,7 +104,21 @@ class _TokenTexts:
         return self._texts[token]
 
 
-def generate(loaded, request: GenerationRequest, step: Forward = forward) -> Iterator[Delta | None]:
+def _token_source(loaded, plan: DecodePlan | None, deployment: Deployment | None, step, cache,
+                  context: list[int], params: SamplingParams, stats: SpeculationStats):
+    if plan is None or plan.method == "none":
+        return plain_tokens(step, loaded.model, cache, context, params, stats)
+    if plan.method == "draft":
+        drafter = DraftModelDrafter(deployment.draft_model)
+    else:
+        drafter = PromptLookupDrafter()
+    return speculative_tokens(step, loaded.model, cache, context, params, drafter,
+                              plan.num_draft_tokens, stats)
+
+
+def generate(loaded, request: GenerationRequest, step: Forward = forward, *,
+             plan: DecodePlan | None = None, deployment: Deployment | None = None,
+             prefix_cache: PrefixCache | None = None) -> Iterator[Delta | None]:
     """Run `request` on `loaded` (a models.load.LoadedModel), one unit of work per step."""
     prompt = list(request.prompt_tokens)
     limit = min(request.max_tokens, loaded.context_length - len(prompt))
@@ -92,16 +126,26 @@ def generate(loaded, request: GenerationRequest, step: Forward = forward) -> Ite
         raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in the context")
 
     model = loaded.model
-    cache = make_prompt_cache(model)
-    # All but the last prompt token; decoding starts by feeding the last one.
-    yield from prefill(model, cache, prompt[:-1], step)
+    chunk = deployment.prefill_chunk if deployment else PREFILL_CHUNK
+    cache, _ = prefix_cache.lookup(prompt[:-1]) if prefix_cache else (None, 0)
+    cache = cache or make_prompt_cache(model)
+    # All but the last prompt token; decoding starts by feeding the last one (M = 1).
+    yield from prefill(model, cache, prompt[:-1], step, chunk)
+    if prefix_cache:
+        prefix_cache.store(prompt[:-1], cache)
 
     texts = _TokenTexts(loaded.tokenizer)
     stream = StopTextStream(IncrementalDecoder(loaded.tokenizer, prompt), list(request.stop))
     wants_logprobs = request.sampling.top_logprobs is not None
-    last, generated = prompt[-1], 0
+    stats = SpeculationStats()
+    extension = plan.extension(deployment) if plan and deployment else None
+    generated = 0
 
     def delta(release, finish_reason=None) -> Delta:
+        ext = None
+        if finish_reason is not None and extension is not None:
+            ext = {**extension, "drafted_tokens": stats.drafted, "accepted_tokens": stats.accepted,
+                   "forward_passes": stats.passes}
         return Delta(
             text=release.text,
             prompt_tokens=len(prompt),
@@ -109,32 +153,34 @@ def generate(loaded, request: GenerationRequest, step: Forward = forward) -> Ite
             logprobs=release.items if wants_logprobs else [],
             text_offsets=release.offsets if wants_logprobs else [],
             finish_reason=finish_reason,
+            extension=ext,
         )
 
-    while True:
-        logits = step(model, cache, [last])[-1:]
-        position = len(prompt) + generated  # absolute index of the token being chosen
-        chosen = sample(logits, [position], request.sampling)[0]
-        generated += 1
-        last = chosen.token
-
-        if chosen.token in loaded.eos_token_ids:
-            yield delta(stream.finish(), "stop")
-            return
-        item = None
-        if wants_logprobs:
-            top = [(texts(t), lp) for t, lp in chosen.top_logprobs]
-            item = TokenLogprob(texts(chosen.token), chosen.logprob, top)
-        release = stream.add(chosen.token, item)
-        if release.stopped:
-            yield delta(release, "stop")
-            return
-        has_output = bool(release.text or release.items)
-        if generated < limit:
-            yield delta(release) if has_output else None
-            continue
-        if has_output:
-            yield delta(release)
-        final = stream.finish()
-        yield delta(final, "stop" if final.stopped else "length")
-        return
+    source = _token_source(loaded, plan, deployment, step, cache, list(prompt), request.sampling, stats)
+    for batch in source:
+        pending = None  # releases of this batch not yet sent, merged into one Delta
+        for chosen in (s.sampled for s in batch):
+            generated += 1
+            if chosen.token in loaded.eos_token_ids:
+                if pending is not None:
+                    yield delta(pending)
+                yield delta(stream.finish(), "stop")
+                return
+            item = None
+            if wants_logprobs:
+                top = [(texts(t), lp) for t, lp in chosen.top_logprobs]
+                item = TokenLogprob(texts(chosen.token), chosen.logprob, top)
+            release = stream.add(chosen.token, item)
+            if release.stopped:
+                if pending is not None:
+                    yield delta(pending)
+                yield delta(release, "stop")
+                return
+            pending = release if pending is None else pending.merged(release)
+            if generated >= limit:
+                if pending.text or pending.items:
+                    yield delta(pending)
+                final = stream.finish()
+                yield delta(final, "stop" if final.stopped else "length")
+                return
+        yield delta(pending) if pending.text or pending.items else None

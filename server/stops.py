@@ -28,6 +28,11 @@ class Release:
     offsets: list[int] = field(default_factory=list)  # where each item's text starts
     stopped: bool = False  # a stop string was found; generation must end
 
+    def merged(self, later: "Release") -> "Release":
+        """This release followed by `later` (offsets are absolute, so they just concatenate)."""
+        return Release(self.text + later.text, self.items + later.items,
+                       self.offsets + later.offsets, later.stopped)
+
 
 def _held_back_length(text: str, stops: list[str]) -> int:
     """Length of the longest tail of `text` that is a proper prefix of a stop string."""

@@ -235,7 +235,7 @@ def test_generation_failure_reaches_the_client(embedded_model):
     from server.app import create_app
     from server.engine import Engine
 
-    def failing(loaded, request):
+    def failing(loaded, request, **_):
         yield None
         raise RuntimeError("boom")
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-log = logging.getLogger("lockstep.audit")
+from server.commands.runtime_args import WEIGHT_CHOICES
 
-WEIGHT_CHOICES = ("auto", "q4", "float32", "float16")
+log = logging.getLogger("lockstep.audit")
 
 
 def register(subparsers) -> None:

@@ -10,18 +10,23 @@ import logging
 
 log = logging.getLogger("lockstep.serve")
 
-WEIGHT_CHOICES = ("auto", "q4", "float32", "float16")
+from server.commands.runtime_args import (add_determinism_arguments, add_model_arguments,
+                                          apply_cpu_blas, options_from_args)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default",
-                        help='"default" (the embedded SmolLM2-135M-Instruct), an mlx-lm dir or a .gguf')
-    parser.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
-                        help="weight format (default auto: as stored)")
+    add_model_arguments(parser)
+    add_determinism_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     parser.add_argument("--max-active", type=int, default=4,
                         help="requests generated concurrently, token by token (default 4)")
+    parser.add_argument("--prefix-cache-entries", type=int, default=4,
+                        help="prompt KV snapshots kept for reuse (0 = off)")
+
+    # HTTP service hardening: keys, limits, access log, draining.
+    from server.commands.http_args import add_http_arguments
+    add_http_arguments(parser)
 
 
 def register(subparsers) -> None:
@@ -32,13 +37,18 @@ def register(subparsers) -> None:
 
 def build_app_from_args(args: argparse.Namespace):
     """Load the model, start the engine and build the app. Returns (app, engine)."""
-    from models.load import load_model
     from server.app import create_app
     from server.engine import Engine
+    from server.prefix_cache import PrefixCache
+    from server.runtime import build_runtime
 
-    loaded = load_model(spec=args.model, weights=args.weights)  # logs name, path, load time
-    engine = Engine(loaded, max_active=args.max_active).start()
-    return create_app(engine), engine
+    runtime = build_runtime(options_from_args(args))  # logs model, load time, audit, invariance
+    engine = Engine(runtime.loaded, max_active=args.max_active, deployment=runtime.deployment,
+                    prefix_cache=PrefixCache(args.prefix_cache_entries)).start()
+    from server.commands.http_args import http_settings_from_args
+    app = create_app(engine, model_extras=runtime.model_info(),
+                     fingerprint=runtime.deployment.fingerprint, **http_settings_from_args(args))
+    return app, engine
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,15 +56,19 @@ def run(args: argparse.Namespace) -> int:
 
     from models.errors import ModelError
 
+    apply_cpu_blas(args)
     try:
         app, engine = build_app_from_args(args)
-    except ModelError as exc:
+    except (ModelError, ValueError) as exc:
         log.error("%s", exc)
         return 1
     log.info("serving %s on http://%s:%d/v1 (model id %r or \"default\")",
              engine.loaded.path, args.host, args.port, engine.loaded.name)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=logging.getLogger().level, access_log=True)
+        from server import access_log, shutdown
+        access_log.send_to_stderr()  # bare JSON lines replace uvicorn's access log
+        shutdown.serve(app, args.host, args.port, drain_timeout=args.drain_timeout,
+                       log_level=logging.getLogger().level, access_log=False)
     finally:
         engine.stop()
     return 0

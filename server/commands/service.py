@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from server import launchd
-from server.commands.serve import WEIGHT_CHOICES
+from server.commands.runtime_args import WEIGHT_CHOICES
 
 LOOPBACK_HOSTS = ("localhost", "::1")
 BOOTSTRAP_TRIES = 3  # right after a bootout, bootstrap can fail with "5: Input/output error"

@@ -1,0 +1,51 @@
+"""`lockstep serve` flags for the HTTP service: API keys, request limits, logging, draining."""
+from __future__ import annotations
+
+import argparse
+
+from server.auth import KEYS_ENV, api_keys, warn_if_exposed
+from server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS, Limits
+from server.shutdown import DEFAULT_DRAIN_TIMEOUT
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def add_http_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help=f"require 'Authorization: Bearer KEY' on /v1 and /metrics (repeatable; "
+                             f"also {KEYS_ENV}, comma-separated)")
+    parser.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                        help=f"largest request body; larger gets 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    parser.add_argument("--max-tokens-limit", type=_positive_int, default=DEFAULT_MAX_TOKENS,
+                        help=f"largest max_tokens a request may ask for; larger gets 400, and it is the "
+                             f"default when a request sets none (default {DEFAULT_MAX_TOKENS})")
+    parser.add_argument("--max-prompt-tokens", type=_positive_int, default=None,
+                        help="longest prompt in tokens; longer gets 400 (default: the model's context)")
+    parser.add_argument("--max-queue", type=_non_negative_int, default=DEFAULT_MAX_QUEUE,
+                        help=f"requests waiting for a slot before new ones get 429 (default {DEFAULT_MAX_QUEUE})")
+    parser.add_argument("--log-prompts", action="store_true",
+                        help="include prompts in the JSON access log (off: prompts are user data)")
+    parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT,
+                        help=f"seconds SIGTERM/SIGINT waits for requests in flight before stopping "
+                             f"(default {DEFAULT_DRAIN_TIMEOUT:.0f})")
+
+
+def http_settings_from_args(args: argparse.Namespace) -> dict:
+    """`create_app` keyword arguments; warns when exposed beyond loopback without a key."""
+    keys = api_keys(args.api_key)
+    warn_if_exposed(args.host, keys)
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit,
+                    max_prompt_tokens=args.max_prompt_tokens, max_queue=args.max_queue)
+    return {"api_keys": keys, "limits": limits, "log_prompts": args.log_prompts}

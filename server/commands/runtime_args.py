@@ -1,0 +1,65 @@
+"""Flags that choose what a deployment runs (shared by serve, verify and bench)."""
+from __future__ import annotations
+
+import argparse
+
+from server.decoding import METHODS
+from server.runtime import Options, limit_from_env
+
+WEIGHT_CHOICES = ("auto", "q4", "float32", "float16")
+QUANT_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default",
+                        help='"default" (the embedded SmolLM2-135M-Instruct), an mlx-lm dir or a .gguf')
+    parser.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
+                        help="weight format for GGUF imports (default auto: fastest on this backend)")
+    parser.add_argument("--quantize", choices=QUANT_MODES, default=None,
+                        help="quantize at load time with mlx-lm's quantizer")
+    parser.add_argument("--q-bits", type=int, default=None)
+    parser.add_argument("--q-group-size", type=int, default=None)
+    parser.add_argument("--cpu-blas", choices=("reference", "openblas"), default="reference",
+                        help="BLAS for MLX's CPU float32 matmuls on Linux: the bundled reference BLAS "
+                             "(default) or OpenBLAS through a preloaded shim (much faster prompts; "
+                             "results then vary by shape, which batch invariance routes around)")
+
+
+def add_determinism_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-invariant-limit", type=int, default=None, metavar="L",
+                        help="rows per forward pass that must match single-row bits (0 = off; env "
+                             "LOCKSTEP_BATCH_INVARIANT_LIMIT or MLX_METAL_BATCH_INVARIANT_LIMIT)")
+    parser.add_argument("--invariant-strategy", default="auto",
+                        choices=("auto", "native", "strided_gemv", "rowwise"),
+                        help="canonical kernel form (default auto: fastest proven by the self-test)")
+    parser.add_argument("--speculative", choices=METHODS, default="none",
+                        help="default speculative method for requests that do not choose one")
+    parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--draft-model", default=None,
+                        help='draft model for speculative decoding: a model spec or "default-quantized"')
+    parser.add_argument("--prefill-chunk", type=int, default=512)
+
+
+def options_from_args(args: argparse.Namespace) -> Options:
+    limit = args.batch_invariant_limit
+    if limit is None:
+        limit = limit_from_env()
+    if limit < 0:
+        raise SystemExit("--batch-invariant-limit must be >= 0")
+    return Options(
+        model=args.model, weights=args.weights, quantize=args.quantize, q_bits=args.q_bits,
+        q_group_size=args.q_group_size, batch_invariant_limit=limit,
+        invariant_strategy=args.invariant_strategy, speculative=args.speculative,
+        num_draft_tokens=args.num_draft_tokens, draft_model=args.draft_model,
+        prefill_chunk=args.prefill_chunk,
+    )
+
+
+def apply_cpu_blas(args: argparse.Namespace) -> None:
+    """Re-exec with the OpenBLAS shim preloaded when asked (before MLX runs anything)."""
+    import sys
+
+    if args.cpu_blas == "openblas" and sys.platform.startswith("linux"):
+        from kernels.cpu_blas import ensure_preloaded
+
+        ensure_preloaded(choice="openblas")

@@ -1,0 +1,68 @@
+"""Prometheus metrics for one app, on its own `CollectorRegistry` (several apps, e.g. in
+tests, never share counters). Filled from finished `RequestRecord`s; engine gauges are
+read at scrape time.
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from server.request_record import RequestRecord
+
+OTHER_ENDPOINT = "other"  # unknown paths share one label value: no unbounded label sets
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
+TOKENS_PER_SECOND_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+
+class Metrics:
+    def __init__(self, endpoints: set[str] = frozenset()):
+        self.endpoints = set(endpoints)
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("lockstep_http_requests", "HTTP requests by endpoint", ["endpoint"], registry=r)
+        self.errors = Counter("lockstep_http_errors", "HTTP error responses by endpoint and status",
+                              ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("lockstep_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.completion_tokens = Counter("lockstep_completion_tokens", "Completion tokens generated", registry=r)
+        self.ttft = Histogram("lockstep_time_to_first_token_seconds", "Time from request arrival to first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.decode_rate = Histogram("lockstep_decode_tokens_per_second", "Per-request decode rate after the "
+                                     "first token", buckets=TOKENS_PER_SECOND_BUCKETS, registry=r)
+        self.cancelled = Counter("lockstep_cancelled_requests", "Generations stopped because the client left",
+                                 registry=r)
+        self.deterministic = Counter("lockstep_deterministic_requests", "Requests served in deterministic mode",
+                                     registry=r)
+        self.drafted = Counter("lockstep_speculative_drafted_tokens", "Speculative tokens drafted", registry=r)
+        self.accepted = Counter("lockstep_speculative_accepted_tokens", "Speculative tokens accepted",
+                                registry=r)
+        self.queue_depth = Gauge("lockstep_queue_depth", "Requests waiting for a generation slot", registry=r)
+        self.active = Gauge("lockstep_active_requests", "Requests being generated", registry=r)
+
+    def watch_engine(self, engine) -> None:
+        self.queue_depth.set_function(lambda: engine.counts()["waiting"])
+        self.active.set_function(lambda: engine.counts()["active"])
+
+    def __call__(self, record: RequestRecord) -> None:
+        """Request sink: count one finished request."""
+        endpoint = record.path if record.path in self.endpoints else OTHER_ENDPOINT
+        self.requests.labels(endpoint).inc()
+        if record.status is not None and record.status >= 400:
+            self.errors.labels(endpoint, str(record.status)).inc()
+        if record.prompt_tokens is None:
+            return  # nothing was generated
+        self.prompt_tokens.inc(record.prompt_tokens)
+        self.completion_tokens.inc(record.completion_tokens or 0)
+        extension = record.extension or {}
+        if record.deterministic or extension.get("deterministic"):
+            self.deterministic.inc()
+        if record.cancelled:
+            self.cancelled.inc()
+        if record.first_token_at is not None:
+            self.ttft.observe(record.first_token_at - record.started)
+            decoded = (record.completion_tokens or 0) - 1
+            elapsed = (record.finished or record.first_token_at) - record.first_token_at
+            if decoded > 0 and elapsed > 0:
+                self.decode_rate.observe(decoded / elapsed)
+        self.drafted.inc(int(extension.get("drafted_tokens") or 0))
+        self.accepted.inc(int(extension.get("accepted_tokens") or 0))
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

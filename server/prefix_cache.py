@@ -1,0 +1,81 @@
+"""Reuse of prompt KV between requests.
+
+Only KV written by prompt prefill is stored (never decode-written rows), and prefill
+resumes at a chunk boundary aligned to absolute positions (kernels/prefill.py), so a
+request computes the same KV whether its prefix was cached or not.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _copy(cache: list, length: int) -> list:
+    """Fresh KVCaches holding the first `length` positions, in buffers sized as a cold
+    prefill leaves them (whole steps of KVCache.step), so later growth follows suit."""
+    copies = []
+    for layer in cache:
+        fresh = KVCache()
+        if length:
+            size = -(-length // KVCache.step) * KVCache.step
+            for name in ("keys", "values"):
+                src = getattr(layer, name)
+                buf = mx.zeros((*src.shape[:2], size, src.shape[3]), src.dtype)
+                buf[..., :length, :] = src[..., :length, :]
+                setattr(fresh, name, buf)
+            fresh.offset = length
+        copies.append(fresh)
+    mx.eval([(c.keys, c.values) for c in copies if c.keys is not None])
+    return copies
+
+
+class PrefixCache:
+    """LRU of (prompt tokens -> KV) snapshots; only plain KVCache lists are stored."""
+
+    def __init__(self, entries: int = 4):
+        self.entries = entries
+        self._store: OrderedDict[tuple, list] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def storable(cache: list) -> bool:
+        return all(type(layer) is KVCache for layer in cache)
+
+    def lookup(self, tokens: list[int]) -> tuple[list | None, int]:
+        """A private copy of the cached KV sharing the longest prefix with `tokens`, and its length."""
+        with self._lock:
+            best, best_len = None, 0
+            for key, cache in self._store.items():
+                n = _common_prefix(list(key), tokens)
+                if n > best_len:
+                    best, best_len = key, n
+            if best is None:
+                self.misses += 1
+                return None, 0
+            self._store.move_to_end(best)
+            self.hits += 1
+            return _copy(self._store[best], best_len), best_len
+
+    def store(self, tokens: list[int], cache: list) -> None:
+        """Keep a snapshot of `cache`, which holds exactly the KV of `tokens`."""
+        if self.entries <= 0 or not tokens or not self.storable(cache):
+            return
+        snapshot = _copy(cache, len(tokens))
+        with self._lock:
+            self._store[tuple(tokens)] = snapshot
+            self._store.move_to_end(tuple(tokens))
+            while len(self._store) > self.entries:
+                self._store.popitem(last=False)

@@ -1,0 +1,62 @@
+"""Where decoded tokens come from: one per forward pass, or several per speculative pass.
+
+Both sources choose every token the same way: `sample` on a (1, vocab) row of the
+target's logits at its absolute position. With batch-invariant kernels a row's logits do
+not depend on how many rows shared its forward pass, so both give identical tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import mlx.core as mx
+
+from server.sampling import Sampled, SamplingParams, sample
+from server.speculative import verify_step
+
+
+@dataclass(frozen=True)
+class Step:
+    """One decoded token and the target logits row it was chosen from."""
+
+    sampled: Sampled
+    logits: mx.array
+
+
+@dataclass
+class SpeculationStats:
+    drafted: int = 0
+    accepted: int = 0
+    passes: int = 0  # target forward passes during decode
+
+
+def plain_tokens(step, model, cache, context: list[int], params: SamplingParams,
+                 stats: SpeculationStats) -> Iterator[list[Step]]:
+    """One token per forward pass. `context` is the whole sequence so far (extended here)."""
+    while True:
+        logits = step(model, cache, [context[-1]])[-1:]
+        stats.passes += 1
+        chosen = sample(logits, [len(context)], params)[0]
+        context.append(chosen.token)
+        yield [Step(chosen, logits[0])]
+
+
+def speculative_tokens(step, model, cache, context: list[int], params: SamplingParams,
+                       drafter, k: int, stats: SpeculationStats) -> Iterator[list[Step]]:
+    """Up to k + 1 tokens per forward pass: drafts verified by the target (sample and compare)."""
+    while True:
+        drafts = drafter.propose(context, k)
+        base = len(context)
+        picked: list[Step] = []
+
+        def choose(row, i):
+            chosen = sample(row[None], [base + i], params)[0]
+            picked.append(Step(chosen, row))
+            return chosen.token
+
+        verified = verify_step(lambda toks: step(model, cache, toks), cache, context[-1], drafts, choose)
+        stats.passes += 1
+        stats.drafted += verified.drafted
+        stats.accepted += verified.accepted
+        context.extend(verified.tokens)
+        yield picked
