@@ -16,6 +16,8 @@ COMMAND_MODULES = (
     "server.commands.convert",
     "server.commands.audit",
     "server.commands.service",
+    "server.commands.verify",
+    "server.commands.bench",
 )
 
 

@@ -56,3 +56,20 @@ def serve(app, host: str, port: int, drain_timeout: float = DEFAULT_DRAIN_TIMEOU
     config.setdefault("timeout_graceful_shutdown", AFTER_DRAIN_GRACE_S)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, **config), app.state.drain, drain_timeout)
     server.run()
+
+
+def exit_without_finalizing(code: int = 0) -> None:
+    """End the process now, skipping interpreter finalization.
+
+    After MLX has run on a thread other than the main one (the engine's worker), CPython's
+    finalization intermittently aborts in MLX's native teardown ("terminate called without
+    an active exception", exit 134), turning a clean stop into a crash for launchd/systemd.
+    Everything worth keeping is done by now (engine stopped); flush the logs and leave.
+    """
+    import os
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -71,4 +71,5 @@ def run(args: argparse.Namespace) -> int:
                        log_level=logging.getLogger().level, access_log=False)
     finally:
         engine.stop()
+    shutdown.exit_without_finalizing(0)  # MLX teardown after worker-thread use can abort
     return 0

@@ -1,0 +1,53 @@
+"""`lockstep bench`: ratios of deterministic vs native and speculative vs plain, in one run."""
+from __future__ import annotations
+
+import argparse
+
+from server.commands.runtime_args import (add_model_arguments, apply_cpu_blas, options_from_args)
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="measure deterministic-mode and speculative speed ratios")
+    add_model_arguments(parser)
+    parser.add_argument("--limit", type=int, default=8, help="batch-invariant limit L (default 8)")
+    parser.add_argument("--num-draft-tokens", type=int, default=None, help="k (default L-1)")
+    parser.add_argument("--invariant-strategy", default="auto")
+    parser.add_argument("--no-draft", action="store_true")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", default=None)
+    parser.set_defaults(func=run, batch_invariant_limit=None, speculative="none", draft_model=None,
+                        prefill_chunk=512)
+
+
+def run(args: argparse.Namespace) -> int:
+    apply_cpu_blas(args)
+    import mlx.core as mx
+
+    from kernels import cpu_blas
+    from kernels.invariant import set_batch_invariant_limit
+    from server.bench import run_bench
+    from server.runtime import build_runtime
+
+    args.batch_invariant_limit = args.limit
+    args.draft_model = None if args.no_draft else "default-quantized"
+    runtime = build_runtime(options_from_args(args))
+    model, plan = runtime.loaded.model, runtime.plan
+
+    def set_limit(limit):
+        set_batch_invariant_limit(model, limit, plan.strategy, verify=False)
+
+    results = run_bench(model, runtime.loaded.tokenizer, set_limit, args.limit,
+                        runtime.deployment.draft_model, args.tokens, args.rounds,
+                        args.prompt_tokens, args.num_draft_tokens)
+    lines = [f"lockstep bench: backend {mx.default_device()}, MLX {mx.__version__}, BLAS "
+             f"{cpu_blas.describe()}, model {runtime.loaded.name} ({runtime.transform}), L={args.limit}, "
+             f"strategy {plan.strategy} (guaranteed {plan.guaranteed}), {args.tokens} tokens, "
+             f"best of {args.rounds} rounds"]
+    lines += [r.line() for r in results]
+    print("\n".join(lines))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0

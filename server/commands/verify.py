@@ -1,0 +1,85 @@
+"""`lockstep verify`: the divergence matrix of deterministic mode on this backend."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from server.commands.runtime_args import QUANT_MODES, WEIGHT_CHOICES, apply_cpu_blas
+
+log = logging.getLogger("lockstep.verify")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "verify", help="print divergent-token/logit counts: speculative and concurrent vs plain decoding")
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--variants", default="q4",
+                        help=f"comma-separated weight formats {WEIGHT_CHOICES[1:]} or quantization "
+                             f"modes {QUANT_MODES} (default q4)")
+    parser.add_argument("--limit", type=int, default=8, help="batch-invariant limit L (default 8)")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens decoded per prompt (default 64)")
+    parser.add_argument("--widths", default=None, help="verification widths to test (default 2..L)")
+    parser.add_argument("--no-draft", action="store_true", help="skip the draft-model method")
+    parser.add_argument("--invariant-strategy", default="auto")
+    parser.add_argument("--cpu-blas", choices=("reference", "openblas"), default="reference")
+    parser.add_argument("--out", default=None, help="also write the table to this file")
+    parser.set_defaults(func=run)
+
+
+def _options(args, variant: str, draft: bool):
+    from server.runtime import Options
+
+    weights, quantize = ("auto", variant) if variant in QUANT_MODES else (variant, None)
+    if variant not in QUANT_MODES and variant not in WEIGHT_CHOICES:
+        raise SystemExit(f"unknown variant {variant!r}")
+    return Options(model=args.model, weights=weights, quantize=quantize,
+                   batch_invariant_limit=args.limit, invariant_strategy=args.invariant_strategy,
+                   draft_model="default-quantized" if draft else None)
+
+
+def run(args: argparse.Namespace) -> int:
+    apply_cpu_blas(args)
+    import mlx.core as mx
+
+    from kernels import cpu_blas
+    from kernels.invariant import set_batch_invariant_limit
+    from server import verify
+    from server.runtime import build_runtime
+
+    if args.limit < 2:
+        raise SystemExit("--limit must be >= 2 (speculative verification needs 2 rows)")
+    widths = [int(w) for w in args.widths.split(",")] if args.widths else None
+    lines = [f"lockstep verify: backend {mx.default_device()}, MLX {mx.__version__}, "
+             f"BLAS {cpu_blas.describe()}, L={args.limit}, {args.tokens} tokens x "
+             f"{len(verify.PROMPTS)} prompts per cell", verify.HEADER]
+    print("\n".join(lines), flush=True)
+    rows, draft_model = [], None
+    for n, variant in enumerate(args.variants.split(",")):
+        runtime = build_runtime(_options(args, variant, draft=not args.no_draft and n == 0))
+        draft_model = draft_model or runtime.deployment.draft_model
+        plan = runtime.plan
+        lines.append(f"# {variant}: strategy {plan.strategy}, guaranteed {plan.guaranteed} ({plan.reason})")
+        print(lines[-1], flush=True)
+        tok = runtime.loaded.tokenizer
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                   for p in verify.PROMPTS]
+        model = runtime.loaded.model
+
+        def set_limit(limit, model=model, strategy=plan.strategy):
+            # the strategy was proven at startup; re-installing it needs no second proof
+            set_batch_invariant_limit(model, limit, strategy, verify=False)
+
+        def emit(line):
+            lines.append(line)
+            print(line, flush=True)
+
+        rows += verify.verify_variant(variant, model, draft_model, prompts, args.limit, args.tokens,
+                                      widths, set_limit, emit)
+    for line in verify.summary_lines(rows):
+        emit(line)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    on_total = sum(r.tokens + r.logits for r in rows if not r.control)
+    return 0 if on_total == 0 else 1
