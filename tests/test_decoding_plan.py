@@ -1,0 +1,198 @@
+"""Decode plans (server/decoding.py), the limit's environment names (server/runtime.py), and
+how the engine schedules an exclusive plan. No model: fast."""
+import asyncio
+import threading
+
+import pytest
+
+from server.decoding import METHODS, DecodePlan, Deployment, RequestRejected, plan_request
+from server.runtime import LIMIT_ENV, limit_from_env
+
+DRAFT = object()  # stands in for a draft model: plan_request only checks it is there
+PROVEN = Deployment(limit=6, guaranteed=True, strategy="native", num_draft_tokens=4, draft_model=DRAFT)
+
+
+def plan(deployment=PROVEN, *, deterministic=True, speculative=None, k=None) -> DecodePlan:
+    return plan_request(deployment, deterministic=deterministic, speculative=speculative, num_draft_tokens=k)
+
+
+def rejected(deployment=PROVEN, **kwargs) -> RequestRejected:
+    with pytest.raises(RequestRejected) as info:
+        plan(deployment, **kwargs)
+    return info.value
+
+
+# ------------------------------------------------------------------ deterministic, L proven
+
+@pytest.mark.parametrize("method", ["draft", "prompt_lookup"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_deterministic_allows_every_k_up_to_limit_minus_one(method, k):
+    p = plan(speculative=method, k=k)
+    assert (p.deterministic, p.method, p.num_draft_tokens, p.exclusive, p.note) == (True, method, k, False, "")
+
+
+@pytest.mark.parametrize("method", ["draft", "prompt_lookup"])
+@pytest.mark.parametrize("k", [6, 7, 64])
+def test_deterministic_refuses_k_of_limit_or_more_naming_the_param(method, k):
+    error = rejected(speculative=method, k=k)
+    assert error.param == "num_draft_tokens"
+    assert "at most 5" in str(error) and "6" in str(error)
+
+
+def test_non_deterministic_requests_are_not_bounded_by_the_limit():
+    p = plan(deterministic=False, speculative="prompt_lookup", k=12)
+    assert (p.deterministic, p.method, p.num_draft_tokens, p.exclusive) == (False, "prompt_lookup", 12, False)
+    assert plan(deterministic=False).method == "none"  # the deployment's default method
+
+
+def test_the_deployment_default_k_is_clipped_not_refused():
+    wide = Deployment(limit=6, guaranteed=True, speculative="draft", num_draft_tokens=9, draft_model=DRAFT)
+    p = plan(wide)  # neither method nor k chosen by the request
+    assert (p.method, p.num_draft_tokens, p.exclusive) == ("draft", 5, False)
+    assert plan(wide, speculative="prompt_lookup").num_draft_tokens == 5
+    assert rejected(wide, speculative="prompt_lookup", k=9).param == "num_draft_tokens"  # chosen: refused
+
+
+def test_limit_one_leaves_no_room_for_drafts():
+    one = Deployment(limit=1, guaranteed=True, speculative="prompt_lookup", num_draft_tokens=4)
+    p = plan(one)
+    assert (p.method, p.num_draft_tokens, p.exclusive) == ("none", 0, False)
+    assert rejected(one, speculative="prompt_lookup", k=1).param == "num_draft_tokens"
+
+
+def test_method_none_carries_no_draft_tokens():
+    p = plan(speculative="none", k=3)
+    assert (p.method, p.num_draft_tokens) == ("none", 0)
+
+
+def test_unknown_method_and_missing_draft_model_are_refused():
+    assert rejected(speculative="medusa").param == "speculative"
+    no_draft = Deployment(limit=6, guaranteed=True)
+    error = rejected(no_draft, speculative="draft", k=2)
+    assert error.param == "speculative" and "draft model" in str(error)
+    # the refusal does not depend on determinism
+    assert rejected(no_draft, deterministic=False, speculative="draft").param == "speculative"
+    assert plan(no_draft, speculative="prompt_lookup", k=2).method == "prompt_lookup"  # control
+
+
+# ------------------------------------------------------------------ deterministic, L off / unproven
+
+@pytest.mark.parametrize("method, k", [(None, None), ("none", None), ("prompt_lookup", 3),
+                                       ("draft", 5), ("prompt_lookup", 99)])
+def test_limit_zero_runs_without_speculation_and_alone_with_a_note(method, k):
+    off = Deployment(limit=0, guaranteed=False, speculative="prompt_lookup", draft_model=DRAFT)
+    p = plan(off, speculative=method, k=k)
+    assert (p.deterministic, p.method, p.num_draft_tokens, p.exclusive) == (True, "none", 0, True)
+    assert "limit is 0" in p.note and "without speculation and alone" in p.note
+    info = p.extension(off)
+    assert info == {"deterministic": True, "batch_invariant_limit": 0, "guaranteed": False,
+                    "speculative": "none", "num_draft_tokens": 0, "note": p.note}
+
+
+def test_unproven_limit_is_not_trusted():
+    unproven = Deployment(limit=6, guaranteed=False, draft_model=DRAFT)
+    p = plan(unproven, speculative="draft", k=3)
+    assert (p.method, p.num_draft_tokens, p.exclusive) == ("none", 0, True)
+    assert "not proven" in p.note
+    assert p.extension(unproven)["guaranteed"] is False
+    assert p.extension(unproven)["batch_invariant_limit"] == 6
+
+
+def test_extension_reports_the_guarantee_only_for_deterministic_requests():
+    det = plan(speculative="prompt_lookup", k=2)
+    assert det.extension(PROVEN) == {"deterministic": True, "batch_invariant_limit": 6, "guaranteed": True,
+                                     "speculative": "prompt_lookup", "num_draft_tokens": 2}
+    loose = plan(deterministic=False, speculative="prompt_lookup", k=2)
+    assert loose.extension(PROVEN)["guaranteed"] is False
+    assert "note" not in loose.extension(PROVEN)
+
+
+def test_methods_agree_between_modules():
+    from server import speculative
+
+    assert METHODS == speculative.METHODS == ("none", "draft", "prompt_lookup")
+
+
+# ------------------------------------------------------------------ limit_from_env
+
+def test_limit_from_env_names_and_precedence():
+    lock, alias = LIMIT_ENV
+    assert (lock, alias) == ("LOCKSTEP_BATCH_INVARIANT_LIMIT", "MLX_METAL_BATCH_INVARIANT_LIMIT")
+    assert limit_from_env({}) == 0
+    assert limit_from_env({alias: "8"}) == 8
+    assert limit_from_env({lock: "4"}) == 4
+    assert limit_from_env({lock: "4", alias: "8"}) == 4  # lockstep's own name wins
+    assert limit_from_env({lock: "0", alias: "8"}) == 0  # even when it turns the mode off
+    assert limit_from_env({lock: " 3 ", alias: "x"}) == 3  # the alias is not even parsed
+    assert limit_from_env({lock: "  ", alias: "5"}) == 5  # blank counts as unset
+
+
+@pytest.mark.parametrize("value", ["abc", "1.5", "-1", "8x"])
+@pytest.mark.parametrize("which", [0, 1])
+def test_limit_from_env_rejects_bad_values_naming_the_variable(value, which):
+    name = LIMIT_ENV[which]
+    with pytest.raises(ValueError) as info:
+        limit_from_env({name: value})
+    assert name in str(info.value) and value in str(info.value)
+
+
+def test_serve_flag_beats_environment(monkeypatch):
+    import argparse
+
+    from server.commands.runtime_args import add_determinism_arguments, add_model_arguments, options_from_args
+
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    add_determinism_arguments(parser)
+    monkeypatch.setenv("MLX_METAL_BATCH_INVARIANT_LIMIT", "8")
+    monkeypatch.delenv("LOCKSTEP_BATCH_INVARIANT_LIMIT", raising=False)
+    assert options_from_args(parser.parse_args([])).batch_invariant_limit == 8
+    monkeypatch.setenv("LOCKSTEP_BATCH_INVARIANT_LIMIT", "3")
+    assert options_from_args(parser.parse_args([])).batch_invariant_limit == 3
+    assert options_from_args(parser.parse_args(["--batch-invariant-limit", "0"])).batch_invariant_limit == 0
+    monkeypatch.setenv("LOCKSTEP_BATCH_INVARIANT_LIMIT", "oops")
+    with pytest.raises(ValueError):
+        options_from_args(parser.parse_args([]))
+
+
+# ------------------------------------------------------------------ the engine honours `exclusive`
+
+def test_engine_runs_an_exclusive_plan_alone():
+    """Units of work are logged per request: an exclusive request never interleaves with
+    another, and requests queued after it wait for it (FIFO); plain ones interleave."""
+    from server.engine import Engine
+    from server.generate import Delta, GenerationRequest
+
+    log: list[str] = []
+    lock = threading.Lock()
+
+    def fake_generate(loaded, request, *, plan=None, deployment=None, prefix_cache=None):
+        name = request.stop[0]
+        for i in range(4):
+            with lock:
+                log.append(name)
+            yield None
+        yield Delta(text=name, prompt_tokens=1, completion_tokens=4, finish_reason="stop")
+
+    off = Deployment(limit=0)
+    excl = plan_request(off, deterministic=True, speculative=None, num_draft_tokens=None)
+    loose = plan_request(off, deterministic=False, speculative=None, num_draft_tokens=None)
+    assert excl.exclusive and not loose.exclusive
+
+    async def main():
+        engine = Engine(loaded=None, max_active=4, generate_fn=fake_generate, deployment=off).start()
+        try:
+            handles = [engine.submit(GenerationRequest([1], 4, stop=(name,)), p)
+                       for name, p in (("a", loose), ("b", loose), ("X", excl), ("c", loose))]
+            for h in handles:
+                async for _ in h:
+                    pass
+        finally:
+            engine.stop()
+
+    asyncio.run(main())
+    assert sorted(log) == sorted("aaaabbbbXXXXcccc")
+    first_x, last_x = log.index("X"), len(log) - 1 - log[::-1].index("X")
+    assert log[first_x:last_x + 1] == ["X"] * 4  # alone while it ran
+    assert set(log[:first_x]) == {"a", "b"} and log[last_x + 1:] == ["c"] * 4  # nobody overtook it
+    assert log[:first_x] != sorted(log[:first_x])  # the plain ones did interleave (control)

@@ -1,0 +1,370 @@
+"""Deterministic mode end to end: the official `openai` client against live servers on loopback.
+
+The in-process server is assembled like `lockstep serve --batch-invariant-limit 6` does it
+(server/runtime.py): batch invariance installed and self-tested on the embedded model, a
+Deployment with a draft model, an Engine with a prefix cache, the deployment's
+system_fingerprint. Every answer is compared bitwise: token strings and bytes, logprobs
+(IEEE-754 bits) and top alternatives, text.
+
+Cost (2 CPU cores): every request is reused across assertions; the draft model (a 4-bit
+copy of the target, made in memory from the float32 import) is as deep as the target, so a
+draft request costs about twice a plain one. Prompts were picked to run the full 64 tokens.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx2 as httpx
+import pytest
+from openai import BadRequestError, OpenAI
+
+from tests.deterministic_fixtures import float_bits
+from tests.http_server import running
+
+L = 6
+CHUNK = 4  # prefill chunk <= L: a prefix-cache hit resumes exactly where the cached prefix ends
+TOKENS = 64
+ROOT = Path(__file__).resolve().parent.parent
+
+HELLO = [{"role": "user", "content": "Write the word 'hello' forty times, separated by spaces."}]
+STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
+OTHER = [{"role": "user", "content": "Name three rivers in Europe and say where they flow."}]
+GREEDY = dict(temperature=0, max_tokens=TOKENS, logprobs=True, top_logprobs=3)
+SEEDED = dict(temperature=0.8, top_p=0.95, seed=1234, max_tokens=TOKENS, logprobs=True, top_logprobs=3)
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    tokens: tuple  # (token text, its bytes) per generated token
+    logprobs: tuple  # IEEE-754 bits of each token's logprob
+    tops: tuple  # ((token, bytes, logprob bits), ...) per token
+    finish_reason: str
+    completion_tokens: int
+    lockstep: dict
+    fingerprint: str
+
+    def bits(self) -> tuple:
+        """Everything that must be identical between two deterministic answers."""
+        return (self.text, self.tokens, self.logprobs, self.tops, self.finish_reason)
+
+
+def _answer(text, content, finish, usage, lockstep, fingerprint) -> Answer:
+    return Answer(
+        text=text,
+        tokens=tuple((t.token, tuple(t.bytes)) for t in content),
+        logprobs=tuple(float_bits(t.logprob) for t in content),
+        tops=tuple(tuple((a.token, tuple(a.bytes), float_bits(a.logprob)) for a in t.top_logprobs)
+                   for t in content),
+        finish_reason=finish, completion_tokens=usage, lockstep=lockstep or {}, fingerprint=fingerprint)
+
+
+def chat(client, messages, sampling, *, method=None, k=None, deterministic=True, stream=False) -> Answer:
+    extra = {"deterministic": deterministic}
+    if method is not None:
+        extra["speculative"] = method
+    if k is not None:
+        extra["num_draft_tokens"] = k
+    args = dict(model="default", messages=messages, extra_body=extra, **sampling)
+    if not stream:
+        r = client.chat.completions.create(**args)
+        c = r.choices[0]
+        return _answer(c.message.content, c.logprobs.content, c.finish_reason, r.usage.completion_tokens,
+                       (r.model_extra or {}).get("lockstep"), r.system_fingerprint)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    choices = [c.choices[0] for c in chunks if c.choices]
+    content = [t for ch in choices if ch.logprobs and ch.logprobs.content for t in ch.logprobs.content]
+    extensions = [(c.model_extra or {}).get("lockstep") for c in chunks]
+    extensions = [e for e in extensions if e]
+    assert len(extensions) == 1  # once, with the finish
+    assert len({c.system_fingerprint for c in chunks}) == 1
+    return _answer("".join(ch.delta.content or "" for ch in choices), content,
+                   next(ch.finish_reason for ch in choices if ch.finish_reason),
+                   chunks[-1].usage.completion_tokens, extensions[0], chunks[0].system_fingerprint)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------ servers
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory):
+    """A real `lockstep serve` process, started now so it loads while the in-process tests
+    run; the restart test (last in this module) waits for it."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w")
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCKSTEP_BATCH_INVARIANT_LIMIT",
+                                                            "MLX_METAL_BATCH_INVARIANT_LIMIT")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "--log-level", "WARNING", "serve", "--batch-invariant-limit", str(L),
+         "--prefill-chunk", str(CHUNK), "--port", str(port)],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    yield SimpleNamespace(proc=proc, url=f"http://127.0.0.1:{port}", log=log.name)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def draft_model():
+    from models.load import load_model
+    from models.quantize import quantize_model_in_memory
+
+    draft = load_model("default", weights="float32")
+    quantize_model_in_memory(draft.model, None, "affine", 4, 64, progress=False)
+    return draft.model
+
+
+@pytest.fixture(scope="module")
+def server(restarted, embedded_model, draft_model):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kernels import cpu_blas
+    from kernels.invariant import cache_invariance_problem, set_batch_invariant_limit
+    from server.app import create_app
+    from server.decoding import Deployment
+    from server.engine import Engine
+    from server.fingerprint import system_fingerprint
+    from server.prefix_cache import PrefixCache
+
+    plan = set_batch_invariant_limit(embedded_model.model, L)
+    try:
+        assert plan.guaranteed, plan.reason
+        assert cache_invariance_problem(make_prompt_cache(embedded_model.model)) is None
+        transform = f"weights={embedded_model.weights}"
+        fingerprint = system_fingerprint(embedded_model.path, transform=transform, strategy=plan.strategy,
+                                         limit=plan.limit, blas=cpu_blas.describe())
+        deployment = Deployment(limit=L, guaranteed=plan.guaranteed, strategy=plan.strategy,
+                                draft_model=draft_model, draft_name="4-bit copy", prefill_chunk=CHUNK,
+                                fingerprint=fingerprint)
+        prefix_cache = PrefixCache(4)
+        engine = Engine(embedded_model, max_active=4, deployment=deployment, prefix_cache=prefix_cache).start()
+        try:
+            with running(create_app(engine, fingerprint=fingerprint)) as url:
+                client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
+                yield SimpleNamespace(client=client, engine=engine, prefix_cache=prefix_cache, plan=plan,
+                                      fingerprint=fingerprint, transform=transform, answers={})
+        finally:
+            engine.stop()
+    finally:
+        set_batch_invariant_limit(embedded_model.model, 0)  # other modules get the native model
+
+
+@pytest.fixture(scope="module")
+def answer(server):
+    """Memoised deterministic answers: (prompt name, sampling name, method, k, stream)."""
+    prompts = {"hello": HELLO, "story": STORY}
+    samplings = {"greedy": GREEDY, "seeded": SEEDED}
+
+    def get(prompt, sampling, method="none", k=None, stream=False) -> Answer:
+        key = (prompt, sampling, method, k, stream)
+        if key not in server.answers:
+            server.answers[key] = chat(server.client, prompts[prompt], samplings[sampling],
+                                       method=method, k=k, stream=stream)
+        return server.answers[key]
+
+    return get
+
+
+def assert_same(got: Answer, want: Answer):
+    assert got.text == want.text
+    assert got.tokens == want.tokens
+    assert got.logprobs == want.logprobs
+    assert got.bits() == want.bits()
+
+
+# ------------------------------------------------------------------ greedy, the repetitive prompt
+
+def test_greedy_baseline_is_cold_full_length_and_guaranteed(server, answer):
+    assert (server.prefix_cache.hits, server.prefix_cache.misses) == (0, 0)
+    base = answer("hello", "greedy")
+    assert (server.prefix_cache.hits, server.prefix_cache.misses) == (0, 1)  # computed cold
+    assert len(base.tokens) == base.completion_tokens == TOKENS and base.finish_reason == "length"
+    assert len(set(base.tokens)) > 2 and all(len(t) == 3 for t in base.tops)
+    assert base.fingerprint == server.fingerprint
+    assert base.lockstep == {"deterministic": True, "batch_invariant_limit": L, "guaranteed": True,
+                             "speculative": "none", "num_draft_tokens": 0, "drafted_tokens": 0,
+                             "accepted_tokens": 0, "forward_passes": TOKENS}
+
+
+def test_second_identical_request_hits_the_prefix_cache_and_matches(server, answer):
+    base = answer("hello", "greedy")
+    hits = server.prefix_cache.hits
+    again = chat(server.client, HELLO, GREEDY)
+    assert server.prefix_cache.hits == hits + 1
+    assert_same(again, base)
+
+
+@pytest.mark.parametrize("method, k", [("draft", 1), ("draft", 5), ("prompt_lookup", 3)])
+def test_greedy_tokens_do_not_depend_on_speculation(answer, method, k):
+    base = answer("hello", "greedy")
+    spec = answer("hello", "greedy", method, k)
+    assert_same(spec, base)
+    ext = spec.lockstep
+    assert (ext["speculative"], ext["num_draft_tokens"], ext["guaranteed"]) == (method, k, True)
+    assert ext["drafted_tokens"] > 0 and ext["accepted_tokens"] > 0
+    assert ext["forward_passes"] < TOKENS  # accepted drafts saved target passes
+
+
+def test_streamed_equals_non_streamed(answer):
+    base = answer("hello", "greedy")
+    streamed = answer("hello", "greedy", "prompt_lookup", L - 1, stream=True)
+    assert_same(streamed, base)
+    assert streamed.completion_tokens == TOKENS
+    assert streamed.lockstep["speculative"] == "prompt_lookup" and streamed.lockstep["accepted_tokens"] > 0
+
+
+# ------------------------------------------------------------------ seeded sampling, a free-form prompt
+
+def test_seeded_baseline_runs_full_length(answer):
+    base = answer("story", "seeded")
+    assert len(base.tokens) == TOKENS and base.finish_reason == "length"
+    assert base.lockstep["speculative"] == "none" and base.lockstep["guaranteed"] is True
+
+
+@pytest.mark.parametrize("method, k", [("draft", 3), ("prompt_lookup", 1)])
+def test_seeded_tokens_do_not_depend_on_speculation(answer, method, k):
+    base = answer("story", "seeded")
+    spec = answer("story", "seeded", method, k)
+    assert_same(spec, base)
+    assert spec.lockstep["drafted_tokens"] > 0
+    if method == "draft":  # a greedy draft against a sampled target: some rejected
+        assert 0 < spec.lockstep["accepted_tokens"] < spec.lockstep["drafted_tokens"]
+
+
+def test_another_seed_gives_another_answer(server, answer):
+    """Negative control: the comparisons above could fail (the seed does steer the tokens)."""
+    base = answer("story", "seeded")
+    other = chat(server.client, STORY, {**SEEDED, "seed": 99, "max_tokens": 16})
+    assert other.tokens != base.tokens[:16]
+
+
+# ------------------------------------------------------------------ beside other requests
+
+def test_concurrent_with_other_requests_equals_alone(server, answer):
+    base = answer("hello", "greedy")
+    results, errors = {}, []
+    start = threading.Barrier(3)
+
+    def run(name, fn):
+        try:
+            start.wait()
+            results[name] = fn()
+        except Exception as exc:  # reported below, never swallowed
+            errors.append((name, exc))
+
+    loose = dict(temperature=1.0, max_tokens=24)
+    jobs = {
+        "main": lambda: chat(server.client, HELLO, GREEDY, method="draft", k=3),
+        "other": lambda: server.client.chat.completions.create(model="default", messages=OTHER, **loose),
+        "story": lambda: server.client.chat.completions.create(  # non-deterministic: k may exceed L - 1
+            model="default", messages=STORY, extra_body={"speculative": "prompt_lookup", "num_draft_tokens": 8},
+            **loose),
+    }
+    threads = [threading.Thread(target=run, args=item) for item in jobs.items()]
+    for t in threads:
+        t.start()
+    most_active = 0
+    while any(t.is_alive() for t in threads):
+        most_active = max(most_active, server.engine.counts()["active"])
+        time.sleep(0.05)
+    assert not errors, errors
+    assert most_active >= 2  # they really shared the engine
+    assert_same(results["main"], base)
+    assert results["main"].lockstep["speculative"] == "draft"
+    assert results["story"].model_extra["lockstep"]["deterministic"] is False
+
+
+# ------------------------------------------------------------------ refusals
+
+def test_refusals_name_the_parameter(server):
+    def refused(messages, sampling, **kwargs):
+        with pytest.raises(BadRequestError) as info:
+            chat(server.client, messages, sampling, **kwargs)
+        assert info.value.status_code == 400
+        return info.value.param
+
+    short = {**GREEDY, "max_tokens": 2}
+    assert refused(HELLO, short, method="prompt_lookup", k=L) == "num_draft_tokens"
+    assert refused(HELLO, short, method="draft", k=L + 3) == "num_draft_tokens"
+    no_seed = {k: v for k, v in SEEDED.items() if k != "seed"}
+    assert refused(HELLO, {**no_seed, "max_tokens": 2}) == "seed"
+    # controls: the same k without `deterministic`, and a seedless request that is not deterministic
+    assert chat(server.client, HELLO, short, method="prompt_lookup", k=L, deterministic=False).completion_tokens == 2
+    assert chat(server.client, HELLO, {**no_seed, "max_tokens": 2}, deterministic=False).completion_tokens == 2
+
+
+@pytest.fixture(scope="module")
+def l0_server(server, embedded_model):
+    """A deployment with L = 0 and no draft model (same engine code, own prefix cache)."""
+    from server.app import create_app
+    from server.decoding import Deployment
+    from server.engine import Engine
+    from server.prefix_cache import PrefixCache
+
+    engine = Engine(embedded_model, max_active=4, deployment=Deployment(prefill_chunk=CHUNK),
+                    prefix_cache=PrefixCache(2)).start()
+    try:
+        with running(create_app(engine, fingerprint="fp_l0")) as url:
+            yield OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
+    finally:
+        engine.stop()
+
+
+def test_limit_zero_runs_deterministic_requests_plain_with_a_note(l0_server):
+    got = chat(l0_server, HELLO, {**GREEDY, "max_tokens": 6}, method="prompt_lookup", k=3)
+    ext = got.lockstep
+    assert (ext["deterministic"], ext["batch_invariant_limit"], ext["guaranteed"]) == (True, 0, False)
+    assert (ext["speculative"], ext["num_draft_tokens"], ext["drafted_tokens"]) == ("none", 0, 0)
+    assert ext["forward_passes"] == 6 and "without speculation and alone" in ext["note"]
+    assert got.fingerprint == "fp_l0"
+    with pytest.raises(BadRequestError) as info:  # no draft model on this server
+        chat(l0_server, HELLO, {**GREEDY, "max_tokens": 2}, method="draft", k=2)
+    assert info.value.param == "speculative"
+
+
+# ------------------------------------------------------------------ a server restart (last: it waited)
+
+def test_a_restarted_server_gives_the_same_bits(server, answer, restarted):
+    base = answer("hello", "greedy")
+    deadline = time.monotonic() + 240  # a hang guard, not a timing assertion
+    with httpx.Client(base_url=restarted.url, timeout=5) as http:
+        while True:
+            if restarted.proc.poll() is not None:
+                log = Path(restarted.log).read_text()[-3000:]
+                pytest.fail(f"lockstep serve exited with {restarted.proc.returncode}:\n{log}")
+            try:
+                if http.get("/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("lockstep serve did not come up")
+            time.sleep(0.5)
+        info = http.get("/v1/models").json()["data"][0]["lockstep"]
+    assert info["batch_invariance"]["limit"] == L and info["batch_invariance"]["guaranteed"] is True
+    assert info["batch_invariance"]["strategy"] == server.plan.strategy
+    assert info["transform"] == server.transform  # same weights, no audit workaround
+    client = OpenAI(base_url=restarted.url + "/v1", api_key="x", max_retries=0, timeout=600)
+    fresh = chat(client, HELLO, GREEDY)
+    assert fresh.fingerprint == server.fingerprint
+    assert_same(fresh, base)
+    assert fresh.lockstep == base.lockstep

@@ -1,0 +1,205 @@
+"""The prefix cache (server/prefix_cache.py) and prefix reuse inside generate().
+
+A hit must not change a single bit: under the shape-variant double (rows reduce differently
+when a call has several), generate() with a cached prefix, whole or ending mid-chunk, gives
+the tokens, logprobs and decode logits of a cold run, with and without batch invariance.
+"""
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+import server.generate as generate_module
+from kernels.invariant import set_batch_invariant_limit
+from kernels.selftest import bits_equal
+from kernels.shape_variant import shape_variant_backend
+from server.decoding import Deployment
+from server.generate import GenerationRequest
+from server.prefix_cache import PrefixCache
+from tests.deterministic_fixtures import GREEDY, SEEDED, TinyLoaded, rows_bit_identical, run_generate
+from tests.tiny_models import tiny_llama
+
+CHUNK = 8
+
+
+def filled_cache(n_layers=2, length=10, seed=0):
+    """A KVCache list holding `length` positions of random K/V (B=1, 2 heads, dim 4)."""
+    mx.random.seed(seed)
+    cache = [KVCache() for _ in range(n_layers)]
+    for c in cache:
+        c.update_and_fetch(mx.random.normal((1, 2, length, 4)), mx.random.normal((1, 2, length, 4)))
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+# ------------------------------------------------------------------ PrefixCache itself
+
+def test_empty_cache_misses():
+    pc = PrefixCache(2)
+    assert pc.lookup([1, 2, 3]) == (None, 0)
+    assert (pc.hits, pc.misses) == (0, 1)
+
+
+def test_lookup_returns_a_private_copy_of_the_longest_shared_prefix():
+    pc = PrefixCache(4)
+    tokens = list(range(10))
+    source = filled_cache(length=10)
+    pc.store(tokens, source)
+    pc.store([0, 1, 2, 99], filled_cache(length=4, seed=1))
+
+    copy, n = pc.lookup([0, 1, 2, 3, 4, 5, 7, 7])  # shares 6 with the first, 3 with the second
+    assert n == 6 and (pc.hits, pc.misses) == (1, 0)
+    for got, want in zip(copy, source):
+        assert type(got) is KVCache and got.offset == 6
+        assert got.keys.shape[2] % KVCache.step == 0  # buffer sized like a cold prefill's
+        assert bits_equal(got.keys[..., :6, :], want.keys[..., :6, :])
+        assert bits_equal(got.values[..., :6, :], want.values[..., :6, :])
+
+    # writing into the copy leaves the stored snapshot untouched
+    copy[0].keys[..., :6, :] = 0.0
+    again, n2 = pc.lookup(tokens)
+    assert n2 == 10 and bits_equal(again[0].keys[..., :10, :], source[0].keys[..., :10, :])
+
+    # and the snapshot does not alias the cache it was stored from
+    source[0].keys[..., :10, :] = 7.0
+    third, _ = pc.lookup(tokens)
+    assert not bits_equal(third[0].keys[..., :10, :], source[0].keys[..., :10, :])
+
+
+def test_lookup_with_nothing_in_common_misses():
+    pc = PrefixCache(4)
+    pc.store([5, 6, 7], filled_cache(length=3))
+    assert pc.lookup([1, 2, 3]) == (None, 0)
+    copy, n = pc.lookup([5, 6])  # a request shorter than the stored prompt
+    assert n == 2 and copy[0].offset == 2
+
+
+def test_lru_evicts_the_least_recently_used():
+    pc = PrefixCache(2)
+    pc.store([1, 1], filled_cache(length=2))
+    pc.store([2, 2], filled_cache(length=2))
+    pc.lookup([1, 1, 5])  # [1, 1] is now the most recently used
+    pc.store([3, 3], filled_cache(length=2))  # evicts [2, 2]
+    assert pc.lookup([2, 2])[1] == 0
+    assert pc.lookup([1, 1])[1] == 2 and pc.lookup([3, 3])[1] == 2
+
+
+def test_storing_the_same_prompt_again_refreshes_it():
+    pc = PrefixCache(2)
+    pc.store([1], filled_cache(length=1))
+    pc.store([2], filled_cache(length=1))
+    pc.store([1], filled_cache(length=1, seed=3))  # refresh, no growth
+    pc.store([3], filled_cache(length=1))  # evicts [2]
+    assert pc.lookup([2])[1] == 0 and pc.lookup([1])[1] == 1
+
+
+def test_what_is_never_stored():
+    off = PrefixCache(0)
+    off.store([1, 2], filled_cache(length=2))
+    assert off.lookup([1, 2]) == (None, 0)
+    pc = PrefixCache(2)
+    pc.store([], filled_cache(length=0))
+    rotating = [RotatingKVCache(max_size=8) for _ in range(2)]
+    assert not PrefixCache.storable(rotating) and PrefixCache.storable(filled_cache(length=1))
+    pc.store([1, 2], rotating)
+    assert pc.lookup([1, 2]) == (None, 0)
+
+
+# ------------------------------------------------------------------ generate() with a hit
+
+PROMPT = [(7 * i + 3) % 256 for i in range(29)]  # prompt[:-1] is 28 tokens: 3.5 chunks
+# Shares 15 tokens: the hit ends mid-chunk (15 % 8 = 7) and a resumed prefill would feed
+# position 15 alone (M = 1), where a cold prefill computes it in an 8-row chunk: under the
+# double those differ, so only the rewind to the chunk start keeps the bits.
+SHARED = PROMPT[:15] + [(5 * i + 1) % 256 for i in range(14)]
+TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return TinyLoaded(tiny_llama(seed=3))
+
+
+@pytest.fixture
+def invariance(tiny):
+    """Install L on the tiny model inside the double (so the self-test has to prove a
+    canonical strategy); back to native afterwards."""
+    def install(limit):
+        with shape_variant_backend():
+            plan = set_batch_invariant_limit(tiny.model, limit)
+        assert plan.guaranteed == (limit > 0), plan.reason
+        return plan
+
+    yield install
+    set_batch_invariant_limit(tiny.model, 0)
+
+
+def same_run(a, b):
+    return (a.tokens == b.tokens and a.logprob_bits() == b.logprob_bits()
+            and a.top_bits() == b.top_bits() and a.text == b.text
+            and rows_bit_identical(sorted_rows(a), sorted_rows(b)))
+
+
+def sorted_rows(run):
+    return [run.decode_logits[p][-1] for p in sorted(run.decode_logits)]
+
+
+def cold_and_cached(tiny, prompt, sampling, warm_with, *, deployment):
+    """(cold run, run after `warm_with` was prefilled into a prefix cache, cache stats)."""
+    cold = run_generate(tiny, prompt, TOKENS, sampling, deployment=deployment)
+    pc = PrefixCache(4)
+    run_generate(tiny, warm_with, 1, sampling, deployment=deployment, prefix_cache=pc)
+    cached = run_generate(tiny, prompt, TOKENS, sampling, deployment=deployment, prefix_cache=pc)
+    return cold, cached, pc
+
+
+@pytest.mark.parametrize("limit", [0, 4, CHUNK], ids=["native", "L<chunk", "L=chunk"])
+@pytest.mark.parametrize("warm_with", ["same", "shared"])
+def test_prefix_hit_is_bitwise_a_cold_run_under_the_double(tiny, invariance, limit, warm_with):
+    plan = invariance(limit) if limit else None
+    deployment = Deployment(limit=limit, guaranteed=bool(plan and plan.guaranteed), prefill_chunk=CHUNK)
+    warm = PROMPT if warm_with == "same" else SHARED
+    with shape_variant_backend():
+        cold, cached, pc = cold_and_cached(tiny, PROMPT, GREEDY, warm, deployment=deployment)
+        cold_s, cached_s, _ = cold_and_cached(tiny, PROMPT, SEEDED, warm, deployment=deployment)
+    assert pc.hits == 1 and pc.misses == 1
+    assert len(cold.tokens) == TOKENS and len(set(cold.tokens)) > 1
+    assert same_run(cold, cached)
+    assert same_run(cold_s, cached_s)
+
+
+def test_alignment_is_what_makes_a_mid_chunk_hit_exact(tiny, monkeypatch):
+    """Negative control: pretend rows are canonical (no rewind to the chunk start) on the
+    native model under the double, and a hit ending mid-chunk changes the bits."""
+    deployment = Deployment(prefill_chunk=CHUNK)
+    with shape_variant_backend():
+        cold = run_generate(tiny, PROMPT, TOKENS, GREEDY, deployment=deployment)
+        monkeypatch.setattr(generate_module, "rows_are_canonical", lambda model, chunk: True)
+        pc = PrefixCache(4)
+        run_generate(tiny, SHARED, 1, GREEDY, deployment=deployment, prefix_cache=pc)
+        unaligned = run_generate(tiny, PROMPT, TOKENS, GREEDY, deployment=deployment, prefix_cache=pc)
+    assert pc.hits == 1
+    assert not same_run(cold, unaligned)
+    assert not bits_equal(sorted_rows(cold)[0], sorted_rows(unaligned)[0])
+
+
+def test_canonical_rows_skip_the_rewind(tiny, invariance):
+    """With L >= chunk a hit resumes exactly where the cached prefix ends (nothing is
+    recomputed); with L < chunk it resumes at the chunk start."""
+    calls = []
+
+    def counting_step(model, cache, tokens):
+        calls.append((cache[0].offset, len(tokens)))
+        return generate_module.forward(model, cache, tokens)
+
+    def resume_points(limit):
+        plan = invariance(limit)
+        deployment = Deployment(limit=limit, guaranteed=plan.guaranteed, prefill_chunk=CHUNK)
+        pc = PrefixCache(2)
+        run_generate(tiny, SHARED, 1, GREEDY, deployment=deployment, prefix_cache=pc)
+        calls.clear()
+        list(generate_module.generate(tiny, GenerationRequest(PROMPT, 1, GREEDY), counting_step,
+                                      deployment=deployment, prefix_cache=pc))
+        return calls[0]
+
+    assert resume_points(CHUNK) == (15, 1)  # resumes at 15, fills up to the boundary at 16
+    assert resume_points(4) == (8, 8)  # rewound to the chunk start, whole chunk recomputed
