@@ -18,7 +18,11 @@ from server.sampling import SamplingParams
 from server.speculative import DraftModelDrafter, PromptLookupDrafter
 from server.token_steps import SpeculationStats, plain_tokens, speculative_tokens
 
-REPETITIVE = "Repeat this list exactly three times: apple, banana, cherry, date, elderberry, fig, grape."
+# A copying task: the answer repeats the prompt, which is what prompt lookup drafts from.
+REPETITIVE = ("Copy the following text exactly, word for word:\n\n"
+              "The lighthouse stood on a rock at the edge of the bay. Every evening the keeper "
+              "climbed the stairs, lit the lamp, and watched the ships pass in the dark. In the "
+              "morning he wrote the names of the ships in a book, closed the shutters, and slept.")
 OPEN = "Write a short story about a lighthouse keeper."
 
 

@@ -1,7 +1,7 @@
 """`system_fingerprint`: names everything that can change a deterministic answer's bits.
 
 Weights (file contents plus any load-time transformation), the kernel strategy, the
-backend and MLX version, the batch-invariant limit and the CPU BLAS in use. Two servers
+backend and MLX version, the batch-invariant limit, the prefill chunk and the CPU BLAS. Two servers
 with the same fingerprint return the same tokens for the same deterministic request.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ def weights_digest(model_dir: str) -> str:
 
 
 def system_fingerprint(model_dir: str | Path, *, transform: str, strategy: str, limit: int,
-                       blas: str) -> str:
+                       blas: str, prefill_chunk: int) -> str:
     """`fp_` + 16 hex digits over every input that can change the output bits."""
     parts = {
         "weights": weights_digest(str(model_dir)),
@@ -40,6 +40,7 @@ def system_fingerprint(model_dir: str | Path, *, transform: str, strategy: str, 
         "backend": str(mx.default_device()),
         "mlx": mx.__version__,
         "blas": blas,
+        "prefill_chunk": prefill_chunk,  # chunks wider than L change prompt KV bits
     }
     blob = json.dumps(parts, sort_keys=True).encode()
     return "fp_" + hashlib.sha256(blob).hexdigest()[:16]

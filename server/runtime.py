@@ -96,6 +96,12 @@ def build_runtime(options: Options) -> Runtime:
 
     if options.speculative not in METHODS:
         raise ValueError(f"--speculative must be one of {METHODS}")
+    if options.speculative == "draft" and not options.draft_model:
+        raise ValueError("--speculative draft needs --draft-model")
+    if options.num_draft_tokens is not None and options.num_draft_tokens < 1:
+        raise ValueError("--num-draft-tokens must be >= 1")
+    if options.prefill_chunk < 1:
+        raise ValueError("--prefill-chunk must be >= 1")
     timings = {}
     start = time.perf_counter()
     loaded, report, transform = _load_audited(options.model, options.weights, options.quantize,
@@ -128,7 +134,8 @@ def build_runtime(options: Options) -> Runtime:
             plan.limit, plan.strategy, guaranteed, plan.reason)
 
     fingerprint = system_fingerprint(loaded.path, transform=transform, strategy=plan.strategy,
-                                     limit=plan.limit, blas=cpu_blas.describe())
+                                     limit=plan.limit, blas=cpu_blas.describe(),
+                                     prefill_chunk=options.prefill_chunk)
     deployment = Deployment(
         limit=plan.limit, guaranteed=guaranteed, strategy=plan.strategy,
         speculative=options.speculative, num_draft_tokens=options.num_draft_tokens,

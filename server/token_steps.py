@@ -44,17 +44,30 @@ def plain_tokens(step, model, cache, context: list[int], params: SamplingParams,
 def speculative_tokens(step, model, cache, context: list[int], params: SamplingParams,
                        drafter, k: int, stats: SpeculationStats) -> Iterator[list[Step]]:
     """Up to k + 1 tokens per forward pass: drafts verified by the target (sample and compare)."""
+    # Greedy without logprobs needs only argmax, which is exact whatever the row count: one
+    # device round trip per pass instead of one per row.
+    batch_argmax = params.greedy and params.top_logprobs is None
     while True:
         drafts = drafter.propose(context, k)
         base = len(context)
         picked: list[Step] = []
+        argmaxes: list[int] = []
 
-        def choose(row, i):
-            chosen = sample(row[None], [base + i], params)[0]
+        def choose(row, i, rows_argmax=argmaxes):
+            if batch_argmax:
+                chosen = Sampled(rows_argmax[i])
+            else:
+                chosen = sample(row[None], [base + i], params)[0]
             picked.append(Step(chosen, row))
             return chosen.token
 
-        verified = verify_step(lambda toks: step(model, cache, toks), cache, context[-1], drafts, choose)
+        def forward(tokens):
+            rows = step(model, cache, tokens)
+            if batch_argmax:
+                argmaxes.extend(mx.argmax(rows, axis=-1).tolist())
+            return rows
+
+        verified = verify_step(forward, cache, context[-1], drafts, choose)
         stats.passes += 1
         stats.drafted += verified.drafted
         stats.accepted += verified.accepted

@@ -151,7 +151,7 @@ def server(restarted, embedded_model, draft_model):
         assert cache_invariance_problem(make_prompt_cache(embedded_model.model)) is None
         transform = f"weights={embedded_model.weights}"
         fingerprint = system_fingerprint(embedded_model.path, transform=transform, strategy=plan.strategy,
-                                         limit=plan.limit, blas=cpu_blas.describe())
+                                         limit=plan.limit, blas=cpu_blas.describe(), prefill_chunk=CHUNK)
         deployment = Deployment(limit=L, guaranteed=plan.guaranteed, strategy=plan.strategy,
                                 draft_model=draft_model, draft_name="4-bit copy", prefill_chunk=CHUNK,
                                 fingerprint=fingerprint)

@@ -174,7 +174,7 @@ def test_healthcheck_gets_health_on_the_exposed_port():
     assert command[0] == "python"  # the base image is a python image: no curl needed
 
 
-def test_build_time_model_import_matches_what_serve_loads():
+def test_build_time_model_import_matches_what_serve_loads(monkeypatch):
     preimport = next(r for r in all_of("RUN") if "load_model" in r)
     source = re.search(r'python -c "([^"]+)"', preimport).group(1)
     tree = ast.parse(source)
@@ -185,8 +185,21 @@ def test_build_time_model_import_matches_what_serve_loads():
     defaults = cli.build_parser().parse_args(["serve"])
     # Same spec and weights as a default `lockstep serve`, so its model cache entry is hit.
     assert keywords == {"spec": defaults.model, "weights": defaults.weights}
-    serve_source = (REPO / "server/commands/serve.py").read_text()
-    assert "load_model(spec=args.model, weights=args.weights)" in serve_source
+    # ...and serve really loads with those: record the call its runtime makes.
+    import models.load
+    from server.commands.runtime_args import options_from_args
+    from server.runtime import build_runtime
+
+    calls = []
+
+    def record(spec, weights):
+        calls.append((spec, weights))
+        raise LookupError("recorded")
+
+    monkeypatch.setattr(models.load, "load_model", record)
+    with pytest.raises(LookupError):
+        build_runtime(options_from_args(defaults))
+    assert calls == [(defaults.model, defaults.weights)]
     module = REPO / "models/load.py"
     if not module.exists():
         pytest.fail("models/load.py (used by the build-time import) does not exist yet")
