@@ -114,6 +114,9 @@ _SDPA_SIGNATURE = inspect.signature(_NATIVE_SDPA)
 def invariant_sdpa(*args, **kwargs):
     """mlx-lm's attention, per query over exactly its key range when T <= L."""
     s = active_setting()
+    queries = args[0] if args else kwargs.get("queries")
+    if queries is not None and queries.shape[2] == 1:
+        return _NATIVE_SDPA(*args, **kwargs)  # one query is already the call decode makes
     if s is not None and s.strategy.attention == "per_query":
         a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
         q = a.pop("queries")

@@ -10,6 +10,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from server.decoding import METHODS, Deployment
@@ -84,8 +85,11 @@ def _load_audited(spec: str, weights: str, quantize: str | None, bits, group) ->
         result = quantize_model_in_memory(loaded.model, None, quantize, bits, group)
         transform = f"quantize={result.spec.label()}"
     report = audit_and_patch(loaded.model)
-    if getattr(report, "workarounds", None):
-        transform += f";workarounds={report.workarounds}"
+    if report.patched:
+        transform += ";workarounds=" + ",".join(f"{c.config.label()}:{c.verdict}" for c in report.patched)
+    # Materialise everything quantization and workarounds left lazy: MLX streams belong to
+    # the thread that made them, and the engine evaluates on its own worker thread.
+    mx.eval(loaded.model.parameters())
     return loaded, report, transform
 
 
