@@ -10,10 +10,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from server.generate import prefill
+from server.generate import forward, prefill
 from server.sampling import SamplingParams
 from server.speculative import DraftModelDrafter, PromptLookupDrafter
 from server.token_steps import SpeculationStats, plain_tokens, speculative_tokens
@@ -26,21 +25,17 @@ REPETITIVE = ("Copy the following text exactly, word for word:\n\n"
 OPEN = "Write a short story about a lighthouse keeper."
 
 
-def _forward(model, cache, tokens):
-    return model(mx.array(tokens)[None], cache=cache)[0]
-
-
 def decode(model, prompt: list[int], n: int, method="none", k=0, draft_model=None):
     """(tokens, decode seconds, stats) for n greedy tokens after prefilling `prompt`."""
     cache = make_prompt_cache(model)
-    for _ in prefill(model, cache, prompt[:-1], _forward):
+    for _ in prefill(model, cache, prompt[:-1], forward):
         pass
     stats, params = SpeculationStats(), SamplingParams(temperature=0.0)
     if method == "none":
-        source = plain_tokens(_forward, model, cache, list(prompt), params, stats)
+        source = plain_tokens(forward, model, cache, list(prompt), params, stats)
     else:
         drafter = DraftModelDrafter(draft_model) if method == "draft" else PromptLookupDrafter()
-        source = speculative_tokens(_forward, model, cache, list(prompt), params, drafter, k, stats)
+        source = speculative_tokens(forward, model, cache, list(prompt), params, drafter, k, stats)
     tokens = []
     start = time.perf_counter()
     while len(tokens) < n:
@@ -51,7 +46,7 @@ def decode(model, prompt: list[int], n: int, method="none", k=0, draft_model=Non
 def prefill_seconds(model, prompt: list[int], chunk: int = 512) -> float:
     cache = make_prompt_cache(model)
     start = time.perf_counter()
-    for _ in prefill(model, cache, prompt, _forward, chunk):
+    for _ in prefill(model, cache, prompt, forward, chunk):
         pass
     return time.perf_counter() - start
 

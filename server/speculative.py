@@ -14,8 +14,6 @@ from typing import Callable, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-METHODS = ("none", "draft", "prompt_lookup")
-
 
 class PromptLookupDrafter:
     """Drafts the continuation of the most recent earlier match of the context's tail n-gram."""

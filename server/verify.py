@@ -17,7 +17,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from server.decoding import DecodePlan
-from server.generate import prefill
+from server.generate import forward, prefill
 from server.sampling import SamplingParams
 from server.speculative import DraftModelDrafter, PromptLookupDrafter
 from server.token_steps import SpeculationStats, plain_tokens, speculative_tokens
@@ -65,21 +65,17 @@ def _source(model, draft_model, method, width, context, params, step, stats):
     return speculative_tokens(step, model, cache, context, params, drafter, width - 1, stats)
 
 
-def _forward(model, cache, tokens):
-    return model(mx.array(tokens)[None], cache=cache)[0]
-
-
 def decode_trace(model, draft_model, prompt: list[int], cell: Cell, n_tokens: int,
                  companion_prompt: list[int] | None = None) -> Trace:
     """Decode n_tokens (eos ignored) the way `cell` says; a companion request is stepped
     in between when the cell is concurrent."""
     stats = SpeculationStats()
     params = SamplingParams(**SAMPLINGS[cell.sampling])
-    main = _source(model, draft_model, cell.method, cell.width, list(prompt), params, _forward, stats)
+    main = _source(model, draft_model, cell.method, cell.width, list(prompt), params, forward, stats)
     other = None
     if cell.load == "concurrent":
         other = _source(model, draft_model, "prompt_lookup", 4, list(companion_prompt),
-                        SamplingParams(temperature=0.7, seed=7), _forward, SpeculationStats())
+                        SamplingParams(temperature=0.7, seed=7), forward, SpeculationStats())
     tokens, digests = [], []
     while len(tokens) < n_tokens:
         for step in next(main):
