@@ -38,6 +38,7 @@ def register(subparsers) -> None:
 def build_app_from_args(args: argparse.Namespace):
     """Load the model, start the engine and build the app. Returns (app, engine)."""
     from server.app import create_app
+    from server.commands.http_args import http_settings_from_args
     from server.engine import Engine
     from server.prefix_cache import PrefixCache
     from server.runtime import build_runtime
@@ -45,16 +46,14 @@ def build_app_from_args(args: argparse.Namespace):
     runtime = build_runtime(options_from_args(args))  # logs model, load time, audit, invariance
     engine = Engine(runtime.loaded, max_active=args.max_active, deployment=runtime.deployment,
                     prefix_cache=PrefixCache(args.prefix_cache_entries)).start()
-    from server.commands.http_args import http_settings_from_args
     app = create_app(engine, model_extras=runtime.model_info(),
                      fingerprint=runtime.deployment.fingerprint, **http_settings_from_args(args))
     return app, engine
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from models.errors import ModelError
+    from server import access_log, shutdown
 
     apply_cpu_blas(args)
     try:
@@ -65,7 +64,6 @@ def run(args: argparse.Namespace) -> int:
     log.info("serving %s on http://%s:%d/v1 (model id %r or \"default\")",
              engine.loaded.path, args.host, args.port, engine.loaded.name)
     try:
-        from server import access_log, shutdown
         access_log.send_to_stderr()  # bare JSON lines replace uvicorn's access log
         shutdown.serve(app, args.host, args.port, drain_timeout=args.drain_timeout,
                        log_level=logging.getLogger().level, access_log=False)
