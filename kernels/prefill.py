@@ -19,13 +19,20 @@ def rows_are_canonical(model, chunk: int) -> bool:
     return plan is not None and plan.guaranteed and chunk <= plan.limit
 
 
+def resume_at(model, cached: int, chunk: int) -> int:
+    """Where prefill resumes over `cached` positions: right there when rows are canonical,
+    else at the start of the chunk they end in (that chunk is recomputed whole)."""
+    return cached if rows_are_canonical(model, chunk) else cached - cached % chunk
+
+
+def chunk_end(pos: int, n_tokens: int, chunk: int) -> int:
+    """End of the chunk starting at `pos`: the next multiple of `chunk`, or the prompt's end."""
+    return min(n_tokens, (pos // chunk + 1) * chunk)
+
+
 def aligned_start(model, cache_offset: int, n_tokens: int, chunk: int) -> int:
-    """Where prefill must resume: the cache offset, or the start of its chunk when rows are
-    not canonical; never past the last token (its logits are the result)."""
-    start = min(cache_offset, n_tokens - 1)
-    if not rows_are_canonical(model, chunk):
-        start -= start % chunk
-    return start
+    """Where prefill must resume; never past the last token (its logits are the result)."""
+    return resume_at(model, min(cache_offset, n_tokens - 1), chunk)
 
 
 def prefill(model, tokens, cache, *, start: int | None = None, chunk: int = 512) -> mx.array:
@@ -54,7 +61,7 @@ def prefill(model, tokens, cache, *, start: int | None = None, chunk: int = 512)
     tokens = tokens.reshape(1, n)
     pos = begin
     while True:
-        end = min(n, (pos // chunk + 1) * chunk)
+        end = chunk_end(pos, n, chunk)
         logits = model(tokens[:, pos:end], cache=cache)
         if end == n:
             last = logits[0, -1]

@@ -13,7 +13,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .invariant_cache import cache_invariance_problem
 
-_UINT = {2: mx.uint16, 4: mx.uint32, 8: mx.uint64, 1: mx.uint8}
+# unsigned integer dtype of each float width, to compare or hash raw bits
+UINT_OF_SIZE = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def bits_equal(a: mx.array, b: mx.array) -> bool:
     """Bitwise equality (tells -0.0 from 0.0, equal NaN payloads match)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    u = _UINT[a.dtype.size]
+    u = UINT_OF_SIZE[a.dtype.size]
     return bool(mx.array_equal(a.view(u), b.view(u)))
 
 

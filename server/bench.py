@@ -14,8 +14,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from server.generate import forward, prefill
 from server.sampling import SamplingParams
-from server.speculative import DraftModelDrafter, PromptLookupDrafter
-from server.token_steps import SpeculationStats, plain_tokens, speculative_tokens
+from server.token_steps import SpeculationStats
+from server.verify import start_decoding
 
 # A copying task: the answer repeats the prompt, which is what prompt lookup drafts from.
 REPETITIVE = ("Copy the following text exactly, word for word:\n\n"
@@ -27,15 +27,9 @@ OPEN = "Write a short story about a lighthouse keeper."
 
 def decode(model, prompt: list[int], n: int, method="none", k=0, draft_model=None):
     """(tokens, decode seconds, stats) for n greedy tokens after prefilling `prompt`."""
-    cache = make_prompt_cache(model)
-    for _ in prefill(model, cache, prompt[:-1], forward):
-        pass
-    stats, params = SpeculationStats(), SamplingParams(temperature=0.0)
-    if method == "none":
-        source = plain_tokens(forward, model, cache, list(prompt), params, stats)
-    else:
-        drafter = DraftModelDrafter(draft_model) if method == "draft" else PromptLookupDrafter()
-        source = speculative_tokens(forward, model, cache, list(prompt), params, drafter, k, stats)
+    stats = SpeculationStats()
+    source = start_decoding(model, prompt, SamplingParams(temperature=0.0), stats, method, k,
+                            draft_model)
     tokens = []
     start = time.perf_counter()
     while len(tokens) < n:

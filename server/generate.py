@@ -16,13 +16,12 @@ from typing import Callable, Iterator
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from kernels.prefill import rows_are_canonical
+from kernels.prefill import chunk_end, resume_at
 
 from server.decoding import DecodePlan, Deployment
 from server.prefix_cache import PrefixCache
 from server.sampling import SamplingParams
-from server.speculative import DraftModelDrafter, PromptLookupDrafter
-from server.token_steps import SpeculationStats, plain_tokens, speculative_tokens
+from server.token_steps import SpeculationStats, token_source
 from server.stops import IncrementalDecoder, StopTextStream
 
 PREFILL_CHUNK = 512
@@ -79,12 +78,12 @@ def prefill(
     Yields after each chunk so other requests can run.
     """
     done = cache[0].offset if cache else 0
-    start = done if rows_are_canonical(model, chunk) else done - done % chunk
+    start = resume_at(model, done, chunk)
     if start < done:
         trim_prompt_cache(cache, done - start)
     pos = start
     while pos < len(tokens):
-        end = min(len(tokens), (pos // chunk + 1) * chunk)
+        end = chunk_end(pos, len(tokens), chunk)
         step(model, cache, tokens[pos:end])
         mx.eval([c.state for c in cache])
         pos = end
@@ -102,18 +101,6 @@ class _TokenTexts:
         if token not in self._texts:
             self._texts[token] = self._tokenizer.decode([token])
         return self._texts[token]
-
-
-def _token_source(loaded, plan: DecodePlan | None, deployment: Deployment | None, step, cache,
-                  context: list[int], params: SamplingParams, stats: SpeculationStats):
-    if plan is None or plan.method == "none":
-        return plain_tokens(step, loaded.model, cache, context, params, stats)
-    if plan.method == "draft":
-        drafter = DraftModelDrafter(deployment.draft_model)
-    else:
-        drafter = PromptLookupDrafter()
-    return speculative_tokens(step, loaded.model, cache, context, params, drafter,
-                              plan.num_draft_tokens, stats)
 
 
 def generate(loaded, request: GenerationRequest, step: Forward = forward, *,
@@ -156,7 +143,10 @@ def generate(loaded, request: GenerationRequest, step: Forward = forward, *,
             extension=ext,
         )
 
-    source = _token_source(loaded, plan, deployment, step, cache, list(prompt), request.sampling, stats)
+    method, k = (plan.method, plan.num_draft_tokens) if plan else ("none", 0)
+    draft_model = deployment.draft_model if deployment else None
+    source = token_source(step, model, cache, list(prompt), request.sampling, stats, method, k,
+                          draft_model)
     for batch in source:
         pending = None  # releases of this batch not yet sent, merged into one Delta
         for chosen in (s.sampled for s in batch):

@@ -12,7 +12,7 @@ from typing import Iterator
 import mlx.core as mx
 
 from server.sampling import Sampled, SamplingParams, sample
-from server.speculative import verify_step
+from server.speculative import DraftModelDrafter, PromptLookupDrafter, verify_step
 
 
 @dataclass(frozen=True)
@@ -73,3 +73,12 @@ def speculative_tokens(step, model, cache, context: list[int], params: SamplingP
         stats.accepted += verified.accepted
         context.extend(verified.tokens)
         yield picked
+
+
+def token_source(step, model, cache, context: list[int], params: SamplingParams,
+                 stats: SpeculationStats, method: str = "none", k: int = 0, draft_model=None):
+    """The source for a speculative `method` ("none", "draft", "prompt_lookup") with k drafts."""
+    if method == "none":
+        return plain_tokens(step, model, cache, context, params, stats)
+    drafter = DraftModelDrafter(draft_model) if method == "draft" else PromptLookupDrafter()
+    return speculative_tokens(step, model, cache, context, params, drafter, k, stats)

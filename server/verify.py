@@ -16,11 +16,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from server.decoding import DecodePlan
+from kernels.selftest import UINT_OF_SIZE
+
 from server.generate import forward, prefill
 from server.sampling import SamplingParams
-from server.speculative import DraftModelDrafter, PromptLookupDrafter
-from server.token_steps import SpeculationStats, plain_tokens, speculative_tokens
+from server.token_steps import SpeculationStats, token_source
 
 PROMPTS = (
     "Write the numbers from 1 to 40 separated by commas, then write them again.",
@@ -30,12 +30,11 @@ SAMPLINGS = {
     "greedy": dict(temperature=0.0),
     "seeded": dict(temperature=0.8, top_p=0.95, seed=1234),
 }
-_UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 
 def row_digest(row: mx.array) -> bytes:
     """The raw bits of a logits row (any float dtype), hashed."""
-    bits = np.array(row.view(_UINT[row.dtype.size]))
+    bits = np.array(row.view(UINT_OF_SIZE[row.dtype.size]))
     return hashlib.sha256(bits.tobytes()).digest()
 
 
@@ -55,14 +54,13 @@ class Trace:
     accepted: int = 0
 
 
-def _source(model, draft_model, method, width, context, params, step, stats):
+def start_decoding(model, prompt: list[int], params: SamplingParams, stats: SpeculationStats,
+                   method: str = "none", k: int = 0, draft_model=None):
+    """Prefill a fresh cache with `prompt` and return its token source (no HTTP, no engine)."""
     cache = make_prompt_cache(model)
-    for _ in prefill(model, cache, context[:-1], step):
+    for _ in prefill(model, cache, prompt[:-1], forward):
         pass
-    if method == "none":
-        return plain_tokens(step, model, cache, context, params, stats)
-    drafter = DraftModelDrafter(draft_model) if method == "draft" else PromptLookupDrafter()
-    return speculative_tokens(step, model, cache, context, params, drafter, width - 1, stats)
+    return token_source(forward, model, cache, list(prompt), params, stats, method, k, draft_model)
 
 
 def decode_trace(model, draft_model, prompt: list[int], cell: Cell, n_tokens: int,
@@ -71,11 +69,11 @@ def decode_trace(model, draft_model, prompt: list[int], cell: Cell, n_tokens: in
     in between when the cell is concurrent."""
     stats = SpeculationStats()
     params = SamplingParams(**SAMPLINGS[cell.sampling])
-    main = _source(model, draft_model, cell.method, cell.width, list(prompt), params, forward, stats)
+    main = start_decoding(model, prompt, params, stats, cell.method, cell.width - 1, draft_model)
     other = None
     if cell.load == "concurrent":
-        other = _source(model, draft_model, "prompt_lookup", 4, list(companion_prompt),
-                        SamplingParams(temperature=0.7, seed=7), forward, SpeculationStats())
+        other = start_decoding(model, companion_prompt, SamplingParams(temperature=0.7, seed=7),
+                               SpeculationStats(), "prompt_lookup", 3)
     tokens, digests = [], []
     while len(tokens) < n_tokens:
         for step in next(main):
