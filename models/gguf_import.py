@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -219,11 +220,48 @@ def _write_model_dir(gguf: GGUFFile, weights: str, out: Path, progress: bool) ->
     write_tokenizer(vocab, out, config["max_position_embeddings"])
 
 
+# An import in progress is `.<final name>.<pid>.<random>.tmp`; one whose process is gone
+# (killed mid-import) is swept. Names without a pid count as stale after this many seconds.
+STALE_TMP_WITHOUT_PID_S = 3600
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def sweep_stale_imports(cache_root: Path) -> list[Path]:
+    """Remove temporary import directories left by killed imports. Returns what was removed."""
+    removed = []
+    try:
+        candidates = [p for p in cache_root.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp")]
+    except OSError:
+        return removed
+    for tmp in candidates:
+        parts = tmp.name.rsplit(".", 3)  # ".name", pid, random, "tmp" (the name may hold dots)
+        pid = int(parts[1]) if len(parts) == 4 and parts[1].isdigit() else None
+        try:
+            stale = (not _process_alive(pid) if pid is not None
+                     else time.time() - tmp.stat().st_mtime > STALE_TMP_WITHOUT_PID_S)
+        except OSError:
+            continue
+        if stale and pid != os.getpid():
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.warning("removed %s, left by an import that did not finish", tmp)
+            removed.append(tmp)
+    return removed
+
+
 def import_gguf(path: Path, weights: str = "q4", cache_root: Path | None = None, progress: bool = True) -> Path:
     """Convert a GGUF file into an mlx-lm directory (cached); returns the directory.
 
     The directory is built in a temporary sibling and renamed into place, so the cache
-    never holds a half-written model.
+    never holds a half-written model; siblings left by killed imports are swept first.
     """
     if weights not in WEIGHT_FORMATS:
         raise ModelError(f"{path}: unknown weights format {weights!r} (choose from {', '.join(WEIGHT_FORMATS)})")
@@ -231,12 +269,13 @@ def import_gguf(path: Path, weights: str = "q4", cache_root: Path | None = None,
     if not path.is_file():
         raise ModelError(f"{path}: GGUF file not found")
     final = imported_dir(path, weights, cache_root)
+    sweep_stale_imports(final.parent)
     if (final / "config.json").is_file():  # complete by construction (atomic rename)
         return final
     gguf = read_gguf(path)
     gguf.architecture  # refuse unsupported architectures before any work
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.{os.getpid()}.", suffix=".tmp", dir=final.parent))
     try:
         _write_model_dir(gguf, weights, tmp, progress)
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from importlib import metadata
 from typing import AsyncIterator, Callable, Sequence
@@ -22,16 +23,28 @@ from server.access_log import AccessLog
 from server.auth import APIKeyAuth
 from server.disconnect import unless_disconnected
 from server.drain import Drain, DrainMiddleware
-from server.engine import Engine, GenerationError, QueueFull
+from server.engine import Engine, GenerationError, QueueFull, ShuttingDown
 from server.limits import BodySizeLimit, Limits, max_tokens_too_large, prompt_too_long, queue_full
 from server.metrics import Metrics
 from server.request_record import RecordRequests, current, track
 from server.errors import APIError, context_length_exceeded, install_error_handlers, model_not_found
 from server.decoding import DecodePlan, RequestRejected, plan_request
 from server.generate import Delta, GenerationRequest
-from server.sampling import SamplingParams
+from server.sampling import GREEDY_BELOW, SamplingParams
 
 MODEL_ALIAS = "default"
+SHUTTING_DOWN = "the server is shutting down; this request was cut off"
+
+log = logging.getLogger("lockstep.app")
+
+
+def _cut_error(exc: GenerationError) -> APIError:
+    """The error a request that failed on the engine gets (503 when the server cut it off)."""
+    if isinstance(exc, ShuttingDown):
+        record = current()
+        log.warning("request %s cut off: %s", record.request_id if record else "?", exc)
+        return APIError(503, str(exc), type="server_error", code="server_shutting_down")
+    return APIError(500, str(exc), type="server_error")
 
 
 def _fingerprint(loaded) -> str:
@@ -170,7 +183,7 @@ class Routes:
             raise APIError(503, str(exc), type="server_error") from exc
 
     def _plan(self, body: p.SamplingRequest) -> DecodePlan:
-        if body.deterministic and body.temperature != 0 and body.seed is None:
+        if body.deterministic and body.temperature >= GREEDY_BELOW and body.seed is None:
             raise APIError(400, "deterministic sampling with temperature > 0 needs a seed", param="seed")
         try:
             return plan_request(self.engine.deployment, deterministic=body.deterministic,
@@ -182,7 +195,7 @@ class Routes:
         try:
             return _merge([delta async for delta in handle])
         except GenerationError as exc:
-            raise APIError(500, str(exc), type="server_error") from exc
+            raise _cut_error(exc) from exc
         finally:
             handle.cancel()  # frees the slot if this handler is cancelled mid-way
 
@@ -197,7 +210,7 @@ class Routes:
             async for chunk in chunks:
                 yield _sse(chunk)
         except GenerationError as exc:  # headers are sent: report it as an event
-            yield _sse(p.ErrorResponse(error=APIError(500, str(exc), type="server_error").body))
+            yield _sse(p.ErrorResponse(error=_cut_error(exc).body))
         finally:
             handle.cancel()  # the client went away (or we are done): free the slot
         yield "data: [DONE]\n\n"
@@ -286,6 +299,7 @@ def create_app(
     metrics = Metrics()
     metrics.watch_engine(engine)
     engine.max_waiting = limits.max_queue
+    app.state.drain.on_cut.append(lambda: engine.cut_off(SHUTTING_DOWN))
     install_error_handlers(app)
     # Added innermost first: record (log, metrics) -> drain -> auth -> body size -> routes.
     app.add_middleware(BodySizeLimit, limit=limits.max_body_bytes)
@@ -305,6 +319,7 @@ def create_app(
     async def list_models():
         return JSONResponse(routes.models(model_extras).model_dump())
 
+    @app.head("/health", include_in_schema=False)  # load balancers often probe with HEAD
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": engine.loaded.name, **engine.counts()}

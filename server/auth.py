@@ -1,4 +1,7 @@
-"""Bearer-token authentication for /v1 routes and /metrics; /health stays open.
+"""Bearer-token authentication for /v1 routes, /metrics and /openapi.json; /health stays open.
+
+The OpenAPI schema is guarded too: it lists this deployment's routes and extension fields,
+which a server that requires a key should not tell strangers.
 
 Keys come from `--api-key` (repeatable) and `LOCKSTEP_API_KEYS` (comma-separated). With no
 keys configured, auth is off (the default bind is loopback-only for that reason).
@@ -18,7 +21,7 @@ from server.errors import APIError
 log = logging.getLogger("lockstep.auth")
 
 KEYS_ENV = "LOCKSTEP_API_KEYS"
-PROTECTED_PREFIXES = ("/v1", "/metrics")
+PROTECTED_PREFIXES = ("/v1", "/metrics", "/openapi.json")
 
 MISSING_KEY = ("You didn't provide an API key. You need to provide your API key in an "
                "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")

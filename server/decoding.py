@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("none", "draft", "prompt_lookup")
+# Drafts proposed in one engine step (a draft model runs k passes in it), so k bounds how
+# long one request can hold the engine: a server maximum, `--max-draft-tokens`.
+MAX_DRAFT_TOKENS = 16
 
 
 class RequestRejected(ValueError):
@@ -27,6 +30,7 @@ class Deployment:
     strategy: str = "native"  # canonical kernel strategy in use
     speculative: str = "none"  # default method for requests that do not choose
     num_draft_tokens: int = 4  # default k
+    max_draft_tokens: int = MAX_DRAFT_TOKENS  # the largest k any request may use
     draft_model: object | None = None
     draft_name: str | None = None
     prefill_chunk: int = 512
@@ -62,7 +66,12 @@ def plan_request(deployment: Deployment, *, deterministic: bool, speculative: st
         raise RequestRejected("speculative", f"speculative must be one of {list(METHODS)}")
     if method == "draft" and deployment.draft_model is None:
         raise RequestRejected("speculative", "this server has no draft model (start it with --draft-model)")
-    k = num_draft_tokens or deployment.num_draft_tokens
+    if num_draft_tokens is not None and num_draft_tokens > deployment.max_draft_tokens:
+        raise RequestRejected(
+            "num_draft_tokens",
+            f"num_draft_tokens is at most {deployment.max_draft_tokens} on this server "
+            f"(got {num_draft_tokens}; the server's --max-draft-tokens)")
+    k = min(num_draft_tokens or deployment.num_draft_tokens, deployment.max_draft_tokens)
     if method == "none":
         k = 0
 

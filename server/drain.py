@@ -3,9 +3,12 @@
 `Drain` counts HTTP requests in flight. After `start()`, new /v1 requests get 503 in the
 OpenAI error shape and /health answers 503 "draining" (so a load balancer stops sending),
 while requests already running complete normally. `server/shutdown.py` waits for
-`idle()` (or a timeout) before stopping the server.
+`idle()` (or a timeout) before stopping the server; at the timeout it calls `cut()`, whose
+callbacks (the engine's `cut_off`) end every open stream with an error event and [DONE].
 """
 from __future__ import annotations
+
+from typing import Callable
 
 from fastapi.responses import JSONResponse
 
@@ -18,9 +21,16 @@ class Drain:
     def __init__(self):
         self.in_flight = 0
         self.draining = False
+        self.on_cut: list[Callable[[], object]] = []
 
     def start(self) -> None:
         self.draining = True
+
+    def cut(self) -> None:
+        """Stop waiting: end what is still running, cleanly (see `on_cut`)."""
+        self.draining = True
+        for callback in self.on_cut:
+            callback()
 
     def idle(self) -> bool:
         return self.in_flight == 0

@@ -29,6 +29,10 @@ class QueueFull(GenerationError):
     """`submit()` refused: `max_waiting` requests are already waiting (the API answers 429)."""
 
 
+class ShuttingDown(GenerationError):
+    """The server stopped this request (drain timeout or a second signal); the API answers 503."""
+
+
 class RequestHandle:
     """The asyncio side of one request: iterate it for `Delta`s; `cancel()` to give up."""
 
@@ -38,10 +42,15 @@ class RequestHandle:
         self._loop = loop
         self._events: asyncio.Queue[Delta | Exception] = asyncio.Queue()
         self._cancelled = threading.Event()
+        self.cut = False  # ended by the server (cut_off), not by its client
 
     def cancel(self) -> None:
         """Stop generating (e.g. the client went away); the engine frees the slot."""
         self._cancelled.set()
+
+    @property
+    def client_cancelled(self) -> bool:
+        return self._cancelled.is_set() and not self.cut
 
     @property
     def cancelled(self) -> bool:
@@ -108,8 +117,24 @@ class Engine:
         return handle
 
     def counts(self) -> dict[str, int]:
+        """Active and waiting requests now, and requests dropped so far because their client left
+        (the one count behind both /health and the `lockstep_cancelled_requests` metric)."""
         with self._wake:
             return {"active": len(self._active), "waiting": len(self._waiting), "cancelled": self._cancelled}
+
+    def cut_off(self, message: str) -> int:
+        """End every running and waiting request now with `ShuttingDown(message)`. Returns how many.
+
+        For the drain timeout: each stream then ends with an error event and [DONE] instead of
+        being severed mid-body. Call from the event loop.
+        """
+        with self._wake:
+            handles = [h for h, _ in self._active] + list(self._waiting)
+        for handle in handles:
+            handle.cut = True
+            handle.post(ShuttingDown(message))
+            handle.cancel()
+        return len(handles)
 
     # ------------------------------------------------------------------ worker thread
 
@@ -143,6 +168,8 @@ class Engine:
                 handle = self._waiting.popleft()
                 if not handle.cancelled:
                     self._active.append((handle, self._start(handle)))
+                elif handle.client_cancelled:
+                    self._cancelled += 1
             return True
 
     def _exclusive_blocks(self, handle: RequestHandle) -> bool:
@@ -153,16 +180,17 @@ class Engine:
 
     def _start(self, handle: RequestHandle) -> Iterator:
         return self._generate(self.loaded, handle.request, plan=handle.plan, deployment=self.deployment,
-                        prefix_cache=self.prefix_cache)
+                              prefix_cache=self.prefix_cache, cancelled=lambda: handle.cancelled)
 
     def _step(self, handle: RequestHandle, steps: Iterator) -> bool:
         """Advance one request by one unit of work; False when it is finished."""
         if handle.cancelled:
-            self._cancelled += 1
+            self._cancelled += handle.client_cancelled
             return False
         try:
             event = next(steps)
-        except StopIteration:
+        except StopIteration:  # finished, or gave up inside the step because it was cancelled
+            self._cancelled += handle.client_cancelled
             return False
         except Exception as exc:  # reaches the client as an error, never a hang
             log.exception("generation failed")

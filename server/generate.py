@@ -103,10 +103,18 @@ class _TokenTexts:
         return self._texts[token]
 
 
+def _never() -> bool:
+    return False
+
+
 def generate(loaded, request: GenerationRequest, step: Forward = forward, *,
              plan: DecodePlan | None = None, deployment: Deployment | None = None,
-             prefix_cache: PrefixCache | None = None) -> Iterator[Delta | None]:
-    """Run `request` on `loaded` (a models.load.LoadedModel), one unit of work per step."""
+             prefix_cache: PrefixCache | None = None,
+             cancelled: Callable[[], bool] = _never) -> Iterator[Delta | None]:
+    """Run `request` on `loaded` (a models.load.LoadedModel), one unit of work per step.
+
+    `cancelled()` is checked inside steps that could run long (a draft model's k passes).
+    """
     prompt = list(request.prompt_tokens)
     limit = min(request.max_tokens, loaded.context_length - len(prompt))
     if limit < 1:
@@ -146,7 +154,7 @@ def generate(loaded, request: GenerationRequest, step: Forward = forward, *,
     method, k = (plan.method, plan.num_draft_tokens) if plan else ("none", 0)
     draft_model = deployment.draft_model if deployment else None
     source = token_source(step, model, cache, list(prompt), request.sampling, stats, method, k,
-                          draft_model)
+                          draft_model, remaining=lambda: limit - generated, cancelled=cancelled)
     for batch in source:
         pending = None  # releases of this batch not yet sent, merged into one Delta
         for chosen in (s.sampled for s in batch):

@@ -1,10 +1,12 @@
 """Prometheus metrics for one app, on its own `CollectorRegistry` (several apps, e.g. in
-tests, never share counters). Filled from finished `RequestRecord`s; engine gauges are
-read at scrape time.
+tests, never share counters). Filled from finished `RequestRecord`s; engine gauges and the
+cancellation count are read from the engine at scrape time, so /metrics and /health never
+disagree (a non-streamed disconnect's record can close before its cancellation lands).
 """
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from server.request_record import RequestRecord
 
@@ -26,8 +28,6 @@ class Metrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.decode_rate = Histogram("lockstep_decode_tokens_per_second", "Per-request decode rate after the "
                                      "first token", buckets=TOKENS_PER_SECOND_BUCKETS, registry=r)
-        self.cancelled = Counter("lockstep_cancelled_requests", "Generations stopped because the client left",
-                                 registry=r)
         self.deterministic = Counter("lockstep_deterministic_requests", "Requests served in deterministic mode",
                                      registry=r)
         self.drafted = Counter("lockstep_speculative_drafted_tokens", "Speculative tokens drafted", registry=r)
@@ -39,6 +39,7 @@ class Metrics:
     def watch_engine(self, engine) -> None:
         self.queue_depth.set_function(lambda: engine.counts()["waiting"])
         self.active.set_function(lambda: engine.counts()["active"])
+        self.registry.register(_EngineCancellations(engine))
 
     def __call__(self, record: RequestRecord) -> None:
         """Request sink: count one finished request."""
@@ -53,8 +54,6 @@ class Metrics:
         extension = record.extension or {}
         if record.deterministic or extension.get("deterministic"):
             self.deterministic.inc()
-        if record.cancelled:
-            self.cancelled.inc()
         if record.first_token_at is not None:
             self.ttft.observe(record.first_token_at - record.started)
             decoded = (record.completion_tokens or 0) - 1
@@ -66,3 +65,20 @@ class Metrics:
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _EngineCancellations:
+    """`lockstep_cancelled_requests_total`: the engine's own count, the one /health reports."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def describe(self):
+        return [CounterMetricFamily("lockstep_cancelled_requests", CANCELLED_HELP)]
+
+    def collect(self):
+        yield CounterMetricFamily("lockstep_cancelled_requests", CANCELLED_HELP,
+                                  value=self.engine.counts()["cancelled"])
+
+
+CANCELLED_HELP = "Generations stopped because the client left"

@@ -1,8 +1,11 @@
 """Pydantic models mirroring the OpenAI API: requests, responses, stream chunks, errors.
 
 Requests forbid unknown fields, so a typo is a 400 naming the field instead of being
-silently ignored. Fields lockstep cannot honour (n > 1, penalties, echo) are rejected
-with the field named as `param`. The `lockstep` request fields and the `lockstep`
+silently ignored, and types are strict as OpenAI's are (`"4"`, `true` or `1e3` is not an
+integer, `"yes"` is not a boolean). Fields lockstep cannot honour (n > 1, penalties, echo)
+are rejected with the field named as `param`; rules that a union type would report
+obscurely (how many stop strings, one prompt, text-only content) are checked first and
+named plainly. The `lockstep` request fields and the `lockstep`
 response object are this server's extensions; everything else follows the spec.
 """
 from __future__ import annotations
@@ -15,6 +18,17 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
+# OpenAI's seed is a signed 64-bit integer; outside it a seed would alias another one.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def _check_unicode(text: str) -> str:
+    """Lone surrogates (valid JSON escapes, invalid Unicode) cannot be tokenized."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (it contains a lone surrogate)") from None
+    return text
 
 
 def _omit_if_none(value) -> bool:
@@ -22,7 +36,7 @@ def _omit_if_none(value) -> bool:
 
 
 class Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(Request):
@@ -39,7 +53,7 @@ class SamplingRequest(Request):
     top_k: int = Field(default=0, ge=0)  # 0 = off (OpenAI has no top_k; vLLM-style)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -64,6 +78,13 @@ class SamplingRequest(Request):
         if value != 0.0:
             raise ValueError("penalties are not supported; use 0")
         return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _at_most_four_stops(cls, stop):
+        if isinstance(stop, list) and len(stop) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stop)}")
+        return stop
 
     @field_validator("stop")
     @classmethod
@@ -91,6 +112,23 @@ class ChatMessage(Request):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextContentPart]
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"only text content parts are supported (got type {kind!r})")
+        return content
+
+    @field_validator("content")
+    @classmethod
+    def _valid_unicode(cls, content):
+        for text in [content] if isinstance(content, str) else [part.text for part in content]:
+            _check_unicode(text)
+        return content
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -123,6 +161,22 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        # A list of strings or of token lists is a batch of prompts; lockstep takes one.
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(x, (str, list)) for x in prompt):
+            raise ValueError(f"one prompt per request is supported, got {len(prompt)}")
+        return prompt
+
+    @field_validator("prompt")
+    @classmethod
+    def _valid_unicode(cls, prompt):
+        texts = [prompt] if isinstance(prompt, str) else [x for x in prompt if isinstance(x, str)]
+        for text in texts:
+            _check_unicode(text)
+        return prompt
 
     @field_validator("echo")
     @classmethod

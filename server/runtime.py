@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from server.decoding import METHODS, Deployment
+from server.decoding import MAX_DRAFT_TOKENS, METHODS, Deployment
 
 log = logging.getLogger("lockstep.runtime")
 
@@ -46,6 +46,7 @@ class Options:
     invariant_strategy: str = "auto"
     speculative: str = "none"
     num_draft_tokens: int = 4
+    max_draft_tokens: int = MAX_DRAFT_TOKENS
     draft_model: str | None = None  # a model spec, or "default-quantized"
     prefill_chunk: int = 512
 
@@ -104,6 +105,11 @@ def build_runtime(options: Options) -> Runtime:
         raise ValueError("--speculative draft needs --draft-model")
     if options.num_draft_tokens is not None and options.num_draft_tokens < 1:
         raise ValueError("--num-draft-tokens must be >= 1")
+    if options.max_draft_tokens < 1:
+        raise ValueError("--max-draft-tokens must be >= 1")
+    if options.num_draft_tokens is not None and options.num_draft_tokens > options.max_draft_tokens:
+        raise ValueError(f"--num-draft-tokens {options.num_draft_tokens} is above --max-draft-tokens "
+                         f"{options.max_draft_tokens}")
     if options.prefill_chunk < 1:
         raise ValueError("--prefill-chunk must be >= 1")
     timings = {}
@@ -143,7 +149,7 @@ def build_runtime(options: Options) -> Runtime:
     deployment = Deployment(
         limit=plan.limit, guaranteed=guaranteed, strategy=plan.strategy,
         speculative=options.speculative, num_draft_tokens=options.num_draft_tokens,
-        draft_model=draft, draft_name=draft_name, prefill_chunk=options.prefill_chunk,
+        max_draft_tokens=options.max_draft_tokens, draft_model=draft, draft_name=draft_name, prefill_chunk=options.prefill_chunk,
         fingerprint=fingerprint,
     )
     return Runtime(loaded, deployment, report, plan, transform, timings)

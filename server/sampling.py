@@ -3,7 +3,10 @@
 The random noise used to pick the token at absolute sequence position `t` depends only on
 `(seed, t)`: Gumbel-max sampling with a key derived from both. So a seed gives the same
 tokens however positions are grouped into forward passes (one token per step, or several
-verified at once by speculative decoding). Temperature 0 is greedy and uses no noise.
+verified at once by speculative decoding). Temperature 0 is greedy and uses no noise; so
+is any temperature below `GREEDY_BELOW`, where dividing by it would overflow float32 (a
+1e-40 temperature once turned every logit into inf/nan and sampled token 0). top-p and
+min-p always keep the most likely token, so a tiny `top_p` means greedy, never "nothing".
 
 Logprobs are the log-softmax of the raw logits (before temperature and masks), as OpenAI
 reports them.
@@ -16,6 +19,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 _MASK64 = (1 << 64) - 1
+# Temperatures below this are greedy: logits / 1e-6 stays finite in float32 for any logit
+# a model produces, while far smaller ones overflow (documented in docs/DETERMINISM.md).
+GREEDY_BELOW = 1e-6
 
 
 @dataclass(frozen=True)
@@ -29,7 +35,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,8 @@ def _mask_top_p(logprobs: mx.array, top_p: float) -> mx.array:
     # likely token is always kept).
     mass_before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
     keep_sorted = mass_before < top_p
+    # The most likely token is always kept, even when top_p rounds to 0 in float32.
+    keep_sorted = keep_sorted | (mx.arange(keep_sorted.shape[-1]) == 0)
     keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
     return mx.where(keep, logprobs, -mx.inf)
 
@@ -75,7 +83,7 @@ def _mask_min_p(logprobs: mx.array, min_p: float) -> mx.array:
     if min_p <= 0.0:
         return logprobs
     threshold = logprobs.max(axis=-1, keepdims=True) + mx.log(mx.array(min_p))
-    return mx.where(logprobs >= threshold, logprobs, -mx.inf)
+    return mx.where(logprobs >= threshold, logprobs, -mx.inf)  # log(min_p) <= 0: the top token stays
 
 
 def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:

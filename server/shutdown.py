@@ -5,11 +5,15 @@ so the process dies with 143 (SIGTERM). Under launchd's KeepAlive {SuccessfulExi
 that reads as a crash and restarts a deliberate stop. `DrainingServer` instead keeps
 listening while in-flight requests finish (new ones get 503 from `server/drain.py`), stops
 when idle or after `drain_timeout` seconds, and does not re-raise: `serve()` returns
-normally and the command exits 0. A second signal stops at once.
+normally and the command exits 0. A second signal stops at once. Either way, requests
+still running are first cut off by the app (`Drain.cut`): each stream gets a final error
+event and [DONE], and the log one line per cut request, instead of a severed body and a
+traceback from uvicorn cancelling the handler.
 """
 from __future__ import annotations
 
 import logging
+import socket
 import time
 
 import uvicorn
@@ -21,6 +25,8 @@ log = logging.getLogger("lockstep.shutdown")
 DEFAULT_DRAIN_TIMEOUT = 30.0
 # After draining (or its timeout), uvicorn's own wait for open connections is this short.
 AFTER_DRAIN_GRACE_S = 2.0
+# After cutting requests off, how long their final events get to reach the clients.
+AFTER_CUT_GRACE_S = 1.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -29,12 +35,22 @@ class DrainingServer(uvicorn.Server):
         self.drain = drain
         self.drain_timeout = drain_timeout
         self._drain_deadline: float | None = None
+        self._cut_deadline: float | None = None
+        self._cut_reason = "drain timeout"
+
+    def _cut(self, why: str) -> None:
+        if self._cut_deadline is None:
+            log.warning("%s: %d request(s) still running are cut off", why, self.drain.in_flight)
+            self.drain.cut()
+            self._cut_deadline = time.monotonic() + AFTER_CUT_GRACE_S
 
     def handle_exit(self, sig, frame) -> None:
         # Not recorded in uvicorn's captured signals: nothing is re-raised after shutdown.
         if self._drain_deadline is not None:
-            log.warning("second signal: stopping now")
-            self.should_exit = self.force_exit = True
+            # The cut itself happens in on_tick, on the event loop: a signal handler must not
+            # take the engine's lock (the interrupted code may hold it).
+            self._cut_reason = "second signal"
+            self._drain_deadline = time.monotonic()
             return
         log.info("shutting down: draining %d request(s) for up to %.0f s", self.drain.in_flight,
                  self.drain_timeout)
@@ -43,19 +59,42 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if self._drain_deadline is not None and not self.should_exit:
+            now = time.monotonic()
             if self.drain.idle():
                 self.should_exit = True
-            elif time.monotonic() >= self._drain_deadline:
-                log.warning("drain timeout: %d request(s) still running are cut off", self.drain.in_flight)
-                self.should_exit = True
+            elif now >= self._drain_deadline:
+                self._cut(self._cut_reason)
+                if now >= self._cut_deadline:
+                    self.should_exit = True
         return await super().on_tick(counter)
 
 
-def serve(app, host: str, port: int, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT, **config) -> None:
-    """Run `app` (built by `create_app`, which owns its `Drain`) until a signal drains it."""
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads so a busy port fails in a second.
+
+    Raises OSError naming the address. Options match uvicorn's own bind (SO_REUSEADDR).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(app, host: str, port: int, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+          sock: socket.socket | None = None, **config) -> None:
+    """Run `app` (built by `create_app`, which owns its `Drain`) until a signal drains it.
+
+    `sock`: an already bound socket (from `bind`) to serve on instead of binding here.
+    """
     config.setdefault("timeout_graceful_shutdown", AFTER_DRAIN_GRACE_S)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, **config), app.state.drain, drain_timeout)
-    server.run()
+    server.run(sockets=[sock] if sock is not None else None)
 
 
 def exit_without_finalizing(code: int = 0) -> None:

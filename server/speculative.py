@@ -11,6 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+
+def _never() -> bool:
+    return False
+
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
@@ -23,7 +27,7 @@ class PromptLookupDrafter:
     def __init__(self, max_ngram: int = 3):
         self.max_ngram = max_ngram
 
-    def propose(self, context: Sequence[int], k: int) -> list[int]:
+    def propose(self, context: Sequence[int], k: int, cancelled: Callable[[], bool] = _never) -> list[int]:
         n_ctx = len(context)
         for n in range(min(self.max_ngram, n_ctx - 1), 0, -1):
             tail = list(context[n_ctx - n:])
@@ -55,7 +59,8 @@ class DraftModelDrafter:
         self.tokens.extend(tokens)
         return logits
 
-    def propose(self, context: Sequence[int], k: int) -> list[int]:
+    def propose(self, context: Sequence[int], k: int, cancelled: Callable[[], bool] = _never) -> list[int]:
+        """Up to k greedy drafts; fewer if `cancelled()` turns true (one draft pass each)."""
         common = 0
         limit = min(len(self.tokens), len(context) - 1)  # always re-feed the last token
         while common < limit and self.tokens[common] == context[common]:
@@ -69,6 +74,8 @@ class DraftModelDrafter:
             token = int(mx.argmax(logits).item())
             drafts.append(token)
             if i + 1 < k:
+                if cancelled():  # the client left: no more passes for nobody
+                    break
                 logits = self._feed([token])
         return drafts
 

@@ -7,7 +7,7 @@ not depend on how many rows shared its forward pass, so both give identical toke
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import mlx.core as mx
 
@@ -41,14 +41,31 @@ def plain_tokens(step, model, cache, context: list[int], params: SamplingParams,
         yield [Step(chosen, logits[0])]
 
 
+def _unbounded() -> int:
+    return 1 << 62
+
+
+def _never() -> bool:
+    return False
+
+
 def speculative_tokens(step, model, cache, context: list[int], params: SamplingParams,
-                       drafter, k: int, stats: SpeculationStats) -> Iterator[list[Step]]:
-    """Up to k + 1 tokens per forward pass: drafts verified by the target (sample and compare)."""
+                       drafter, k: int, stats: SpeculationStats,
+                       remaining: Callable[[], int] = _unbounded,
+                       cancelled: Callable[[], bool] = _never) -> Iterator[list[Step]]:
+    """Up to k + 1 tokens per forward pass: drafts verified by the target (sample and compare).
+
+    Each pass drafts at most `remaining() - 1` tokens (a pass emits up to k + 1), so no work
+    is spent past the request's limit; it ends early when `cancelled()` turns true.
+    """
     # Greedy without logprobs needs only argmax, which is exact whatever the row count: one
     # device round trip per pass instead of one per row.
     batch_argmax = params.greedy and params.top_logprobs is None
     while True:
-        drafts = drafter.propose(context, k)
+        k_now = min(k, remaining() - 1)
+        drafts = drafter.propose(context, k_now, cancelled) if k_now > 0 else []
+        if cancelled():
+            return
         base = len(context)
         picked: list[Step] = []
         argmaxes: list[int] = []
@@ -76,9 +93,14 @@ def speculative_tokens(step, model, cache, context: list[int], params: SamplingP
 
 
 def token_source(step, model, cache, context: list[int], params: SamplingParams,
-                 stats: SpeculationStats, method: str = "none", k: int = 0, draft_model=None):
-    """The source for a speculative `method` ("none", "draft", "prompt_lookup") with k drafts."""
+                 stats: SpeculationStats, method: str = "none", k: int = 0, draft_model=None,
+                 remaining: Callable[[], int] = _unbounded, cancelled: Callable[[], bool] = _never):
+    """The source for a speculative `method` ("none", "draft", "prompt_lookup") with k drafts.
+
+    `remaining()` is how many tokens the request may still emit; `cancelled()` whether its
+    client is gone (checked between draft passes, so one step never runs k passes for nobody).
+    """
     if method == "none":
         return plain_tokens(step, model, cache, context, params, stats)
     drafter = DraftModelDrafter(draft_model) if method == "draft" else PromptLookupDrafter()
-    return speculative_tokens(step, model, cache, context, params, drafter, k, stats)
+    return speculative_tokens(step, model, cache, context, params, drafter, k, stats, remaining, cancelled)

@@ -32,7 +32,7 @@ def test_deterministic_allows_every_k_up_to_limit_minus_one(method, k):
 
 
 @pytest.mark.parametrize("method", ["draft", "prompt_lookup"])
-@pytest.mark.parametrize("k", [6, 7, 64])
+@pytest.mark.parametrize("k", [6, 7, 12])
 def test_deterministic_refuses_k_of_limit_or_more_naming_the_param(method, k):
     error = rejected(speculative=method, k=k)
     assert error.param == "num_draft_tokens"
@@ -78,7 +78,7 @@ def test_unknown_method_and_missing_draft_model_are_refused():
 # ------------------------------------------------------------------ deterministic, L off / unproven
 
 @pytest.mark.parametrize("method, k", [(None, None), ("none", None), ("prompt_lookup", 3),
-                                       ("draft", 5), ("prompt_lookup", 99)])
+                                       ("draft", 5), ("prompt_lookup", 16)])
 def test_limit_zero_runs_without_speculation_and_alone_with_a_note(method, k):
     off = Deployment(limit=0, guaranteed=False, speculative="prompt_lookup", draft_model=DRAFT)
     p = plan(off, speculative=method, k=k)
@@ -166,7 +166,7 @@ def test_engine_runs_an_exclusive_plan_alone():
     log: list[str] = []
     lock = threading.Lock()
 
-    def fake_generate(loaded, request, *, plan=None, deployment=None, prefix_cache=None):
+    def fake_generate(loaded, request, *, plan=None, deployment=None, prefix_cache=None, **_):
         name = request.stop[0]
         for i in range(4):
             with lock:
@@ -196,3 +196,11 @@ def test_engine_runs_an_exclusive_plan_alone():
     assert log[first_x:last_x + 1] == ["X"] * 4  # alone while it ran
     assert set(log[:first_x]) == {"a", "b"} and log[last_x + 1:] == ["c"] * 4  # nobody overtook it
     assert log[:first_x] != sorted(log[:first_x])  # the plain ones did interleave (control)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_k_above_the_server_maximum_is_refused_for_every_request(deterministic):
+    small = Deployment(limit=64, guaranteed=True, max_draft_tokens=8)
+    error = rejected(small, deterministic=deterministic, speculative="prompt_lookup", k=9)
+    assert error.param == "num_draft_tokens" and "at most 8" in str(error)
+    assert plan(small, deterministic=deterministic, speculative="prompt_lookup", k=8).num_draft_tokens == 8

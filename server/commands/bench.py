@@ -18,6 +18,7 @@ def register(subparsers) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=None)
     parser.set_defaults(func=run, batch_invariant_limit=None, speculative="none", draft_model=None,
+                        max_draft_tokens=64,  # no server here: k is bounded only by L
                         prefill_chunk=512)
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 
 from server.auth import KEYS_ENV, api_keys, warn_if_exposed
-from server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS, Limits
+from server.limits import (DEFAULT_CPU_MAX_PROMPT_TOKENS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE,
+                           DEFAULT_MAX_TOKENS, Limits, default_max_prompt_tokens)
 from server.shutdown import DEFAULT_DRAIN_TIMEOUT
 
 
@@ -32,7 +33,8 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"largest max_tokens a request may ask for; larger gets 400, and it is the "
                              f"default when a request sets none (default {DEFAULT_MAX_TOKENS})")
     parser.add_argument("--max-prompt-tokens", type=_positive_int, default=None,
-                        help="longest prompt in tokens; longer gets 400 (default: the model's context)")
+                        help=f"longest prompt in tokens; longer gets 400 (default: "
+                             f"{DEFAULT_CPU_MAX_PROMPT_TOKENS} on the CPU backend, else the model's context)")
     parser.add_argument("--max-queue", type=_non_negative_int, default=DEFAULT_MAX_QUEUE,
                         help=f"requests waiting for a slot before new ones get 429 (default {DEFAULT_MAX_QUEUE})")
     parser.add_argument("--log-prompts", action="store_true",
@@ -46,6 +48,9 @@ def http_settings_from_args(args: argparse.Namespace) -> dict:
     """`create_app` keyword arguments; warns when exposed beyond loopback without a key."""
     keys = api_keys(args.api_key)
     warn_if_exposed(args.host, keys)
+    max_prompt_tokens = args.max_prompt_tokens
+    if max_prompt_tokens is None:
+        max_prompt_tokens = default_max_prompt_tokens()
     limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit,
-                    max_prompt_tokens=args.max_prompt_tokens, max_queue=args.max_queue)
+                    max_prompt_tokens=max_prompt_tokens, max_queue=args.max_queue)
     return {"api_keys": keys, "limits": limits, "log_prompts": args.log_prompts}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from server.decoding import METHODS
+from server.decoding import MAX_DRAFT_TOKENS, METHODS
 from server.runtime import Options, limit_from_env
 
 WEIGHT_CHOICES = ("auto", "q4", "float32", "float16")
@@ -34,7 +34,12 @@ def add_determinism_arguments(parser: argparse.ArgumentParser) -> None:
                         help="canonical kernel form (default auto: fastest proven by the self-test)")
     parser.add_argument("--speculative", choices=METHODS, default="none",
                         help="default speculative method for requests that do not choose one")
-    parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--num-draft-tokens", type=int, default=4,
+                        help="default drafts per speculative step (k) for requests that set none")
+    parser.add_argument("--max-draft-tokens", type=int, default=MAX_DRAFT_TOKENS,
+                        help=f"largest k a request may ask for; larger gets 400. A draft model runs k "
+                             f"passes in one engine step, so this bounds how long one request holds "
+                             f"the engine (default {MAX_DRAFT_TOKENS})")
     parser.add_argument("--draft-model", default=None,
                         help='draft model for speculative decoding: a model spec or "default-quantized"')
     parser.add_argument("--prefill-chunk", type=int, default=512)
@@ -50,7 +55,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
         model=args.model, weights=args.weights, quantize=args.quantize, q_bits=args.q_bits,
         q_group_size=args.q_group_size, batch_invariant_limit=limit,
         invariant_strategy=args.invariant_strategy, speculative=args.speculative,
-        num_draft_tokens=args.num_draft_tokens, draft_model=args.draft_model,
+        num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
+        draft_model=args.draft_model,
         prefill_chunk=args.prefill_chunk,
     )
 

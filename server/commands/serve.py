@@ -56,16 +56,22 @@ def run(args: argparse.Namespace) -> int:
     from server import access_log, shutdown
 
     apply_cpu_blas(args)
+    try:  # a busy port is reported now, not after the model load
+        sock = shutdown.bind(args.host, args.port)
+    except OSError as exc:
+        log.error("%s (is another server running? choose another --port)", exc.strerror)
+        return 1
     try:
         app, engine = build_app_from_args(args)
     except (ModelError, ValueError) as exc:
         log.error("%s", exc)
+        sock.close()
         return 1
     log.info("serving %s on http://%s:%d/v1 (model id %r or \"default\")",
              engine.loaded.path, args.host, args.port, engine.loaded.name)
     try:
         access_log.send_to_stderr()  # bare JSON lines replace uvicorn's access log
-        shutdown.serve(app, args.host, args.port, drain_timeout=args.drain_timeout,
+        shutdown.serve(app, args.host, args.port, drain_timeout=args.drain_timeout, sock=sock,
                        log_level=logging.getLogger().level, access_log=False)
     finally:
         engine.stop()

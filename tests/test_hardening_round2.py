@@ -1,0 +1,451 @@
+"""Regression tests for the second adversarial probe: each test names the finding it guards.
+
+Most run against an app whose engine steps a scripted generator (no MLX work), so stalls,
+drains and disconnects can be driven exactly; the sampling and speculation findings run on
+the embedded model.
+"""
+import json
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx2 as httpx
+import mlx.core as mx
+import pytest
+
+from server.generate import Delta
+from tests.http_server import running, wait_until
+
+KEYS = ["k1"]
+AUTH = {"Authorization": "Bearer k1"}
+CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+class EndlessGenerate:
+    """Emits a token every 50 ms while `gate` is open (never while it is closed), up to max_tokens."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __call__(self, loaded, request, **_):
+        n = len(request.prompt_tokens)
+        for i in range(1, request.max_tokens + 1):
+            while not self.gate.wait(0.01):
+                yield None
+            time.sleep(0.05)
+            yield Delta(text=f"t{i} ", prompt_tokens=n, completion_tokens=i,
+                        finish_reason="length" if i == request.max_tokens else None)
+
+
+@pytest.fixture(scope="module")
+def endless():
+    return EndlessGenerate()
+
+
+@pytest.fixture(scope="module")
+def app_url(embedded_model, endless):
+    from server.app import create_app
+    from server.engine import Engine
+
+    engine = Engine(embedded_model, max_active=4, generate_fn=endless).start()
+    app = create_app(engine, api_keys=KEYS)
+    try:
+        with running(app) as url:
+            yield url, app, engine
+    finally:
+        endless.gate.set()
+        engine.stop()
+
+
+@pytest.fixture
+def http(app_url):
+    with httpx.Client(base_url=app_url[0], timeout=60, headers=AUTH) as client:
+        yield client
+
+
+def error_of(response, status, param):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    return error["message"]
+
+
+# ------------------------------------------------- 1. a request that stalls all others
+
+def test_draft_tokens_above_the_server_maximum_are_refused_naming_the_limit(http):
+    from server.decoding import MAX_DRAFT_TOKENS
+
+    body = {**CHAT, "speculative": "prompt_lookup", "num_draft_tokens": 300, "max_tokens": 1}
+    message = error_of(http.post("/v1/chat/completions", json=body), 400, "num_draft_tokens")
+    assert f"at most {MAX_DRAFT_TOKENS}" in message
+    ok = {**body, "num_draft_tokens": MAX_DRAFT_TOKENS}
+    assert http.post("/v1/chat/completions", json=ok).status_code == 200
+
+
+def test_the_num_draft_tokens_flag_is_bounded_by_the_maximum():
+    from server.runtime import Options, build_runtime
+
+    with pytest.raises(ValueError, match="above --max-draft-tokens"):
+        build_runtime(Options(num_draft_tokens=300))  # refused before any model is loaded
+    with pytest.raises(ValueError, match="--max-draft-tokens must be >= 1"):
+        build_runtime(Options(max_draft_tokens=0))
+
+
+def test_drafts_are_clipped_to_the_tokens_left(embedded_model, monkeypatch):
+    from server.decoding import DecodePlan, Deployment
+    from server.generate import GenerationRequest, generate
+    from server.sampling import SamplingParams
+    from server.speculative import PromptLookupDrafter
+
+    asked = []
+    original = PromptLookupDrafter.propose
+
+    def recording(self, context, k, cancelled=None):
+        asked.append(k)
+        return original(self, context, k)
+
+    monkeypatch.setattr(PromptLookupDrafter, "propose", recording)
+    prompt = list(embedded_model.tokenizer.encode("one two three one two three one two three one two"))
+    request = GenerationRequest(prompt, max_tokens=3, sampling=SamplingParams(temperature=0.0))
+    plan = DecodePlan(False, "prompt_lookup", 8, exclusive=False)
+    deltas = [d for d in generate(embedded_model, request, plan=plan, deployment=Deployment()) if d]
+    assert deltas[-1].completion_tokens <= 3
+    assert asked and asked[0] == 2  # 3 tokens left: 2 drafts + the target's own token
+    assert all(k <= 2 for k in asked)
+
+
+def test_a_cancelled_request_stops_drafting_inside_the_step(embedded_model):
+    from server.speculative import DraftModelDrafter
+
+    drafter = DraftModelDrafter(embedded_model.model)
+    feeds = []
+    original = drafter._feed
+
+    def counting_feed(tokens):
+        feeds.append(len(tokens))
+        return original(tokens)
+
+    drafter._feed = counting_feed
+    context = list(embedded_model.tokenizer.encode("Once upon a time"))
+    gone = threading.Event()
+
+    def cancelled():
+        gone.set()  # the client leaves as soon as the first draft pass is done
+        return True
+
+    drafts = drafter.propose(context, 100, cancelled)
+    assert gone.is_set()
+    assert len(feeds) == 1 and len(drafts) == 1  # one pass, not 100
+
+
+def test_a_long_step_does_not_hold_the_engine_after_its_client_left(embedded_model):
+    """The engine passes `cancelled` to generate, and a cancelled request leaves at once."""
+    from server.engine import Engine
+
+    seen = {}
+
+    def long_step_generate(loaded, request, *, cancelled, **_):
+        seen["cancelled"] = cancelled
+        while not cancelled():  # a step that polls cancellation, like a drafter does
+            yield None
+
+    engine = Engine(embedded_model, generate_fn=long_step_generate).start()
+    try:
+        import asyncio
+
+        async def go():
+            from server.generate import GenerationRequest
+
+            handle = engine.submit(GenerationRequest([1, 2], max_tokens=4))
+            await asyncio.to_thread(wait_until, lambda: "cancelled" in seen)
+            handle.cancel()
+            await asyncio.to_thread(wait_until, lambda: engine.counts()["active"] == 0)
+
+        asyncio.run(go())
+        assert engine.counts()["cancelled"] == 1
+    finally:
+        engine.stop()
+
+
+# ------------------------------------------------ 2. tiny temperature or top_p
+
+@pytest.mark.parametrize("params", [dict(temperature=1e-40), dict(temperature=1e-300),
+                                    dict(temperature=1.0, top_p=1e-300), dict(temperature=1.0, top_p=1e-45)])
+def test_tiny_temperature_or_top_p_picks_the_top_token(params):
+    from server.sampling import SamplingParams, sample
+
+    logits = mx.random.normal((3, 1000), key=mx.random.key(3)) * 4
+    chosen = sample(logits, [10, 11, 12], SamplingParams(seed=5, top_logprobs=1, **params))
+    assert [c.token for c in chosen] == mx.argmax(logits, axis=-1).tolist()
+    assert all(c.logprob is not None and c.logprob == c.logprob for c in chosen)  # not NaN
+
+
+def test_tiny_temperature_over_http_answers_like_greedy(live_server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=live_server, api_key="unused")
+    messages = [{"role": "user", "content": "Name a color."}]
+    greedy = client.chat.completions.create(model="default", messages=messages, max_tokens=4, temperature=0)
+    tiny = client.chat.completions.create(model="default", messages=messages, max_tokens=4, temperature=1e-300)
+    assert tiny.choices[0].message.content and tiny.choices[0].message.content == greedy.choices[0].message.content
+
+
+# ------------------------------------------------------------------ 3. seeds
+
+@pytest.mark.parametrize("seed", [2**63, 2**64, 2**200, 10**4000, -(2**63) - 1])
+def test_seeds_outside_int64_are_refused(http, seed):
+    body = json.dumps({**CHAT, "seed": seed})
+    response = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    error_of(response, 400, "seed")
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63), -1, 0])
+def test_seeds_inside_int64_are_accepted(http, seed):
+    assert http.post("/v1/chat/completions", json={**CHAT, "seed": seed}).status_code == 200
+
+
+def test_distinct_int64_seeds_give_distinct_keys():
+    from server.sampling import key_for
+
+    keys = {tuple(key_for(seed, 7).tolist()) for seed in (0, -1, 2**63 - 1, -(2**63), 1)}
+    assert len(keys) == 5
+
+
+# ------------------------------------------------- 4. streams cut at the drain timeout
+
+def _serve_draining(app, drain_timeout):
+    from server.shutdown import DrainingServer, bind
+
+    import uvicorn
+
+    sock = bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = DrainingServer(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                           timeout_graceful_shutdown=2), app.state.drain, drain_timeout)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, what="uvicorn")
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("second_signal", [False, True])
+def test_streams_cut_at_the_drain_timeout_end_with_an_error_event_and_done(embedded_model, caplog,
+                                                                          second_signal):
+    import signal
+
+    from server.app import create_app
+    from server.engine import Engine
+
+    endless = EndlessGenerate()
+    engine = Engine(embedded_model, generate_fn=endless).start()
+    app = create_app(engine)
+    server, thread, url = _serve_draining(app, drain_timeout=60 if second_signal else 0.5)
+    bodies, statuses = {}, {}
+
+    def stream(i):
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 99},
+                          timeout=60) as r:
+            bodies[i] = r.read().decode()
+
+    def plain():
+        statuses["plain"] = httpx.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 99}, timeout=60)
+
+    caplog.set_level(logging.WARNING)
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)] + [threading.Thread(target=plain)]
+    try:
+        for t in threads:
+            t.start()
+        wait_until(lambda: engine.counts()["active"] == 3, what="three requests running")
+        server.handle_exit(signal.SIGTERM, None)
+        if second_signal:
+            server.handle_exit(signal.SIGTERM, None)
+        for t in threads:
+            t.join(timeout=30)
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    finally:
+        engine.stop()
+    for body in bodies.values():
+        events = [line[len("data: "):] for line in body.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "server_shutting_down" and error["type"] == "server_error"
+    assert len(bodies) == 2
+    assert statuses["plain"].status_code == 503
+    assert statuses["plain"].json()["error"]["code"] == "server_shutting_down"
+    cut_lines = [r for r in caplog.records if "cut off:" in r.getMessage()]
+    assert len(cut_lines) == 3  # one line per cut request
+    assert not [r for r in caplog.records if "Exception in ASGI application" in r.getMessage()]
+
+
+# ----------------------------------------- 5. the cancelled metric and /health agree
+
+def _metric(http, name):
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} missing")
+
+
+def test_non_streamed_disconnects_move_the_metric_and_health_together(app_url, http, endless):
+    before = http.get("/health").json()["cancelled"]
+    assert _metric(http, "lockstep_cancelled_requests_total") == before
+    endless.gate.clear()
+    try:
+        for _ in range(3):
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(app_url[0] + "/v1/completions", json={"model": "default", "prompt": "hi"},
+                           headers=AUTH, timeout=httpx.Timeout(60, read=0.3))
+        wait_until(lambda: http.get("/health").json()["cancelled"] == before + 3, what="three cancellations")
+    finally:
+        endless.gate.set()
+    assert _metric(http, "lockstep_cancelled_requests_total") == before + 3
+
+
+# ------------------------------------------------ 6. orphaned import directories
+
+def test_stale_import_directories_are_swept(tmp_path):
+    from models.gguf_import import sweep_stale_imports
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = tmp_path / f".SmolLM2.Q4_1-abc-q4.{dead.pid}.x1y2.tmp"
+    live = tmp_path / f".SmolLM2.Q4_1-abc-q4.{__import__('os').getpid() - 0}.z9.tmp"
+    for d in (orphan, live):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"0" * 1000)
+    model = tmp_path / "SmolLM2.Q4_1-abc-q4"
+    model.mkdir()
+    assert sweep_stale_imports(tmp_path) == [orphan]
+    assert not orphan.exists() and live.exists() and model.exists()
+
+
+def test_an_import_sweeps_before_it_looks_in_the_cache(tmp_path):
+    from models.embedded import embedded_gguf_path
+    from models.gguf_import import imported_dir, import_gguf
+
+    final = imported_dir(embedded_gguf_path(), "q4", tmp_path)
+    final.mkdir(parents=True)
+    (final / "config.json").write_text("{}")  # a cache hit: no import work
+    orphan = tmp_path / f".{final.name}.999999999.abc.tmp"
+    orphan.mkdir()
+    assert import_gguf(embedded_gguf_path(), "q4", cache_root=tmp_path, progress=False) == final
+    assert not orphan.exists()
+
+
+# ----------------------------------------------------- 7. a port already in use
+
+def test_a_busy_port_is_reported_before_the_model_loads():
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        done = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        holder.close()
+    assert done.returncode == 1
+    assert f"127.0.0.1:{port}" in done.stderr and "in use" in done.stderr
+    assert "serving" not in done.stderr and "loaded" not in done.stderr.lower()
+
+
+# ----------------------------------------------------------- 8. error messages
+
+@pytest.mark.parametrize("path, body, param, words", [
+    ("/v1/chat/completions", {**CHAT, "stop": ["x"] * 1000}, "stop", "at most 4 stop sequences"),
+    ("/v1/completions", {"model": "default", "prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages", "only text content"),
+])
+def test_rule_violations_are_named_plainly(http, path, body, param, words):
+    message = error_of(http.post(path, json=body), 400, param)
+    assert words in message and "valid string" not in message
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", '{"model":"default","messages":[{"role":"user","content":"a\\ud800b"}]}', "messages"),
+    ("/v1/completions", '{"model":"default","prompt":"\\udfff"}', "prompt"),
+])
+def test_a_lone_surrogate_is_refused_plainly(http, path, body, param):
+    response = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    message = error_of(response, 400, param)
+    assert "lone surrogate" in message and "TextEncodeInput" not in message
+
+
+# ------------------------------------------------------------- 9. strict types
+
+@pytest.mark.parametrize("field, value", [("max_tokens", "4"), ("max_tokens", True), ("max_tokens", 1e3),
+                                          ("stream", "yes"), ("deterministic", "yes"), ("seed", "7"),
+                                          ("temperature", "0.5")])
+def test_wrongly_typed_fields_are_400_naming_the_field(http, field, value):
+    error_of(http.post("/v1/chat/completions", json={**CHAT, field: value}), 400, field)
+
+
+def test_integers_are_still_fine_where_numbers_are_expected(http):
+    assert http.post("/v1/chat/completions", json={**CHAT, "temperature": 0, "top_p": 1}).status_code == 200
+
+
+# ------------------------------------------------------ 10. small service details
+
+def test_head_health_is_200(app_url):
+    assert httpx.head(app_url[0] + "/health").status_code == 200
+
+
+def test_openapi_schema_needs_the_key_when_keys_are_set(app_url):
+    assert httpx.get(app_url[0] + "/openapi.json").status_code == 401
+    assert httpx.get(app_url[0] + "/openapi.json", headers=AUTH).status_code == 200
+
+
+def test_cpu_gets_a_default_prompt_cap_and_the_flag_overrides_it(monkeypatch):
+    import argparse
+
+    from server.commands.http_args import add_http_arguments, http_settings_from_args
+    from server.limits import DEFAULT_CPU_MAX_PROMPT_TOKENS
+
+    monkeypatch.delenv("LOCKSTEP_API_KEYS", raising=False)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
+    add_http_arguments(parser)
+    assert mx.default_device() == mx.cpu  # CI's backend
+    assert http_settings_from_args(parser.parse_args([]))["limits"].max_prompt_tokens == DEFAULT_CPU_MAX_PROMPT_TOKENS
+    settings = http_settings_from_args(parser.parse_args(["--max-prompt-tokens", "7000"]))
+    assert settings["limits"].max_prompt_tokens == 7000
+
+
+def test_a_cancelled_prefill_stops_at_the_next_chunk(embedded_model):
+    """Each prefill chunk is one engine step, so a disconnect frees the slot after one chunk."""
+    import asyncio
+    import functools
+
+    from server.decoding import Deployment
+    from server.engine import Engine
+    from server.generate import GenerationRequest, forward, generate
+
+    chunks = []
+    release = threading.Event()
+
+    def counting_forward(model, cache, tokens):
+        chunks.append(len(tokens))
+        if len(chunks) == 1:
+            release.wait(30)  # hold the first chunk until the client has left
+        return forward(model, cache, tokens)
+
+    engine = Engine(embedded_model, generate_fn=functools.partial(generate, step=counting_forward),
+                    deployment=Deployment(prefill_chunk=16)).start()
+    try:
+        async def go():
+            handle = engine.submit(GenerationRequest(list(range(100, 180)), max_tokens=4))
+            await asyncio.to_thread(wait_until, lambda: len(chunks) == 1)
+            handle.cancel()
+            release.set()
+            await asyncio.to_thread(wait_until, lambda: engine.counts()["active"] == 0)
+
+        asyncio.run(go())
+    finally:
+        engine.stop()
+    assert chunks == [16]  # 79 prompt tokens = 5 chunks; only the first ran
