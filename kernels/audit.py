@@ -3,6 +3,7 @@
     report = audit_model(model)          # probe every distinct quantized-layer config
     apply_workarounds(model, report)     # swap in stand-ins; ModelError if any refused
     print(format_table(report)); summary(report)  # for the CLI and GET /v1/models
+    audit_model(model, cache=audit_verdict_cache())  # re-use this machine's verdicts
 
 Each distinct configuration (kind, shape, mode, bits, group size, dtype, bias) is
 probed once, on the first layer that has it, on every path the model will take
@@ -10,20 +11,29 @@ probed once, on the first layer that has it, on every path the model will take
 tries the workarounds in order (`audit_workarounds.WORKAROUNDS`), each probed again on
 every path; the first that passes everywhere is the verdict. If none does, the model
 is refused, naming the layer and the path.
+
+Probes run on a slice of the layer's output rows, exact because quantization groups run
+along K; a path whose kernel choice depends on N on this backend runs on the whole
+layer as well (`audit_slice`, which says which and why). With a `VerdictCache` a
+configuration's result is stored per machine and re-used (`audit_cache`).
 """
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from kernels import audit_workarounds
-from kernels.audit_probes import describe, layer_kind, probe, reference_weight
+from kernels import (audit_cache, audit_probes, audit_reference, audit_report, audit_slice,
+                     audit_workarounds)
+from kernels.audit_cache import VerdictCache, code_version, environment, function_identity
+from kernels.audit_probes import describe, layer_kind, probe, probe_paths, reference_weight
 from kernels.audit_report import (OK, REFUSED, AuditReport, ConfigResult, LayerConfig,
-                                  format_table, summary)
+                                  PathResult, format_table, summary)
+from kernels.audit_slice import backend_kind, full_size, sliced_layer, sliced_rows
 
 __all__ = ["audit_model", "apply_workarounds", "audit_and_patch", "format_table", "summary",
            "AuditReport"]
@@ -59,17 +69,43 @@ def backend_name() -> str:
     return f"mlx {mx.__version__} {device.type.name if hasattr(device.type, 'name') else device}"
 
 
+def _probe_every_path(layer, cfg: LayerConfig, seed: int, prompt_rows: int, backend: str,
+                  workaround: str | None = None) -> list[PathResult] | None:
+    """Every path of `layer` (or of its `workaround` stand-in; None: not applicable):
+    on a slice of its output rows, and on the whole layer where `full_size` says so."""
+    n = cfg.shape[-2]
+    rows = sliced_rows(n, backend)
+    on_whole = lambda path, r: full_size(path, r, n, backend)
+    parts = [(sliced_layer(layer, rows) if rows < n else layer,
+              lambda path, r: not on_whole(path, r))]
+    if rows < n:
+        parts.append((layer, on_whole))
+    paths = probe_paths(cfg.kind, prompt_rows)
+    results = []
+    for part, select in parts:
+        if not any(select(p, r) for p, r in paths):
+            continue
+        dense = reference_weight(part)
+        target = part if workaround is None else audit_workarounds.build(workaround, part,
+                                                                         cfg.kind, dense)
+        if target is None:
+            return None
+        results += probe(target, cfg, dense, seed, prompt_rows, select)
+    order = {key: i for i, key in enumerate(paths)}
+    return sorted(results, key=lambda p: order[(p.path, p.rows)])
+
+
 def _audit_config(cfg: LayerConfig, layers, seed: int, prompt_rows: int) -> ConfigResult:
     path0, layer = layers[0]
-    dense = reference_weight(layer)
-    result = ConfigResult(cfg, [p for p, _ in layers], probe(layer, cfg, dense, seed, prompt_rows))
+    backend = backend_kind()
+    result = ConfigResult(cfg, [p for p, _ in layers],
+                          _probe_every_path(layer, cfg, seed, prompt_rows, backend))
     if not result.failing:
         return result
     for name in audit_workarounds.WORKAROUNDS:
-        stand_in = audit_workarounds.build(name, layer, cfg.kind, dense)
-        if stand_in is None:
+        attempt = _probe_every_path(layer, cfg, seed + 1, prompt_rows, backend, workaround=name)
+        if attempt is None:
             continue
-        attempt = probe(stand_in, cfg, dense, seed + 1, prompt_rows)
         result.attempts.append((name, attempt))
         if all(p.ok for p in attempt):
             result.verdict = name
@@ -82,16 +118,89 @@ def _audit_config(cfg: LayerConfig, layers, seed: int, prompt_rows: int) -> Conf
     return result
 
 
-def audit_model(model: nn.Module, *, seed: int = 0,
-                prompt_rows: int = DEFAULT_PROMPT_ROWS) -> AuditReport:
-    """Probe every distinct quantized-layer configuration of `model` (see module doc)."""
+def audit_verdict_cache(root=None) -> VerdictCache:
+    """This machine's store of audit verdicts (under the user cache dir unless `root`)."""
+    return VerdictCache("audit", root)
+
+
+def verdict_key(cfg: LayerConfig, seed: int, prompt_rows: int) -> dict:
+    """Everything a configuration's verdict depends on (see kernels/audit_cache.py)."""
+    return {
+        "what": "quantized kernel audit",
+        "config": {"kind": cfg.kind, "shape": list(cfg.shape), "mode": cfg.mode,
+                   "bits": cfg.bits, "group_size": cfg.group_size, "dtype": cfg.dtype,
+                   "transpose": cfg.transpose, "has_bias": cfg.has_bias},
+        "seed": seed,
+        "prompt_rows": prompt_rows,
+        "environment": environment(),
+        "code": code_version(sys.modules[__name__], audit_cache, audit_probes, audit_reference,
+                             audit_report, audit_slice, audit_workarounds),
+        "workarounds": list(audit_workarounds.WORKAROUNDS),
+        "ops": [function_identity(f) for f in (mx.quantized_matmul, mx.dequantize, mx.gather_qmm)],
+    }
+
+
+def _paths_to_json(paths: list[PathResult]) -> list[dict]:
+    return [dict(p.__dict__) for p in paths]
+
+
+def _paths_from_json(rows) -> list[PathResult]:
+    return [PathResult(**r) for r in rows]
+
+
+def result_to_json(c: ConfigResult) -> dict:
+    return {"verdict": c.verdict, "paths": _paths_to_json(c.paths),
+            "attempts": [[name, _paths_to_json(r)] for name, r in c.attempts]}
+
+
+def result_from_json(cfg: LayerConfig, layers: list[str], value: dict) -> ConfigResult:
+    """A cached verdict; ValueError/TypeError/KeyError when it is not a well-formed one."""
+    verdict = value["verdict"]
+    if verdict not in (OK, REFUSED, *audit_workarounds.WORKAROUNDS):
+        raise ValueError(f"unknown verdict {verdict!r}")
+    result = ConfigResult(cfg, layers, _paths_from_json(value["paths"]),
+                          [(str(n), _paths_from_json(r)) for n, r in value["attempts"]], verdict)
+    chosen = result.accepted
+    if ((verdict == OK) != (not result.failing)
+            or (verdict not in (OK, REFUSED) and not (chosen and all(p.ok for p in chosen)))):
+        raise ValueError("verdict does not match its path results")
+    return result
+
+
+def _cached(cache: VerdictCache, key: dict, cfg: LayerConfig, layers) -> ConfigResult | None:
+    value = cache.get(key)
+    if value is None:
+        return None
+    try:
+        return result_from_json(cfg, [p for p, _ in layers], value)
+    except (ValueError, TypeError, KeyError) as exc:
+        log.warning("ignoring malformed cached audit verdict for %s: %s", cfg.label(), exc)
+        return None
+
+
+def audit_model(model: nn.Module, *, seed: int = 0, prompt_rows: int = DEFAULT_PROMPT_ROWS,
+                cache: VerdictCache | None = None, fresh: bool = False) -> AuditReport:
+    """Probe every distinct quantized-layer configuration of `model` (see module doc).
+
+    cache: verdicts are looked up there (unless `fresh`) and stored there after probing.
+    """
     start = time.perf_counter()
-    configs = [_audit_config(cfg, layers, seed, prompt_rows)
-               for cfg, layers in quantized_layers(model).items()]
+    configs, cached = [], 0
+    for cfg, layers in quantized_layers(model).items():
+        key = verdict_key(cfg, seed, prompt_rows) if cache is not None else None
+        result = _cached(cache, key, cfg, layers) if cache is not None and not fresh else None
+        if result is not None:
+            cached += 1
+        else:
+            result = _audit_config(cfg, layers, seed, prompt_rows)
+            if cache is not None:
+                cache.put(key, result_to_json(result))
+        configs.append(result)
     report = AuditReport(backend=backend_name(), configs=configs,
-                         seconds=time.perf_counter() - start)
-    log.info("kernel audit: %d configurations in %.1fs, %d patched, %d refused",
-             len(configs), report.seconds, len(report.patched), len(report.refused))
+                         seconds=time.perf_counter() - start, cached=cached)
+    log.info("kernel audit: %d configurations in %.1fs (%d from the audit cache), "
+             "%d patched, %d refused", len(configs), report.seconds, cached,
+             len(report.patched), len(report.refused))
     return report
 
 

@@ -6,6 +6,8 @@ weight (`audit_reference`). Paths: matmul at decode (M=1), short blocks (M=2..8)
 tiled matrix path (M>=33) and a prompt-sized M; embedding lookups of odd and even row
 counts (the gather+dequantize path) plus `as_linear` for tied heads; gather_qmm for
 MoE switch layers, unsorted at decode and sorted (mlx-lm sorts from 64 rows) for prompts.
+`select(path, rows)` picks which of them run, so the audit can probe some on a slice of
+the layer's output rows and others on the whole layer (`kernels/audit_slice.py`).
 """
 from __future__ import annotations
 
@@ -33,7 +35,21 @@ TOLERANCE = {
 MATMUL_ROWS = (("decode", 1), ("short", 2), ("short", 5), ("short", 8),
                ("tiled", 33), ("tiled", 64))
 LOOKUP_ROWS = (1, 2, 3, 8, 23)
+GATHER_ROWS = (("decode", 1), ("short", 5))
+SORTED_GATHER_ROWS = (("sorted tiled", 33), ("sorted prompt", None))  # None: prompt rows
 TOP_K = 2
+
+
+def probe_paths(kind: str, prompt_rows: int) -> list[tuple[str, int]]:
+    """(path, rows) of every probe of a layer kind, in the order `probe` runs them."""
+    matmul = [(name, rows) for name, rows in (*MATMUL_ROWS, ("prompt", prompt_rows))]
+    if kind == "linear":
+        return [(f"matmul {name}", rows) for name, rows in matmul]
+    if kind == "embedding":
+        return ([(f"lookup {'odd' if r % 2 else 'even'}", r) for r in LOOKUP_ROWS]
+                + [(f"as_linear {name}", rows) for name, rows in matmul])
+    return [(f"gather {name}", rows or prompt_rows) for name, rows in
+            (*GATHER_ROWS, *SORTED_GATHER_ROWS)]
 
 
 def tolerance(mode: str, dtype: str) -> float:
@@ -88,13 +104,22 @@ def _rel_error(out: mx.array, ref: np.ndarray) -> float:
     return float("inf") if not np.isfinite(err).all() else float(err.max()) / scale
 
 
-def _measure(path: str, rows: int, tol: float, run: Callable[[], tuple[mx.array, np.ndarray]]) -> PathResult:
+Select = Callable[[str, int], bool]
+
+
+def _all(path: str, rows: int) -> bool:
+    return True
+
+
+def _measure(path: str, rows: int, tol: float, run: Callable[[], tuple[mx.array, np.ndarray]],
+             out_rows: int) -> PathResult:
     try:
         out, ref = run()
         mx.eval(out)
-        return PathResult(path, rows, _rel_error(out, ref), tol)
+        return PathResult(path, rows, _rel_error(out, ref), tol, out_rows=out_rows)
     except Exception as exc:  # a kernel that raises is a failing path, not a crash
-        return PathResult(path, rows, None, tol, exception=f"{type(exc).__name__}: {exc}")
+        return PathResult(path, rows, None, tol, exception=f"{type(exc).__name__}: {exc}",
+                          out_rows=out_rows)
 
 
 def _inputs(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> tuple[mx.array, np.ndarray]:
@@ -103,40 +128,50 @@ def _inputs(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> tup
 
 
 def _matmul_paths(call, w: np.ndarray, bias: np.ndarray | None, cfg: LayerConfig,
-                  rng, rows_list, prefix: str = "matmul") -> list[PathResult]:
+                  rng, rows_list, select: Select, prefix: str = "matmul") -> list[PathResult]:
     tol = tolerance(cfg.mode, cfg.dtype)
     results = []
     for name, rows in rows_list:
+        if not select(f"{prefix} {name}", rows):
+            continue
+
         def run(rows=rows):
             x, xn = _inputs(rng, (1, rows, w.shape[1]), cfg.dtype)
             ref = xn @ w.T + (bias if bias is not None else 0.0)
             return call(x), ref
-        results.append(_measure(f"{prefix} {name}", rows, tol, run))
+        results.append(_measure(f"{prefix} {name}", rows, tol, run, w.shape[0]))
     return results
 
 
-def probe_linear(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: int) -> list[PathResult]:
+def probe_linear(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: int,
+                 select: Select = _all) -> list[PathResult]:
     bias = np.array(module["bias"].astype(mx.float32)) if cfg.has_bias else None
     w = _round_to(w, cfg.dtype)
     rows = (*MATMUL_ROWS, ("prompt", prompt_rows))
-    return _matmul_paths(module, w, bias, cfg, rng, rows)
+    return _matmul_paths(module, w, bias, cfg, rng, rows, select)
 
 
-def probe_embedding(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: int) -> list[PathResult]:
+def probe_embedding(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: int,
+                    select: Select = _all) -> list[PathResult]:
     tol = tolerance(cfg.mode, cfg.dtype)
     w = _round_to(w, cfg.dtype)
     results = []
     for rows in LOOKUP_ROWS:
+        path = f"lookup {'odd' if rows % 2 else 'even'}"
+        if not select(path, rows):
+            continue
+
         def run(rows=rows):
             idx = rng.integers(0, w.shape[0], size=(1, rows))
             return module(mx.array(idx)), w[idx]
-        parity = "odd" if rows % 2 else "even"
-        results.append(_measure(f"lookup {parity}", rows, tol, run))
+        results.append(_measure(path, rows, tol, run, w.shape[0]))
     rows = (*MATMUL_ROWS, ("prompt", prompt_rows))
-    return results + _matmul_paths(module.as_linear, w, None, cfg, rng, rows, prefix="as_linear")
+    return results + _matmul_paths(module.as_linear, w, None, cfg, rng, rows, select,
+                                   prefix="as_linear")
 
 
-def probe_switch(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: int) -> list[PathResult]:
+def probe_switch(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: int,
+                 select: Select = _all) -> list[PathResult]:
     tol = tolerance(cfg.mode, cfg.dtype)
     w = _round_to(w, cfg.dtype)
     experts, _, k = w.shape
@@ -148,15 +183,22 @@ def probe_switch(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: int)
         out = np.einsum("nk,nok->no", xn, w[idx])
         return out + bias[idx] if bias is not None else out
 
-    for name, tokens in (("decode", 1), ("short", 5)):
+    for name, tokens in GATHER_ROWS:
+        if not select(f"gather {name}", tokens):
+            continue
+
         def run(tokens=tokens):
             # SwitchGLU's unsorted layout: x (B, L, 1, 1, K), indices (B, L, top_k).
             x, xn = _inputs(rng, (1, tokens, 1, 1, k), cfg.dtype)
             idx = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])[None]
             ref = ref_rows(np.repeat(xn[0, :, 0, 0], top_k, 0), idx.reshape(-1))
             return module(x, mx.array(idx)), ref.reshape(1, tokens, top_k, 1, -1)
-        results.append(_measure(f"gather {name}", tokens, tol, run))
-    for name, tokens in (("sorted tiled", 33), ("sorted prompt", prompt_rows)):
+        results.append(_measure(f"gather {name}", tokens, tol, run, w.shape[1]))
+    for name, tokens in SORTED_GATHER_ROWS:
+        tokens = tokens or prompt_rows
+        if not select(f"gather {name}", tokens):
+            continue
+
         def run(tokens=tokens):
             # Sorted layout (mlx-lm sorts once indices.size >= 64): x (N, 1, K), sorted ids.
             n = tokens * top_k
@@ -164,14 +206,16 @@ def probe_switch(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: int)
             idx = np.sort(rng.integers(0, experts, size=n))
             ref = ref_rows(xn[:, 0], idx)[:, None]
             return module(x, mx.array(idx), sorted_indices=True), ref
-        results.append(_measure(f"gather {name}", tokens, tol, run))
+        results.append(_measure(f"gather {name}", tokens, tol, run, w.shape[1]))
     return results
 
 
 PROBES = {"linear": probe_linear, "embedding": probe_embedding, "switch": probe_switch}
 
 
-def probe(module, cfg: LayerConfig, w: np.ndarray, seed: int, prompt_rows: int) -> list[PathResult]:
-    """All paths for `module` (a quantized layer or a wrapper standing in for one)."""
+def probe(module, cfg: LayerConfig, w: np.ndarray, seed: int, prompt_rows: int,
+          select: Select = _all) -> list[PathResult]:
+    """The paths `select` picks (default all) for `module` (a quantized layer or a wrapper
+    standing in for one) whose decoded weight is `w`."""
     rng = np.random.default_rng(seed)
-    return PROBES[cfg.kind](module, cfg, w, rng, prompt_rows)
+    return PROBES[cfg.kind](module, cfg, w, rng, prompt_rows, select)

@@ -32,6 +32,7 @@ class PathResult:
     error: float | None       # max |out - ref| / max |ref|; None when it raised
     tolerance: float
     exception: str | None = None
+    out_rows: int = 0         # output rows (N) the probe ran on: a slice or the whole layer
 
     @property
     def ok(self) -> bool:
@@ -64,6 +65,7 @@ class AuditReport:
     backend: str
     configs: list[ConfigResult]
     seconds: float = 0.0
+    cached: int = 0           # configurations whose verdict came from the audit cache
 
     @property
     def refused(self) -> list[ConfigResult]:
@@ -86,7 +88,7 @@ def _error_cell(p: PathResult) -> str:
 
 def format_table(report: AuditReport) -> str:
     """A plain-text table: configuration, path, error vs tolerance, verdict."""
-    header = ("configuration", "layers", "path", "rows", "error", "tol", "result")
+    header = ("configuration", "layers", "path", "rows", "N", "error", "tol", "result")
     rows = []
     for c in report.configs:
         first = True
@@ -94,14 +96,15 @@ def format_table(report: AuditReport) -> str:
             for p in results:
                 name = p.path if label == "kernel" else f"{label}: {p.path}"
                 rows.append((c.config.label() if first else "", str(len(c.layers)) if first else "",
-                             name, str(p.rows), _error_cell(p), f"{p.tolerance:.0e}",
-                             "pass" if p.ok else "FAIL"))
+                             name, str(p.rows), str(p.out_rows or ""), _error_cell(p),
+                             f"{p.tolerance:.0e}", "pass" if p.ok else "FAIL"))
                 first = False
-        rows.append(("", "", "=> verdict", "", "", "", c.verdict))
+        rows.append(("", "", "=> verdict", "", "", "", "", c.verdict))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     line = lambda r: "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip()
     out = [line(header), line(tuple("-" * w for w in widths)), *map(line, rows)]
-    out.append(f"backend {report.backend}; {len(report.configs)} configurations audited in "
+    cached = f" ({report.cached} from the audit cache)" if report.cached else ""
+    out.append(f"backend {report.backend}; {len(report.configs)} configurations audited{cached} in "
                f"{report.seconds:.1f}s; {len(report.patched)} patched, {len(report.refused)} refused")
     return "\n".join(out)
 
@@ -119,4 +122,5 @@ def summary(report: AuditReport) -> dict:
         "refused": [c.config.label() for c in report.refused],
         "max_error": worst,
         "seconds": round(report.seconds, 2),
+        "cached": report.cached,
     }

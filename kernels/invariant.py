@@ -25,9 +25,14 @@ from .invariant_layers import LAYER_SWAPS, Setting, install, model_module_names,
 from .invariant_ops import ROWWISE, STRATEGIES, Strategy
 from .selftest import SelfTestResult, seconds_per_step, self_test
 
-# Candidates "auto" tries, fastest first (CUDA, 4096^2 bf16, 8 rows: one batched GEMV call
-# 128 us vs 8 single-row calls 183 us); rowwise is the fallback.
-AUTO_CANDIDATES = ("native", "strided_gemv", "rowwise")
+# Candidates "auto" tries, in order; the first proven is kept. strided_gemv before skinny:
+# its single row is the plain call, so decode runs at native speed (H200, SmolLM2 float16,
+# L = 16: one deterministic stream 84 tok/s with strided_gemv vs 61 with skinny, whose
+# kernel is slower than native at one row; startup 6 s vs 103 s of kernel compiles). skinny
+# is taken where strided_gemv fails the proof (at 16 rows of an 8B shape it did:
+# docs/cuda/invariant_8b.md). rowwise is the fallback. A candidate that cannot run here
+# (skinny without a GPU kernel API, or L > 64) is skipped unproven.
+AUTO_CANDIDATES = ("native", "strided_gemv", "skinny", "rowwise")
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,12 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
     uncovered = uncovered_parts(model)
     candidates = _resolve(strategy)
     tried = []  # (strategy, self-test result or None, seconds per step or None)
+    skipped = {}  # strategy name -> why it cannot run here (never installed, never proven)
     for candidate in candidates:
+        missing = candidate.unavailable_reason(limit)
+        if missing:
+            skipped[candidate.name] = missing
+            continue
         install(model, Setting(limit, candidate))
         result = self_test(model, limit, **self_test_options) if verify else None
         # Timed only when asked to choose by measurement: an L-row step plus a decode step.
@@ -120,12 +130,16 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
                     else f"; first proven in speed order" + (f" (failed: {failed})" if failed else ""))
     else:
         chosen = ROWWISE if strategy == "auto" else candidates[0]
-        result = next(r for c, r, _ in tried if c == chosen)
-        why = ("not verified (verify=False)" if result is None
+        result = next((r for c, r, _ in tried if c == chosen), None)
+        why = (f"{chosen.name} cannot run on {backend} ({skipped[chosen.name]}); its layers run"
+               " today's forms, unproven" if chosen.name in skipped
+               else "not verified (verify=False)" if result is None
                else f"self-test failed on {backend}: {result.reason}")
 
     layers = install(model, Setting(limit, chosen))
     guaranteed = bool(result) and not uncovered
+    if skipped and chosen.name not in skipped:
+        why += "; skipped: " + ", ".join(f"{name} ({reason})" for name, reason in skipped.items())
     if uncovered:
         why += f"; not guaranteed: {len(uncovered)} uncovered part(s), first: {uncovered[0]}"
     plan = InvariancePlan(limit, chosen.name, backend, guaranteed, why, uncovered, result,

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from functools import wraps
 import inspect
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
 
 from .invariant_cache import is_positional
+from .ragged import RaggedLayerCache
 from .invariant_ops import Strategy, attention_per_query, dense_rows, quantized_rows, rows_of
 
 
@@ -73,7 +75,7 @@ class InvariantQuantizedLinear(nn.QuantizedLinear):
         y = quantized_rows(
             x, self["weight"], self["scales"], self.get("biases"),
             group_size=self.group_size, bits=self.bits, mode=self.mode,
-            rows_per_call=s.strategy.quantized_rows,
+            rows_per_call=s.strategy.quantized_rows, form=s.strategy.quantized_form,
         )
         return y + self["bias"] if "bias" in self else y
 
@@ -94,7 +96,7 @@ class InvariantQuantizedEmbedding(nn.QuantizedEmbedding):
         return quantized_rows(
             x, self["weight"], self["scales"], self.get("biases"),
             group_size=self.group_size, bits=self.bits, mode=self.mode,
-            rows_per_call=s.strategy.quantized_rows,
+            rows_per_call=s.strategy.quantized_rows, form=s.strategy.quantized_form,
         )
 
 
@@ -112,18 +114,30 @@ _SDPA_SIGNATURE = inspect.signature(_NATIVE_SDPA)
 
 @wraps(_NATIVE_SDPA)
 def invariant_sdpa(*args, **kwargs):
-    """mlx-lm's attention, per query over exactly its key range when T <= L."""
+    """mlx-lm's attention, per query over exactly its key range when T <= L; a ragged pass
+    (kernels/ragged.py) comes back here once per request, with that request's own keys."""
+    cache = kwargs.get("cache") if len(args) < 4 else args[3]
+    if isinstance(cache, RaggedLayerCache):
+        a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
+        return cache.attention(invariant_sdpa, a["queries"], scale=a["scale"], sinks=a.get("sinks"))
     s = active_setting()
     queries = args[0] if args else kwargs.get("queries")
+    packed = s is not None and s.strategy.attention == "per_query_contiguous"
     if queries is not None and queries.shape[2] == 1:
+        a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments if packed else {}
+        if packed and is_positional(a.get("cache")):
+            # decode gets the same packed layout as each row of a block
+            for name in ("queries", "keys", "values"):
+                a[name] = mx.contiguous(a[name])
+            return _NATIVE_SDPA(**a)
         return _NATIVE_SDPA(*args, **kwargs)  # one query is already the call decode makes
-    if s is not None and s.strategy.attention == "per_query":
+    if s is not None and s.strategy.attention in ("per_query", "per_query_contiguous"):
         a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
         q = a.pop("queries")
         # Per-query slicing is only meaningful on keys stored in position order.
         if q.shape[2] <= s.limit and is_positional(a.get("cache")):
             k, v, mask = a.pop("keys"), a.pop("values"), a.pop("mask", None)
-            return attention_per_query(_NATIVE_SDPA, q, k, v, mask=mask, **a)
+            return attention_per_query(_NATIVE_SDPA, q, k, v, mask=mask, contiguous=packed, **a)
     return _NATIVE_SDPA(*args, **kwargs)
 
 
@@ -153,6 +167,20 @@ def model_module_names(model) -> set[str]:
     names = {type(m).__module__ for _, m in model.named_modules()}
     names.add(type(model).__module__)
     return {n for n in names if n in sys.modules}
+
+
+def hook_attention(model) -> list[str]:
+    """Route the model's attention name through `invariant_sdpa` whatever the strategy (ragged
+    passes need it even at L = 0; with no active setting it is the native call). The module
+    keeps the wrapper while this model lives. Returns the hooked module names."""
+    hooked = []
+    for name in model_module_names(model):
+        module = sys.modules[name]
+        if getattr(module, "scaled_dot_product_attention", None) in (_NATIVE_SDPA, invariant_sdpa):
+            module.scaled_dot_product_attention = invariant_sdpa
+            _sdpa_users.setdefault(name, {})[("ragged", id(model))] = weakref.ref(model)
+            hooked.append(name)
+    return hooked
 
 
 def install(model, setting: Setting) -> dict:

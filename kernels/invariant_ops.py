@@ -14,8 +14,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-DENSE_FORMS = ("native", "rowwise", "strided_gemv")
-ATTENTION_FORMS = ("native", "per_query")
+from . import custom
+
+DENSE_FORMS = ("native", "rowwise", "strided_gemv", "skinny")
+QUANTIZED_FORMS = ("chunks", "skinny")
+ATTENTION_FORMS = ("native", "per_query", "per_query_contiguous")
 
 
 @dataclass(frozen=True)
@@ -28,13 +31,21 @@ class Strategy:
     quantized_rows: most rows per `mx.quantized_matmul` call (1 = one row per call; CUDA
         keeps its per-row kernel up to 7 rows); 0 = native, one call for all rows.
     attention: "per_query" (each query attends exactly its key range, unmasked, one call
-        each: the call decode makes) or "native".
+        each: the call decode makes), "per_query_contiguous" (the same, and every call, decode
+        included, gets row-contiguous q/k/v: MLX's CUDA SDPA gives other bits for a strided
+        view of the KV cache than for a packed copy, measured on the H200 at contexts >= 250)
+        or "native".
+    quantized_form: "chunks" (quantized_rows per call) or "skinny" (kernels/custom: one
+        launch for all M <= 64 rows, M = 1 included, in a reduction order fixed by K; modes
+        the kernel lacks keep the chunks). dense "skinny" is the same kernel for dense
+        weights (dtypes it lacks keep strided_gemv).
     """
 
     name: str
     dense: str
     quantized_rows: int
     attention: str
+    quantized_form: str = "chunks"
 
     def __post_init__(self):
         if self.dense not in DENSE_FORMS:
@@ -43,6 +54,20 @@ class Strategy:
             raise ValueError(f"attention form {self.attention!r} is not one of {ATTENTION_FORMS}")
         if self.quantized_rows < 0:
             raise ValueError("quantized_rows must be >= 0 (0 = native)")
+        if self.quantized_form not in QUANTIZED_FORMS:
+            raise ValueError(f"quantized form {self.quantized_form!r} is not one of {QUANTIZED_FORMS}")
+
+    @property
+    def uses_custom_kernels(self) -> bool:
+        return self.dense == "skinny" or self.quantized_form == "skinny"
+
+    def unavailable_reason(self, limit: int) -> str | None:
+        """Why this strategy cannot run here for L = limit (None: it can)."""
+        if not self.uses_custom_kernels:
+            return None
+        if limit > custom.MAX_ROWS:
+            return f"custom kernels take at most {custom.MAX_ROWS} rows, L = {limit}"
+        return custom.unavailable_reason()
 
     @property
     def is_native(self) -> bool:
@@ -50,9 +75,11 @@ class Strategy:
 
 
 NATIVE = Strategy("native", dense="native", quantized_rows=0, attention="native")
-STRIDED_GEMV = Strategy("strided_gemv", dense="strided_gemv", quantized_rows=7, attention="per_query")
-ROWWISE = Strategy("rowwise", dense="rowwise", quantized_rows=1, attention="per_query")
-STRATEGIES = {s.name: s for s in (NATIVE, STRIDED_GEMV, ROWWISE)}
+STRIDED_GEMV = Strategy("strided_gemv", dense="strided_gemv", quantized_rows=7, attention="per_query_contiguous")
+ROWWISE = Strategy("rowwise", dense="rowwise", quantized_rows=1, attention="per_query_contiguous")
+SKINNY = Strategy("skinny", dense="skinny", quantized_rows=7, attention="per_query_contiguous",
+                  quantized_form="skinny")
+STRATEGIES = {s.name: s for s in (NATIVE, STRIDED_GEMV, ROWWISE, SKINNY)}
 
 
 def rows_of(x: mx.array) -> int:
@@ -68,7 +95,13 @@ def dense_rows(x: mx.array, weight: mx.array, form: str) -> mx.array:
     *lead, k = x.shape
     rows = x.reshape(-1, k)
     wt = weight.T
-    if form == "native" or rows.shape[0] == 1:
+    if form == "skinny":
+        # The kernel serves M = 1 too (decode and blocks share its order); what it cannot
+        # take (dtype, > 64 rows, no GPU kernel API) runs the strided batched GEMV.
+        form = "skinny" if custom.available() and custom.dense_serves(rows, weight) else "strided_gemv"
+    if form == "skinny":
+        out = custom.dense_matmul(rows, weight)
+    elif form == "native" or rows.shape[0] == 1:
         # One row is the reference every form must match (the self-test proves it): run it
         # as the plain single-row call, with no extra ops on the decode path.
         out = rows @ wt
@@ -94,11 +127,18 @@ def quantized_rows(
     bits: int,
     mode: str,
     rows_per_call: int,
+    form: str = "chunks",
 ) -> mx.array:
-    """mx.quantized_matmul(x, W.T) (any mode) with at most `rows_per_call` rows per call."""
+    """mx.quantized_matmul(x, W.T) (any mode) with at most `rows_per_call` rows per call, or
+    (form "skinny") the custom kernel where it takes this mode, for all rows in one launch."""
     *lead, k = x.shape
     rows = x.reshape(-1, k)
     m = rows.shape[0]
+    if form == "skinny" and custom.available() and custom.quantized_serves(
+            rows, scales, group_size=group_size, bits=bits, mode=mode):
+        out = custom.quantized_matmul(rows, weight, scales, biases, group_size=group_size,
+                                      bits=bits, mode=mode)
+        return out.reshape(*lead, out.shape[-1])
 
     def call(r):
         return mx.quantized_matmul(
@@ -125,7 +165,8 @@ def _mask_row(mask, b: int, i: int, end: int):
     return mask[..., i : i + 1, :end]
 
 
-def attention_per_query(sdpa, queries, keys, values, *, mask=None, **kwargs) -> mx.array:
+def attention_per_query(sdpa, queries, keys, values, *, mask=None, contiguous: bool = False,
+                        **kwargs) -> mx.array:
     """Attention where the query at absolute position p attends keys [0, p] alone.
 
     queries (B, H, T, D) are the last T positions of keys/values (B, Hkv, S, D), as after
@@ -146,9 +187,9 @@ def attention_per_query(sdpa, queries, keys, values, *, mask=None, **kwargs) -> 
         for i in range(t):
             end = first + i + 1
             q = queries if batch == 1 and t == 1 else queries[b : b + 1, :, i : i + 1]
-            outs.append(
-                sdpa(q, upto(keys, b, end), upto(values, b, end),
-                     mask=_mask_row(mask, b, i, end), **kwargs)
-            )
+            k, v = upto(keys, b, end), upto(values, b, end)
+            if contiguous:
+                q, k, v = mx.contiguous(q), mx.contiguous(k), mx.contiguous(v)
+            outs.append(sdpa(q, k, v, mask=_mask_row(mask, b, i, end), **kwargs))
         per_batch.append(outs[0] if t == 1 else mx.concatenate(outs, axis=2))
     return per_batch[0] if batch == 1 else mx.concatenate(per_batch, axis=0)

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from server.generate import forward, prefill
-from server.sampling import SamplingParams
-from server.token_steps import SpeculationStats
+from server.engine.generate import forward, prefill
+from server.engine.sampling import SamplingParams
+from server.engine.token_steps import SpeculationStats
 from server.verify import start_decoding
 
 # A copying task: the answer repeats the prompt, which is what prompt lookup drafts from.

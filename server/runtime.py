@@ -8,14 +8,19 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
-from server.decoding import MAX_DRAFT_TOKENS, METHODS, Deployment
+from server.engine.decoding import MAX_DRAFT_TOKENS, METHODS, Deployment
 
 log = logging.getLogger("lockstep.runtime")
+
+AUDIT_MODES = ("cached", "fresh", "off")
+AUDIT_OFF_WARNING = ("quantized kernels NOT audited (--audit off): a faulty kernel path "
+                     "would go unnoticed")
+_IMPORTED_AT = time.perf_counter()
 
 LIMIT_ENV = ("LOCKSTEP_BATCH_INVARIANT_LIMIT", "MLX_METAL_BATCH_INVARIANT_LIMIT")
 
@@ -49,6 +54,36 @@ class Options:
     max_draft_tokens: int = MAX_DRAFT_TOKENS
     draft_model: str | None = None  # a model spec, or "default-quantized"
     prefill_chunk: int = 512
+    # Startup verdicts: "cached" re-uses this machine's audit verdicts and self-test proofs,
+    # "fresh" redoes and re-stores them, "off" skips the audit (self-test still cached).
+    audit: str = "cached"
+
+
+def seconds_since_process_start() -> float:
+    """Wall time since this process started (Linux /proc), else since this module loaded."""
+    try:
+        stat = open("/proc/self/stat").read()
+        start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _IMPORTED_AT
+
+
+class Phases(dict):
+    """Seconds per startup phase (import, load, quantize, audit, fingerprint, self_test,
+    warm_up), in the order they ran; a phase met twice (the draft model's load) adds up."""
+
+    @contextmanager
+    def timed(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[phase] = self.get(phase, 0.0) + time.perf_counter() - start
+
+    def line(self) -> str:
+        return ", ".join(f"{k.replace('_', '-')} {v:.1f}s" for k, v in self.items())
 
 
 @dataclass
@@ -58,14 +93,21 @@ class Runtime:
     audit: object  # kernels.audit_report.AuditReport
     plan: object  # kernels.invariant.InvariancePlan
     transform: str
-    timings: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)  # startup phase -> seconds (Phases)
+    audit_mode: str = "cached"
 
     def model_info(self) -> dict:
         """Per-model details for GET /v1/models."""
         from kernels.audit import summary
 
+        audit = ({"mode": "off", "warning": AUDIT_OFF_WARNING} if self.audit is None
+                 else {"mode": self.audit_mode, **summary(self.audit)})
+        test = getattr(self.plan, "self_test", None)
         return {
-            "audit": summary(self.audit),
+            "audit": audit,
+            "startup": {"phases_s": {k: round(v, 2) for k, v in self.timings.items()},
+                        "total_s": round(sum(self.timings.values()), 2),
+                        "self_test_cached": bool(test is not None and test.cached)},
             "batch_invariance": {
                 "limit": self.plan.limit, "strategy": self.plan.strategy,
                 "guaranteed": self.plan.guaranteed, "reason": self.plan.reason,
@@ -75,18 +117,29 @@ class Runtime:
         }
 
 
-def _load_audited(spec: str, weights: str, quantize: str | None, bits, group) -> tuple:
-    from kernels.audit import audit_and_patch
+def _load_audited(spec: str, weights: str, quantize: str | None, bits, group,
+                  audit: str = "cached", phases: Phases | None = None) -> tuple:
+    from kernels.audit import audit_and_patch, audit_verdict_cache
     from models.load import load_model
     from models.quantize import quantize_model_in_memory
 
-    loaded = load_model(spec, weights="float32" if quantize else weights)
+    phases = Phases() if phases is None else phases
+    with phases.timed("load"):
+        loaded = load_model(spec, weights="float32" if quantize else weights)
     transform = f"weights={loaded.weights}"
     if quantize:
-        result = quantize_model_in_memory(loaded.model, None, quantize, bits, group)
+        with phases.timed("quantize"):
+            result = quantize_model_in_memory(loaded.model, None, quantize, bits, group)
         transform = f"quantize={result.spec.label()}"
-    report = audit_and_patch(loaded.model)
-    if report.patched:
+    report = None
+    if audit == "off":
+        log.warning("%s", AUDIT_OFF_WARNING)
+        transform += ";audit=off"
+    else:
+        with phases.timed("audit"):
+            report = audit_and_patch(loaded.model, cache=audit_verdict_cache(),
+                                     fresh=audit == "fresh")
+    if report is not None and report.patched:
         transform += ";workarounds=" + ",".join(f"{c.config.label()}:{c.verdict}" for c in report.patched)
     # Materialise everything quantization and workarounds left lazy: MLX streams belong to
     # the thread that made them, and the engine evaluates on its own worker thread.
@@ -95,9 +148,15 @@ def _load_audited(spec: str, weights: str, quantize: str | None, bits, group) ->
 
 
 def build_runtime(options: Options) -> Runtime:
+    # mlx_lm (and with it transformers, ~2 s) is imported here, not at module level: the CLI
+    # imports this module to build its parser, before `--cpu-blas` may re-exec the process.
+    from mlx_lm.models.cache import make_prompt_cache
+
     from kernels import cpu_blas
+    from kernels.audit_cache import VerdictCache
     from kernels.invariant import cache_invariance_problem, set_batch_invariant_limit
-    from server.fingerprint import system_fingerprint
+    from kernels.selftest import ProofCache
+    from server.fingerprint import system_fingerprint, weights_digest
 
     if options.speculative not in METHODS:
         raise ValueError(f"--speculative must be one of {METHODS}")
@@ -112,27 +171,33 @@ def build_runtime(options: Options) -> Runtime:
                          f"{options.max_draft_tokens}")
     if options.prefill_chunk < 1:
         raise ValueError("--prefill-chunk must be >= 1")
-    timings = {}
-    start = time.perf_counter()
+    if options.audit not in AUDIT_MODES:
+        raise ValueError(f"--audit must be one of {AUDIT_MODES}")
+    timings = Phases({"import": seconds_since_process_start()})
     loaded, report, transform = _load_audited(options.model, options.weights, options.quantize,
-                                              options.q_bits, options.q_group_size)
-    timings["load_and_audit_s"] = time.perf_counter() - start
+                                              options.q_bits, options.q_group_size,
+                                              options.audit, timings)
 
     draft, draft_name = None, None
     if options.draft_model:
         if options.draft_model == "default-quantized":
             # a 4-bit copy of the target: cheap to make, and it agrees with it often
-            draft_loaded, _, _ = _load_audited(options.model, "auto", "affine", 4, 32)
+            draft_loaded, _, _ = _load_audited(options.model, "auto", "affine", 4, 32,
+                                               options.audit, timings)
             draft_name = f"{loaded.name} (affine 4-bit g32 copy)"
         else:
-            draft_loaded, _, _ = _load_audited(options.draft_model, "auto", None, None, None)
+            draft_loaded, _, _ = _load_audited(options.draft_model, "auto", None, None, None,
+                                               options.audit, timings)
             draft_name = draft_loaded.name
         draft = draft_loaded.model
 
-    start = time.perf_counter()
-    plan = set_batch_invariant_limit(loaded.model, options.batch_invariant_limit,
-                                     options.invariant_strategy)
-    timings["self_test_s"] = time.perf_counter() - start
+    with timings.timed("fingerprint"):  # reads every weight file once (cached per process)
+        digest = weights_digest(str(loaded.path))
+    proofs = ProofCache(VerdictCache("selftest"), fresh=options.audit == "fresh",
+                        model_identity={"weights": digest, "transform": transform})
+    with timings.timed("self_test"):
+        plan = set_batch_invariant_limit(loaded.model, options.batch_invariant_limit,
+                                         options.invariant_strategy, proof_cache=proofs)
     guaranteed = plan.guaranteed
     problem = cache_invariance_problem(make_prompt_cache(loaded.model))
     if options.batch_invariant_limit and problem:
@@ -143,13 +208,36 @@ def build_runtime(options: Options) -> Runtime:
             "batch invariance L=%d strategy=%s guaranteed=%s (%s)",
             plan.limit, plan.strategy, guaranteed, plan.reason)
 
+    ragged_proof = None
+    if guaranteed:
+        from kernels.ragged import enable_ragged, ragged_problem
+        from kernels.ragged_selftest import prove_ragged_cached
+
+        if ragged_problem(loaded.model) is None:
+            with timings.timed("ragged_proof"):
+                enable_ragged(loaded.model)
+                ragged_proof = prove_ragged_cached(loaded.model, plan.limit, proofs)
+
+    with timings.timed("warm_up"):  # the first request should not pay for first-call setup
+        try:
+            mx.eval(loaded.model(mx.array([[1, 2, 3]]), cache=make_prompt_cache(loaded.model)))
+        except Exception as exc:  # e.g. a faulty kernel path the audit was told not to look for
+            from models.errors import ModelError
+
+            hint = "; the kernel audit is off (--audit off)" if options.audit == "off" else ""
+            raise ModelError(f"{loaded.path}: the warm-up forward pass failed "
+                             f"({type(exc).__name__}: {exc}){hint}") from exc
+    log.info("startup: %s; total %.1fs%s", timings.line(), sum(timings.values()),
+             " (self-test proof re-used from the cache)" if plan.self_test and plan.self_test.cached
+             else "")
+
     fingerprint = system_fingerprint(loaded.path, transform=transform, strategy=plan.strategy,
                                      limit=plan.limit, blas=cpu_blas.describe(),
                                      prefill_chunk=options.prefill_chunk)
     deployment = Deployment(
         limit=plan.limit, guaranteed=guaranteed, strategy=plan.strategy,
         speculative=options.speculative, num_draft_tokens=options.num_draft_tokens,
-        max_draft_tokens=options.max_draft_tokens, draft_model=draft, draft_name=draft_name, prefill_chunk=options.prefill_chunk,
-        fingerprint=fingerprint,
+        max_draft_tokens=options.max_draft_tokens, draft_model=draft, draft_name=draft_name,
+        prefill_chunk=options.prefill_chunk, fingerprint=fingerprint, ragged_proof=ragged_proof,
     )
-    return Runtime(loaded, deployment, report, plan, transform, timings)
+    return Runtime(loaded, deployment, report, plan, transform, timings, options.audit)

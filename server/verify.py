@@ -18,9 +18,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kernels.selftest import UINT_OF_SIZE
 
-from server.generate import forward, prefill
-from server.sampling import SamplingParams
-from server.token_steps import SpeculationStats, token_source
+from server.engine.generate import forward, prefill
+from server.engine.sampling import SamplingParams
+from server.engine.token_steps import SpeculationStats, token_source
 
 PROMPTS = (
     "Write the numbers from 1 to 40 separated by commas, then write them again.",

@@ -1,5 +1,12 @@
 """Shared fixtures: the embedded model is loaded once per test session (2-core CI)."""
+import os
+import tempfile
+
 import pytest
+
+# Startup verdicts (kernel audit, self-test proofs) of this session go to a temporary
+# directory, never the user's cache; `lockstep serve` subprocesses inherit it.
+os.environ["LOCKSTEP_VERDICT_CACHE_DIR"] = tempfile.mkdtemp(prefix="lockstep-test-verdicts-")
 
 
 @pytest.fixture(scope="session")
@@ -15,7 +22,7 @@ def live_server(embedded_model):
 
     Yields the base URL ("http://127.0.0.1:PORT/v1"), for the official `openai` client.
     """
-    from server.app import create_app
+    from server.api.app import create_app
     from server.engine import Engine
     from tests.http_server import running
 

@@ -13,10 +13,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from kernels.selftest import bits_equal
-from server.decoding import DecodePlan, Deployment
-from server.generate import GenerationRequest, forward, generate, prefill
-from server.sampling import SamplingParams
-from server.token_steps import SpeculationStats, plain_tokens, speculative_tokens
+from server.engine.decoding import DecodePlan, Deployment
+from server.engine.generate import GenerationRequest, forward, generate, prefill
+from server.engine.sampling import SamplingParams
+from server.engine.token_steps import SpeculationStats, plain_tokens, speculative_tokens
 
 GREEDY = SamplingParams(temperature=0.0, top_logprobs=3)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, top_logprobs=3)
@@ -46,7 +46,7 @@ class CharTokenizer:
 
 @dataclass
 class TinyLoaded:
-    """Enough of models.load.LoadedModel for server.generate.generate()."""
+    """Enough of models.load.LoadedModel for server.engine.generate.generate()."""
 
     model: object
     tokenizer: CharTokenizer = field(default_factory=CharTokenizer)
@@ -100,7 +100,7 @@ class RecordingStep:
 def run_generate(loaded, prompt: list[int], max_tokens: int, sampling: SamplingParams, *,
                  plan: DecodePlan | None = None, deployment: Deployment | None = None,
                  prefix_cache=None, tokenizer_ids=None) -> Run:
-    """Drive server.generate.generate() to the end, the way the engine does."""
+    """Drive server.engine.generate.generate() to the end, the way the engine does."""
     step = RecordingStep(len(prompt) - 1)
     request = GenerationRequest(prompt_tokens=list(prompt), max_tokens=max_tokens, sampling=sampling)
     deltas = [d for d in generate(loaded, request, step, plan=plan, deployment=deployment,

@@ -232,7 +232,7 @@ def test_unknown_route_and_wrong_method(http):
 def test_generation_failure_reaches_the_client(embedded_model):
     from fastapi.testclient import TestClient
 
-    from server.app import create_app
+    from server.api.app import create_app
     from server.engine import Engine
 
     def failing(loaded, request, **_):

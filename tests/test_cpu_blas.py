@@ -87,6 +87,30 @@ def test_openblas_matmul_correct_and_reported():
     assert r["max_rel"] < 1e-5, r
 
 
+ONE_ROW = """
+    import json, numpy as np, mlx.core as mx
+    rng = np.random.default_rng(1)
+    errors = {}
+    x = rng.standard_normal((1, 577)).astype(np.float32)
+    xt = np.ascontiguousarray(rng.standard_normal((577, 1)).astype(np.float32))
+    w = rng.standard_normal((577, 301)).astype(np.float32)    # (K, N)
+    wt = np.ascontiguousarray(w.T)                             # (N, K), as nn.Linear stores it
+    cases = {"x @ w": (mx.array(x) @ mx.array(w), x @ w.astype(np.float64)),
+             "x @ wt.T": (mx.array(x) @ mx.array(wt).T, x @ w.astype(np.float64)),
+             "xt.T @ w": (mx.array(xt).T @ mx.array(w), xt.T @ w.astype(np.float64)),
+             "xt.T @ wt.T": (mx.array(xt).T @ mx.array(wt).T, xt.T @ w.astype(np.float64))}
+    for name, (got, want) in cases.items():
+        errors[name] = float(np.abs(np.array(got) - want).max() / np.abs(want).max())
+    print(json.dumps(errors))
+"""
+
+
+def test_one_row_products_take_the_gemv_path_correctly():
+    """A single row goes to sgemv in the shim: every transpose combination stays correct."""
+    r = _run(ONE_ROW, _shim_env())
+    assert len(r) == 4 and all(err < 1e-5 for err in r.values()), r
+
+
 def test_reference_blas_reported_without_shim():
     r = _run(MATMUL, cpu_blas.reference_env(_shim_env()))
     assert r["active"] == "reference", r

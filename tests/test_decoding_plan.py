@@ -1,11 +1,11 @@
-"""Decode plans (server/decoding.py), the limit's environment names (server/runtime.py), and
+"""Decode plans (server/engine/decoding.py), the limit's environment names (server/runtime.py), and
 how the engine schedules an exclusive plan. No model: fast."""
 import asyncio
 import threading
 
 import pytest
 
-from server.decoding import METHODS, DecodePlan, Deployment, RequestRejected, plan_request
+from server.engine.decoding import METHODS, DecodePlan, Deployment, RequestRejected, plan_request
 from server.runtime import LIMIT_ENV, limit_from_env
 
 DRAFT = object()  # stands in for a draft model: plan_request only checks it is there
@@ -108,7 +108,7 @@ def test_extension_reports_the_guarantee_only_for_deterministic_requests():
 
 
 def test_every_speculative_method_has_a_drafter():
-    from server.speculative import DraftModelDrafter, PromptLookupDrafter
+    from server.engine.speculative import DraftModelDrafter, PromptLookupDrafter
 
     assert set(METHODS) == {"none", DraftModelDrafter.name, PromptLookupDrafter.name}
 
@@ -161,7 +161,7 @@ def test_engine_runs_an_exclusive_plan_alone():
     """Units of work are logged per request: an exclusive request never interleaves with
     another, and requests queued after it wait for it (FIFO); plain ones interleave."""
     from server.engine import Engine
-    from server.generate import Delta, GenerationRequest
+    from server.engine.generate import Delta, GenerationRequest
 
     log: list[str] = []
     lock = threading.Lock()

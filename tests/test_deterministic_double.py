@@ -2,7 +2,7 @@
 the verification width: on the shape-variant double (kernels/shape_variant.py), the CPU
 stand-in for a backend whose reductions change with the number of rows M.
 
-Driven through server.generate.generate() with real DecodePlans and Deployments, and at the
+Driven through server.engine.generate.generate() with real DecodePlans and Deployments, and at the
 token_steps level (Step.logits rows). Tiny random llamas keep it fast; the draft model is a
 4-bit quantized copy of the target, so it agrees often but not always.
 """
@@ -13,8 +13,8 @@ import pytest
 from kernels.invariant import set_batch_invariant_limit
 from kernels.selftest import bits_equal
 from kernels.shape_variant import shape_variant_backend
-from server.decoding import DecodePlan, Deployment, plan_request
-from server.speculative import DraftModelDrafter, PromptLookupDrafter
+from server.engine.decoding import DecodePlan, Deployment, plan_request
+from server.engine.speculative import DraftModelDrafter, PromptLookupDrafter
 from tests.deterministic_fixtures import (GREEDY, SEEDED, TinyLoaded, chosen_rows, rows_bit_identical,
                                           run_generate, steps_from)
 from tests.tiny_models import QUANT_MODES, tiny_llama

@@ -110,7 +110,8 @@ def restarted(tmp_path_factory):
                                                             "MLX_METAL_BATCH_INVARIANT_LIMIT")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "--log-level", "WARNING", "serve", "--batch-invariant-limit", str(L),
-         "--prefill-chunk", str(CHUNK), "--port", str(port)],
+         "--prefill-chunk", str(CHUNK), "--port", str(port),
+         "--cpu-blas", "reference"],  # as the in-process server it is compared with (auto = q4)
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     yield SimpleNamespace(proc=proc, url=f"http://127.0.0.1:{port}", log=log.name)
     if proc.poll() is None:
@@ -139,11 +140,11 @@ def server(restarted, embedded_model, draft_model):
 
     from kernels import cpu_blas
     from kernels.invariant import cache_invariance_problem, set_batch_invariant_limit
-    from server.app import create_app
-    from server.decoding import Deployment
+    from server.api.app import create_app
+    from server.engine.decoding import Deployment
     from server.engine import Engine
     from server.fingerprint import system_fingerprint
-    from server.prefix_cache import PrefixCache
+    from server.engine.prefix_cache import PrefixCache
 
     plan = set_batch_invariant_limit(embedded_model.model, L)
     try:
@@ -194,9 +195,9 @@ def assert_same(got: Answer, want: Answer):
 # ------------------------------------------------------------------ greedy, the repetitive prompt
 
 def test_greedy_baseline_is_cold_full_length_and_guaranteed(server, answer):
-    assert (server.prefix_cache.hits, server.prefix_cache.misses) == (0, 0)
+    assert (server.engine.prefix_cache.hits, server.engine.prefix_cache.misses) == (0, 0)
     base = answer("hello", "greedy")
-    assert (server.prefix_cache.hits, server.prefix_cache.misses) == (0, 1)  # computed cold
+    assert (server.engine.prefix_cache.hits, server.engine.prefix_cache.misses) == (0, 1)  # computed cold
     assert len(base.tokens) == base.completion_tokens == TOKENS and base.finish_reason == "length"
     assert len(set(base.tokens)) > 2 and all(len(t) == 3 for t in base.tops)
     assert base.fingerprint == server.fingerprint
@@ -207,9 +208,9 @@ def test_greedy_baseline_is_cold_full_length_and_guaranteed(server, answer):
 
 def test_second_identical_request_hits_the_prefix_cache_and_matches(server, answer):
     base = answer("hello", "greedy")
-    hits = server.prefix_cache.hits
+    hits = server.engine.prefix_cache.hits
     again = chat(server.client, HELLO, GREEDY)
-    assert server.prefix_cache.hits == hits + 1
+    assert server.engine.prefix_cache.hits == hits + 1
     assert_same(again, base)
 
 
@@ -315,10 +316,10 @@ def test_refusals_name_the_parameter(server):
 @pytest.fixture(scope="module")
 def l0_server(server, embedded_model):
     """A deployment with L = 0 and no draft model (same engine code, own prefix cache)."""
-    from server.app import create_app
-    from server.decoding import Deployment
+    from server.api.app import create_app
+    from server.engine.decoding import Deployment
     from server.engine import Engine
-    from server.prefix_cache import PrefixCache
+    from server.engine.prefix_cache import PrefixCache
 
     engine = Engine(embedded_model, max_active=4, deployment=Deployment(prefill_chunk=CHUNK),
                     prefix_cache=PrefixCache(2)).start()

@@ -163,6 +163,15 @@ def test_entrypoint_is_a_real_lockstep_serve_invocation_on_the_exposed_port():
     assert args.model == "default"  # the embedded model
 
 
+def test_the_openblas_shim_is_built_at_image_build_time_as_the_runtime_user():
+    steps = instructions()
+    compiler = next(i for i, (k, r) in enumerate(steps) if k == "RUN" and re.search(r"apt-get install .*\bgcc\b", r))
+    user = next(i for i, (k, _) in enumerate(steps) if k == "USER")
+    shim = next(i for i, (k, r) in enumerate(steps) if k == "RUN" and "build_shim()" in r)
+    preimport = next(i for i, (k, r) in enumerate(steps) if k == "RUN" and "load_model" in r)
+    assert compiler < user < shim < preimport
+
+
 def test_healthcheck_gets_health_on_the_exposed_port():
     check = last("HEALTHCHECK")
     assert "--start-period=" in check
@@ -179,10 +188,23 @@ def test_build_time_model_import_matches_what_serve_loads(monkeypatch):
     source = re.search(r'python -c "([^"]+)"', preimport).group(1)
     tree = ast.parse(source)
     imports = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    assert [(i.module, [a.name for a in i.names]) for i in imports] == [("models.load", ["load_model"])]
-    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call))
-    keywords = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    assert [(i.module, [a.name for a in i.names]) for i in imports] == [
+        ("kernels.cpu_blas", ["ensure_preloaded"]), ("models.load", ["load_model"])]
+    calls = {n.func.id: n for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    # The import runs under the BLAS serve's `--cpu-blas auto` picks in the container (Linux,
+    # MLX on the CPU), since `--weights auto` depends on it (float32 on OpenBLAS, else q4).
+    blas = {k.arg: ast.literal_eval(k.value) for k in calls["ensure_preloaded"].keywords}
+    import mlx.core as mx
+    from server.commands.runtime_args import auto_cpu_blas
+
     defaults = cli.build_parser().parse_args(["serve"])
+    assert defaults.cpu_blas == "auto"
+    with monkeypatch.context() as m:
+        m.setattr("sys.platform", "linux")
+        m.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
+        assert blas == {"choice": auto_cpu_blas()} == {"choice": "openblas"}
+    call = calls["load_model"]
+    keywords = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
     # Same spec and weights as a default `lockstep serve`, so its model cache entry is hit.
     assert keywords == {"spec": defaults.model, "weights": defaults.weights}
     # ...and serve really loads with those: record the call its runtime makes.

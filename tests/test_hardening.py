@@ -12,7 +12,7 @@ import httpx2 as httpx
 import pytest
 from openai import AuthenticationError, OpenAI
 
-from server.generate import Delta
+from server.engine.generate import Delta
 from tests.http_server import running, wait_until
 
 KEYS = ["key-one", "key-two"]
@@ -24,7 +24,7 @@ EXTENSION = {"speculative": "prompt_lookup", "drafted_tokens": 5, "accepted_toke
 
 
 class ScriptedGenerate:
-    """Stands in for server.generate.generate: `max_tokens` tokens "t0 t1 ...", then "length"."""
+    """Stands in for server.engine.generate.generate: `max_tokens` tokens "t0 t1 ...", then "length"."""
 
     def __init__(self):
         self.gate = threading.Event()
@@ -50,9 +50,9 @@ def scripted():
 @pytest.fixture(scope="module")
 def hardened(embedded_model, scripted):
     """(base URL, app) for an app with keys, small limits and one slot."""
-    from server.app import create_app
+    from server.api.app import create_app
     from server.engine import Engine
-    from server.limits import Limits
+    from server.api.limits import Limits
 
     engine = Engine(embedded_model, max_active=1, generate_fn=scripted).start()
     limits = Limits(max_body_bytes=4096, max_tokens=16, max_prompt_tokens=64, max_queue=1)
@@ -119,7 +119,7 @@ def test_the_openai_client_sees_an_authentication_error(hardened):
 
 
 def test_keys_come_from_flags_and_the_environment():
-    from server.auth import api_keys
+    from server.api.auth import api_keys
 
     assert api_keys(["a", " b "], environ={"LOCKSTEP_API_KEYS": "c, ,d"}) == ["a", "b", "c", "d"]
     assert api_keys([], environ={}) == []
@@ -317,7 +317,7 @@ def test_metrics_count_requests_errors_tokens_and_extensions(hardened, http):
 
 
 def test_each_app_has_its_own_registry(embedded_model, scripted):
-    from server.app import create_app
+    from server.api.app import create_app
     from server.engine import Engine
 
     engine = Engine(embedded_model, generate_fn=scripted)  # never started: no request reaches it
@@ -350,7 +350,7 @@ def test_access_log_is_one_json_line_without_the_prompt(http, caplog):
 def test_prompts_are_logged_only_when_asked(embedded_model, scripted, caplog):
     from fastapi.testclient import TestClient
 
-    from server.app import create_app
+    from server.api.app import create_app
     from server.engine import Engine
 
     engine = Engine(embedded_model, generate_fn=scripted).start()
@@ -369,7 +369,7 @@ def test_prompts_are_logged_only_when_asked(embedded_model, scripted, caplog):
 def test_draining_refuses_new_work_with_503(embedded_model, scripted):
     from fastapi.testclient import TestClient
 
-    from server.app import create_app
+    from server.api.app import create_app
     from server.engine import Engine
 
     engine = Engine(embedded_model, generate_fn=scripted)  # not started: refused before it matters

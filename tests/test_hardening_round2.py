@@ -16,7 +16,7 @@ import httpx2 as httpx
 import mlx.core as mx
 import pytest
 
-from server.generate import Delta
+from server.engine.generate import Delta
 from tests.http_server import running, wait_until
 
 KEYS = ["k1"]
@@ -48,7 +48,7 @@ def endless():
 
 @pytest.fixture(scope="module")
 def app_url(embedded_model, endless):
-    from server.app import create_app
+    from server.api.app import create_app
     from server.engine import Engine
 
     engine = Engine(embedded_model, max_active=4, generate_fn=endless).start()
@@ -77,7 +77,7 @@ def error_of(response, status, param):
 # ------------------------------------------------- 1. a request that stalls all others
 
 def test_draft_tokens_above_the_server_maximum_are_refused_naming_the_limit(http):
-    from server.decoding import MAX_DRAFT_TOKENS
+    from server.engine.decoding import MAX_DRAFT_TOKENS
 
     body = {**CHAT, "speculative": "prompt_lookup", "num_draft_tokens": 300, "max_tokens": 1}
     message = error_of(http.post("/v1/chat/completions", json=body), 400, "num_draft_tokens")
@@ -96,10 +96,10 @@ def test_the_num_draft_tokens_flag_is_bounded_by_the_maximum():
 
 
 def test_drafts_are_clipped_to_the_tokens_left(embedded_model, monkeypatch):
-    from server.decoding import DecodePlan, Deployment
-    from server.generate import GenerationRequest, generate
-    from server.sampling import SamplingParams
-    from server.speculative import PromptLookupDrafter
+    from server.engine.decoding import DecodePlan, Deployment
+    from server.engine.generate import GenerationRequest, generate
+    from server.engine.sampling import SamplingParams
+    from server.engine.speculative import PromptLookupDrafter
 
     asked = []
     original = PromptLookupDrafter.propose
@@ -119,7 +119,7 @@ def test_drafts_are_clipped_to_the_tokens_left(embedded_model, monkeypatch):
 
 
 def test_a_cancelled_request_stops_drafting_inside_the_step(embedded_model):
-    from server.speculative import DraftModelDrafter
+    from server.engine.speculative import DraftModelDrafter
 
     drafter = DraftModelDrafter(embedded_model.model)
     feeds = []
@@ -158,7 +158,7 @@ def test_a_long_step_does_not_hold_the_engine_after_its_client_left(embedded_mod
         import asyncio
 
         async def go():
-            from server.generate import GenerationRequest
+            from server.engine.generate import GenerationRequest
 
             handle = engine.submit(GenerationRequest([1, 2], max_tokens=4))
             await asyncio.to_thread(wait_until, lambda: "cancelled" in seen)
@@ -176,7 +176,7 @@ def test_a_long_step_does_not_hold_the_engine_after_its_client_left(embedded_mod
 @pytest.mark.parametrize("params", [dict(temperature=1e-40), dict(temperature=1e-300),
                                     dict(temperature=1.0, top_p=1e-300), dict(temperature=1.0, top_p=1e-45)])
 def test_tiny_temperature_or_top_p_picks_the_top_token(params):
-    from server.sampling import SamplingParams, sample
+    from server.engine.sampling import SamplingParams, sample
 
     logits = mx.random.normal((3, 1000), key=mx.random.key(3)) * 4
     chosen = sample(logits, [10, 11, 12], SamplingParams(seed=5, top_logprobs=1, **params))
@@ -209,7 +209,7 @@ def test_seeds_inside_int64_are_accepted(http, seed):
 
 
 def test_distinct_int64_seeds_give_distinct_keys():
-    from server.sampling import key_for
+    from server.engine.sampling import key_for
 
     keys = {tuple(key_for(seed, 7).tolist()) for seed in (0, -1, 2**63 - 1, -(2**63), 1)}
     assert len(keys) == 5
@@ -218,7 +218,7 @@ def test_distinct_int64_seeds_give_distinct_keys():
 # ------------------------------------------------- 4. streams cut at the drain timeout
 
 def _serve_draining(app, drain_timeout):
-    from server.shutdown import DrainingServer, bind
+    from server.api.shutdown import DrainingServer, bind
 
     import uvicorn
 
@@ -237,7 +237,7 @@ def test_streams_cut_at_the_drain_timeout_end_with_an_error_event_and_done(embed
                                                                           second_signal):
     import signal
 
-    from server.app import create_app
+    from server.api.app import create_app
     from server.engine import Engine
 
     endless = EndlessGenerate()
@@ -405,7 +405,7 @@ def test_cpu_gets_a_default_prompt_cap_and_the_flag_overrides_it(monkeypatch):
     import argparse
 
     from server.commands.http_args import add_http_arguments, http_settings_from_args
-    from server.limits import DEFAULT_CPU_MAX_PROMPT_TOKENS
+    from server.api.limits import DEFAULT_CPU_MAX_PROMPT_TOKENS
 
     monkeypatch.delenv("LOCKSTEP_API_KEYS", raising=False)
     parser = argparse.ArgumentParser()
@@ -417,26 +417,27 @@ def test_cpu_gets_a_default_prompt_cap_and_the_flag_overrides_it(monkeypatch):
     assert settings["limits"].max_prompt_tokens == 7000
 
 
-def test_a_cancelled_prefill_stops_at_the_next_chunk(embedded_model):
-    """Each prefill chunk is one engine step, so a disconnect frees the slot after one chunk."""
+def test_a_cancelled_prefill_stops_at_the_next_chunk(embedded_model, monkeypatch):
+    """Each prompt chunk is one engine step, so a disconnect frees the slot after one chunk."""
     import asyncio
-    import functools
 
-    from server.decoding import Deployment
+    import server.engine.request_state as request_state
     from server.engine import Engine
-    from server.generate import GenerationRequest, forward, generate
+    from server.engine.decoding import Deployment
+    from server.engine.request_state import GenerationRequest
 
     chunks = []
     release = threading.Event()
+    original = request_state.prompt_forward
 
-    def counting_forward(model, cache, tokens):
+    def counting_chunk(model, cache, tokens):
         chunks.append(len(tokens))
         if len(chunks) == 1:
             release.wait(30)  # hold the first chunk until the client has left
-        return forward(model, cache, tokens)
+        return original(model, cache, tokens)
 
-    engine = Engine(embedded_model, generate_fn=functools.partial(generate, step=counting_forward),
-                    deployment=Deployment(prefill_chunk=16)).start()
+    monkeypatch.setattr(request_state, "prompt_forward", counting_chunk)
+    engine = Engine(embedded_model, deployment=Deployment(prefill_chunk=16)).start()
     try:
         async def go():
             handle = engine.submit(GenerationRequest(list(range(100, 180)), max_tokens=4))
@@ -449,3 +450,4 @@ def test_a_cancelled_prefill_stops_at_the_next_chunk(embedded_model):
     finally:
         engine.stop()
     assert chunks == [16]  # 79 prompt tokens = 5 chunks; only the first ran
+    assert engine.counts()["cancelled"] == 1

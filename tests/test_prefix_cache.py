@@ -1,4 +1,4 @@
-"""The prefix cache (server/prefix_cache.py) and prefix reuse inside generate().
+"""The prefix cache (server/engine/prefix_cache.py) and prefix reuse inside generate().
 
 A hit must not change a single bit: under the shape-variant double (rows reduce differently
 when a call has several), generate() with a cached prefix, whole or ending mid-chunk, gives
@@ -9,13 +9,13 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import kernels.prefill
-import server.generate as generate_module
+import server.engine.generate as generate_module
 from kernels.invariant import set_batch_invariant_limit
 from kernels.selftest import bits_equal
 from kernels.shape_variant import shape_variant_backend
-from server.decoding import Deployment
-from server.generate import GenerationRequest
-from server.prefix_cache import PrefixCache
+from server.engine.decoding import Deployment
+from server.engine.generate import GenerationRequest
+from server.engine.prefix_cache import PrefixCache
 from tests.deterministic_fixtures import GREEDY, SEEDED, TinyLoaded, rows_bit_identical, run_generate
 from tests.tiny_models import tiny_llama
 

@@ -18,9 +18,9 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 @pytest.fixture(scope="module")
 def fuzz_server(embedded_model):
-    from server.app import create_app
+    from server.api.app import create_app
     from server.engine import Engine
-    from server.limits import Limits
+    from server.api.limits import Limits
 
     engine = Engine(embedded_model, max_active=2).start()
     try:

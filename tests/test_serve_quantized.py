@@ -11,7 +11,7 @@ from openai import OpenAI
 from tests.http_server import running
 from tests.synthetic import build_llama_dir, write_tiny_tokenizer
 
-from server.app import create_app
+from server.api.app import create_app
 from server.engine import Engine
 from server.runtime import Options, build_runtime
 

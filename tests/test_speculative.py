@@ -4,7 +4,7 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-from server.speculative import DraftModelDrafter, PromptLookupDrafter, verify_step
+from server.engine.speculative import DraftModelDrafter, PromptLookupDrafter, verify_step
 
 
 def tiny_llama(seed: int, layers: int = 2) -> llama.Model:

@@ -1,7 +1,7 @@
 """Incremental decoding (real tokenizer) and stop-sequence matching with hold-back."""
 import random
 
-from server.stops import IncrementalDecoder, StopTextStream
+from server.engine.stops import IncrementalDecoder, StopTextStream
 
 
 class PieceDecoder:

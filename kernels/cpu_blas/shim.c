@@ -19,6 +19,9 @@ void scipy_cblas_sgemm(int order, int ta, int tb, blasint m, blasint n,
                        blasint k, float alpha, const float *a, blasint lda,
                        const float *b, blasint ldb, float beta, float *c,
                        blasint ldc);
+void scipy_cblas_sgemv(int order, int trans, blasint m, blasint n, float alpha,
+                       const float *a, blasint lda, const float *x, blasint incx,
+                       float beta, float *y, blasint incy);
 void scipy_cblas_dgemm(int order, int ta, int tb, blasint m, blasint n,
                        blasint k, double alpha, const double *a, blasint lda,
                        const double *b, blasint ldb, double beta, double *c,
@@ -38,6 +41,16 @@ EXPORT void cblas_sgemm(int order, int ta, int tb, blasint m, blasint n,
                         blasint k, float alpha, const float *a, blasint lda,
                         const float *b, blasint ldb, float beta, float *c,
                         blasint ldc) {
+  /* One row (decode) is a matrix-vector product: OpenBLAS's sgemv is ~1.7x faster for it
+   * than its sgemm at M = 1 (measured on the embedded model's decode). Row-major only. */
+  if (order == 101 && m == 1) {
+    blasint incx = ta == 111 ? 1 : lda; /* op(A) = the row, or A's column of stride lda */
+    if (tb == 111) /* y = x B, B k x n: y = B^T x */
+      scipy_cblas_sgemv(101, 112, k, n, alpha, b, ldb, a, incx, beta, c, 1);
+    else /* y = x B^T, B n x k: y = B x */
+      scipy_cblas_sgemv(101, 111, n, k, alpha, b, ldb, a, incx, beta, c, 1);
+    return;
+  }
   scipy_cblas_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c,
                     ldc);
 }

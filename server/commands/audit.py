@@ -1,4 +1,8 @@
-"""`lockstep audit MODEL [--quantize MODE]`: print the quantized-kernel audit table."""
+"""`lockstep audit MODEL [--quantize MODE] [--fresh]`: print the quantized-kernel audit table.
+
+Verdicts this machine already has are re-used (kernels/audit_cache.py), as `serve` does;
+`--fresh` probes every configuration again and stores the new verdicts.
+"""
 from __future__ import annotations
 
 import argparse
@@ -22,11 +26,13 @@ def register(subparsers) -> None:
     parser.add_argument("--q-group-size", type=int, default=None)
     parser.add_argument("--prompt-rows", type=int, default=None,
                         help="rows of the prompt-sized matmul probe")
+    parser.add_argument("--fresh", action="store_true",
+                        help="probe again instead of re-using this machine's cached verdicts")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kernels.audit import apply_workarounds, audit_model, format_table
+    from kernels.audit import apply_workarounds, audit_model, audit_verdict_cache, format_table
     from models.errors import ModelError
     from models.load import load_model
     from models.quantize import quantize_model_in_memory
@@ -38,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
             quantize_model_in_memory(loaded.model, None, args.quantize, args.q_bits,
                                      args.q_group_size)
         kwargs = {"prompt_rows": args.prompt_rows} if args.prompt_rows else {}
-        report = audit_model(loaded.model, **kwargs)
+        report = audit_model(loaded.model, cache=audit_verdict_cache(), fresh=args.fresh,
+                             **kwargs)
     except (ModelError, ValueError) as exc:
         log.error("%s", exc)
         return 1

@@ -17,12 +17,26 @@ def register(subparsers) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=None)
+    load = parser.add_argument_group("load over HTTP (with --concurrency)")
+    load.add_argument("--concurrency", default=None, metavar="N,N,...",
+                      help="streaming clients per round, e.g. 1,4,16,32: starts `lockstep serve` and "
+                           "prints aggregate tok/s and p50/p99 time to first token and inter-token latency")
+    load.add_argument("--against-mlx-lm", action="store_true",
+                      help="also start mlx_lm.server on the same model directory and print the ratios")
+    load.add_argument("--deterministic", action="store_true", help="clients send deterministic: true")
+    load.add_argument("--max-tokens", type=int, default=128)
+    load.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                      help="extra argument for `lockstep serve` (repeatable)")
     parser.set_defaults(func=run, batch_invariant_limit=None, speculative="none", draft_model=None,
                         max_draft_tokens=64,  # no server here: k is bounded only by L
                         prefill_chunk=512)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.concurrency:
+        from server.commands.load import run_load
+
+        return run_load(args)
     apply_cpu_blas(args)
     import mlx.core as mx
 

@@ -19,8 +19,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_determinism_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
-    parser.add_argument("--max-active", type=int, default=4,
-                        help="requests generated concurrently, token by token (default 4)")
+    from server.engine.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS
+
+    parser.add_argument("--max-active", type=int, default=DEFAULT_MAX_ACTIVE,
+                        help=f"requests generated concurrently, batched into shared forward passes "
+                             f"(default {DEFAULT_MAX_ACTIVE})")
+    parser.add_argument("--max-batch-rows", type=int, default=DEFAULT_MAX_BATCH_ROWS,
+                        help=f"most rows in one decode pass of non-deterministic requests (passes with a "
+                             f"deterministic row hold at most L) (default {DEFAULT_MAX_BATCH_ROWS})")
+    parser.add_argument("--max-kv-tokens", type=int, default=None,
+                        help="KV cache budget in tokens: requests are admitted while their prompt + "
+                             "max_tokens fit, the rest queue (default: half the memory MLX may still "
+                             "use after loading the model)")
     parser.add_argument("--prefix-cache-entries", type=int, default=4,
                         help="prompt KV snapshots kept for reuse (0 = off)")
 
@@ -37,14 +47,19 @@ def register(subparsers) -> None:
 
 def build_app_from_args(args: argparse.Namespace):
     """Load the model, start the engine and build the app. Returns (app, engine)."""
-    from server.app import create_app
+    from server.api.app import create_app
     from server.commands.http_args import http_settings_from_args
     from server.engine import Engine
-    from server.prefix_cache import PrefixCache
+    from server.engine.kv_budget import default_kv_tokens
+    from server.engine.prefix_cache import PrefixCache
     from server.runtime import build_runtime
 
+    if min(args.max_active, args.max_batch_rows) < 1 or (args.max_kv_tokens is not None and args.max_kv_tokens < 1):
+        raise ValueError("--max-active, --max-batch-rows and --max-kv-tokens must be >= 1")
     runtime = build_runtime(options_from_args(args))  # logs model, load time, audit, invariance
+    kv_tokens = args.max_kv_tokens or default_kv_tokens(runtime.loaded.model)
     engine = Engine(runtime.loaded, max_active=args.max_active, deployment=runtime.deployment,
+                    max_batch_rows=args.max_batch_rows, max_kv_tokens=kv_tokens,
                     prefix_cache=PrefixCache(args.prefix_cache_entries)).start()
     app = create_app(engine, model_extras=runtime.model_info(),
                      fingerprint=runtime.deployment.fingerprint, **http_settings_from_args(args))
@@ -53,7 +68,7 @@ def build_app_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from models.errors import ModelError
-    from server import access_log, shutdown
+    from server.api import access_log, shutdown
 
     apply_cpu_blas(args)
     try:  # a busy port is reported now, not after the model load

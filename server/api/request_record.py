@@ -32,6 +32,7 @@ class RequestRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     first_token_at: float | None = None
+    token_gaps: list = field(default_factory=list)  # seconds per token between deltas (inter-token latency)
     finish_reason: str | None = None
     cancelled: bool = False
     deterministic: bool = False
@@ -104,6 +105,7 @@ class TrackedHandle:
     def __init__(self, handle, record: RequestRecord | None):
         self._handle = handle
         self._record = record
+        self._last_at = 0.0
         self.request = handle.request
         if record is not None:
             record.prompt_tokens = len(handle.request.prompt_tokens)
@@ -122,8 +124,14 @@ class TrackedHandle:
         record = self._record
         async for delta in self._handle:
             if record is not None:
+                now = time.monotonic()
+                new_tokens = delta.completion_tokens - (record.completion_tokens or 0)
                 if record.first_token_at is None and delta.completion_tokens > 0:
-                    record.first_token_at = time.monotonic()
+                    record.first_token_at = now
+                elif new_tokens > 0:
+                    record.token_gaps.append((now - self._last_at) / new_tokens)
+                if new_tokens > 0:
+                    self._last_at = now
                 record.completion_tokens = delta.completion_tokens
                 record.prompt_tokens = delta.prompt_tokens
                 if delta.finish_reason is not None:

@@ -2,7 +2,7 @@
 
 `Drain` counts HTTP requests in flight. After `start()`, new /v1 requests get 503 in the
 OpenAI error shape and /health answers 503 "draining" (so a load balancer stops sending),
-while requests already running complete normally. `server/shutdown.py` waits for
+while requests already running complete normally. `server/api/shutdown.py` waits for
 `idle()` (or a timeout) before stopping the server; at the timeout it calls `cut()`, whose
 callbacks (the engine's `cut_off`) end every open stream with an error event and [DONE].
 """
@@ -12,7 +12,7 @@ from typing import Callable
 
 from fastapi.responses import JSONResponse
 
-from server.errors import APIError
+from server.api.errors import APIError
 
 REFUSED_PREFIX = "/v1"
 

@@ -88,21 +88,19 @@ class VerifiedStep:
     accepted: int
 
 
-def verify_step(
-    forward: Callable[[list[int]], mx.array],
+def accept_drafts(
+    rows: mx.array,
     cache: list,
-    last_token: int,
     drafts: list[int],
     choose: Callable[[mx.array, int], int],
 ) -> VerifiedStep:
-    """Run the target on [last_token, *drafts] and keep the agreeing prefix.
+    """Keep the agreeing prefix of `drafts`, given the target's logits `rows` for
+    [last_token, *drafts] (already appended to `cache`).
 
-    `forward(tokens)` returns (len(tokens), vocab) logits and appends their KV to
-    `cache`; `choose(logits_row, i)` picks the token for the i-th row (the caller maps
-    i to the absolute position for position-keyed sampling). KV rows of rejected
-    drafts are trimmed, so the cache ends holding exactly the accepted context.
+    `choose(logits_row, i)` picks the token for the i-th row (the caller maps i to the
+    absolute position for position-keyed sampling). KV rows of rejected drafts are trimmed,
+    so the cache ends holding exactly the accepted context.
     """
-    rows = forward([last_token, *drafts])
     tokens: list[int] = []
     chosen_rows: list[mx.array] = []
     for i in range(len(drafts) + 1):
@@ -116,3 +114,15 @@ def verify_step(
     if rejected_rows:
         trim_prompt_cache(cache, rejected_rows)
     return VerifiedStep(tokens, chosen_rows, len(drafts), accepted)
+
+
+def verify_step(
+    forward: Callable[[list[int]], mx.array],
+    cache: list,
+    last_token: int,
+    drafts: list[int],
+    choose: Callable[[mx.array, int], int],
+) -> VerifiedStep:
+    """Run the target on [last_token, *drafts] (`forward(tokens)` returns (len(tokens), vocab)
+    logits and appends their KV to `cache`) and keep the agreeing prefix (`accept_drafts`)."""
+    return accept_drafts(forward([last_token, *drafts]), cache, drafts, choose)

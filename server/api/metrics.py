@@ -8,11 +8,14 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from server.request_record import RequestRecord
+from server.api.request_record import RequestRecord
 
 OTHER_ENDPOINT = "other"  # unknown paths share one label value: no unbounded label sets
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 TOKENS_PER_SECOND_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60)
+ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class Metrics:
@@ -33,6 +36,14 @@ class Metrics:
         self.drafted = Counter("lockstep_speculative_drafted_tokens", "Speculative tokens drafted", registry=r)
         self.accepted = Counter("lockstep_speculative_accepted_tokens", "Speculative tokens accepted",
                                 registry=r)
+        self.inter_token = Histogram("lockstep_inter_token_latency_seconds", "Seconds per token between "
+                                     "a request's deltas", buckets=ITL_BUCKETS, registry=r)
+        self.queue_time = Histogram("lockstep_queue_time_seconds", "Time from arrival to admission by the "
+                                    "engine", buckets=QUEUE_BUCKETS, registry=r)
+        self.pass_rows = Histogram("lockstep_forward_pass_rows", "Rows per batched decode pass",
+                                   buckets=ROWS_BUCKETS, registry=r)
+        self.pass_requests = Histogram("lockstep_forward_pass_requests", "Requests sharing a decode pass",
+                                       buckets=ROWS_BUCKETS, registry=r)
         self.queue_depth = Gauge("lockstep_queue_depth", "Requests waiting for a generation slot", registry=r)
         self.active = Gauge("lockstep_active_requests", "Requests being generated", registry=r)
 
@@ -40,6 +51,15 @@ class Metrics:
         self.queue_depth.set_function(lambda: engine.counts()["waiting"])
         self.active.set_function(lambda: engine.counts()["active"])
         self.registry.register(_EngineCancellations(engine))
+        engine.observers.append(self)
+
+    def on_pass(self, rows: int, requests: int) -> None:
+        """Engine observer: one decode pass ran (called on the engine thread)."""
+        self.pass_rows.observe(rows)
+        self.pass_requests.observe(requests)
+
+    def on_admit(self, waited_seconds: float) -> None:
+        self.queue_time.observe(waited_seconds)
 
     def __call__(self, record: RequestRecord) -> None:
         """Request sink: count one finished request."""
@@ -60,6 +80,8 @@ class Metrics:
             elapsed = (record.finished or record.first_token_at) - record.first_token_at
             if decoded > 0 and elapsed > 0:
                 self.decode_rate.observe(decoded / elapsed)
+        for gap in record.token_gaps:
+            self.inter_token.observe(gap)
         self.drafted.inc(int(extension.get("drafted_tokens") or 0))
         self.accepted.inc(int(extension.get("accepted_tokens") or 0))
 

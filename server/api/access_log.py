@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 
-from server.request_record import RequestRecord
+from server.api.request_record import RequestRecord
 
 logger = logging.getLogger("lockstep.access")
 

@@ -18,19 +18,19 @@ from typing import AsyncIterator, Callable, Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server import protocol as p
-from server.access_log import AccessLog
-from server.auth import APIKeyAuth
-from server.disconnect import unless_disconnected
-from server.drain import Drain, DrainMiddleware
-from server.engine import Engine, GenerationError, QueueFull, ShuttingDown
-from server.limits import BodySizeLimit, Limits, max_tokens_too_large, prompt_too_long, queue_full
-from server.metrics import Metrics
-from server.request_record import RecordRequests, current, track
-from server.errors import APIError, context_length_exceeded, install_error_handlers, model_not_found
-from server.decoding import DecodePlan, RequestRejected, plan_request
-from server.generate import Delta, GenerationRequest
-from server.sampling import GREEDY_BELOW, SamplingParams
+from server.api import protocol as p
+from server.api.access_log import AccessLog
+from server.api.auth import APIKeyAuth
+from server.api.disconnect import unless_disconnected
+from server.api.drain import Drain, DrainMiddleware
+from server.engine import Engine, GenerationError, QueueFull, ShuttingDown, TooLargeForMemory
+from server.api.limits import BodySizeLimit, Limits, max_tokens_too_large, prompt_too_long, queue_full
+from server.api.metrics import Metrics
+from server.api.request_record import RecordRequests, current, track
+from server.api.errors import APIError, context_length_exceeded, install_error_handlers, model_not_found
+from server.engine.decoding import DecodePlan, RequestRejected, plan_request
+from server.engine.generate import Delta, GenerationRequest
+from server.engine.sampling import GREEDY_BELOW, SamplingParams
 
 MODEL_ALIAS = "default"
 SHUTTING_DOWN = "the server is shutting down; this request was cut off"
@@ -179,6 +179,8 @@ class Routes:
             return track(self.engine.submit(request, plan))
         except QueueFull as exc:
             raise queue_full(self.limits.max_queue) from exc
+        except TooLargeForMemory as exc:
+            raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from exc
         except GenerationError as exc:
             raise APIError(503, str(exc), type="server_error") from exc
 
@@ -269,7 +271,8 @@ class Routes:
         return StreamingResponse(self._stream(handle, chunks()), media_type="text/event-stream")
 
     def models(self, extras: dict | None) -> p.ModelList:
-        info = {"weights": self.loaded.weights, "context_length": self.loaded.context_length}
+        info = {"weights": self.loaded.weights, "context_length": self.loaded.context_length,
+                "batching": self.engine.describe()}
         card = p.ModelCard(
             id=self.loaded.name,
             created=self.created,

@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.protocol import ErrorBody, ErrorResponse
+from server.api.protocol import ErrorBody, ErrorResponse
 
 log = logging.getLogger(__name__)
 

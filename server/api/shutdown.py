@@ -3,7 +3,7 @@
 uvicorn on its own stops listening at once and, after shutting down, re-raises the signal,
 so the process dies with 143 (SIGTERM). Under launchd's KeepAlive {SuccessfulExit: false}
 that reads as a crash and restarts a deliberate stop. `DrainingServer` instead keeps
-listening while in-flight requests finish (new ones get 503 from `server/drain.py`), stops
+listening while in-flight requests finish (new ones get 503 from `server/api/drain.py`), stops
 when idle or after `drain_timeout` seconds, and does not re-raise: `serve()` returns
 normally and the command exits 0. A second signal stops at once. Either way, requests
 still running are first cut off by the app (`Drain.cut`): each stream gets a final error
@@ -18,7 +18,7 @@ import time
 
 import uvicorn
 
-from server.drain import Drain
+from server.api.drain import Drain
 
 log = logging.getLogger("lockstep.shutdown")
 

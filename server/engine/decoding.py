@@ -34,6 +34,8 @@ class Deployment:
     draft_model: object | None = None
     draft_name: str | None = None
     prefill_chunk: int = 512
+    # kernels.ragged_selftest.RaggedProof for L (None: not proven here; the engine proves it)
+    ragged_proof: object | None = None
     fingerprint: str = ""
 
 

@@ -1,0 +1,110 @@
+"""Which weights + BLAS `auto` should pick on a Linux CPU: prefill, decode, first token.
+
+    .venv/bin/python bench/cpu_default.py [--rounds 2] [--prompt 128] [--long 500] [--out FILE]
+
+The embedded model (SmolLM2-135M) in each (weights, BLAS) configuration, each in its own
+subprocess (LD_PRELOAD acts only at process start), rounds alternating the
+configurations so machine noise hits all alike; best round reported. Per configuration:
+prefill tok/s of a `--prompt`-token prompt, greedy decode tok/s, and the time to the
+first token of a `--long`-token prompt (prefill in the server's 512-token chunks, then
+the first token picked). The float32/OpenBLAS rows are repeated with deterministic mode
+installed (L = 8, the strategy the self-test proves), to show what the canonical forms
+OpenBLAS needs cost.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kernels import cpu_blas  # noqa: E402
+
+CONFIGS = {  # name -> (weights, BLAS, batch-invariant limit)
+    "q4 / reference": ("q4", "reference", 0),
+    "float32 / openblas": ("float32", "openblas", 0),
+    "float32 / openblas L=8": ("float32", "openblas", 8),
+    "float32 / reference": ("float32", "reference", 0),
+    "q4 / openblas": ("q4", "openblas", 0),
+}
+
+
+def worker(weights: str, limit: int, n_prompt: int, n_long: int, n_decode: int) -> dict:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kernels.invariant import set_batch_invariant_limit
+    from models.load import load_model
+    from server.bench import decode, prefill_seconds
+    from server.engine.generate import forward, prefill
+
+    loaded = load_model("default", weights=weights)
+    model = loaded.model
+    plan = set_batch_invariant_limit(model, limit) if limit else None
+    text = "The lighthouse keeper climbed the stairs and lit the lamp. " * 200
+    tokens = list(loaded.tokenizer.encode(text))
+    decode(model, tokens[:8], 2)  # warm-up
+    prompt_s = prefill_seconds(model, tokens[:n_prompt])
+    _, decode_s, _ = decode(model, tokens[:16], n_decode)
+    cache = make_prompt_cache(model)
+    start = time.perf_counter()
+    for _ in prefill(model, cache, tokens[: n_long - 1], forward, 512):
+        pass
+    first = mx.argmax(forward(model, cache, tokens[n_long - 1 : n_long])[-1])
+    mx.eval(first)
+    ttft = time.perf_counter() - start
+    return {"blas": cpu_blas.describe(), "weights": loaded.weights,
+            "strategy": plan.strategy if plan else "-", "guaranteed": plan.guaranteed if plan else None,
+            "prefill_tps": n_prompt / prompt_s, "decode_tps": n_decode / decode_s, "ttft_s": ttft}
+
+
+def run_config(name: str, args) -> dict:
+    weights, blas, limit = CONFIGS[name]
+    env = cpu_blas.preload_env() if blas == "openblas" else cpu_blas.reference_env()
+    code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / 'bench')!r});"
+            f"from cpu_default import worker; print('RESULT', json.dumps(worker({weights!r}, {limit}, "
+            f"{args.prompt}, {args.long}, {args.decode})))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          cwd=ROOT)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"{name} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(line[7:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--long", type=int, default=500)
+    parser.add_argument("--decode", type=int, default=32)
+    parser.add_argument("--only", default=None, help="comma-separated config names")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    names = args.only.split(",") if args.only else list(CONFIGS)
+    best: dict[str, dict] = {}
+    for _ in range(args.rounds):
+        for name in names:
+            r = run_config(name, args)
+            b = best.setdefault(name, r)
+            for k, better in (("prefill_tps", max), ("decode_tps", max), ("ttft_s", min)):
+                b[k] = better(b[k], r[k])
+    lines = [f"embedded model, {args.prompt}-token prefill, {args.decode}-token greedy decode, "
+             f"first token of a {args.long}-token prompt; best of {args.rounds} alternating rounds",
+             f"{'configuration':<26} {'prefill tok/s':>13} {'decode tok/s':>12} {'first token s':>13}  strategy / BLAS"]
+    for name, r in best.items():
+        lines.append(f"{name:<26} {r['prefill_tps']:13.1f} {r['decode_tps']:12.1f} {r['ttft_s']:13.2f}  "
+                     f"{r['strategy']} (guaranteed {r['guaranteed']}) / {r['blas']}")
+    print("\n".join(lines))
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

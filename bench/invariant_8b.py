@@ -1,0 +1,211 @@
+"""Batch-invariant cost at a real model size: a Llama-3-8B-shaped model with random weights
+built in memory (no download; speed does not depend on the weights' values).
+
+For bf16, nvfp4 and affine-4 (g64) weights and B = 1, 8, 16, 32 rows after a 512-token
+context, it times one forward step for native MLX and each strategy installed with L = B,
+gives % of the HBM floor (every weight byte read once at 4.8 TB/s) and checks every row of
+the B-row step bitwise against that row fed alone (same strategy, same cache). It also runs
+the startup self-test for the skinny kernels at L = 32, and (--check) compares the kernels
+with the NumPy model of their loop order. Measures and prints; asserts nothing.
+
+    python bench/invariant_8b.py [--weights bf16,nvfp4,affine4] [--rows 1,8,16,32]
+                                 [--layers 32] [--check] [--out table.md]
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx_lm.models import llama  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from kernels import custom  # noqa: E402
+from kernels.custom import loop_order  # noqa: E402
+from kernels.invariant import set_batch_invariant_limit  # noqa: E402
+from kernels.selftest import bits_equal, self_test  # noqa: E402
+
+HBM_BYTES_PER_S = 4.8e12
+WEIGHTS = {"bf16": None, "nvfp4": ("nvfp4", 16, 4), "affine4": ("affine", 64, 4)}
+STRATEGIES = ("native", "strided_gemv", "skinny")
+
+
+def build(weights: str, layers: int, seed: int = 0):
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=4096, num_hidden_layers=layers, intermediate_size=14336,
+        num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, vocab_size=128256,
+        rope_theta=500000.0, tie_word_embeddings=False,
+    )
+    mx.random.seed(seed)
+    model = llama.Model(args)
+    model.set_dtype(mx.bfloat16)
+    if WEIGHTS[weights]:
+        mode, group, bits = WEIGHTS[weights]
+        nn.quantize(model, group_size=group, bits=bits, mode=mode)
+    mx.eval(model.parameters())
+    return model
+
+
+def weight_bytes(model) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def context(model, length: int, seed: int = 1):
+    cache = make_prompt_cache(model)
+    prompt = mx.random.randint(0, model.args.vocab_size, (1, length), key=mx.random.key(seed))
+    for start in range(0, length, 256):  # M > L: native prefill, as the server does
+        mx.eval(model(prompt[:, start : start + 256], cache=cache))
+    return cache
+
+
+def trim(cache, n):
+    for c in cache:
+        c.trim(n)
+
+
+def step_ms(model, cache, tokens, repeats: int) -> float:
+    """Median wall time of one forward step of `tokens` (the cache is rewound after each)."""
+    mx.eval(model(tokens, cache=cache))  # warm-up: kernel builds
+    trim(cache, tokens.shape[1])
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        mx.eval(model(tokens, cache=cache))
+        times.append(time.perf_counter() - t)
+        trim(cache, tokens.shape[1])
+    return 1e3 * float(np.median(times))
+
+
+def rows_identical(model, cache, tokens) -> int:
+    """How many rows of the B-row step equal, bitwise, the same token fed alone in order."""
+    b = tokens.shape[1]
+    block = model(tokens, cache=cache)
+    mx.eval(block)
+    trim(cache, b)
+    same = 0
+    for i in range(b):
+        one = model(tokens[:, i : i + 1], cache=cache)
+        mx.eval(one)
+        same += bits_equal(block[0, i], one[0, 0])
+    trim(cache, b)
+    return same
+
+
+def install(model, strategy: str, rows: int):
+    if strategy == "native":
+        set_batch_invariant_limit(model, 0)
+    else:
+        set_batch_invariant_limit(model, rows, strategy, verify=False)
+
+
+def check_kernels(log) -> None:
+    """Kernels vs the NumPy loop-order model (bits), rows vs M = 1 (bits), vs MLX (close)."""
+    log("## kernel check: bits vs the NumPy loop-order model, rows vs M = 1")
+    # K tails (100, 4100), N = 16 mod 32 (48, 16), nvfp4 K = 16 mod 32 (48, 80), groups
+    cases = [("dense", mx.bfloat16, 48, 100, None), ("dense", mx.bfloat16, 33, 4100, None),
+             ("dense", mx.float16, 48, 100, None), ("dense", mx.float32, 33, 102, None)]
+    cases += [("affine", mx.bfloat16, 48, 384, g) for g in (32, 64, 128)]
+    cases += [("nvfp4", mx.bfloat16, 48, 48, 16), ("nvfp4", mx.bfloat16, 16, 80, 16)]
+    key = mx.random.key(3)
+    for kind, dtype, n, k, group in cases:
+        kx, kw, key = mx.random.split(key, 3)
+        x = mx.random.normal((64, k), key=kx).astype(dtype)
+        w = mx.random.normal((n, k), key=kw).astype(dtype)
+        if kind == "dense":
+            run = lambda rows: custom.dense_matmul(rows, w)  # noqa: E731
+            wf = np.array(w.astype(mx.float32))
+            unit = loop_order.unit_elements(dtype.size)
+        else:
+            wq, scales, *biases = mx.quantize(w, group, 4, mode=kind)
+            b = biases[0] if biases else None
+            run = lambda rows: custom.quantized_matmul(rows, wq, scales, b, group_size=group,  # noqa: E731
+                                                       bits=4, mode=kind)
+            wf = loop_order.dequantize(np.array(wq), np.array(scales.astype(mx.float32)) if b is not None
+                                       else np.array(scales), None if b is None else
+                                       np.array(b.astype(mx.float32)), group_size=group, mode=kind)
+            unit = loop_order.QUANT_UNIT
+        alone = [run(x[i : i + 1]) for i in range(64)]
+        mx.eval(alone)
+        row_diffs = 0
+        for m in (3, 16, 64):
+            out = run(x[:m])
+            mx.eval(out)
+            row_diffs += sum(not bits_equal(out[i], alone[i][0]) for i in range(m))
+        xs = np.array(x[:4].astype(mx.float32))
+        model_bits = mx.array(loop_order.skinny_matmul(xs, wf, unit)).astype(dtype)
+        got = run(x[:4])
+        model_diff = int((np.array(got.astype(mx.float32)) != np.array(model_bits.astype(mx.float32))).sum())
+        log(f"{kind:>6} {str(dtype):>16} g{group or '-':<4} N={n:<5} K={k:<5} rows != M=1: {row_diffs:3d}   "
+            f"elements != NumPy model: {model_diff}/{4 * n}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--weights", default="bf16,nvfp4,affine4")
+    ap.add_argument("--rows", default="1,8,16,32")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--proof-limit", type=int, default=32)
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--require-kernels", action="store_true", help="stop if the kernels cannot run")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    lines = []
+
+    def log(s=""):
+        print(s, flush=True)
+        lines.append(s)
+
+    log(f"backend {mx.default_device()}, MLX {mx.__version__}; custom kernels: "
+        f"{custom.unavailable_reason() or 'available'}")
+    if a.require_kernels and not custom.available():
+        raise SystemExit(f"custom kernels unavailable: {custom.unavailable_reason()}")
+    if a.check and custom.available():
+        check_kernels(log)
+    rows = [int(r) for r in a.rows.split(",")]
+    table = []
+    for weights in a.weights.split(","):
+        model = build(weights, a.layers)
+        nbytes = weight_bytes(model)
+        floor_ms = 1e3 * nbytes / HBM_BYTES_PER_S
+        cache = context(model, a.context)
+        log(f"\n## {weights}: {nbytes / 1e9:.2f} GB of weights, HBM floor {floor_ms:.2f} ms")
+        for b in rows:
+            tokens = mx.random.randint(0, model.args.vocab_size, (1, b), key=mx.random.key(100 + b))
+            for strategy in STRATEGIES:
+                install(model, strategy, b)
+                ms = step_ms(model, cache, tokens, a.repeats)
+                same = rows_identical(model, cache, tokens) if b > 1 else 1
+                table.append((weights, b, strategy, ms, floor_ms, same))
+                log(f"{weights:>8} B={b:<3} {strategy:>13}: {ms:8.2f} ms  {100 * floor_ms / ms:5.1f}% of floor"
+                    f"  rows == single-row pass: {same}/{b}")
+        if custom.available() and a.proof_limit:
+            plan = set_batch_invariant_limit(model, a.proof_limit, "skinny")
+            log(f"self-test L={a.proof_limit} (skinny): guaranteed={plan.guaranteed}, widths "
+                f"{plan.self_test.widths if plan.self_test else ()}, {plan.reason}")
+        set_batch_invariant_limit(model, 0)
+        del model, cache
+        mx.clear_cache()
+
+    log("\n| weights | B | native ms | strided_gemv ms (x native) | skinny ms (x native) | skinny % of floor |"
+        " rows bit-identical native / strided / skinny |")
+    log("|---|---|---|---|---|---|---|")
+    by = {(w, b, s): (ms, fl, same) for w, b, s, ms, fl, same in table}
+    for weights in a.weights.split(","):
+        for b in rows:
+            n, sg, sk = (by[weights, b, s] for s in STRATEGIES)
+            log(f"| {weights} | {b} | {n[0]:.2f} | {sg[0]:.2f} ({sg[0] / n[0]:.2f}x) | {sk[0]:.2f} "
+                f"({sk[0] / n[0]:.2f}x) | {100 * sk[1] / sk[0]:.1f} % | {n[2]}/{b}, {sg[2]}/{b}, {sk[2]}/{b} |")
+    if a.out:
+        Path(a.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Startup verdicts kept per machine: kernel-audit results and self-test proofs.
+
+A restart on the same machine should not redo minutes of probing whose answer cannot have
+changed. A verdict is stored under the user cache dir (platformdirs, like the model
+import cache; `LOCKSTEP_VERDICT_CACHE_DIR` moves these verdicts, and only them, elsewhere)
+in one JSON file per key. The key names everything the verdict depends on: MLX version, backend, device name and
+architecture, CPU BLAS, the verdict code's own source (`code_version`), the identity of
+the MLX functions probed (so a test double that wraps them never meets a real verdict),
+plus what the caller adds (layer configuration; weights digest, strategy and L).
+
+A file that cannot be read, parsed or whose stored key differs from the one asked for
+is ignored with a warning; writes go to a temporary file renamed into place, so readers
+never see half a verdict; a failed write is a warning too. The cache never crashes a start.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+
+log = logging.getLogger(__name__)
+
+ROOT_ENV = "LOCKSTEP_VERDICT_CACHE_DIR"
+FORMAT = 1  # bump when the stored layout changes
+
+
+def default_root() -> Path:
+    from platformdirs import user_cache_dir
+
+    return Path(os.environ.get(ROOT_ENV) or user_cache_dir("lockstep"))
+
+
+@lru_cache(maxsize=None)
+def _source_digest(paths: tuple[str, ...]) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(Path(path).name.encode() + b"\0" + Path(path).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def code_version(*modules) -> str:
+    """Digest of the given modules' source files: any edit to them is a new version."""
+    return _source_digest(tuple(sorted(m.__file__ for m in modules)))
+
+
+def function_identity(fn) -> str:
+    """`module.qualname` of a function: the real MLX op, or whatever wraps it now."""
+    return f"{getattr(fn, '__module__', None)}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def environment() -> dict:
+    """What a verdict about kernels depends on, beyond the code: MLX, backend, device, BLAS."""
+    from kernels import cpu_blas
+    from kernels.audit_slice import backend_kind
+
+    try:
+        info = mx.device_info()
+    except Exception:  # an MLX without device_info: the backend still separates verdicts
+        info = {}
+    return {
+        "mlx": mx.__version__,
+        "backend": backend_kind(),
+        "device": str(info.get("device_name", "")),
+        "architecture": str(info.get("architecture", platform.machine())),
+        "blas": cpu_blas.describe(),
+    }
+
+
+class VerdictCache:
+    """JSON verdicts in `root/namespace/<digest of key>.json`."""
+
+    def __init__(self, namespace: str, root: Path | None = None):
+        self.dir = (default_root() if root is None else Path(root)) / namespace
+
+    def _file(self, key: dict) -> tuple[Path, str]:
+        blob = json.dumps({"format": FORMAT, **key}, sort_keys=True, default=str)
+        return self.dir / (hashlib.sha256(blob.encode()).hexdigest()[:32] + ".json"), blob
+
+    def get(self, key: dict) -> dict | None:
+        """The stored value for `key`, or None (missing, unreadable or not this key)."""
+        path, blob = self._file(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("ignoring unreadable cache file %s: %s", path, exc)
+            return None
+        try:
+            stored = json.loads(data.decode("utf-8"))
+            if json.dumps(stored["key"], sort_keys=True, default=str) != blob:
+                raise ValueError("stored key differs from the one asked for")
+            value = stored["value"]
+            if not isinstance(value, dict):
+                raise ValueError("value is not an object")
+            return value
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring corrupt cache file %s: %s", path, exc)
+            return None
+
+    def put(self, key: dict, value: dict) -> None:
+        path, blob = self._file(key)
+        record = json.dumps({"key": json.loads(blob), "value": value}, indent=1, default=str)
+        tmp = None
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=path.stem, suffix=".tmp", dir=self.dir)
+            with os.fdopen(fd, "w") as f:
+                f.write(record)
+            os.replace(tmp, path)
+            tmp = None
+        except OSError as exc:
+            log.warning("could not write cache file %s: %s", path, exc)
+        finally:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)

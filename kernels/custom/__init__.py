@@ -1,0 +1,17 @@
+"""Custom batch-invariant kernels through MLX's public custom-kernel API
+(mx.fast.cuda_kernel / mx.fast.metal_kernel). Sources live beside this file as .cu / .metal;
+loop_order.py is the NumPy model of their reduction order."""
+from .loop_order import MAX_ROWS
+from .skinny import (
+    available,
+    backend,
+    dense_matmul,
+    dense_serves,
+    quantized_kind,
+    quantized_matmul,
+    quantized_serves,
+    unavailable_reason,
+)
+
+__all__ = ["MAX_ROWS", "available", "backend", "dense_matmul", "dense_serves", "quantized_kind",
+           "quantized_matmul", "quantized_serves", "unavailable_reason"]

@@ -1,0 +1,157 @@
+"""One forward pass over the rows of several requests, each with its own KV cache (a ragged batch).
+
+    caches = [make_prompt_cache(model) for each request]           # prefilled separately
+    logits = ragged_forward(model, [(caches[0], [t0]), (caches[1], [t1, d1, d2])])
+    logits[0].shape == (1, vocab); logits[1].shape == (3, vocab)
+
+The rows of all requests are laid end to end as one (1, T) sequence, so the linear layers see
+M = T rows, exactly the rows there are (no padding). Two things of the model's forward are
+per request, and are patched from outside the mlx-lm model files:
+- positions: each layer's cache is a `RaggedLayerCache`, whose `offset` is a `RowPositions`
+  (every row's absolute position in its own request); the model's RoPE modules get a
+  subclass that applies it by treating each row as its own batch entry;
+- attention: the model module's `scaled_dot_product_attention` name is the invariant
+  wrapper (kernels/invariant_layers.py), which hands a ragged cache back here: each
+  request's rows attend exactly its own keys, in the call that request would make alone.
+
+A row therefore meets the same ops alone (a ragged pass of one request) and beside others;
+that its bits are the same is proven per backend (`prove_ragged`), like every other form.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import rope_utils
+from mlx_lm.models.cache import KVCache
+
+# RoPE classes whose call hands `offset` straight to mx.fast.rope (so a per-row position
+# vector works once each row is its own batch entry).
+ROPE_CLASSES = (nn.RoPE, rope_utils.Llama3RoPE, rope_utils.SuScaledRoPE, rope_utils.YarnRoPE,
+                rope_utils.ProportionalRoPE)
+
+
+class RowPositions:
+    """Absolute positions of a ragged pass's rows; what `RaggedLayerCache.offset` returns.
+
+    Not an int or an array on purpose: model code that would do arithmetic with it fails
+    loudly instead of computing positions as if the rows were one sequence.
+    """
+
+    def __init__(self, positions: mx.array):
+        self.positions = positions
+
+
+class RaggedLayerCache:
+    """One layer's view of a ragged pass: the requests' own caches and their row counts."""
+
+    def __init__(self, caches: list, rows: list[int], positions: RowPositions):
+        self.caches = caches
+        self.rows = rows
+        self._positions = positions
+        self.fetched: list[tuple[mx.array, mx.array]] = []
+
+    @property
+    def offset(self) -> RowPositions:
+        return self._positions
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Append each request's rows to its own cache; the attention reads `fetched`."""
+        self.fetched = []
+        start = 0
+        for cache, n in zip(self.caches, self.rows):
+            self.fetched.append(cache.update_and_fetch(keys[:, :, start:start + n],
+                                                       values[:, :, start:start + n]))
+            start += n
+        return keys, values
+
+    def make_mask(self, *args, **kwargs):
+        return None  # each request's attention makes its own (see attention())
+
+    def attention(self, sdpa, queries: mx.array, *, scale, sinks=None, **_) -> mx.array:
+        """Each request's query rows against its own keys, by `sdpa` (the model's attention
+        function) exactly as that request's pass alone would call it; rows end to end."""
+        outs = []
+        start = 0
+        for cache, n, (keys, values) in zip(self.caches, self.rows, self.fetched):
+            q = queries[:, :, start:start + n]
+            extra = {} if sinks is None else {"sinks": sinks}
+            outs.append(sdpa(q, keys, values, cache=cache, scale=scale,
+                             mask=None if n == 1 else "causal", **extra))
+            start += n
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+
+
+_rope_classes: dict[type, type] = {}
+
+
+def _ragged_rope_class(cls: type) -> type:
+    if cls not in _rope_classes:
+
+        def __call__(self, x, offset=0, *args, **kwargs):
+            if isinstance(offset, RowPositions):
+                # (1, H, T, D) -> (T, H, 1, D): each row a batch entry at its own position.
+                y = cls.__call__(self, x.transpose(2, 1, 0, 3), offset.positions, *args, **kwargs)
+                return y.transpose(2, 1, 0, 3)
+            return cls.__call__(self, x, offset, *args, **kwargs)
+
+        _rope_classes[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    return _rope_classes[cls]
+
+
+def ragged_problem(model) -> str | None:
+    """Why this model cannot run ragged passes (None: it can)."""
+    from .invariant_layers import model_module_names
+
+    caches = model.make_cache() if hasattr(model, "make_cache") else None
+    if caches is not None and not all(type(c) is KVCache for c in caches):
+        kinds = sorted({type(c).__name__ for c in caches})
+        return f"its caches are {kinds}, not plain KV caches"
+    ropes = [m for _, m in model.named_modules() if "rope" in type(m).__name__.lower()]
+    if not ropes:
+        return "no RoPE module found"
+    odd = sorted({type(m).__name__ for m in ropes if not isinstance(m, ROPE_CLASSES)})
+    if odd:
+        return f"RoPE {odd} computes with its offset"
+    import sys
+
+    if not any(hasattr(sys.modules[n], "scaled_dot_product_attention") for n in model_module_names(model)):
+        return "its attention does not go through mlx-lm's scaled_dot_product_attention"
+    return None
+
+
+def enable_ragged(model) -> None:
+    """Patch the model's RoPE modules and attention name for ragged passes (idempotent).
+
+    Raises ValueError when the model cannot (`ragged_problem`)."""
+    from .invariant_layers import hook_attention
+
+    problem = ragged_problem(model)
+    if problem:
+        raise ValueError(f"ragged batches are not supported for this model: {problem}")
+    for _, m in model.named_modules():
+        if isinstance(m, ROPE_CLASSES) and type(m) not in _rope_classes.values():
+            m.__class__ = _ragged_rope_class(type(m))
+    hook_attention(model)
+
+
+def ragged_forward(model, requests: list[tuple[list, list[int]]]) -> list[mx.array]:
+    """Logits (len(tokens), vocab) for each (cache, tokens) request, from one forward pass.
+
+    Each request's rows are appended to its own cache. The model must have had
+    `enable_ragged` applied.
+    """
+    rows = [len(tokens) for _, tokens in requests]
+    if any(n < 1 for n in rows):
+        raise ValueError("every request in a ragged pass needs at least one row")
+    positions = RowPositions(mx.array([cache[0].offset + i for (cache, _), n in zip(requests, rows)
+                                       for i in range(n)], dtype=mx.int32))
+    layers = len(requests[0][0])
+    ragged = [RaggedLayerCache([cache[layer] for cache, _ in requests], rows, positions)
+              for layer in range(layers)]
+    tokens = mx.array([t for _, ts in requests for t in ts])[None]
+    logits = model(tokens, cache=ragged)[0]
+    out, start = [], 0
+    for n in rows:
+        out.append(logits[start:start + n])
+        start += n
+    return out

@@ -1,0 +1,133 @@
+"""Bitwise proof that a ragged pass (kernels/ragged.py) gives each request's rows the logits
+and KV they get when that request's rows run alone, for every total width 1..L.
+
+A pool of requests with different cached prefix lengths (one decode row each, plus a few
+with several rows, as speculative verification brings) is run alone once each; then for
+every width w a mix of pool members totalling w rows runs as one pass and each member's
+logits and new KV rows are compared as raw bits with its solo pass. Costs the pool's solo
+passes plus one pass per width.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from .ragged import ragged_forward
+from .selftest import UINT_OF_SIZE
+
+
+@dataclass(frozen=True)
+class RaggedProof:
+    passed: bool
+    limit: int
+    widths: tuple
+    reason: str = ""
+    seconds: float = 0.0
+    cached: bool = False  # re-used from the proof cache
+
+    def __bool__(self):
+        return self.passed
+
+
+def _bits(x: mx.array) -> mx.array:
+    return x.view(UINT_OF_SIZE[x.dtype.size])
+
+
+def _same(a: mx.array, b: mx.array) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(_bits(a), _bits(b)))
+
+
+def _new_kv(cache: list, before: int) -> list:
+    return [(c.keys[..., before:c.offset, :], c.values[..., before:c.offset, :]) for c in cache]
+
+
+def _pool(limit: int) -> list[tuple[int, int]]:
+    """(prefix length, rows) per member: `limit` one-row decoders, and multi-row members."""
+    singles = [(3 + 2 * i, 1) for i in range(limit)]
+    multi = [(5 + i, r) for i, r in enumerate(sorted({min(limit, 2), min(limit, 4)})) if r > 1]
+    return singles + multi
+
+
+def _members_for(width: int, pool: list[tuple[int, int]]) -> list[int]:
+    """Indices of pool members whose rows total `width`: the widest multi-row member that
+    leaves room for at least one other request (so it meets others), then one-row ones."""
+    chosen, left = [], width
+    multi = sorted((rows, i) for i, (_, rows) in enumerate(pool) if rows > 1)
+    fitting = [(rows, i) for rows, i in multi if rows < width]
+    if fitting:
+        rows, i = fitting[-1]
+        chosen.append(i)
+        left -= rows
+    chosen += [i for i, (_, rows) in enumerate(pool) if rows == 1][:left]
+    return chosen
+
+
+def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None) -> RaggedProof:
+    """Prove ragged passes of 1..limit rows bit-identical to solo passes on this model."""
+    start = time.perf_counter()
+    if limit < 1:
+        return RaggedProof(False, limit, (), "the limit is 0")
+    vocab = vocab or _vocab_size(model)
+    key = mx.random.key(seed)
+    pool = _pool(limit)
+    prompts, caches = [], []
+    for i, (prefix, rows) in enumerate(pool):
+        tokens = mx.random.randint(0, vocab, (prefix + rows,), key=mx.random.split(key, len(pool))[i]).tolist()
+        cache = make_prompt_cache(model)
+        model(mx.array(tokens[:prefix])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        prompts.append(tokens[prefix:])
+        caches.append(cache)
+
+    solo = []
+    for i, (prefix, _) in enumerate(pool):
+        cache = copy.deepcopy(caches[i])
+        logits = ragged_forward(model, [(cache, prompts[i])])[0]
+        kv = _new_kv(cache, prefix)
+        mx.eval(logits, kv)
+        solo.append((logits, kv))
+
+    widths = tuple(range(1, limit + 1))
+    for width in widths:
+        members = _members_for(width, pool)
+        fresh = [copy.deepcopy(caches[i]) for i in members]
+        outs = ragged_forward(model, [(fresh[j], prompts[i]) for j, i in enumerate(members)])
+        mx.eval(outs)
+        for j, i in enumerate(members):
+            logits, kv = solo[i]
+            if not _same(outs[j], logits):
+                return RaggedProof(False, limit, widths, f"logits of a {pool[i][1]}-row request differ "
+                                   f"in a ragged pass of {width} rows", time.perf_counter() - start)
+            for layer, ((k, v), (k2, v2)) in enumerate(zip(kv, _new_kv(fresh[j], pool[i][0]))):
+                if not (_same(k, k2) and _same(v, v2)):
+                    return RaggedProof(False, limit, widths, f"layer {layer} KV of a {pool[i][1]}-row "
+                                       f"request differs in a ragged pass of {width} rows",
+                                       time.perf_counter() - start)
+    return RaggedProof(True, limit, widths, "", time.perf_counter() - start)
+
+
+def prove_ragged_cached(model, limit: int, proof_cache=None, *, seed: int = 0) -> RaggedProof:
+    """`prove_ragged`, re-using a result proven earlier on this machine (a
+    kernels.selftest.ProofCache: same model, strategy, L, code, MLX and device)."""
+    if proof_cache is None:
+        return prove_ragged(model, limit, seed=seed)
+    from .selftest import proof_key
+
+    key = {**proof_key(model, limit, range(1, limit + 1), (), seed, True, proof_cache.model_identity),
+           "what": "ragged pass proof"}
+    value = None if proof_cache.fresh else proof_cache.store.get(key)
+    if isinstance(value, dict) and isinstance(value.get("passed"), bool):
+        return RaggedProof(value["passed"], limit, tuple(range(1, limit + 1)), str(value.get("reason", "")),
+                           0.0, cached=True)
+    proof = prove_ragged(model, limit, seed=seed)
+    proof_cache.store.put(key, {"passed": proof.passed, "reason": proof.reason, "seconds": proof.seconds})
+    return proof
+
+
+def _vocab_size(model) -> int:
+    args = getattr(model, "args", None)
+    return int(getattr(args, "vocab_size", 256))

@@ -1,0 +1,5 @@
+"""The generation engine: scheduling and batching requests into forward passes, request
+state, token sources, speculative decoding, sampling, stop strings, the prefix cache and
+decode plans. `Engine` (scheduler.py) is its entry point; nothing here knows about HTTP."""
+from server.engine.scheduler import (Engine, EngineObserver, GenerationError, QueueFull,  # noqa: F401
+                                     RequestHandle, ShuttingDown, TooLargeForMemory)

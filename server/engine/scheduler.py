@@ -1,0 +1,414 @@
+"""The engine: owns the model on one worker thread and batches requests into forward passes.
+
+All MLX work happens on the worker thread, never on the asyncio loop. Requests are
+admitted in FIFO order while there is a free slot (`max_active`) and room in the KV budget
+(server/engine/kv_budget.py). Each iteration of the worker then
+1. runs one prompt chunk of one prefilling request (in turn), so a long prompt is
+   interleaved with decoding and never stalls the others for its whole length;
+2. asks every decoding request for its rows (1, or k + 1 when speculating), groups them
+   into passes by the determinism rule (server/engine/passes.py) and runs each pass as one
+   forward over all its requests' rows, each attending its own KV cache
+   (kernels/ragged.py); every request then turns its rows into tokens.
+Each request's output comes back to asyncio through its `RequestHandle`.
+
+A request whose plan is exclusive (deterministic, but the guarantee is not proven) runs
+alone. `generate_fn` replaces the batched path with one generator per request, stepped in
+turn (test doubles script the engine with it).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import AsyncIterator, Callable, Iterator
+
+import mlx.core as mx
+
+from server.engine.decoding import DecodePlan, Deployment
+from server.engine.kv_budget import KVBudget, reservation
+from server.engine.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, Demand, compose_passes
+from server.engine.prefix_cache import PrefixCache
+from server.engine.request_state import Delta, GenerationRequest, RequestState, forward
+
+log = logging.getLogger(__name__)
+
+
+
+class GenerationError(Exception):
+    """Generation failed on the worker; the message is safe to show to the client."""
+
+
+class QueueFull(GenerationError):
+    """`submit()` refused: `max_waiting` requests are already waiting (the API answers 429)."""
+
+
+class ShuttingDown(GenerationError):
+    """The server stopped this request (drain timeout or a second signal); the API answers 503."""
+
+
+class TooLargeForMemory(GenerationError):
+    """`submit()` refused: the request's KV alone exceeds the server's budget (400)."""
+
+
+class RequestHandle:
+    """The asyncio side of one request: iterate it for `Delta`s; `cancel()` to give up."""
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, plan=None):
+        self.request = request
+        self.plan = plan  # server.engine.decoding.DecodePlan, or None for plain decoding
+        self.submitted_at = time.monotonic()
+        self._loop = loop
+        self._events: asyncio.Queue[Delta | Exception] = asyncio.Queue()
+        self._cancelled = threading.Event()
+        self.cut = False  # ended by the server (cut_off), not by its client
+
+    def cancel(self) -> None:
+        """Stop generating (e.g. the client went away); the engine frees the slot."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    @property
+    def client_cancelled(self) -> bool:
+        return self._cancelled.is_set() and not self.cut
+
+    def post(self, event: Delta | Exception) -> None:
+        """Called on the worker thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        while True:
+            event = await self._events.get()
+            if isinstance(event, Exception):
+                raise event
+            yield event
+            if event.finish_reason is not None:
+                return
+
+
+class _Active:
+    """An admitted request: its handle, its work (a RequestState or a generator) and its KV."""
+
+    def __init__(self, handle: RequestHandle, work, reserved: int):
+        self.handle = handle
+        self.work = work
+        self.reserved = reserved
+
+
+class EngineObserver:
+    """What the engine reports as it runs (metrics implement it); every method is optional."""
+
+    def on_pass(self, rows: int, requests: int) -> None: ...
+
+    def on_admit(self, waited_seconds: float) -> None: ...
+
+
+class Engine:
+    max_waiting: int | None = None  # waiting requests before submit() refuses; None = unbounded
+
+    def __init__(self, loaded, max_active: int = DEFAULT_MAX_ACTIVE,
+                 generate_fn: Callable[..., Iterator] | None = None,
+                 deployment: Deployment | None = None, prefix_cache: PrefixCache | None = None,
+                 max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS, max_kv_tokens: int | None = None):
+        if max_active < 1 or max_batch_rows < 1:
+            raise ValueError("max_active and max_batch_rows must be >= 1")
+        self.loaded = loaded
+        self.max_active = max_active
+        self.max_batch_rows = max_batch_rows
+        self.deployment = deployment or Deployment()
+        self.prefix_cache = prefix_cache
+        self.kv_budget = KVBudget(max_kv_tokens)
+        self.observers: list[EngineObserver] = []
+        self._generate = generate_fn
+        self.ragged_problem = self._prepare_ragged()
+        self.ragged_proof = self._prove_ragged()
+        self._waiting: list[RequestHandle] = []
+        self._active: list[_Active] = []
+        self._turn = 0  # rotates which request goes first
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._cancelled = 0  # requests dropped because their client went away
+        self._thread: threading.Thread | None = None
+
+    def _prepare_ragged(self) -> str | None:
+        """Patch the model for ragged passes; why not, when it cannot (then one request per pass)."""
+        if self._generate is not None or self.loaded is None:
+            return "not used"
+        from kernels.ragged import enable_ragged, ragged_problem
+
+        problem = ragged_problem(self.loaded.model)
+        if problem is None:
+            enable_ragged(self.loaded.model)
+        else:
+            log.warning("requests are not batched into shared passes: %s", problem)
+        return problem
+
+    def _prove_ragged(self):
+        """With a proven limit L, prove ragged passes of 1..L rows too; until proven, a
+        deterministic request's rows share no pass with another request's."""
+        if self.ragged_problem is not None or not self.deployment.guaranteed:
+            return None
+        from kernels.ragged_selftest import prove_ragged
+
+        proof = self.deployment.ragged_proof or prove_ragged(self.loaded.model, self.deployment.limit)
+        if proof:
+            log.info("ragged passes of 1..%d rows proven bit-identical to solo passes (%.1f s)",
+                     proof.limit, proof.seconds)
+        else:
+            log.warning("ragged passes not proven (%s): deterministic requests get passes of their own",
+                        proof.reason)
+        return proof
+
+    def describe(self) -> dict:
+        """Batching settings, for /v1/models."""
+        limit = self.deployment.limit if self.deployment.guaranteed else 0
+        return {"max_active": self.max_active, "max_batch_rows": self.max_batch_rows,
+                "deterministic_pass_rows": limit, "max_kv_tokens": self.kv_budget.capacity,
+                "batched": self.ragged_problem is None,
+                "deterministic_rows_shared": bool(self.ragged_proof),
+                **({"not_batched_because": self.ragged_problem} if self.ragged_problem else {})}
+
+    def start(self) -> "Engine":
+        self._thread = threading.Thread(target=self._run, name="lockstep-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _reservation(self, request: GenerationRequest, plan: DecodePlan | None) -> int:
+        k = plan.num_draft_tokens if plan else 0
+        return reservation(len(request.prompt_tokens), request.max_tokens, k)
+
+    def submit(self, request: GenerationRequest, plan: DecodePlan | None = None) -> RequestHandle:
+        """Queue a request; call from the event loop. Output arrives on the handle."""
+        handle = RequestHandle(request, asyncio.get_running_loop(), plan)
+        needed = self._reservation(request, plan)
+        if not self.kv_budget.fits_at_all(needed):
+            raise TooLargeForMemory(
+                f"the prompt and max_tokens need {needed} tokens of KV cache; this server holds at "
+                f"most {self.kv_budget.capacity} (--max-kv-tokens): lower max_tokens")
+        with self._wake:
+            if self._stopping:
+                raise GenerationError("the server is shutting down")
+            # Requests about to take a free slot are not "waiting" for the cap's purposes.
+            queued = len(self._waiting) - max(0, self.max_active - len(self._active))
+            if self.max_waiting is not None and queued >= self.max_waiting:
+                raise QueueFull(f"{queued} requests are already waiting")
+            self._waiting.append(handle)
+            self._wake.notify()
+        return handle
+
+    def counts(self) -> dict[str, int]:
+        """Active and waiting requests now, and requests dropped so far because their client left
+        (the one count behind both /health and the `lockstep_cancelled_requests` metric)."""
+        with self._wake:
+            return {"active": len(self._active), "waiting": len(self._waiting), "cancelled": self._cancelled}
+
+    def cut_off(self, message: str) -> int:
+        """End every running and waiting request now with `ShuttingDown(message)`. Returns how many.
+
+        For the drain timeout: each stream then ends with an error event and [DONE] instead of
+        being severed mid-body. Call from the event loop.
+        """
+        with self._wake:
+            handles = [a.handle for a in self._active] + list(self._waiting)
+        for handle in handles:
+            handle.cut = True
+            handle.post(ShuttingDown(message))
+            handle.cancel()
+        return len(handles)
+
+    def _notify(self, method: str, *args) -> None:
+        for observer in self.observers:
+            try:
+                getattr(observer, method)(*args)
+            except Exception:  # observability must never break serving
+                log.exception("engine observer failed")
+
+    # ------------------------------------------------------------------ worker thread
+
+    def _run(self) -> None:
+        while self._admit():
+            self._drop_cancelled()
+            if self._generate is not None:
+                self._step_generators()
+            else:
+                self._prefill_one()
+                self._decode()
+            self._turn += 1
+        for active in self._active:
+            active.handle.post(GenerationError("the server is shutting down"))
+        for handle in self._waiting:
+            handle.post(GenerationError("the server is shutting down"))
+
+    def _admit(self) -> bool:
+        """Move waiting requests into free slots (FIFO); block while idle. False = stop."""
+        with self._wake:
+            while not self._stopping and not self._waiting and not self._active:
+                self._wake.wait()
+            if self._stopping:
+                return False
+            while self._waiting and len(self._active) < self.max_active:
+                handle = self._waiting[0]
+                if handle.cancelled:
+                    self._waiting.pop(0)
+                    self._cancelled += handle.client_cancelled
+                    continue
+                if self._exclusive_blocks(handle):
+                    break  # FIFO: later requests wait too, so nobody overtakes it
+                needed = self._reservation(handle.request, handle.plan)
+                if not self.kv_budget.try_reserve(needed):
+                    break  # FIFO again: it goes first once enough KV is released
+                self._waiting.pop(0)
+                self._notify("on_admit", time.monotonic() - handle.submitted_at)
+                try:
+                    work = self._start(handle)
+                except Exception as exc:
+                    self.kv_budget.release(needed)
+                    self._fail(handle, exc)
+                    continue
+                self._active.append(_Active(handle, work, needed))
+            return True
+
+    def _exclusive_blocks(self, handle: RequestHandle) -> bool:
+        """An exclusive request runs alone: it waits for an empty engine, and blocks others."""
+        if handle.plan is not None and handle.plan.exclusive:
+            return bool(self._active)
+        return any(a.handle.plan is not None and a.handle.plan.exclusive for a in self._active)
+
+    def _start(self, handle: RequestHandle):
+        cancelled = lambda: handle.cancelled  # noqa: E731
+        if self._generate is not None:
+            return self._generate(self.loaded, handle.request, plan=handle.plan, deployment=self.deployment,
+                                  prefix_cache=self.prefix_cache, cancelled=cancelled)
+        return RequestState(self.loaded, handle.request, plan=handle.plan, deployment=self.deployment,
+                            prefix_cache=self.prefix_cache, cancelled=cancelled)
+
+    def _remove(self, active: _Active) -> None:
+        with self._wake:
+            if active in self._active:
+                self._active.remove(active)
+        self.kv_budget.release(active.reserved)
+        if self._generate is not None:
+            active.work.close()
+
+    def _fail(self, handle: RequestHandle, exc: Exception) -> None:
+        log.error("generation failed", exc_info=exc)
+        handle.post(GenerationError(f"generation failed: {type(exc).__name__}: {exc}"))
+
+    def _drop_cancelled(self) -> None:
+        for active in [a for a in self._active if a.handle.cancelled]:
+            self._cancelled += active.handle.client_cancelled
+            self._remove(active)
+
+    def _in_turn(self) -> list[_Active]:
+        """Active requests, starting with a different one each iteration."""
+        n = len(self._active)
+        if n == 0:
+            return []
+        start = self._turn % n
+        return self._active[start:] + self._active[:start]
+
+    def _post(self, active: _Active, deltas: list[Delta]) -> None:
+        for delta in deltas:
+            active.handle.post(delta)
+
+    # ---------------------------------------------------------------- generator mode
+
+    def _step_generators(self) -> None:
+        for active in self._in_turn():
+            if active.handle.cancelled:
+                continue
+            try:
+                event = next(active.work)
+            except StopIteration:  # finished, or gave up inside the step because it was cancelled
+                self._cancelled += active.handle.client_cancelled
+                self._remove(active)
+                continue
+            except Exception as exc:  # reaches the client as an error, never a hang
+                self._fail(active.handle, exc)
+                self._remove(active)
+                continue
+            if event is not None:
+                active.handle.post(event)
+                if event.finish_reason is not None:
+                    self._remove(active)
+
+    # ------------------------------------------------------------------ batched mode
+
+    def _prefill_one(self) -> None:
+        prefilling = [a for a in self._in_turn() if a.work.prefilling]
+        if not prefilling:
+            return
+        active = prefilling[0]
+        try:
+            active.work.prefill_chunk()
+        except Exception as exc:
+            self._fail(active.handle, exc)
+            self._remove(active)
+
+    def _decode(self) -> None:
+        demands = []
+        for active in self._in_turn():
+            state = active.work
+            if state.prefilling or active.handle.cancelled:
+                continue
+            try:
+                rows = state.rows()  # a drafter may run here (it checks cancellation)
+            except Exception as exc:
+                self._fail(active.handle, exc)
+                self._remove(active)
+                continue
+            if active.handle.cancelled:
+                continue
+            demands.append(Demand((active, rows), len(rows), state.deterministic))
+        if not demands:
+            return
+        limit = self.deployment.limit if self.deployment.guaranteed else 0
+        per_pass = self.max_batch_rows if self.ragged_problem is None else 1
+        groups = compose_passes([d for d in demands if not d.deterministic or self.ragged_proof], limit, per_pass)
+        groups += [[d] for d in demands if d.deterministic and not self.ragged_proof]
+        for group in groups:
+            if self.ragged_problem is not None and len(group) > 1:
+                raise AssertionError("unbatched passes hold one request")  # max_rows 1 ensures it
+            self._run_pass([d.owner for d in group])
+
+    def _run_pass(self, members: list[tuple[_Active, list[int]]]) -> None:
+        model = self.loaded.model
+        try:
+            if self.ragged_problem is None:
+                from kernels.ragged import ragged_forward
+
+                logits = ragged_forward(model, [(a.work.cache, rows) for a, rows in members])
+            else:
+                (active, rows), = members
+                logits = [forward(model, active.work.cache, rows)]
+            argmax = [mx.argmax(x, axis=-1) for x in logits]
+            mx.eval(logits, argmax)
+        except Exception as exc:
+            for active, _ in members:
+                self._fail(active.handle, exc)
+                self._remove(active)
+            return
+        self._notify("on_pass", sum(len(rows) for _, rows in members), len(members))
+        for (active, _), rows_logits, rows_argmax in zip(members, logits, argmax):
+            try:
+                deltas = active.work.take(rows_logits, rows_argmax.tolist())
+            except Exception as exc:
+                self._fail(active.handle, exc)
+                self._remove(active)
+                continue
+            self._post(active, deltas)
+            if active.work.finished:
+                self._remove(active)

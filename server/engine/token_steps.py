@@ -1,0 +1,163 @@
+"""Where decoded tokens come from: one per forward pass, or several per speculative pass.
+
+A token source works in two halves, so the engine can put the rows of many requests into
+one forward pass: `rows()` names the tokens to run (the last token, plus drafts), the
+engine runs them against the request's own cache, and `take(logits)` turns that pass's
+logits rows into tokens. Both sources choose every token the same way: `sample` on a
+(1, vocab) row of the target's logits at its absolute position. With batch-invariant
+kernels a row's logits do not depend on how many rows shared its forward pass, so both
+give identical tokens, alone or batched.
+
+`token_source` drives a source solo (one pass per step) for callers without an engine
+(verify, bench, tests).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import mlx.core as mx
+
+from server.engine.sampling import Sampled, SamplingParams, sample
+from server.engine.speculative import DraftModelDrafter, PromptLookupDrafter, accept_drafts
+
+
+@dataclass(frozen=True)
+class Step:
+    """One decoded token and the target logits row it was chosen from."""
+
+    sampled: Sampled
+    logits: mx.array
+
+
+@dataclass
+class SpeculationStats:
+    drafted: int = 0
+    accepted: int = 0
+    passes: int = 0  # target forward passes during decode
+
+
+def _unbounded() -> int:
+    return 1 << 62
+
+
+def _never() -> bool:
+    return False
+
+
+def fast_argmax(params: SamplingParams) -> bool:
+    """Greedy without logprobs needs only each row's argmax, exact whatever the row count:
+    the engine computes it for a whole pass in one device round trip."""
+    return params.greedy and params.top_logprobs is None
+
+
+class PlainSource:
+    """One token per forward pass. `context` is the whole sequence so far (extended here)."""
+
+    def __init__(self, cache: list, context: list[int], params: SamplingParams, stats: SpeculationStats):
+        self.cache, self.context, self.params, self.stats = cache, context, params, stats
+
+    def rows(self) -> list[int]:
+        return [self.context[-1]]
+
+    def take(self, logits: mx.array, argmax: list[int] | None = None) -> list[Step]:
+        """`logits` (1, vocab) for rows(); `argmax` its row argmax, when already computed."""
+        self.stats.passes += 1
+        if argmax is not None and fast_argmax(self.params):
+            chosen = Sampled(argmax[0])
+        else:
+            chosen = sample(logits, [len(self.context)], self.params)[0]
+        self.context.append(chosen.token)
+        return [Step(chosen, logits[0])]
+
+
+class SpeculativeSource:
+    """Up to k + 1 tokens per forward pass: drafts verified by the target (sample and compare).
+
+    Each pass drafts at most `remaining() - 1` tokens (a pass emits up to k + 1), so no work
+    is spent past the request's limit; drafting stops early when `cancelled()` turns true.
+    """
+
+    def __init__(self, cache: list, context: list[int], params: SamplingParams, drafter, k: int,
+                 stats: SpeculationStats, remaining: Callable[[], int] = _unbounded,
+                 cancelled: Callable[[], bool] = _never):
+        self.cache, self.context, self.params = cache, context, params
+        self.drafter, self.k, self.stats = drafter, k, stats
+        self.remaining, self.cancelled = remaining, cancelled
+        self.drafts: list[int] = []
+
+    def rows(self) -> list[int]:
+        k_now = min(self.k, self.remaining() - 1)
+        self.drafts = self.drafter.propose(self.context, k_now, self.cancelled) if k_now > 0 else []
+        return [self.context[-1], *self.drafts]
+
+    def take(self, logits: mx.array, argmax: list[int] | None = None) -> list[Step]:
+        """`logits` (len(rows()), vocab); rejected drafts' KV rows are trimmed from the cache."""
+        base = len(self.context)
+        use_argmax = argmax is not None and fast_argmax(self.params)
+        picked: list[Step] = []
+
+        def choose(row, i):
+            chosen = Sampled(argmax[i]) if use_argmax else sample(row[None], [base + i], self.params)[0]
+            picked.append(Step(chosen, row))
+            return chosen.token
+
+        verified = accept_drafts(logits, self.cache, self.drafts, choose)
+        self.stats.passes += 1
+        self.stats.drafted += verified.drafted
+        self.stats.accepted += verified.accepted
+        self.context.extend(verified.tokens)
+        return picked
+
+
+def make_source(cache, context: list[int], params: SamplingParams, stats: SpeculationStats,
+                method: str = "none", k: int = 0, draft_model=None,
+                remaining: Callable[[], int] = _unbounded, cancelled: Callable[[], bool] = _never):
+    """The two-phase source for a speculative `method` ("none", "draft", "prompt_lookup")."""
+    if method == "none":
+        return PlainSource(cache, context, params, stats)
+    drafter = DraftModelDrafter(draft_model) if method == "draft" else PromptLookupDrafter()
+    return SpeculativeSource(cache, context, params, drafter, k, stats, remaining, cancelled)
+
+
+def drive(source, step, model, cache) -> Iterator[list[Step]]:
+    """Run `source` solo: each pass is `step(model, cache, rows)` (logits (rows, vocab))."""
+    while True:
+        rows = source.rows()
+        if source_cancelled(source):
+            return
+        logits = step(model, cache, rows)
+        argmax = mx.argmax(logits, axis=-1).tolist() if fast_argmax(source.params) else None
+        yield source.take(logits, argmax)
+
+
+def source_cancelled(source) -> bool:
+    cancelled = getattr(source, "cancelled", None)
+    return bool(cancelled and cancelled())
+
+
+def token_source(step, model, cache, context: list[int], params: SamplingParams,
+                 stats: SpeculationStats, method: str = "none", k: int = 0, draft_model=None,
+                 remaining: Callable[[], int] = _unbounded, cancelled: Callable[[], bool] = _never):
+    """A generator of token batches for `method` with k drafts, one solo pass per batch.
+
+    `remaining()` is how many tokens the request may still emit; `cancelled()` whether its
+    client is gone (checked between draft passes, so one step never runs k passes for nobody).
+    """
+    source = make_source(cache, context, params, stats, method, k, draft_model, remaining, cancelled)
+    return drive(source, step, model, cache)
+
+
+def plain_tokens(step, model, cache, context: list[int], params: SamplingParams,
+                 stats: SpeculationStats) -> Iterator[list[Step]]:
+    """One token per forward pass, solo."""
+    return drive(PlainSource(cache, context, params, stats), step, model, cache)
+
+
+def speculative_tokens(step, model, cache, context: list[int], params: SamplingParams,
+                       drafter, k: int, stats: SpeculationStats,
+                       remaining: Callable[[], int] = _unbounded,
+                       cancelled: Callable[[], bool] = _never) -> Iterator[list[Step]]:
+    """Speculative decoding with a given drafter, solo (tests and tools pick their drafter)."""
+    source = SpeculativeSource(cache, context, params, drafter, k, stats, remaining, cancelled)
+    return drive(source, step, model, cache)

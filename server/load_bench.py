@@ -1,0 +1,174 @@
+"""Load benchmark over HTTP: N streaming clients at once against an OpenAI-compatible server.
+
+For each concurrency level, N clients each send one streamed chat completion (greedy,
+fixed max_tokens, different prompts) at the same moment; the round's aggregate tok/s is
+all completion tokens over the round's wall time, with p50/p99 time to first token and
+inter-token latency over every request and token. Standard library HTTP only, so the
+same code measures lockstep and mlx_lm.server side by side (`lockstep bench --concurrency`).
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a bicycle gear works.",
+    "List five uses for a paperclip and explain each.",
+    "Describe the water cycle to a child.",
+    "What makes a good cup of tea? Give details.",
+    "Summarize the plot of a heist movie you invent.",
+    "Give advice to someone learning to cook.",
+    "Explain why the sky is blue.",
+]
+
+
+@dataclass
+class RequestTiming:
+    started: float
+    first_token: float | None = None
+    token_times: list = field(default_factory=list)  # arrival time of each content chunk
+    tokens: int = 0
+    text: str = ""
+    error: str | None = None
+
+
+@dataclass
+class RoundResult:
+    concurrency: int
+    wall_s: float
+    tokens: int
+    ttft_s: list
+    itl_s: list
+    errors: int
+    texts: list  # per client index; None where the request failed
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def _percentile(values: list, q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int, extra: dict | None = None,
+                timeout: float = 600) -> RequestTiming:
+    """One streamed chat completion; content chunks are timed as they arrive."""
+    url = urllib.parse.urlparse(base_url)
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
+    timing = RequestTiming(started=time.perf_counter())
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+    try:
+        conn.request("POST", url.path.rstrip("/") + "/chat/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            timing.error = f"HTTP {response.status}: {response.read()[:200]!r}"
+            return timing
+        usage_tokens = None
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if chunk.get("usage"):
+                usage_tokens = chunk["usage"].get("completion_tokens")
+            for choice in chunk.get("choices") or []:
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    now = time.perf_counter()
+                    timing.first_token = timing.first_token or now
+                    timing.token_times.append(now)
+                    timing.text += content
+                    timing.tokens += 1
+        if usage_tokens is not None:
+            timing.tokens = usage_tokens
+    except OSError as exc:
+        timing.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+    return timing
+
+
+def prompt_for(i: int, prompts: list[str] = PROMPTS) -> str:
+    return f"{prompts[i % len(prompts)]} (#{i})"
+
+
+def solo_texts(base_url: str, model: str, n: int, max_tokens: int, extra: dict | None = None) -> list:
+    """The answers of clients 0..n-1, each sent alone (the baseline for changed answers)."""
+    return [stream_chat(base_url, model, prompt_for(i), max_tokens, extra).text for i in range(n)]
+
+
+def changed_answers(r: RoundResult, solo: list) -> int:
+    """Greedy answers of this round that differ from the same request sent alone."""
+    return sum(1 for i, text in enumerate(r.texts) if text is not None and text != solo[i])
+
+
+def run_round(base_url: str, model: str, concurrency: int, max_tokens: int, extra: dict | None = None,
+              prompts: list[str] = PROMPTS) -> RoundResult:
+    """`concurrency` clients released at once, each with its own prompt."""
+    timings: list[RequestTiming | None] = [None] * concurrency
+    barrier = threading.Barrier(concurrency)
+
+    def client(i):
+        barrier.wait()
+        timings[i] = stream_chat(base_url, model, prompt_for(i, prompts), max_tokens, extra)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    done = [t for t in timings if t is not None and t.error is None]
+    ttft = [t.first_token - t.started for t in done if t.first_token is not None]
+    itl = []
+    for t in done:
+        if t.tokens > 1 and len(t.token_times) > 1:
+            # per token, between the first and last content chunk
+            itl.append((t.token_times[-1] - t.token_times[0]) / (t.tokens - 1))
+    return RoundResult(concurrency, wall, sum(t.tokens for t in done), ttft, itl,
+                       sum(1 for t in timings if t is None or t.error),
+                       [t.text if t is not None and t.error is None else None for t in timings])
+
+
+def summary_line(name: str, r: RoundResult, changed: int | None = None) -> str:
+    return (f"{name:<14} {r.concurrency:>4} {r.tok_per_s:>10.1f} {_percentile(r.ttft_s, .5) * 1e3:>9.0f} "
+            f"{_percentile(r.ttft_s, .99) * 1e3:>9.0f} {_percentile(r.itl_s, .5) * 1e3:>8.1f} "
+            f"{_percentile(r.itl_s, .99) * 1e3:>8.1f} {r.errors:>6} "
+            f"{'-' if changed is None else f'{changed}/{r.concurrency}':>8}")
+
+
+HEADER = (f"{'server':<14} {'conc':>4} {'tok/s':>10} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} "
+          f"{'itl p99':>8} {'errors':>6} {'changed':>8}   (ms; changed: greedy answers that differ "
+          f"from the same request alone)")
+
+
+def wait_healthy(base_url: str, path: str, timeout: float, proc=None) -> None:
+    url = urllib.parse.urlparse(base_url)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            conn = http.client.HTTPConnection(url.hostname, url.port, timeout=5)
+            conn.request("GET", path)
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{base_url}{path} did not answer within {timeout:.0f} s")
+
+

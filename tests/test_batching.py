@@ -1,0 +1,331 @@
+"""Continuous batching: many requests' rows in one forward pass, each deterministic request
+still bit-identical to running alone.
+
+The backend is the shape-variant double (kernels/shape_variant.py: on the CPU, calls with
+several rows reduce in another order, as CUDA's do), so batching *would* change bits
+unless the scheduler keeps deterministic rows in passes of at most L canonical rows. The
+model is a tiny random llama (tests/tiny_models.py) whose token ids read back from the
+text; requests go through the official openai client to a live uvicorn.
+"""
+import struct
+import threading
+import time
+
+import httpx2 as httpx
+import mlx.core as mx
+import pytest
+from openai import OpenAI
+
+from kernels.invariant import set_batch_invariant_limit
+from kernels.ragged import enable_ragged, ragged_forward
+from kernels.ragged_selftest import prove_ragged
+from kernels.shape_variant import shape_variant_backend
+from server.engine.decoding import Deployment
+from server.engine.passes import Demand, compose_passes
+from tests.deterministic_fixtures import TinyLoaded
+from tests.http_server import running, wait_until
+from tests.test_deterministic_double import peaked_llama
+
+LIMIT = 8
+TOKENS = 16
+
+
+# ------------------------------------------------------------------- pass composition
+
+def demand(name, rows, det):
+    return Demand(name, rows, det)
+
+
+def test_deterministic_passes_hold_at_most_l_rows_and_are_topped_up_with_free_rows():
+    demands = [demand("a", 1, True), demand("b", 4, True), demand("x", 1, False), demand("c", 4, True),
+               demand("y", 3, False), demand("z", 2, False)]
+    passes = compose_passes(demands, limit=6, max_rows=32)
+    for group in passes:
+        if any(d.deterministic for d in group):
+            assert sum(d.rows for d in group) <= 6
+    assert [[d.owner for d in g] for g in passes] == [["a", "b", "x"], ["c", "z"], ["y"]]
+
+
+def test_free_rows_alone_may_be_wider_than_l_up_to_max_rows():
+    demands = [demand(i, 1, False) for i in range(40)]
+    passes = compose_passes(demands, limit=4, max_rows=16)
+    assert [len(g) for g in passes] == [16, 16, 8]
+    assert [d.owner for g in passes for d in g] == list(range(40))  # order kept, none split
+
+
+def test_a_deterministic_demand_wider_than_l_is_refused():
+    with pytest.raises(ValueError, match="limit is 4"):
+        compose_passes([demand("a", 5, True)], limit=4, max_rows=32)
+
+
+# ------------------------------------------------------------------- ragged forward itself
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    model = peaked_llama()
+    enable_ragged(model)
+    return model
+
+
+def test_a_ragged_pass_gives_each_request_its_solo_bits_on_the_embedded_model(embedded_model):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = embedded_model.model
+    enable_ragged(model)
+    prompts = [[1, 504, 2, 8], [5, 6, 7, 8, 9, 10, 11], [42]]
+    rows = [[100], [101, 102, 103], [104]]
+
+    def prefilled(i):
+        cache = make_prompt_cache(model)
+        model(mx.array(prompts[i])[None], cache=cache)
+        return cache
+
+    together = ragged_forward(model, [(prefilled(i), rows[i]) for i in range(3)])
+    for i in range(3):
+        alone = ragged_forward(model, [(prefilled(i), rows[i])])[0]
+        plain = model(mx.array(rows[i])[None], cache=prefilled(i))[0]
+        assert together[i].shape == (len(rows[i]), embedded_model.model.args.vocab_size)
+        assert mx.array_equal(together[i], alone).item()
+        assert mx.allclose(alone, plain, atol=1e-4).item()  # the same model, computed per request
+
+
+def test_ragged_proof_passes_with_canonical_forms_and_fails_natively(tiny_model):
+    assert prove_ragged(tiny_model, LIMIT)  # CPU: natively invariant
+    with shape_variant_backend():
+        native = prove_ragged(tiny_model, LIMIT)
+        assert not native and "differ" in native.reason  # negative control
+        plan = set_batch_invariant_limit(tiny_model, LIMIT)
+        assert plan.guaranteed and plan.strategy != "native"
+        assert prove_ragged(tiny_model, LIMIT)
+    set_batch_invariant_limit(tiny_model, 0)
+
+
+# ------------------------------------------------------------- the engine under load (HTTP)
+
+class PassLog:
+    """Engine observer: rows and requests of every decode pass."""
+
+    def __init__(self):
+        self.passes = []
+
+    def on_pass(self, rows, requests):
+        self.passes.append((rows, requests))
+
+    def on_admit(self, waited):
+        pass
+
+
+def serve_tiny(limit: int, *, prove: bool = True, max_batch_rows: int = 32, max_kv_tokens=None):
+    """(app, engine, pass log) for the tiny model with L = `limit` installed under the double."""
+    from server.api.app import create_app
+    from server.engine import Engine
+
+    model = peaked_llama()
+    draft = peaked_llama(quant="affine")
+    with shape_variant_backend():
+        plan = set_batch_invariant_limit(model, limit)
+    guaranteed = bool(plan.guaranteed) if limit else False
+    deployment = Deployment(limit=limit, guaranteed=guaranteed or not prove, strategy=plan.strategy,
+                            draft_model=draft, prefill_chunk=8)
+    with shape_variant_backend():
+        engine = Engine(TinyLoaded(model), max_active=16, deployment=deployment,
+                        max_batch_rows=max_batch_rows, max_kv_tokens=max_kv_tokens)
+    log = PassLog()
+    engine.observers.append(log)
+    return create_app(engine), engine, log
+
+
+PROMPTS = [[11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11, 12], [30, 31, 32, 33, 30, 31, 32],
+           [50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 50, 51, 52], [70, 71, 70, 71, 70]]
+# deterministic requests: (prompt index, speculative, k, seed or None, streamed)
+DETERMINISTIC = [(0, "none", None, None, True), (1, "none", None, 7, False), (2, "prompt_lookup", 3, None, False),
+                 (3, "prompt_lookup", 2, 9, True), (0, "draft", 3, None, False), (1, "draft", 4, 5, True),
+                 (2, "none", None, 11, True)]
+OTHERS = [(1, "none", None, 3, True), (3, "prompt_lookup", 5, None, False), (2, "draft", 6, 8, False),
+          (0, "none", None, 2, False)]
+
+
+def completion(client, prompt, speculative, k, seed, stream, deterministic, max_tokens=TOKENS):
+    """(token ids, logprob bits, top-logprob bits) of one /v1/completions call."""
+    body = {"deterministic": deterministic, "speculative": speculative}
+    if k is not None:
+        body["num_draft_tokens"] = k
+    kwargs = dict(model="default", prompt=PROMPTS[prompt], max_tokens=max_tokens, logprobs=3,
+                  temperature=0.8 if seed is not None else 0.0, extra_body=body)
+    if seed is not None:
+        kwargs["seed"] = seed
+    if stream:
+        text, lps, tops = "", [], []
+        for chunk in client.completions.create(stream=True, **kwargs):
+            if chunk.choices:
+                c = chunk.choices[0]
+                text += c.text
+                if c.logprobs:
+                    lps += c.logprobs.token_logprobs
+                    tops += c.logprobs.top_logprobs
+    else:
+        c = client.completions.create(**kwargs).choices[0]
+        text, lps, tops = c.text, c.logprobs.token_logprobs, c.logprobs.top_logprobs
+    ids = [ord(ch) - 0x4E00 for ch in text]
+    bits = [struct.pack(">d", x) for x in lps]
+    top_bits = [sorted((t, struct.pack(">d", v)) for t, v in top.items()) for top in tops]
+    return ids, bits, top_bits
+
+
+def run_mixed_load(url, cancel_one=True):
+    """The deterministic requests beside the others, staggered, one cancelled midway."""
+    client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    results, errors = {}, []
+
+    def det(i, spec):
+        try:
+            time.sleep(0.02 * i)
+            p, method, k, seed, stream = spec
+            results[i] = completion(client, p, method, k, seed, stream, True)
+        except Exception as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    def other(i, spec):
+        try:
+            time.sleep(0.015 * i)
+            p, method, k, seed, stream = spec
+            completion(client, p, method, k, seed, stream, False, max_tokens=TOKENS + 8)
+        except Exception as exc:
+            errors.append(exc)
+
+    def cancelled():
+        time.sleep(0.03)
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"model": "default", "prompt": PROMPTS[2], "max_tokens": 3000, "stream": True}) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n >= 4:
+                    break  # the client goes away midway
+
+    threads = [threading.Thread(target=det, args=(i, s)) for i, s in enumerate(DETERMINISTIC)]
+    threads += [threading.Thread(target=other, args=(i, s)) for i, s in enumerate(OTHERS)]
+    if cancel_one:
+        threads.append(threading.Thread(target=cancelled))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    return results
+
+
+def solo_runs(url):
+    client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    return {i: completion(client, p, m, k, s, st, True) for i, (p, m, k, s, st) in enumerate(DETERMINISTIC)}
+
+
+def test_deterministic_answers_under_mixed_batched_load_equal_their_solo_runs():
+    app, engine, log = serve_tiny(LIMIT)
+    engine.start()
+    try:
+        with shape_variant_backend(), running(app) as url:
+            solo = solo_runs(url)
+            solo_passes = list(log.passes)
+            loaded = run_mixed_load(url)
+            wait_until(lambda: engine.counts()["active"] == 0, what="the cancelled request to leave")
+            health = httpx.get(url + "/health").json()
+    finally:
+        engine.stop()
+    assert engine.ragged_proof
+    assert all(requests == 1 for _, requests in solo_passes)
+    assert len(loaded) == len(DETERMINISTIC)
+    for i, run in solo.items():
+        assert len(run[0]) == TOKENS
+        assert loaded[i] == run, f"deterministic request {i} {DETERMINISTIC[i]} changed under load"
+    batched = log.passes[len(solo_passes):]
+    assert max(requests for _, requests in batched) >= 4  # passes really held several requests
+    assert all(rows <= 32 for rows, _ in batched)
+    assert health["cancelled"] == 1
+
+
+def test_negative_control_the_same_batching_without_invariant_kernels_diverges():
+    """L installed nowhere (native kernels under the double), but the scheduler batches the
+    deterministic rows as if it were proven: their answers change under load."""
+    app, engine, log = serve_tiny(0, prove=False)
+    engine.ragged_proof = True  # batch deterministic rows with others, unproven
+    engine.deployment = Deployment(limit=LIMIT, guaranteed=True, draft_model=engine.deployment.draft_model,
+                                   prefill_chunk=8)
+    engine.start()
+    try:
+        with shape_variant_backend(), running(app) as url:
+            solo = solo_runs(url)
+            loaded = run_mixed_load(url, cancel_one=False)
+    finally:
+        engine.stop()
+    assert max(requests for _, requests in log.passes) >= 4
+    changed = [i for i in solo if loaded[i] != solo[i]]
+    assert changed, "batching without invariant kernels should change some deterministic answer"
+
+
+# ------------------------------------------------------------------ capacity and prefill
+
+def test_kv_budget_refuses_what_never_fits_and_queues_what_does_not_fit_yet():
+    app, engine, log = serve_tiny(0, max_kv_tokens=700)
+    engine.start()
+    try:
+        with running(app) as url:
+            too_big = httpx.post(url + "/v1/completions", json={"model": "default", "prompt": [1, 2, 3],
+                                                                "max_tokens": 500})
+            assert too_big.status_code == 400
+            assert too_big.json()["error"]["code"] == "kv_budget_exceeded"
+            # each needs 3 + 200 + 256 = 459 tokens: only one fits at a time
+            done = []
+
+            def go():
+                r = httpx.post(url + "/v1/completions", timeout=120,
+                               json={"model": "default", "prompt": [1, 2, 3], "max_tokens": 200})
+                done.append(r.status_code)
+
+            threads = [threading.Thread(target=go) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+    finally:
+        engine.stop()
+    assert done == [200, 200]
+    assert all(requests == 1 for _, requests in log.passes)  # never both at once
+    assert engine.kv_budget.reserved == 0
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_decode_passes(monkeypatch):
+    from server.engine.request_state import RequestState
+
+    app, engine, log = serve_tiny(0)
+    events = []
+    original = RequestState.prefill_chunk
+
+    def logged_chunk(self):
+        events.append("chunk")
+        return original(self)
+
+    monkeypatch.setattr(RequestState, "prefill_chunk", logged_chunk)
+    engine.observers.append(type("O", (), {"on_pass": lambda s, r, n: events.append("pass"),
+                                           "on_admit": lambda s, w: None})())
+    engine.start()
+    try:
+        with running(app) as url:
+            short = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", timeout=120, json={
+                "model": "default", "prompt": [5, 6], "max_tokens": 400}))
+            short.start()
+            wait_until(lambda: "pass" in events, what="the short request decoding")
+            long_prompt = [(i * 7) % 250 for i in range(200)]  # 25 chunks of 8
+            r = httpx.post(url + "/v1/completions", timeout=120,
+                           json={"model": "default", "prompt": long_prompt, "max_tokens": 2})
+            short.join(timeout=120)
+    finally:
+        engine.stop()
+    assert r.status_code == 200
+    chunks = [i for i, e in enumerate(events) if e == "chunk"]
+    assert len(chunks) >= 24
+    between = events[chunks[0]:chunks[-1]]
+    assert between.count("pass") >= len(chunks) - 1  # a decode pass after every chunk
+
+
+def test_models_endpoint_reports_batching(live_server):
+    info = httpx.get(live_server + "/models").json()["data"][0]["lockstep"]["batching"]
+    assert info["batched"] is True and info["max_batch_rows"] >= 1 and info["max_active"] >= 1

@@ -1,0 +1,267 @@
+"""The skinny matmul kernels (kernels/custom/) on a CPU, where they cannot run: their loop
+order through the NumPy model the .cu/.metal sources follow (tails, group boundaries,
+dims = 16 mod 32), the strategy that uses them, its selection by proof, and the fallback to
+today's forms when the kernels are unavailable or wrong. The GPU proof is the self-test on
+the H200 (docs/cuda/invariant_8b.md)."""
+import re
+import tomllib
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+import numpy as np
+import pytest
+
+from kernels import custom
+from kernels.custom import loop_order, skinny
+from kernels.invariant import set_batch_invariant_limit
+from kernels.invariant_ops import SKINNY, STRATEGIES, dense_rows, quantized_rows
+from kernels.selftest import bits_equal, self_test
+from kernels.shape_variant import shape_variant_backend
+from tiny_models import QUANT_MODES, tiny_llama
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rand(*shape, seed=0, dtype=mx.float32):
+    return mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
+
+
+def f32(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32))
+
+
+# -- the loop order -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k", [1, 7, 8, 31, 48, 100, 256, 4100, 14336])
+@pytest.mark.parametrize("unit", [4, 8, 32])
+def test_every_k_is_reduced_once_by_one_lane_in_order(k, unit):
+    lanes = loop_order.lane_schedule(k, unit)
+    visited = sorted(kk for ks in lanes for kk in ks)
+    assert visited == list(range(k))
+    for lane, ks in enumerate(lanes):
+        assert ks == sorted(ks)
+        # unit u (the partial tail unit included) belongs to lane u % 32
+        assert all((kk // unit) % loop_order.LANES == lane for kk in ks)
+
+
+def test_the_tail_unit_goes_to_the_lane_after_the_last_full_unit():
+    k, unit = 48, 32  # nvfp4 K = 16 mod 32: one full unit, then 16 codes
+    lanes = loop_order.lane_schedule(k, unit)
+    assert lanes[0] == list(range(32)) and lanes[1] == list(range(32, 48))
+    assert all(not ks for ks in lanes[2:])
+
+
+@pytest.mark.parametrize("m", range(1, loop_order.MAX_ROWS + 1))
+def test_accumulators_fit_and_launch_covers_every_column(m):
+    cols = loop_order.columns_per_warp(m)
+    assert cols * m <= 64
+    for n in (1, 16, 33, 48, 4096, 128256):
+        threads = loop_order.launch_threads(n, cols, skinny.THREADS_PER_BLOCK)
+        assert threads % skinny.THREADS_PER_BLOCK == 0
+        assert (threads // loop_order.LANES) * cols >= n  # every column has a warp
+        assert (threads - skinny.THREADS_PER_BLOCK) // loop_order.LANES * cols < n  # no spare block
+
+
+@pytest.mark.parametrize("dtype,k", [(mx.float32, 100), (mx.bfloat16, 100), (mx.float16, 48), (mx.bfloat16, 4100)])
+def test_model_matches_matmul_with_k_tails(dtype, k):
+    m, n = 3, 48
+    x, w = rand(m, k, dtype=dtype), rand(n, k, seed=1, dtype=dtype)
+    got = loop_order.skinny_matmul(f32(x), f32(w), loop_order.unit_elements(dtype.size))
+    want = f32(x).astype(np.float64) @ f32(w).astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.sqrt(k))
+
+
+def test_a_rows_bits_do_not_depend_on_its_neighbours():
+    x, w = rand(9, 200, dtype=mx.bfloat16), rand(17, 200, seed=1, dtype=mx.bfloat16)
+    block = loop_order.skinny_matmul(f32(x), f32(w), 8)
+    for row in (0, 4, 8):
+        alone = loop_order.skinny_matmul(f32(x[row : row + 1]), f32(w), 8)
+        assert np.array_equal(block[row].view(np.uint32), alone[0].view(np.uint32))
+
+
+def test_the_reduction_order_is_not_a_plain_sum():
+    # A control for the test above: the model's order is observable, so a different
+    # unit size (another split of K) changes some bits.
+    x, w = rand(4, 1000), rand(33, 1000, seed=1)
+    a = loop_order.skinny_matmul(f32(x), f32(w), 4)
+    b = loop_order.skinny_matmul(f32(x), f32(w), 8)
+    assert not np.array_equal(a, b)
+
+
+def test_nvfp4_dequantization_is_exact_across_groups_and_16_mod_32_dims():
+    for n, k in ((48, 48), (16, 80), (80, 112)):  # K and N = 16 mod 32, groups of 16
+        w = rand(n, k, seed=k)
+        wq, scales = mx.quantize(w, mode="nvfp4")
+        mine = loop_order.dequantize(np.array(wq), np.array(scales), None, group_size=16, mode="nvfp4")
+        ref = f32(mx.dequantize(wq, scales, mode="nvfp4"))
+        assert np.array_equal(mine, ref)
+
+
+@pytest.mark.parametrize("group", skinny.AFFINE_GROUPS)
+def test_affine_dequantization_uses_each_groups_scale_and_bias(group):
+    n, k = 48, group * 3
+    # groups of very different magnitude: a group index off by one is far off
+    w = rand(n, k) * mx.repeat(mx.array([1.0, 100.0, 10000.0]), group)[None]
+    wq, scales, biases = mx.quantize(w, group, 4)
+    mine = loop_order.dequantize(np.array(wq), np.array(scales), np.array(biases), group_size=group,
+                                 mode="affine")
+    ref = f32(mx.dequantize(wq, scales, biases, group, 4))
+    # fused (kernel) vs separate multiply-add: a rounding of the group's magnitude apart; a
+    # wrong group index would be off by the groups' 100x ratio
+    magnitude = np.repeat(np.abs(ref).reshape(n, 3, group).max(axis=2), group, axis=1)
+    assert np.all(np.abs(mine - ref) <= magnitude * 2.0**-21)
+
+
+def test_e4m3_decoding_covers_subnormals_and_signs():
+    codes = np.arange(256)
+    values = loop_order.e4m3(codes)
+    assert values[0x01] == 2.0**-9 and values[0x08] == 2.0**-6 and values[0x38] == 1.0
+    assert values[0x7E] == 448.0 and values[0xB8] == -1.0
+    finite = values[(codes & 0x7F) != 0x7F]
+    assert len(np.unique(finite)) == 253  # +0 and -0 compare equal: 254 codes, 253 values
+
+
+# -- the sources and the loader ---------------------------------------------------------------
+
+def test_kernel_sources_are_package_data_and_define_what_the_loader_calls():
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for which, name in skinny.SOURCE_FILES.items():
+        assert f"custom/{name}" in data["kernels"]
+        text = skinny.source_text(which)
+        for (backend, _), body in skinny._BODIES.items():
+            if backend == which:
+                function = re.match(r"lockstep::(\w+)<", body).group(1)
+                assert re.search(rf"\b{function}\(", text), f"{function} missing from {name}"
+
+
+def test_the_cpu_has_no_custom_kernels_and_says_why():
+    assert skinny.backend() is None and not custom.available()
+    assert "no custom-kernel API" in custom.unavailable_reason()
+    assert "no custom-kernel API" in SKINNY.unavailable_reason(8)
+    assert "at most 64 rows" in SKINNY.unavailable_reason(65)
+    assert STRATEGIES["strided_gemv"].unavailable_reason(65) is None
+
+
+@pytest.mark.parametrize("mode,bits,group,kind", [
+    ("affine", 4, 32, "affine"), ("affine", 4, 128, "affine"), ("nvfp4", 4, 16, "nvfp4"),
+    ("affine", 8, 64, None), ("mxfp4", 4, 32, None), ("mxfp8", 8, 32, None), ("affine", 4, 16, None),
+])
+def test_which_quantizations_have_a_kernel(mode, bits, group, kind):
+    assert skinny.quantized_kind(mode, bits, group) == kind
+
+
+# -- selection and fallback -----------------------------------------------------------------
+
+def test_auto_without_kernels_skips_them_for_todays_forms():
+    with shape_variant_backend():  # native fails the proof, so auto reaches the kernels
+        plan = set_batch_invariant_limit(tiny_llama(), 4, prefixes=(7,))
+    assert plan.strategy == "strided_gemv" and plan.guaranteed
+    assert [name for name, _, _ in plan.candidates] == ["native", "strided_gemv"]
+
+
+def test_auto_past_a_failing_strided_gemv_skips_kernels_that_cannot_run(strided_fails):
+    with shape_variant_backend():
+        plan = set_batch_invariant_limit(tiny_llama(), 4, prefixes=(7,))
+    assert plan.strategy == "rowwise" and plan.guaranteed
+    assert "skipped: skinny (no custom-kernel API" in plan.reason
+    assert [name for name, _, _ in plan.candidates] == ["native", "strided_gemv", "rowwise"]
+
+
+
+def test_asking_for_skinny_without_kernels_runs_todays_forms_unclaimed():
+    model = tiny_llama(dtype=mx.bfloat16)
+    plan = set_batch_invariant_limit(model, 4, "skinny", prefixes=(7,))
+    assert plan.strategy == "skinny" and not plan.guaranteed and "cannot run" in plan.reason
+    x, w = rand(3, 128, dtype=mx.bfloat16), model.model.layers[0].mlp.up_proj.weight
+    assert bits_equal(dense_rows(x, w, "skinny"), dense_rows(x, w, "strided_gemv"))
+    with shape_variant_backend():  # the fallback is still canonical
+        assert self_test(model, 4, prefixes=(7,)).passed
+
+
+def _emulated_kernel(unit_for_rows):
+    """A stand-in for the GPU kernel on the CPU: the NumPy loop-order model, with the unit
+    size chosen by `unit_for_rows(M)` (a correct kernel ignores M)."""
+    def dense(x, w):
+        out = loop_order.skinny_matmul(f32(x), f32(w), unit_for_rows(x.shape[0], x.dtype.size))
+        return mx.array(out).astype(x.dtype)
+    return dense
+
+
+@pytest.fixture
+def strided_fails(monkeypatch):
+    """strided_gemv as a form that fails the proof (native rows), so auto goes past it."""
+    from kernels.invariant_ops import STRATEGIES, Strategy
+
+    broken = Strategy("strided_gemv", dense="native", quantized_rows=0, attention="per_query_contiguous")
+    monkeypatch.setitem(STRATEGIES, "strided_gemv", broken)
+
+
+@pytest.fixture
+def kernels_here(monkeypatch):
+    """Pretend the kernels compiled here; the test sets which dense kernel runs."""
+    monkeypatch.setattr(custom, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(custom, "available", lambda: True)
+
+    def use(dense):
+        monkeypatch.setattr(custom, "dense_matmul", dense)
+    return use
+
+
+def test_auto_picks_the_kernels_once_proven_where_strided_gemv_is_not(kernels_here, strided_fails):
+    calls = []
+    correct = _emulated_kernel(lambda m, size: loop_order.unit_elements(size))
+    kernels_here(lambda x, w: calls.append(x.shape[0]) or correct(x, w))
+    model = tiny_llama()
+    with shape_variant_backend():
+        plan = set_batch_invariant_limit(model, 4, prefixes=(7,))
+    assert plan.strategy == "skinny" and plan.guaranteed
+    assert [(n, ok) for n, ok, _ in plan.candidates] == [("native", False), ("strided_gemv", False),
+                                                         ("skinny", True)]
+    assert 1 in calls and 4 in calls  # decode's single row runs the kernel too
+
+
+def test_a_kernel_that_fails_the_proof_is_never_kept(kernels_here, strided_fails):
+    # wrong on purpose: K split by a unit size that changes with M
+    kernels_here(_emulated_kernel(lambda m, size: 4 if m == 1 else 8))
+    model = tiny_llama()
+    with shape_variant_backend():
+        plan = set_batch_invariant_limit(model, 4, prefixes=(7,))
+    assert plan.guaranteed and plan.strategy == "rowwise"
+    assert [(n, ok) for n, ok, _ in plan.candidates] == [("native", False), ("strided_gemv", False),
+                                                         ("skinny", False), ("rowwise", True)]
+
+
+@pytest.mark.parametrize("mode", sorted(QUANT_MODES))
+def test_quantized_layers_use_the_kernel_only_where_it_has_the_mode(kernels_here, monkeypatch, mode):
+    group_size, bits = QUANT_MODES[mode]
+    x = rand(5, 128)
+    w, scales, *biases = mx.quantize(rand(48, 128, seed=1), group_size, bits, mode=mode)
+    biases = biases[0] if biases else None
+    kw = dict(group_size=group_size, bits=bits, mode=mode)
+    marker = mx.full((5, 48), 7.0)
+    monkeypatch.setattr(custom, "quantized_matmul", lambda *a, **k: marker)
+    got = quantized_rows(x, w, scales, biases, rows_per_call=7, form="skinny", **kw)
+    chunks = quantized_rows(x, w, scales, biases, rows_per_call=7, **kw)
+    if skinny.quantized_kind(mode, bits, group_size):
+        assert bits_equal(got, marker)
+    else:
+        assert bits_equal(got, chunks) and not bits_equal(chunks, marker)
+
+
+def test_the_skinny_strategy_packs_every_attention_call_decode_included(monkeypatch):
+    # MLX's CUDA SDPA gives a strided cache view other bits than a packed copy, so decode
+    # and each row of a block must both see packed q/k/v.
+    packed = []
+    native = mx.contiguous
+    monkeypatch.setattr(mx, "contiguous", lambda a, *r, **k: packed.append(a.shape) or native(a, *r, **k))
+    model = tiny_llama()
+    set_batch_invariant_limit(model, 4, "skinny", verify=False)
+    cache = mlx_cache.make_prompt_cache(model)
+    mx.eval(model(mx.array([[1, 2, 3, 4, 5, 6, 7]]), cache=cache))  # M > L: native, unpacked
+    assert packed == []
+    mx.eval(model(mx.array([[8]]), cache=cache))  # decode
+    assert (1, 2, 8, 32) in packed and len(packed) == 3 * 2  # q, k, v in each of 2 layers
+    packed.clear()
+    mx.eval(model(mx.array([[9, 10]]), cache=cache))  # a block: each query packed
+    assert (1, 2, 9, 32) in packed and (1, 2, 10, 32) in packed and len(packed) == 3 * 2 * 2

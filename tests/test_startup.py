@@ -1,0 +1,114 @@
+"""What a start costs and re-uses: startup phases, `--audit cached|fresh|off`, the CPU
+default (`--cpu-blas auto`, `--weights auto`). The verdict cache is a temporary dir."""
+import logging
+
+import pytest
+
+from kernels import cpu_blas
+from kernels.audit_cache import ROOT_ENV
+from models import resolve
+from server import cli
+from server.commands.runtime_args import auto_cpu_blas, options_from_args
+from server.runtime import Options, build_runtime
+from tests.synthetic import build_llama_dir, write_tiny_tokenizer
+
+PHASES = {"import", "load", "audit", "self_test", "warm_up"}
+
+
+@pytest.fixture(scope="module")
+def nvfp4_dir(tmp_path_factory):
+    path = build_llama_dir(tmp_path_factory.mktemp("nvfp4"), q_mode="nvfp4")
+    write_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def aligned_dir(tmp_path_factory):
+    """nvfp4 with every dim a multiple of 32: no CPU fault, so it runs unaudited too."""
+    path = build_llama_dir(tmp_path_factory.mktemp("aligned"), q_mode="nvfp4", hidden=1024,
+                           intermediate=2048, heads=8)
+    write_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture
+def verdicts(tmp_path, monkeypatch):
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path / "verdicts"))
+    return tmp_path / "verdicts"
+
+
+def start(model_dir, **options):
+    return build_runtime(Options(model=str(model_dir), batch_invariant_limit=2, **options))
+
+
+def test_restart_reuses_audit_verdicts_and_the_proof(nvfp4_dir, verdicts):
+    first = start(nvfp4_dir).model_info()
+    again = start(nvfp4_dir).model_info()
+    assert first["audit"]["cached"] == 0 and first["audit"]["mode"] == "cached"
+    assert again["audit"]["cached"] == again["audit"]["configurations"] == 5
+    assert again["audit"]["workarounds"] == first["audit"]["workarounds"] != {}
+    assert not first["startup"]["self_test_cached"] and again["startup"]["self_test_cached"]
+    assert again["batch_invariance"] == first["batch_invariance"]
+    assert again["batch_invariance"]["guaranteed"]
+    assert {p.name for p in verdicts.iterdir()} == {"audit", "selftest"}
+
+
+def test_fresh_redoes_both(nvfp4_dir, verdicts):
+    start(nvfp4_dir)
+    info = start(nvfp4_dir, audit="fresh").model_info()
+    assert info["audit"]["cached"] == 0 and info["audit"]["mode"] == "fresh"
+    assert not info["startup"]["self_test_cached"]
+
+
+def test_startup_phases_are_reported(nvfp4_dir, verdicts):
+    runtime = start(nvfp4_dir, quantize=None)
+    phases = runtime.model_info()["startup"]["phases_s"]
+    assert PHASES <= set(phases) and all(v >= 0 for v in phases.values())
+    assert phases["import"] > 0  # the interpreter and imports ran before build_runtime
+    assert runtime.model_info()["startup"]["total_s"] == pytest.approx(sum(phases.values()), abs=0.05)
+
+
+def test_quantize_is_its_own_phase(nvfp4_dir, verdicts, tmp_path_factory):
+    plain = build_llama_dir(tmp_path_factory.mktemp("float"))
+    write_tiny_tokenizer(plain)
+    info = build_runtime(Options(model=str(plain), quantize="nvfp4")).model_info()
+    assert "quantize" in info["startup"]["phases_s"] and info["audit"]["workarounds"]
+
+
+def test_audit_off_warns_and_shows_in_models_and_fingerprint(aligned_dir, verdicts, caplog):
+    audited = start(aligned_dir)
+    with caplog.at_level(logging.WARNING):
+        unaudited = start(aligned_dir, audit="off")
+    assert "NOT audited" in caplog.text
+    info = unaudited.model_info()
+    assert info["audit"]["mode"] == "off" and "NOT audited" in info["audit"]["warning"]
+    assert info["transform"].endswith(";audit=off")
+    assert unaudited.deployment.fingerprint != audited.deployment.fingerprint
+    assert unaudited.audit is None and "audit" not in info["startup"]["phases_s"]
+
+
+def test_audit_off_on_a_faulty_model_fails_at_start_naming_why(nvfp4_dir, verdicts):
+    from models.errors import ModelError
+
+    with pytest.raises(ModelError, match=r"warm-up forward pass failed.*reshape.*--audit off"):
+        build_runtime(Options(model=str(nvfp4_dir), audit="off"))
+
+
+def test_serve_flags(monkeypatch):
+    parser = cli.build_parser()
+    defaults = parser.parse_args(["serve"])
+    assert defaults.audit == "cached" and defaults.cpu_blas == "auto"
+    assert options_from_args(defaults).audit == "cached"
+    assert options_from_args(parser.parse_args(["serve", "--audit", "off"])).audit == "off"
+    assert parser.parse_args(["audit", "m", "--fresh"]).fresh
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--audit", "sometimes"])
+
+
+def test_cpu_default_is_openblas_with_float32(monkeypatch):
+    assert auto_cpu_blas() == "openblas"  # this CI host: Linux, MLX on the CPU
+    monkeypatch.setattr(cpu_blas, "active", lambda: "reference")
+    assert resolve.auto_weights() == "q4"  # float32 without OpenBLAS decodes ~3x slower
+    monkeypatch.setattr(cpu_blas, "active", lambda: "openblas")
+    assert resolve.auto_weights() == "float32"
+    assert resolve.resolve_weights("auto") == "float32"
