@@ -1,6 +1,12 @@
 """Prompt and decode tok/s: reference BLAS vs the OpenBLAS shim, side by side.
 
     .venv/bin/python bench/cpu_blas.py [--prompt 128] [--decode 32] [--rounds 2]
+    .venv/bin/python bench/cpu_blas.py --steps [--rounds 3]
+
+--steps: one decode step of 1, 4 and 8 rows (after a 64-token prefix) under reference
+BLAS, native OpenBLAS, and the deterministic strategies strided_gemv and cpu_kernel
+(L = 8) on OpenBLAS; throughput is rows per second, also as a multiple of the same
+configuration's single row.
 
 Each configuration runs in its own subprocess (LD_PRELOAD only acts at process
 start); rounds alternate the configurations so machine noise hits all alike.
@@ -78,13 +84,64 @@ def worker(n_prompt: int, n_decode: int) -> dict:
             "prompt_tps": n_prompt / prefill_s, "decode_tps": n_decode / decode_s}
 
 
+STEP_CONFIGS = {  # name -> (env builder, strategy installed at L = 8, or None = native)
+    "reference": (lambda: cpu_blas.reference_env(), None),
+    "openblas native": (lambda: cpu_blas.preload_env(), None),
+    "strided_gemv": (lambda: cpu_blas.preload_env(), "strided_gemv"),
+    "cpu_kernel": (lambda: cpu_blas.preload_env(), "cpu_kernel"),
+}
+STEP_ROWS = (1, 4, 8)
+
+
+def steps_worker(strategy: str | None) -> dict:
+    from kernels.invariant import set_batch_invariant_limit
+    from kernels.selftest import seconds_per_step
+
+    model, name = _model()
+    if strategy:
+        # Speed only: the proof is the self-test's job (tests/test_cpu_kernel.py).
+        set_batch_invariant_limit(model, max(STEP_ROWS), strategy, verify=False)
+    seconds = {rows: seconds_per_step(model, rows, prefix=64, repeats=5) for rows in STEP_ROWS}
+    return {"model": name, "blas": cpu_blas.describe(), "seconds": seconds}
+
+
+def steps_main(rounds: int) -> None:
+    best: dict[str, dict] = {}
+    for r in range(rounds):
+        for name, (env, strategy) in STEP_CONFIGS.items():
+            cmd = [sys.executable, __file__, "--steps-worker", strategy or "native"]
+            out = json.loads(subprocess.run(cmd, env=env(), check=True, capture_output=True,
+                                            text=True).stdout.strip().splitlines()[-1])
+            secs = {int(k): v for k, v in out["seconds"].items()}
+            print(f"round {r} {name:16s} " + "  ".join(f"{k} rows {v * 1e3:6.1f} ms" for k, v in secs.items()),
+                  flush=True)
+            prev = best.get(name, {})
+            best[name] = {k: min(v, prev.get(k, v)) for k, v in secs.items()}
+            model = out["model"]
+    print(f"\nmodel: {model}; one decode step after a 64-token prefix, best of {rounds} rounds x 5")
+    print("| configuration | " + " | ".join(f"{k} rows: ms, rows/s (x 1 row)" for k in STEP_ROWS) + " |")
+    print("|---|" + "---|" * len(STEP_ROWS))
+    for name, secs in best.items():
+        one = 1 / secs[1]
+        cells = [f"{secs[k] * 1e3:.1f} ms, {k / secs[k]:.0f}/s (x{k / secs[k] / one:.2f})" for k in STEP_ROWS]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", action="store_true", help="decode step of 1, 4, 8 rows per strategy")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--steps-worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.steps_worker:
+        print(json.dumps(steps_worker(None if a.steps_worker == "native" else a.steps_worker)))
+        return
+    if a.steps:
+        steps_main(a.rounds)
+        return
     if a.worker:
         print(json.dumps(worker(a.prompt, a.decode)))
         return

@@ -42,6 +42,7 @@ def worker(weights: str, limit: int, n_prompt: int, n_long: int, n_decode: int) 
     from models.load import load_model
     from server.bench import decode, prefill_seconds
     from server.engine.generate import forward, prefill
+    from server.engine.request_state import prompt_forward
 
     loaded = load_model("default", weights=weights)
     model = loaded.model
@@ -53,7 +54,7 @@ def worker(weights: str, limit: int, n_prompt: int, n_long: int, n_decode: int) 
     _, decode_s, _ = decode(model, tokens[:16], n_decode)
     cache = make_prompt_cache(model)
     start = time.perf_counter()
-    for _ in prefill(model, cache, tokens[: n_long - 1], forward, 512):
+    for _ in prefill(model, cache, tokens[: n_long - 1], prompt_forward, 512):  # as the engine does
         pass
     first = mx.argmax(forward(model, cache, tokens[n_long - 1 : n_long])[-1])
     mx.eval(first)

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 CHOICES = ("openblas", "reference")
 SHIM_SOURCE = Path(__file__).with_suffix("") / "shim.c"
+# The batch-invariant sgemm the shim runs for M <= L under strategy `cpu_kernel`.
+KERNEL_SOURCE = SHIM_SOURCE.with_name("invariant_gemm.c")
 # Names the built file, so /proc/self/maps can tell the shim is mapped.
 _SHIM_STEM = "lockstep-cpu-blas-shim"
 # Set on re-exec so a shim that fails to take effect cannot loop us forever.
@@ -68,7 +70,7 @@ def build_shim() -> Path:
     if not sys.platform.startswith("linux"):
         raise ShimUnavailable(f"LD_PRELOAD shim is Linux-only (platform {sys.platform})")
     lib = openblas_lib()
-    source = SHIM_SOURCE.read_bytes()
+    source = SHIM_SOURCE.read_bytes() + b"\0" + KERNEL_SOURCE.read_bytes()
     # Keyed by the library path (baked in as rpath) and the source, so a new
     # venv or an edited shim gets its own build and stale ones are never used.
     key = hashlib.sha256(str(lib).encode() + b"\0" + source).hexdigest()[:16]
@@ -80,8 +82,11 @@ def build_shim() -> Path:
     # Build beside the target then rename: concurrent builders never see a half-written .so.
     fd, tmp = tempfile.mkstemp(prefix=out.stem, suffix=".tmp.so", dir=out.parent)
     os.close(fd)
-    cmd = [cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(SHIM_SOURCE),
-           f"-L{lib.parent}", f"-l:{lib.name}", f"-Wl,-rpath,{lib.parent}"]
+    # -ffp-contract=off: the kernel's reduction order is written out (fmaf where meant);
+    # a compiler-fused a*b+c elsewhere would make the vector and portable paths differ.
+    cmd = [cc, "-O2", "-ffp-contract=off", "-shared", "-fPIC", "-o", tmp, str(SHIM_SOURCE),
+           str(KERNEL_SOURCE), f"-L{lib.parent}", f"-l:{lib.name}", f"-Wl,-rpath,{lib.parent}",
+           "-lm"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -163,7 +168,54 @@ def describe() -> str:
     lib = ctypes.CDLL(None)
     lib.scipy_openblas_get_config.restype = ctypes.c_char_p
     config = lib.scipy_openblas_get_config().decode()
-    return f"openblas ({config}; threads={lib.scipy_openblas_get_num_threads()})"
+    # The build's name carries the digest of the shim's C sources, whose kernel makes bits.
+    build = next((w for w in Path("/proc/self/maps").read_text().split() if _SHIM_STEM in w), "")
+    return (f"openblas ({config}; threads={lib.scipy_openblas_get_num_threads()}; "
+            f"shim {Path(build).stem.removeprefix(_SHIM_STEM + '-')}; kernel {kernel_isa()})")
+
+
+def _shim_symbols():
+    """The loaded shim's exports (RTLD_DEFAULT), or None where it is not the active BLAS."""
+    return ctypes.CDLL(None) if active() == "openblas" else None
+
+
+def kernel_isa() -> str | None:
+    """Which path the shim's invariant kernel runs here ("avx2+fma" | "portable"), or None
+    where the shim is not active."""
+    lib = _shim_symbols()
+    if lib is None:
+        return None
+    lib.lockstep_cpu_kernel_isa.restype = ctypes.c_char_p
+    return lib.lockstep_cpu_kernel_isa().decode()
+
+
+def kernel_unavailable_reason() -> str | None:
+    """Why strategy `cpu_kernel` cannot run in this process (None: it can)."""
+    which = active()
+    if which != "openblas":
+        return f"the invariant CPU kernel lives in the OpenBLAS shim; MLX's CPU BLAS here is {which}"
+    return None
+
+
+_logged_isa = False
+
+
+def set_kernel_limit(limit: int) -> None:
+    """Route the shim's sgemm calls of M <= limit rows (decode's M = 1 included) to its
+    invariant kernel; 0 = off. Process-wide; a no-op where the shim is not active."""
+    global _logged_isa
+    lib = _shim_symbols()
+    if lib is None:
+        return
+    ctypes.c_int.in_dll(lib, "lockstep_cpu_kernel_limit").value = max(0, int(limit))
+    if limit > 0 and not _logged_isa:
+        _logged_isa = True
+        isa = kernel_isa()
+        if isa == "portable":
+            log.warning("invariant CPU kernel: no AVX2+FMA on this CPU (or forced); running its "
+                        "portable path (same reduction order, slower)")
+        else:
+            log.info("invariant CPU kernel: %s path for sgemm calls of <= %d rows", isa, limit)
 
 
 def ensure_preloaded(argv: list[str] | None = None, choice: str = "openblas") -> None:

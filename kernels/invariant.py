@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .invariant_cache import cache_invariance_problem  # noqa: F401  (re-exported: the API)
+from . import cpu_blas
 from .invariant_layers import LAYER_SWAPS, Setting, install, model_module_names, uninstall
 from .invariant_ops import ROWWISE, STRATEGIES, Strategy
 from .selftest import SelfTestResult, seconds_per_step, self_test
@@ -32,7 +33,26 @@ from .selftest import SelfTestResult, seconds_per_step, self_test
 # is taken where strided_gemv fails the proof (at 16 rows of an 8B shape it did:
 # docs/cuda/invariant_8b.md). rowwise is the fallback. A candidate that cannot run here
 # (skinny without a GPU kernel API, or L > 64) is skipped unproven.
-AUTO_CANDIDATES = ("native", "strided_gemv", "skinny", "rowwise")
+# cpu_kernel (the OpenBLAS shim's own kernel, CPU only) comes before strided_gemv: it
+# batches rows over one read of the weights (8 rows: see docs/BENCHMARKS.md).
+AUTO_CANDIDATES = ("native", "cpu_kernel", "strided_gemv", "skinny", "rowwise")
+
+# L of each model (by id) that has cpu_kernel installed: the shim's switch is one per
+# process, so it serves the largest of them and goes off only when none is left.
+_cpu_kernel_limits: dict = {}
+
+
+def _install(model, setting: Setting) -> dict:
+    if setting.strategy.dense == "cpu_kernel":
+        _cpu_kernel_limits[id(model)] = setting.limit
+    cpu_blas.set_kernel_limit(max(_cpu_kernel_limits.values(), default=0))
+    return install(model, setting)
+
+
+def _uninstall(model) -> None:
+    uninstall(model)
+    _cpu_kernel_limits.pop(id(model), None)
+    cpu_blas.set_kernel_limit(max(_cpu_kernel_limits.values(), default=0))
 
 
 @dataclass(frozen=True)
@@ -94,7 +114,7 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
     verify=False skips the proof (nothing is claimed).
     self_test_options go to kernels.selftest.self_test (prefixes, widths, seed).
     """
-    uninstall(model)
+    _uninstall(model)
     backend = str(mx.default_device())
     if limit <= 0:
         plan = InvariancePlan(0, "native", backend, False, "off (L = 0)")
@@ -110,13 +130,13 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
         if missing:
             skipped[candidate.name] = missing
             continue
-        install(model, Setting(limit, candidate))
+        _install(model, Setting(limit, candidate))
         result = self_test(model, limit, **self_test_options) if verify else None
         # Timed only when asked to choose by measurement: an L-row step plus a decode step.
         seconds = (seconds_per_step(model, limit) + seconds_per_step(model, 1)
                    if result and measure else None)
         tried.append((candidate, result, seconds))
-        uninstall(model)
+        _uninstall(model)
         if result and not measure:
             break  # candidates come fastest first: the first proven one is the pick
 
@@ -136,7 +156,7 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
                else "not verified (verify=False)" if result is None
                else f"self-test failed on {backend}: {result.reason}")
 
-    layers = install(model, Setting(limit, chosen))
+    layers = _install(model, Setting(limit, chosen))
     guaranteed = bool(result) and not uncovered
     if skipped and chosen.name not in skipped:
         why += "; skipped: " + ", ".join(f"{name} ({reason})" for name, reason in skipped.items())

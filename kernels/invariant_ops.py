@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from . import custom
 
-DENSE_FORMS = ("native", "rowwise", "strided_gemv", "skinny")
+DENSE_FORMS = ("native", "rowwise", "strided_gemv", "skinny", "cpu_kernel")
 QUANTIZED_FORMS = ("chunks", "skinny")
 ATTENTION_FORMS = ("native", "per_query", "per_query_contiguous")
 
@@ -38,7 +38,10 @@ class Strategy:
     quantized_form: "chunks" (quantized_rows per call) or "skinny" (kernels/custom: one
         launch for all M <= 64 rows, M = 1 included, in a reduction order fixed by K; modes
         the kernel lacks keep the chunks). dense "skinny" is the same kernel for dense
-        weights (dtypes it lacks keep strided_gemv).
+        weights (dtypes it lacks keep strided_gemv). dense "cpu_kernel" is the plain call:
+        while it is installed the CPU BLAS shim runs float32 matmuls of M <= L rows, M = 1
+        included, through its own kernel, in a reduction order fixed by K
+        (kernels/cpu_blas/invariant_gemm.c).
     """
 
     name: str
@@ -63,6 +66,12 @@ class Strategy:
 
     def unavailable_reason(self, limit: int) -> str | None:
         """Why this strategy cannot run here for L = limit (None: it can)."""
+        if self.dense == "cpu_kernel":
+            from . import cpu_blas
+
+            if mx.default_device() != mx.cpu:
+                return f"the invariant CPU kernel serves the CPU only, not {mx.default_device()}"
+            return cpu_blas.kernel_unavailable_reason()
         if not self.uses_custom_kernels:
             return None
         if limit > custom.MAX_ROWS:
@@ -79,7 +88,9 @@ STRIDED_GEMV = Strategy("strided_gemv", dense="strided_gemv", quantized_rows=7, 
 ROWWISE = Strategy("rowwise", dense="rowwise", quantized_rows=1, attention="per_query_contiguous")
 SKINNY = Strategy("skinny", dense="skinny", quantized_rows=7, attention="per_query_contiguous",
                   quantized_form="skinny")
-STRATEGIES = {s.name: s for s in (NATIVE, STRIDED_GEMV, ROWWISE, SKINNY)}
+CPU_KERNEL = Strategy("cpu_kernel", dense="cpu_kernel", quantized_rows=7,
+                      attention="per_query_contiguous")
+STRATEGIES = {s.name: s for s in (NATIVE, STRIDED_GEMV, ROWWISE, SKINNY, CPU_KERNEL)}
 
 
 def rows_of(x: mx.array) -> int:
@@ -101,7 +112,7 @@ def dense_rows(x: mx.array, weight: mx.array, form: str) -> mx.array:
         form = "skinny" if custom.available() and custom.dense_serves(rows, weight) else "strided_gemv"
     if form == "skinny":
         out = custom.dense_matmul(rows, weight)
-    elif form == "native" or rows.shape[0] == 1:
+    elif form in ("native", "cpu_kernel") or rows.shape[0] == 1:
         # One row is the reference every form must match (the self-test proves it): run it
         # as the plain single-row call, with no extra ops on the decode path.
         out = rows @ wt

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from mlx_lm.models.cache import make_prompt_cache
 
 from server.engine.generate import forward, prefill
+from server.engine.request_state import prompt_forward
 from server.engine.sampling import SamplingParams
-from server.engine.token_steps import SpeculationStats
+from server.engine.speculative import measure_pass_costs
+from server.engine.token_steps import SpeculationStats, drive, make_source
 from server.verify import start_decoding
 
 # A copying task: the answer repeats the prompt, which is what prompt lookup drafts from.
@@ -25,11 +27,45 @@ REPETITIVE = ("Copy the following text exactly, word for word:\n\n"
 OPEN = "Write a short story about a lighthouse keeper."
 
 
-def decode(model, prompt: list[int], n: int, method="none", k=0, draft_model=None):
+# Task kinds for speculation: three where the answer copies from the prompt (prompt lookup
+# hits), one where it does not.
+PARAGRAPH = ("The lighthouse stood on a rock at the edge of the bay. Every evening the keeper "
+             "climbed the stairs, lit the lamp, and watched the ships pass in the dark. In the "
+             "morning he wrote the names of the ships in a book, closed the shutters, and slept.")
+FUNCTION = '''def total_price(items, tax_rate):
+    total = 0
+    for item in items:
+        if item["quantity"] > 0:
+            total = total + item["price"] * item["quantity"]
+    total = total + total * tax_rate
+    return round(total, 2)
+'''
+QUESTION = "Which planet in the solar system has the longest day, and how long is that day in Earth hours?"
+TASKS = {
+    "rewrite, one word changed": "Rewrite this paragraph exactly, changing only the word "
+                                 f"'evening' to 'night':\n\n{PARAGRAPH}",
+    "refactor a function": "Refactor this Python function: rename total_price to order_total "
+                           f"and keep everything else the same.\n\n```python\n{FUNCTION}```",
+    "JSON quoting the prompt": 'Answer with a JSON object {"question": ..., "answer": ...} whose '
+                               f'"question" quotes the question exactly.\n\nQuestion: {QUESTION}',
+    "open-ended story": OPEN,
+}
+
+
+def decode(model, prompt: list[int], n: int, method="none", k=0, draft_model=None,
+           adaptive=False, pass_costs=None):
     """(tokens, decode seconds, stats) for n greedy tokens after prefilling `prompt`."""
     stats = SpeculationStats()
-    source = start_decoding(model, prompt, SamplingParams(temperature=0.0), stats, method, k,
-                            draft_model)
+    if adaptive:
+        cache = make_prompt_cache(model)
+        for _ in prefill(model, cache, prompt[:-1], forward):
+            pass
+        source = drive(make_source(cache, list(prompt), SamplingParams(temperature=0.0), stats, method, k,
+                                   draft_model, adaptive=True, pass_costs=pass_costs, target=model),
+                       forward, model, cache)
+    else:
+        source = start_decoding(model, prompt, SamplingParams(temperature=0.0), stats, method, k,
+                                draft_model)
     tokens = []
     start = time.perf_counter()
     while len(tokens) < n:
@@ -40,7 +76,7 @@ def decode(model, prompt: list[int], n: int, method="none", k=0, draft_model=Non
 def prefill_seconds(model, prompt: list[int], chunk: int = 512) -> float:
     cache = make_prompt_cache(model)
     start = time.perf_counter()
-    for _ in prefill(model, cache, prompt, forward, chunk):
+    for _ in prefill(model, cache, prompt, prompt_forward, chunk):  # as the engine prefills
         pass
     return time.perf_counter() - start
 
@@ -100,3 +136,87 @@ def run_bench(model, tokenizer, set_limit, limit: int, draft_model=None, n_token
             cmp.note = f"accepted {stats.accepted}/{stats.drafted} drafts"
     decode_cmp.identical = outputs[("plain", 0)] == outputs[("plain", limit)]
     return [c for c in (decode_cmp, lookup_cmp, draft_cmp, prefill_cmp) if c is not None]
+
+
+@dataclass
+class TaskResult:
+    task: str
+    plain: list = field(default_factory=list)  # tokens/s per round
+    fixed: list = field(default_factory=list)  # prompt lookup, k fixed
+    adaptive: list = field(default_factory=list)  # prompt lookup, adaptive k
+    identical: bool = True
+    stats: dict = field(default_factory=dict)  # config -> SpeculationStats (last round)
+    seconds: dict = field(default_factory=dict)  # config -> decode seconds (last round)
+
+    def cells(self) -> list[str]:
+        cells = [self.task, f"{max(self.plain):.1f}"]
+        for name, rates in (("fixed", self.fixed), ("adaptive", self.adaptive)):
+            st = self.stats[name]
+            share = st.draft_seconds / self.seconds[name]
+            cells += [f"{max(rates) / max(self.plain):.2f}", f"{st.accepted}/{st.drafted}",
+                      f"{st.mean_k:.2f}", f"{100 * share:.2f} %"]
+        return cells + [str(self.identical)]
+
+
+TASK_HEADER = ["task", "plain tok/s", "fixed k ÷ plain", "accepted", "mean k", "drafting share",
+               "adaptive ÷ plain", "accepted", "mean k", "drafting share", "tokens identical"]
+
+
+def run_task_bench(model, tokenizer, k: int, n_tokens=64, rounds=2, pass_costs=None) -> list[TaskResult]:
+    """Prompt lookup on each of TASKS, fixed k and adaptive k, ÷ plain decoding, deterministic
+    (the caller installs L), rounds alternating. `pass_costs` None: measured here."""
+    if pass_costs is None:
+        pass_costs = measure_pass_costs(model, k + 1)
+    chat = lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731
+                                                       add_generation_prompt=True)
+    results = [TaskResult(name) for name in TASKS]
+    decode(model, chat(OPEN), 4)  # warm-up
+    for _ in range(rounds):
+        for result in results:
+            prompt = chat(TASKS[result.task])
+            plain, secs, _ = decode(model, prompt, n_tokens)
+            result.plain.append(n_tokens / secs)
+            for name, rates, adaptive in (("fixed", result.fixed, False), ("adaptive", result.adaptive, True)):
+                tokens, secs, stats = decode(model, prompt, n_tokens, "prompt_lookup", k,
+                                             adaptive=adaptive, pass_costs=pass_costs)
+                rates.append(n_tokens / secs)
+                result.identical = result.identical and tokens == plain
+                result.stats[name], result.seconds[name] = stats, secs
+    return results
+
+
+def task_table(results: list[TaskResult], pass_costs: list[float]) -> list[str]:
+    relative = ", ".join(f"{c / pass_costs[0]:.2f}" for c in pass_costs)
+    lines = [f"pass cost of 1..{len(pass_costs)} rows, in single-row passes: {relative}",
+             "| " + " | ".join(TASK_HEADER) + " |", "|" + "---|" * len(TASK_HEADER)]
+    return lines + ["| " + " | ".join(r.cells()) + " |" for r in results]
+
+
+def run_exit_layer_bench(model, tokenizer, exit_layers: list[int], k: int, n_tokens=64, rounds=1,
+                         tasks=("rewrite, one word changed", "open-ended story")) -> list[str]:
+    """Self-speculation (EarlyExitModel: the target's first layers and its own head as the
+    draft), fixed k, deterministic, ÷ plain per exit layer and task, tokens checked
+    identical: the measurement an exit layer is chosen by."""
+    from server.engine.speculative import EarlyExitModel
+
+    chat = lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731
+                                                       add_generation_prompt=True)
+    depth = len(model.model.layers)
+    lines = ["| exit layer | task | accepted | acceptance | self-spec ÷ plain | tokens identical |",
+             "|---|---|---|---|---|---|"]
+    decode(model, chat(OPEN), 4)  # warm-up
+    for layer in exit_layers:
+        draft = EarlyExitModel(model, layer)
+        for task in tasks:
+            prompt = chat(TASKS[task])
+            plain_rates, spec_rates, identical, stats = [], [], True, None
+            for _ in range(rounds):
+                plain, secs, _ = decode(model, prompt, n_tokens)
+                plain_rates.append(n_tokens / secs)
+                spec, secs, stats = decode(model, prompt, n_tokens, "draft", k, draft)
+                spec_rates.append(n_tokens / secs)
+                identical = identical and spec == plain
+            rate = stats.accepted / stats.drafted if stats.drafted else 0.0
+            lines.append(f"| {layer}/{depth} | {task} | {stats.accepted}/{stats.drafted} | {rate:.2f} | "
+                         f"{max(spec_rates) / max(plain_rates):.2f} | {identical} |")
+    return lines

@@ -52,6 +52,7 @@ class Options:
     speculative: str = "none"
     num_draft_tokens: int = 4
     max_draft_tokens: int = MAX_DRAFT_TOKENS
+    adaptive_speculation: bool = False  # k per step from each request's own acceptance
     draft_model: str | None = None  # a model spec, or "default-quantized"
     prefill_chunk: int = 512
     # Startup verdicts: "cached" re-uses this machine's audit verdicts and self-test proofs,
@@ -189,6 +190,12 @@ def build_runtime(options: Options) -> Runtime:
             draft_loaded, _, _ = _load_audited(options.draft_model, "auto", None, None, None,
                                                options.audit, timings)
             draft_name = draft_loaded.name
+            from server.engine.speculative import draft_tokenizer_problem
+
+            problem = draft_tokenizer_problem(loaded.tokenizer, draft_loaded.tokenizer)
+            if problem:
+                raise ValueError(f"--draft-model {options.draft_model}: {problem}; use a draft "
+                                 f"that shares {loaded.name}'s tokenizer")
         draft = draft_loaded.model
 
     with timings.timed("fingerprint"):  # reads every weight file once (cached per process)
@@ -207,6 +214,16 @@ def build_runtime(options: Options) -> Runtime:
         (log.info if guaranteed else log.warning)(
             "batch invariance L=%d strategy=%s guaranteed=%s (%s)",
             plan.limit, plan.strategy, guaranteed, plan.reason)
+
+    pass_costs = None
+    if options.adaptive_speculation:
+        from server.engine.speculative import measure_pass_costs
+
+        widest = options.max_draft_tokens + 1
+        if guaranteed:
+            widest = max(widest, plan.limit)
+        with timings.timed("pass_costs"):  # what a verification pass of w rows costs here
+            pass_costs = tuple(measure_pass_costs(loaded.model, widest))
 
     ragged_proof = None
     if guaranteed:
@@ -239,5 +256,6 @@ def build_runtime(options: Options) -> Runtime:
         speculative=options.speculative, num_draft_tokens=options.num_draft_tokens,
         max_draft_tokens=options.max_draft_tokens, draft_model=draft, draft_name=draft_name,
         prefill_chunk=options.prefill_chunk, fingerprint=fingerprint, ragged_proof=ragged_proof,
+        adaptive_draft_tokens=options.adaptive_speculation, pass_costs=pass_costs,
     )
     return Runtime(loaded, deployment, report, plan, transform, timings, options.audit)

@@ -3,6 +3,7 @@ import contextlib
 import socket
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
 
@@ -27,6 +28,26 @@ def running(app):
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_health(proc, base: str, log_path, timeout: float = 300.0) -> None:
+    """Wait until a `lockstep serve` subprocess answers /health; fails with its log if it exits."""
+    import httpx2 as httpx
+
+    def up():
+        assert proc.poll() is None, Path(log_path).read_text()[-3000:]
+        try:
+            return httpx.get(base + "/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(up, timeout=timeout, what="lockstep serve to start")
 
 
 def wait_until(predicate, timeout=60.0, what="condition"):

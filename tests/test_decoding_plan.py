@@ -155,6 +155,32 @@ def test_serve_flag_beats_environment(monkeypatch):
         options_from_args(parser.parse_args([]))
 
 
+def test_adaptive_speculation_flag_reaches_the_deployment_with_measured_costs(monkeypatch):
+    import argparse
+
+    import server.engine.speculative as speculative
+    from server.commands.runtime_args import add_determinism_arguments, add_model_arguments, options_from_args
+    from server.runtime import build_runtime
+
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    add_determinism_arguments(parser)
+    monkeypatch.delenv("LOCKSTEP_BATCH_INVARIANT_LIMIT", raising=False)
+    monkeypatch.delenv("MLX_METAL_BATCH_INVARIANT_LIMIT", raising=False)
+    assert options_from_args(parser.parse_args([])).adaptive_speculation is False
+    options = options_from_args(parser.parse_args(["--adaptive-speculation", "--max-draft-tokens", "3",
+                                                   "--num-draft-tokens", "2"]))
+    assert options.adaptive_speculation is True
+    widths = []
+    monkeypatch.setattr(speculative, "measure_pass_costs",
+                        lambda model, w: widths.append(w) or [float(i + 1) for i in range(w)])
+    deployment = build_runtime(options).deployment
+    assert deployment.adaptive_draft_tokens and deployment.pass_costs == (1.0, 2.0, 3.0, 4.0)
+    assert widths == [4]  # passes of up to max_draft_tokens + 1 rows
+    p = plan_request(deployment, deterministic=False, speculative="prompt_lookup", num_draft_tokens=None)
+    assert p.adaptive and p.extension(deployment)["adaptive_draft_tokens"] is True
+
+
 # ------------------------------------------------------------------ the engine honours `exclusive`
 
 def test_engine_runs_an_exclusive_plan_alone():
@@ -180,10 +206,12 @@ def test_engine_runs_an_exclusive_plan_alone():
     assert excl.exclusive and not loose.exclusive
 
     async def main():
-        engine = Engine(loaded=None, max_active=4, generate_fn=fake_generate, deployment=off).start()
+        engine = Engine(loaded=None, max_active=4, generate_fn=fake_generate, deployment=off)
         try:
+            # all queued before the worker starts, so its first admission sees the whole queue
             handles = [engine.submit(GenerationRequest([1], 4, stop=(name,)), p)
                        for name, p in (("a", loose), ("b", loose), ("X", excl), ("c", loose))]
+            engine.start()
             for h in handles:
                 async for _ in h:
                     pass

@@ -9,7 +9,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ import httpx2 as httpx
 import pytest
 from openai import OpenAI
 
-from tests.http_server import wait_until
+from tests.http_server import free_port, wait_for_health, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENTS = 32
@@ -86,31 +85,17 @@ def test_concurrent_streams_are_whole_and_their_own(live_server):
 
 # ------------------------------------------------------------------------- shutdown
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def serve_process(tmp_path):
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--drain-timeout", "120"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LOCKSTEP_API_KEYS": ""},
     )
     base = f"http://127.0.0.1:{port}"
-
-    def up():
-        assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-        try:
-            return httpx.get(base + "/health").status_code == 200
-        except httpx.TransportError:
-            return False
-
     try:
-        wait_until(up, timeout=300, what="lockstep serve to start")
+        wait_for_health(proc, base, tmp_path / "serve.log")
         yield proc, base, log
     finally:
         if proc.poll() is None:

@@ -4,7 +4,8 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-from server.engine.speculative import DraftModelDrafter, PromptLookupDrafter, verify_step
+from server.engine.speculative import (AdaptiveDraftLength, DraftModelDrafter, PromptLookupDrafter,
+                                       draft_tokenizer_problem, verify_step)
 
 
 def tiny_llama(seed: int, layers: int = 2) -> llama.Model:
@@ -84,3 +85,234 @@ def test_speculative_with_target_as_draft_accepts_everything():
     target = tiny_llama(0)
     _, drafted, accepted = speculative_greedy(target, DraftModelDrafter(target), [1, 2, 3], 9, 2)
     assert drafted > 0 and accepted == drafted
+
+
+# ------------------------------------------------------------ prompt lookup matcher
+
+def test_prompt_lookup_prefers_the_longest_recurring_suffix_over_a_more_recent_shorter_one():
+    drafter = PromptLookupDrafter(max_ngram=8)
+    #         [1 2 3] 40 41 | 9 3 50 51 | 1 2 3  -> "1 2 3" recurs at the start (n = 3);
+    #         "3" alone recurs more recently (before 50)
+    context = [1, 2, 3, 40, 41, 9, 3, 50, 51, 1, 2, 3]
+    assert drafter.match(context) == (3, 3)
+    assert drafter.propose(context, 2) == [40, 41]
+
+
+def test_prompt_lookup_takes_the_most_recent_of_equally_long_matches_and_stops_at_the_end():
+    drafter = PromptLookupDrafter(max_ngram=4)
+    context = [7, 8, 1, 7, 8, 2, 5, 7, 8]
+    assert drafter.propose(context, 5) == [2, 5, 7, 8]  # the continuation ends where context does
+    assert drafter.propose([4, 5, 6, 7], 3) == []  # nothing recurs: no drafts
+    assert drafter.propose(context, 0) == []
+
+
+def test_prompt_lookup_caps_the_ngram_and_honours_min_ngram():
+    context = [1, 2, 3, 4, 10, 9, 4, 20, 1, 2, 3, 4]
+    assert PromptLookupDrafter(max_ngram=8).propose(context, 1) == [10]  # n = 4 at the start
+    assert PromptLookupDrafter(max_ngram=1).propose(context, 1) == [20]  # n = 1: most recent "4"
+    assert PromptLookupDrafter(max_ngram=8, min_ngram=2).propose([5, 1, 6, 1], 2) == []
+    with pytest.raises(ValueError):
+        PromptLookupDrafter(max_ngram=2, min_ngram=3)
+
+
+def test_prompt_lookup_agrees_with_a_brute_force_search_on_random_contexts():
+    import random
+
+    rng = random.Random(0)
+    drafter = PromptLookupDrafter(max_ngram=5)
+    for _ in range(300):
+        context = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+        expected = []
+        for n in range(min(5, len(context) - 1), 0, -1):  # large to small, most recent first
+            tail = context[len(context) - n:]
+            hits = [s for s in range(len(context) - n - 1, -1, -1) if context[s:s + n] == tail]
+            if hits:
+                expected = context[hits[0] + n:hits[0] + n + 3]
+                break
+        assert drafter.propose(context, 3) == expected, context
+
+
+# ------------------------------------------------------------ adaptive k
+
+def test_adaptive_k_is_zero_when_a_pass_costs_its_rows_and_grows_when_passes_are_flat():
+    linear = AdaptiveDraftLength(7)  # no table: k + 1 rows cost k + 1 steps (the CPU)
+    flat = AdaptiveDraftLength(7, pass_costs=[1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7])
+    for _ in range(20):
+        linear.record(4, 4)
+        flat.record(4, 4)
+    assert linear.choose() == 0  # even at full acceptance drafts cannot beat one row per step
+    assert flat.choose() == 7
+    ks = []
+    for _ in range(40):  # drafts stop paying: k falls to 0
+        flat.record(4, 0)
+        ks.append(flat.choose())
+    assert ks[-1] == 0 and ks == sorted(ks, reverse=True)
+
+
+def test_adaptive_k_probes_an_expensive_drafter_less_often_after_failed_probes():
+    policy = AdaptiveDraftLength(4, pass_costs=[1.0, 1.1, 1.2, 1.3, 1.4], draft_cost=0.5)
+    for _ in range(10):
+        policy.record(4, 0)
+    probes = []
+    for step in range(200):
+        k = policy.choose(probe=True)
+        if k:
+            probes.append(step)
+            policy.record(1, 0, probed=True)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes and gaps == sorted(gaps) and gaps[-1] > gaps[0]
+
+
+def _adaptive_run(model, prompt, n, step_fn=None, room=lambda i: None, k=4, costs=(1.0, 1.0, 1.0, 1.0, 1.0)):
+    """Greedy adaptive prompt lookup: (tokens, k per step, passes, logits rows' bytes)."""
+    import numpy as np
+    from server.engine.sampling import SamplingParams
+    from server.engine.token_steps import SpeculationStats, make_source
+
+    cache = make_prompt_cache(model)
+    model(mx.array(prompt[:-1])[None], cache=cache)
+    stats = SpeculationStats()
+    source = make_source(cache, list(prompt), SamplingParams(temperature=0.0), stats, "prompt_lookup", k,
+                         adaptive=True, pass_costs=list(costs))
+    tokens, ks, rows_bytes, i = [], [], [], 0
+    while len(tokens) < n:
+        rows = source.rows(room(i))
+        ks.append(len(rows) - 1)
+        logits = step_fn(cache, rows) if step_fn else model(mx.array(rows)[None], cache=cache)[0]
+        for s in source.take(logits):
+            tokens.append(s.sampled.token)
+            rows_bytes.append(np.array(s.logits).tobytes())
+        i += 1
+    return tokens[:n], ks, stats.passes, rows_bytes[:n]
+
+
+REPEATING = [3, 14, 15, 92, 65, 35, 3, 14, 15, 92, 65, 35, 3, 14, 15]
+
+
+def test_adaptive_k_depends_only_on_the_requests_own_history_not_on_its_batch():
+    """The same request, alone and sharing ragged passes with others that change every step:
+    the same k at every step, and bit-identical tokens and logits rows."""
+    import random
+
+    from kernels.ragged import enable_ragged, ragged_forward
+
+    model = tiny_llama(0)
+    enable_ragged(model)
+    alone = _adaptive_run(model, REPEATING, 24)
+    rng = random.Random(1)
+    neighbours = []
+    for _ in range(3):
+        c = make_prompt_cache(model)
+        model(mx.array([rng.randrange(97) for _ in range(rng.randrange(2, 9))])[None], cache=c)
+        neighbours.append(c)
+
+    def batched(cache, rows):
+        others = [(c, [rng.randrange(97) for _ in range(rng.randrange(1, 4))])
+                  for c in rng.sample(neighbours, rng.randrange(0, 4))]
+        members = others[:1] + [(cache, rows)] + others[1:]
+        return ragged_forward(model, members)[min(1, len(others))]
+
+    together = _adaptive_run(model, REPEATING, 24, batched)
+    assert max(alone[1]) > 0  # it did speculate
+    assert together[1] == alone[1]  # the same k at every step
+    assert together[0] == alone[0] and together[3] == alone[3]
+
+
+def test_a_full_batch_cuts_drafts_but_never_changes_the_tokens():
+    """The batch-full hook (rows(room)) is the one input to k from outside the request: it
+    changes how many drafts a step verifies, hence the passes, never a token or logits bit."""
+    model = tiny_llama(0)
+    free = _adaptive_run(model, REPEATING, 24)
+    crowded = _adaptive_run(model, REPEATING, 24, room=lambda i: 1 if i % 3 else 2)
+    assert crowded[0] == free[0] and crowded[3] == free[3]
+    assert max(crowded[1]) <= 1 < max(free[1])
+    assert crowded[2] > free[2]  # more passes for the same tokens
+
+
+# ------------------------------------------------------------ draft tokenizer
+
+class _Vocab:
+    def __init__(self, vocab):
+        self._vocab = vocab
+
+    def get_vocab(self):
+        return dict(self._vocab)
+
+
+def test_a_draft_with_another_tokenizer_is_refused():
+    target = _Vocab({"a": 0, "b": 1, "c": 2})
+    assert draft_tokenizer_problem(target, _Vocab({"a": 0, "b": 1, "c": 2})) is None
+    problem = draft_tokenizer_problem(target, _Vocab({"a": 0, "c": 1, "b": 2}))
+    assert problem and "tokenizer differs" in problem and "2 of the target's token ids" in problem
+    assert draft_tokenizer_problem(target, _Vocab({"a": 0, "b": 1})) is not None
+    assert draft_tokenizer_problem(target, object()) is not None
+
+
+# ------------------------------------------------------------ self-speculation
+
+def test_early_exit_draft_shares_the_targets_weights_and_keeps_speculation_exact():
+    from server.engine.speculative import EarlyExitModel
+
+    target = tiny_llama(0, layers=3)
+    draft = EarlyExitModel(target, 1)
+    assert draft.layers[0] is target.model.layers[0] and len(make_prompt_cache(draft)) == 1
+    prompt = [3, 14, 15, 92, 65, 35]
+    spec, drafted, _ = speculative_greedy(target, DraftModelDrafter(draft), prompt, 12, 3)
+    assert spec == plain_greedy(target, prompt, 12) and drafted > 0
+    with pytest.raises(ValueError, match="exit layer"):
+        EarlyExitModel(target, 3)
+
+
+def test_early_exit_wrapper_given_every_layer_reproduces_the_target_bitwise():
+    """The wrapper's embedding, mask, norm and head are the target's own: with all layers
+    put back it must give the target's logits exactly."""
+    from server.engine.speculative import EarlyExitModel
+
+    target = tiny_llama(0, layers=3)
+    full = EarlyExitModel(target, 2)
+    full.layers = list(target.model.layers)  # all layers: must reproduce the target bitwise
+    tokens = mx.array([[5, 6, 7, 8]])
+    import numpy as np
+
+    assert np.array_equal(np.array(full(tokens)), np.array(target(tokens)))
+
+
+def test_adaptive_k_keeps_acceptance_per_match_class():
+    policy = AdaptiveDraftLength(4, pass_costs=[1.0, 1.1, 1.2, 1.3, 1.4])
+    for _ in range(30):
+        policy.record(4, 4, kind=2)  # long matches: always right
+        policy.record(4, 0, kind=0)  # one-token matches: always wrong
+    assert policy.choose(kind=2) == 4 and policy.choose(kind=0) == 0
+    assert policy.choose(kind=1) == policy.best_k(kind=1) > 0  # no evidence yet: the prior (p = 0.5)
+
+
+def test_build_runtime_refuses_a_draft_model_with_another_tokenizer(monkeypatch):
+    from types import SimpleNamespace
+
+    import server.runtime as runtime
+
+    target_vocab, draft_vocab = {"a": 0, "b": 1}, {"a": 1, "b": 0}
+
+    def fake_load(spec, *args):
+        vocab = draft_vocab if spec == "other-draft" else target_vocab
+        return SimpleNamespace(name=spec, tokenizer=_Vocab(vocab), model=object(), path=spec), None, None
+
+    monkeypatch.setattr(runtime, "_load_audited", fake_load)
+    with pytest.raises(ValueError, match="--draft-model other-draft: the draft model's tokenizer differs"):
+        runtime.build_runtime(runtime.Options(model="target", draft_model="other-draft"))
+
+
+def test_plans_carry_adaptive_k_from_the_deployment_with_k_as_its_bound():
+    from server.engine.decoding import Deployment, plan_request
+    from server.engine.speculative import EarlyExitModel
+    from server.engine.token_steps import draft_cost_estimate
+
+    on = Deployment(limit=6, guaranteed=True, adaptive_draft_tokens=True)
+    plan = plan_request(on, deterministic=True, speculative="prompt_lookup", num_draft_tokens=None)
+    assert plan.adaptive and plan.num_draft_tokens == 4 and plan.extension(on)["adaptive_draft_tokens"]
+    assert not plan_request(on, deterministic=False, speculative="none", num_draft_tokens=None).adaptive
+    off = plan_request(Deployment(limit=6, guaranteed=True), deterministic=True, speculative="prompt_lookup",
+                       num_draft_tokens=3)
+    assert not off.adaptive and "adaptive_draft_tokens" not in off.extension(Deployment())
+    target = tiny_llama(0, layers=3)
+    assert draft_cost_estimate(target, EarlyExitModel(target, 1)) == pytest.approx(1 / 3)

@@ -31,7 +31,16 @@ void scipy_cblas_cgemm(int order, int ta, int tb, blasint m, blasint n,
                        blasint lda, const void *b, blasint ldb,
                        const void *beta, void *c, blasint ldc);
 
+void lockstep_invariant_sgemm(int ta, int tb, int m, int n, int k, float alpha,
+                              const float *a, int lda, const float *b, int ldb,
+                              float beta, float *c, int ldc); /* invariant_gemm.c */
+
 #define EXPORT __attribute__((visibility("default")))
+
+/* Deterministic mode's L when the `cpu_kernel` strategy is installed (set through
+ * ctypes by kernels/cpu_blas.py, 0 = off): sgemm calls of m <= L rows, m = 1 decode
+ * included, run lockstep_invariant_sgemm, whose rows do not depend on m. */
+EXPORT int lockstep_cpu_kernel_limit = 0;
 
 /* Marker symbol: lets a process (or a test) confirm the shim is the loaded
  * definition, not just mapped. */
@@ -41,6 +50,13 @@ EXPORT void cblas_sgemm(int order, int ta, int tb, blasint m, blasint n,
                         blasint k, float alpha, const float *a, blasint lda,
                         const float *b, blasint ldb, float beta, float *c,
                         blasint ldc) {
+  if (m <= lockstep_cpu_kernel_limit) {
+    if (order == 101)
+      lockstep_invariant_sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    else /* column-major C = op(A) op(B) is row-major C^T = op(B)^T op(A)^T */
+      lockstep_invariant_sgemm(tb, ta, n, m, k, alpha, b, ldb, a, lda, beta, c, ldc);
+    return;
+  }
   /* One row (decode) is a matrix-vector product: OpenBLAS's sgemv is ~1.7x faster for it
    * than its sgemm at M = 1 (measured on the embedded model's decode). Row-major only. */
   if (order == 101 && m == 1) {

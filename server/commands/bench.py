@@ -17,6 +17,12 @@ def register(subparsers) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--early-exit", default=None, metavar="LAYER,LAYER,...",
+                        help="only self-speculation: the target's first LAYER layers and its head "
+                             "draft (k = --num-draft-tokens, default 3); acceptance and ÷ plain per layer")
+    parser.add_argument("--tasks", action="store_true",
+                        help="only speculation by task kind: prompt lookup with fixed and adaptive k "
+                             "÷ plain, deterministic, on copy-heavy tasks and an open-ended story")
     load = parser.add_argument_group("load over HTTP (with --concurrency)")
     load.add_argument("--concurrency", default=None, metavar="N,N,...",
                       help="streaming clients per round, e.g. 1,4,16,32: starts `lockstep serve` and "
@@ -46,13 +52,43 @@ def run(args: argparse.Namespace) -> int:
     from server.runtime import build_runtime
 
     args.batch_invariant_limit = args.limit
-    args.draft_model = None if args.no_draft else "default-quantized"
+    args.draft_model = None if args.no_draft or args.tasks or args.early_exit else "default-quantized"
     runtime = build_runtime(options_from_args(args))
     model, plan = runtime.loaded.model, runtime.plan
 
     def set_limit(limit):
         set_batch_invariant_limit(model, limit, plan.strategy, verify=False)
 
+    header = (f"backend {mx.default_device()}, MLX {mx.__version__}, BLAS {cpu_blas.describe()}, "
+              f"model {runtime.loaded.name} ({runtime.transform}), L={args.limit}, deterministic, "
+              f"{args.tokens} tokens, best of {args.rounds} rounds")
+    if args.early_exit:
+        from server.bench import run_exit_layer_bench
+
+        k = args.num_draft_tokens or 3
+        set_limit(args.limit)
+        layers = [int(x) for x in args.early_exit.split(",")]
+        lines = [f"lockstep bench --early-exit: {header}, k={k}"]
+        lines += run_exit_layer_bench(model, runtime.loaded.tokenizer, layers, k, args.tokens, args.rounds)
+        print("\n".join(lines))
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write("\n".join(lines) + "\n")
+        return 0
+    if args.tasks:
+        from server.bench import run_task_bench, task_table
+        from server.engine.speculative import measure_pass_costs
+
+        k = args.num_draft_tokens or max(1, args.limit - 1)
+        set_limit(args.limit)
+        costs = measure_pass_costs(model, k + 1)
+        results = run_task_bench(model, runtime.loaded.tokenizer, k, args.tokens, args.rounds, costs)
+        lines = [f"lockstep bench --tasks: {header}, k={k} (adaptive: up to {k})"] + task_table(results, costs)
+        print("\n".join(lines))
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write("\n".join(lines) + "\n")
+        return 0
     results = run_bench(model, runtime.loaded.tokenizer, set_limit, args.limit,
                         runtime.deployment.draft_model, args.tokens, args.rounds,
                         args.prompt_tokens, args.num_draft_tokens)

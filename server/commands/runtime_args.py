@@ -43,6 +43,9 @@ def add_determinism_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default speculative method for requests that do not choose one")
     parser.add_argument("--num-draft-tokens", type=int, default=4,
                         help="default drafts per speculative step (k) for requests that set none")
+    parser.add_argument("--adaptive-speculation", action="store_true",
+                        help="choose each step's number of drafts (0..k) from the request's own "
+                             "acceptance and the measured cost of wider passes (startup measures it)")
     parser.add_argument("--max-draft-tokens", type=int, default=MAX_DRAFT_TOKENS,
                         help=f"largest k a request may ask for; larger gets 400. A draft model runs k "
                              f"passes in one engine step, so this bounds how long one request holds "
@@ -63,6 +66,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         q_group_size=args.q_group_size, batch_invariant_limit=limit,
         invariant_strategy=args.invariant_strategy, speculative=args.speculative,
         num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
+        adaptive_speculation=getattr(args, "adaptive_speculation", False),
         draft_model=args.draft_model,
         prefill_chunk=args.prefill_chunk, audit=getattr(args, "audit", "cached"),
     )

@@ -33,6 +33,11 @@ class Deployment:
     max_draft_tokens: int = MAX_DRAFT_TOKENS  # the largest k any request may use
     draft_model: object | None = None
     draft_name: str | None = None
+    # Adaptive speculation: k chosen per step from the request's own acceptance, up to the
+    # plan's k (server/engine/speculative.py AdaptiveDraftLength). pass_costs[w - 1] is the
+    # measured cost of a target pass of w rows (measure_pass_costs); None: linear in w.
+    adaptive_draft_tokens: bool = False
+    pass_costs: tuple[float, ...] | None = None
     prefill_chunk: int = 512
     # kernels.ragged_selftest.RaggedProof for L (None: not proven here; the engine proves it)
     ragged_proof: object | None = None
@@ -46,6 +51,7 @@ class DecodePlan:
     num_draft_tokens: int  # k (0 when method is "none")
     exclusive: bool  # run with no other request interleaved
     note: str = ""
+    adaptive: bool = False  # k chosen per step up to num_draft_tokens (deployment setting)
 
     def extension(self, deployment: Deployment) -> dict:
         """The `lockstep` object returned with the response (counts are added by generate)."""
@@ -56,6 +62,8 @@ class DecodePlan:
             "speculative": self.method,
             "num_draft_tokens": self.num_draft_tokens,
         }
+        if self.adaptive:
+            info["adaptive_draft_tokens"] = True
         if self.note:
             info["note"] = self.note
         return info
@@ -77,8 +85,9 @@ def plan_request(deployment: Deployment, *, deterministic: bool, speculative: st
     if method == "none":
         k = 0
 
+    adaptive = deployment.adaptive_draft_tokens and method != "none"
     if not deterministic:
-        return DecodePlan(False, method, k, exclusive=False)
+        return DecodePlan(False, method, k, exclusive=False, adaptive=adaptive)
 
     if not deployment.guaranteed:
         why = ("the batch-invariant limit is 0" if deployment.limit == 0
@@ -94,5 +103,5 @@ def plan_request(deployment: Deployment, *, deterministic: bool, speculative: st
                 f"(batch-invariant limit {deployment.limit})")
         k = widest  # the deployment's default is clipped, not refused
     if k < 1:
-        method, k = "none", 0
-    return DecodePlan(True, method, k, exclusive=False)
+        method, k, adaptive = "none", 0, False
+    return DecodePlan(True, method, k, exclusive=False, adaptive=adaptive)

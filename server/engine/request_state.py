@@ -132,13 +132,19 @@ class RequestState:
         draft_model = deployment.draft_model if deployment else None
         self.source = make_source(self.cache, list(self.prompt), request.sampling, self.stats, method, k,
                                   draft_model, remaining=lambda: self.limit - self.generated,
-                                  cancelled=cancelled)
+                                  cancelled=cancelled, adaptive=bool(plan and plan.adaptive),
+                                  pass_costs=deployment.pass_costs if deployment else None,
+                                  target=model)
 
     # ---------------------------------------------------------------------- prefill
 
     @property
     def prefilling(self) -> bool:
         return self._prefill_pos < len(self.prompt) - 1
+
+    def next_chunk_tokens(self) -> int:
+        """Tokens the next prompt chunk holds."""
+        return chunk_end(self._prefill_pos, len(self.prompt) - 1, self._chunk) - self._prefill_pos
 
     def prefill_chunk(self) -> None:
         """Run the next prompt chunk on this request's cache (its own forward pass)."""
@@ -160,9 +166,10 @@ class RequestState:
     def exclusive(self) -> bool:
         return bool(self.plan and self.plan.exclusive)
 
-    def rows(self) -> list[int]:
-        """Tokens for this request's rows in the next decode pass (may run a drafter)."""
-        return self.source.rows()
+    def rows(self, room: int | None = None) -> list[int]:
+        """Tokens for this request's rows in the next decode pass (may run a drafter); at most
+        `room` of them when the engine says the pass is nearly full."""
+        return self.source.rows(room)
 
     def take(self, logits: mx.array, argmax: list[int] | None = None) -> list[Delta]:
         """The pass's logits rows for rows() -> Deltas to send (the last one may finish)."""

@@ -3,8 +3,9 @@
 All MLX work happens on the worker thread, never on the asyncio loop. Requests are
 admitted in FIFO order while there is a free slot (`max_active`) and room in the KV budget
 (server/engine/kv_budget.py). Each iteration of the worker then
-1. runs one prompt chunk of one prefilling request (in turn), so a long prompt is
-   interleaved with decoding and never stalls the others for its whole length;
+1. runs prompt chunks of prefilling requests, in turn, up to one chunk's worth of tokens
+   (`--prefill-chunk`), so a long prompt is interleaved with decoding and never stalls the
+   others for its whole length, while many short prompts start together;
 2. asks every decoding request for its rows (1, or k + 1 when speculating), groups them
    into passes by the determinism rule (server/engine/passes.py) and runs each pass as one
    forward over all its requests' rows, each attending its own KV cache
@@ -101,6 +102,23 @@ class _Active:
         self.reserved = reserved
 
 
+class _DraftRoom:
+    """Rows each decoding request may bring this iteration, asked in turn order: one row per
+    request is reserved, and drafts get only what is left of a pass (L rows for deterministic
+    requests, max_batch_rows for others), so a full batch stops drafting. Drafts never change
+    tokens (sample and compare), only how many passes a request takes."""
+
+    def __init__(self, decoding: list, limit: int, max_batch_rows: int):
+        self.pending = {kind: sum(s.deterministic == kind for s in decoding) for kind in (True, False)}
+        self.claimed = {True: 0, False: 0}
+        self.capacity = {True: limit, False: max_batch_rows}
+
+    def take(self, state) -> int:
+        kind = state.deterministic
+        self.pending[kind] = max(0, self.pending[kind] - 1)
+        return max(1, self.capacity[kind] - self.claimed[kind] - self.pending[kind])
+
+
 class EngineObserver:
     """What the engine reports as it runs (metrics implement it); every method is optional."""
 
@@ -111,6 +129,7 @@ class EngineObserver:
 
 class Engine:
     max_waiting: int | None = None  # waiting requests before submit() refuses; None = unbounded
+    draft_room: bool = True  # a full pass stops drafting (`_draft_room`)
 
     def __init__(self, loaded, max_active: int = DEFAULT_MAX_ACTIVE,
                  generate_fn: Callable[..., Iterator] | None = None,
@@ -244,7 +263,7 @@ class Engine:
             if self._generate is not None:
                 self._step_generators()
             else:
-                self._prefill_one()
+                self._prefill()
                 self._decode()
             self._turn += 1
         for active in self._active:
@@ -347,25 +366,43 @@ class Engine:
 
     # ------------------------------------------------------------------ batched mode
 
-    def _prefill_one(self) -> None:
-        prefilling = [a for a in self._in_turn() if a.work.prefilling]
-        if not prefilling:
-            return
-        active = prefilling[0]
-        try:
-            active.work.prefill_chunk()
-        except Exception as exc:
-            self._fail(active.handle, exc)
-            self._remove(active)
+    def _prefill(self) -> None:
+        """Prompt chunks, each a pass of its own, up to one chunk's worth of tokens per
+        iteration: many short prompts start together, a long one still goes a chunk at a time."""
+        budget = self.deployment.prefill_chunk
+        for active in self._in_turn():
+            if budget <= 0:
+                return
+            if not active.work.prefilling or active.handle.cancelled:
+                continue
+            tokens = active.work.next_chunk_tokens()
+            if tokens > budget and budget < self.deployment.prefill_chunk:
+                continue  # too big for what is left of this iteration; its turn to go first comes
+            try:
+                active.work.prefill_chunk()
+            except Exception as exc:
+                self._fail(active.handle, exc)
+                self._remove(active)
+            budget -= tokens
+
+    def _draft_room(self) -> "_DraftRoom | None":
+        if not self.draft_room or self.ragged_problem is not None:
+            return None
+        decoding = [a.work for a in self._active if not a.work.prefilling and not a.handle.cancelled]
+        limit = self.deployment.limit if self.deployment.guaranteed else 0
+        return _DraftRoom(decoding, limit, self.max_batch_rows)
 
     def _decode(self) -> None:
         demands = []
+        room = self._draft_room()
         for active in self._in_turn():
             state = active.work
             if state.prefilling or active.handle.cancelled:
                 continue
             try:
-                rows = state.rows()  # a drafter may run here (it checks cancellation)
+                rows = state.rows(room.take(state) if room else None)  # a drafter may run here
+                if room:
+                    room.claimed[state.deterministic] += len(rows)
             except Exception as exc:
                 self._fail(active.handle, exc)
                 self._remove(active)

@@ -8,6 +8,7 @@ drafter only changes how many forward passes that takes.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -20,24 +21,55 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 
 class PromptLookupDrafter:
-    """Drafts the continuation of the most recent earlier match of the context's tail n-gram."""
+    """Drafts what followed the most recent earlier occurrence of the context's longest
+    recurring suffix (prompt and generated text alike): suffixes of `max_ngram` tokens down
+    to `min_ngram` are tried, longest first; no recurrence, no drafts.
+
+    One right-to-left scan over the earlier positions holding the last token measures how far
+    each match extends backwards, so a proposal costs O(context) Python steps (a small share
+    of a decode step; `lockstep bench` reports it).
+    """
 
     name = "prompt_lookup"
+    cheap = True  # proposing costs no forward pass: acceptance can be tracked for free
 
-    def __init__(self, max_ngram: int = 3):
-        self.max_ngram = max_ngram
+    def __init__(self, max_ngram: int = 8, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def match(self, context: Sequence[int]) -> tuple[int, int]:
+        """(end, n): the longest suffix of length n (<= max_ngram) that also ends at an earlier
+        position `end` (exclusive), the most recent one among equally long; (0, 0) when none
+        reaches min_ngram."""
+        n_ctx = len(context)
+        if n_ctx < 2:
+            return 0, 0
+        last = context[-1]
+        best_end, best_n = 0, 0
+        for end in range(n_ctx - 1, 0, -1):  # candidate match ends at context[end - 1]
+            if context[end - 1] != last:
+                continue
+            n = 1
+            limit = min(self.max_ngram, end)
+            while n < limit and context[end - 1 - n] == context[n_ctx - 1 - n]:
+                n += 1
+            if n > best_n:  # strictly longer: ties keep the more recent (found first)
+                best_end, best_n = end, n
+                if n == self.max_ngram:
+                    break
+        return (best_end, best_n) if best_n >= self.min_ngram else (0, 0)
 
     def propose(self, context: Sequence[int], k: int, cancelled: Callable[[], bool] = _never) -> list[int]:
-        n_ctx = len(context)
-        for n in range(min(self.max_ngram, n_ctx - 1), 0, -1):
-            tail = list(context[n_ctx - n:])
-            # scan right to left: the most recent match predicts local repetition best
-            for start in range(n_ctx - n - 1, -1, -1):
-                if list(context[start:start + n]) == tail:
-                    continuation = list(context[start + n:start + n + k])
-                    if continuation:
-                        return continuation
-        return []
+        if k < 1:
+            return []
+        end, n = self.match(context)
+        return list(context[end:end + k]) if n else []
+
+    @staticmethod
+    def match_class(n: int) -> int:
+        """Evidence class of a match of n tokens, for acceptance kept per class."""
+        return 0 if n <= 1 else 1 if n <= 3 else 2
 
 
 class DraftModelDrafter:
@@ -48,6 +80,7 @@ class DraftModelDrafter:
     """
 
     name = "draft"
+    cheap = False  # every draft is a forward pass of the draft model
 
     def __init__(self, model):
         self.model = model
@@ -78,6 +111,39 @@ class DraftModelDrafter:
                     break
                 logits = self._feed([token])
         return drafts
+
+
+class EarlyExitModel:
+    """The target's first `exit_layer` layers, its final norm and its own head: a draft
+    model sharing the target's weights and tokenizer (self-speculation), with caches of its
+    own (`make_prompt_cache` sees only these layers). Llama-shaped models only (an
+    `embed_tokens`, `layers`, `norm` body, no sliding-window layers)."""
+
+    def __init__(self, target, exit_layer: int):
+        body = getattr(target, "model", None)
+        layers = getattr(body, "layers", None)
+        if body is None or layers is None or not all(hasattr(body, a) for a in ("embed_tokens", "norm")):
+            raise ValueError("self-speculation needs a llama-shaped model (model.embed_tokens, layers, norm)")
+        if getattr(body, "swa_idx", None) is not None:
+            raise ValueError("self-speculation does not support sliding-window layers")
+        if not 1 <= exit_layer < len(layers):
+            raise ValueError(f"the exit layer must be in 1..{len(layers) - 1} (the target has {len(layers)} layers)")
+        self.target, self.body, self.exit_layer = target, body, exit_layer
+        self.layers = list(layers[:exit_layer])
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        from mlx_lm.models.base import create_attention_mask
+
+        h = self.body.embed_tokens(inputs)
+        cache = cache or [None] * len(self.layers)
+        mask = create_attention_mask(h, cache[0])
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask, cache=c)
+        h = self.body.norm(h)
+        args = getattr(self.target, "args", None)
+        if getattr(args, "tie_word_embeddings", False) or not hasattr(self.target, "lm_head"):
+            return self.body.embed_tokens.as_linear(h)
+        return self.target.lm_head(h)
 
 
 @dataclass
@@ -126,3 +192,136 @@ def verify_step(
     """Run the target on [last_token, *drafts] (`forward(tokens)` returns (len(tokens), vocab)
     logits and appends their KV to `cache`) and keep the agreeing prefix (`accept_drafts`)."""
     return accept_drafts(forward([last_token, *drafts]), cache, drafts, choose)
+
+
+class AdaptiveDraftLength:
+    """Chooses each step's k from the request's own acceptance history and the cost of a
+    verification pass, so speculation is turned off where drafts do not pay.
+
+    Acceptance is modelled per draft position: a draft is accepted with probability p given
+    that the ones before it were (estimated from decayed counts, with a weak prior), so k
+    drafts emit (1 - p^(k+1)) / (1 - p) tokens in expectation. Their pass costs
+    `pass_costs[k] / pass_costs[0]` decode steps plus k draft-model passes of
+    `draft_cost` each. k is the one in 0..k_max with the most expected tokens per unit cost
+    (ties go to the smaller k; k = 0 yields exactly one token per step).
+
+    Determinism rule (docs/DETERMINISM.md): the inputs are this request's own drafted and
+    accepted counts and constants of the deployment (the cost table, k_max), never the batch
+    or the clock, so the same request makes the same choices wherever it runs.
+    """
+
+    DECAY = 0.9  # weight of older evidence per verification: acceptance drifts along a text
+    PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # p = 0.5 before any evidence
+    PROBE_EVERY = 16  # steps at k = 0 before an expensive drafter tries one draft again
+
+    def __init__(self, k_max: int, pass_costs: Sequence[float] | None = None, draft_cost: float = 0.0):
+        self.k_max = max(0, k_max)
+        # pass_costs[w - 1] is the cost of a pass of w rows; none measured: cost grows
+        # linearly with the rows (the CPU's case: a k + 1-row pass costs k + 1 steps)
+        costs = list(pass_costs) if pass_costs else [float(w) for w in range(1, self.k_max + 2)]
+        self.costs = [c / costs[0] for c in costs]
+        self.draft_cost = draft_cost
+        # per evidence class (prompt lookup: how long the matched suffix was), since a long
+        # match predicts far better than a one-token one; (accepted, trials), decayed
+        self.counts: dict[int, list[float]] = {}
+        self._idle_steps = 0  # consecutive steps at k = 0 (for probing)
+        self._probe_every = self.PROBE_EVERY
+
+    def cost(self, k: int) -> float:
+        """Cost of one step with k drafts, in decode steps of one row."""
+        width = k + 1
+        if width <= len(self.costs):
+            verify = self.costs[width - 1]
+        else:  # beyond the table: extend its last slope
+            last = self.costs[-1]
+            slope = last - self.costs[-2] if len(self.costs) > 1 else 1.0
+            verify = last + slope * (width - len(self.costs))
+        return verify + k * self.draft_cost
+
+    def acceptance(self, kind: int = 0) -> float:
+        accepted, trials = self.counts.get(kind, (self.PRIOR_ACCEPTED, self.PRIOR_TRIALS))
+        return accepted / trials
+
+    def best_k(self, kind: int = 0) -> int:
+        p = min(self.acceptance(kind), 0.999)
+        best, best_value, expected = 0, 1.0 / self.cost(0), 1.0
+        for k in range(1, self.k_max + 1):
+            expected += p ** k
+            value = expected / self.cost(k)
+            if value > best_value * (1 + 1e-9):
+                best, best_value = k, value
+        return best
+
+    def choose(self, probe: bool = False, kind: int = 0) -> int:
+        """k for the next step, drafts being of evidence class `kind`. With `probe` (an
+        expensive drafter, whose acceptance is only learnt by drafting), a run of k = 0 steps
+        is broken by one k = 1 step every PROBE_EVERY steps, the interval doubling after each
+        probe that fails."""
+        k = self.best_k(kind)
+        if k == 0 and probe and self.k_max > 0:
+            self._idle_steps += 1
+            if self._idle_steps >= self._probe_every:
+                self._idle_steps = 0
+                return 1
+        elif k > 0:
+            self._idle_steps = 0
+        return k
+
+    def record(self, drafted: int, accepted: int, probed: bool = False, kind: int = 0) -> None:
+        """One verification (or a shadow comparison) of `drafted` drafts of class `kind`,
+        `accepted` of them."""
+        if drafted < 1:
+            return
+        trials = accepted + (1 if accepted < drafted else 0)  # stops at the first rejection
+        counts = self.counts.setdefault(kind, [self.PRIOR_ACCEPTED, self.PRIOR_TRIALS])
+        counts[0] = counts[0] * self.DECAY + accepted
+        counts[1] = counts[1] * self.DECAY + trials
+        if probed:
+            self._probe_every = self.PROBE_EVERY if accepted else self._probe_every * 2
+
+
+def agreeing_prefix(drafts: Sequence[int], actual: Sequence[int]) -> int:
+    n = 0
+    for d, a in zip(drafts, actual):
+        if d != a:
+            break
+        n += 1
+    return n
+
+
+def measure_pass_costs(model, widths: int, context: int = 64, repeats: int = 3) -> list[float]:
+    """Seconds of one target pass of 1..`widths` rows after `context` cached tokens (best of
+    `repeats`): the cost table adaptive speculation weighs k against. Measured once, at
+    startup or by the bench; the choice of k then depends on it only as a constant."""
+    base = make_prompt_cache(model)
+    mx.eval(model(mx.array(list(range(1, context + 1)))[None], cache=base)[0, -1])
+    best = [float("inf")] * widths
+    for _ in range(repeats + 1):  # the first round warms every width up; widths interleave so a
+        for width in range(1, widths + 1):  # burst of other load spreads over all of them
+            start = time.perf_counter()
+            mx.eval(model(mx.array(list(range(2, width + 2)))[None], cache=base))
+            seconds = time.perf_counter() - start
+            trim_prompt_cache(base, width)
+            if _ > 0:
+                best[width - 1] = min(best[width - 1], seconds)
+    for i in range(1, widths):  # a wider pass never costs less
+        best[i] = max(best[i], best[i - 1])
+    return best
+
+
+def draft_tokenizer_problem(target_tokenizer, draft_tokenizer) -> str | None:
+    """Why a draft model's tokenizer cannot draft for the target (None when it can): the
+    target verifies draft token ids as its own, so both must map ids to the same strings."""
+    def vocab(tokenizer):
+        get = getattr(tokenizer, "get_vocab", None)
+        return get() if callable(get) else None
+
+    target_vocab, draft_vocab = vocab(target_tokenizer), vocab(draft_tokenizer)
+    if target_vocab is None or draft_vocab is None:
+        return "cannot read the vocabulary of the draft or target tokenizer to compare them"
+    if target_vocab != draft_vocab:
+        only_target = len(set(target_vocab.items()) - set(draft_vocab.items()))
+        return (f"the draft model's tokenizer differs from the target's (vocabularies of "
+                f"{len(draft_vocab)} and {len(target_vocab)} tokens, {only_target} of the target's "
+                f"token ids map differently): drafts would be verified as the wrong tokens")
+    return None

@@ -13,13 +13,15 @@ give identical tokens, alone or batched.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import mlx.core as mx
 
 from server.engine.sampling import Sampled, SamplingParams, sample
-from server.engine.speculative import DraftModelDrafter, PromptLookupDrafter, accept_drafts
+from server.engine.speculative import (AdaptiveDraftLength, DraftModelDrafter, PromptLookupDrafter,
+                                       accept_drafts, agreeing_prefix)
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,12 @@ class SpeculationStats:
     drafted: int = 0
     accepted: int = 0
     passes: int = 0  # target forward passes during decode
+    draft_seconds: float = 0.0  # spent proposing drafts (reported, never decides anything)
+
+    @property
+    def mean_k(self) -> float:
+        """Drafts verified per target pass."""
+        return self.drafted / self.passes if self.passes else 0.0
 
 
 def _unbounded() -> int:
@@ -57,7 +65,7 @@ class PlainSource:
     def __init__(self, cache: list, context: list[int], params: SamplingParams, stats: SpeculationStats):
         self.cache, self.context, self.params, self.stats = cache, context, params, stats
 
-    def rows(self) -> list[int]:
+    def rows(self, room: int | None = None) -> list[int]:
         return [self.context[-1]]
 
     def take(self, logits: mx.array, argmax: list[int] | None = None) -> list[Step]:
@@ -76,20 +84,68 @@ class SpeculativeSource:
 
     Each pass drafts at most `remaining() - 1` tokens (a pass emits up to k + 1), so no work
     is spent past the request's limit; drafting stops early when `cancelled()` turns true.
+
+    With an `adaptive` policy (AdaptiveDraftLength) k is chosen each step from this request's
+    acceptance so far, with `k` its upper bound. A cheap drafter (prompt lookup) still
+    proposes while k = 0, and those shadow drafts are compared with the tokens that follow,
+    so acceptance keeps being learnt at no cost; an expensive one probes now and then.
+    `rows(room)` drafts at most room - 1 tokens: the engine's way to say the pass is full.
     """
 
     def __init__(self, cache: list, context: list[int], params: SamplingParams, drafter, k: int,
                  stats: SpeculationStats, remaining: Callable[[], int] = _unbounded,
-                 cancelled: Callable[[], bool] = _never):
+                 cancelled: Callable[[], bool] = _never, adaptive: AdaptiveDraftLength | None = None):
         self.cache, self.context, self.params = cache, context, params
         self.drafter, self.k, self.stats = drafter, k, stats
         self.remaining, self.cancelled = remaining, cancelled
+        self.adaptive = adaptive
         self.drafts: list[int] = []
+        self._probed = False
+        self._kind = 0  # evidence class of this step's drafts (AdaptiveDraftLength)
+        self._shadow: tuple[int, list[int], int] | None = None  # (position, drafts, class) awaiting tokens
 
-    def rows(self) -> list[int]:
-        k_now = min(self.k, self.remaining() - 1)
-        self.drafts = self.drafter.propose(self.context, k_now, self.cancelled) if k_now > 0 else []
+    def _propose(self, k: int) -> list[int]:
+        start = time.perf_counter()
+        drafts = self.drafter.propose(self.context, k, self.cancelled)
+        self.stats.draft_seconds += time.perf_counter() - start
+        return drafts
+
+    def _match_class(self) -> int:
+        """Prompt lookup: acceptance is kept per length of the matched suffix."""
+        match = getattr(self.drafter, "match", None)
+        if match is None:
+            return 0
+        start = time.perf_counter()
+        kind = self.drafter.match_class(match(self.context)[1])
+        self.stats.draft_seconds += time.perf_counter() - start
+        return kind
+
+    def rows(self, room: int | None = None) -> list[int]:
+        cheap = getattr(self.drafter, "cheap", False)
+        if self.adaptive is None:
+            k_now = self.k
+        else:
+            self._kind = self._match_class()
+            k_now = min(self.k, self.adaptive.choose(probe=not cheap, kind=self._kind))
+            self._probed = not cheap and k_now > 0 and self.adaptive.best_k(self._kind) == 0
+        k_now = min(k_now, self.remaining() - 1)
+        if room is not None:
+            k_now = min(k_now, room - 1)
+        self.drafts = self._propose(k_now) if k_now > 0 else []
+        if self.adaptive is not None and cheap and not self.drafts and self._shadow is None:
+            shadow = self._propose(self.k)
+            if shadow:
+                self._shadow = (len(self.context), shadow, self._kind)
         return [self.context[-1], *self.drafts]
+
+    def _settle_shadow(self) -> None:
+        """Score the pending shadow drafts once the tokens they guessed are known."""
+        position, drafts, kind = self._shadow
+        actual = self.context[position:position + len(drafts)]
+        agreed = agreeing_prefix(drafts, actual)
+        if agreed < len(actual) or len(actual) == len(drafts):
+            self.adaptive.record(len(drafts), agreed, kind=kind)
+            self._shadow = None
 
     def take(self, logits: mx.array, argmax: list[int] | None = None) -> list[Step]:
         """`logits` (len(rows()), vocab); rejected drafts' KV rows are trimmed from the cache."""
@@ -107,17 +163,38 @@ class SpeculativeSource:
         self.stats.drafted += verified.drafted
         self.stats.accepted += verified.accepted
         self.context.extend(verified.tokens)
+        if self.adaptive is not None:
+            self.adaptive.record(verified.drafted, verified.accepted, self._probed, self._kind)
+            if self._shadow is not None:
+                self._settle_shadow()
         return picked
+
+
+def draft_cost_estimate(target, draft) -> float:
+    """A draft-model pass's cost in target passes, by depth (decode of small models is bound
+    by per-layer launches, not arithmetic)."""
+    def depth(model) -> int:
+        layers = getattr(model, "layers", None) or getattr(getattr(model, "model", None), "layers", None)
+        return len(layers) if layers else 1
+
+    return depth(draft) / depth(target) if target is not None else 1.0
 
 
 def make_source(cache, context: list[int], params: SamplingParams, stats: SpeculationStats,
                 method: str = "none", k: int = 0, draft_model=None,
-                remaining: Callable[[], int] = _unbounded, cancelled: Callable[[], bool] = _never):
-    """The two-phase source for a speculative `method` ("none", "draft", "prompt_lookup")."""
+                remaining: Callable[[], int] = _unbounded, cancelled: Callable[[], bool] = _never,
+                adaptive: bool = False, pass_costs=None, target=None):
+    """The two-phase source for a speculative `method` ("none", "draft", "prompt_lookup");
+    with `adaptive`, k is chosen per step up to `k` (AdaptiveDraftLength, weighing
+    `pass_costs`, the deployment's per-width pass costs)."""
     if method == "none":
         return PlainSource(cache, context, params, stats)
     drafter = DraftModelDrafter(draft_model) if method == "draft" else PromptLookupDrafter()
-    return SpeculativeSource(cache, context, params, drafter, k, stats, remaining, cancelled)
+    policy = None
+    if adaptive:
+        draft_cost = draft_cost_estimate(target, draft_model) if method == "draft" else 0.0
+        policy = AdaptiveDraftLength(k, pass_costs, draft_cost)
+    return SpeculativeSource(cache, context, params, drafter, k, stats, remaining, cancelled, policy)
 
 
 def drive(source, step, model, cache) -> Iterator[list[Step]]:
