@@ -16,26 +16,12 @@ from pathlib import Path
 import pytest
 
 from kernels import cpu_blas
+from tests.test_cpu_blas import _run, _shim_env  # subprocess helpers: the shim acts at process start
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="LD_PRELOAD shim is Linux-only (macOS uses Accelerate)")
 LIMIT = 8
-
-
-def _shim_env() -> dict[str, str]:
-    try:
-        return cpu_blas.preload_env()
-    except cpu_blas.ShimUnavailable as e:
-        pytest.fail(f"OpenBLAS shim cannot be built on this Linux machine: {e}")
-
-
-def _run(code: str, env: dict[str, str]) -> dict:
-    env = {**env, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # Odd shapes: K and N not multiples of the 8-float vector (K < 8: tail only), and the

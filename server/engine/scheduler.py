@@ -22,7 +22,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import AsyncIterator, Callable, Iterator
+from typing import Callable, Iterator
 
 import mlx.core as mx
 
@@ -30,67 +30,12 @@ from server.engine.decoding import DecodePlan, Deployment
 from server.engine.kv_budget import KVBudget, reservation
 from server.engine.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, Demand, compose_passes
 from server.engine.prefix_cache import PrefixCache
+from server.engine.handle import (GenerationError, QueueFull, RequestHandle, ShuttingDown,
+                                  TooLargeForMemory)
 from server.engine.request_state import Delta, GenerationRequest, RequestState, forward
 
 log = logging.getLogger(__name__)
 
-
-
-class GenerationError(Exception):
-    """Generation failed on the worker; the message is safe to show to the client."""
-
-
-class QueueFull(GenerationError):
-    """`submit()` refused: `max_waiting` requests are already waiting (the API answers 429)."""
-
-
-class ShuttingDown(GenerationError):
-    """The server stopped this request (drain timeout or a second signal); the API answers 503."""
-
-
-class TooLargeForMemory(GenerationError):
-    """`submit()` refused: the request's KV alone exceeds the server's budget (400)."""
-
-
-class RequestHandle:
-    """The asyncio side of one request: iterate it for `Delta`s; `cancel()` to give up."""
-
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, plan=None):
-        self.request = request
-        self.plan = plan  # server.engine.decoding.DecodePlan, or None for plain decoding
-        self.submitted_at = time.monotonic()
-        self._loop = loop
-        self._events: asyncio.Queue[Delta | Exception] = asyncio.Queue()
-        self._cancelled = threading.Event()
-        self.cut = False  # ended by the server (cut_off), not by its client
-
-    def cancel(self) -> None:
-        """Stop generating (e.g. the client went away); the engine frees the slot."""
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    @property
-    def client_cancelled(self) -> bool:
-        return self._cancelled.is_set() and not self.cut
-
-    def post(self, event: Delta | Exception) -> None:
-        """Called on the worker thread."""
-        try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            self.cancel()
-
-    async def __aiter__(self) -> AsyncIterator[Delta]:
-        while True:
-            event = await self._events.get()
-            if isinstance(event, Exception):
-                raise event
-            yield event
-            if event.finish_reason is not None:
-                return
 
 
 class _Active:

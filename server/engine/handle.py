@@ -1,0 +1,67 @@
+"""The asyncio side of a request (`RequestHandle`) and the errors a submission or a generation
+can end in. The engine's worker thread posts events; the event loop iterates them."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import AsyncIterator
+
+from server.engine.request_state import Delta, GenerationRequest
+
+
+class GenerationError(Exception):
+    """Generation failed on the worker; the message is safe to show to the client."""
+
+
+class QueueFull(GenerationError):
+    """`submit()` refused: `max_waiting` requests are already waiting (the API answers 429)."""
+
+
+class ShuttingDown(GenerationError):
+    """The server stopped this request (drain timeout or a second signal); the API answers 503."""
+
+
+class TooLargeForMemory(GenerationError):
+    """`submit()` refused: the request's KV alone exceeds the server's budget (400)."""
+
+
+class RequestHandle:
+    """The asyncio side of one request: iterate it for `Delta`s; `cancel()` to give up."""
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, plan=None):
+        self.request = request
+        self.plan = plan  # server.engine.decoding.DecodePlan, or None for plain decoding
+        self.submitted_at = time.monotonic()
+        self._loop = loop
+        self._events: asyncio.Queue[Delta | Exception] = asyncio.Queue()
+        self._cancelled = threading.Event()
+        self.cut = False  # ended by the server (cut_off), not by its client
+
+    def cancel(self) -> None:
+        """Stop generating (e.g. the client went away); the engine frees the slot."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    @property
+    def client_cancelled(self) -> bool:
+        return self._cancelled.is_set() and not self.cut
+
+    def post(self, event: Delta | Exception) -> None:
+        """Called on the worker thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        while True:
+            event = await self._events.get()
+            if isinstance(event, Exception):
+                raise event
+            yield event
+            if event.finish_reason is not None:
+                return
