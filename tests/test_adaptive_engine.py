@@ -16,23 +16,13 @@ from server.engine.request_state import GenerationRequest
 from server.engine.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded
 from tests.test_deterministic_double import peaked_llama
+from tests.test_batching import PassLog
 
 LIMIT = 6
 TOKENS = 20
 PROMPTS = [[11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11, 12], [30, 31, 32, 33, 30, 31, 32],
            [50, 51, 52, 53, 54, 50, 51, 52, 53], [70, 71, 70, 71, 70], [20, 21, 22, 20, 21, 22, 20]]
 SAMPLINGS = [SamplingParams(temperature=0.0, top_logprobs=2), SamplingParams(temperature=0.8, seed=3, top_logprobs=2)]
-
-
-class RowsLog:
-    def __init__(self):
-        self.passes = []
-
-    def on_pass(self, rows, requests):
-        self.passes.append((rows, requests))
-
-    def on_admit(self, waited):
-        pass
 
 
 def run_engine(draft_room: bool):
@@ -46,7 +36,7 @@ def run_engine(draft_room: bool):
     assert plan.guaranteed
     deployment = Deployment(limit=LIMIT, guaranteed=True, strategy=plan.strategy, prefill_chunk=8,
                             adaptive_draft_tokens=True, pass_costs=(1.0,) * LIMIT)
-    log = RowsLog()
+    log = PassLog()
 
     async def main():
         with shape_variant_backend():

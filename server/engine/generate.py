@@ -19,6 +19,7 @@ from server.engine.decoding import DecodePlan, Deployment
 from server.engine.prefix_cache import PrefixCache
 from server.engine.request_state import (PREFILL_CHUNK, Delta, GenerationRequest, RequestState,  # noqa: F401
                                   TokenLogprob, forward)
+from server.engine.speculative import never
 from server.engine.token_steps import fast_argmax
 
 # forward(model, cache, tokens) -> logits of shape (len(tokens), vocab)
@@ -48,14 +49,10 @@ def prefill(
         yield None
 
 
-def _never() -> bool:
-    return False
-
-
 def generate(loaded, request: GenerationRequest, step: Forward = forward, *,
              plan: DecodePlan | None = None, deployment: Deployment | None = None,
              prefix_cache: PrefixCache | None = None,
-             cancelled: Callable[[], bool] = _never) -> Iterator[Delta | None]:
+             cancelled: Callable[[], bool] = never) -> Iterator[Delta | None]:
     """Run `request` on `loaded` (a models.load.LoadedModel), one unit of work per step.
 
     `cancelled()` is checked inside steps that could run long (a draft model's k passes).

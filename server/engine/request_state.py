@@ -25,6 +25,7 @@ from server.engine.decoding import DecodePlan, Deployment
 from server.engine.prefix_cache import PrefixCache
 from server.engine.sampling import SamplingParams
 from server.engine.stops import IncrementalDecoder, StopTextStream
+from server.engine.speculative import never
 from server.engine.token_steps import SpeculationStats, make_source
 
 PREFILL_CHUNK = 512
@@ -92,14 +93,10 @@ class _TokenTexts:
         return self._texts[token]
 
 
-def _never() -> bool:
-    return False
-
-
 class RequestState:
     def __init__(self, loaded, request: GenerationRequest, *, plan: DecodePlan | None = None,
                  deployment: Deployment | None = None, prefix_cache: PrefixCache | None = None,
-                 cancelled: Callable[[], bool] = _never, step=forward):
+                 cancelled: Callable[[], bool] = never, step=forward):
         self.loaded = loaded
         self.request = request
         self.plan = plan

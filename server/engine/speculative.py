@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 
-def _never() -> bool:
+def never() -> bool:
+    """The `cancelled` of a request nobody can cancel (tools, tests)."""
     return False
+
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
@@ -60,7 +62,7 @@ class PromptLookupDrafter:
                     break
         return (best_end, best_n) if best_n >= self.min_ngram else (0, 0)
 
-    def propose(self, context: Sequence[int], k: int, cancelled: Callable[[], bool] = _never) -> list[int]:
+    def propose(self, context: Sequence[int], k: int, cancelled: Callable[[], bool] = never) -> list[int]:
         if k < 1:
             return []
         end, n = self.match(context)
@@ -92,7 +94,7 @@ class DraftModelDrafter:
         self.tokens.extend(tokens)
         return logits
 
-    def propose(self, context: Sequence[int], k: int, cancelled: Callable[[], bool] = _never) -> list[int]:
+    def propose(self, context: Sequence[int], k: int, cancelled: Callable[[], bool] = never) -> list[int]:
         """Up to k greedy drafts; fewer if `cancelled()` turns true (one draft pass each)."""
         common = 0
         limit = min(len(self.tokens), len(context) - 1)  # always re-feed the last token

@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from server.engine.sampling import Sampled, SamplingParams, sample
 from server.engine.speculative import (AdaptiveDraftLength, DraftModelDrafter, PromptLookupDrafter,
-                                       accept_drafts, agreeing_prefix)
+                                       accept_drafts, agreeing_prefix, never)
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,6 @@ class SpeculationStats:
 
 def _unbounded() -> int:
     return 1 << 62
-
-
-def _never() -> bool:
-    return False
 
 
 def fast_argmax(params: SamplingParams) -> bool:
@@ -94,7 +90,7 @@ class SpeculativeSource:
 
     def __init__(self, cache: list, context: list[int], params: SamplingParams, drafter, k: int,
                  stats: SpeculationStats, remaining: Callable[[], int] = _unbounded,
-                 cancelled: Callable[[], bool] = _never, adaptive: AdaptiveDraftLength | None = None):
+                 cancelled: Callable[[], bool] = never, adaptive: AdaptiveDraftLength | None = None):
         self.cache, self.context, self.params = cache, context, params
         self.drafter, self.k, self.stats = drafter, k, stats
         self.remaining, self.cancelled = remaining, cancelled
@@ -182,7 +178,7 @@ def draft_cost_estimate(target, draft) -> float:
 
 def make_source(cache, context: list[int], params: SamplingParams, stats: SpeculationStats,
                 method: str = "none", k: int = 0, draft_model=None,
-                remaining: Callable[[], int] = _unbounded, cancelled: Callable[[], bool] = _never,
+                remaining: Callable[[], int] = _unbounded, cancelled: Callable[[], bool] = never,
                 adaptive: bool = False, pass_costs=None, target=None):
     """The two-phase source for a speculative `method` ("none", "draft", "prompt_lookup");
     with `adaptive`, k is chosen per step up to `k` (AdaptiveDraftLength, weighing
@@ -215,7 +211,7 @@ def source_cancelled(source) -> bool:
 
 def token_source(step, model, cache, context: list[int], params: SamplingParams,
                  stats: SpeculationStats, method: str = "none", k: int = 0, draft_model=None,
-                 remaining: Callable[[], int] = _unbounded, cancelled: Callable[[], bool] = _never):
+                 remaining: Callable[[], int] = _unbounded, cancelled: Callable[[], bool] = never):
     """A generator of token batches for `method` with k drafts, one solo pass per batch.
 
     `remaining()` is how many tokens the request may still emit; `cancelled()` whether its
@@ -234,7 +230,7 @@ def plain_tokens(step, model, cache, context: list[int], params: SamplingParams,
 def speculative_tokens(step, model, cache, context: list[int], params: SamplingParams,
                        drafter, k: int, stats: SpeculationStats,
                        remaining: Callable[[], int] = _unbounded,
-                       cancelled: Callable[[], bool] = _never) -> Iterator[list[Step]]:
+                       cancelled: Callable[[], bool] = never) -> Iterator[list[Step]]:
     """Speculative decoding with a given drafter, solo (tests and tools pick their drafter)."""
     source = SpeculativeSource(cache, context, params, drafter, k, stats, remaining, cancelled)
     return drive(source, step, model, cache)
