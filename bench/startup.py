@@ -95,6 +95,8 @@ def main() -> int:
     parser.add_argument("--only", choices=("nvfp4", "embedded"), default=None)
     parser.add_argument("--model-dir", default=None, help="where to build/keep the nvfp4 model")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="extra `lockstep serve` argument (repeat), e.g. --serve-arg=--weights=float16")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="lockstep-startup-"))
@@ -107,7 +109,7 @@ def main() -> int:
     for name, make_args in cases.items():
         if args.only and name != args.only:
             continue
-        serve_args = make_args()
+        serve_args = make_args() + args.serve_arg
         env = {**os.environ, "LOCKSTEP_VERDICT_CACHE_DIR": str(work / f"cache-{name}"),
                "LOCKSTEP_API_KEYS": ""}
         for start in ("first start", "restart"):

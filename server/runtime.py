@@ -10,6 +10,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Callable
 
 import mlx.core as mx
 
@@ -58,6 +59,10 @@ class Options:
     # Startup verdicts: "cached" re-uses this machine's audit verdicts and self-test proofs,
     # "fresh" redoes and re-stores them, "off" skips the audit (self-test still cached).
     audit: str = "cached"
+    # Applied to the loaded, audited model before batch invariance (distributed sharding,
+    # server/distributed/sharding.py); returns a label appended to the model's transform.
+    prepare_model: Callable[[object], str] | None = None
+    reuse_proofs: bool = True  # False: self-test proofs are made afresh (every rank the same passes)
 
 
 def seconds_since_process_start() -> float:
@@ -178,6 +183,8 @@ def build_runtime(options: Options) -> Runtime:
     loaded, report, transform = _load_audited(options.model, options.weights, options.quantize,
                                               options.q_bits, options.q_group_size,
                                               options.audit, timings)
+    if options.prepare_model is not None:
+        transform += ";" + options.prepare_model(loaded.model)
 
     draft, draft_name = None, None
     if options.draft_model:
@@ -200,7 +207,7 @@ def build_runtime(options: Options) -> Runtime:
 
     with timings.timed("fingerprint"):  # reads every weight file once (cached per process)
         digest = weights_digest(str(loaded.path))
-    proofs = ProofCache(VerdictCache("selftest"), fresh=options.audit == "fresh",
+    proofs = ProofCache(VerdictCache("selftest"), fresh=options.audit == "fresh" or not options.reuse_proofs,
                         model_identity={"weights": digest, "transform": transform})
     with timings.timed("self_test"):
         plan = set_batch_invariant_limit(loaded.model, options.batch_invariant_limit,

@@ -57,3 +57,38 @@ def wait_until(predicate, timeout=60.0, what="condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def deterministic_server(loaded, limit: int, prefill_chunk: int = 4, max_active: int = 4):
+    """The API for `loaded` with batch invariance installed for L = `limit` (removed on exit,
+    so other modules get the native model) and a prefix cache. The self-test and ragged
+    proofs are kept in the session's verdict cache (tests/conftest.py), as a restarted
+    server keeps them, so the next module's server re-uses them. Yields (client, engine)."""
+    from openai import OpenAI
+
+    from kernels.audit_cache import VerdictCache
+    from kernels.invariant import set_batch_invariant_limit
+    from kernels.ragged import enable_ragged
+    from kernels.ragged_selftest import prove_ragged_cached
+    from kernels.selftest import ProofCache
+    from server.api.app import create_app
+    from server.engine import Engine
+    from server.engine.decoding import Deployment
+    from server.engine.prefix_cache import PrefixCache
+
+    proofs = ProofCache(VerdictCache("selftest"), model_identity={"model": str(loaded.path), "weights": loaded.weights})
+    plan = set_batch_invariant_limit(loaded.model, limit, proof_cache=proofs)
+    try:
+        assert plan.guaranteed, plan.reason
+        enable_ragged(loaded.model)  # as the engine would, before its proof
+        deployment = Deployment(limit=limit, guaranteed=True, strategy=plan.strategy, prefill_chunk=prefill_chunk,
+                                ragged_proof=prove_ragged_cached(loaded.model, limit, proofs))
+        engine = Engine(loaded, max_active=max_active, deployment=deployment, prefix_cache=PrefixCache(4)).start()
+        try:
+            with running(create_app(engine)) as url:
+                yield OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600), engine
+        finally:
+            engine.stop()
+    finally:
+        set_batch_invariant_limit(loaded.model, 0)

@@ -190,7 +190,7 @@ def post(http, path, body):
         ("/v1/chat/completions", {"model": "default", "messages": GREETING, "temperature": "hot"}, 400, "temperature", None),
         ("/v1/chat/completions", {"model": "default", "messages": GREETING, "temperature": 3}, 400, "temperature", None),
         ("/v1/chat/completions", {"model": "default", "messages": GREETING, "bogus": 1}, 400, "bogus", None),
-        ("/v1/chat/completions", {"model": "default", "messages": GREETING, "n": 2}, 400, "n", None),
+        ("/v1/chat/completions", {"model": "default", "messages": GREETING, "n": 99}, 400, "n", None),
         ("/v1/chat/completions", {"model": "default", "messages": GREETING, "stop": list("abcde")}, 400, "stop", None),
         ("/v1/chat/completions", {"model": "default", "messages": []}, 400, "messages", None),
         ("/v1/chat/completions", {"messages": GREETING}, 400, "model", None),

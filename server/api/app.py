@@ -18,33 +18,33 @@ from typing import AsyncIterator, Callable, Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from server.api import choices
 from server.api import protocol as p
 from server.api.access_log import AccessLog
+from server.api.chat_prompt import chat_prompt_tokens
+from server.api.constraints import Constraints
 from server.api.auth import APIKeyAuth
 from server.api.disconnect import unless_disconnected
 from server.api.drain import Drain, DrainMiddleware
-from server.engine import Engine, GenerationError, QueueFull, ShuttingDown, TooLargeForMemory
+from server.engine import Engine, GenerationError, QueueFull, TooLargeForMemory
 from server.api.limits import BodySizeLimit, Limits, max_tokens_too_large, prompt_too_long, queue_full
 from server.api.metrics import Metrics
 from server.api.request_record import RecordRequests, current, track
-from server.api.errors import APIError, context_length_exceeded, install_error_handlers, model_not_found
+from server.api.responses import ResponsesRoute
+from server.api.responses_protocol import ResponsesRequest
+from server.api.errors import (APIError, context_length_exceeded, generation_error, install_error_handlers,
+                               model_not_found)
 from server.engine.decoding import DecodePlan, RequestRejected, plan_request
 from server.engine.generate import Delta, GenerationRequest
+from server.engine.logits_processors import logits_width
 from server.engine.sampling import GREEDY_BELOW, SamplingParams
+from server.api.choices import choice_seed
+from server.api.tool_calls import ParsedCall, ToolCallStream, new_call_id, split_tool_calls, tool_format
 
 MODEL_ALIAS = "default"
 SHUTTING_DOWN = "the server is shutting down; this request was cut off"
 
 log = logging.getLogger("lockstep.app")
-
-
-def _cut_error(exc: GenerationError) -> APIError:
-    """The error a request that failed on the engine gets (503 when the server cut it off)."""
-    if isinstance(exc, ShuttingDown):
-        record = current()
-        log.warning("request %s cut off: %s", record.request_id if record else "?", exc)
-        return APIError(503, str(exc), type="server_error", code="server_shutting_down")
-    return APIError(500, str(exc), type="server_error")
 
 
 def _fingerprint(loaded) -> str:
@@ -54,14 +54,6 @@ def _fingerprint(loaded) -> str:
 
 def _sse(payload: p.Response) -> str:
     return f"data: {payload.model_dump_json()}\n\n"
-
-
-def _usage(last: Delta) -> p.Usage:
-    return p.Usage(
-        prompt_tokens=last.prompt_tokens,
-        completion_tokens=last.completion_tokens,
-        total_tokens=last.prompt_tokens + last.completion_tokens,
-    )
 
 
 def _chat_logprobs(delta: Delta) -> p.ChatLogprobs:
@@ -88,17 +80,13 @@ def _completion_logprobs(delta: Delta) -> p.CompletionLogprobs:
     )
 
 
-def _merge(deltas: list[Delta]) -> Delta:
-    last = deltas[-1]
-    return Delta(
-        text="".join(d.text for d in deltas),
-        prompt_tokens=last.prompt_tokens,
-        completion_tokens=last.completion_tokens,
-        logprobs=[lp for d in deltas for lp in d.logprobs],
-        text_offsets=[o for d in deltas for o in d.text_offsets],
-        finish_reason=last.finish_reason,
-        extension=last.extension,
-    )
+def _response_calls(calls: list[ParsedCall]) -> list[p.ResponseToolCall]:
+    return [p.ResponseToolCall(id=new_call_id(), function=p.ResponseFunctionCall(name=c.name, arguments=c.arguments))
+            for c in calls]
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 class Routes:
@@ -111,6 +99,8 @@ class Routes:
         self.limits = limits
         self.log_prompts = log_prompts
         self.created = int(time.time())
+        self.tool_format = tool_format(self.loaded.tokenizer) if self.loaded is not None else None
+        self.constraints = Constraints(self.loaded, self.tool_format)
 
     # ------------------------------------------------------------ request -> generation
 
@@ -119,12 +109,7 @@ class Routes:
             raise model_not_found(model)
 
     def _chat_tokens(self, body: p.ChatCompletionRequest) -> list[int]:
-        # Chat templates know system/user/assistant; "developer" is OpenAI's new "system".
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in body.messages
-        ]
-        return list(self.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return chat_prompt_tokens(self.loaded.tokenizer, body, self.tool_format)
 
     def _completion_tokens(self, body: p.CompletionRequest) -> list[int]:
         prompt = body.prompt
@@ -137,11 +122,15 @@ class Routes:
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         return list(prompt)
 
-    async def _submit(self, body: p.SamplingRequest, tokenize: Callable, param: str):
+    def _prepare(self, body: p.SamplingRequest, tokenize: Callable) -> tuple[list[int], object]:
+        """Prompt tokens and the output grammar (CPU work, run off the event loop)."""
+        return tokenize(body), self.constraints.grammar_for(body)
+
+    async def _submit(self, body: p.SamplingRequest, tokenize: Callable, param: str) -> list:
+        """Submit `body`'s n choices; returns their engine handles."""
         self._check_model(body.model)
-        # Tokenizing is CPU work: keep it off the event loop (MLX work is on the engine).
         try:
-            prompt = await asyncio.to_thread(tokenize, body)
+            prompt, grammar = await asyncio.to_thread(self._prepare, body, tokenize)
         except APIError:
             raise
         except Exception as exc:  # e.g. the chat template rejects the message sequence
@@ -157,32 +146,43 @@ class Routes:
         if requested is not None and requested > self.limits.max_tokens:
             cap_param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
             raise max_tokens_too_large(requested, self.limits.max_tokens, cap_param)
+        vocab = logits_width(self.loaded)
+        if any(token >= vocab for token, _ in body.bias_items()):
+            raise APIError(400, f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
         plan = self._plan(body)
-        sampling = SamplingParams(
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-            top_logprobs=body.logprobs_count(),
-            **({} if body.seed is None else {"seed": body.seed}),
-        )
-        request = GenerationRequest(
-            prompt_tokens=prompt,
-            max_tokens=requested or min(self.limits.max_tokens, context - len(prompt)),
-            sampling=sampling,
-            stop=tuple(body.stop_list()),
-            deterministic=body.deterministic,
-            speculative=body.speculative,
-            num_draft_tokens=body.num_draft_tokens,
-        )
+        requests = [
+            GenerationRequest(
+                prompt_tokens=prompt,
+                max_tokens=requested or min(self.limits.max_tokens, context - len(prompt)),
+                sampling=self._sampling(body, i),
+                stop=tuple(body.stop_list()),
+                deterministic=body.deterministic,
+                speculative=body.speculative,
+                num_draft_tokens=body.num_draft_tokens,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                logit_bias=body.bias_items(),
+                grammar=grammar,
+            )
+            for i in range(body.n)
+        ]
         record = current()
         if self.log_prompts and record is not None:
             record.prompt = body.messages if isinstance(body, p.ChatCompletionRequest) else body.prompt
         try:
-            return track(self.engine.submit(request, plan))
+            return [track(handle) for handle in self.engine.submit_group(requests, plan)]
         except QueueFull as exc:
             raise queue_full(self.limits.max_queue) from exc
         except TooLargeForMemory as exc:
             raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from exc
         except GenerationError as exc:
             raise APIError(503, str(exc), type="server_error") from exc
+
+    @staticmethod
+    def _sampling(body: p.SamplingRequest, choice: int) -> SamplingParams:
+        seed = {} if body.seed is None else {"seed": choice_seed(body.seed, choice)}
+        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                              min_p=body.min_p, top_logprobs=body.logprobs_count(), **seed)
 
     def _plan(self, body: p.SamplingRequest) -> DecodePlan:
         if body.deterministic and body.temperature >= GREEDY_BELOW and body.seed is None:
@@ -193,82 +193,108 @@ class Routes:
         except RequestRejected as exc:
             raise APIError(400, str(exc), param=exc.param) from exc
 
-    async def _collect(self, handle) -> Delta:
+    async def _collect(self, handles, receive) -> list[Delta]:
         try:
-            return _merge([delta async for delta in handle])
+            if receive is None:
+                return await choices.collect(handles)
+            return await unless_disconnected(choices.collect(handles), receive)
         except GenerationError as exc:
-            raise _cut_error(exc) from exc
-        finally:
-            handle.cancel()  # frees the slot if this handler is cancelled mid-way
+            raise generation_error(exc) from exc
 
-    async def _collect_unless_disconnected(self, handle, receive) -> Delta:
-        if receive is None:
-            return await self._collect(handle)
-        return await unless_disconnected(self._collect(handle), receive)
-
-    async def _stream(self, handle, chunks: AsyncIterator[p.Response]) -> AsyncIterator[str]:
-        """SSE framing for `chunks` (made from `handle`'s deltas), ending in [DONE]."""
+    async def _stream(self, handles, chunks: AsyncIterator[p.Response]) -> AsyncIterator[str]:
+        """SSE framing for `chunks` (made from `handles`' deltas), ending in [DONE]."""
         try:
             async for chunk in chunks:
                 yield _sse(chunk)
         except GenerationError as exc:  # headers are sent: report it as an event
-            yield _sse(p.ErrorResponse(error=_cut_error(exc).body))
+            yield _sse(p.ErrorResponse(error=generation_error(exc).body))
         finally:
-            handle.cancel()  # the client went away (or we are done): free the slot
+            choices.cancel_all(handles)  # the client went away (or we are done): free the slots
         yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------------- endpoints
 
+    def _tool_names(self, body: p.ChatCompletionRequest) -> set[str]:
+        return {t.function.name for t in body.tools or []} if body.tool_mode() != "none" else set()
+
+    def _chat_choice(self, index: int, d: Delta, body: p.ChatCompletionRequest) -> p.ChatChoice:
+        names = self._tool_names(body)
+        content, calls = split_tool_calls(d.text, self.tool_format, names) if names else (d.text, [])
+        if calls and not body.parallel_tool_calls:
+            calls = calls[:1]
+        message = p.AssistantMessage(content=(content or None) if calls else content,
+                                     tool_calls=_response_calls(calls) or None)
+        return p.ChatChoice(index=index, message=message, finish_reason=_finish_reason(d.finish_reason, bool(calls)),
+                            logprobs=_chat_logprobs(d) if body.logprobs else None)
+
     async def chat(self, body: p.ChatCompletionRequest, receive=None):
-        handle = await self._submit(body, self._chat_tokens, "messages")
+        handles = await self._submit(body, self._chat_tokens, "messages")
         common = {"id": p.new_id("chatcmpl"), "model": self.loaded.name, "system_fingerprint": self.fingerprint}
 
-        def logprobs(d: Delta) -> p.ChatLogprobs | None:
-            return _chat_logprobs(d) if body.logprobs else None
-
         if not body.stream:
-            d = await self._collect_unless_disconnected(handle, receive)
-            choice = p.ChatChoice(
-                message=p.AssistantMessage(content=d.text), finish_reason=d.finish_reason, logprobs=logprobs(d)
-            )
-            return JSONResponse(p.ChatCompletion(**common, choices=[choice], usage=_usage(d),
-                                                 lockstep=d.extension).model_dump())
+            finals = await self._collect(handles, receive)
+            return JSONResponse(p.ChatCompletion(
+                **common, choices=[self._chat_choice(i, d, body) for i, d in enumerate(finals)],
+                usage=choices.usage(finals), lockstep=finals[0].extension).model_dump())
+
+        names = self._tool_names(body)
 
         async def chunks() -> AsyncIterator[p.ChatCompletionChunk]:
-            role = "assistant"  # sent once, in the first chunk
-            async for d in handle:
-                if d.text or d.logprobs or role:
-                    choice = p.ChatChunkChoice(delta=p.ChatDelta(role=role, content=d.text), logprobs=logprobs(d))
-                    yield p.ChatCompletionChunk(**common, choices=[choice])
-                    role = None
+            role_due = [True] * len(handles)  # the role is sent once per choice, in its first chunk
+            calls = [ToolCallStream(self.tool_format, names) if names else None for _ in handles]
+            sent = [0] * len(handles)  # tool calls sent per choice
+            finals: list[Delta] = []
+            async for i, d in choices.interleave(handles):
+                text, new_calls = d.text, []
+                if calls[i] is not None:
+                    text, new_calls = calls[i].add(d.text)
+                    if d.finish_reason is not None:
+                        rest, more = calls[i].finish()
+                        text, new_calls = text + rest, new_calls + more
+                    if not body.parallel_tool_calls:
+                        new_calls = new_calls[:max(0, 1 - sent[i])]
+                if text or d.logprobs or role_due[i] or new_calls:
+                    tool_deltas = [p.ToolCallDelta(index=sent[i] + k, id=c.id, function=c.function)
+                                   for k, c in enumerate(_response_calls(new_calls))] or None
+                    sent[i] += len(new_calls)
+                    delta = p.ChatDelta(role="assistant" if role_due[i] else None,
+                                        content=text if text or not tool_deltas else None, tool_calls=tool_deltas)
+                    logprobs = _chat_logprobs(d) if body.logprobs else None
+                    yield p.ChatCompletionChunk(**common, choices=[p.ChatChunkChoice(index=i, delta=delta, logprobs=logprobs)])
+                    role_due[i] = False
                 if d.finish_reason is not None:
-                    finish = p.ChatChunkChoice(delta=p.ChatDelta(), finish_reason=d.finish_reason)
+                    finish = p.ChatChunkChoice(index=i, delta=p.ChatDelta(),
+                                               finish_reason=_finish_reason(d.finish_reason, sent[i] > 0))
                     yield p.ChatCompletionChunk(**common, choices=[finish], lockstep=d.extension)
-                    if body.include_usage():
-                        yield p.ChatCompletionChunk(**common, choices=[], usage=_usage(d))
+                    finals.append(d)
+            if body.include_usage():
+                yield p.ChatCompletionChunk(**common, choices=[], usage=choices.usage(finals))
 
-        return StreamingResponse(self._stream(handle, chunks()), media_type="text/event-stream")
+        return StreamingResponse(self._stream(handles, chunks()), media_type="text/event-stream")
 
     async def completions(self, body: p.CompletionRequest, receive=None):
-        handle = await self._submit(body, self._completion_tokens, "prompt")
+        handles = await self._submit(body, self._completion_tokens, "prompt")
         common = {"id": p.new_id("cmpl"), "model": self.loaded.name, "system_fingerprint": self.fingerprint}
 
-        def choice(d: Delta) -> p.CompletionChoice:
+        def choice(i: int, d: Delta) -> p.CompletionChoice:
             logprobs = _completion_logprobs(d) if body.logprobs is not None else None
-            return p.CompletionChoice(text=d.text, finish_reason=d.finish_reason, logprobs=logprobs)
+            return p.CompletionChoice(index=i, text=d.text, finish_reason=d.finish_reason, logprobs=logprobs)
 
         if not body.stream:
-            d = await self._collect_unless_disconnected(handle, receive)
-            return JSONResponse(p.TextCompletion(**common, choices=[choice(d)], usage=_usage(d),
-                                                 lockstep=d.extension).model_dump())
+            finals = await self._collect(handles, receive)
+            return JSONResponse(p.TextCompletion(**common, choices=[choice(i, d) for i, d in enumerate(finals)],
+                                                 usage=choices.usage(finals), lockstep=finals[0].extension).model_dump())
 
         async def chunks() -> AsyncIterator[p.TextCompletion]:
-            async for d in handle:
-                yield p.TextCompletion(**common, choices=[choice(d)], lockstep=d.extension)
-                if d.finish_reason is not None and body.include_usage():
-                    yield p.TextCompletion(**common, choices=[], usage=_usage(d))
+            finals: list[Delta] = []
+            async for i, d in choices.interleave(handles):
+                yield p.TextCompletion(**common, choices=[choice(i, d)], lockstep=d.extension)
+                if d.finish_reason is not None:
+                    finals.append(d)
+            if body.include_usage():
+                yield p.TextCompletion(**common, choices=[], usage=choices.usage(finals))
 
-        return StreamingResponse(self._stream(handle, chunks()), media_type="text/event-stream")
+        return StreamingResponse(self._stream(handles, chunks()), media_type="text/event-stream")
 
     def models(self, extras: dict | None) -> p.ModelList:
         info = {"weights": self.loaded.weights, "context_length": self.loaded.context_length,
@@ -317,6 +343,12 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request):
         return await routes.completions(body, request.receive)
+
+    responses = ResponsesRoute(routes)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request):
+        return await responses.create(body, request.receive)
 
     @app.get("/v1/models")
     async def list_models():

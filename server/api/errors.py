@@ -34,6 +34,18 @@ class APIError(Exception):
         return JSONResponse(ErrorResponse(error=self.body).model_dump(), status_code=self.status)
 
 
+def generation_error(exc: Exception) -> APIError:
+    """The error a request that failed on the engine gets (503 when the server cut it off)."""
+    from server.api.request_record import current
+    from server.engine import ShuttingDown
+
+    if isinstance(exc, ShuttingDown):
+        record = current()
+        log.warning("request %s cut off: %s", record.request_id if record else "?", exc)
+        return APIError(503, str(exc), type="server_error", code="server_shutting_down")
+    return APIError(500, str(exc), type="server_error")
+
+
 def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
 

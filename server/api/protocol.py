@@ -2,11 +2,12 @@
 
 Requests forbid unknown fields, so a typo is a 400 naming the field instead of being
 silently ignored, and types are strict as OpenAI's are (`"4"`, `true` or `1e3` is not an
-integer, `"yes"` is not a boolean). Fields lockstep cannot honour (n > 1, penalties, echo)
-are rejected with the field named as `param`; rules that a union type would report
-obscurely (how many stop strings, one prompt, text-only content) are checked first and
-named plainly. The `lockstep` request fields and the `lockstep`
-response object are this server's extensions; everything else follows the spec.
+integer, `"yes"` is not a boolean). Fields lockstep cannot honour (echo, suffix) are
+rejected with the field named as `param`; rules that a union type would report obscurely
+(how many stop strings, one prompt, text-only content) are checked first and named
+plainly. The `lockstep` request fields and the `lockstep` response object are this
+server's extensions; everything else follows the spec. /v1/responses has its models in
+server/api/responses_protocol.py.
 """
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16  # n: choices per request (each is generated as a request of its own)
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 # OpenAI's seed is a signed 64-bit integer; outside it a seed would alias another one.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -56,28 +59,26 @@ class SamplingRequest(Request):
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    # Token id (as a string, as JSON keys are) -> bias in [-100, 100].
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     # lockstep extensions, carried to the engine unchanged.
     deterministic: bool = False
     speculative: Literal["none", "draft", "prompt_lookup"] | None = None
     num_draft_tokens: int | None = Field(default=None, ge=1)
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("penalties are not supported; use 0")
-        return value
+    def _token_ids_and_range(cls, bias):
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {key}")
+        return bias
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -102,6 +103,75 @@ class SamplingRequest(Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def bias_items(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
+
+
+# ----------------------------------------------------------------------------- tools
+
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(Request):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; absent = no arguments
+    strict: bool | None = None
+
+
+class Tool(Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Request):
+    name: str
+
+
+class NamedToolChoice(Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ResponseFormatText(Request):
+    type: Literal["text"]
+
+
+class ResponseFormatJSONObject(Request):
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(Request):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class ResponseFormatJSONSchema(Request):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJSONObject | ResponseFormatJSONSchema,
+                           Field(discriminator="type")]
+
 
 class TextContentPart(Request):
     type: Literal["text"]
@@ -109,9 +179,11 @@ class TextContentPart(Request):
 
 
 class ChatMessage(Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: which call this answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -126,11 +198,25 @@ class ChatMessage(Request):
     @field_validator("content")
     @classmethod
     def _valid_unicode(cls, content):
+        if content is None:
+            return content
         for text in [content] if isinstance(content, str) else [part.text for part in content]:
             _check_unicode(text)
         return content
 
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -141,6 +227,21 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self):
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tool names must be unique")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -148,6 +249,14 @@ class ChatCompletionRequest(SamplingRequest):
     def logprobs_count(self) -> int | None:
         """Alternatives per token, or None when logprobs are off."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_mode(self) -> str:
+        """"none" (tools not offered), "auto", "required" or "named"."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
 
 TokenIds = Annotated[list[int], Field(min_length=1)]
@@ -201,7 +310,7 @@ class CompletionRequest(SamplingRequest):
 
 # ----------------------------------------------------------------------------- responses
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class Response(BaseModel):
@@ -235,9 +344,21 @@ class CompletionLogprobs(Response):
     text_offset: list[int]
 
 
+class ResponseFunctionCall(Response):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class AssistantMessage(Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = Field(default=None, exclude_if=_omit_if_none)
 
 
 class ChatChoice(Response):
@@ -247,9 +368,17 @@ class ChatChoice(Response):
     logprobs: ChatLogprobs | None = None
 
 
+class ToolCallDelta(Response):
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatDelta(Response):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_omit_if_none)
     content: str | None = Field(default=None, exclude_if=_omit_if_none)
+    tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=_omit_if_none)
 
 
 class ChatChunkChoice(Response):

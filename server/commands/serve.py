@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from server.commands.http_args import add_http_arguments
     add_http_arguments(parser)
 
+    from server.distributed.serve import add_distributed_arguments
+    add_distributed_arguments(parser)
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
@@ -70,6 +73,10 @@ def run(args: argparse.Namespace) -> int:
     from models.errors import ModelError
     from server.api import access_log, shutdown
 
+    if args.parallel:  # one rank of an mlx.launch deployment (server/distributed/serve.py)
+        from server.distributed.serve import run as run_distributed
+
+        return run_distributed(args)
     apply_cpu_blas(args)
     try:  # a busy port is reported now, not after the model load
         sock = shutdown.bind(args.host, args.port)

@@ -37,6 +37,9 @@ class RequestHandle:
         self._events: asyncio.Queue[Delta | Exception] = asyncio.Queue()
         self._cancelled = threading.Event()
         self.cut = False  # ended by the server (cut_off), not by its client
+        # n > 1: the first choice's handle; this one copies its prompt KV (Engine.submit_group).
+        self.leader: RequestHandle | None = None
+        self.state = None  # the engine's RequestState once admitted (read by followers)
 
     def cancel(self) -> None:
         """Stop generating (e.g. the client went away); the engine frees the slot."""

@@ -21,7 +21,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def _copy(cache: list, length: int) -> list:
+def copy_prefix(cache: list, length: int) -> list:
     """Fresh KVCaches holding the first `length` positions, in buffers sized as a cold
     prefill leaves them (whole steps of KVCache.step), so later growth follows suit."""
     copies = []
@@ -67,13 +67,13 @@ class PrefixCache:
                 return None, 0
             self._store.move_to_end(best)
             self.hits += 1
-            return _copy(self._store[best], best_len), best_len
+            return copy_prefix(self._store[best], best_len), best_len
 
     def store(self, tokens: list[int], cache: list) -> None:
         """Keep a snapshot of `cache`, which holds exactly the KV of `tokens`."""
         if self.entries <= 0 or not tokens or not self.storable(cache):
             return
-        snapshot = _copy(cache, len(tokens))
+        snapshot = copy_prefix(cache, len(tokens))
         with self._lock:
             self._store[tuple(tokens)] = snapshot
             self._store.move_to_end(tuple(tokens))

@@ -22,7 +22,8 @@ from kernels.invariant_layers import batch_invariant
 from kernels.prefill import chunk_end, resume_at
 
 from server.engine.decoding import DecodePlan, Deployment
-from server.engine.prefix_cache import PrefixCache
+from server.engine.logits_processors import processors_for
+from server.engine.prefix_cache import PrefixCache, copy_prefix
 from server.engine.sampling import SamplingParams
 from server.engine.stops import IncrementalDecoder, StopTextStream
 from server.engine.speculative import never
@@ -41,6 +42,11 @@ class GenerationRequest:
     deterministic: bool = False
     speculative: str | None = None
     num_draft_tokens: int | None = None
+    # Per-row logits processing (server/engine/logits_processors.py).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: object | None = None  # a compiled server.engine.grammar.Grammar
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,8 @@ class _TokenTexts:
 class RequestState:
     def __init__(self, loaded, request: GenerationRequest, *, plan: DecodePlan | None = None,
                  deployment: Deployment | None = None, prefix_cache: PrefixCache | None = None,
-                 cancelled: Callable[[], bool] = never, step=forward):
+                 cancelled: Callable[[], bool] = never, step=forward,
+                 prefill_from: "RequestState | None" = None):
         self.loaded = loaded
         self.request = request
         self.plan = plan
@@ -116,6 +123,11 @@ class RequestState:
         model = loaded.model
         found, _ = prefix_cache.lookup(self.prompt[:-1]) if prefix_cache else (None, 0)
         self.cache = found or make_prompt_cache(model)
+        # Choices of one request (n > 1) share the prompt: a follower copies its leader's
+        # prompt KV once that is prefilled (exactly what its own prefill would compute).
+        self._leader = prefill_from if (found is None and prefill_from is not None
+                                        and PrefixCache.storable(self.cache)) else None
+        self.closed = False  # set by the engine when it drops this request
         # All but the last prompt token are prefilled; decoding starts by feeding the last one.
         done = self.cache[0].offset if self.cache else 0
         self._prefill_pos = resume_at(model, done, self._chunk)
@@ -125,13 +137,14 @@ class RequestState:
         self._texts = _TokenTexts(loaded.tokenizer)
         self._stream = StopTextStream(IncrementalDecoder(loaded.tokenizer, self.prompt), list(request.stop))
         self._wants_logprobs = request.sampling.top_logprobs is not None
+        self.processors = processors_for(request, loaded)
         method, k = (plan.method, plan.num_draft_tokens) if plan else ("none", 0)
         draft_model = deployment.draft_model if deployment else None
         self.source = make_source(self.cache, list(self.prompt), request.sampling, self.stats, method, k,
                                   draft_model, remaining=lambda: self.limit - self.generated,
                                   cancelled=cancelled, adaptive=bool(plan and plan.adaptive),
                                   pass_costs=deployment.pass_costs if deployment else None,
-                                  target=model)
+                                  target=model, processors=self.processors)
 
     # ---------------------------------------------------------------------- prefill
 
@@ -140,11 +153,27 @@ class RequestState:
         return self._prefill_pos < len(self.prompt) - 1
 
     def next_chunk_tokens(self) -> int:
-        """Tokens the next prompt chunk holds."""
+        """Tokens the next prompt chunk holds (none while a leader prefills for this one)."""
+        if self._leader is not None:
+            return 0
         return chunk_end(self._prefill_pos, len(self.prompt) - 1, self._chunk) - self._prefill_pos
+
+    def _follow_leader(self) -> None:
+        """Copy the leader's prompt KV once it is there; go alone if the leader was dropped."""
+        leader = self._leader
+        if leader.prefilling and not leader.closed:
+            return
+        self._leader = None
+        if not leader.prefilling:
+            length = len(self.prompt) - 1
+            self.cache[:] = copy_prefix(leader.cache, length)  # in place: the source holds this list
+            self._prefill_pos = length
 
     def prefill_chunk(self) -> None:
         """Run the next prompt chunk on this request's cache (its own forward pass)."""
+        if self._leader is not None:
+            self._follow_leader()
+            return
         end = chunk_end(self._prefill_pos, len(self.prompt) - 1, self._chunk)
         self.step(self.loaded.model, self.cache, self.prompt[self._prefill_pos:end])
         mx.eval([c.state for c in self.cache])
@@ -188,6 +217,9 @@ class RequestState:
                     deltas.append(self._delta(pending))
                 return self._finish(deltas, release, "stop")
             pending = release if pending is None else pending.merged(release)
+            if self.processors is not None and self.processors.finished:  # the grammar is complete
+                deltas.append(self._delta(pending))
+                return self._finish(deltas, self._stream.finish(), "stop")
             if self.generated >= self.limit:
                 if pending.text or pending.items:
                     deltas.append(self._delta(pending))

@@ -115,14 +115,19 @@ def _top_n(logprobs: mx.array, n: int) -> tuple[mx.array, mx.array]:
     return mx.take_along_axis(candidates, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
 
 
-def sample(logits: mx.array, positions: list[int], params: SamplingParams) -> list[Sampled]:
-    """Choose one token per row of `logits` (rows, vocab), with logprobs if requested."""
+def sample(logits: mx.array, positions: list[int], params: SamplingParams,
+           model_logits: mx.array | None = None) -> list[Sampled]:
+    """Choose one token per row of `logits` (rows, vocab), with logprobs if requested.
+
+    `model_logits` are the rows before per-request processing (penalties, bias, a grammar
+    mask; server/engine/logits_processors.py): logprobs report the model's own distribution.
+    """
     tokens = choose_tokens(logits, positions, params)
     if params.top_logprobs is None:
         mx.eval(tokens)
         return [Sampled(token) for token in tokens.tolist()]
 
-    logprobs = logits.astype(mx.float32)
+    logprobs = (logits if model_logits is None else model_logits).astype(mx.float32)
     logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
     chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     top_ids, top_values = _top_n(logprobs, params.top_logprobs)

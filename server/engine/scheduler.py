@@ -156,22 +156,32 @@ class Engine:
 
     def submit(self, request: GenerationRequest, plan: DecodePlan | None = None) -> RequestHandle:
         """Queue a request; call from the event loop. Output arrives on the handle."""
-        handle = RequestHandle(request, asyncio.get_running_loop(), plan)
-        needed = self._reservation(request, plan)
+        return self.submit_group([request], plan)[0]
+
+    def submit_group(self, requests: list[GenerationRequest], plan: DecodePlan | None = None) -> list[RequestHandle]:
+        """Queue the choices of one request (same prompt) together: each is generated as a
+        request of its own, and all but the first copy the first one's prompt KV instead of
+        prefilling it again. All are queued or none."""
+        loop = asyncio.get_running_loop()
+        handles = [RequestHandle(request, loop, plan) for request in requests]
+        for handle in handles[1:]:
+            handle.leader = handles[0]
+        needed = sum(self._reservation(request, plan) for request in requests)
         if not self.kv_budget.fits_at_all(needed):
             raise TooLargeForMemory(
                 f"the prompt and max_tokens need {needed} tokens of KV cache; this server holds at "
-                f"most {self.kv_budget.capacity} (--max-kv-tokens): lower max_tokens")
+                f"most {self.kv_budget.capacity} (--max-kv-tokens): lower max_tokens" +
+                (" or n" if len(requests) > 1 else ""))
         with self._wake:
             if self._stopping:
                 raise GenerationError("the server is shutting down")
             # Requests about to take a free slot are not "waiting" for the cap's purposes.
-            queued = len(self._waiting) - max(0, self.max_active - len(self._active))
+            queued = len(self._waiting) + len(handles) - 1 - max(0, self.max_active - len(self._active))
             if self.max_waiting is not None and queued >= self.max_waiting:
-                raise QueueFull(f"{queued} requests are already waiting")
-            self._waiting.append(handle)
+                raise QueueFull(f"{max(queued, 0)} requests are already waiting")
+            self._waiting.extend(handles)
             self._wake.notify()
-        return handle
+        return handles
 
     def counts(self) -> dict[str, int]:
         """Active and waiting requests now, and requests dropped so far because their client left
@@ -256,8 +266,10 @@ class Engine:
         if self._generate is not None:
             return self._generate(self.loaded, handle.request, plan=handle.plan, deployment=self.deployment,
                                   prefix_cache=self.prefix_cache, cancelled=cancelled)
-        return RequestState(self.loaded, handle.request, plan=handle.plan, deployment=self.deployment,
-                            prefix_cache=self.prefix_cache, cancelled=cancelled)
+        leader = handle.leader.state if handle.leader is not None else None
+        handle.state = RequestState(self.loaded, handle.request, plan=handle.plan, deployment=self.deployment,
+                                    prefix_cache=self.prefix_cache, cancelled=cancelled, prefill_from=leader)
+        return handle.state
 
     def _remove(self, active: _Active) -> None:
         with self._wake:
@@ -266,6 +278,8 @@ class Engine:
         self.kv_budget.release(active.reserved)
         if self._generate is not None:
             active.work.close()
+        else:
+            active.work.closed = True  # a follower of this request prefills on its own now
 
     def _fail(self, handle: RequestHandle, exc: Exception) -> None:
         log.error("generation failed", exc_info=exc)

@@ -55,11 +55,24 @@ def fast_argmax(params: SamplingParams) -> bool:
     return params.greedy and params.top_logprobs is None
 
 
-class PlainSource:
-    """One token per forward pass. `context` is the whole sequence so far (extended here)."""
+def choose_row(row: mx.array, context: list[int], params: SamplingParams, processors=None) -> Sampled:
+    """The token following `context`, from the target's logits `row` (vocab,): the request's
+    logits processors (if any) see the row first and then the chosen token."""
+    if processors is None:
+        return sample(row[None], [len(context)], params)[0]
+    chosen = sample(processors.process(row, context)[None], [len(context)], params, model_logits=row[None])[0]
+    processors.accept(chosen.token)
+    return chosen
 
-    def __init__(self, cache: list, context: list[int], params: SamplingParams, stats: SpeculationStats):
+
+class PlainSource:
+    """One token per forward pass. `context` is the whole sequence so far (extended here).
+    `processors` (server/engine/logits_processors.py) change each row before sampling."""
+
+    def __init__(self, cache: list, context: list[int], params: SamplingParams, stats: SpeculationStats,
+                 processors=None):
         self.cache, self.context, self.params, self.stats = cache, context, params, stats
+        self.processors = processors
 
     def rows(self, room: int | None = None) -> list[int]:
         return [self.context[-1]]
@@ -67,10 +80,10 @@ class PlainSource:
     def take(self, logits: mx.array, argmax: list[int] | None = None) -> list[Step]:
         """`logits` (1, vocab) for rows(); `argmax` its row argmax, when already computed."""
         self.stats.passes += 1
-        if argmax is not None and fast_argmax(self.params):
+        if argmax is not None and fast_argmax(self.params) and self.processors is None:
             chosen = Sampled(argmax[0])
         else:
-            chosen = sample(logits, [len(self.context)], self.params)[0]
+            chosen = choose_row(logits[0], self.context, self.params, self.processors)
         self.context.append(chosen.token)
         return [Step(chosen, logits[0])]
 
@@ -90,8 +103,10 @@ class SpeculativeSource:
 
     def __init__(self, cache: list, context: list[int], params: SamplingParams, drafter, k: int,
                  stats: SpeculationStats, remaining: Callable[[], int] = _unbounded,
-                 cancelled: Callable[[], bool] = never, adaptive: AdaptiveDraftLength | None = None):
+                 cancelled: Callable[[], bool] = never, adaptive: AdaptiveDraftLength | None = None,
+                 processors=None):
         self.cache, self.context, self.params = cache, context, params
+        self.processors = processors
         self.drafter, self.k, self.stats = drafter, k, stats
         self.remaining, self.cancelled = remaining, cancelled
         self.adaptive = adaptive
@@ -146,11 +161,17 @@ class SpeculativeSource:
     def take(self, logits: mx.array, argmax: list[int] | None = None) -> list[Step]:
         """`logits` (len(rows()), vocab); rejected drafts' KV rows are trimmed from the cache."""
         base = len(self.context)
-        use_argmax = argmax is not None and fast_argmax(self.params)
+        use_argmax = argmax is not None and fast_argmax(self.params) and self.processors is None
         picked: list[Step] = []
 
         def choose(row, i):
-            chosen = Sampled(argmax[i]) if use_argmax else sample(row[None], [base + i], self.params)[0]
+            if use_argmax:
+                chosen = Sampled(argmax[i])
+            elif self.processors is None:
+                chosen = sample(row[None], [base + i], self.params)[0]
+            else:  # row i follows the context and the i drafts accepted before it
+                chosen = choose_row(row, self.context + [s.sampled.token for s in picked],
+                                    self.params, self.processors)
             picked.append(Step(chosen, row))
             return chosen.token
 
@@ -179,18 +200,19 @@ def draft_cost_estimate(target, draft) -> float:
 def make_source(cache, context: list[int], params: SamplingParams, stats: SpeculationStats,
                 method: str = "none", k: int = 0, draft_model=None,
                 remaining: Callable[[], int] = _unbounded, cancelled: Callable[[], bool] = never,
-                adaptive: bool = False, pass_costs=None, target=None):
+                adaptive: bool = False, pass_costs=None, target=None, processors=None):
     """The two-phase source for a speculative `method` ("none", "draft", "prompt_lookup");
     with `adaptive`, k is chosen per step up to `k` (AdaptiveDraftLength, weighing
     `pass_costs`, the deployment's per-width pass costs)."""
     if method == "none":
-        return PlainSource(cache, context, params, stats)
+        return PlainSource(cache, context, params, stats, processors)
     drafter = DraftModelDrafter(draft_model) if method == "draft" else PromptLookupDrafter()
     policy = None
     if adaptive:
         draft_cost = draft_cost_estimate(target, draft_model) if method == "draft" else 0.0
         policy = AdaptiveDraftLength(k, pass_costs, draft_cost)
-    return SpeculativeSource(cache, context, params, drafter, k, stats, remaining, cancelled, policy)
+    return SpeculativeSource(cache, context, params, drafter, k, stats, remaining, cancelled, policy,
+                             processors)
 
 
 def drive(source, step, model, cache) -> Iterator[list[Step]]:

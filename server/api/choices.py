@@ -1,0 +1,99 @@
+"""The n choices of one request: each its own engine handle, read together.
+
+Non-streamed, all are collected (`collect`); streamed, their Deltas are interleaved as they
+arrive, tagged with the choice index (`interleave`). Either way every handle is cancelled
+when the reader stops, so a client that leaves frees all its slots.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from server.api import protocol as p
+from server.engine.generate import Delta
+from server.engine.sampling import _splitmix64
+
+_INT64 = 1 << 63
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Choice 0 keeps the request's seed (n = 1 and choice 0 agree); choice i > 0 gets its own
+    stream (seed, i), an int64 like every seed."""
+    if index == 0:
+        return seed
+    mixed = _splitmix64(_splitmix64(seed & ((1 << 64) - 1)) ^ index)
+    return mixed - (1 << 64) if mixed >= _INT64 else mixed
+
+
+def merge(deltas: list[Delta]) -> Delta:
+    """One choice's Deltas as one."""
+    last = deltas[-1]
+    return Delta(
+        text="".join(d.text for d in deltas),
+        prompt_tokens=last.prompt_tokens,
+        completion_tokens=last.completion_tokens,
+        logprobs=[lp for d in deltas for lp in d.logprobs],
+        text_offsets=[o for d in deltas for o in d.text_offsets],
+        finish_reason=last.finish_reason,
+        extension=last.extension,
+    )
+
+
+def usage(finals: list[Delta]) -> p.Usage:
+    """The prompt counts once; completion tokens add up over the choices."""
+    prompt = finals[0].prompt_tokens
+    completion = sum(d.completion_tokens for d in finals)
+    return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def cancel_all(handles) -> None:
+    for handle in handles:
+        handle.cancel()
+
+
+async def collect(handles) -> list[Delta]:
+    """Each choice's whole output, in choice order."""
+    async def one(handle) -> Delta:
+        return merge([delta async for delta in handle])
+
+    try:
+        return list(await asyncio.gather(*(one(h) for h in handles)))
+    finally:
+        cancel_all(handles)  # frees the slots if this handler is cancelled mid-way
+
+
+class _Ended:
+    pass
+
+
+async def interleave(handles) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, Delta) in arrival order until every choice has finished."""
+    if len(handles) == 1:
+        async for delta in handles[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, handle) -> None:
+        try:
+            async for delta in handle:
+                await queue.put((index, delta))
+            await queue.put((index, _Ended()))
+        except Exception as exc:  # e.g. GenerationError: re-raised to the reader
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        ended = 0
+        while ended < len(handles):
+            index, item = await queue.get()
+            if isinstance(item, _Ended):
+                ended += 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        cancel_all(handles)

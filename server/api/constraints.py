@@ -1,0 +1,57 @@
+"""The grammar a chat or completion request's output must follow, if any.
+
+tool_choice "required" or a named function: one call (or several, with
+parallel_tool_calls) in the model's JSON tool-call format. Otherwise `response_format`
+json_object / json_schema. The grammar engine (server/engine/grammar.py) compiles it; the
+engine masks each logits row with it (server/engine/logits_processors.py).
+"""
+from __future__ import annotations
+
+import threading
+
+from server.api import protocol as p
+from server.api.errors import APIError
+from server.api.tool_calls import ToolFormat
+
+
+class Constraints:
+    """Compiles grammars for one served model (the compiler is built at first use)."""
+
+    def __init__(self, loaded, tool_format: ToolFormat):
+        self.loaded, self.tool_format = loaded, tool_format
+        self._compiler = None
+        self._lock = threading.Lock()
+
+    def _grammars(self):
+        with self._lock:
+            if self._compiler is None:
+                from server.engine.grammar import compiler_for
+
+                self._compiler = compiler_for(self.loaded)
+            return self._compiler
+
+    def grammar_for(self, body: p.SamplingRequest):
+        """The compiled grammar `body` asks for, or None. Runs off the event loop (compiling
+        takes milliseconds to seconds); an unsupported schema is a 400 naming the problem."""
+        mode = body.tool_mode() if isinstance(body, p.ChatCompletionRequest) else "none"
+        response_format = getattr(body, "response_format", None)
+        if mode not in ("required", "named") and (response_format is None or response_format.type == "text"):
+            return None  # unconstrained: the grammar engine is not even imported
+        from server.engine.grammar import GrammarError
+
+        try:
+            if mode in ("required", "named"):
+                if not self.tool_format.json_calls:
+                    raise APIError(400, f"tool_choice {body.tool_choice!r} needs JSON tool calls; this "
+                                        "model's template uses another call format", param="tool_choice")
+                start, end = self.tool_format.grammar_tags()
+                name = body.tool_choice.function.name if mode == "named" else None
+                tools = [t.model_dump(exclude_none=True) for t in body.tools]
+                return self._grammars().tool_calls(tools, start=start, end=end, name=name,
+                                                   parallel=body.parallel_tool_calls and name is None)
+            if response_format.type == "json_object":
+                return self._grammars().json_object()
+            return self._grammars().json_schema(response_format.json_schema.schema_ or {})
+        except GrammarError as exc:
+            param = "tools" if mode in ("required", "named") else "response_format"
+            raise APIError(400, str(exc), param=param) from exc

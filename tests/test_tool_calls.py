@@ -1,0 +1,113 @@
+"""Tool calls: the fallback prompt, and model output text back into OpenAI tool_calls."""
+import json
+
+import pytest
+
+from server.api import protocol as p
+from server.api.chat_prompt import template_messages
+from server.api.tool_calls import FALLBACK_END, FALLBACK_START, ToolCallStream, split_tool_calls, tool_format
+
+FMT = tool_format(object())  # no template, no parser: the fallback format
+NAMES = {"get_weather", "add"}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_a_model_without_tool_support_gets_the_fallback_tags():
+    assert (FMT.start, FMT.end, FMT.native, FMT.json_calls) == (FALLBACK_START, FALLBACK_END, False, True)
+
+
+def test_calls_are_split_from_content():
+    content, calls = split_tool_calls("Let me check. " + CALL, FMT, NAMES)
+    assert content == "Let me check. "
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_two_calls_and_string_arguments():
+    text = CALL + '\n<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>'
+    _, calls = split_tool_calls(text, FMT, NAMES)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("add", {"a": 1})]
+
+
+@pytest.mark.parametrize("body", ['{"name": "rm_rf", "arguments": {}}', "not json", '["a"]',
+                                  '{"name": "add", "arguments": 3}'])
+def test_a_tagged_body_that_is_no_valid_call_stays_content(body):
+    text = f"<tool_call>{body}</tool_call>"
+    assert split_tool_calls(text, FMT, NAMES) == (text, [])
+
+
+def test_an_unterminated_call_counts_when_its_json_is_complete():
+    _, calls = split_tool_calls('<tool_call>\n{"name": "add", "arguments": {"a": 2}}', FMT, NAMES)
+    assert [c.name for c in calls] == ["add"]
+    _, calls = split_tool_calls('<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_', FMT, NAMES)
+    assert [c.name for c in calls] == ["add"]  # cut off inside the end tag
+    content, calls = split_tool_calls('<tool_call>\n{"name": "add", "argu', FMT, NAMES)
+    assert calls == [] and content == '<tool_call>\n{"name": "add", "argu'
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7])
+def test_streamed_pieces_give_the_same_split_and_never_leak_a_tag(size):
+    text = "Sure <tool" + "x> then " + CALL + " done"
+    stream = ToolCallStream(FMT, NAMES)
+    sent, calls = "", []
+    for i in range(0, len(text), size):
+        content, new = stream.add(text[i:i + size])
+        assert "<tool_call>" not in content
+        sent, calls = sent + content, calls + new
+    rest, more = stream.finish()
+    assert (sent + rest, calls + more) == split_tool_calls(text, FMT, NAMES)
+    assert sent + rest == "Sure <toolx> then  done"
+
+
+def _chat(messages, **extra):
+    return p.ChatCompletionRequest.model_validate({"model": "m", "messages": messages, **extra})
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def test_fallback_prompt_lists_tools_and_renders_history_in_the_call_format():
+    body = _chat([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    ], tools=TOOLS)
+    messages, kwargs = template_messages(body, FMT)
+    assert kwargs == {}
+    assert messages[0]["role"] == "system" and messages[0]["content"].startswith("Be brief.")
+    assert '"get_weather"' in messages[0]["content"] and "<tools>" in messages[0]["content"]
+    assert split_tool_calls(messages[2]["content"], FMT, NAMES)[1][0].name == "get_weather"
+    assert messages[3] == {"role": "user", "content": "<tool_response>\n18 C, sunny\n</tool_response>"}
+
+
+def test_tool_choice_none_leaves_tools_out_of_the_prompt():
+    messages, _ = template_messages(_chat([{"role": "user", "content": "hi"}], tools=TOOLS, tool_choice="none"), FMT)
+    assert messages == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("message, error", [
+    ({"role": "tool", "content": "x"}, "tool_call_id"),
+    ({"role": "user", "content": None}, "needs content"),
+    ({"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, "only assistant"),
+])
+def test_malformed_tool_history_is_refused(message, error):
+    with pytest.raises(ValueError, match=error):
+        _chat([message])
+
+
+def test_tool_choice_must_name_an_offered_tool():
+    with pytest.raises(ValueError, match="not in tools"):
+        _chat([{"role": "user", "content": "x"}], tools=TOOLS,
+              tool_choice={"type": "function", "function": {"name": "other"}})
+    with pytest.raises(ValueError, match="needs tools"):
+        _chat([{"role": "user", "content": "x"}], tool_choice="required")
+
+
+def test_whitespace_between_calls_is_not_content():
+    content, calls = split_tool_calls(CALL + "\n\n" + CALL + "\n", FMT, NAMES)
+    assert content == "" and len(calls) == 2
+    content, _ = split_tool_calls(CALL + "\n\nDone.", FMT, NAMES)
+    assert content == "\n\nDone."
