@@ -81,24 +81,23 @@ class RingDeployment:
                 proc.wait()
 
 
-@pytest.fixture(scope="module")
-def pipeline2(tmp_path_factory):
-    deployment = RingDeployment(tmp_path_factory.mktemp("pipeline2"), "pipeline", 2)
+def _running(tmp: Path, parallel: str, ranks: int):
+    deployment = RingDeployment(tmp, parallel, ranks)
     try:
         deployment.wait_healthy()
         yield deployment
     finally:
         deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def pipeline2(tmp_path_factory):
+    yield from _running(tmp_path_factory.mktemp("pipeline2"), "pipeline", 2)
 
 
 @pytest.fixture(scope="module")
 def tensor3(tmp_path_factory):
-    deployment = RingDeployment(tmp_path_factory.mktemp("tensor3"), "tensor", 3)
-    try:
-        deployment.wait_healthy()
-        yield deployment
-    finally:
-        deployment.stop()
+    yield from _running(tmp_path_factory.mktemp("tensor3"), "tensor", 3)
 
 
 def ask(base: str, prompt: str, *, seed: int = 7, deterministic: bool = True):

@@ -38,8 +38,7 @@ from server.engine.decoding import DecodePlan, RequestRejected, plan_request
 from server.engine.generate import Delta, GenerationRequest
 from server.engine.logits_processors import logits_width
 from server.engine.sampling import GREEDY_BELOW, SamplingParams
-from server.api.choices import choice_seed
-from server.api.tool_calls import ParsedCall, ToolCallStream, new_call_id, split_tool_calls, tool_format
+from server.api.tool_calls import ParsedCall, ToolCallStream, new_call_id, tool_format
 
 MODEL_ALIAS = "default"
 SHUTTING_DOWN = "the server is shutting down; this request was cut off"
@@ -180,7 +179,7 @@ class Routes:
 
     @staticmethod
     def _sampling(body: p.SamplingRequest, choice: int) -> SamplingParams:
-        seed = {} if body.seed is None else {"seed": choice_seed(body.seed, choice)}
+        seed = {} if body.seed is None else {"seed": choices.choice_seed(body.seed, choice)}
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                               min_p=body.min_p, top_logprobs=body.logprobs_count(), **seed)
 
@@ -193,7 +192,12 @@ class Routes:
         except RequestRejected as exc:
             raise APIError(400, str(exc), param=exc.param) from exc
 
-    async def _collect(self, handles, receive) -> list[Delta]:
+    async def submit_chat(self, body: p.ChatCompletionRequest) -> list:
+        """Submit a chat request's n choices (also what /v1/responses runs as)."""
+        return await self._submit(body, self._chat_tokens, "messages")
+
+    async def collect(self, handles, receive) -> list[Delta]:
+        """Each choice's whole output; a client that disconnects cancels them all."""
         try:
             if receive is None:
                 return await choices.collect(handles)
@@ -214,34 +218,34 @@ class Routes:
 
     # ------------------------------------------------------------------- endpoints
 
-    def _tool_names(self, body: p.ChatCompletionRequest) -> set[str]:
-        return {t.function.name for t in body.tools or []} if body.tool_mode() != "none" else set()
+    def tool_calls_stream(self, body: p.ChatCompletionRequest) -> ToolCallStream | None:
+        """What splits this request's output into content and tool calls (None: no tools)."""
+        if body.tool_mode() == "none":
+            return None
+        return ToolCallStream(self.tool_format, {t.function.name for t in body.tools},
+                              None if body.parallel_tool_calls else 1)
 
     def _chat_choice(self, index: int, d: Delta, body: p.ChatCompletionRequest) -> p.ChatChoice:
-        names = self._tool_names(body)
-        content, calls = split_tool_calls(d.text, self.tool_format, names) if names else (d.text, [])
-        if calls and not body.parallel_tool_calls:
-            calls = calls[:1]
+        stream = self.tool_calls_stream(body)
+        content, calls = (d.text, []) if stream is None else stream.split(d.text)
         message = p.AssistantMessage(content=(content or None) if calls else content,
                                      tool_calls=_response_calls(calls) or None)
         return p.ChatChoice(index=index, message=message, finish_reason=_finish_reason(d.finish_reason, bool(calls)),
                             logprobs=_chat_logprobs(d) if body.logprobs else None)
 
     async def chat(self, body: p.ChatCompletionRequest, receive=None):
-        handles = await self._submit(body, self._chat_tokens, "messages")
+        handles = await self.submit_chat(body)
         common = {"id": p.new_id("chatcmpl"), "model": self.loaded.name, "system_fingerprint": self.fingerprint}
 
         if not body.stream:
-            finals = await self._collect(handles, receive)
+            finals = await self.collect(handles, receive)
             return JSONResponse(p.ChatCompletion(
                 **common, choices=[self._chat_choice(i, d, body) for i, d in enumerate(finals)],
                 usage=choices.usage(finals), lockstep=finals[0].extension).model_dump())
 
-        names = self._tool_names(body)
-
         async def chunks() -> AsyncIterator[p.ChatCompletionChunk]:
             role_due = [True] * len(handles)  # the role is sent once per choice, in its first chunk
-            calls = [ToolCallStream(self.tool_format, names) if names else None for _ in handles]
+            calls = [self.tool_calls_stream(body) for _ in handles]
             sent = [0] * len(handles)  # tool calls sent per choice
             finals: list[Delta] = []
             async for i, d in choices.interleave(handles):
@@ -251,8 +255,6 @@ class Routes:
                     if d.finish_reason is not None:
                         rest, more = calls[i].finish()
                         text, new_calls = text + rest, new_calls + more
-                    if not body.parallel_tool_calls:
-                        new_calls = new_calls[:max(0, 1 - sent[i])]
                 if text or d.logprobs or role_due[i] or new_calls:
                     tool_deltas = [p.ToolCallDelta(index=sent[i] + k, id=c.id, function=c.function)
                                    for k, c in enumerate(_response_calls(new_calls))] or None
@@ -281,7 +283,7 @@ class Routes:
             return p.CompletionChoice(index=i, text=d.text, finish_reason=d.finish_reason, logprobs=logprobs)
 
         if not body.stream:
-            finals = await self._collect(handles, receive)
+            finals = await self.collect(handles, receive)
             return JSONResponse(p.TextCompletion(**common, choices=[choice(i, d) for i, d in enumerate(finals)],
                                                  usage=choices.usage(finals), lockstep=finals[0].extension).model_dump())
 

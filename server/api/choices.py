@@ -11,7 +11,7 @@ from typing import AsyncIterator
 
 from server.api import protocol as p
 from server.engine.generate import Delta
-from server.engine.sampling import _splitmix64
+from server.engine.sampling import splitmix64
 
 _INT64 = 1 << 63
 
@@ -21,7 +21,7 @@ def choice_seed(seed: int, index: int) -> int:
     stream (seed, i), an int64 like every seed."""
     if index == 0:
         return seed
-    mixed = _splitmix64(_splitmix64(seed & ((1 << 64) - 1)) ^ index)
+    mixed = splitmix64(splitmix64(seed & ((1 << 64) - 1)) ^ index)
     return mixed - (1 << 64) if mixed >= _INT64 else mixed
 
 

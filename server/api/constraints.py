@@ -7,28 +7,21 @@ engine masks each logits row with it (server/engine/logits_processors.py).
 """
 from __future__ import annotations
 
-import threading
-
 from server.api import protocol as p
 from server.api.errors import APIError
 from server.api.tool_calls import ToolFormat
 
 
 class Constraints:
-    """Compiles grammars for one served model (the compiler is built at first use)."""
+    """Which grammar a request needs, compiled by the process's compiler for the model."""
 
     def __init__(self, loaded, tool_format: ToolFormat):
         self.loaded, self.tool_format = loaded, tool_format
-        self._compiler = None
-        self._lock = threading.Lock()
 
     def _grammars(self):
-        with self._lock:
-            if self._compiler is None:
-                from server.engine.grammar import compiler_for
+        from server.engine.grammar import compiler_for  # built at first use, then shared
 
-                self._compiler = compiler_for(self.loaded)
-            return self._compiler
+        return compiler_for(self.loaded)
 
     def grammar_for(self, body: p.SamplingRequest):
         """The compiled grammar `body` asks for, or None. Runs off the event loop (compiling

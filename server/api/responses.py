@@ -100,9 +100,9 @@ class OutputItems:
     end and follow the message, which is where a whole-text parse puts them too.
     """
 
-    def __init__(self, calls: ToolCallStream | None, parallel_tool_calls: bool):
+    def __init__(self, calls: ToolCallStream | None):
         self.items: list[rp.OutputItem] = []
-        self._calls_stream, self._parallel = calls, parallel_tool_calls
+        self._calls_stream = calls
         self._calls: list[ParsedCall] = []
         self._message: rp.OutputMessage | None = None
         self._held = ""
@@ -120,13 +120,12 @@ class OutputItems:
             rest, calls = self._calls_stream.finish()
             self._calls += calls
             events += self._text(rest)
-        calls = self._calls if self._parallel else self._calls[:1]
-        if self._message is None and not calls:  # an answer with no text is still a message
+        if self._message is None and not self._calls:  # an answer with no text is still a message
             held, self._held = self._held, ""
             events += self._open_message() + self._delta(held)
         if self._message is not None:
             events += self._close_message(status)
-        for call in calls:
+        for call in self._calls:
             events += self._function_call(call)
         return events
 
@@ -193,23 +192,18 @@ class ResponsesRoute:
     async def create(self, body: rp.ResponsesRequest, receive=None):
         chat = chat_request(body)
         try:
-            handles = await self.routes._submit(chat, self.routes._chat_tokens, "messages")
+            handles = await self.routes.submit_chat(chat)
         except APIError as exc:
             exc.body.param = PARAMS.get(exc.body.param, exc.body.param)
             raise
         response = self._response(body, chat)
-        items = self._output_items(chat)
+        items = OutputItems(self.routes.tool_calls_stream(chat))
         if not body.stream:
-            final = (await self.routes._collect(handles, receive))[0]
+            final = (await self.routes.collect(handles, receive))[0]
             items.add(final.text)
             items.finish(self._status(final))
             return JSONResponse(self._finished(response, items, final).model_dump())
         return StreamingResponse(self._stream(handles, response, items), media_type="text/event-stream")
-
-    def _output_items(self, chat: p.ChatCompletionRequest) -> OutputItems:
-        names = self.routes._tool_names(chat)
-        calls = ToolCallStream(self.routes.tool_format, names) if names else None
-        return OutputItems(calls, chat.parallel_tool_calls)
 
     def _response(self, body: rp.ResponsesRequest, chat: p.ChatCompletionRequest) -> rp.ResponseObject:
         """The in-progress response: the request's settings echoed, no output yet."""

@@ -89,11 +89,18 @@ class ToolCallStream:
     A tagged body that is not a valid call of a known tool is passed on as content.
     """
 
-    def __init__(self, fmt: ToolFormat, names: set[str]):
+    def __init__(self, fmt: ToolFormat, names: set[str], max_calls: int | None = None):
         self.fmt, self.names = fmt, names
+        self.max_calls = max_calls  # 1 with parallel_tool_calls off: later calls are dropped
         self._pending = ""  # content held back, or an open call's text
         self._in_call = False
         self.calls: list[ParsedCall] = []
+
+    def _keep(self, call: ParsedCall) -> list[ParsedCall]:
+        if self.max_calls is not None and len(self.calls) >= self.max_calls:
+            return []
+        self.calls.append(call)
+        return [call]
 
     def add(self, text: str) -> tuple[str, list[ParsedCall]]:
         """Content that can be sent now, and calls completed by `text`."""
@@ -111,8 +118,7 @@ class ToolCallStream:
                 if call is None:
                     content += self.fmt.start + body + self.fmt.end
                 else:
-                    calls.append(call)
-                    self.calls.append(call)
+                    calls += self._keep(call)
                 continue
             start = self._pending.find(self.fmt.start)
             if start >= 0:
@@ -139,8 +145,14 @@ class ToolCallStream:
         call = parse_call(pending[:len(pending) - cut], self.names)
         if call is None:
             return self.fmt.start + pending, []
-        self.calls.append(call)
-        return "", [call]
+        return "", self._keep(call)
+
+
+    def split(self, text: str) -> tuple[str, list[ParsedCall]]:
+        """A whole output: its content (outside calls) and its calls."""
+        content, calls = self.add(text)
+        rest, more = self.finish()
+        return content + rest, calls + more
 
 
 def _partial_tag_suffix(text: str, tag: str) -> int:
@@ -151,9 +163,7 @@ def _partial_tag_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def split_tool_calls(text: str, fmt: ToolFormat, names: set[str]) -> tuple[str, list[ParsedCall]]:
+def split_tool_calls(text: str, fmt: ToolFormat, names: set[str],
+                     max_calls: int | None = None) -> tuple[str, list[ParsedCall]]:
     """A whole output: its content (outside calls) and its calls."""
-    stream = ToolCallStream(fmt, names)
-    content, calls = stream.add(text)
-    rest, more = stream.finish()
-    return content + rest, calls + more
+    return ToolCallStream(fmt, names, max_calls).split(text)

@@ -210,15 +210,17 @@ class GrammarCompiler:
 
 # The compilers built in this process, by (logits width, eos ids): unpickling a Grammar needs one.
 _COMPILERS: dict[tuple[int, tuple[int, ...]], GrammarCompiler] = {}
+_COMPILERS_LOCK = threading.Lock()
 
 
 def compiler_for(loaded) -> GrammarCompiler:
     """The process's compiler for a loaded model (built at first use, then shared)."""
     from server.engine.logits_processors import logits_width
 
-    eos = tuple(sorted({int(t) for t in loaded.eos_token_ids}))
-    compiler = _COMPILERS.get((logits_width(loaded), eos)) if eos else None
-    return compiler or GrammarCompiler(loaded.tokenizer, logits_width(loaded), loaded.eos_token_ids)
+    width, eos = logits_width(loaded), tuple(sorted({int(t) for t in loaded.eos_token_ids}))
+    with _COMPILERS_LOCK:  # two first requests build one compiler
+        compiler = _COMPILERS.get((width, eos)) if eos else None
+        return compiler or GrammarCompiler(loaded.tokenizer, width, loaded.eos_token_ids)
 
 
 def _grammar_from_source(source: str, vocab_size: int, eos_ids: tuple[int, ...]) -> Grammar:

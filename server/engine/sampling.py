@@ -45,7 +45,7 @@ class Sampled:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
-def _splitmix64(x: int) -> int:
+def splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -54,7 +54,7 @@ def _splitmix64(x: int) -> int:
 
 def key_for(seed: int, position: int) -> mx.array:
     """A PRNG key that depends only on (seed, position)."""
-    return mx.random.key(_splitmix64((seed & _MASK64) ^ _splitmix64(position)))
+    return mx.random.key(splitmix64((seed & _MASK64) ^ splitmix64(position)))
 
 
 def _mask_top_k(logprobs: mx.array, k: int) -> mx.array:
