@@ -30,11 +30,16 @@ CHOICES = ("openblas", "reference")
 SHIM_SOURCE = Path(__file__).with_suffix("") / "shim.c"
 # The batch-invariant sgemm the shim runs for M <= L under strategy `cpu_kernel`.
 KERNEL_SOURCE = SHIM_SOURCE.with_name("invariant_gemm.c")
+# Large calls (prefill chunks) in fixed column blocks on the idle cores.
+SPLIT_SOURCE = SHIM_SOURCE.with_name("split_gemm.c")
 # Names the built file, so /proc/self/maps can tell the shim is mapped.
 _SHIM_STEM = "lockstep-cpu-blas-shim"
 # Set on re-exec so a shim that fails to take effect cannot loop us forever.
 _REEXEC_MARKER = "LOCKSTEP_CPU_BLAS_REEXEC"
 _THREADS_ENV = "OPENBLAS_NUM_THREADS"
+# Read by the shim at load: column blocks for calls of >= LARGE_ROWS rows (0 or 1 = off).
+_LARGE_THREADS_ENV = "LOCKSTEP_BLAS_LARGE_THREADS"
+_LARGE_ROWS_ENV = "LOCKSTEP_BLAS_LARGE_ROWS"
 
 
 class ShimUnavailable(RuntimeError):
@@ -70,7 +75,7 @@ def build_shim() -> Path:
     if not sys.platform.startswith("linux"):
         raise ShimUnavailable(f"LD_PRELOAD shim is Linux-only (platform {sys.platform})")
     lib = openblas_lib()
-    source = SHIM_SOURCE.read_bytes() + b"\0" + KERNEL_SOURCE.read_bytes()
+    source = b"\0".join(p.read_bytes() for p in (SHIM_SOURCE, KERNEL_SOURCE, SPLIT_SOURCE))
     # Keyed by the library path (baked in as rpath) and the source, so a new
     # venv or an edited shim gets its own build and stale ones are never used.
     key = hashlib.sha256(str(lib).encode() + b"\0" + source).hexdigest()[:16]
@@ -84,9 +89,9 @@ def build_shim() -> Path:
     os.close(fd)
     # -ffp-contract=off: the kernel's reduction order is written out (fmaf where meant);
     # a compiler-fused a*b+c elsewhere would make the vector and portable paths differ.
-    cmd = [cc, "-O2", "-ffp-contract=off", "-shared", "-fPIC", "-o", tmp, str(SHIM_SOURCE),
-           str(KERNEL_SOURCE), f"-L{lib.parent}", f"-l:{lib.name}", f"-Wl,-rpath,{lib.parent}",
-           "-lm"]
+    cmd = [cc, "-O2", "-ffp-contract=off", "-shared", "-fPIC", "-pthread", "-o", tmp,
+           str(SHIM_SOURCE), str(KERNEL_SOURCE), str(SPLIT_SOURCE), f"-L{lib.parent}",
+           f"-l:{lib.name}", f"-Wl,-rpath,{lib.parent}", "-lm"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -109,10 +114,24 @@ def shim_path() -> Path | None:
 
 
 def default_threads() -> int:
+    """OpenBLAS threads for calls of fewer than `LARGE_ROWS` rows (decode, small passes)."""
     # OpenBLAS workers spin-wait, and MLX's CPU stream plus the server need a
     # core too: on 2 cores, 2 threads ran at 0.06-0.6x the speed of 1
     # (bench/cpu_blas.py). Half the cores, at most 4 (larger untested).
     return max(1, min(4, (os.cpu_count() or 1) // 2))
+
+
+# Calls of at least this many rows (prefill chunks) run in `large_threads()` fixed column
+# blocks on the cores idle at the time (cpu_blas/split_gemm.c; docs/BENCHMARKS.md, "CPU
+# default (issue 10)"). Decode (1 row) and small passes stay on `default_threads()`.
+LARGE_ROWS = 64
+
+
+def large_threads() -> int:
+    """Column blocks for calls of >= LARGE_ROWS rows; 0 = off. Measured on 2 cores only:
+    where OpenBLAS itself runs on more than one thread (4+ cores), it stays off."""
+    cores = os.cpu_count() or 1
+    return cores if default_threads() == 1 and cores > 1 else 0
 
 
 def _strip_shim(preload: str) -> list[str]:
@@ -129,6 +148,8 @@ def preload_env(env: dict[str, str] | None = None) -> dict[str, str]:
     shim = build_shim()
     out["LD_PRELOAD"] = " ".join([str(shim), *_strip_shim(out.get("LD_PRELOAD", ""))])
     out.setdefault(_THREADS_ENV, str(default_threads()))
+    out.setdefault(_LARGE_THREADS_ENV, str(large_threads()))
+    out.setdefault(_LARGE_ROWS_ENV, str(LARGE_ROWS))
     return out
 
 
@@ -170,8 +191,29 @@ def describe() -> str:
     config = lib.scipy_openblas_get_config().decode()
     # The build's name carries the digest of the shim's C sources, whose kernel makes bits.
     build = next((w for w in Path("/proc/self/maps").read_text().split() if _SHIM_STEM in w), "")
-    return (f"openblas ({config}; threads={lib.scipy_openblas_get_num_threads()}; "
+    return (f"openblas ({config}; threads={threads()}; "
             f"shim {Path(build).stem.removeprefix(_SHIM_STEM + '-')}; kernel {kernel_isa()})")
+
+
+def threads() -> str | None:
+    """The shim's thread rule, e.g. "1" or "1, 2 blocks from 64 rows"; None where the shim is
+    not active. Blocks are fixed by the call's shape, so its bits are (not by the load)."""
+    lib = _shim_symbols()
+    if lib is None:
+        return None
+    small, large, rows = (ctypes.c_int.in_dll(lib, f"lockstep_blas_{name}").value
+                          for name in ("small_threads", "large_threads", "large_rows"))
+    return str(small) if large <= 1 else f"{small}, {large} blocks from {rows} rows"
+
+
+def split_counts() -> tuple[int, int] | None:
+    """(large calls split into blocks, blocks run by helper threads) so far in this process;
+    None where the shim is not active. For tests and benches."""
+    lib = _shim_symbols()
+    if lib is None:
+        return None
+    return (ctypes.c_long.in_dll(lib, "lockstep_blas_split_calls").value,
+            ctypes.c_long.in_dll(lib, "lockstep_blas_split_helper_pieces").value)
 
 
 def _shim_symbols():

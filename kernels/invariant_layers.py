@@ -24,6 +24,8 @@ import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
 
 from .invariant_cache import is_positional
+from .kv_pool import PooledLayerCache
+from .prefill_attention import blocked_causal, wants_blocks
 from .ragged import RaggedLayerCache
 from .invariant_ops import Strategy, attention_per_query, dense_rows, quantized_rows, rows_of
 
@@ -120,6 +122,10 @@ def invariant_sdpa(*args, **kwargs):
     if isinstance(cache, RaggedLayerCache):
         a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
         return cache.attention(invariant_sdpa, a["queries"], scale=a["scale"], sinks=a.get("sinks"))
+    if isinstance(cache, PooledLayerCache):
+        # One request's own pass over the pool (a prompt chunk): each row against its keys.
+        a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
+        return cache.attention(a["queries"], a["scale"], a.get("sinks"))
     s = active_setting()
     queries = args[0] if args else kwargs.get("queries")
     packed = s is not None and s.strategy.attention == "per_query_contiguous"
@@ -138,6 +144,11 @@ def invariant_sdpa(*args, **kwargs):
         if q.shape[2] <= s.limit and is_positional(a.get("cache")):
             k, v, mask = a.pop("keys"), a.pop("values"), a.pop("mask", None)
             return attention_per_query(_NATIVE_SDPA, q, k, v, mask=mask, contiguous=packed, **a)
+    a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
+    if is_positional(a.get("cache")) and wants_blocks(a["queries"], a["keys"], a.get("mask")):
+        q, k, v = a.pop("queries"), a.pop("keys"), a.pop("values")
+        a.pop("mask")
+        return blocked_causal(_NATIVE_SDPA, q, k, v, **a)  # a long prompt chunk on the CPU
     return _NATIVE_SDPA(*args, **kwargs)
 
 

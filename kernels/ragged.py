@@ -16,6 +16,10 @@ per request, and are patched from outside the mlx-lm model files:
 
 A row therefore meets the same ops alone (a ragged pass of one request) and beside others;
 that its bits are the same is proven per backend (`prove_ragged`), like every other form.
+
+When the requests' caches live in one KV pool (kernels/kv_pool.py), a layer writes all rows'
+KV with one scatter and runs one attention call for all rows (kernels/custom/attention.py)
+instead of one of each per request.
 """
 from __future__ import annotations
 
@@ -23,6 +27,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import rope_utils
 from mlx_lm.models.cache import KVCache
+
+from .custom.attention import PoolRows, pooled_attention
+from .kv_pool import PooledLayerCache, is_pooled
 
 # RoPE classes whose call hands `offset` straight to mx.fast.rope (so a per-row position
 # vector works once each row is its own batch entry).
@@ -41,13 +48,32 @@ class RowPositions:
         self.positions = positions
 
 
+class PooledPass:
+    """Where a pass's rows go in a KV pool: each row's slot, and the keys each row sees."""
+
+    def __init__(self, caches: list, rows: list[int]):
+        self.pool = caches[0].pool
+        slots, base, lens = [], [], []
+        for cache, n in zip(caches, rows):
+            start, offset = cache.span.start, cache.offset
+            if offset + n > cache.span.length:
+                raise ValueError(f"a request's KV outgrew its reservation ({cache.span.length} tokens)")
+            slots += range(start + offset, start + offset + n)
+            base += [start] * n
+            lens += range(offset + 1, offset + n + 1)
+        self.slots = mx.array(slots, dtype=mx.int32)
+        self.rows = PoolRows(base, lens)
+
+
 class RaggedLayerCache:
     """One layer's view of a ragged pass: the requests' own caches and their row counts."""
 
-    def __init__(self, caches: list, rows: list[int], positions: RowPositions):
+    def __init__(self, caches: list, rows: list[int], positions: RowPositions,
+                 pooled: PooledPass | None = None):
         self.caches = caches
         self.rows = rows
         self._positions = positions
+        self.pooled = pooled
         self.fetched: list[tuple[mx.array, mx.array]] = []
 
     @property
@@ -56,6 +82,11 @@ class RaggedLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append each request's rows to its own cache; the attention reads `fetched`."""
+        if self.pooled is not None:
+            self.pooled.pool.scatter(self.caches[0].layer, self.pooled.slots, keys[0], values[0])
+            for cache, n in zip(self.caches, self.rows):
+                cache.offset += n
+            return keys, values
         self.fetched = []
         start = 0
         for cache, n in zip(self.caches, self.rows):
@@ -69,7 +100,12 @@ class RaggedLayerCache:
 
     def attention(self, sdpa, queries: mx.array, *, scale, sinks=None, **_) -> mx.array:
         """Each request's query rows against its own keys, by `sdpa` (the model's attention
-        function) exactly as that request's pass alone would call it; rows end to end."""
+        function) exactly as that request's pass alone would call it; rows end to end.
+        Pooled: all rows in one call, each against its own keys in the pool."""
+        if self.pooled is not None:
+            pool, layer = self.pooled.pool, self.caches[0].layer
+            return pooled_attention(queries, pool.keys[layer], pool.values[layer], self.pooled.rows,
+                                    scale, sinks=sinks, use_kernel=pool.use_kernel)
         outs = []
         start = 0
         for cache, n, (keys, values) in zip(self.caches, self.rows, self.fetched):
@@ -140,18 +176,26 @@ def ragged_forward(model, requests: list[tuple[list, list[int]]]) -> list[mx.arr
     Each request's rows are appended to its own cache. The model must have had
     `enable_ragged` applied.
     """
+    logits, out, start = ragged_logits(model, requests), [], 0
+    for _, tokens in requests:
+        out.append(logits[start:start + len(tokens)])
+        start += len(tokens)
+    return out
+
+
+def ragged_logits(model, requests: list[tuple[list, list[int]]]) -> mx.array:
+    """`ragged_forward`'s logits as one (rows, vocab) array, the requests' rows end to end."""
     rows = [len(tokens) for _, tokens in requests]
     if any(n < 1 for n in rows):
         raise ValueError("every request in a ragged pass needs at least one row")
     positions = RowPositions(mx.array([cache[0].offset + i for (cache, _), n in zip(requests, rows)
                                        for i in range(n)], dtype=mx.int32))
     layers = len(requests[0][0])
-    ragged = [RaggedLayerCache([cache[layer] for cache, _ in requests], rows, positions)
+    pools = {id(layer.pool) for cache, _ in requests for layer in cache if isinstance(layer, PooledLayerCache)}
+    pooled = len(pools) == 1 and all(is_pooled(cache) for cache, _ in requests)
+    # Every layer of a request shares its pool range and offset: one PooledPass serves all.
+    where = PooledPass([cache[0] for cache, _ in requests], rows) if pooled else None
+    ragged = [RaggedLayerCache([cache[layer] for cache, _ in requests], rows, positions, where)
               for layer in range(layers)]
     tokens = mx.array([t for _, ts in requests for t in ts])[None]
-    logits = model(tokens, cache=ragged)[0]
-    out, start = [], 0
-    for n in rows:
-        out.append(logits[start:start + n])
-        start += n
-    return out
+    return model(tokens, cache=ragged)[0]

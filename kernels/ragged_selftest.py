@@ -66,18 +66,41 @@ def _members_for(width: int, pool: list[tuple[int, int]]) -> list[int]:
     return chosen
 
 
-def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None) -> RaggedProof:
-    """Prove ragged passes of 1..limit rows bit-identical to solo passes on this model."""
+class _Caches:
+    """Fresh caches and private copies: each request its own KVCaches, or ranges of one KV
+    pool (kernels/kv_pool.py) as the engine gives them with `kv_pool` "kernel"/"reference"."""
+
+    def __init__(self, model, kv_pool: str, tokens: int):
+        self.model = model
+        self.pool = None
+        if kv_pool != "off":
+            from .kv_pool import KVPool
+
+            self.pool = KVPool(model, 4 * tokens, use_kernel=kv_pool == "kernel")
+        self.tokens = tokens
+
+    def new(self) -> list:
+        return make_prompt_cache(self.model) if self.pool is None else self.pool.allocate(self.tokens)
+
+    def copy(self, cache: list) -> list:
+        return copy.deepcopy(cache) if self.pool is None else self.pool.clone(cache)
+
+
+def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None,
+                 kv_pool: str = "off") -> RaggedProof:
+    """Prove ragged passes of 1..limit rows bit-identical to solo passes on this model
+    (`kv_pool`: the requests' caches as the engine makes them, see server/engine/decoding.py)."""
     start = time.perf_counter()
     if limit < 1:
         return RaggedProof(False, limit, (), "the limit is 0")
     vocab = vocab or _vocab_size(model)
     key = mx.random.key(seed)
     pool = _pool(limit)
+    made = _Caches(model, kv_pool, max(prefix + rows for prefix, rows in pool))
     prompts, caches = [], []
     for i, (prefix, rows) in enumerate(pool):
         tokens = mx.random.randint(0, vocab, (prefix + rows,), key=mx.random.split(key, len(pool))[i]).tolist()
-        cache = make_prompt_cache(model)
+        cache = made.new()
         model(mx.array(tokens[:prefix])[None], cache=cache)
         mx.eval([c.state for c in cache])
         prompts.append(tokens[prefix:])
@@ -85,7 +108,7 @@ def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None) 
 
     solo = []
     for i, (prefix, _) in enumerate(pool):
-        cache = copy.deepcopy(caches[i])
+        cache = made.copy(caches[i])
         logits = ragged_forward(model, [(cache, prompts[i])])[0]
         kv = _new_kv(cache, prefix)
         mx.eval(logits, kv)
@@ -94,7 +117,7 @@ def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None) 
     widths = tuple(range(1, limit + 1))
     for width in widths:
         members = _members_for(width, pool)
-        fresh = [copy.deepcopy(caches[i]) for i in members]
+        fresh = [made.copy(caches[i]) for i in members]
         outs = ragged_forward(model, [(fresh[j], prompts[i]) for j, i in enumerate(members)])
         mx.eval(outs)
         for j, i in enumerate(members):
@@ -110,20 +133,21 @@ def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None) 
     return RaggedProof(True, limit, widths, "", time.perf_counter() - start)
 
 
-def prove_ragged_cached(model, limit: int, proof_cache=None, *, seed: int = 0) -> RaggedProof:
+def prove_ragged_cached(model, limit: int, proof_cache=None, *, seed: int = 0,
+                        kv_pool: str = "off") -> RaggedProof:
     """`prove_ragged`, re-using a result proven earlier on this machine (a
     kernels.selftest.ProofCache: same model, strategy, L, code, MLX and device)."""
     if proof_cache is None:
-        return prove_ragged(model, limit, seed=seed)
+        return prove_ragged(model, limit, seed=seed, kv_pool=kv_pool)
     from .selftest import proof_key
 
     key = {**proof_key(model, limit, range(1, limit + 1), (), seed, True, proof_cache.model_identity),
-           "what": "ragged pass proof"}
+           "what": "ragged pass proof", **({"kv_pool": kv_pool} if kv_pool != "off" else {})}
     value = None if proof_cache.fresh else proof_cache.store.get(key)
     if isinstance(value, dict) and isinstance(value.get("passed"), bool):
         return RaggedProof(value["passed"], limit, tuple(range(1, limit + 1)), str(value.get("reason", "")),
                            0.0, cached=True)
-    proof = prove_ragged(model, limit, seed=seed)
+    proof = prove_ragged(model, limit, seed=seed, kv_pool=kv_pool)
     proof_cache.store.put(key, {"passed": proof.passed, "reason": proof.reason, "seconds": proof.seconds})
     return proof
 

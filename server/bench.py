@@ -53,9 +53,25 @@ TASKS = {
 
 
 def decode(model, prompt: list[int], n: int, method="none", k=0, draft_model=None,
-           adaptive=False, pass_costs=None):
-    """(tokens, decode seconds, stats) for n greedy tokens after prefilling `prompt`."""
+           adaptive=False, pass_costs=None, path=None):
+    """(tokens, decode seconds, stats) for n greedy tokens after prefilling `prompt`;
+    `path` (server/engine/engine_path.py): caches and passes as the engine has them."""
     stats = SpeculationStats()
+    if path is not None:
+        cache = path.new_cache(len(prompt) + n + k + 2)
+        try:
+            for _ in prefill(model, cache, prompt[:-1], forward):
+                pass
+            source = drive(make_source(cache, list(prompt), SamplingParams(temperature=0.0), stats, method, k,
+                                       draft_model, adaptive=adaptive, pass_costs=pass_costs, target=model),
+                           path.step, model, cache)
+            tokens = []
+            start = time.perf_counter()
+            while len(tokens) < n:
+                tokens.extend(s.sampled.token for s in next(source))
+            return tokens[:n], time.perf_counter() - start, stats
+        finally:
+            path.release(cache)
     if adaptive:
         cache = make_prompt_cache(model)
         for _ in prefill(model, cache, prompt[:-1], forward):
@@ -162,23 +178,25 @@ TASK_HEADER = ["task", "plain tok/s", "fixed k ÷ plain", "accepted", "mean k", 
                "adaptive ÷ plain", "accepted", "mean k", "drafting share", "tokens identical"]
 
 
-def run_task_bench(model, tokenizer, k: int, n_tokens=64, rounds=2, pass_costs=None) -> list[TaskResult]:
+def run_task_bench(model, tokenizer, k: int, n_tokens=64, rounds=2, pass_costs=None,
+                   path=None) -> list[TaskResult]:
     """Prompt lookup on each of TASKS, fixed k and adaptive k, ÷ plain decoding, deterministic
-    (the caller installs L), rounds alternating. `pass_costs` None: measured here."""
+    (the caller installs L), rounds alternating. `pass_costs` None: measured here. `path`:
+    every decode run as the engine runs it (server/engine/engine_path.py)."""
     if pass_costs is None:
-        pass_costs = measure_pass_costs(model, k + 1)
+        pass_costs = measure_pass_costs(model, k + 1, path=path)
     chat = lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731
                                                        add_generation_prompt=True)
     results = [TaskResult(name) for name in TASKS]
-    decode(model, chat(OPEN), 4)  # warm-up
+    decode(model, chat(OPEN), 4, path=path)  # warm-up
     for _ in range(rounds):
         for result in results:
             prompt = chat(TASKS[result.task])
-            plain, secs, _ = decode(model, prompt, n_tokens)
+            plain, secs, _ = decode(model, prompt, n_tokens, path=path)
             result.plain.append(n_tokens / secs)
             for name, rates, adaptive in (("fixed", result.fixed, False), ("adaptive", result.adaptive, True)):
                 tokens, secs, stats = decode(model, prompt, n_tokens, "prompt_lookup", k,
-                                             adaptive=adaptive, pass_costs=pass_costs)
+                                             adaptive=adaptive, pass_costs=pass_costs, path=path)
                 rates.append(n_tokens / secs)
                 result.identical = result.identical and tokens == plain
                 result.stats[name], result.seconds[name] = stats, secs

@@ -30,7 +30,8 @@ def weights_digest(model_dir: str) -> str:
 
 
 def system_fingerprint(model_dir: str | Path, *, transform: str, strategy: str, limit: int,
-                       blas: str, prefill_chunk: int, topology: str | None = None) -> str:
+                       blas: str, prefill_chunk: int, topology: str | None = None,
+                       kv_pool: str = "off") -> str:
     """`fp_` + 16 hex digits over every input that can change the output bits.
 
     topology: a distributed deployment's world size, backend and parallel mode (e.g.
@@ -48,5 +49,7 @@ def system_fingerprint(model_dir: str | Path, *, transform: str, strategy: str, 
     }
     if topology is not None:
         parts["topology"] = topology
+    if kv_pool != "off":  # the pooled attention form (server/engine/decoding.py) has its own bits
+        parts["kv_pool"] = kv_pool
     blob = json.dumps(parts, sort_keys=True).encode()
     return "fp_" + hashlib.sha256(blob).hexdigest()[:16]

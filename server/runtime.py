@@ -63,6 +63,10 @@ class Options:
     # server/distributed/sharding.py); returns a label appended to the model's transform.
     prepare_model: Callable[[object], str] | None = None
     reuse_proofs: bool = True  # False: self-test proofs are made afresh (every rank the same passes)
+    # Requests' KV in one shared pool with one attention launch per pass (kernels/kv_pool.py):
+    # "auto" = where the GPU kernel is available, "on" = also elsewhere (one attention call
+    # per row), "off".
+    kv_pool: str = "off"
 
 
 def seconds_since_process_start() -> float:
@@ -222,16 +226,23 @@ def build_runtime(options: Options) -> Runtime:
             "batch invariance L=%d strategy=%s guaranteed=%s (%s)",
             plan.limit, plan.strategy, guaranteed, plan.reason)
 
+    from kernels.kv_pool import pool_mode
+
+    kv_pool = pool_mode(loaded.model, options.kv_pool)
+    if options.kv_pool != "off":
+        log.info("KV pool: %s", kv_pool)
+
     pass_costs = None
     if options.adaptive_speculation:
+        from server.engine.engine_path import EnginePath
         from server.engine.speculative import measure_pass_costs
 
         widest = options.max_draft_tokens + 1
         if guaranteed:
             widest = max(widest, plan.limit)
-        with timings.timed("pass_costs"):  # what a verification pass of w rows costs here
-            pass_costs = tuple(measure_pass_costs(loaded.model, widest))
-
+        with timings.timed("pass_costs"):  # what a verification pass of w rows costs in the engine
+            pass_costs = tuple(measure_pass_costs(loaded.model, widest,
+                                                  path=EnginePath(loaded.model, kv_pool)))
     ragged_proof = None
     if guaranteed:
         from kernels.ragged import enable_ragged, ragged_problem
@@ -240,7 +251,7 @@ def build_runtime(options: Options) -> Runtime:
         if ragged_problem(loaded.model) is None:
             with timings.timed("ragged_proof"):
                 enable_ragged(loaded.model)
-                ragged_proof = prove_ragged_cached(loaded.model, plan.limit, proofs)
+                ragged_proof = prove_ragged_cached(loaded.model, plan.limit, proofs, kv_pool=kv_pool)
 
     with timings.timed("warm_up"):  # the first request should not pay for first-call setup
         try:
@@ -257,12 +268,12 @@ def build_runtime(options: Options) -> Runtime:
 
     fingerprint = system_fingerprint(loaded.path, transform=transform, strategy=plan.strategy,
                                      limit=plan.limit, blas=cpu_blas.describe(),
-                                     prefill_chunk=options.prefill_chunk)
+                                     prefill_chunk=options.prefill_chunk, kv_pool=kv_pool)
     deployment = Deployment(
         limit=plan.limit, guaranteed=guaranteed, strategy=plan.strategy,
         speculative=options.speculative, num_draft_tokens=options.num_draft_tokens,
         max_draft_tokens=options.max_draft_tokens, draft_model=draft, draft_name=draft_name,
         prefill_chunk=options.prefill_chunk, fingerprint=fingerprint, ragged_proof=ragged_proof,
-        adaptive_draft_tokens=options.adaptive_speculation, pass_costs=pass_costs,
+        adaptive_draft_tokens=options.adaptive_speculation, pass_costs=pass_costs, kv_pool=kv_pool,
     )
     return Runtime(loaded, deployment, report, plan, transform, timings, options.audit)

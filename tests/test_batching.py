@@ -22,6 +22,7 @@ from kernels.ragged_selftest import prove_ragged
 from kernels.shape_variant import shape_variant_backend
 from server.engine.decoding import Deployment
 from server.engine.passes import Demand, compose_passes
+from server.engine.prefix_cache import PrefixCache
 from tests.deterministic_fixtures import TinyLoaded
 from tests.http_server import running, wait_until
 from tests.test_deterministic_double import peaked_llama
@@ -115,7 +116,8 @@ class PassLog:
         pass
 
 
-def serve_tiny(limit: int, *, prove: bool = True, max_batch_rows: int = 32, max_kv_tokens=None):
+def serve_tiny(limit: int, *, prove: bool = True, max_batch_rows: int = 32, max_kv_tokens=None,
+               kv_pool: str = "off"):
     """(app, engine, pass log) for the tiny model with L = `limit` installed under the double."""
     from server.api.app import create_app
     from server.engine import Engine
@@ -126,10 +128,11 @@ def serve_tiny(limit: int, *, prove: bool = True, max_batch_rows: int = 32, max_
         plan = set_batch_invariant_limit(model, limit)
     guaranteed = bool(plan.guaranteed) if limit else False
     deployment = Deployment(limit=limit, guaranteed=guaranteed or not prove, strategy=plan.strategy,
-                            draft_model=draft, prefill_chunk=8)
+                            draft_model=draft, prefill_chunk=8, kv_pool=kv_pool)
     with shape_variant_backend():
         engine = Engine(TinyLoaded(model), max_active=16, deployment=deployment,
-                        max_batch_rows=max_batch_rows, max_kv_tokens=max_kv_tokens)
+                        max_batch_rows=max_batch_rows, max_kv_tokens=max_kv_tokens,
+                        prefix_cache=PrefixCache(4))
     log = PassLog()
     engine.observers.append(log)
     return create_app(engine), engine, log
@@ -218,8 +221,10 @@ def solo_runs(url):
     return {i: completion(client, p, m, k, s, st, True) for i, (p, m, k, s, st) in enumerate(DETERMINISTIC)}
 
 
-def test_deterministic_answers_under_mixed_batched_load_equal_their_solo_runs():
-    app, engine, log = serve_tiny(LIMIT)
+@pytest.mark.parametrize("kv_pool", ["off", "reference"])
+def test_deterministic_answers_under_mixed_batched_load_equal_their_solo_runs(kv_pool):
+    """Each request its own KV caches, or all in one KV pool (kernels/kv_pool.py)."""
+    app, engine, log = serve_tiny(LIMIT, kv_pool=kv_pool)
     engine.start()
     try:
         with shape_variant_backend(), running(app) as url:
@@ -240,6 +245,28 @@ def test_deterministic_answers_under_mixed_batched_load_equal_their_solo_runs():
     assert max(requests for _, requests in batched) >= 4  # passes really held several requests
     assert all(rows <= 32 for rows, _ in batched)
     assert health["cancelled"] == 1
+    assert engine.describe()["kv_pool"] == kv_pool
+    assert engine.prefix_cache.hits > 0  # prompts repeat: some requests started from a cached prefix
+    if kv_pool != "off":  # every range came back, the cancelled request's too
+        assert engine.kv_pool.free_slots == engine.kv_pool.capacity
+
+
+def test_choices_of_one_request_share_the_pooled_prompt_and_give_their_ranges_back():
+    app, engine, log = serve_tiny(LIMIT, kv_pool="reference")
+    engine.start()
+    try:
+        with shape_variant_backend(), running(app) as url:
+            client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+            body = dict(model="default", prompt=PROMPTS[2], max_tokens=TOKENS, temperature=0.9, seed=4,
+                        logprobs=1, extra_body={"deterministic": True})
+            one = client.completions.create(**body).choices
+            three = client.completions.create(n=3, **body).choices
+    finally:
+        engine.stop()
+    assert [c.text for c in three][0] == one[0].text  # choice 0 is the n = 1 answer
+    assert three[0].logprobs.token_logprobs == one[0].logprobs.token_logprobs
+    assert len({c.text for c in three}) > 1  # the followers sampled their own streams
+    assert engine.kv_pool.free_slots == engine.kv_pool.capacity
 
 
 def test_negative_control_the_same_batching_without_invariant_kernels_diverges():

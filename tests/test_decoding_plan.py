@@ -173,7 +173,7 @@ def test_adaptive_speculation_flag_reaches_the_deployment_with_measured_costs(mo
     assert options.adaptive_speculation is True
     widths = []
     monkeypatch.setattr(speculative, "measure_pass_costs",
-                        lambda model, w: widths.append(w) or [float(i + 1) for i in range(w)])
+                        lambda model, w, path=None: widths.append(w) or [float(i + 1) for i in range(w)])
     deployment = build_runtime(options).deployment
     assert deployment.adaptive_draft_tokens and deployment.pass_costs == (1.0, 2.0, 3.0, 4.0)
     assert widths == [4]  # passes of up to max_draft_tokens + 1 rows

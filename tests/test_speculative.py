@@ -283,7 +283,9 @@ def test_adaptive_k_keeps_acceptance_per_match_class():
         policy.record(4, 4, kind=2)  # long matches: always right
         policy.record(4, 0, kind=0)  # one-token matches: always wrong
     assert policy.choose(kind=2) == 4 and policy.choose(kind=0) == 0
-    assert policy.choose(kind=1) == policy.best_k(kind=1) > 0  # no evidence yet: the prior (p = 0.5)
+    assert policy.choose(kind=1) == policy.best_k(kind=1) > 0  # no evidence yet: the prior (p = 0.3)
+    costly = AdaptiveDraftLength(7, pass_costs=[1.0] + [1.95] * 7)  # the H200's 2..8-row passes
+    assert costly.choose(kind=3) == 0  # the prior alone never pays for a pass that costs ~2 rows
 
 
 def test_build_runtime_refuses_a_draft_model_with_another_tokenizer(monkeypatch):

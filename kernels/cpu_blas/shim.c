@@ -13,6 +13,8 @@
  * CBLAS enums are passed as int: their values (101/102, 111/112/113) are
  * fixed by the CBLAS standard, identical in both libraries. */
 
+#include <stdlib.h>
+
 typedef int blasint; /* scipy-openblas32: 32-bit integer interface */
 
 void scipy_cblas_sgemm(int order, int ta, int tb, blasint m, blasint n,
@@ -31,6 +33,12 @@ void scipy_cblas_cgemm(int order, int ta, int tb, blasint m, blasint n,
                        blasint lda, const void *b, blasint ldb,
                        const void *beta, void *c, blasint ldc);
 
+int scipy_openblas_get_num_threads(void);
+void lockstep_split_init(const char *loadavg); /* split_gemm.c */
+void lockstep_split_sgemm(int threads, int ta, int tb, int m, int n, int k, float alpha,
+                          const float *a, int lda, const float *b, int ldb, float beta,
+                          float *c, int ldc);
+
 void lockstep_invariant_sgemm(int ta, int tb, int m, int n, int k, float alpha,
                               const float *a, int lda, const float *b, int ldb,
                               float beta, float *c, int ldc); /* invariant_gemm.c */
@@ -46,6 +54,34 @@ EXPORT int lockstep_cpu_kernel_limit = 0;
  * definition, not just mapped. */
 EXPORT const char lockstep_cpu_blas_shim[] = "openblas";
 
+/* Calls of at least lockstep_blas_large_rows rows (prefill chunks, row-major) run in
+ * lockstep_blas_large_threads fixed column blocks, on as many cores as are idle
+ * (split_gemm.c: the bits depend on the shape alone); 0 or 1 = off. Every other call
+ * runs on OpenBLAS's own threads (OPENBLAS_NUM_THREADS: 1 on 2 cores, where a second
+ * OpenBLAS thread stalls every call while another process holds a core). Read from LOCKSTEP_BLAS_LARGE_THREADS /
+ * LOCKSTEP_BLAS_LARGE_ROWS at load (set by kernels/cpu_blas.py). */
+EXPORT int lockstep_blas_small_threads = 1;
+EXPORT int lockstep_blas_large_threads = 0;
+EXPORT int lockstep_blas_large_rows = 64;
+
+static int env_int(const char *name, int fallback) {
+  const char *v = getenv(name);
+  if (v == NULL || *v == '\0')
+    return fallback;
+  char *end;
+  long x = strtol(v, &end, 10);
+  return (*end == '\0' && x >= 0 && x <= 1024) ? (int)x : fallback;
+}
+
+/* Runs after OpenBLAS's own initializer (it is a dependency of this object). */
+__attribute__((constructor)) static void read_thread_settings(void) {
+  lockstep_blas_small_threads = scipy_openblas_get_num_threads();
+  lockstep_blas_large_threads = env_int("LOCKSTEP_BLAS_LARGE_THREADS", 0);
+  lockstep_blas_large_rows = env_int("LOCKSTEP_BLAS_LARGE_ROWS", 64);
+  if (lockstep_blas_large_threads > 1) /* LOCKSTEP_BLAS_LOADAVG: tests' fake load */
+    lockstep_split_init(getenv("LOCKSTEP_BLAS_LOADAVG"));
+}
+
 EXPORT void cblas_sgemm(int order, int ta, int tb, blasint m, blasint n,
                         blasint k, float alpha, const float *a, blasint lda,
                         const float *b, blasint ldb, float beta, float *c,
@@ -55,6 +91,11 @@ EXPORT void cblas_sgemm(int order, int ta, int tb, blasint m, blasint n,
       lockstep_invariant_sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     else /* column-major C = op(A) op(B) is row-major C^T = op(B)^T op(A)^T */
       lockstep_invariant_sgemm(tb, ta, n, m, k, alpha, b, ldb, a, lda, beta, c, ldc);
+    return;
+  }
+  if (order == 101 && lockstep_blas_large_threads > 1 && m >= lockstep_blas_large_rows) {
+    lockstep_split_sgemm(lockstep_blas_large_threads, ta, tb, m, n, k, alpha, a, lda, b,
+                         ldb, beta, c, ldc);
     return;
   }
   /* One row (decode) is a matrix-vector product: OpenBLAS's sgemv is ~1.7x faster for it

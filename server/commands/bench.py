@@ -20,6 +20,9 @@ def register(subparsers) -> None:
     parser.add_argument("--early-exit", default=None, metavar="LAYER,LAYER,...",
                         help="only self-speculation: the target's first LAYER layers and its head "
                              "draft (k = --num-draft-tokens, default 3); acceptance and ÷ plain per layer")
+    parser.add_argument("--kv-pool", choices=("auto", "on", "off"), default="auto",
+                        help="--tasks: decode as the engine does, over its KV pool (auto: where the "
+                             "GPU kernel is available)")
     parser.add_argument("--tasks", action="store_true",
                         help="only speculation by task kind: prompt lookup with fixed and adaptive k "
                              "÷ plain, deterministic, on copy-heavy tasks and an open-ended story")
@@ -79,11 +82,15 @@ def run(args: argparse.Namespace) -> int:
         from server.bench import run_task_bench, task_table
         from server.engine.speculative import measure_pass_costs
 
+        from server.engine.engine_path import EnginePath
+
         k = args.num_draft_tokens or max(1, args.limit - 1)
         set_limit(args.limit)
-        costs = measure_pass_costs(model, k + 1)
-        results = run_task_bench(model, runtime.loaded.tokenizer, k, args.tokens, args.rounds, costs)
-        lines = [f"lockstep bench --tasks: {header}, k={k} (adaptive: up to {k})"] + task_table(results, costs)
+        path = EnginePath(model, runtime.deployment.kv_pool)  # ragged passes, as the engine decodes
+        costs = measure_pass_costs(model, k + 1, path=path)
+        results = run_task_bench(model, runtime.loaded.tokenizer, k, args.tokens, args.rounds, costs, path)
+        lines = [f"lockstep bench --tasks: {header}, k={k} (adaptive: up to {k}), engine passes, "
+                 f"KV pool {runtime.deployment.kv_pool}"] + task_table(results, costs)
         print("\n".join(lines))
         if args.out:
             with open(args.out, "w") as f:

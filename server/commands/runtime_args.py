@@ -53,6 +53,10 @@ def add_determinism_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default=None,
                         help='draft model for speculative decoding: a model spec or "default-quantized"')
     parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--kv-pool", choices=("auto", "on", "off"), default="auto",
+                        help="keep all requests' KV in one pool so a batched pass runs one attention "
+                             "launch per layer (auto: where the GPU kernel is available; on: also "
+                             "elsewhere, one attention call per row; default auto)")
 
 
 def options_from_args(args: argparse.Namespace) -> Options:
@@ -69,6 +73,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         adaptive_speculation=getattr(args, "adaptive_speculation", False),
         draft_model=args.draft_model,
         prefill_chunk=args.prefill_chunk, audit=getattr(args, "audit", "cached"),
+        kv_pool=getattr(args, "kv_pool", "off"),
     )
 
 

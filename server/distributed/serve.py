@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         _check_startup(world, args, problem)
         options = dataclasses.replace(
-            options_from_args(args), reuse_proofs=False,
+            options_from_args(args), reuse_proofs=False, kv_pool="off",
             prepare_model=lambda model: shard_model(model, world, args.batch_invariant_limit or 0))
         with agreed_proofs(world):
             runtime = build_runtime(options)

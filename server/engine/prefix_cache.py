@@ -12,6 +12,8 @@ from collections import OrderedDict
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from kernels.kv_pool import is_pooled
+
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
@@ -41,7 +43,8 @@ def copy_prefix(cache: list, length: int) -> list:
 
 
 class PrefixCache:
-    """LRU of (prompt tokens -> KV) snapshots; only plain KVCache lists are stored."""
+    """LRU of (prompt tokens -> KV) snapshots of plain KVCache lists or KV pool ranges (stored
+    as plain KVCache copies either way)."""
 
     def __init__(self, entries: int = 4):
         self.entries = entries
@@ -52,7 +55,7 @@ class PrefixCache:
 
     @staticmethod
     def storable(cache: list) -> bool:
-        return all(type(layer) is KVCache for layer in cache)
+        return all(type(layer) is KVCache for layer in cache) or is_pooled(cache)
 
     def lookup(self, tokens: list[int]) -> tuple[list | None, int]:
         """A private copy of the cached KV sharing the longest prefix with `tokens`, and its length."""

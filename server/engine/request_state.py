@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from kernels.invariant_layers import batch_invariant
+from kernels.kv_pool import fill_prefix, is_pooled
 from kernels.prefill import chunk_end, resume_at
 
 from server.engine.decoding import DecodePlan, Deployment
@@ -103,7 +104,7 @@ class RequestState:
     def __init__(self, loaded, request: GenerationRequest, *, plan: DecodePlan | None = None,
                  deployment: Deployment | None = None, prefix_cache: PrefixCache | None = None,
                  cancelled: Callable[[], bool] = never, step=forward,
-                 prefill_from: "RequestState | None" = None):
+                 prefill_from: "RequestState | None" = None, cache: list | None = None):
         self.loaded = loaded
         self.request = request
         self.plan = plan
@@ -121,8 +122,13 @@ class RequestState:
         self._chunk = deployment.prefill_chunk if deployment else PREFILL_CHUNK
 
         model = loaded.model
-        found, _ = prefix_cache.lookup(self.prompt[:-1]) if prefix_cache else (None, 0)
-        self.cache = found or make_prompt_cache(model)
+        found, found_len = prefix_cache.lookup(self.prompt[:-1]) if prefix_cache else (None, 0)
+        if cache is not None:  # given by the engine: a range of its KV pool (kernels/kv_pool.py)
+            self.cache = cache
+            if found:
+                fill_prefix(self.cache, found, found_len)
+        else:
+            self.cache = found or make_prompt_cache(model)
         # Choices of one request (n > 1) share the prompt: a follower copies its leader's
         # prompt KV once that is prefilled (exactly what its own prefill would compute).
         self._leader = prefill_from if (found is None and prefill_from is not None
@@ -164,9 +170,12 @@ class RequestState:
         if leader.prefilling and not leader.closed:
             return
         self._leader = None
-        if not leader.prefilling:
+        if not leader.prefilling and not leader.closed:  # a closed leader's KV may be given back
             length = len(self.prompt) - 1
-            self.cache[:] = copy_prefix(leader.cache, length)  # in place: the source holds this list
+            if is_pooled(self.cache):
+                fill_prefix(self.cache, leader.cache, length)
+            else:
+                self.cache[:] = copy_prefix(leader.cache, length)  # in place: the source holds this list
             self._prefill_pos = length
 
     def prefill_chunk(self) -> None:
@@ -197,11 +206,19 @@ class RequestState:
         `room` of them when the engine says the pass is nearly full."""
         return self.source.rows(room)
 
-    def take(self, logits: mx.array, argmax: list[int] | None = None) -> list[Delta]:
-        """The pass's logits rows for rows() -> Deltas to send (the last one may finish)."""
+    def presample(self, logits: mx.array):
+        """Sampling for the pass's rows built lazily, for the engine to compute together with
+        other requests' (a server.engine.sampling.PendingSample), or None."""
+        presample = getattr(self.source, "presample", None)
+        return presample(logits) if presample is not None else None
+
+    def take(self, logits: mx.array, argmax: list[int] | None = None, sampled=None) -> list[Delta]:
+        """The pass's logits rows for rows() -> Deltas to send (the last one may finish);
+        `sampled`: what `presample(logits)` returned."""
         deltas: list[Delta] = []
         pending = None  # releases of this pass not yet sent, merged into one Delta
-        for chosen in (s.sampled for s in self.source.take(logits, argmax)):
+        steps = self.source.take(logits, argmax) if sampled is None else self.source.take(logits, argmax, sampled)
+        for chosen in (s.sampled for s in steps):
             self.generated += 1
             if chosen.token in self.loaded.eos_token_ids:
                 if pending is not None:

@@ -115,6 +115,44 @@ def _top_n(logprobs: mx.array, n: int) -> tuple[mx.array, mx.array]:
     return mx.take_along_axis(candidates, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
 
 
+class PendingSample:
+    """A sampling decision built but not yet computed: `arrays` can be evaluated together
+    with other requests' (one device round trip for a whole pass), then `result()`."""
+
+    def __init__(self, tokens: mx.array, logprob_parts: tuple | None):
+        self.tokens = tokens
+        self.logprob_parts = logprob_parts  # (chosen, top ids, top values) or None
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [self.tokens, *(self.logprob_parts or ())]
+
+    def result(self) -> list[Sampled]:
+        mx.eval(self.arrays)  # nothing left to compute when the engine evaluated them already
+        if self.logprob_parts is None:
+            return [Sampled(token) for token in self.tokens.tolist()]
+        chosen, top_ids, top_values = self.logprob_parts
+        return [
+            Sampled(token, logprob, list(zip(ids, values)))
+            for token, logprob, ids, values in zip(
+                self.tokens.tolist(), chosen.tolist(), top_ids.tolist(), top_values.tolist()
+            )
+        ]
+
+
+def sample_pending(logits: mx.array, positions: list[int], params: SamplingParams,
+                   model_logits: mx.array | None = None) -> PendingSample:
+    """`sample`'s computation, built lazily (see PendingSample)."""
+    tokens = choose_tokens(logits, positions, params)
+    if params.top_logprobs is None:
+        return PendingSample(tokens, None)
+    logprobs = (logits if model_logits is None else model_logits).astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_ids, top_values = _top_n(logprobs, params.top_logprobs)
+    return PendingSample(tokens, (chosen, top_ids, top_values))
+
+
 def sample(logits: mx.array, positions: list[int], params: SamplingParams,
            model_logits: mx.array | None = None) -> list[Sampled]:
     """Choose one token per row of `logits` (rows, vocab), with logprobs if requested.
@@ -122,19 +160,4 @@ def sample(logits: mx.array, positions: list[int], params: SamplingParams,
     `model_logits` are the rows before per-request processing (penalties, bias, a grammar
     mask; server/engine/logits_processors.py): logprobs report the model's own distribution.
     """
-    tokens = choose_tokens(logits, positions, params)
-    if params.top_logprobs is None:
-        mx.eval(tokens)
-        return [Sampled(token) for token in tokens.tolist()]
-
-    logprobs = (logits if model_logits is None else model_logits).astype(mx.float32)
-    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
-    chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_ids, top_values = _top_n(logprobs, params.top_logprobs)
-    mx.eval(tokens, chosen, top_ids, top_values)
-    return [
-        Sampled(token, logprob, list(zip(ids, values)))
-        for token, logprob, ids, values in zip(
-            tokens.tolist(), chosen.tolist(), top_ids.tolist(), top_values.tolist()
-        )
-    ]
+    return sample_pending(logits, positions, params, model_logits).result()

@@ -36,6 +36,9 @@ from server.engine.request_state import Delta, GenerationRequest, RequestState, 
 
 log = logging.getLogger(__name__)
 
+# Initial KV pool size per `max_active` slot (the pool doubles when a request needs more).
+POOL_TOKENS_PER_SLOT = 1024
+
 
 
 class _Active:
@@ -91,6 +94,7 @@ class Engine:
         self.observers: list[EngineObserver] = []
         self._generate = generate_fn
         self.ragged_problem = self._prepare_ragged()
+        self.kv_pool = self._make_pool(max_kv_tokens)
         self.ragged_proof = self._prove_ragged()
         self._waiting: list[RequestHandle] = []
         self._active: list[_Active] = []
@@ -113,6 +117,17 @@ class Engine:
             log.warning("requests are not batched into shared passes: %s", problem)
         return problem
 
+    def _make_pool(self, max_kv_tokens: int | None):
+        """The shared KV pool when the deployment uses one and passes are batched."""
+        if self.deployment.kv_pool == "off" or self.ragged_problem is not None:
+            return None
+        from kernels.kv_pool import KVPool
+
+        capacity = self.max_active * POOL_TOKENS_PER_SLOT
+        if max_kv_tokens is not None:
+            capacity = min(capacity, max_kv_tokens)
+        return KVPool(self.loaded.model, capacity, use_kernel=self.deployment.kv_pool == "kernel")
+
     def _prove_ragged(self):
         """With a proven limit L, prove ragged passes of 1..L rows too; until proven, a
         deterministic request's rows share no pass with another request's."""
@@ -120,7 +135,9 @@ class Engine:
             return None
         from kernels.ragged_selftest import prove_ragged
 
-        proof = self.deployment.ragged_proof or prove_ragged(self.loaded.model, self.deployment.limit)
+        kv_pool = self.deployment.kv_pool if self.kv_pool is not None else "off"
+        proof = self.deployment.ragged_proof or prove_ragged(self.loaded.model, self.deployment.limit,
+                                                             kv_pool=kv_pool)
         if proof:
             log.info("ragged passes of 1..%d rows proven bit-identical to solo passes (%.1f s)",
                      proof.limit, proof.seconds)
@@ -134,7 +151,8 @@ class Engine:
         limit = self.deployment.limit if self.deployment.guaranteed else 0
         return {"max_active": self.max_active, "max_batch_rows": self.max_batch_rows,
                 "deterministic_pass_rows": limit, "max_kv_tokens": self.kv_budget.capacity,
-                "batched": self.ragged_problem is None,
+                "batched": self.ragged_problem is None, "kv_pool": self.deployment.kv_pool
+                if self.kv_pool is not None else "off",
                 "deterministic_rows_shared": bool(self.ragged_proof),
                 **({"not_batched_because": self.ragged_problem} if self.ragged_problem else {})}
 
@@ -247,7 +265,7 @@ class Engine:
                 self._waiting.pop(0)
                 self._notify("on_admit", time.monotonic() - handle.submitted_at)
                 try:
-                    work = self._start(handle)
+                    work = self._start(handle, needed)
                 except Exception as exc:
                     self.kv_budget.release(needed)
                     self._fail(handle, exc)
@@ -261,14 +279,21 @@ class Engine:
             return bool(self._active)
         return any(a.handle.plan is not None and a.handle.plan.exclusive for a in self._active)
 
-    def _start(self, handle: RequestHandle):
+    def _start(self, handle: RequestHandle, reserved: int):
         cancelled = lambda: handle.cancelled  # noqa: E731
         if self._generate is not None:
             return self._generate(self.loaded, handle.request, plan=handle.plan, deployment=self.deployment,
                                   prefix_cache=self.prefix_cache, cancelled=cancelled)
         leader = handle.leader.state if handle.leader is not None else None
-        handle.state = RequestState(self.loaded, handle.request, plan=handle.plan, deployment=self.deployment,
-                                    prefix_cache=self.prefix_cache, cancelled=cancelled, prefill_from=leader)
+        cache = self.kv_pool.allocate(reserved) if self.kv_pool is not None else None
+        try:
+            handle.state = RequestState(self.loaded, handle.request, plan=handle.plan,
+                                        deployment=self.deployment, prefix_cache=self.prefix_cache,
+                                        cancelled=cancelled, prefill_from=leader, cache=cache)
+        except Exception:
+            if cache is not None:
+                self.kv_pool.release(cache)
+            raise
         return handle.state
 
     def _remove(self, active: _Active) -> None:
@@ -280,6 +305,8 @@ class Engine:
             active.work.close()
         else:
             active.work.closed = True  # a follower of this request prefills on its own now
+            if self.kv_pool is not None:
+                self.kv_pool.release(active.work.cache)
 
     def _fail(self, handle: RequestHandle, exc: Exception) -> None:
         log.error("generation failed", exc_info=exc)
@@ -384,23 +411,37 @@ class Engine:
         model = self.loaded.model
         try:
             if self.ragged_problem is None:
-                from kernels.ragged import ragged_forward
+                from kernels.ragged import ragged_logits
 
-                logits = ragged_forward(model, [(a.work.cache, rows) for a, rows in members])
+                logits = ragged_logits(model, [(a.work.cache, rows) for a, rows in members])
             else:
                 (active, rows), = members
-                logits = [forward(model, active.work.cache, rows)]
-            argmax = [mx.argmax(x, axis=-1) for x in logits]
+                logits = forward(model, active.work.cache, rows)
+            # One argmax for all rows (greedy requests need nothing else); each request's
+            # logits rows are sliced out below, computed only if its sampler reads them.
+            argmax = mx.argmax(logits, axis=-1)
             mx.eval(logits, argmax)
+            argmax = argmax.tolist()
         except Exception as exc:
             for active, _ in members:
                 self._fail(active.handle, exc)
                 self._remove(active)
             return
         self._notify("on_pass", sum(len(rows) for _, rows in members), len(members))
-        for (active, _), rows_logits, rows_argmax in zip(members, logits, argmax):
+        spans, end = [], 0
+        for _, rows in members:
+            spans.append((end, end + len(rows)))
+            end += len(rows)
+        # Sampled (non-greedy) requests: every request's sampling in one device round trip.
+        try:
+            sampled = [a.work.presample(logits[b:e]) for (a, _), (b, e) in zip(members, spans)]
+            mx.eval([x for s in sampled if s is not None for x in s.arrays])
+        except Exception:  # each request then samples (and fails, if it must) on its own
+            log.exception("batched sampling failed")
+            sampled = [None] * len(members)
+        for (active, rows), (begin, end), pending in zip(members, spans, sampled):
             try:
-                deltas = active.work.take(rows_logits, rows_argmax.tolist())
+                deltas = active.work.take(logits[begin:end], argmax[begin:end], pending)
             except Exception as exc:
                 self._fail(active.handle, exc)
                 self._remove(active)

@@ -213,7 +213,10 @@ class AdaptiveDraftLength:
     """
 
     DECAY = 0.9  # weight of older evidence per verification: acceptance drifts along a text
-    PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # p = 0.5 before any evidence
+    # p = 0.3 before any evidence: sceptical, so a class of drafts is tried only where passes
+    # are cheap, or once its shadow drafts (free for prompt lookup) or probes show it pays
+    # (with p = 0.5 every new class drafted k = 7 once on the H200, where 2..8 rows cost ~2).
+    PRIOR_ACCEPTED, PRIOR_TRIALS = 0.6, 2.0
     PROBE_EVERY = 16  # steps at k = 0 before an expensive drafter tries one draft again
 
     def __init__(self, k_max: int, pass_costs: Sequence[float] | None = None, draft_cost: float = 0.0):
@@ -291,21 +294,26 @@ def agreeing_prefix(drafts: Sequence[int], actual: Sequence[int]) -> int:
     return n
 
 
-def measure_pass_costs(model, widths: int, context: int = 64, repeats: int = 3) -> list[float]:
+def measure_pass_costs(model, widths: int, context: int = 64, repeats: int = 3, path=None) -> list[float]:
     """Seconds of one target pass of 1..`widths` rows after `context` cached tokens (best of
     `repeats`): the cost table adaptive speculation weighs k against. Measured once, at
-    startup or by the bench; the choice of k then depends on it only as a constant."""
-    base = make_prompt_cache(model)
+    startup or by the bench; the choice of k then depends on it only as a constant.
+    `path` (server/engine/engine_path.py): passes as the engine runs them (its KV pool,
+    ragged passes); None: plain model calls on plain caches."""
+    base = make_prompt_cache(model) if path is None else path.new_cache(context + widths + 1)
     mx.eval(model(mx.array(list(range(1, context + 1)))[None], cache=base)[0, -1])
     best = [float("inf")] * widths
     for _ in range(repeats + 1):  # the first round warms every width up; widths interleave so a
         for width in range(1, widths + 1):  # burst of other load spreads over all of them
+            rows = list(range(2, width + 2))
             start = time.perf_counter()
-            mx.eval(model(mx.array(list(range(2, width + 2)))[None], cache=base))
+            mx.eval(model(mx.array(rows)[None], cache=base) if path is None else path.step(model, base, rows))
             seconds = time.perf_counter() - start
             trim_prompt_cache(base, width)
             if _ > 0:
                 best[width - 1] = min(best[width - 1], seconds)
+    if path is not None:
+        path.release(base)
     for i in range(1, widths):  # a wider pass never costs less
         best[i] = max(best[i], best[i - 1])
     return best

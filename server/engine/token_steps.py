@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from server.engine.sampling import Sampled, SamplingParams, sample
+from server.engine.sampling import PendingSample, Sampled, SamplingParams, sample, sample_pending
 from server.engine.speculative import (AdaptiveDraftLength, DraftModelDrafter, PromptLookupDrafter,
                                        accept_drafts, agreeing_prefix, never)
 
@@ -77,11 +77,22 @@ class PlainSource:
     def rows(self, room: int | None = None) -> list[int]:
         return [self.context[-1]]
 
-    def take(self, logits: mx.array, argmax: list[int] | None = None) -> list[Step]:
-        """`logits` (1, vocab) for rows(); `argmax` its row argmax, when already computed."""
+    def presample(self, logits: mx.array) -> PendingSample | None:
+        """The sampling `take` would do for `logits`, built lazily so the engine can compute
+        it together with other requests' (None: nothing to build: greedy, or processors)."""
+        if fast_argmax(self.params) or self.processors is not None:
+            return None
+        return sample_pending(logits, [len(self.context)], self.params)
+
+    def take(self, logits: mx.array, argmax: list[int] | None = None,
+             pending: PendingSample | None = None) -> list[Step]:
+        """`logits` (1, vocab) for rows(); `argmax` its row argmax, when already computed;
+        `pending` what `presample(logits)` built."""
         self.stats.passes += 1
         if argmax is not None and fast_argmax(self.params) and self.processors is None:
             chosen = Sampled(argmax[0])
+        elif pending is not None:
+            chosen = pending.result()[0]
         else:
             chosen = choose_row(logits[0], self.context, self.params, self.processors)
         self.context.append(chosen.token)

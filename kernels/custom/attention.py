@@ -1,0 +1,144 @@
+"""Loads the pooled decode/verification attention (pooled_attention.cu / .metal, beside this
+file) through MLX's custom-kernel API, and the reference form used where there is no kernel.
+
+    out = pooled_attention(queries, k_pool, v_pool, rows, scale)
+
+queries (1, HQ, R, D) are the rows of a pass; k_pool / v_pool (HKV, S, D) hold every
+request's keys (kernels/kv_pool.py); `rows` says where each row's keys start in the pool and
+how many it sees. On a GPU with the kernel all rows of all requests take one launch, in an
+order fixed by each row's key count (the header of pooled_attention.cu). Elsewhere each row
+attends its own key range through MLX's attention, one call per row (the per-query form the
+self-tests prove on the CPU). Either way a row's result does not depend on the other rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import mlx.core as mx
+
+from .skinny import FLOAT_DTYPES, SOURCE_DIR, backend
+
+ATT_WARPS = 4  # pooled_attention.cu's ATT_WARPS
+THREADS = 32 * ATT_WARPS
+SOURCE_FILES = {"cuda": "pooled_attention.cu", "metal": "pooled_attention.metal"}
+
+_BODIES = {
+    "cuda": ("lockstep::pooled_attention<T, D>(q, k, v, row_base, row_len, scale, out,"
+             " q_shape[0], q_shape[1], k_shape[0], k_shape[1]);"),
+    "metal": ("threadgroup float q_s[D]; threadgroup float m_s[4]; threadgroup float l_s[4];"
+              " threadgroup float acc_s[4 * D];\n"
+              "lockstep::pooled_attention<T, D>(q, k, v, row_base, row_len, scale, out,"
+              " q_shape[0], q_shape[1], k_shape[0], k_shape[1], threadgroup_position_in_grid.x,"
+              " thread_position_in_threadgroup.x, simdgroup_index_in_threadgroup,"
+              " thread_index_in_simdgroup, q_s, m_s, l_s, acc_s);"),
+}
+_INPUTS = ["q", "k", "v", "row_base", "row_len", "scale"]
+
+
+@dataclass
+class PoolRows:
+    """Where each row of a pass reads its keys: pool slot of its request's key 0, key count."""
+
+    base: list[int]
+    lens: list[int]
+    _arrays: tuple | None = None
+
+    def arrays(self) -> tuple[mx.array, mx.array]:
+        if self._arrays is None:
+            self._arrays = (mx.array(self.base, dtype=mx.int32), mx.array(self.lens, dtype=mx.int32))
+        return self._arrays
+
+
+@lru_cache(maxsize=None)
+def _kernel(which: str):
+    make = mx.fast.cuda_kernel if which == "cuda" else mx.fast.metal_kernel
+    return make(name="lockstep_pooled_attention", input_names=_INPUTS, output_names=["out"],
+                source=_BODIES[which], header=(SOURCE_DIR / SOURCE_FILES[which]).read_text())
+
+
+def kernel_serves(queries: mx.array, k_pool: mx.array) -> bool:
+    """The kernel's shapes: one batch entry, head dim a multiple of 32 up to 256, GQA."""
+    _, heads, _, dim = queries.shape
+    kv_heads, _, kdim = k_pool.shape
+    return (queries.shape[0] == 1 and dim == kdim and dim % 32 == 0 and dim <= 256
+            and heads % kv_heads == 0 and queries.dtype in FLOAT_DTYPES and k_pool.dtype == queries.dtype)
+
+
+def kernel_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows: PoolRows,
+                     scale: float) -> mx.array:
+    """All rows in one launch (the GPU kernel); queries (1, HQ, R, D) -> (1, HQ, R, D)."""
+    _, heads, count, dim = queries.shape
+    base, lens = rows.arrays()
+    out = _kernel(backend())(
+        inputs=[queries[0], k_pool, v_pool, base, lens, mx.array([scale], dtype=mx.float32)],
+        template=[("T", queries.dtype), ("D", dim)],
+        grid=(heads * count * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(heads, count, dim)],
+        output_dtypes=[queries.dtype],
+    )[0]
+    return out[None]
+
+
+def reference_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows: PoolRows,
+                        scale: float, *, sinks=None) -> mx.array:
+    """Each row against exactly its own keys, one MLX attention call per row on packed copies
+    (the per-query form of kernels/invariant_ops.py)."""
+    outs = []
+    for r, (start, length) in enumerate(zip(rows.base, rows.lens)):
+        q = mx.contiguous(queries[:, :, r:r + 1])
+        k = mx.contiguous(k_pool[None, :, start:start + length])
+        v = mx.contiguous(v_pool[None, :, start:start + length])
+        extra = {} if sinks is None else {"sinks": sinks}
+        outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, **extra))
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+
+
+def pooled_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows: PoolRows,
+                     scale: float, *, sinks=None, use_kernel: bool = True) -> mx.array:
+    """The kernel where it is available and takes these shapes, else the reference form."""
+    if use_kernel and sinks is None and kernel_serves(queries, k_pool) and kernel_available():
+        return kernel_attention(queries, k_pool, v_pool, rows, scale)
+    return reference_attention(queries, k_pool, v_pool, rows, scale, sinks=sinks)
+
+
+def _smoke_test() -> str | None:
+    """Compile and run the kernel on awkward lengths (tile tails, one key, GQA) against the
+    reference form; None when they agree."""
+    key = mx.random.key(11)
+    for dtype in FLOAT_DTYPES:
+        for dim, heads, kv_heads in ((64, 9, 3), (128, 8, 8)):
+            lens = [1, 31, 32, 33, 129, 7]
+            base = [0, 5, 40, 80, 120, 260]
+            kq, kk, kv, key = mx.random.split(key, 4)
+            q = mx.random.normal((1, heads, len(lens), dim), key=kq).astype(dtype)
+            kp = mx.random.normal((kv_heads, 300, dim), key=kk).astype(dtype)
+            vp = mx.random.normal((kv_heads, 300, dim), key=kv).astype(dtype)
+            rows = PoolRows(base, lens)
+            got = kernel_attention(q, kp, vp, rows, dim ** -0.5).astype(mx.float32)
+            want = reference_attention(q.astype(mx.float32), kp.astype(mx.float32), vp.astype(mx.float32),
+                                       rows, dim ** -0.5)
+            if not mx.allclose(got, want, rtol=2e-2, atol=2e-2).item():
+                return f"{dtype} D={dim} disagrees with the reference attention"
+    return None
+
+
+@lru_cache(maxsize=None)
+def _availability(which: str | None) -> str | None:
+    if which is None:
+        return f"no custom-kernel API on {mx.default_device()}"
+    try:
+        problem = _smoke_test()
+    except Exception as e:  # a compile or launch failure: the reference form is used
+        return f"{which} pooled attention failed to build or run: {type(e).__name__}: {str(e)[:300]}"
+    return f"{which} pooled attention: {problem}" if problem else None
+
+
+def kernel_unavailable_reason() -> str | None:
+    """None when the kernel compiled and passed its smoke test on the default device."""
+    return _availability(backend())
+
+
+def kernel_available() -> bool:
+    return kernel_unavailable_reason() is None

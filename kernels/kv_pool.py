@@ -1,0 +1,263 @@
+"""A shared KV pool: every request's keys and values in one buffer per layer.
+
+    pool = KVPool(model)
+    cache = pool.allocate(tokens)       # a request's cache: one PooledLayerCache per layer
+    model(tokens, cache=cache)          # mlx-lm's own model code; attention reads the pool
+    pool.release(cache)
+
+With each request's KV in its own caches, a pass over the rows of many requests needs a KV
+write and an attention call per request per layer, and on a GPU those launches cost more
+than the arithmetic. In the pool, a pass (kernels/ragged.py) writes every row's KV with one
+scatter per layer and runs one attention launch for all rows (kernels/custom/attention.py).
+
+A request holds one contiguous range of slots for its whole life, sized by its KV
+reservation (prompt + max_tokens + drafts, server/engine/kv_budget.py), so it never grows
+mid-request. Ranges are handed out first-fit; when none fits, the pool doubles (between
+passes, copying what it holds). `PooledLayerCache` speaks the part of mlx-lm's KVCache API
+the engine, the prefix cache and speculative rewinds use (offset, keys/values, state,
+update_and_fetch, trim, make_mask).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import create_attention_mask, make_prompt_cache
+
+from .custom.attention import PoolRows, pooled_attention
+
+DEFAULT_CAPACITY = 4096
+
+
+@dataclass
+class Span:
+    start: int
+    length: int
+    released: bool = False
+
+
+class PooledLayerCache:
+    """One layer of one request's cache: its range of the pool and how much of it is filled."""
+
+    def __init__(self, pool: "KVPool", layer: int, span: Span):
+        self.pool = pool
+        self.layer = layer
+        self.span = span
+        self.offset = 0
+
+    @property
+    def keys(self) -> mx.array:
+        """(1, HKV, span, D): a view of this request's range (filled up to `offset`)."""
+        return self.pool.keys[self.layer][None, :, self.span.start:self.span.start + self.span.length]
+
+    @property
+    def values(self) -> mx.array:
+        return self.pool.values[self.layer][None, :, self.span.start:self.span.start + self.span.length]
+
+    @property
+    def state(self):
+        return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Append (1, HKV, n, D) keys/values; returns views of all keys/values so far."""
+        n = keys.shape[2]
+        if self.offset + n > self.span.length:
+            raise ValueError(f"a request's KV outgrew its reservation ({self.span.length} tokens)")
+        self.pool.write(self.layer, self.span.start + self.offset, keys[0], values[0])
+        self.offset += n
+        return self.state
+
+    def load(self, keys: mx.array, values: mx.array) -> None:
+        """Hold exactly these (1, HKV, n, D) keys/values (a prefix copied from elsewhere)."""
+        self.offset = 0
+        if keys.shape[2]:
+            self.update_and_fetch(keys, values)
+
+    def rows(self, count: int) -> PoolRows:
+        """Where the last `count` positions' queries read: each sees the keys up to itself."""
+        first = self.offset - count
+        return PoolRows([self.span.start] * count, [first + i + 1 for i in range(count)])
+
+    def attention(self, queries: mx.array, scale: float, sinks=None) -> mx.array:
+        """The queries of the positions just written, each against its own keys."""
+        return pooled_attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer],
+                                self.rows(queries.shape[2]), scale, sinks=sinks,
+                                use_kernel=self.pool.use_kernel)
+
+    def make_mask(self, *args, **kwargs):
+        return create_attention_mask(*args, offset=self.offset, **kwargs)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    @property
+    def nbytes(self) -> int:
+        k, v = self.pool.keys[self.layer], self.pool.values[self.layer]
+        return self.span.length * (k.nbytes // k.shape[1] + v.nbytes // v.shape[1])
+
+
+def is_pooled(cache: list) -> bool:
+    return bool(cache) and all(isinstance(c, PooledLayerCache) for c in cache)
+
+
+def fill_prefix(cache: list[PooledLayerCache], source: list, length: int) -> None:
+    """Make a pooled cache hold the first `length` positions of `source` (any cache whose
+    layers have keys/values of shape (1, HKV, >= length, D)), bit for bit."""
+    for dst, src in zip(cache, source):
+        dst.load(src.keys[..., :length, :], src.values[..., :length, :])
+    mx.eval([c.state for c in cache])
+
+
+class KVPool:
+    """Per layer, keys and values of shape (HKV, capacity, D) and a first-fit allocator."""
+
+    def __init__(self, model, capacity: int = DEFAULT_CAPACITY, *, use_kernel: bool = True):
+        self.use_kernel = use_kernel
+        probe = make_prompt_cache(model)
+        model(mx.array([[0]]), cache=probe)
+        self._layouts = [((c.keys.shape[1], c.keys.shape[3]), (c.values.shape[1], c.values.shape[3]),
+                          c.keys.dtype) for c in probe]
+        self.capacity = 0
+        self.keys: list[mx.array] = []
+        self.values: list[mx.array] = []
+        self._free: list[tuple[int, int]] = []  # (start, length), sorted, never adjacent
+        self._grow(max(1, capacity))
+
+    @property
+    def layers(self) -> int:
+        return len(self._layouts)
+
+    def _grow(self, capacity: int) -> None:
+        old = self.capacity
+        keys, values = [], []
+        for layer, ((kh, kd), (vh, vd), dtype) in enumerate(self._layouts):
+            k, v = mx.zeros((kh, capacity, kd), dtype), mx.zeros((vh, capacity, vd), dtype)
+            if old:
+                k[:, :old] = self.keys[layer]
+                v[:, :old] = self.values[layer]
+            keys.append(k)
+            values.append(v)
+        mx.eval(keys, values)
+        self.keys, self.values, self.capacity = keys, values, capacity
+        self._give_back(old, capacity - old)
+
+    def allocate(self, tokens: int) -> list[PooledLayerCache]:
+        """A new request's cache with room for `tokens` positions (the pool grows if needed)."""
+        if tokens < 1:
+            raise ValueError("a request needs at least one KV slot")
+        start = self._first_fit(tokens)
+        if start is None:
+            self._grow(max(2 * self.capacity, self.capacity + tokens))
+            start = self._first_fit(tokens)
+        span = Span(start, tokens)
+        return [PooledLayerCache(self, layer, span) for layer in range(self.layers)]
+
+    def release(self, cache: list[PooledLayerCache]) -> None:
+        """Give a request's range back (idempotent)."""
+        span = cache[0].span
+        if not span.released:
+            span.released = True
+            self._give_back(span.start, span.length)
+
+    def clone(self, cache: list[PooledLayerCache]) -> list[PooledLayerCache]:
+        """A new range holding a copy of `cache`'s filled positions."""
+        copy = self.allocate(cache[0].span.length)
+        for dst, src in zip(copy, cache):
+            keys, values = src.state
+            if src.offset:
+                dst.load(keys, values)
+        return copy
+
+    @property
+    def free_slots(self) -> int:
+        return sum(length for _, length in self._free)
+
+    def write(self, layer: int, start: int, keys: mx.array, values: mx.array) -> None:
+        """Slots start .. start + n of one layer get (HKV, n, D) keys/values."""
+        n = keys.shape[1]
+        self.keys[layer][:, start:start + n] = keys
+        self.values[layer][:, start:start + n] = values
+
+    def scatter(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Slot slots[i] of one layer gets keys[:, i] / values[:, i] ((HKV, T, D))."""
+        self.keys[layer][:, slots] = keys
+        self.values[layer][:, slots] = values
+
+    def _first_fit(self, tokens: int) -> int | None:
+        for i, (start, length) in enumerate(self._free):
+            if length >= tokens:
+                if length == tokens:
+                    self._free.pop(i)
+                else:
+                    self._free[i] = (start + tokens, length - tokens)
+                return start
+        return None
+
+    def _give_back(self, start: int, length: int) -> None:
+        if length <= 0:
+            return
+        free = sorted(self._free + [(start, length)])
+        merged: list[tuple[int, int]] = []
+        for s, n in free:
+            if merged and merged[-1][0] + merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((s, n))
+        self._free = merged
+
+
+POOL_MODES = ("auto", "on", "off")
+
+
+def pool_problem(model) -> str | None:
+    """Why this model's requests cannot share a KV pool (None: they can)."""
+    from .ragged import ragged_problem
+
+    problem = ragged_problem(model)
+    if problem:
+        return problem
+    probe = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=probe)
+    dims = {(c.keys.shape[3], c.values.shape[3]) for c in probe}
+    if any(k != v for k, v in dims):
+        return "its keys and values have different head sizes"
+    return None
+
+
+def kernel_problem(model) -> str | None:
+    """Why the pooled attention kernel cannot serve this model here (None: it can)."""
+    from .custom.attention import kernel_unavailable_reason
+    from .custom.skinny import FLOAT_DTYPES
+
+    reason = kernel_unavailable_reason()
+    if reason:
+        return reason
+    probe = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=probe)
+    for c in probe:
+        dim = c.keys.shape[3]
+        if dim % 32 or dim > 256 or c.keys.dtype not in FLOAT_DTYPES:
+            return f"head size {dim} ({c.keys.dtype}): the kernel takes multiples of 32 up to 256"
+    return None
+
+
+def pool_mode(model, requested: str) -> str:
+    """What `--kv-pool auto|on|off` means for this model here: "kernel", "reference" or "off"."""
+    if requested not in POOL_MODES:
+        raise ValueError(f"--kv-pool must be one of {POOL_MODES}")
+    if requested == "off" or pool_problem(model) is not None:
+        return "off"
+    if kernel_problem(model) is None:
+        return "kernel"
+    return "reference" if requested == "on" else "off"

@@ -1,0 +1,181 @@
+"""The shared KV pool (kernels/kv_pool.py) and its pooled attention (kernels/custom/attention.py).
+
+On the CPU there is no custom-kernel API, so the pool runs its reference form (one MLX
+attention call per row); the GPU kernel's order of work is checked here through its NumPy
+model (kernels/custom/attention_order.py), its bits on the H200 (docs/cuda/).
+"""
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kernels.custom.attention import PoolRows, kernel_unavailable_reason, pooled_attention
+from kernels.custom.attention_order import TILE, WARPS, attention_row, tile_schedule
+from kernels.invariant import set_batch_invariant_limit
+from kernels.kv_pool import KVPool, fill_prefix, pool_mode
+from kernels.ragged import enable_ragged, ragged_forward
+from kernels.ragged_selftest import prove_ragged
+from kernels.shape_variant import shape_variant_backend
+from tests.test_deterministic_double import peaked_llama
+
+LIMIT = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = peaked_llama()
+    enable_ragged(m)
+    return m
+
+
+def bits(x: mx.array) -> bytes:
+    return np.array(x.astype(mx.float32)).tobytes()
+
+
+# ------------------------------------------------------------------------- the allocator
+
+def test_ranges_are_first_fit_released_once_and_merged(model):
+    pool = KVPool(model, 100)
+    a, b, c = pool.allocate(30), pool.allocate(30), pool.allocate(30)
+    assert [x[0].span.start for x in (a, b, c)] == [0, 30, 60]
+    pool.release(b)
+    pool.release(b)  # idempotent: a request dropped twice gives its range back once
+    assert pool.free_slots == 40
+    d = pool.allocate(20)
+    assert d[0].span.start == 30  # first fit: the hole b left
+    pool.release(a)
+    pool.release(d)
+    pool.release(c)
+    assert pool.free_slots == pool.capacity == 100
+    assert pool.allocate(100)[0].span.start == 0  # merged back into one range
+
+
+def test_the_pool_grows_when_no_range_fits_and_keeps_what_it_holds(model):
+    pool = KVPool(model, 16)
+    first = pool.allocate(10)
+    model(mx.array([[3, 4, 5, 6]]), cache=first)
+    before = [bits(c.state[0]) + bits(c.state[1]) for c in first]
+    second = pool.allocate(40)  # does not fit in 16: the pool doubles (at least)
+    assert pool.capacity >= 50 and second[0].span.start >= 10
+    assert [bits(c.state[0]) + bits(c.state[1]) for c in first] == before
+
+
+def test_a_request_cannot_write_past_its_reservation(model):
+    pool = KVPool(model, 64)
+    cache = pool.allocate(3)
+    with pytest.raises(ValueError, match="outgrew its reservation"):
+        model(mx.array([[1, 2, 3, 4]]), cache=cache)
+
+
+def test_prefix_copies_and_clones_are_bit_exact(model):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    pool = KVPool(model, 64)
+    plain = make_prompt_cache(model)
+    model(mx.array([[7, 8, 9, 10, 11]]), cache=plain)
+    pooled = pool.allocate(20)
+    fill_prefix(pooled, plain, 4)
+    assert pooled[0].offset == 4
+    for p, q in zip(pooled, plain):
+        assert bits(p.state[0]) == bits(q.keys[..., :4, :]) and bits(p.state[1]) == bits(q.values[..., :4, :])
+    twin = pool.clone(pooled)
+    assert twin[0].span.start != pooled[0].span.start
+    assert all(bits(a.state[0]) == bits(b.state[0]) for a, b in zip(twin, pooled))
+
+
+# ----------------------------------------------------------- the kernel's order of work
+
+@pytest.mark.parametrize("length", [1, 31, 32, 33, 127, 128, 129, 200, 513])
+def test_the_tile_schedule_covers_every_key_once_in_an_order_fixed_by_the_length(length):
+    schedule = tile_schedule(length)
+    keys = [j for tiles in schedule for tile in tiles for j in tile]
+    assert sorted(keys) == list(range(length))
+    for w, tiles in enumerate(schedule):
+        assert [t.start // TILE % WARPS for t in tiles] == [w] * len(tiles)
+        assert [t.start for t in tiles] == sorted(t.start for t in tiles)
+    assert schedule == tile_schedule(length)
+
+
+@pytest.mark.parametrize("length", [1, 31, 33, 129, 513])
+def test_the_kernels_online_softmax_and_warp_combination_compute_attention(length):
+    rng = np.random.default_rng(length)
+    q, k, v = rng.normal(size=64), rng.normal(size=(length, 64)), rng.normal(size=(length, 64))
+    scale = 64 ** -0.5
+    s = k @ q * scale
+    p = np.exp(s - s.max())
+    want = (p / p.sum()) @ v
+    assert np.allclose(attention_row(q, k, v, scale), want, rtol=1e-4, atol=1e-5)
+
+
+def test_without_a_gpu_the_reference_form_runs_and_says_why():
+    assert kernel_unavailable_reason() is not None  # the CPU has no custom-kernel API
+    q = mx.random.normal((1, 4, 3, 16), key=mx.random.key(1))
+    k = mx.random.normal((2, 40, 16), key=mx.random.key(2))
+    v = mx.random.normal((2, 40, 16), key=mx.random.key(3))
+    rows = PoolRows([0, 10, 10], [5, 7, 8])
+    out = pooled_attention(q, k, v, rows, 0.25)
+    for r, (start, length) in enumerate(zip(rows.base, rows.lens)):
+        kk = np.repeat(np.array(k[:, start:start + length]), 2, axis=0)
+        vv = np.repeat(np.array(v[:, start:start + length]), 2, axis=0)
+        s = np.einsum("hd,hjd->hj", np.array(q[0, :, r]), kk) * 0.25
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want = np.einsum("hj,hjd->hd", p / p.sum(-1, keepdims=True), vv)
+        assert np.allclose(np.array(out[0, :, r]), want, atol=1e-5)
+
+
+# ------------------------------------------------------------- pooled passes, bit for bit
+
+def prefilled(pool, model, prompt, reserve=64):
+    cache = pool.allocate(reserve)
+    model(mx.array(prompt)[None], cache=cache)
+    return cache
+
+
+def test_a_pooled_pass_gives_each_request_its_solo_bits_and_the_model_its_own_function(model):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    pool = KVPool(model, 256, use_kernel=False)
+    prompts = [[1, 50, 2, 8], [5, 6, 7, 8, 9, 10, 11], [42]]
+    rows = [[100], [101, 102, 103], [104]]
+    caches = [prefilled(pool, model, p) for p in prompts]
+    alone = [ragged_forward(model, [(pool.clone(c), r)])[0] for c, r in zip(caches, rows)]
+    together = ragged_forward(model, list(zip(caches, rows)))
+    for i in range(3):
+        assert bits(together[i]) == bits(alone[i])
+        plain = make_prompt_cache(model)
+        model(mx.array(prompts[i])[None], cache=plain)
+        assert mx.allclose(alone[i], model(mx.array(rows[i])[None], cache=plain)[0], atol=1e-4).item()
+
+
+def test_the_ragged_proof_over_the_pool_passes_with_canonical_forms_and_fails_natively(model):
+    with shape_variant_backend():
+        native = prove_ragged(model, LIMIT, kv_pool="reference")
+        assert not native and "differ" in native.reason  # negative control: the double varies
+        plan = set_batch_invariant_limit(model, LIMIT)
+        assert plan.guaranteed
+        assert prove_ragged(model, LIMIT, kv_pool="reference")
+    set_batch_invariant_limit(model, 0)
+
+
+def test_pool_mode_on_the_cpu(model):
+    assert pool_mode(model, "auto") == "off"  # no kernel here: today's per-request caches
+    assert pool_mode(model, "on") == "reference"
+    assert pool_mode(model, "off") == "off"
+    with pytest.raises(ValueError, match="--kv-pool"):
+        pool_mode(model, "always")
+
+
+# ----------------------------------------------------- measuring as the engine decodes
+
+def test_speculation_over_the_engine_path_is_exact_and_gives_its_ranges_back(model):
+    from server.bench import decode
+    from server.engine.engine_path import EnginePath
+    from server.engine.speculative import measure_pass_costs
+
+    path = EnginePath(model, "reference")
+    prompt = [11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11, 12]
+    plain, _, _ = decode(model, prompt, 12, path=path)
+    spec, _, stats = decode(model, prompt, 12, "prompt_lookup", 3, path=path)
+    assert spec == plain and stats.drafted > 0
+    costs = measure_pass_costs(model, 4, context=8, repeats=1, path=path)
+    assert len(costs) == 4 and costs == sorted(costs)
+    assert path.pool.free_slots == path.pool.capacity
