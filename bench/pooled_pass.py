@@ -60,13 +60,13 @@ def main() -> int:
     loaded = load_model(args.model, args.weights)
     model = loaded.model
     print(f"device {mx.default_device()}, MLX {mx.__version__}, model {loaded.name} {args.weights}")
-    print(f"pooled attention kernel: {kernel_unavailable_reason() or 'available'}; "
+    print(f"pooled attention kernel: {kernel_unavailable_reason(mx.float16, 64) or 'available'}; "
           f"--kv-pool auto -> {pool_mode(model, 'auto')}")
     if args.limit:
         plan = set_batch_invariant_limit(model, args.limit, args.strategy)
         print(f"L = {args.limit}: strategy {plan.strategy}, guaranteed {plan.guaranteed} ({plan.reason})")
     enable_ragged(model)
-    use_kernel = kernel_unavailable_reason() is None
+    use_kernel = pool_mode(model, "auto") == "kernel"
     mode = "kernel" if use_kernel else "reference"
 
     proofs = []

@@ -240,15 +240,16 @@ def kernel_problem(model) -> str | None:
     from .custom.attention import kernel_unavailable_reason
     from .custom.skinny import FLOAT_DTYPES
 
-    reason = kernel_unavailable_reason()
-    if reason:
-        return reason
     probe = make_prompt_cache(model)
     model(mx.array([[0]]), cache=probe)
     for c in probe:
         dim = c.keys.shape[3]
         if dim % 32 or dim > 256 or c.keys.dtype not in FLOAT_DTYPES:
             return f"head size {dim} ({c.keys.dtype}): the kernel takes multiples of 32 up to 256"
+    for dtype, dim in {(c.keys.dtype, c.keys.shape[3]) for c in probe}:
+        reason = kernel_unavailable_reason(dtype, dim)
+        if reason:
+            return reason
     return None
 
 

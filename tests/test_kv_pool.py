@@ -179,3 +179,15 @@ def test_speculation_over_the_engine_path_is_exact_and_gives_its_ranges_back(mod
     costs = measure_pass_costs(model, 4, context=8, repeats=1, path=path)
     assert len(costs) == 4 and costs == sorted(costs)
     assert path.pool.free_slots == path.pool.capacity
+
+
+def test_the_kernels_smoke_test_refuses_a_wrong_kernel(monkeypatch):
+    """On a GPU the kernel is checked per element type and head size against the reference
+    form before the pool uses it; here a stand-in plays the kernel."""
+    import kernels.custom.attention as attention
+
+    right = lambda q, k, v, rows, scale: attention.reference_attention(q, k, v, rows, scale)  # noqa: E731
+    monkeypatch.setattr(attention, "kernel_attention", right)
+    assert attention._smoke_test(mx.bfloat16, 128) is None
+    monkeypatch.setattr(attention, "kernel_attention", lambda *a: right(*a) * 1.1)
+    assert "disagrees" in attention._smoke_test(mx.float16, 64)
