@@ -144,11 +144,12 @@ def invariant_sdpa(*args, **kwargs):
         if q.shape[2] <= s.limit and is_positional(a.get("cache")):
             k, v, mask = a.pop("keys"), a.pop("values"), a.pop("mask", None)
             return attention_per_query(_NATIVE_SDPA, q, k, v, mask=mask, contiguous=packed, **a)
-    a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
-    if is_positional(a.get("cache")) and wants_blocks(a["queries"], a["keys"], a.get("mask")):
-        q, k, v = a.pop("queries"), a.pop("keys"), a.pop("values")
-        a.pop("mask")
-        return blocked_causal(_NATIVE_SDPA, q, k, v, **a)  # a long prompt chunk on the CPU
+    if mx.default_device() == mx.cpu:  # a long prompt chunk on the CPU attends in blocks
+        a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
+        if is_positional(a.get("cache")) and wants_blocks(a["queries"], a["keys"], a.get("mask")):
+            q, k, v = a.pop("queries"), a.pop("keys"), a.pop("values")
+            a.pop("mask")
+            return blocked_causal(_NATIVE_SDPA, q, k, v, **a)
     return _NATIVE_SDPA(*args, **kwargs)
 
 

@@ -35,6 +35,10 @@ class Span:
     length: int
     released: bool = False
 
+    def check_room(self, positions: int) -> None:
+        if positions > self.length:
+            raise ValueError(f"a request's KV outgrew its reservation ({self.length} tokens)")
+
 
 class PooledLayerCache:
     """One layer of one request's cache: its range of the pool and how much of it is filled."""
@@ -61,8 +65,7 @@ class PooledLayerCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append (1, HKV, n, D) keys/values; returns views of all keys/values so far."""
         n = keys.shape[2]
-        if self.offset + n > self.span.length:
-            raise ValueError(f"a request's KV outgrew its reservation ({self.span.length} tokens)")
+        self.span.check_room(self.offset + n)
         self.pool.write(self.layer, self.span.start + self.offset, keys[0], values[0])
         self.offset += n
         return self.state
@@ -80,9 +83,7 @@ class PooledLayerCache:
 
     def attention(self, queries: mx.array, scale: float, sinks=None) -> mx.array:
         """The queries of the positions just written, each against its own keys."""
-        return pooled_attention(queries, self.pool.keys[self.layer], self.pool.values[self.layer],
-                                self.rows(queries.shape[2]), scale, sinks=sinks,
-                                use_kernel=self.pool.use_kernel)
+        return self.pool.attention(self.layer, queries, self.rows(queries.shape[2]), scale, sinks)
 
     def make_mask(self, *args, **kwargs):
         return create_attention_mask(*args, offset=self.offset, **kwargs)
@@ -124,10 +125,7 @@ class KVPool:
 
     def __init__(self, model, capacity: int = DEFAULT_CAPACITY, *, use_kernel: bool = True):
         self.use_kernel = use_kernel
-        probe = make_prompt_cache(model)
-        model(mx.array([[0]]), cache=probe)
-        self._layouts = [((c.keys.shape[1], c.keys.shape[3]), (c.values.shape[1], c.values.shape[3]),
-                          c.keys.dtype) for c in probe]
+        self._layouts = kv_layouts(model)
         self.capacity = 0
         self.keys: list[mx.array] = []
         self.values: list[mx.array] = []
@@ -194,6 +192,11 @@ class KVPool:
         self.keys[layer][:, slots] = keys
         self.values[layer][:, slots] = values
 
+    def attention(self, layer: int, queries: mx.array, rows: PoolRows, scale: float, sinks=None) -> mx.array:
+        """queries (1, HQ, R, D), row r against its keys in this layer (`rows`)."""
+        return pooled_attention(queries, self.keys[layer], self.values[layer], rows, scale, sinks=sinks,
+                                use_kernel=self.use_kernel)
+
     def _first_fit(self, tokens: int) -> int | None:
         for i, (start, length) in enumerate(self._free):
             if length >= tokens:
@@ -220,33 +223,34 @@ class KVPool:
 POOL_MODES = ("auto", "on", "off")
 
 
-def pool_problem(model) -> str | None:
+def kv_layouts(model) -> list[tuple[tuple[int, int], tuple[int, int], object]]:
+    """Per layer ((key heads, key size), (value heads, value size), dtype) of this model's KV,
+    read from a one-token pass."""
+    probe = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=probe)
+    return [((c.keys.shape[1], c.keys.shape[3]), (c.values.shape[1], c.values.shape[3]), c.keys.dtype)
+            for c in probe]
+
+
+def pool_problem(model, layouts) -> str | None:
     """Why this model's requests cannot share a KV pool (None: they can)."""
     from .ragged import ragged_problem
 
     problem = ragged_problem(model)
     if problem:
         return problem
-    probe = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=probe)
-    dims = {(c.keys.shape[3], c.values.shape[3]) for c in probe}
-    if any(k != v for k, v in dims):
+    if any(k[1] != v[1] for k, v, _ in layouts):
         return "its keys and values have different head sizes"
     return None
 
 
-def kernel_problem(model) -> str | None:
-    """Why the pooled attention kernel cannot serve this model here (None: it can)."""
-    from .custom.attention import kernel_unavailable_reason
-    from .custom.skinny import FLOAT_DTYPES
+def kernel_problem(layouts) -> str | None:
+    """Why the pooled attention kernel cannot serve KV of these layouts here (None: it can)."""
+    from .custom.attention import kernel_takes, kernel_unavailable_reason
 
-    probe = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=probe)
-    for c in probe:
-        dim = c.keys.shape[3]
-        if dim % 32 or dim > 256 or c.keys.dtype not in FLOAT_DTYPES:
-            return f"head size {dim} ({c.keys.dtype}): the kernel takes multiples of 32 up to 256"
-    for dtype, dim in {(c.keys.dtype, c.keys.shape[3]) for c in probe}:
+    for dtype, dim in {(dtype, k[1]) for k, _, dtype in layouts}:
+        if not kernel_takes(dtype, dim):
+            return f"head size {dim} ({dtype}): the kernel takes multiples of 32 up to 256"
         reason = kernel_unavailable_reason(dtype, dim)
         if reason:
             return reason
@@ -257,8 +261,11 @@ def pool_mode(model, requested: str) -> str:
     """What `--kv-pool auto|on|off` means for this model here: "kernel", "reference" or "off"."""
     if requested not in POOL_MODES:
         raise ValueError(f"--kv-pool must be one of {POOL_MODES}")
-    if requested == "off" or pool_problem(model) is not None:
+    if requested == "off":
         return "off"
-    if kernel_problem(model) is None:
+    layouts = kv_layouts(model)
+    if pool_problem(model, layouts) is not None:
+        return "off"
+    if kernel_problem(layouts) is None:
         return "kernel"
     return "reference" if requested == "on" else "off"

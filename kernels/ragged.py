@@ -28,8 +28,8 @@ import mlx.nn as nn
 from mlx_lm.models import rope_utils
 from mlx_lm.models.cache import KVCache
 
-from .custom.attention import PoolRows, pooled_attention
-from .kv_pool import PooledLayerCache, is_pooled
+from .custom.attention import PoolRows
+from .kv_pool import is_pooled
 
 # RoPE classes whose call hands `offset` straight to mx.fast.rope (so a per-row position
 # vector works once each row is its own batch entry).
@@ -56,8 +56,7 @@ class PooledPass:
         slots, base, lens = [], [], []
         for cache, n in zip(caches, rows):
             start, offset = cache.span.start, cache.offset
-            if offset + n > cache.span.length:
-                raise ValueError(f"a request's KV outgrew its reservation ({cache.span.length} tokens)")
+            cache.span.check_room(offset + n)
             slots += range(start + offset, start + offset + n)
             base += [start] * n
             lens += range(offset + 1, offset + n + 1)
@@ -103,9 +102,7 @@ class RaggedLayerCache:
         function) exactly as that request's pass alone would call it; rows end to end.
         Pooled: all rows in one call, each against its own keys in the pool."""
         if self.pooled is not None:
-            pool, layer = self.pooled.pool, self.caches[0].layer
-            return pooled_attention(queries, pool.keys[layer], pool.values[layer], self.pooled.rows,
-                                    scale, sinks=sinks, use_kernel=pool.use_kernel)
+            return self.pooled.pool.attention(self.caches[0].layer, queries, self.pooled.rows, scale, sinks)
         outs = []
         start = 0
         for cache, n, (keys, values) in zip(self.caches, self.rows, self.fetched):
@@ -191,8 +188,8 @@ def ragged_logits(model, requests: list[tuple[list, list[int]]]) -> mx.array:
     positions = RowPositions(mx.array([cache[0].offset + i for (cache, _), n in zip(requests, rows)
                                        for i in range(n)], dtype=mx.int32))
     layers = len(requests[0][0])
-    pools = {id(layer.pool) for cache, _ in requests for layer in cache if isinstance(layer, PooledLayerCache)}
-    pooled = len(pools) == 1 and all(is_pooled(cache) for cache, _ in requests)
+    pooled = (all(is_pooled(cache) for cache, _ in requests)
+              and len({id(cache[0].pool) for cache, _ in requests}) == 1)
     # Every layer of a request shares its pool range and offset: one PooledPass serves all.
     where = PooledPass([cache[0] for cache, _ in requests], rows) if pooled else None
     ragged = [RaggedLayerCache([cache[layer] for cache, _ in requests], rows, positions, where)

@@ -17,7 +17,6 @@ from server.engine.request_state import prompt_forward
 from server.engine.sampling import SamplingParams
 from server.engine.speculative import measure_pass_costs
 from server.engine.token_steps import SpeculationStats, drive, make_source
-from server.verify import start_decoding
 
 # A copying task: the answer repeats the prompt, which is what prompt lookup drafts from.
 REPETITIVE = ("Copy the following text exactly, word for word:\n\n"
@@ -55,38 +54,24 @@ TASKS = {
 def decode(model, prompt: list[int], n: int, method="none", k=0, draft_model=None,
            adaptive=False, pass_costs=None, path=None):
     """(tokens, decode seconds, stats) for n greedy tokens after prefilling `prompt`;
-    `path` (server/engine/engine_path.py): caches and passes as the engine has them."""
+    `path` (server/engine/engine_path.py): caches and passes as the engine has them (None:
+    plain caches and model calls, as `lockstep verify` runs)."""
     stats = SpeculationStats()
-    if path is not None:
-        cache = path.new_cache(len(prompt) + n + k + 2)
-        try:
-            for _ in prefill(model, cache, prompt[:-1], forward):
-                pass
-            source = drive(make_source(cache, list(prompt), SamplingParams(temperature=0.0), stats, method, k,
-                                       draft_model, adaptive=adaptive, pass_costs=pass_costs, target=model),
-                           path.step, model, cache)
-            tokens = []
-            start = time.perf_counter()
-            while len(tokens) < n:
-                tokens.extend(s.sampled.token for s in next(source))
-            return tokens[:n], time.perf_counter() - start, stats
-        finally:
-            path.release(cache)
-    if adaptive:
-        cache = make_prompt_cache(model)
+    cache = make_prompt_cache(model) if path is None else path.new_cache(len(prompt) + n + k + 2)
+    try:
         for _ in prefill(model, cache, prompt[:-1], forward):
             pass
         source = drive(make_source(cache, list(prompt), SamplingParams(temperature=0.0), stats, method, k,
-                                   draft_model, adaptive=True, pass_costs=pass_costs, target=model),
-                       forward, model, cache)
-    else:
-        source = start_decoding(model, prompt, SamplingParams(temperature=0.0), stats, method, k,
-                                draft_model)
-    tokens = []
-    start = time.perf_counter()
-    while len(tokens) < n:
-        tokens.extend(s.sampled.token for s in next(source))
-    return tokens[:n], time.perf_counter() - start, stats
+                                   draft_model, adaptive=adaptive, pass_costs=pass_costs, target=model),
+                       forward if path is None else path.step, model, cache)
+        tokens = []
+        start = time.perf_counter()
+        while len(tokens) < n:
+            tokens.extend(s.sampled.token for s in next(source))
+        return tokens[:n], time.perf_counter() - start, stats
+    finally:
+        if path is not None:
+            path.release(cache)
 
 
 def prefill_seconds(model, prompt: list[int], chunk: int = 512) -> float:

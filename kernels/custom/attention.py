@@ -57,12 +57,17 @@ def _kernel(which: str):
                 source=_BODIES[which], header=(SOURCE_DIR / SOURCE_FILES[which]).read_text())
 
 
+def kernel_takes(dtype, dim: int) -> bool:
+    """Element types and head sizes the kernel is written for."""
+    return dim % 32 == 0 and dim <= 256 and dtype in FLOAT_DTYPES
+
+
 def kernel_serves(queries: mx.array, k_pool: mx.array) -> bool:
-    """The kernel's shapes: one batch entry, head dim a multiple of 32 up to 256, GQA."""
+    """The kernel's shapes: one batch entry, a head size it takes, GQA."""
     _, heads, _, dim = queries.shape
     kv_heads, _, kdim = k_pool.shape
-    return (queries.shape[0] == 1 and dim == kdim and dim % 32 == 0 and dim <= 256
-            and heads % kv_heads == 0 and queries.dtype in FLOAT_DTYPES and k_pool.dtype == queries.dtype)
+    return (queries.shape[0] == 1 and dim == kdim and kernel_takes(queries.dtype, dim)
+            and heads % kv_heads == 0 and k_pool.dtype == queries.dtype)
 
 
 def kernel_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows: PoolRows,

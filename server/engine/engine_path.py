@@ -20,7 +20,7 @@ class EnginePath:
     def __init__(self, model, kv_pool: str = "off"):
         from kernels.ragged import enable_ragged, ragged_problem
 
-        self.model_for_cache = model
+        self.model = model
         self.ragged = ragged_problem(model) is None
         if self.ragged:
             enable_ragged(model)
@@ -31,7 +31,7 @@ class EnginePath:
             self.pool = KVPool(model, POOL_TOKENS, use_kernel=kv_pool == "kernel")
 
     def new_cache(self, tokens: int) -> list:
-        return make_prompt_cache(self.model_for_cache) if self.pool is None else self.pool.allocate(tokens)
+        return make_prompt_cache(self.model) if self.pool is None else self.pool.allocate(tokens)
 
     def release(self, cache: list) -> None:
         if self.pool is not None:
