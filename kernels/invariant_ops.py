@@ -106,12 +106,14 @@ def dense_rows(x: mx.array, weight: mx.array, form: str) -> mx.array:
     *lead, k = x.shape
     rows = x.reshape(-1, k)
     wt = weight.T
+    out = None
     if form == "skinny":
         # The kernel serves M = 1 too (decode and blocks share its order); what it cannot
         # take (dtype, > 64 rows, no GPU kernel API) runs the strided batched GEMV.
-        form = "skinny" if custom.available() and custom.dense_serves(rows, weight) else "strided_gemv"
-    if form == "skinny":
-        out = custom.dense_matmul(rows, weight)
+        out = custom.try_dense_matmul(rows, weight)
+        form = "strided_gemv"
+    if out is not None:
+        pass
     elif form in ("native", "cpu_kernel") or rows.shape[0] == 1:
         # One row is the reference every form must match (the self-test proves it): run it
         # as the plain single-row call, with no extra ops on the decode path.

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kernels import custom
-from kernels.custom import loop_order, skinny
+from kernels.custom import loop_order, mma_order, skinny
 from kernels.invariant import set_batch_invariant_limit
 from kernels.invariant_ops import SKINNY, STRATEGIES, dense_rows, quantized_rows
 from kernels.selftest import bits_equal, self_test
@@ -72,6 +72,69 @@ def test_model_matches_matmul_with_k_tails(dtype, k):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.sqrt(k))
 
 
+# -- the tensor-core kernel's index model (skinny_mma.cu) ------------------------------------
+
+@pytest.mark.parametrize("bits", [16, 4])
+@pytest.mark.parametrize("k", [16, 48, 80, 100, 128, 4100, 4112, 14336])
+def test_mma_every_k_is_in_exactly_one_slot_and_padding_is_past_k(bits, k):
+    if bits == 4 and k % 16:
+        return  # 4-bit K is a multiple of the group (16 at least)
+    seen = np.concatenate([ks for mmas in mma_order.schedule(k, bits) for ks in mmas])
+    assert np.array_equal(np.sort(seen[seen < k]), np.arange(k))
+    assert len(seen) - k < mma_order.chunk_elements(bits)  # only the last chunk is padded
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_mma_slots_follow_each_lanes_contiguous_load(bits):
+    run = mma_order.run_elements(bits)
+    for j in range(run // 4):
+        ks = mma_order.mma_elements(chunk=2, j=j, weight_bits=bits)
+        for q in range(mma_order.LANE_GROUPS):
+            # lane group q: slots 2q, 2q+1, 2q+8, 2q+9 = 4 consecutive elements of its run
+            held = ks[[2 * q, 2 * q + 1, 2 * q + 8, 2 * q + 9]]
+            base = 2 * mma_order.chunk_elements(bits) + q * run + 4 * j
+            assert list(held) == [base, base + 1, base + 2, base + 3]
+
+
+@pytest.mark.parametrize("group", [16, 32, 64, 128])
+def test_mma_a_lanes_4bit_run_lies_in_one_quantization_group(group):
+    run = mma_order.run_elements(4)
+    for chunk in range(20):
+        for q in range(mma_order.LANE_GROUPS):
+            start = chunk * mma_order.chunk_elements(4) + q * run  # the lane's one scale load
+            assert len({k // group for k in range(start, start + run)}) == 1
+
+
+@pytest.mark.parametrize("m", [1, 16, 17, 33, 64])
+@pytest.mark.parametrize("n", [1, 576, 1024, 4096, 14336, 49152, 128256])
+def test_mma_column_tiles_cover_every_column_and_fit_shared_memory(n, m):
+    tiles = skinny.mma_column_tiles(n, m)
+    assert tiles in (1, 2, 4)
+    row_tiles = -(-m // skinny.MMA_ROW_TILE)
+    partial_bytes = mma_order.WARPS * row_tiles * tiles * 32 * 4 * 4  # skinny_mma.cu `partial`
+    assert partial_bytes <= 32 * 1024
+    blocks = -(-n // (skinny.MMA_COLUMNS * tiles))
+    assert blocks * skinny.MMA_COLUMNS * tiles >= n > (blocks - 1) * skinny.MMA_COLUMNS * tiles
+
+
+@pytest.mark.parametrize("bits,k", [(16, 100), (16, 4100), (4, 48), (4, 4112)])
+def test_mma_model_matches_matmul_and_rows_do_not_depend_on_neighbours(bits, k):
+    x, w = rand(19, k, dtype=mx.bfloat16), rand(24, k, seed=1, dtype=mx.bfloat16)
+    got = mma_order.skinny_mma(f32(x), f32(w), bits)
+    want = f32(x).astype(np.float64) @ f32(w).astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.sqrt(k))
+    for row in (0, 8, 17):
+        alone = mma_order.skinny_mma(f32(x[row : row + 1]), f32(w), bits)
+        assert np.array_equal(got[row].view(np.uint32), alone[0].view(np.uint32))
+
+
+def test_mma_source_matches_the_models_constants():
+    text = (ROOT / "kernels/custom/skinny_mma.cu").read_text()
+    assert f"constexpr int WARPS = {mma_order.WARPS};" in text
+    assert skinny.MMA_WARPS == mma_order.WARPS
+    assert "m16n8k16" in text and skinny.MMA_ROW_TILE == 16 and skinny.MMA_COLUMNS == 8
+
+
 def test_a_rows_bits_do_not_depend_on_its_neighbours():
     x, w = rand(9, 200, dtype=mx.bfloat16), rand(17, 200, seed=1, dtype=mx.bfloat16)
     block = loop_order.skinny_matmul(f32(x), f32(w), 8)
@@ -124,15 +187,23 @@ def test_e4m3_decoding_covers_subnormals_and_signs():
 
 # -- the sources and the loader ---------------------------------------------------------------
 
+def test_every_kernel_source_file_is_package_data():
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    sources = sorted(str(p.relative_to(ROOT / "kernels")) for ext in ("c", "cu", "metal")
+                     for p in (ROOT / "kernels").rglob(f"*.{ext}"))
+    assert sources and sorted(data["kernels"]) == sources
+
+
 def test_kernel_sources_are_package_data_and_define_what_the_loader_calls():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     for which, name in skinny.SOURCE_FILES.items():
         assert f"custom/{name}" in data["kernels"]
         text = skinny.source_text(which)
-        for (backend, _), body in skinny._BODIES.items():
-            if backend == which:
-                function = re.match(r"lockstep::(\w+)<", body).group(1)
-                assert re.search(rf"\b{function}\(", text), f"{function} missing from {name}"
+        bodies = (skinny._MMA_BODIES.values() if which == "cuda_mma" else
+                  [body for (backend, _), body in skinny._BODIES.items() if backend == which])
+        for body in bodies:
+            function = re.match(r"lockstep(?:_mma)?::(\w+)<", body).group(1)
+            assert re.search(rf"\b{function}\(", text), f"{function} missing from {name}"
 
 
 def test_the_cpu_has_no_custom_kernels_and_says_why():
@@ -205,6 +276,8 @@ def kernels_here(monkeypatch):
 
     def use(dense):
         monkeypatch.setattr(custom, "dense_matmul", dense)
+        monkeypatch.setattr(custom, "try_dense_matmul",
+                            lambda x, w: dense(x, w) if custom.dense_serves(x, w) else None)
     return use
 
 

@@ -10,8 +10,9 @@ from .skinny import (
     quantized_kind,
     quantized_matmul,
     quantized_serves,
+    try_dense_matmul,
     unavailable_reason,
 )
 
 __all__ = ["MAX_ROWS", "available", "backend", "dense_matmul", "dense_serves", "quantized_kind",
-           "quantized_matmul", "quantized_serves", "unavailable_reason"]
+           "quantized_matmul", "quantized_serves", "try_dense_matmul", "unavailable_reason"]

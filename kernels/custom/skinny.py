@@ -14,15 +14,42 @@ import mlx.core as mx
 from .loop_order import MAX_ROWS, columns_per_warp, launch_threads
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCE_FILES = {"cuda": "skinny_matmul.cu", "metal": "skinny_matmul.metal"}
+SOURCE_FILES = {"cuda": "skinny_matmul.cu", "metal": "skinny_matmul.metal", "cuda_mma": "skinny_mma.cu"}
 THREADS_PER_BLOCK = 128
 FLOAT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+# On CUDA, 16-bit x runs the tensor-core kernel (skinny_mma.cu: each weight tile read once
+# per block for all rows, MMAs instead of per-lane FMAs); float32 keeps skinny_matmul.cu.
+MMA_DTYPES = (mx.bfloat16, mx.float16)
+MMA_WARPS = 4  # per block (skinny_mma.cu WARPS)
+MMA_COLUMNS = 8  # output columns per column tile
+MMA_ROW_TILE = 16
+MMA_ROW_GROUP = 8  # a lane feeds rows g, g + 8, ...: R8 = ceil(M / 8) groups
+MMA_MIN_BLOCKS = 512  # keep about 4 blocks per SM (H200: 132) before a block takes more column tiles
+
+
+MMA_MAX_TILES = 8  # row tiles x column tiles: the warps' partial sums fit 32 KB of shared memory
+
+
+def mma_column_tiles(n: int, m: int = 1) -> int:
+    """Column tiles per block (NT): more where N is wide, so each x load serves more columns,
+    as many as the shared memory allows for m rows. Which block computes a column never
+    changes the order of its sum, so NT may follow N and M."""
+    row_tiles = -(-m // MMA_ROW_TILE)
+    for tiles in (4, 2):
+        if n // (MMA_COLUMNS * tiles) >= MMA_MIN_BLOCKS and row_tiles * tiles <= MMA_MAX_TILES:
+            return tiles
+    return 1
 AFFINE_GROUPS = (32, 64, 128)
 
 
 def backend() -> str | None:
     """"cuda" or "metal" when the default device is a GPU with a custom-kernel API, else None."""
-    if mx.default_device().type != mx.gpu:
+    return _backend_of(mx.default_device().type == mx.gpu)
+
+
+@lru_cache(maxsize=None)
+def _backend_of(on_gpu: bool) -> str | None:
+    if not on_gpu:
         return None
     if mx.cuda.is_available():
         return "cuda"
@@ -50,12 +77,23 @@ _BODIES = {
     ("metal", "nvfp4"): ("lockstep::skinny_nvfp4<T, M, NC, K>(x, w, scales, y, w_shape[0],"
                          " thread_position_in_grid.x, thread_index_in_simdgroup);"),
 }
+_MMA_BODIES = {
+    "dense": "lockstep_mma::skinny_mma_dense<T, R8, NT>(x, w, y, x_shape[0], w_shape[0], x_shape[1]);",
+    "affine": ("lockstep_mma::skinny_mma_quantized<T, R8, NT, GROUP, 0>"
+               "(x, w, scales, nullptr, biases, y, x_shape[0], w_shape[0], x_shape[1]);"),
+    "nvfp4": ("lockstep_mma::skinny_mma_quantized<T, R8, NT, 16, 1>"
+              "(x, w, nullptr, scales, nullptr, y, x_shape[0], w_shape[0], x_shape[1]);"),
+}
 _INPUTS = {"dense": ["x", "w"], "affine": ["x", "w", "scales", "biases"], "nvfp4": ["x", "w", "scales"]}
 
 
 @lru_cache(maxsize=None)
 def _kernel(which: str, kind: str):
     name = f"lockstep_skinny_{kind}"
+    if which == "cuda_mma":
+        return mx.fast.cuda_kernel(name=f"lockstep_skinny_mma_{kind}", input_names=_INPUTS[kind],
+                                   output_names=["y"], source=_MMA_BODIES[kind],
+                                   header=source_text(which))
     if which == "cuda":
         return mx.fast.cuda_kernel(name=name, input_names=_INPUTS[kind], output_names=["y"],
                                    source=_BODIES[which, kind], header=source_text(which))
@@ -72,8 +110,26 @@ def quantized_kind(mode: str, bits: int, group_size: int) -> str | None:
     return None
 
 
-def _launch(kind: str, inputs: list, template: list, m: int, n: int, dtype):
-    which = backend()
+def uses_mma(dtype) -> bool:
+    """True where x of this dtype runs the tensor-core kernel."""
+    return backend() == "cuda" and dtype in MMA_DTYPES
+
+
+def _launch(kind: str, inputs: list, template: list, m: int, n: int, dtype, which=None):
+    which = which or backend()
+    if which == "cuda" and dtype in MMA_DTYPES:
+        # R8 and NT only size registers and the grid; M, N, K are read at run time (few compiles).
+        template = [t for t in template if t[0] == "GROUP"]
+        tiles = mma_column_tiles(n, m)
+        blocks = -(-n // (MMA_COLUMNS * tiles))
+        return _kernel("cuda_mma", kind)(
+            inputs=inputs,
+            template=[("T", dtype), ("R8", -(-m // MMA_ROW_GROUP)), ("NT", tiles), *template],
+            grid=(blocks * 32 * MMA_WARPS, 1, 1),
+            threadgroup=(32 * MMA_WARPS, 1, 1),
+            output_shapes=[(m, n)],
+            output_dtypes=[dtype],
+        )[0]
     cols = columns_per_warp(m)
     return _kernel(which, kind)(
         inputs=inputs,
@@ -97,6 +153,15 @@ def dense_matmul(x: mx.array, weight: mx.array) -> mx.array:
     m, k = x.shape
     n = weight.shape[0]
     return _launch("dense", [x, weight], [("K", k)], m, n, x.dtype)
+
+
+def try_dense_matmul(x: mx.array, weight: mx.array):
+    """dense_matmul(x, weight) where the kernel runs here and takes these arrays, else None
+    (the per-call checks of the decode path, once)."""
+    which = backend()
+    if which is None or _availability(which) is not None or not dense_serves(x, weight):
+        return None
+    return _launch("dense", [x, weight], [("K", x.shape[1])], x.shape[0], weight.shape[0], x.dtype, which)
 
 
 def quantized_serves(x: mx.array, scales: mx.array, *, group_size: int, bits: int, mode: str) -> bool:
@@ -127,17 +192,19 @@ def _smoke_test() -> str | None:
     multiple of the warp's columns) against MLX's own ops; None when all agree."""
     key = mx.random.key(7)
     for dtype in FLOAT_DTYPES:
-        for m, n, k in ((1, 33, 48), (5, 17, 100)):
+        for m, n, k in ((1, 33, 48), (5, 17, 100), (21, 40, 4128)):
             kx, kw, key = mx.random.split(key, 3)
             x = mx.random.normal((m, k), key=kx).astype(dtype)
             w = mx.random.normal((n, k), key=kw).astype(dtype)
             got, want = dense_matmul(x, w), x.astype(mx.float32) @ w.astype(mx.float32).T
             if not mx.allclose(got.astype(mx.float32), want, rtol=2e-2, atol=5e-2 * k**0.5).item():
                 return f"dense {dtype} {m}x{n}x{k} disagrees with matmul"
-    for mode, group, k in (("affine", 32, 96), ("affine", 64, 128), ("affine", 128, 256), ("nvfp4", 16, 48)):
+    for mode, group, k, dtype in (("affine", 32, 96, mx.bfloat16), ("affine", 64, 128, mx.float16),
+                                  ("affine", 128, 256, mx.bfloat16), ("nvfp4", 16, 48, mx.bfloat16),
+                                  ("nvfp4", 16, 4112, mx.float16)):
         kx, kw, key = mx.random.split(key, 3)
-        x = mx.random.normal((3, k), key=kx).astype(mx.bfloat16)
-        wq, scales, *biases = mx.quantize(mx.random.normal((48, k), key=kw).astype(mx.bfloat16),
+        x = mx.random.normal((3, k), key=kx).astype(dtype)
+        wq, scales, *biases = mx.quantize(mx.random.normal((48, k), key=kw).astype(dtype),
                                           group, 4, mode=mode)
         b = biases[0] if biases else None
         kw_ = dict(group_size=group, bits=4, mode=mode)
