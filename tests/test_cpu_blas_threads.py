@@ -1,10 +1,12 @@
-"""The shim's large calls (prefill chunks) in fixed column blocks on idle cores.
+"""The shim's large calls (prefill chunks) and the invariant kernel's calls (M <= L) in
+fixed column blocks on idle cores.
 
 Calls of >= LOCKSTEP_BLAS_LARGE_ROWS rows run as LOCKSTEP_BLAS_LARGE_THREADS column
-blocks, each one single-threaded OpenBLAS sgemm; helper threads take blocks only when
-/proc/loadavg shows an idle core. The bits must depend on the call's shape alone, never on
-whether a helper ran (a fake loadavg file, LOCKSTEP_BLAS_LOADAVG, makes both cases happen
-on any machine); small calls and the invariant kernel's calls (M <= L) are not split.
+blocks, each one single-threaded OpenBLAS sgemm; the invariant kernel's calls as finer
+blocks, each one kernel call. Helper threads take blocks only when /proc/loadavg shows an
+idle core. The bits must depend on the call's shape alone, never on whether a helper ran
+(a fake loadavg file, LOCKSTEP_BLAS_LOADAVG, makes both cases happen on any machine);
+small OpenBLAS calls are not split.
 Speed is the bench's business (bench/cpu_default.py), not asserted here.
 """
 
@@ -138,14 +140,51 @@ ROWS = """
 """
 
 
-def test_only_large_calls_outside_the_invariant_kernel_are_split(tmp_path):
+def test_large_calls_and_the_invariant_kernels_calls_are_split(tmp_path):
     r = _run(ROWS, _env(tmp_path, IDLE))
-    assert r["counts"] == {"63 rows": 0, "64 rows": 1, "8 rows, L=8": 0, "9 rows, L=8": 0}, r
+    # 64+ rows on OpenBLAS, and the invariant kernel's 8-row call (M <= L); 9 rows > L with
+    # fewer than 64 rows: one OpenBLAS call
+    assert r["counts"] == {"63 rows": 0, "64 rows": 1, "8 rows, L=8": 1, "9 rows, L=8": 0}, r
     assert r["invariant"], r
-    # With the threshold at 1 row, everything OpenBLAS runs is split; the kernel's calls not.
+    # With the threshold at 1 row, everything OpenBLAS runs is split too.
     r = _run(ROWS, _env(tmp_path, IDLE, LOCKSTEP_BLAS_LARGE_ROWS="1"))
-    assert r["counts"] == {"63 rows": 1, "64 rows": 1, "8 rows, L=8": 0, "9 rows, L=8": 1}, r
+    assert r["counts"] == {"63 rows": 1, "64 rows": 1, "8 rows, L=8": 1, "9 rows, L=8": 1}, r
     assert r["invariant"], r
+
+
+KERNEL_ROWS = """
+    import json, sys, numpy as np, mlx.core as mx
+    from kernels import cpu_blas
+    rng = np.random.default_rng(11)
+    cpu_blas.set_kernel_limit(8)
+    outs = []
+    # decode and verification shapes of the embedded model, N not a multiple of 16, tiny
+    for m, n, k in [(1, 576, 576), (8, 1536, 576), (3, 576, 1536), (5, 49152, 576),
+                    (8, 200, 100), (1, 40, 64)]:
+        x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+        w = mx.array(rng.standard_normal((n, k)).astype(np.float32))
+        for _ in range(3):  # a spinning helper joins the later calls
+            y = x @ w.T
+            mx.eval(y)
+        outs.append(np.array(y).ravel())
+    np.save(sys.argv[1], np.concatenate(outs))
+    print(json.dumps({"counts": cpu_blas.split_counts()}))
+"""
+
+
+def test_invariant_kernel_bits_do_not_depend_on_who_runs_the_blocks(tmp_path):
+    idle = _run(KERNEL_ROWS, _env(tmp_path, IDLE), str(tmp_path / "idle.npy"))
+    busy = _run(KERNEL_ROWS, _env(tmp_path, BUSY), str(tmp_path / "busy.npy"))
+    whole = _run(KERNEL_ROWS, _env(tmp_path, None, LOCKSTEP_BLAS_LARGE_THREADS="0"),
+                 str(tmp_path / "whole.npy"))
+    # 5 shapes x 3 calls reach the split (the 40 x 64 one is under its work floor)
+    assert idle["counts"][0] == busy["counts"][0] == 15, (idle, busy)
+    assert idle["counts"][1] > 0, f"no helper ran a block with every other core idle: {idle}"
+    assert busy["counts"][1] == 0, f"a helper ran while every core was busy: {busy}"
+    assert whole["counts"] == [0, 0], whole
+    a, b, c = (np.load(tmp_path / f"{name}.npy") for name in ("idle", "busy", "whole"))
+    assert np.array_equal(a, b) and np.array_equal(a, c), \
+        f"{int((a != b).sum())} / {int((a != c).sum())} elements differ by who ran the blocks"
 
 
 FORK = """

@@ -39,15 +39,16 @@ void lockstep_split_sgemm(int threads, int ta, int tb, int m, int n, int k, floa
                           const float *a, int lda, const float *b, int ldb, float beta,
                           float *c, int ldc);
 
-void lockstep_invariant_sgemm(int ta, int tb, int m, int n, int k, float alpha,
-                              const float *a, int lda, const float *b, int ldb,
-                              float beta, float *c, int ldc); /* invariant_gemm.c */
+void lockstep_split_invariant_sgemm(int threads, int ta, int tb, int m, int n, int k,
+                                    float alpha, const float *a, int lda, const float *b,
+                                    int ldb, float beta, float *c, int ldc); /* split_gemm.c */
 
 #define EXPORT __attribute__((visibility("default")))
 
 /* Deterministic mode's L when the `cpu_kernel` strategy is installed (set through
  * ctypes by kernels/cpu_blas.py, 0 = off): sgemm calls of m <= L rows, m = 1 decode
- * included, run lockstep_invariant_sgemm, whose rows do not depend on m. */
+ * included, run lockstep_invariant_sgemm, whose rows do not depend on m; with
+ * LOCKSTEP_BLAS_LARGE_THREADS > 1, in column blocks on idle cores (split_gemm.c). */
 EXPORT int lockstep_cpu_kernel_limit = 0;
 
 /* Marker symbol: lets a process (or a test) confirm the shim is the loaded
@@ -87,10 +88,13 @@ EXPORT void cblas_sgemm(int order, int ta, int tb, blasint m, blasint n,
                         const float *b, blasint ldb, float beta, float *c,
                         blasint ldc) {
   if (m <= lockstep_cpu_kernel_limit) {
+    int threads = lockstep_blas_large_threads;
     if (order == 101)
-      lockstep_invariant_sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+      lockstep_split_invariant_sgemm(threads, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta,
+                                     c, ldc);
     else /* column-major C = op(A) op(B) is row-major C^T = op(B)^T op(A)^T */
-      lockstep_invariant_sgemm(tb, ta, n, m, k, alpha, b, ldb, a, lda, beta, c, ldc);
+      lockstep_split_invariant_sgemm(threads, tb, ta, n, m, k, alpha, b, ldb, a, lda, beta,
+                                     c, ldc);
     return;
   }
   if (order == 101 && lockstep_blas_large_threads > 1 && m >= lockstep_blas_large_rows) {

@@ -1,8 +1,10 @@
-/* Large sgemm calls on several cores, with bits that do not depend on how many ran.
+/* sgemm calls on several cores, with bits that do not depend on how many ran.
  *
  * A row-major call of M >= lockstep_blas_large_rows rows (a prefill chunk) is cut into
  * fixed column blocks of C (2 per thread, boundaries at multiples of 16, set by N alone),
- * and each block is one single-threaded OpenBLAS sgemm. Helper threads (threads - 1 of
+ * and each block is one single-threaded OpenBLAS sgemm. Calls of the invariant kernel
+ * (M <= L, invariant_gemm.c) are cut the same way, each block one kernel call: a column's
+ * order there depends on K alone, so the blocks change no bit of it. Helper threads (threads - 1 of
  * them) are woken only when /proc/loadavg says a core is idle; the caller and the helpers
  * claim blocks from a counter, so blocks a late or descheduled helper never started are
  * run by the caller. Who runs a block never changes its bits: the result depends on the
@@ -23,11 +25,24 @@
 #define EXPORT __attribute__((visibility("default")))
 #define MAX_THREADS 8
 #define BLOCKS_PER_THREAD 2
-#define MAX_PIECES (MAX_THREADS * BLOCKS_PER_THREAD)
+/* The invariant kernel's calls are short (tens of microseconds): finer blocks, so a helper
+ * that joins late still takes its share. */
+#define INVARIANT_BLOCKS_PER_THREAD 8
+#define MAX_PIECES (MAX_THREADS * INVARIANT_BLOCKS_PER_THREAD)
 #define ALIGN_N 16
 #define MIN_WORK 4e6 /* multiply-adds: 128 x 128 x 64 (attention of 128 rows) is 1e6 */
+/* The invariant kernel's calls are decode and verification rows, bound by reading the
+ * weights: worth a second core from a 192 x 576 layer of one row (a sleeping helper is
+ * not woken for less; a spinning one picks the call up within microseconds). */
+#define INVARIANT_MIN_WORK 1e5
 
 typedef int blasint;
+typedef void (*row_major_sgemm)(int ta, int tb, int m, int n, int k, float alpha,
+                                const float *a, int lda, const float *b, int ldb,
+                                float beta, float *c, int ldc);
+void lockstep_invariant_sgemm(int ta, int tb, int m, int n, int k, float alpha,
+                              const float *a, int lda, const float *b, int ldb,
+                              float beta, float *c, int ldc); /* invariant_gemm.c */
 void scipy_cblas_sgemm(int order, int ta, int tb, blasint m, blasint n,
                        blasint k, float alpha, const float *a, blasint lda,
                        const float *b, blasint ldb, float beta, float *c,
@@ -38,6 +53,7 @@ EXPORT long lockstep_blas_split_calls = 0;
 EXPORT long lockstep_blas_split_helper_pieces = 0;
 
 static struct {
+  row_major_sgemm gemm;
   int ta, tb, m, k, ldb, ldc, lda, pieces, threads;
   float alpha, beta;
   const float *a, *b;
@@ -71,11 +87,17 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+static void openblas_sgemm(int ta, int tb, int m, int n, int k, float alpha,
+                           const float *a, int lda, const float *b, int ldb, float beta,
+                           float *c, int ldc) {
+  scipy_cblas_sgemm(101, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
 static void run_piece(int i) {
   int n0 = job.bounds[i], n1 = job.bounds[i + 1];
   const float *b = job.b + (job.tb == 111 ? (size_t)n0 : (size_t)n0 * job.ldb);
-  scipy_cblas_sgemm(101, job.ta, job.tb, job.m, n1 - n0, job.k, job.alpha, job.a,
-                    job.lda, b, job.ldb, job.beta, job.c + n0, job.ldc);
+  job.gemm(job.ta, job.tb, job.m, n1 - n0, job.k, job.alpha, job.a, job.lda, b, job.ldb,
+           job.beta, job.c + n0, job.ldc);
 }
 
 /* Claim and run blocks until none is left; returns how many this thread ran. */
@@ -130,6 +152,19 @@ static int running_now(void) {
   return p != NULL ? atoi(p) : -1;
 }
 
+/* running_now(), read at most every 5 ms: decode makes a call every few tens of
+ * microseconds, and the load changes more slowly than that. */
+static int running_recently(void) {
+  static long read_at;
+  static int value = -1;
+  long t = now_ns();
+  if (value < 0 || t - read_at > 5000000L) {
+    value = running_now();
+    read_at = t;
+  }
+  return value;
+}
+
 /* A forked child has none of the helpers (nor maybe a sane lock): it starts afresh. */
 static void after_fork_in_child(void) {
   pthread_mutex_t fresh_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -172,29 +207,37 @@ static int cut(int n, int pieces, int *bounds) {
   return count;
 }
 
-/* Row-major sgemm in fixed column blocks on up to `threads` threads (see the top of this
+/* Row-major `gemm` in fixed column blocks on up to `threads` threads (see the top of this
  * file): BLOCKS_PER_THREAD blocks per thread, so a late helper leaves its share to the
- * caller. Calls under MIN_WORK multiply-adds (a short prompt's attention) run whole. */
-void lockstep_split_sgemm(int threads, int ta, int tb, int m, int n, int k,
-                          float alpha, const float *a, int lda, const float *b,
-                          int ldb, float beta, float *c, int ldc) {
-  if ((double)m * n * k < MIN_WORK) {
-    scipy_cblas_sgemm(101, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+ * caller (the invariant kernel's: INVARIANT_BLOCKS_PER_THREAD). Calls under `min_work`
+ * multiply-adds run whole. */
+static void split(row_major_sgemm gemm, double min_work, int blocks_per_thread, int join_spinning,
+                  int threads,
+                  int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
+                  const float *b, int ldb, float beta, float *c, int ldc) {
+  if ((double)m * n * k < min_work || threads < 2) {
+    gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
-  threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+  threads = threads > MAX_THREADS ? MAX_THREADS : threads;
   pthread_mutex_lock(&one_job);
+  job.gemm = gemm;
   job.threads = threads;
-  job.pieces = cut(n, threads * BLOCKS_PER_THREAD, job.bounds);
+  job.pieces = cut(n, threads * blocks_per_thread, job.bounds);
   job.ta = ta, job.tb = tb, job.m = m, job.k = k, job.alpha = alpha, job.beta = beta;
   job.a = a, job.lda = lda, job.b = b, job.ldb = ldb, job.c = c, job.ldc = ldc;
   lockstep_blas_split_calls++;
   STORE(pieces_done, 0);
   STORE(next_piece, 0);
   STORE(job_open, 1);
-  /* idle cores: all but those running something, the caller and spinning helpers aside */
-  int spinning = LOAD(helpers_spinning), running = running_now();
+  /* idle cores: all but those running something, the caller and spinning helpers aside.
+   * Short calls (join_spinning) also let a spinning helper join while one more thread than
+   * the cores left runs: lockstep's own Python thread, building the next ops while the
+   * stream runs these; with any other process busy the helpers stay out. */
+  int spinning = LOAD(helpers_spinning), running = running_recently();
   int idle = running < 0 ? job.pieces - 1 : online_cpus - running + spinning;
+  if (join_spinning && spinning > 0 && running >= 0 && running - spinning - 1 <= online_cpus - spinning)
+    idle = 1;
   if (idle > 0 && job.pieces > 1) {
     start_helpers(job.threads - 1);
     pthread_mutex_lock(&lock);
@@ -209,4 +252,20 @@ void lockstep_split_sgemm(int threads, int ta, int tb, int m, int n, int k,
   while (LOAD(helpers_inside) > 0) /* none may still read `job` when we return */
     sched_yield();
   pthread_mutex_unlock(&one_job);
+}
+
+/* Large OpenBLAS calls (prefill chunks); small ones (a short prompt's attention) run whole. */
+void lockstep_split_sgemm(int threads, int ta, int tb, int m, int n, int k, float alpha,
+                          const float *a, int lda, const float *b, int ldb, float beta,
+                          float *c, int ldc) {
+  split(openblas_sgemm, MIN_WORK, BLOCKS_PER_THREAD, 0, threads, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c,
+        ldc);
+}
+
+/* The invariant kernel's calls (M <= L), row-major. */
+void lockstep_split_invariant_sgemm(int threads, int ta, int tb, int m, int n, int k,
+                                    float alpha, const float *a, int lda, const float *b,
+                                    int ldb, float beta, float *c, int ldc) {
+  split(lockstep_invariant_sgemm, INVARIANT_MIN_WORK, INVARIANT_BLOCKS_PER_THREAD, 1, threads, ta, tb, m, n, k, alpha, a,
+        lda, b, ldb, beta, c, ldc);
 }
