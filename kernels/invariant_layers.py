@@ -23,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
 
+from .composed_attention import composed_attention, composed_serves
 from .invariant_cache import is_positional
 from .kv_pool import PooledLayerCache
 from .prefill_attention import blocked_causal, wants_blocks
@@ -127,6 +128,11 @@ def invariant_sdpa(*args, **kwargs):
         a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
         return cache.attention(a["queries"], a["scale"], a.get("sinks"))
     s = active_setting()
+    if s is not None and s.strategy.attention == "composed":
+        a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
+        if (is_positional(a.get("cache")) and a["queries"].shape[2] <= s.limit
+                and composed_serves(a.get("mask"), a.get("sinks"))):
+            return composed_attention(a["queries"], a["keys"], a["values"], a["scale"])
     queries = args[0] if args else kwargs.get("queries")
     packed = s is not None and s.strategy.attention == "per_query_contiguous"
     if queries is not None and queries.shape[2] == 1:
@@ -137,7 +143,7 @@ def invariant_sdpa(*args, **kwargs):
                 a[name] = mx.contiguous(a[name])
             return _NATIVE_SDPA(**a)
         return _NATIVE_SDPA(*args, **kwargs)  # one query is already the call decode makes
-    if s is not None and s.strategy.attention in ("per_query", "per_query_contiguous"):
+    if s is not None and s.strategy.attention in ("per_query", "per_query_contiguous", "composed"):
         a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
         q = a.pop("queries")
         # Per-query slicing is only meaningful on keys stored in position order.

@@ -18,7 +18,7 @@ from . import custom
 
 DENSE_FORMS = ("native", "rowwise", "strided_gemv", "skinny", "cpu_kernel")
 QUANTIZED_FORMS = ("chunks", "skinny")
-ATTENTION_FORMS = ("native", "per_query", "per_query_contiguous")
+ATTENTION_FORMS = ("native", "per_query", "per_query_contiguous", "composed")
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,9 @@ class Strategy:
     attention: "per_query" (each query attends exactly its key range, unmasked, one call
         each: the call decode makes), "per_query_contiguous" (the same, and every call, decode
         included, gets row-contiguous q/k/v: MLX's CUDA SDPA gives other bits for a strided
-        view of the KV cache than for a packed copy, measured on the H200 at contexts >= 250)
-        or "native".
+        view of the KV cache than for a packed copy, measured on the H200 at contexts >= 250),
+        "composed" (all rows in a few matmuls that the CPU shim's invariant kernel takes:
+        kernels/composed_attention.py; per query where it cannot serve) or "native".
     quantized_form: "chunks" (quantized_rows per call) or "skinny" (kernels/custom: one
         launch for all M <= 64 rows, M = 1 included, in a reduction order fixed by K; modes
         the kernel lacks keep the chunks). dense "skinny" is the same kernel for dense
@@ -88,9 +89,9 @@ STRIDED_GEMV = Strategy("strided_gemv", dense="strided_gemv", quantized_rows=7, 
 ROWWISE = Strategy("rowwise", dense="rowwise", quantized_rows=1, attention="per_query_contiguous")
 SKINNY = Strategy("skinny", dense="skinny", quantized_rows=7, attention="per_query_contiguous",
                   quantized_form="skinny")
-# The CPU's attention gives the same bits for a strided KV view as for a packed copy (the
-# self-test proves it); packing cost ~15 % of an 8-row CPU step (docs/BENCHMARKS.md).
-CPU_KERNEL = Strategy("cpu_kernel", dense="cpu_kernel", quantized_rows=7, attention="per_query")
+# Attention as matmuls the shim's kernel takes (one set of calls for all rows, decode
+# included); per query, the CPU step of 8 rows spent ~13 % in attention op overhead.
+CPU_KERNEL = Strategy("cpu_kernel", dense="cpu_kernel", quantized_rows=7, attention="composed")
 STRATEGIES = {s.name: s for s in (NATIVE, STRIDED_GEMV, ROWWISE, SKINNY, CPU_KERNEL)}
 
 
