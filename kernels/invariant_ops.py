@@ -108,15 +108,14 @@ def dense_rows(x: mx.array, weight: mx.array, form: str) -> mx.array:
     *lead, k = x.shape
     rows = x.reshape(-1, k)
     wt = weight.T
-    out = None
     if form == "skinny":
         # The kernel serves M = 1 too (decode and blocks share its order); what it cannot
         # take (dtype, > 64 rows, no GPU kernel API) runs the strided batched GEMV.
         out = custom.try_dense_matmul(rows, weight)
+        if out is not None:
+            return out.reshape(*lead, out.shape[-1])
         form = "strided_gemv"
-    if out is not None:
-        pass
-    elif form in ("native", "cpu_kernel") or rows.shape[0] == 1:
+    if form in ("native", "cpu_kernel") or rows.shape[0] == 1:
         # One row is the reference every form must match (the self-test proves it): run it
         # as the plain single-row call, with no extra ops on the decode path.
         out = rows @ wt

@@ -189,7 +189,7 @@ def test_e4m3_decoding_covers_subnormals_and_signs():
 
 def test_every_kernel_source_file_is_package_data():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    sources = sorted(str(p.relative_to(ROOT / "kernels")) for ext in ("c", "cu", "metal")
+    sources = sorted(str(p.relative_to(ROOT / "kernels")) for ext in ("c", "cu", "cuh", "metal")
                      for p in (ROOT / "kernels").rglob(f"*.{ext}"))
     assert sources and sorted(data["kernels"]) == sources
 

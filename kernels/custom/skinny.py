@@ -58,8 +58,12 @@ def _backend_of(on_gpu: bool) -> str | None:
     return None
 
 
+SHARED_CUDA_SOURCE = "fp_formats.cuh"  # float-format decoding both CUDA kernels use
+
+
 def source_text(which: str) -> str:
-    return (SOURCE_DIR / SOURCE_FILES[which]).read_text()
+    text = (SOURCE_DIR / SOURCE_FILES[which]).read_text()
+    return (SOURCE_DIR / SHARED_CUDA_SOURCE).read_text() + text if which.startswith("cuda") else text
 
 
 # Kernel bodies: one call into the template in the source file. Metal only passes the

@@ -126,21 +126,9 @@ __device__ void skinny_dense(const T* x, const T* w, T* y, int N) {
   reduce_and_store<T, M, NC>(acc, n0, lane, y, N);
 }
 
-// FP8 E4M3 (bias 7, no infinities) to float, exactly.
-__device__ __forceinline__ float e4m3_to_float(uint8_t b) {
-  const int e = (b >> 3) & 0xF, mant = b & 0x7;
-  const float mag = e == 0 ? (float)mant * 0x1p-9f
-                           : (float)(8 + mant) * __int_as_float((e - 10 + 127) << 23);
-  return (b & 0x80) ? -mag : mag;
-}
-
-// FP4 E2M1 code (low 4 bits of q) to float, built bit by bit (a table would sit in local
-// memory): sign bit 3, exponent bits 2-1 (bias 1; 0 = subnormal 0 or 0.5), mantissa bit 0.
-__device__ __forceinline__ float e2m1_to_float(uint32_t q) {
-  const uint32_t e = (q >> 1) & 3u, m = q & 1u;
-  const uint32_t mag = e == 0 ? (m ? 0x3F000000u : 0u) : ((e + 126u) << 23) | (m << 22);
-  return __uint_as_float(mag | ((q & 8u) << 28));
-}
+// e4m3 scales and e2m1 codes: fp_formats.cuh (the loader puts it before this file)
+using lockstep_fp::e2m1_to_float;
+using lockstep_fp::e4m3_to_float;
 
 // Eight weights of word `word` (element k0 = 8 * word_index) of column n, dequantized.
 template <typename T, int K, int GROUP, int NVFP4>

@@ -93,21 +93,9 @@ __device__ __forceinline__ void load_pairs(const T* row, int k, int limit, uint3
   }
 }
 
-// FP8 E4M3 (bias 7, no infinities) to float, exactly.
-__device__ __forceinline__ float e4m3_to_float(uint32_t b) {
-  const int e = (b >> 3) & 0xF, mant = b & 0x7;
-  const float mag = e == 0 ? (float)mant * 0x1p-9f
-                           : (float)(8 + mant) * __int_as_float((e - 10 + 127) << 23);
-  return (b & 0x80) ? -mag : mag;
-}
-
-// FP4 E2M1 code (low 4 bits of q) to float, bit by bit: sign bit 3, exponent bits 2-1
-// (bias 1; 0 = subnormal 0 or 0.5), mantissa bit 0.
-__device__ __forceinline__ float e2m1_to_float(uint32_t q) {
-  const uint32_t e = (q >> 1) & 3u, m = q & 1u;
-  const uint32_t mag = e == 0 ? (m ? 0x3F000000u : 0u) : ((e + 126u) << 23) | (m << 22);
-  return __uint_as_float(mag | ((q & 8u) << 28));
-}
+// e4m3 scales and e2m1 codes: fp_formats.cuh (the loader puts it before this file)
+using lockstep_fp::e2m1_to_float;
+using lockstep_fp::e4m3_to_float;
 
 // One block's share of the result: each warp's float32 fragments, summed in warp order and
 // stored for rows < M, columns < N.
@@ -185,13 +173,7 @@ __device__ void skinny_mma_dense(const T* x, const T* w, T* y, int M, int N, int
   for (int c = 0; c < NT; ++c) wrow[c] = w + (size_t)min(n0 + 8 * c + g, N - 1) * K;  // past N: never stored
   const int full = K / CHUNK;
 
-  float acc[MT][NT][4];
-#pragma unroll
-  for (int t = 0; t < MT; ++t)
-#pragma unroll
-    for (int c = 0; c < NT; ++c)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[t][c][i] = 0.0f;
+  float acc[MT][NT][4] = {};  // float32 MMA accumulators, from +0
 
   auto load_chunk = [&](int ch, auto vec, uint32_t (&wr)[NT][U / 2], uint32_t (&xr)[R8][U / 2]) {
     constexpr bool V = decltype(vec)::value;
@@ -276,13 +258,7 @@ __device__ void skinny_mma_quantized(const T* x, const uint32_t* w, const T* sca
   for (int c = 0; c < NT; ++c) col[c] = (size_t)min(n0 + 8 * c + g, N - 1);
   const int chunks = (K + CHUNK - 1) / CHUNK;  // the last may be partial (runs past K: zeros)
 
-  float acc[MT][NT][4];
-#pragma unroll
-  for (int t = 0; t < MT; ++t)
-#pragma unroll
-    for (int c = 0; c < NT; ++c)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[t][c][i] = 0.0f;
+  float acc[MT][NT][4] = {};  // float32 MMA accumulators, from +0
 
   for (int c0 = warp; c0 < chunks; c0 += WARPS * DEPTH) {
     uint2 words[DEPTH][NT];
