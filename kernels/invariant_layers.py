@@ -28,7 +28,8 @@ from .invariant_cache import is_positional
 from .kv_pool import PooledLayerCache
 from .prefill_attention import blocked_causal, wants_blocks
 from .ragged import RaggedLayerCache
-from .invariant_ops import Strategy, attention_per_query, dense_rows, quantized_rows, rows_of
+from .invariant_ops import (Strategy, attention_per_query, dense_rows, packed_kv, quantized_rows,
+                            rows_of)
 
 
 @dataclass(frozen=True)
@@ -139,8 +140,8 @@ def invariant_sdpa(*args, **kwargs):
         a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments if packed else {}
         if packed and is_positional(a.get("cache")):
             # decode gets the same packed layout as each row of a block
-            for name in ("queries", "keys", "values"):
-                a[name] = mx.contiguous(a[name])
+            a["queries"] = mx.contiguous(a["queries"])
+            a["keys"], a["values"] = packed_kv(a["keys"]), packed_kv(a["values"])
             return _NATIVE_SDPA(**a)
         return _NATIVE_SDPA(*args, **kwargs)  # one query is already the call decode makes
     if s is not None and s.strategy.attention in ("per_query", "per_query_contiguous", "composed"):

@@ -169,6 +169,28 @@ def quantized_rows(
     return out.reshape(*lead, out.shape[-1])
 
 
+# MLX's CUDA attention hands one query to cuDNN instead of its vector kernel when the key
+# buffer's row count (read from the strides) is a multiple of 256, mlx-lm's cache step, and
+# the keys are still in flight with a buffer of exactly their size: allocator and timing
+# state, not the row's. The two kernels round differently: on the H200 a row with exactly 256
+# keys gave other bits from one run to the next. Such keys are handed over as a view of a
+# buffer one row longer, which only the vector kernel takes (its order depends on the key
+# count alone).
+KV_CACHE_STEP = 256
+
+
+def _on_cuda() -> bool:
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def packed_kv(x: mx.array) -> mx.array:
+    """x (B, H, S, D) as a row-packed copy the canonical attention calls use; on CUDA, for
+    S a multiple of 256, a view of S rows of an (S + 1)-row buffer (see KV_CACHE_STEP)."""
+    if x.shape[2] % KV_CACHE_STEP == 0 and _on_cuda():
+        return mx.pad(x, [(0, 0), (0, 0), (0, 1), (0, 0)])[:, :, : x.shape[2]]
+    return mx.contiguous(x)
+
+
 def _mask_row(mask, b: int, i: int, end: int):
     """Row i (keys [0, end)) of an explicit mask; None for no mask or "causal", because a
     query restricted to its own key range needs none, and decode passes none."""
@@ -203,7 +225,7 @@ def attention_per_query(sdpa, queries, keys, values, *, mask=None, contiguous: b
             q = queries if batch == 1 and t == 1 else queries[b : b + 1, :, i : i + 1]
             k, v = upto(keys, b, end), upto(values, b, end)
             if contiguous:
-                q, k, v = mx.contiguous(q), mx.contiguous(k), mx.contiguous(v)
+                q, k, v = mx.contiguous(q), packed_kv(k), packed_kv(v)
             outs.append(sdpa(q, k, v, mask=_mask_row(mask, b, i, end), **kwargs))
         per_batch.append(outs[0] if t == 1 else mx.concatenate(outs, axis=2))
     return per_batch[0] if batch == 1 else mx.concatenate(per_batch, axis=0)

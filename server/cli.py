@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from server.torchless import keep_torch_out
+
+    keep_torch_out()  # before anything imports transformers
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),

@@ -90,11 +90,13 @@ def reference_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, r
                         scale: float, *, sinks=None) -> mx.array:
     """Each row against exactly its own keys, one MLX attention call per row on packed copies
     (the per-query form of kernels/invariant_ops.py)."""
+    from ..invariant_ops import packed_kv  # (that module imports this package)
+
     outs = []
     for r, (start, length) in enumerate(zip(rows.base, rows.lens)):
         q = mx.contiguous(queries[:, :, r:r + 1])
-        k = mx.contiguous(k_pool[None, :, start:start + length])
-        v = mx.contiguous(v_pool[None, :, start:start + length])
+        k = packed_kv(k_pool[None, :, start:start + length])
+        v = packed_kv(v_pool[None, :, start:start + length])
         extra = {} if sinks is None else {"sinks": sinks}
         outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, **extra))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)

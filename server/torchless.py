@@ -1,0 +1,22 @@
+"""Keep PyTorch out of lockstep's process.
+
+lockstep runs on MLX alone, but transformers (loaded for the tokenizer) imports torch
+whenever it is installed: on the H200 host that was ~6 s of a 7 s model load at every
+start (profiled: torch._dynamo, fsdp, custom-op registration). Marking torch absent
+(`sys.modules["torch"] = None`) makes transformers' availability check answer no and any
+`import torch` fail at once. LOCKSTEP_ALLOW_TORCH=1 leaves it importable.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+ALLOW_ENV = "LOCKSTEP_ALLOW_TORCH"
+
+
+def keep_torch_out() -> bool:
+    """Mark torch absent for this process unless allowed or already imported; True if marked."""
+    if os.environ.get(ALLOW_ENV) == "1" or "torch" in sys.modules:
+        return False
+    sys.modules["torch"] = None
+    return True
