@@ -338,3 +338,27 @@ def test_the_skinny_strategy_packs_every_attention_call_decode_included(monkeypa
     packed.clear()
     mx.eval(model(mx.array([[9, 10]]), cache=cache))  # a block: each query packed
     assert (1, 2, 9, 32) in packed and (1, 2, 10, 32) in packed and len(packed) == 3 * 2 * 2
+
+
+@pytest.mark.parametrize("name", sorted(p.name for ext in ("cu", "cuh", "metal")
+                                        for p in (ROOT / "kernels" / "custom").glob(f"*.{ext}")))
+def test_compacted_kernel_source_keeps_every_code_token(name):
+    text = (ROOT / "kernels" / "custom" / name).read_text()
+    compact = skinny.compact_source(text)
+    assert "//" not in compact and len(compact) < 0.8 * len(text)
+    assert compact.split() == re.sub(r"//[^\n]*", "", text).split()
+
+
+def test_launch_plans_are_built_once_per_shape(monkeypatch):
+    monkeypatch.setattr(skinny, "_kernel", lambda which, kind: (which, kind))  # no CUDA here
+    skinny._launch_plan.cache_clear()
+    a = skinny._launch_plan("cuda", "dense", 8, 576, 576, 0, mx.float16)
+    b = skinny._launch_plan("cuda", "dense", 8, 576, 576, 0, mx.float16)
+    assert a is b and skinny._launch_plan.cache_info().hits == 1
+    kernel, launch = a
+    assert kernel == ("cuda_mma", "dense") and launch["output_shapes"] == [(8, 576)] and [t[0] for t in launch["template"]] == ["T", "R8", "NT"]
+    _, affine = skinny._launch_plan("cuda", "affine", 3, 96, 128, 64, mx.bfloat16)
+    assert affine["template"][-1] == ("GROUP", 64)
+    _, scalar = skinny._launch_plan("cuda", "affine", 3, 96, 128, 64, mx.float32)
+    assert [t[0] for t in scalar["template"]] == ["T", "M", "NC", "K", "GROUP"]
+    skinny._launch_plan.cache_clear()  # plans made with the stand-in kernel go

@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from .skinny import FLOAT_DTYPES, SOURCE_DIR, backend
+from .skinny import FLOAT_DTYPES, SOURCE_DIR, backend, compact_source
 
 ATT_WARPS = 4  # pooled_attention.cu's ATT_WARPS
 THREADS = 32 * ATT_WARPS
@@ -54,7 +54,7 @@ class PoolRows:
 def _kernel(which: str):
     make = mx.fast.cuda_kernel if which == "cuda" else mx.fast.metal_kernel
     return make(name="lockstep_pooled_attention", input_names=_INPUTS, output_names=["out"],
-                source=_BODIES[which], header=(SOURCE_DIR / SOURCE_FILES[which]).read_text())
+                source=_BODIES[which], header=compact_source((SOURCE_DIR / SOURCE_FILES[which]).read_text()))
 
 
 def kernel_takes(dtype, dim: int) -> bool:

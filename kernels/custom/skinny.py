@@ -61,9 +61,20 @@ def _backend_of(on_gpu: bool) -> str | None:
 SHARED_CUDA_SOURCE = "fp_formats.cuh"  # float-format decoding both CUDA kernels use
 
 
+def compact_source(text: str) -> str:
+    """The source without `//` comments, indentation and blank lines. MLX rebuilds and
+    hashes a custom kernel's whole source at every call (host time per launch), and the
+    files are mostly comment; the sources hold no `//` inside string literals."""
+    lines = (line.split("//", 1)[0].strip() for line in text.splitlines())
+    return "\n".join(line for line in lines if line) + "\n"
+
+
+@lru_cache(maxsize=None)
 def source_text(which: str) -> str:
     text = (SOURCE_DIR / SOURCE_FILES[which]).read_text()
-    return (SOURCE_DIR / SHARED_CUDA_SOURCE).read_text() + text if which.startswith("cuda") else text
+    if which.startswith("cuda"):
+        text = (SOURCE_DIR / SHARED_CUDA_SOURCE).read_text() + text
+    return compact_source(text)
 
 
 # Kernel bodies: one call into the template in the source file. Metal only passes the
@@ -119,30 +130,35 @@ def uses_mma(dtype) -> bool:
     return backend() == "cuda" and dtype in MMA_DTYPES
 
 
-def _launch(kind: str, inputs: list, template: list, m: int, n: int, dtype, which=None):
-    which = which or backend()
+@lru_cache(maxsize=4096)
+def _launch_plan(which: str, kind: str, m: int, n: int, k: int, group: int, dtype) -> tuple:
+    """(kernel, keyword arguments but inputs) of one launch shape, built once per shape: a
+    decode step makes hundreds of these calls."""
+    group_arg = [("GROUP", group)] if kind == "affine" else []
     if which == "cuda" and dtype in MMA_DTYPES:
         # R8 and NT only size registers and the grid; M, N, K are read at run time (few compiles).
-        template = [t for t in template if t[0] == "GROUP"]
         tiles = mma_column_tiles(n, m)
         blocks = -(-n // (MMA_COLUMNS * tiles))
-        return _kernel("cuda_mma", kind)(
-            inputs=inputs,
-            template=[("T", dtype), ("R8", -(-m // MMA_ROW_GROUP)), ("NT", tiles), *template],
+        return _kernel("cuda_mma", kind), dict(
+            template=[("T", dtype), ("R8", -(-m // MMA_ROW_GROUP)), ("NT", tiles), *group_arg],
             grid=(blocks * 32 * MMA_WARPS, 1, 1),
             threadgroup=(32 * MMA_WARPS, 1, 1),
             output_shapes=[(m, n)],
             output_dtypes=[dtype],
-        )[0]
+        )
     cols = columns_per_warp(m)
-    return _kernel(which, kind)(
-        inputs=inputs,
-        template=[("T", dtype), ("M", m), ("NC", cols), *template],
+    return _kernel(which, kind), dict(
+        template=[("T", dtype), ("M", m), ("NC", cols), ("K", k), *group_arg],
         grid=(launch_threads(n, cols, THREADS_PER_BLOCK), 1, 1),
         threadgroup=(THREADS_PER_BLOCK, 1, 1),
         output_shapes=[(m, n)],
         output_dtypes=[dtype],
-    )[0]
+    )
+
+
+def _launch(kind: str, inputs: list, m: int, n: int, k: int, dtype, group: int = 0, which=None):
+    kernel, launch = _launch_plan(which or backend(), kind, m, n, k, group, dtype)
+    return kernel(inputs=inputs, **launch)[0]
 
 
 def dense_serves(x: mx.array, weight: mx.array) -> bool:
@@ -156,7 +172,7 @@ def dense_matmul(x: mx.array, weight: mx.array) -> mx.array:
         raise ValueError(f"skinny dense kernel cannot take x {x.shape} {x.dtype}, w {weight.shape} {weight.dtype}")
     m, k = x.shape
     n = weight.shape[0]
-    return _launch("dense", [x, weight], [("K", k)], m, n, x.dtype)
+    return _launch("dense", [x, weight], m, n, k, x.dtype)
 
 
 def try_dense_matmul(x: mx.array, weight: mx.array):
@@ -165,7 +181,7 @@ def try_dense_matmul(x: mx.array, weight: mx.array):
     which = backend()
     if which is None or _availability(which) is not None or not dense_serves(x, weight):
         return None
-    return _launch("dense", [x, weight], [("K", x.shape[1])], x.shape[0], weight.shape[0], x.dtype, which)
+    return _launch("dense", [x, weight], x.shape[0], weight.shape[0], x.shape[1], x.dtype, which=which)
 
 
 def quantized_serves(x: mx.array, scales: mx.array, *, group_size: int, bits: int, mode: str) -> bool:
@@ -186,9 +202,8 @@ def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases, *,
     if weight.shape[1] * 32 // bits != k:
         raise ValueError(f"x has K = {k}, the weight {weight.shape[1] * 32 // bits}")
     if kind == "affine":
-        return _launch(kind, [x, weight, scales, biases], [("K", k), ("GROUP", group_size)],
-                       m, n, x.dtype)
-    return _launch(kind, [x, weight, scales], [("K", k)], m, n, x.dtype)
+        return _launch(kind, [x, weight, scales, biases], m, n, k, x.dtype, group=group_size)
+    return _launch(kind, [x, weight, scales], m, n, k, x.dtype)
 
 
 def _smoke_test() -> str | None:
