@@ -94,8 +94,8 @@ STEP_ROWS = (1, 4, 8)
 
 
 def steps_worker(strategy: str | None) -> dict:
-    from kernels.invariant import set_batch_invariant_limit
-    from kernels.selftest import seconds_per_step
+    from kernels.invariance import set_batch_invariant_limit
+    from kernels.invariance.selftest import seconds_per_step
 
     model, name = _model()
     if strategy:

@@ -42,7 +42,7 @@ from kernels import cpu_blas  # noqa: E402
 # LOCKSTEP_BLAS_LARGE_THREADS for calls of >= LOCKSTEP_BLAS_LARGE_ROWS rows (0 = one count).
 ONE_THREAD = {"LOCKSTEP_BLAS_LARGE_THREADS": "0"}  # the default before issue 10's change
 ALL_TWO = {"OPENBLAS_NUM_THREADS": "2", "LOCKSTEP_BLAS_LARGE_THREADS": "0"}
-# Prompt chunks attend in blocks of 32 query rows on the CPU (kernels/prefill_attention.py);
+# Prompt chunks attend in blocks of 32 query rows on the CPU (kernels/invariance/prefill_attention.py);
 # this turns that off (the rule before).
 WHOLE_CHUNK = {"LOCKSTEP_PREFILL_ATTENTION_BLOCK": "0"}
 
@@ -66,13 +66,13 @@ def worker(weights: str, limit: int, n_prompt: int, n_long: int, n_decode: int,
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kernels.invariant import set_batch_invariant_limit
+    from kernels.invariance import set_batch_invariant_limit
     from models.load import load_model
     from server.bench import decode, prefill_seconds
     from server.engine.generate import forward, prefill
     from server.engine.request_state import prompt_forward
 
-    from kernels.ragged import enable_ragged
+    from kernels.batching.ragged import enable_ragged
 
     loaded = load_model("default", weights=weights)
     model = loaded.model

@@ -2,7 +2,7 @@
 
 On an 8B-shaped llama with random weights (bench/invariant_8b.py's model: no download, speed
 does not depend on the values), B = 1 and B = 16 streams each after a `--context`-token
-prompt, every decode step one ragged pass over the B streams' rows (kernels/ragged.py, the
+prompt, every decode step one ragged pass over the B streams' rows (kernels/batching/ragged.py, the
 engine's decode path). Phase 1: rank 0 alone runs the unsharded model (the other ranks wait
 at a barrier); phase 2: every rank runs its tensor-parallel shard (mlx-lm `shard()` plus
 lockstep's invariant sharded layers, server/distributed/sharded_layers.py). With `--limit L`
@@ -27,8 +27,8 @@ import mlx.nn as nn  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from kernels.invariant import set_batch_invariant_limit  # noqa: E402
-from kernels.ragged import enable_ragged, ragged_forward  # noqa: E402
+from kernels.batching.ragged import enable_ragged, ragged_forward  # noqa: E402
+from kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from server.distributed.sharded_layers import make_invariant  # noqa: E402
 
 SHAPES = {  # (hidden, layers, intermediate, heads, kv heads, vocab)

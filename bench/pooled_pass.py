@@ -4,7 +4,7 @@
 
 For B requests with prompts of --prompt-tokens, times a decode pass of one row per request
 (what the engine runs under load) with per-request caches (kv_pool off) and with the pool
-(kernels/kv_pool.py; the GPU kernel where available), and checks that in the pool every
+(kernels/batching/kv_pool.py; the GPU kernel where available), and checks that in the pool every
 request's logits row is bit-identical to its pass alone. With --limit L the batch-invariant
 forms for L are installed (strategy --strategy) and the ragged-pass proof runs over the
 pool, plus its negative control (L = 0: native forms must fail the proof where the backend
@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
+from kernels.batching.kv_pool import KVPool, pool_mode  # noqa: E402
+from kernels.batching.ragged import enable_ragged, ragged_forward  # noqa: E402
+from kernels.batching.ragged_selftest import prove_ragged  # noqa: E402
 from kernels.custom.attention import kernel_unavailable_reason  # noqa: E402
-from kernels.invariant import set_batch_invariant_limit  # noqa: E402
-from kernels.kv_pool import KVPool, pool_mode  # noqa: E402
-from kernels.ragged import enable_ragged, ragged_forward  # noqa: E402
-from kernels.ragged_selftest import prove_ragged  # noqa: E402
+from kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from models.load import load_model  # noqa: E402
 
 

@@ -63,7 +63,7 @@ class Options:
     # server/distributed/sharding.py); returns a label appended to the model's transform.
     prepare_model: Callable[[object], str] | None = None
     reuse_proofs: bool = True  # False: self-test proofs are made afresh (every rank the same passes)
-    # Requests' KV in one shared pool with one attention launch per pass (kernels/kv_pool.py):
+    # Requests' KV in one shared pool with one attention launch per pass (kernels/batching/kv_pool.py):
     # "auto" = where the GPU kernel is available, "on" = also elsewhere (one attention call
     # per row), "off".
     kv_pool: str = "off"
@@ -100,8 +100,8 @@ class Phases(dict):
 class Runtime:
     loaded: object  # models.load.LoadedModel
     deployment: Deployment
-    audit: object  # kernels.audit_report.AuditReport
-    plan: object  # kernels.invariant.InvariancePlan
+    audit: object  # kernels.audit.report.AuditReport
+    plan: object  # kernels.invariance.limit.InvariancePlan
     transform: str
     timings: dict = field(default_factory=dict)  # startup phase -> seconds (Phases)
     audit_mode: str = "cached"
@@ -163,9 +163,9 @@ def build_runtime(options: Options) -> Runtime:
     from mlx_lm.models.cache import make_prompt_cache
 
     from kernels import cpu_blas
-    from kernels.audit_cache import VerdictCache
-    from kernels.invariant import cache_invariance_problem, set_batch_invariant_limit
-    from kernels.selftest import ProofCache
+    from kernels.invariance import cache_invariance_problem, set_batch_invariant_limit
+    from kernels.invariance.selftest import ProofCache
+    from kernels.verdict_cache import VerdictCache
     from server.fingerprint import system_fingerprint, weights_digest
 
     if options.speculative not in METHODS:
@@ -226,7 +226,7 @@ def build_runtime(options: Options) -> Runtime:
             "batch invariance L=%d strategy=%s guaranteed=%s (%s)",
             plan.limit, plan.strategy, guaranteed, plan.reason)
 
-    from kernels.kv_pool import pool_mode
+    from kernels.batching.kv_pool import pool_mode
 
     kv_pool = pool_mode(loaded.model, options.kv_pool)
     if options.kv_pool != "off":
@@ -245,8 +245,8 @@ def build_runtime(options: Options) -> Runtime:
                                                   path=EnginePath(loaded.model, kv_pool)))
     ragged_proof = None
     if guaranteed:
-        from kernels.ragged import enable_ragged, ragged_problem
-        from kernels.ragged_selftest import prove_ragged_cached
+        from kernels.batching.ragged import enable_ragged, ragged_problem
+        from kernels.batching.ragged_selftest import prove_ragged_cached
 
         if ragged_problem(loaded.model) is None:
             with timings.timed("ragged_proof"):

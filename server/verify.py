@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from kernels.selftest import UINT_OF_SIZE
+from kernels.invariance.selftest import UINT_OF_SIZE
 
 from server.engine.generate import forward, prefill
 from server.engine.sampling import SamplingParams

@@ -1,7 +1,7 @@
 """Helpers shared by the deterministic-mode tests (decode plans, prefix cache, speculation).
 
 Everything compares bits: floats through their IEEE-754 encoding (so -0.0 != 0.0), MLX
-arrays through `kernels.selftest.bits_equal`.
+arrays through `kernels.invariance.selftest.bits_equal`.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from kernels.selftest import bits_equal
+from kernels.invariance.selftest import bits_equal
 from server.engine.decoding import DecodePlan, Deployment
 from server.engine.generate import GenerationRequest, forward, generate, prefill
 from server.engine.sampling import SamplingParams

@@ -67,11 +67,11 @@ def deterministic_server(loaded, limit: int, prefill_chunk: int = 4, max_active:
     server keeps them, so the next module's server re-uses them. Yields (client, engine)."""
     from openai import OpenAI
 
-    from kernels.audit_cache import VerdictCache
-    from kernels.invariant import set_batch_invariant_limit
-    from kernels.ragged import enable_ragged
-    from kernels.ragged_selftest import prove_ragged_cached
-    from kernels.selftest import ProofCache
+    from kernels.batching.ragged import enable_ragged
+    from kernels.batching.ragged_selftest import prove_ragged_cached
+    from kernels.invariance import set_batch_invariant_limit
+    from kernels.invariance.selftest import ProofCache
+    from kernels.verdict_cache import VerdictCache
     from server.api.app import create_app
     from server.engine import Engine
     from server.engine.decoding import Deployment

@@ -1,7 +1,7 @@
 """Adaptive speculation in the engine: the batch-full hook cuts drafts, never tokens.
 
 Deterministic requests speculate with adaptive k (flat pass costs, so k grows on these
-repetitive prompts) on the shape-variant double (kernels/shape_variant.py), where any pass
+repetitive prompts) on the shape-variant double (kernels/doubles/shape_variant.py), where any pass
 wider than the rule allows would change bits. The same requests run with the engine's
 batch-full hook (`Engine.draft_room`) on and off: the hook only changes how many drafts a
 pass verifies, so every token and logprob bit must be the same either way.
@@ -9,8 +9,8 @@ pass verifies, so every token and logprob bit must be the same either way.
 import asyncio
 import struct
 
-from kernels.invariant import set_batch_invariant_limit
-from kernels.shape_variant import shape_variant_backend
+from kernels.doubles.shape_variant import shape_variant_backend
+from kernels.invariance import set_batch_invariant_limit
 from server.engine.decoding import Deployment, plan_request
 from server.engine.request_state import GenerationRequest
 from server.engine.sampling import SamplingParams

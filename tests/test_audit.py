@@ -1,4 +1,4 @@
-"""kernels/audit*: the real CPU nvfp4 lookup failure, the faulty-kernel double, refusal."""
+"""kernels/audit/: the real CPU nvfp4 lookup failure, the faulty-kernel double, refusal."""
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -7,11 +7,11 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model as mlx_load_model
 
-from kernels import audit_workarounds
-from kernels.audit import apply_workarounds, audit_model, format_table, quantized_layers, summary
-from kernels.audit_probes import layer_kind, reference_weight
-from kernels.audit_reference import reference_dequantize
-from kernels.faulty_kernels import faulty_tiled_qmm
+from kernels.audit import apply_workarounds, audit_model, format_table, summary, workarounds
+from kernels.audit.patch import quantized_layers
+from kernels.audit.probes import layer_kind, reference_weight
+from kernels.audit.reference import reference_dequantize
+from kernels.doubles.faulty_kernels import faulty_tiled_qmm
 from models.errors import ModelError
 from tests.synthetic import build_llama_dir, write_tiny_tokenizer
 
@@ -36,7 +36,7 @@ def load(path):
 def dequantized_twin(path) -> nn.Module:
     """The same model with every quantized layer replaced by its float32 NumPy decode."""
     model = load(path)
-    swaps = [(p, audit_workarounds.dequantized(m, layer_kind(m), reference_weight(m)))
+    swaps = [(p, workarounds.dequantized(m, layer_kind(m), reference_weight(m)))
              for p, m in model.named_modules() if layer_kind(m) is not None]
     model.update_modules(tree_unflatten(swaps))
     return model
@@ -126,7 +126,7 @@ def test_faulty_tiled_kernel_caught_and_worked_around(nvfp4_dir, reference):
 
 
 def test_refuses_when_no_workaround_passes(nvfp4_dir, monkeypatch):
-    monkeypatch.setattr(audit_workarounds, "WORKAROUNDS", ("pad32",))
+    monkeypatch.setattr(workarounds, "WORKAROUNDS", ("pad32",))
     real = mx.quantized_matmul
     monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **k: real(*a, **k) * 2.0)
     model = load(nvfp4_dir)

@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load_model as mlx_load_model
 
-import kernels.audit as audit
-from kernels import audit_slice
-from kernels.audit import audit_model, audit_verdict_cache, format_table
-from kernels.audit_cache import VerdictCache
-from kernels.faulty_kernels import faulty_tiled_qmm
+import kernels.audit.patch as audit
+from kernels.audit import audit_model, audit_verdict_cache, format_table, slicing
+from kernels.doubles.faulty_kernels import faulty_tiled_qmm
+from kernels.verdict_cache import VerdictCache
 from tests.synthetic import build_llama_dir
 
 PROMPT_ROWS = 40  # reaches the tiled path (>= 33) and keeps the probes cheap on 2 cores
@@ -56,15 +55,15 @@ def test_a_slice_of_output_rows_computes_exactly_those_rows(kind):
     mx.random.seed(3)
     if kind == "linear":
         layer = nn.Linear(1040, 300, bias=True).to_quantized(group_size=16, bits=4, mode="nvfp4")
-        whole, part = layer(x := mx.random.normal((5, 1040))), audit_slice.sliced_layer(layer, 44)(x)
+        whole, part = layer(x := mx.random.normal((5, 1040))), slicing.sliced_layer(layer, 44)(x)
     elif kind == "embedding":
         layer = nn.Embedding(300, 1040).to_quantized(group_size=16, bits=4, mode="nvfp4")
         whole = layer.as_linear(x := mx.random.normal((5, 1040)))
-        part = audit_slice.sliced_layer(layer, 44).as_linear(x)
+        part = slicing.sliced_layer(layer, 44).as_linear(x)
     else:
         layer = SwitchLinear(1040, 300, 4, bias=True).to_quantized(16, 4, "nvfp4")
         x, idx = mx.random.normal((3, 1, 1040)), mx.array([[0, 2], [1, 3], [2, 0]])
-        whole, part = layer(x[:, None], idx), audit_slice.sliced_layer(layer, 44)(x[:, None], idx)
+        whole, part = layer(x[:, None], idx), slicing.sliced_layer(layer, 44)(x[:, None], idx)
     assert part.shape[-1] == 44
     np.testing.assert_array_equal(np.array(part), np.array(whole[..., :44]))
 
@@ -72,20 +71,20 @@ def test_a_slice_of_output_rows_computes_exactly_those_rows(kind):
 def test_slice_keeps_the_residue_that_dispatch_can_see():
     for n in (1040, 2064, 49152, 384, 80, 300):
         for backend, m in (("cpu", 32), ("cuda", 128), ("metal", 128)):
-            rows = audit_slice.sliced_rows(n, backend)
+            rows = slicing.sliced_rows(n, backend)
             assert rows == n or (rows % m == n % m and m <= rows < 2 * m), (n, backend, rows)
-    assert audit_slice.sliced_rows(49152, "cpu") == 32
-    assert audit_slice.sliced_rows(40, "cuda") == 40  # small layers are probed whole
+    assert slicing.sliced_rows(49152, "cpu") == 32
+    assert slicing.sliced_rows(40, "cuda") == 40  # small layers are probed whole
 
 
 def test_full_size_checks_only_where_the_backend_dispatches_on_n():
     paths = [("matmul decode", 1), ("matmul tiled", 33), ("as_linear prompt", 96),
              ("lookup odd", 3), ("gather short", 5)]
-    assert not any(audit_slice.full_size(p, r, 49152, "cpu") for p, r in paths)
-    assert [audit_slice.full_size(p, r, 49152, "cuda") for p, r in paths] == [True, False, False,
+    assert not any(slicing.full_size(p, r, 49152, "cpu") for p, r in paths)
+    assert [slicing.full_size(p, r, 49152, "cuda") for p, r in paths] == [True, False, False,
                                                                             False, False]
-    assert not audit_slice.full_size("matmul decode", 1, 16384, "cuda")  # qmv below the bound
-    assert [audit_slice.full_size(p, r, 49152, "metal") for p, r in paths] == [True, True, True,
+    assert not slicing.full_size("matmul decode", 1, 16384, "cuda")  # qmv below the bound
+    assert [slicing.full_size(p, r, 49152, "metal") for p, r in paths] == [True, True, True,
                                                                              False, True]
 
 
@@ -93,7 +92,7 @@ def test_probes_run_on_a_slice_on_the_cpu(model):
     report = audit_model(model, prompt_rows=PROMPT_ROWS)
     for c in report.configs:
         n = c.config.shape[-2]
-        assert {p.out_rows for p in c.paths} == {audit_slice.sliced_rows(n, "cpu")}, c.config
+        assert {p.out_rows for p in c.paths} == {slicing.sliced_rows(n, "cpu")}, c.config
     embed = next(c for c in report.configs if c.config.kind == "embedding")
     assert embed.config.shape[0] == 384 and embed.paths[0].out_rows == 32
     assert " 32 " in format_table(report)  # the N column shows what was probed
@@ -104,7 +103,7 @@ def test_a_path_dispatched_on_n_also_runs_on_the_whole_layer(model, monkeypatch)
     report = audit_model(model, prompt_rows=PROMPT_ROWS)
     embed = next(c for c in report.configs if c.config.kind == "embedding")
     by_path = {(p.path, p.rows): p.out_rows for p in embed.paths}
-    assert by_path[("lookup odd", 3)] == audit_slice.sliced_rows(384, "metal")
+    assert by_path[("lookup odd", 3)] == slicing.sliced_rows(384, "metal")
     assert by_path[("as_linear tiled", 33)] == 384
     assert [(p.path, p.rows) for p in embed.paths] == audit.probe_paths("embedding", PROMPT_ROWS)
 
@@ -238,7 +237,7 @@ def test_writes_are_atomic_and_leave_no_temporary_files(tmp_path, monkeypatch):
     def interrupted(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr("kernels.audit_cache.os.replace", interrupted)
+    monkeypatch.setattr("kernels.verdict_cache.os.replace", interrupted)
     store.put({"a": 1}, {"verdict": "changed"})  # a warning, not a crash
     assert json.loads(path.read_text())["value"] == {"verdict": "ok"}  # the old file is intact
     assert [p.name for p in store.dir.iterdir()] == [path.name]  # no temporary left behind

@@ -1,7 +1,7 @@
 """Continuous batching: many requests' rows in one forward pass, each deterministic request
 still bit-identical to running alone.
 
-The backend is the shape-variant double (kernels/shape_variant.py: on the CPU, calls with
+The backend is the shape-variant double (kernels/doubles/shape_variant.py: on the CPU, calls with
 several rows reduce in another order, as CUDA's do), so batching *would* change bits
 unless the scheduler keeps deterministic rows in passes of at most L canonical rows. The
 model is a tiny random llama (tests/tiny_models.py) whose token ids read back from the
@@ -16,10 +16,10 @@ import mlx.core as mx
 import pytest
 from openai import OpenAI
 
-from kernels.invariant import set_batch_invariant_limit
-from kernels.ragged import enable_ragged, ragged_forward
-from kernels.ragged_selftest import prove_ragged
-from kernels.shape_variant import shape_variant_backend
+from kernels.batching.ragged import enable_ragged, ragged_forward
+from kernels.batching.ragged_selftest import prove_ragged
+from kernels.doubles.shape_variant import shape_variant_backend
+from kernels.invariance import set_batch_invariant_limit
 from server.engine.decoding import Deployment
 from server.engine.passes import Demand, compose_passes
 from server.engine.prefix_cache import PrefixCache
@@ -223,7 +223,7 @@ def solo_runs(url):
 
 @pytest.mark.parametrize("kv_pool", ["off", "reference"])
 def test_deterministic_answers_under_mixed_batched_load_equal_their_solo_runs(kv_pool):
-    """Each request its own KV caches, or all in one KV pool (kernels/kv_pool.py)."""
+    """Each request its own KV caches, or all in one KV pool (kernels/batching/kv_pool.py)."""
     app, engine, log = serve_tiny(LIMIT, kv_pool=kv_pool)
     engine.start()
     try:

@@ -1,4 +1,4 @@
-"""The "composed" attention form of strategy `cpu_kernel` (kernels/composed_attention.py):
+"""The "composed" attention form of strategy `cpu_kernel` (kernels/invariance/composed_attention.py):
 all query rows in a few matmuls that the shim's invariant kernel takes.
 
 It must equal MLX's attention within float32 rounding (causal rows, GQA, key counts that are
@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels.composed_attention import composed_attention, composed_serves
+from kernels.invariance.composed_attention import composed_attention, composed_serves
 from tests.test_cpu_blas import _run, _shim_env  # the shim acts at process start
 
 
@@ -42,7 +42,7 @@ def test_serves_causal_or_no_mask_without_sinks():
 ROWS = """
     import json, os, mlx.core as mx
     from kernels import cpu_blas
-    from kernels.composed_attention import composed_attention
+    from kernels.invariance.composed_attention import composed_attention
     cpu_blas.set_kernel_limit(int(os.environ["COMPOSED_LIMIT"]))
     keys = mx.random.split(mx.random.key(1), 3)
     t, s = 8, 45  # 45 keys: not a multiple of the kernel's 8 lanes

@@ -122,7 +122,7 @@ SELFTEST = """
     import json, sys, ctypes, mlx.core as mx
     from mlx_lm.models import llama
     from kernels import cpu_blas
-    from kernels.invariant import set_batch_invariant_limit
+    from kernels.invariance import set_batch_invariant_limit
     if sys.argv[1] == "portable":
         ctypes.c_int.in_dll(ctypes.CDLL(None), "lockstep_cpu_kernel_portable").value = 1
     args = llama.ModelArgs(model_type="llama", hidden_size=576, num_hidden_layers=2,
@@ -172,5 +172,5 @@ def test_without_the_shim_cpu_kernel_is_skipped_with_the_reason():
     assert r["active"] == "reference" and r["shim_limit"] is None, r
     assert r["strategy"] == "native" and r["guaranteed"], r  # reference BLAS is invariant
     # native passed first, so cpu_kernel was never needed; ask for it by name instead
-    from kernels.invariant_ops import CPU_KERNEL
+    from kernels.invariance.ops import CPU_KERNEL
     assert "OpenBLAS shim" in CPU_KERNEL.unavailable_reason(4)

@@ -1,5 +1,5 @@
 """Speculative decoding == plain decoding, bit for bit, only where batch invariance covers
-the verification width: on the shape-variant double (kernels/shape_variant.py), the CPU
+the verification width: on the shape-variant double (kernels/doubles/shape_variant.py), the CPU
 stand-in for a backend whose reductions change with the number of rows M.
 
 Driven through server.engine.generate.generate() with real DecodePlans and Deployments, and at the
@@ -10,9 +10,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from kernels.invariant import set_batch_invariant_limit
-from kernels.selftest import bits_equal
-from kernels.shape_variant import shape_variant_backend
+from kernels.doubles.shape_variant import shape_variant_backend
+from kernels.invariance import set_batch_invariant_limit
+from kernels.invariance.selftest import bits_equal
 from server.engine.decoding import DecodePlan, Deployment, plan_request
 from server.engine.speculative import DraftModelDrafter, PromptLookupDrafter
 from tests.deterministic_fixtures import (GREEDY, SEEDED, TinyLoaded, chosen_rows, rows_bit_identical,

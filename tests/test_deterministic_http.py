@@ -139,7 +139,7 @@ def server(restarted, embedded_model, draft_model):
     from mlx_lm.models.cache import make_prompt_cache
 
     from kernels import cpu_blas
-    from kernels.invariant import cache_invariance_problem, set_batch_invariant_limit
+    from kernels.invariance import cache_invariance_problem, set_batch_invariant_limit
     from server.api.app import create_app
     from server.engine.decoding import Deployment
     from server.engine import Engine

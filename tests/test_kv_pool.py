@@ -1,4 +1,4 @@
-"""The shared KV pool (kernels/kv_pool.py) and its pooled attention (kernels/custom/attention.py).
+"""The shared KV pool (kernels/batching/kv_pool.py) and its pooled attention (kernels/custom/attention.py).
 
 On the CPU there is no custom-kernel API, so the pool runs its reference form (one MLX
 attention call per row); the GPU kernel's order of work is checked here through its NumPy
@@ -8,13 +8,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kernels.batching.kv_pool import KVPool, fill_prefix, pool_mode
+from kernels.batching.ragged import enable_ragged, ragged_forward
+from kernels.batching.ragged_selftest import prove_ragged
 from kernels.custom.attention import PoolRows, kernel_unavailable_reason, pooled_attention
 from kernels.custom.attention_order import TILE, WARPS, attention_row, tile_schedule
-from kernels.invariant import set_batch_invariant_limit
-from kernels.kv_pool import KVPool, fill_prefix, pool_mode
-from kernels.ragged import enable_ragged, ragged_forward
-from kernels.ragged_selftest import prove_ragged
-from kernels.shape_variant import shape_variant_backend
+from kernels.doubles.shape_variant import shape_variant_backend
+from kernels.invariance import set_batch_invariant_limit
 from tests.test_deterministic_double import peaked_llama
 
 LIMIT = 8

@@ -1,10 +1,10 @@
 """Long causal prompt chunks on the CPU attend in blocks of query rows
-(kernels/prefill_attention.py): the same attention, less of the masked triangle computed."""
+(kernels/invariance/prefill_attention.py): the same attention, less of the masked triangle computed."""
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from kernels.prefill_attention import BLOCK, blocked_causal, wants_blocks
-from kernels.ragged import enable_ragged
+from kernels.batching.ragged import enable_ragged
+from kernels.invariance.prefill_attention import BLOCK, blocked_causal, wants_blocks
 from tests.test_deterministic_double import peaked_llama
 
 
@@ -29,7 +29,7 @@ def test_the_models_prefill_goes_through_blocks_and_keeps_its_function():
     plain = model(tokens, cache=make_prompt_cache(model))  # the model's own attention
     enable_ragged(model)  # routes the model's attention name through lockstep's hook
     calls = []
-    import kernels.invariant_layers as layers
+    import kernels.invariance.layers as layers
 
     original = layers.blocked_causal
     layers.blocked_causal = lambda *a, **k: calls.append(1) or original(*a, **k)

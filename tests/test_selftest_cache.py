@@ -5,10 +5,10 @@ import logging
 
 import pytest
 
-from kernels.audit_cache import VerdictCache
-from kernels.invariant import set_batch_invariant_limit
-from kernels.selftest import ProofCache, proof_key, self_test
-from kernels.shape_variant import shape_variant_backend
+from kernels.doubles.shape_variant import shape_variant_backend
+from kernels.invariance import set_batch_invariant_limit
+from kernels.invariance.selftest import ProofCache, proof_key, self_test
+from kernels.verdict_cache import VerdictCache
 from tests.tiny_models import tiny_llama
 
 PREFIXES = (7,)

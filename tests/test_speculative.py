@@ -194,7 +194,7 @@ def test_adaptive_k_depends_only_on_the_requests_own_history_not_on_its_batch():
     the same k at every step, and bit-identical tokens and logits rows."""
     import random
 
-    from kernels.ragged import enable_ragged, ragged_forward
+    from kernels.batching.ragged import enable_ragged, ragged_forward
 
     model = tiny_llama(0)
     enable_ragged(model)

@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from kernels import cpu_blas
-from kernels.audit_cache import ROOT_ENV
+from kernels.verdict_cache import ROOT_ENV
 from models import resolve
 from server import cli
 from server.commands.runtime_args import auto_cpu_blas, options_from_args

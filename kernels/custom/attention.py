@@ -4,7 +4,7 @@ file) through MLX's custom-kernel API, and the reference form used where there i
     out = pooled_attention(queries, k_pool, v_pool, rows, scale)
 
 queries (1, HQ, R, D) are the rows of a pass; k_pool / v_pool (HKV, S, D) hold every
-request's keys (kernels/kv_pool.py); `rows` says where each row's keys start in the pool and
+request's keys (kernels/batching/kv_pool.py); `rows` says where each row's keys start in the pool and
 how many it sees. On a GPU with the kernel all rows of all requests take one launch, in an
 order fixed by each row's key count (the header of pooled_attention.cu). Elsewhere each row
 attends its own key range through MLX's attention, one call per row (the per-query form the
@@ -89,8 +89,8 @@ def kernel_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows
 def reference_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows: PoolRows,
                         scale: float, *, sinks=None) -> mx.array:
     """Each row against exactly its own keys, one MLX attention call per row on packed copies
-    (the per-query form of kernels/invariant_ops.py)."""
-    from ..invariant_ops import packed_kv  # (that module imports this package)
+    (the per-query form of kernels/invariance/ops.py)."""
+    from ..invariance.ops import packed_kv  # (that module imports this package)
 
     outs = []
     for r, (start, length) in enumerate(zip(rows.base, rows.lens)):

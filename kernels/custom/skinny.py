@@ -4,7 +4,7 @@ this file) through MLX's public custom-kernel API and calls it.
 The CPU backend has no custom-kernel API: there `unavailable_reason()` says so and callers
 keep today's canonical forms. On a GPU the kernels are compiled on first use and checked
 once against MLX's own matmul (a smoke test for compile and index errors; the bitwise proof
-of invariance is kernels/selftest.py's, on the loaded model).
+of invariance is kernels/invariance/selftest.py's, on the loaded model).
 """
 from functools import lru_cache
 from pathlib import Path

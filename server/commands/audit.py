@@ -1,6 +1,6 @@
 """`lockstep audit MODEL [--quantize MODE] [--fresh]`: print the quantized-kernel audit table.
 
-Verdicts this machine already has are re-used (kernels/audit_cache.py), as `serve` does;
+Verdicts this machine already has are re-used (kernels/verdict_cache.py), as `serve` does;
 `--fresh` probes every configuration again and stores the new verdicts.
 """
 from __future__ import annotations

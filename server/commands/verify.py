@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from kernels import cpu_blas
-    from kernels.invariant import set_batch_invariant_limit
+    from kernels.invariance import set_batch_invariant_limit
     from server import verify
     from server.runtime import build_runtime
 

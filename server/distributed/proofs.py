@@ -1,7 +1,7 @@
 """Startup proofs that every rank agrees on.
 
-Batch invariance is installed and self-tested on every rank's shard (kernels/invariant.py
-tries candidate strategies in turn, each proven by kernels/selftest.py). Each proof runs
+Batch invariance is installed and self-tested on every rank's shard (kernels/invariance/limit.py
+tries candidate strategies in turn, each proven by kernels/invariance/selftest.py). Each proof runs
 forward passes, which are collectives on a sharded model, so the ranks must run the same
 passes and reach the same verdict: the logits are the same on every rank, but each rank
 compares the KV of its own heads or layers, which could differ on one rank alone. While
@@ -34,8 +34,8 @@ def _agree(world: World, result):
 
 @contextmanager
 def agreed_proofs(world: World):
-    import kernels.invariant as invariant
-    import kernels.ragged_selftest as ragged
+    import kernels.invariance.limit as invariant
+    import kernels.batching.ragged_selftest as ragged
 
     own_self_test, own_prove, own_cached = invariant.self_test, ragged.prove_ragged, ragged.prove_ragged_cached
 

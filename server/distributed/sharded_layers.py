@@ -5,8 +5,8 @@ communication) or a sharded-to-all layer (input split, partial products summed o
 ranks). Their own calls are the native ones; here each gets a subclass (a class swap, same
 parameters) that
 - computes its local product with the canonical form of the installed batch-invariance
-  setting (kernels/invariant_ops.py) for calls of M <= L rows, exactly like the unsharded
-  invariant layers (kernels/invariant_layers.py), and
+  setting (kernels/invariance/ops.py) for calls of M <= L rows, exactly like the unsharded
+  invariant layers (kernels/invariance/layers.py), and
 - for a sharded-to-all layer, reduces calls of M <= `ordered_rows` rows with
   `ordered_all_sum` (rank order, independent of M), whatever the strategy: the backend's
   all_sum may add the ranks' parts in an order that depends on the buffer size.
@@ -17,8 +17,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels.invariant_layers import active_setting
-from kernels.invariant_ops import dense_rows, quantized_rows, rows_of
+from kernels.invariance.layers import active_setting
+from kernels.invariance.ops import dense_rows, quantized_rows, rows_of
 from server.distributed.collectives import ordered_all_sum
 
 

@@ -72,7 +72,7 @@ def shard_model(model, world: World, invariant_rows: int) -> str:
         raise DistributedStartupError(f"cannot run this model {world.parallel}-parallel over "
                                       f"{world.size} ranks: {problem}")
     patched = [type(m).__name__ for _, m in model.named_modules()
-               if type(m).__module__.startswith("kernels.audit_workarounds")]
+               if type(m).__module__.startswith("kernels.audit.workarounds")]
     if patched:
         raise DistributedStartupError(
             f"the kernel audit replaced layers ({sorted(set(patched))}); sharding those stand-ins "

@@ -116,7 +116,7 @@ def software_identity(settings: dict) -> dict:
         lockstep = version("lockstep")
     except PackageNotFoundError:
         lockstep = "unknown"
-    from kernels.selftest import kernels_code_version
+    from kernels.invariance.selftest import kernels_code_version
 
     return {
         "lockstep": lockstep,

@@ -40,10 +40,10 @@ class Deployment:
     pass_costs: tuple[float, ...] | None = None
     prefill_chunk: int = 512
     # Requests' KV in one shared pool, one attention launch per layer for a whole pass
-    # (kernels/kv_pool.py): "kernel" (the GPU kernel), "reference" (one MLX attention call per
+    # (kernels/batching/kv_pool.py): "kernel" (the GPU kernel), "reference" (one MLX attention call per
     # row, where there is no kernel) or "off" (each request its own KVCache).
     kv_pool: str = "off"
-    # kernels.ragged_selftest.RaggedProof for L (None: not proven here; the engine proves it)
+    # kernels.batching.ragged_selftest.RaggedProof for L (None: not proven here; the engine proves it)
     ragged_proof: object | None = None
     fingerprint: str = ""
 

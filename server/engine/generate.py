@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
 
-from kernels.prefill import chunk_end, resume_at
+from kernels.invariance.prefill import chunk_end, resume_at
 
 from server.engine.decoding import DecodePlan, Deployment
 from server.engine.prefix_cache import PrefixCache
@@ -32,7 +32,7 @@ def prefill(
     """Feed `tokens` past what `cache` holds, in chunks aligned to absolute positions.
 
     Chunk boundaries sit at multiples of `chunk` from position 0, so a prefix reused from
-    the prefix cache ends with the same KV as a cold prefill (kernels/prefill.py); a cached
+    the prefix cache ends with the same KV as a cold prefill (kernels/invariance/prefill.py); a cached
     prefix ending mid-chunk is rewound to the chunk start unless rows are canonical.
     Yields after each chunk.
     """

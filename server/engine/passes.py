@@ -1,8 +1,8 @@
 """Which requests' rows share a forward pass: the scheduler's determinism rule, on its own.
 
 - A pass that holds a deterministic row has at most L rows (the batch-invariant limit), so
-  every layer runs the canonical forms proven bit-identical to M = 1 (kernels/selftest.py
-  and kernels/ragged.py prove every width up to L). Rows of other requests may fill it up
+  every layer runs the canonical forms proven bit-identical to M = 1 (kernels/invariance/selftest.py
+  and kernels/batching/ragged.py prove every width up to L). Rows of other requests may fill it up
   to L: canonical rows do not depend on their neighbours.
 - Passes of non-deterministic rows only may be wider (up to `max_rows`) and run native.
 - A request's rows are never split across passes, and requests keep their order (the

@@ -1,7 +1,7 @@
 """Reuse of prompt KV between requests.
 
 Only KV written by prompt prefill is stored (never decode-written rows), and prefill
-resumes at a chunk boundary aligned to absolute positions (kernels/prefill.py), so a
+resumes at a chunk boundary aligned to absolute positions (kernels/invariance/prefill.py), so a
 request computes the same KV whether its prefix was cached or not.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections import OrderedDict
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from kernels.kv_pool import is_pooled
+from kernels.batching.kv_pool import is_pooled
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

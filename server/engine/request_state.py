@@ -2,7 +2,7 @@
 
 The engine asks a `RequestState` for one unit of work at a time:
 - while `prefilling`, `prefill_chunk()` runs the next prompt chunk on the request's own cache
-  (a pass of its own: chunks are aligned to absolute positions, kernels/prefill.py);
+  (a pass of its own: chunks are aligned to absolute positions, kernels/invariance/prefill.py);
 - then `rows()` names the tokens this request puts into the next forward pass (the last
   token, plus drafts when speculating), and `take(logits)` turns that pass's rows into
   `Delta`s: text (stop strings held back), logprobs, and a finish reason on the last one.
@@ -18,9 +18,9 @@ from typing import Callable
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from kernels.invariant_layers import batch_invariant
-from kernels.kv_pool import fill_prefix, is_pooled
-from kernels.prefill import chunk_end, resume_at
+from kernels.batching.kv_pool import fill_prefix, is_pooled
+from kernels.invariance.layers import batch_invariant
+from kernels.invariance.prefill import chunk_end, resume_at
 
 from server.engine.decoding import DecodePlan, Deployment
 from server.engine.logits_processors import processors_for
@@ -123,7 +123,7 @@ class RequestState:
 
         model = loaded.model
         found, found_len = prefix_cache.lookup(self.prompt[:-1]) if prefix_cache else (None, 0)
-        if cache is not None:  # given by the engine: a range of its KV pool (kernels/kv_pool.py)
+        if cache is not None:  # given by the engine: a range of its KV pool (kernels/batching/kv_pool.py)
             self.cache = cache
             if found:
                 fill_prefix(self.cache, found, found_len)

@@ -9,7 +9,7 @@ admitted in FIFO order while there is a free slot (`max_active`) and room in the
 2. asks every decoding request for its rows (1, or k + 1 when speculating), groups them
    into passes by the determinism rule (server/engine/passes.py) and runs each pass as one
    forward over all its requests' rows, each attending its own KV cache
-   (kernels/ragged.py); every request then turns its rows into tokens.
+   (kernels/batching/ragged.py); every request then turns its rows into tokens.
 Each request's output comes back to asyncio through its `RequestHandle`.
 
 A request whose plan is exclusive (deterministic, but the guarantee is not proven) runs
@@ -108,7 +108,7 @@ class Engine:
         """Patch the model for ragged passes; why not, when it cannot (then one request per pass)."""
         if self._generate is not None or self.loaded is None:
             return "not used"
-        from kernels.ragged import enable_ragged, ragged_problem
+        from kernels.batching.ragged import enable_ragged, ragged_problem
 
         problem = ragged_problem(self.loaded.model)
         if problem is None:
@@ -121,7 +121,7 @@ class Engine:
         """The shared KV pool when the deployment uses one and passes are batched."""
         if self.deployment.kv_pool == "off" or self.ragged_problem is not None:
             return None
-        from kernels.kv_pool import KVPool
+        from kernels.batching.kv_pool import KVPool
 
         capacity = self.max_active * POOL_TOKENS_PER_SLOT
         if max_kv_tokens is not None:
@@ -133,7 +133,7 @@ class Engine:
         deterministic request's rows share no pass with another request's."""
         if self.ragged_problem is not None or not self.deployment.guaranteed:
             return None
-        from kernels.ragged_selftest import prove_ragged
+        from kernels.batching.ragged_selftest import prove_ragged
 
         kv_pool = self.deployment.kv_pool if self.kv_pool is not None else "off"
         proof = self.deployment.ragged_proof or prove_ragged(self.loaded.model, self.deployment.limit,
@@ -411,7 +411,7 @@ class Engine:
         model = self.loaded.model
         try:
             if self.ragged_problem is None:
-                from kernels.ragged import ragged_logits
+                from kernels.batching.ragged import ragged_logits
 
                 logits = ragged_logits(model, [(a.work.cache, rows) for a, rows in members])
             else:

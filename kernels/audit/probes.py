@@ -2,12 +2,12 @@
 
 A probe calls the layer (or a workaround wrapper with the same interface) on fresh
 random inputs and compares with a float32 NumPy reference built from the decoded
-weight (`audit_reference`). Paths: matmul at decode (M=1), short blocks (M=2..8), the
+weight (`reference`). Paths: matmul at decode (M=1), short blocks (M=2..8), the
 tiled matrix path (M>=33) and a prompt-sized M; embedding lookups of odd and even row
 counts (the gather+dequantize path) plus `as_linear` for tied heads; gather_qmm for
 MoE switch layers, unsorted at decode and sorted (mlx-lm sorts from 64 rows) for prompts.
 `select(path, rows)` picks which of them run, so the audit can probe some on a slice of
-the layer's output rows and others on the whole layer (`kernels/audit_slice.py`).
+the layer's output rows and others on the whole layer (`kernels/audit/slicing.py`).
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from kernels.audit_reference import reference_dequantize
-from kernels.audit_report import LayerConfig, PathResult
+from .reference import reference_dequantize
+from .report import LayerConfig, PathResult
 
 # Max |out - ref| / max |ref| allowed, by (mode family, activation dtype). Measured on
 # MLX 0.32.4 CPU with correct kernels (K 576..2064, M 1..128): float32 <= 2e-6 for

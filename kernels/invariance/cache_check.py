@@ -1,6 +1,6 @@
 """Which KV caches keep the batch-invariance guarantee.
 
-Per-query attention (kernels/invariant_ops.py) slices keys [0, p] for the query at absolute
+Per-query attention (kernels/invariance/ops.py) slices keys [0, p] for the query at absolute
 position p, so it needs a cache whose keys are stored in position order, unquantized and
 complete. A rotating (sliding-window) cache reorders and drops keys; a quantized cache runs
 a different attention; a batch cache left-pads rows, so a row never sees what it sees alone;

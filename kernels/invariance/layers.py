@@ -1,4 +1,4 @@
-"""Puts the canonical ops (kernels/invariant_ops.py) into a loaded mlx-lm model from outside.
+"""Puts the canonical ops (kernels/invariance/ops.py) into a loaded mlx-lm model from outside.
 
 Nothing in MLX or the mlx-lm model files is changed. Instead:
 - each nn.Linear / nn.QuantizedLinear / nn.Embedding / nn.QuantizedEmbedding instance gets a
@@ -24,12 +24,12 @@ import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
 
 from .composed_attention import composed_attention, composed_serves
-from .invariant_cache import is_positional
-from .kv_pool import PooledLayerCache
+from .cache_check import is_positional
+from ..batching.kv_pool import PooledLayerCache
 from .prefill_attention import blocked_causal, wants_blocks
-from .ragged import RaggedLayerCache
-from .invariant_ops import (Strategy, attention_per_query, dense_rows, packed_kv, quantized_rows,
-                            rows_of)
+from ..batching.ragged import RaggedLayerCache
+from .ops import (Strategy, attention_per_query, dense_rows, packed_kv, quantized_rows,
+                  rows_of)
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ _SDPA_SIGNATURE = inspect.signature(_NATIVE_SDPA)
 @wraps(_NATIVE_SDPA)
 def invariant_sdpa(*args, **kwargs):
     """mlx-lm's attention, per query over exactly its key range when T <= L; a ragged pass
-    (kernels/ragged.py) comes back here once per request, with that request's own keys."""
+    (kernels/batching/ragged.py) comes back here once per request, with that request's own keys."""
     cache = kwargs.get("cache") if len(args) < 4 else args[3]
     if isinstance(cache, RaggedLayerCache):
         a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments

@@ -11,13 +11,13 @@ per request, and are patched from outside the mlx-lm model files:
   (every row's absolute position in its own request); the model's RoPE modules get a
   subclass that applies it by treating each row as its own batch entry;
 - attention: the model module's `scaled_dot_product_attention` name is the invariant
-  wrapper (kernels/invariant_layers.py), which hands a ragged cache back here: each
+  wrapper (kernels/invariance/layers.py), which hands a ragged cache back here: each
   request's rows attend exactly its own keys, in the call that request would make alone.
 
 A row therefore meets the same ops alone (a ragged pass of one request) and beside others;
 that its bits are the same is proven per backend (`prove_ragged`), like every other form.
 
-When the requests' caches live in one KV pool (kernels/kv_pool.py), a layer writes all rows'
+When the requests' caches live in one KV pool (kernels/batching/kv_pool.py), a layer writes all rows'
 KV with one scatter and runs one attention call for all rows (kernels/custom/attention.py)
 instead of one of each per request.
 """
@@ -28,7 +28,7 @@ import mlx.nn as nn
 from mlx_lm.models import rope_utils
 from mlx_lm.models.cache import KVCache
 
-from .custom.attention import PoolRows
+from ..custom.attention import PoolRows
 from .kv_pool import is_pooled
 
 # RoPE classes whose call hands `offset` straight to mx.fast.rope (so a per-row position
@@ -133,7 +133,7 @@ def _ragged_rope_class(cls: type) -> type:
 
 def ragged_problem(model) -> str | None:
     """Why this model cannot run ragged passes (None: it can)."""
-    from .invariant_layers import model_module_names
+    from ..invariance.layers import model_module_names
 
     caches = model.make_cache() if hasattr(model, "make_cache") else None
     if caches is not None and not all(type(c) is KVCache for c in caches):
@@ -156,7 +156,7 @@ def enable_ragged(model) -> None:
     """Patch the model's RoPE modules and attention name for ragged passes (idempotent).
 
     Raises ValueError when the model cannot (`ragged_problem`)."""
-    from .invariant_layers import hook_attention
+    from ..invariance.layers import hook_attention
 
     problem = ragged_problem(model)
     if problem:

@@ -15,7 +15,7 @@ native:
 - mx.fast.scaled_dot_product_attention: with more than one query, the probability-weighted
   sum over keys is split in two halves (flash-decoding style).
 
-These are the narrowest points both mlx-lm's own modules and kernels/invariant_ops.py go
+These are the narrowest points both mlx-lm's own modules and kernels/invariance/ops.py go
 through. Results stay close to native (tests can check outputs are sane), just not bitwise.
 """
 from contextlib import contextmanager

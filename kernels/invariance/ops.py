@@ -5,16 +5,16 @@ the call, so a row's result can depend on how many rows share the call. Each fun
 computes every row the way a single row (M = 1, plain decode) would be computed, whatever M
 is: that is the whole batch-invariance mechanism. Which canonical form is bit-identical to
 M = 1 *and* cheapest differs per backend, so the form is a parameter (`Strategy`), chosen
-at load time by proof (kernels/selftest.py), never assumed.
+at load time by proof (kernels/invariance/selftest.py), never assumed.
 
 Every op is looked up on `mx` at call time (`@`, `mx.quantized_matmul`, the model's SDPA),
-so the shape-variant test double (kernels/shape_variant.py) sees these calls too.
+so the shape-variant test double (kernels/doubles/shape_variant.py) sees these calls too.
 """
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-from . import custom
+from .. import custom
 
 DENSE_FORMS = ("native", "rowwise", "strided_gemv", "skinny", "cpu_kernel")
 QUANTIZED_FORMS = ("chunks", "skinny")
@@ -35,7 +35,7 @@ class Strategy:
         included, gets row-contiguous q/k/v: MLX's CUDA SDPA gives other bits for a strided
         view of the KV cache than for a packed copy, measured on the H200 at contexts >= 250),
         "composed" (all rows in a few matmuls that the CPU shim's invariant kernel takes:
-        kernels/composed_attention.py; per query where it cannot serve) or "native".
+        kernels/invariance/composed_attention.py; per query where it cannot serve) or "native".
     quantized_form: "chunks" (quantized_rows per call) or "skinny" (kernels/custom: one
         launch for all M <= 64 rows, M = 1 included, in a reduction order fixed by K; modes
         the kernel lacks keep the chunks). dense "skinny" is the same kernel for dense
@@ -68,7 +68,7 @@ class Strategy:
     def unavailable_reason(self, limit: int) -> str | None:
         """Why this strategy cannot run here for L = limit (None: it can)."""
         if self.dense == "cpu_kernel":
-            from . import cpu_blas
+            from .. import cpu_blas
 
             if mx.default_device() != mx.cpu:
                 return f"the invariant CPU kernel serves the CPU only, not {mx.default_device()}"

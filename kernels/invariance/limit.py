@@ -7,9 +7,9 @@ speculative verification and batched requests return exactly what plain decoding
     set_batch_invariant_limit(model, 0)             # native again
 
 Every linear (dense, quantized in any mode, the tied embedding head) and attention block
-with M <= L rows, M = 1 decode included, runs one canonical form (kernels/invariant_ops.py);
+with M <= L rows, M = 1 decode included, runs one canonical form (kernels/invariance/ops.py);
 M > L (long prefill) runs the native fast path. The form is chosen per backend by proof:
-each candidate is installed and self-tested bitwise on this model (kernels/selftest.py);
+each candidate is installed and self-tested bitwise on this model (kernels/invariance/selftest.py);
 "auto" keeps the fastest that passes, and falls back to rowwise, the safest, unclaimed.
 Per request the engine must also check its cache: `cache_invariance_problem(cache)`.
 """
@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from .invariant_cache import cache_invariance_problem  # noqa: F401  (re-exported: the API)
-from . import cpu_blas
-from .invariant_layers import LAYER_SWAPS, Setting, install, model_module_names, uninstall
-from .invariant_ops import ROWWISE, STRATEGIES, Strategy
+from .cache_check import cache_invariance_problem  # noqa: F401  (re-exported: the API)
+from .. import cpu_blas
+from .layers import LAYER_SWAPS, Setting, install, model_module_names, uninstall
+from .ops import ROWWISE, STRATEGIES, Strategy
 from .selftest import SelfTestResult, seconds_per_step, self_test
 
 # Candidates "auto" tries, in order; the first proven is kept. strided_gemv before skinny:
@@ -112,7 +112,7 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
     measure=True every candidate is proven and timed and the fastest proven one kept; none
     proven: rowwise, unclaimed), a name in STRATEGIES, or a Strategy.
     verify=False skips the proof (nothing is claimed).
-    self_test_options go to kernels.selftest.self_test (prefixes, widths, seed).
+    self_test_options go to kernels.invariance.selftest.self_test (prefixes, widths, seed).
     """
     _uninstall(model)
     backend = str(mx.default_device())

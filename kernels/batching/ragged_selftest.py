@@ -1,4 +1,4 @@
-"""Bitwise proof that a ragged pass (kernels/ragged.py) gives each request's rows the logits
+"""Bitwise proof that a ragged pass (kernels/batching/ragged.py) gives each request's rows the logits
 and KV they get when that request's rows run alone, for every total width 1..L.
 
 A pool of requests with different cached prefix lengths (one decode row each, plus a few
@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from .ragged import ragged_forward
-from .selftest import UINT_OF_SIZE
+from ..invariance.selftest import UINT_OF_SIZE
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def _members_for(width: int, pool: list[tuple[int, int]]) -> list[int]:
 
 class _Caches:
     """Fresh caches and private copies: each request its own KVCaches, or ranges of one KV
-    pool (kernels/kv_pool.py) as the engine gives them with `kv_pool` "kernel"/"reference"."""
+    pool (kernels/batching/kv_pool.py) as the engine gives them with `kv_pool` "kernel"/"reference"."""
 
     def __init__(self, model, kv_pool: str, tokens: int):
         self.model = model
@@ -136,10 +136,10 @@ def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None,
 def prove_ragged_cached(model, limit: int, proof_cache=None, *, seed: int = 0,
                         kv_pool: str = "off") -> RaggedProof:
     """`prove_ragged`, re-using a result proven earlier on this machine (a
-    kernels.selftest.ProofCache: same model, strategy, L, code, MLX and device)."""
+    kernels.invariance.selftest.ProofCache: same model, strategy, L, code, MLX and device)."""
     if proof_cache is None:
         return prove_ragged(model, limit, seed=seed, kv_pool=kv_pool)
-    from .selftest import proof_key
+    from ..invariance.selftest import proof_key
 
     key = {**proof_key(model, limit, range(1, limit + 1), (), seed, True, proof_cache.model_identity),
            "what": "ragged pass proof", **({"kv_pool": kv_pool} if kv_pool != "off" else {})}

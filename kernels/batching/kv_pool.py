@@ -7,7 +7,7 @@
 
 With each request's KV in its own caches, a pass over the rows of many requests needs a KV
 write and an attention call per request per layer, and on a GPU those launches cost more
-than the arithmetic. In the pool, a pass (kernels/ragged.py) writes every row's KV with one
+than the arithmetic. In the pool, a pass (kernels/batching/ragged.py) writes every row's KV with one
 scatter per layer and runs one attention launch for all rows (kernels/custom/attention.py).
 
 A request holds one contiguous range of slots for its whole life, sized by its KV
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask, make_prompt_cache
 
-from .custom.attention import PoolRows, pooled_attention
+from ..custom.attention import PoolRows, pooled_attention
 
 DEFAULT_CAPACITY = 4096
 
@@ -246,7 +246,7 @@ def pool_problem(model, layouts) -> str | None:
 
 def kernel_problem(layouts) -> str | None:
     """Why the pooled attention kernel cannot serve KV of these layouts here (None: it can)."""
-    from .custom.attention import kernel_takes, kernel_unavailable_reason
+    from ..custom.attention import kernel_takes, kernel_unavailable_reason
 
     for dtype, dim in {(dtype, k[1]) for k, _, dtype in layouts}:
         if not kernel_takes(dtype, dim):

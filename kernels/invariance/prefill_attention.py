@@ -8,7 +8,7 @@ the model's own attention call with its causal mask, and the blocks are concaten
 
 The blocks are cut by the chunk's own length, counted from its first row, so a chunk's
 output (and the prompt KV written after it) is a function of the chunk alone; chunks are
-aligned to absolute positions (kernels/prefill.py), so prefix-cache hits and misses still
+aligned to absolute positions (kernels/invariance/prefill.py), so prefix-cache hits and misses still
 compute the same bits. GPUs keep MLX's fused attention.
 """
 from __future__ import annotations

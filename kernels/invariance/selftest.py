@@ -7,7 +7,7 @@ guarantee.
 
 With a `ProofCache` the result is kept per machine and re-used on a restart: its key is
 the model's identity (weights digest and load-time transform, from the caller), the
-installed strategy, L, widths, prefixes and seed, and `audit_cache.environment()` (MLX
+installed strategy, L, widths, prefixes and seed, and `verdict_cache.environment()` (MLX
 version, backend, device, CPU BLAS) plus the source of every kernels/ module, so a proof
 is only ever re-used for the same model, code, MLX and device that produced it.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from .invariant_cache import cache_invariance_problem
+from .cache_check import cache_invariance_problem
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class SelfTestResult:
 
 @dataclass(frozen=True)
 class ProofCache:
-    """Where self-test results are kept (`audit_cache.VerdictCache`), and the identity of
+    """Where self-test results are kept (`verdict_cache.VerdictCache`), and the identity of
     the model they are about (JSON-able: e.g. weights digest and load-time transform).
     fresh: prove again and overwrite instead of re-using."""
     store: object
@@ -111,8 +111,9 @@ def _max_diff(a, b) -> float:
 
 
 def kernels_code_version() -> str:
-    """Digest of every kernels/ module's source: the canonical forms and this proof."""
-    root = Path(__file__).parent
+    """Digest of every kernels/ module's source (the whole package, subpackages included):
+    the canonical forms and this proof."""
+    root = Path(__file__).parents[1]  # kernels/, this file being kernels/invariance/selftest.py
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
@@ -121,7 +122,7 @@ def kernels_code_version() -> str:
 
 def proof_key(model, limit: int, widths, prefixes, seed: int, stop_at_first: bool,
               model_identity: dict) -> dict:
-    from kernels.audit_cache import environment, function_identity
+    from kernels.verdict_cache import environment, function_identity
 
     setting = getattr(model, "_lockstep_setting", None)
     strategy = dataclasses.asdict(setting.strategy) if setting is not None else None

@@ -10,7 +10,7 @@ to its chunk's start and that chunk recomputed whole.
 """
 import mlx.core as mx
 
-from .invariant import batch_invariant_plan
+from .limit import batch_invariant_plan
 
 
 def rows_are_canonical(model, chunk: int) -> bool:

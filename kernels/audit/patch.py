@@ -7,15 +7,15 @@
 
 Each distinct configuration (kind, shape, mode, bits, group size, dtype, bias) is
 probed once, on the first layer that has it, on every path the model will take
-(`audit_probes`). A configuration with a failing path (wrong values or an exception)
-tries the workarounds in order (`audit_workarounds.WORKAROUNDS`), each probed again on
+(`probes`). A configuration with a failing path (wrong values or an exception)
+tries the workarounds in order (`workarounds.WORKAROUNDS`), each probed again on
 every path; the first that passes everywhere is the verdict. If none does, the model
 is refused, naming the layer and the path.
 
 Probes run on a slice of the layer's output rows, exact because quantization groups run
 along K; a path whose kernel choice depends on N on this backend runs on the whole
-layer as well (`audit_slice`, which says which and why). With a `VerdictCache` a
-configuration's result is stored per machine and re-used (`audit_cache`).
+layer as well (`slicing`, which says which and why). With a `VerdictCache` a
+configuration's result is stored per machine and re-used (`kernels.verdict_cache`).
 """
 from __future__ import annotations
 
@@ -27,13 +27,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from kernels import (audit_cache, audit_probes, audit_reference, audit_report, audit_slice,
-                     audit_workarounds)
-from kernels.audit_cache import VerdictCache, code_version, environment, function_identity
-from kernels.audit_probes import describe, layer_kind, probe, probe_paths, reference_weight
-from kernels.audit_report import (OK, REFUSED, AuditReport, ConfigResult, LayerConfig,
-                                  PathResult, format_table, summary)
-from kernels.audit_slice import backend_kind, full_size, sliced_layer, sliced_rows
+from .. import verdict_cache
+from ..verdict_cache import VerdictCache, code_version, environment, function_identity
+from . import probes, reference, slicing, workarounds
+from . import report as report_module
+from .probes import describe, layer_kind, probe, probe_paths, reference_weight
+from .report import (OK, REFUSED, AuditReport, ConfigResult, LayerConfig, PathResult,
+                     format_table, summary)
+from .slicing import backend_kind, full_size, sliced_layer, sliced_rows
 
 __all__ = ["audit_model", "apply_workarounds", "audit_and_patch", "format_table", "summary",
            "AuditReport"]
@@ -86,8 +87,8 @@ def _probe_every_path(layer, cfg: LayerConfig, seed: int, prompt_rows: int, back
         if not any(select(p, r) for p, r in paths):
             continue
         dense = reference_weight(part)
-        target = part if workaround is None else audit_workarounds.build(workaround, part,
-                                                                         cfg.kind, dense)
+        target = part if workaround is None else workarounds.build(workaround, part,
+                                                                   cfg.kind, dense)
         if target is None:
             return None
         results += probe(target, cfg, dense, seed, prompt_rows, select)
@@ -102,7 +103,7 @@ def _audit_config(cfg: LayerConfig, layers, seed: int, prompt_rows: int) -> Conf
                           _probe_every_path(layer, cfg, seed, prompt_rows, backend))
     if not result.failing:
         return result
-    for name in audit_workarounds.WORKAROUNDS:
+    for name in workarounds.WORKAROUNDS:
         attempt = _probe_every_path(layer, cfg, seed + 1, prompt_rows, backend, workaround=name)
         if attempt is None:
             continue
@@ -124,7 +125,7 @@ def audit_verdict_cache(root=None) -> VerdictCache:
 
 
 def verdict_key(cfg: LayerConfig, seed: int, prompt_rows: int) -> dict:
-    """Everything a configuration's verdict depends on (see kernels/audit_cache.py)."""
+    """Everything a configuration's verdict depends on (see kernels/verdict_cache.py)."""
     return {
         "what": "quantized kernel audit",
         "config": {"kind": cfg.kind, "shape": list(cfg.shape), "mode": cfg.mode,
@@ -133,9 +134,9 @@ def verdict_key(cfg: LayerConfig, seed: int, prompt_rows: int) -> dict:
         "seed": seed,
         "prompt_rows": prompt_rows,
         "environment": environment(),
-        "code": code_version(sys.modules[__name__], audit_cache, audit_probes, audit_reference,
-                             audit_report, audit_slice, audit_workarounds),
-        "workarounds": list(audit_workarounds.WORKAROUNDS),
+        "code": code_version(sys.modules[__name__], verdict_cache, probes, reference,
+                             report_module, slicing, workarounds),
+        "workarounds": list(workarounds.WORKAROUNDS),
         "ops": [function_identity(f) for f in (mx.quantized_matmul, mx.dequantize, mx.gather_qmm)],
     }
 
@@ -156,7 +157,7 @@ def result_to_json(c: ConfigResult) -> dict:
 def result_from_json(cfg: LayerConfig, layers: list[str], value: dict) -> ConfigResult:
     """A cached verdict; ValueError/TypeError/KeyError when it is not a well-formed one."""
     verdict = value["verdict"]
-    if verdict not in (OK, REFUSED, *audit_workarounds.WORKAROUNDS):
+    if verdict not in (OK, REFUSED, *workarounds.WORKAROUNDS):
         raise ValueError(f"unknown verdict {verdict!r}")
     result = ConfigResult(cfg, layers, _paths_from_json(value["paths"]),
                           [(str(n), _paths_from_json(r)) for n, r in value["attempts"]], verdict)
@@ -230,8 +231,8 @@ def apply_workarounds(model: nn.Module, report: AuditReport) -> list[str]:
         if name is None:
             continue
         for path, layer in layers:
-            stand_in = audit_workarounds.build(name, layer, cfg.kind, reference_weight(layer)
-                                               if name == "dequantized" else None)
+            stand_in = workarounds.build(name, layer, cfg.kind, reference_weight(layer)
+                                         if name == "dequantized" else None)
             swaps.append((path, stand_in))
         level = logging.WARNING if name == "dequantized" else logging.INFO
         log.log(level, "workaround %s on %d layers [%s]%s", name, len(layers), cfg.label(),
