@@ -8,8 +8,9 @@ guarantee.
 With a `ProofCache` the result is kept per machine and re-used on a restart: its key is
 the model's identity (weights digest and load-time transform, from the caller), the
 installed strategy, L, widths, prefixes and seed, and `verdict_cache.environment()` (MLX
-version, backend, device, CPU BLAS) plus the source of every kernels/ module, so a proof
-is only ever re-used for the same model, code, MLX and device that produced it.
+version, backend, device, CPU BLAS) plus the source of every kernels/ module and kernel
+source (.c, .cu, .cuh, .metal), so a proof is only ever re-used for the same model, code,
+MLX and device that produced it.
 """
 import dataclasses
 import hashlib
@@ -110,12 +111,17 @@ def _max_diff(a, b) -> float:
     return float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item())
 
 
+# What kernels_code_version hashes: the Python modules and the kernel sources they load or
+# build (the CPU BLAS shim's C, the custom kernels' CUDA and Metal), whose edits change bits.
+CODE_PATTERNS = ("*.py", "*.c", "*.cu", "*.cuh", "*.metal")
+
+
 def kernels_code_version() -> str:
-    """Digest of every kernels/ module's source (the whole package, subpackages included):
-    the canonical forms and this proof."""
+    """Digest of every kernels/ module's source and kernel source file (the whole package,
+    subpackages included): the canonical forms, the kernels they run and this proof."""
     root = Path(__file__).parents[1]  # kernels/, this file being kernels/invariance/selftest.py
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted({p for pattern in CODE_PATTERNS for p in root.rglob(pattern)}):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 
