@@ -362,3 +362,15 @@ def test_launch_plans_are_built_once_per_shape(monkeypatch):
     _, scalar = skinny._launch_plan("cuda", "affine", 3, 96, 128, 64, mx.float32)
     assert [t[0] for t in scalar["template"]] == ["T", "M", "NC", "K", "GROUP"]
     skinny._launch_plan.cache_clear()  # plans made with the stand-in kernel go
+
+
+def test_auto_tries_skinny_first_where_cuda_runs_16_bit_activations_on_tensor_cores(kernels_here, monkeypatch):
+    correct = _emulated_kernel(lambda m, size: loop_order.unit_elements(size))
+    kernels_here(correct)
+    monkeypatch.setattr(custom, "uses_mma", lambda dtype: dtype in (mx.float16, mx.bfloat16))  # as on CUDA
+    with shape_variant_backend():  # native fails the proof, so auto reaches the next candidate
+        half = set_batch_invariant_limit(tiny_llama(dtype=mx.bfloat16), 4, prefixes=(7,))
+        single = set_batch_invariant_limit(tiny_llama(), 4, prefixes=(7,))
+    assert [(n, ok) for n, ok, _ in half.candidates] == [("native", False), ("skinny", True)]
+    assert [(n, ok) for n, ok, _ in single.candidates] == [("native", False), ("strided_gemv", True)]
+    assert half.strategy == "skinny" and half.guaranteed and single.strategy == "strided_gemv"

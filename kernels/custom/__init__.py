@@ -12,7 +12,8 @@ from .skinny import (
     quantized_serves,
     try_dense_matmul,
     unavailable_reason,
+    uses_mma,
 )
 
 __all__ = ["MAX_ROWS", "available", "backend", "dense_matmul", "dense_serves", "quantized_kind",
-           "quantized_matmul", "quantized_serves", "try_dense_matmul", "unavailable_reason"]
+           "quantized_matmul", "quantized_serves", "try_dense_matmul", "unavailable_reason", "uses_mma"]

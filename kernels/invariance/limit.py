@@ -21,21 +21,41 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache_check import cache_invariance_problem  # noqa: F401  (re-exported: the API)
-from .. import cpu_blas
+from mlx.utils import tree_flatten
+
+from .. import cpu_blas, custom
 from .layers import LAYER_SWAPS, Setting, install, model_module_names, uninstall
 from .ops import ROWWISE, STRATEGIES, Strategy
 from .selftest import SelfTestResult, seconds_per_step, self_test
 
-# Candidates "auto" tries, in order; the first proven is kept. strided_gemv before skinny:
-# its single row is the plain call, so decode runs at native speed (H200, SmolLM2 float16,
-# L = 16: one deterministic stream 84 tok/s with strided_gemv vs 61 with skinny, whose
-# kernel is slower than native at one row; startup 6 s vs 103 s of kernel compiles). skinny
-# is taken where strided_gemv fails the proof (at 16 rows of an 8B shape it did:
-# docs/cuda/invariant_8b.md). rowwise is the fallback. A candidate that cannot run here
-# (skinny without a GPU kernel API, or L > 64) is skipped unproven.
-# cpu_kernel (the OpenBLAS shim's own kernel, CPU only) comes before strided_gemv: it
-# batches rows over one read of the weights (8 rows: see docs/BENCHMARKS.md).
+# Candidates "auto" tries, in order; the first proven is kept. rowwise is the fallback. A
+# candidate that cannot run here (skinny without a GPU kernel API, or L > 64; cpu_kernel off
+# the CPU) is skipped unproven. cpu_kernel (the OpenBLAS shim's own kernel, CPU only) comes
+# first: it batches rows over one read of the weights (8 rows: see docs/BENCHMARKS.md).
+# strided_gemv before skinny by default: its single row is the plain call. On CUDA with 16-bit
+# activations skinny comes first (CUDA_16BIT_AUTO_CANDIDATES): its tensor-core kernel reads
+# the weights once for all rows (H200, SmolLM2 float16, L = 16: 16 deterministic clients
+# 1255 tok/s with skinny vs 749 with strided_gemv, one stream 120 vs 136 tok/s; at 16 rows
+# of an 8B shape strided_gemv failed the proof: docs/cuda/invariant_8b.md). Metal's skinny
+# kernel has never been measured, so Metal keeps the default order.
 AUTO_CANDIDATES = ("native", "cpu_kernel", "strided_gemv", "skinny", "rowwise")
+CUDA_16BIT_AUTO_CANDIDATES = ("native", "cpu_kernel", "skinny", "strided_gemv", "rowwise")
+
+
+def activation_dtype(model):
+    """The dtype the model computes in: that of its first floating-point parameter."""
+    for _, value in tree_flatten(model.parameters()):
+        if value.dtype in (mx.float16, mx.bfloat16, mx.float32):
+            return value.dtype
+    return None
+
+
+def auto_candidates(model) -> tuple:
+    """The order "auto" tries strategies in, for this model on the default device."""
+    dtype = activation_dtype(model)
+    if dtype is not None and custom.uses_mma(dtype):
+        return CUDA_16BIT_AUTO_CANDIDATES
+    return AUTO_CANDIDATES
 
 # L of each model (by id) that has cpu_kernel installed: the shim's switch is one per
 # process, so it serves the largest of them and goes off only when none is left.
@@ -94,11 +114,11 @@ def batch_invariant_plan(model) -> InvariancePlan | None:
     return getattr(model, "_lockstep_plan", None)
 
 
-def _resolve(strategy) -> tuple:
+def _resolve(strategy, model) -> tuple:
     if isinstance(strategy, Strategy):
         return (strategy,)
     if strategy == "auto":
-        return tuple(STRATEGIES[n] for n in AUTO_CANDIDATES)
+        return tuple(STRATEGIES[n] for n in auto_candidates(model))
     if strategy in STRATEGIES:
         return (STRATEGIES[strategy],)
     raise ValueError(f"strategy {strategy!r}: use 'auto', a Strategy, or one of {sorted(STRATEGIES)}")
@@ -108,7 +128,7 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
                               measure: bool = False, **self_test_options) -> InvariancePlan:
     """Install batch invariance for M <= `limit` rows (0 restores native). Idempotent.
 
-    strategy: "auto" (AUTO_CANDIDATES in expected-speed order, the first proven one; with
+    strategy: "auto" (auto_candidates(model): expected-speed order, the first proven one; with
     measure=True every candidate is proven and timed and the fastest proven one kept; none
     proven: rowwise, unclaimed), a name in STRATEGIES, or a Strategy.
     verify=False skips the proof (nothing is claimed).
@@ -122,7 +142,7 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
         return plan
 
     uncovered = uncovered_parts(model)
-    candidates = _resolve(strategy)
+    candidates = _resolve(strategy, model)
     tried = []  # (strategy, self-test result or None, seconds per step or None)
     skipped = {}  # strategy name -> why it cannot run here (never installed, never proven)
     for candidate in candidates:
