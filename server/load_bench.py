@@ -104,17 +104,30 @@ def prompt_for(i: int, prompts: list[str] = PROMPTS) -> str:
     return f"{prompts[i % len(prompts)]} (#{i})"
 
 
-def solo_texts(base_url: str, model: str, n: int, max_tokens: int, extra: dict | None = None) -> list:
+def extra_for(extra, i: int) -> dict:
+    """Client i's extra request fields: `extra` is one dict for all clients, or a function of i."""
+    return (extra(i) if callable(extra) else extra) or {}
+
+
+def mixed_extra(i: int) -> dict:
+    """Mixed load: even clients deterministic, odd ones not."""
+    return {"deterministic": True} if i % 2 == 0 else {}
+
+
+def solo_texts(base_url: str, model: str, n: int, max_tokens: int, extra=None) -> list:
     """The answers of clients 0..n-1, each sent alone (the baseline for changed answers)."""
-    return [stream_chat(base_url, model, prompt_for(i), max_tokens, extra).text for i in range(n)]
+    return [stream_chat(base_url, model, prompt_for(i), max_tokens, extra_for(extra, i)).text
+            for i in range(n)]
 
 
-def changed_answers(r: RoundResult, solo: list) -> int:
-    """Greedy answers of this round that differ from the same request sent alone."""
-    return sum(1 for i, text in enumerate(r.texts) if text is not None and text != solo[i])
+def changed_answers(r: RoundResult, solo: list, clients=None) -> int:
+    """Greedy answers of this round that differ from the same request sent alone (of
+    `clients` only, when given: e.g. the deterministic ones of a mixed round)."""
+    return sum(1 for i, text in enumerate(r.texts)
+               if text is not None and text != solo[i] and (clients is None or i in clients))
 
 
-def run_round(base_url: str, model: str, concurrency: int, max_tokens: int, extra: dict | None = None,
+def run_round(base_url: str, model: str, concurrency: int, max_tokens: int, extra=None,
               prompts: list[str] = PROMPTS) -> RoundResult:
     """`concurrency` clients released at once, each with its own prompt."""
     timings: list[RequestTiming | None] = [None] * concurrency
@@ -122,7 +135,7 @@ def run_round(base_url: str, model: str, concurrency: int, max_tokens: int, extr
 
     def client(i):
         barrier.wait()
-        timings[i] = stream_chat(base_url, model, prompt_for(i, prompts), max_tokens, extra)
+        timings[i] = stream_chat(base_url, model, prompt_for(i, prompts), max_tokens, extra_for(extra, i))
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
     start = time.perf_counter()
@@ -143,11 +156,13 @@ def run_round(base_url: str, model: str, concurrency: int, max_tokens: int, extr
                        [t.text if t is not None and t.error is None else None for t in timings])
 
 
-def summary_line(name: str, r: RoundResult, changed: int | None = None) -> str:
+def summary_line(name: str, r: RoundResult, changed: int | None = None, of: int | None = None) -> str:
+    """One table row; `changed` of `of` answers (default: of all clients)."""
+    of = r.concurrency if of is None else of
     return (f"{name:<14} {r.concurrency:>4} {r.tok_per_s:>10.1f} {_percentile(r.ttft_s, .5) * 1e3:>9.0f} "
             f"{_percentile(r.ttft_s, .99) * 1e3:>9.0f} {_percentile(r.itl_s, .5) * 1e3:>8.1f} "
             f"{_percentile(r.itl_s, .99) * 1e3:>8.1f} {r.errors:>6} "
-            f"{'-' if changed is None else f'{changed}/{r.concurrency}':>8}")
+            f"{'-' if changed is None else f'{changed}/{of}':>8}")
 
 
 HEADER = (f"{'server':<14} {'conc':>4} {'tok/s':>10} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} "

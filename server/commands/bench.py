@@ -33,6 +33,9 @@ def register(subparsers) -> None:
     load.add_argument("--against-mlx-lm", action="store_true",
                       help="also start mlx_lm.server on the same model directory and print the ratios")
     load.add_argument("--deterministic", action="store_true", help="clients send deterministic: true")
+    load.add_argument("--mixed", action="store_true",
+                      help="even clients send deterministic: true, odd ones not; 'changed' counts the "
+                           "deterministic ones")
     load.add_argument("--max-tokens", type=int, default=128)
     load.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                       help="extra argument for `lockstep serve` (repeatable)")

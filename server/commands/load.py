@@ -19,15 +19,20 @@ def _start(cmd: list[str], log_path: str | None) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 
 
-def _bench(name: str, base_url: str, model: str, levels: list[int], args, extra: dict) -> list:
-    from server.load_bench import changed_answers, run_round, solo_texts, summary_line
+def _bench(name: str, base_url: str, model: str, levels: list[int], args, extra) -> list:
+    """extra: one dict of request fields for every client, or a function of the client index."""
+    from server.load_bench import changed_answers, extra_for, run_round, solo_texts, summary_line
 
     results = []
     run_round(base_url, model, 1, 8, extra)  # warm-up: first-call compilation out of the numbers
     solo = solo_texts(base_url, model, max(levels), args.max_tokens, extra)
     for n in levels:
         r = run_round(base_url, model, n, args.max_tokens, extra)
-        print(summary_line(name, r, changed_answers(r, solo) if n > 1 else None), flush=True)
+        # With mixed clients only the deterministic ones are promised their solo answer.
+        watched = ({i for i in range(n) if extra_for(extra, i).get("deterministic")}
+                   if callable(extra) else None)
+        changed = changed_answers(r, solo, watched) if n > 1 else None
+        print(summary_line(name, r, changed, None if watched is None else len(watched)), flush=True)
         results.append(r)
     return results
 
@@ -35,7 +40,7 @@ def _bench(name: str, base_url: str, model: str, levels: list[int], args, extra:
 def run_load(args: argparse.Namespace) -> int:
     from models.resolve import resolve_model
     from server.commands.runtime_args import apply_cpu_blas
-    from server.load_bench import HEADER, wait_healthy
+    from server.load_bench import HEADER, mixed_extra, wait_healthy
 
     apply_cpu_blas(args)  # as serve would: both servers below inherit the BLAS choice
 
@@ -44,16 +49,17 @@ def run_load(args: argparse.Namespace) -> int:
         raise SystemExit("--concurrency takes positive integers, e.g. 1,4,16,32")
     model_dir = resolve_model(args.model, args.weights)
     lines = [f"lockstep bench --concurrency {args.concurrency}: model {model_dir}, {args.max_tokens} tokens "
-             f"per request, greedy, streamed" + (", deterministic" if args.deterministic else "")]
+             f"per request, greedy, streamed" + (", deterministic" if args.deterministic else "")
+             + (", mixed (even clients deterministic; changed counts those)" if args.mixed else "")]
     print(lines[0])
     print(HEADER, flush=True)
 
     port = _free_port()
     serve = [sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--port", str(port),
              "--max-active", str(max(levels)), "--max-queue", str(max(levels)), *args.serve_arg]
-    if args.limit is not None and args.deterministic:
+    if args.limit is not None and (args.deterministic or args.mixed):
         serve += ["--batch-invariant-limit", str(args.limit)]
-    extra = {"deterministic": True} if args.deterministic else {}
+    extra = mixed_extra if args.mixed else {"deterministic": True} if args.deterministic else {}
     rows = {}
     proc = _start(serve, (args.out + ".lockstep.log") if args.out else None)
     try:
