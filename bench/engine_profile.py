@@ -1,7 +1,11 @@
 """Where the engine's time goes under load, without HTTP: N requests decoded together in
 process, the engine thread under cProfile.
 
-    python bench/engine_profile.py [--weights float16] [--requests 32] [--tokens 128] [--kv-pool auto]
+    python bench/engine_profile.py [--model default] [--weights float16] [--requests 32] [--tokens 128]
+                                   [--kv-pool auto]
+
+(A tiny random model, e.g. from tests/synthetic.py, makes the forward pass negligible and
+leaves the engine's own per-row work.)
 
 Prints aggregate tok/s and the functions with the most own time on the engine thread
 (time inside mx.eval is time spent waiting for the device; on Python 3.12 the profile also
@@ -52,6 +56,7 @@ async def drive(engine: Engine, requests: list[GenerationRequest], plans) -> int
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default", help="model spec or directory (as `serve --model`)")
     parser.add_argument("--weights", default="float16")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
@@ -62,7 +67,7 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()
 
-    loaded = load_model("default", args.weights)
+    loaded = load_model(args.model, args.weights)
     plan = set_batch_invariant_limit(loaded.model, args.limit)
     mode = pool_mode(loaded.model, args.kv_pool)
     deployment = Deployment(limit=plan.limit, guaranteed=plan.guaranteed, strategy=plan.strategy, kv_pool=mode)
