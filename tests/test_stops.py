@@ -109,3 +109,34 @@ def test_incremental_decoding_matches_decoding_all_at_once(embedded_model):
     assert text == tokenizer.decode(prompt + generated)[len(tokenizer.decode(prompt)) :]
     assert text.startswith(" blue")  # the leading space of a continuation is kept
     assert not any("\ufffd" in piece for piece in pieces)  # split characters wait
+
+
+def test_direct_decode_gives_the_wrapper_text(embedded_model):
+    from server.engine.stops import direct_decode
+
+    tokenizer = embedded_model.tokenizer
+    ids = tokenizer.encode("<|im_start|>user\nHi — 青い空 🌤️\n```py\nx  =  1\n```<|im_end|>")
+    decode = direct_decode(tokenizer, ids)
+    assert decode is not tokenizer.decode  # the embedded tokenizer takes the direct path
+    for cut in range(1, len(ids) + 1):
+        assert decode(ids[:cut]) == tokenizer.decode(ids[:cut])
+
+
+def test_direct_decode_keeps_the_wrapper_where_it_would_differ(embedded_model, monkeypatch):
+    from server.engine.stops import direct_decode
+
+    tokenizer = embedded_model.tokenizer
+    hf = tokenizer._tokenizer
+    ids = tokenizer.encode("some text")
+    monkeypatch.setattr(hf, "clean_up_tokenization_spaces", True, raising=False)
+    assert direct_decode(tokenizer, ids) == tokenizer.decode  # clean-up is transformers' job
+    monkeypatch.setattr(hf, "clean_up_tokenization_spaces", False, raising=False)
+
+    class Shifted:  # a wrapper whose text differs from its backend's: the probe catches it
+        _tokenizer = hf
+
+        def decode(self, ids):
+            return "x" + hf.decode(ids)
+
+    shifted = Shifted()
+    assert direct_decode(shifted, ids)(ids) == shifted.decode(ids) == "x" + hf.decode(ids)
