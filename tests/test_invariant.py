@@ -313,3 +313,18 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_packed_kv_keeps_the_values_and_pads_256_multiples_only_for_cuda(monkeypatch):
+    from kernels import custom
+    from kernels.invariance import ops
+
+    x = mx.random.normal((1, 3, 256, 8))
+    padded, pad = [], mx.pad
+    monkeypatch.setattr(ops.mx, "pad", lambda a, widths: padded.append(widths) or pad(a, widths))
+    assert mx.array_equal(ops.packed_kv(x), x) and not padded  # the CPU: a packed copy
+    monkeypatch.setattr(custom, "backend", lambda: "cuda")
+    out = ops.packed_kv(x)
+    assert out.shape == x.shape and mx.array_equal(out, x) and padded == [[(0, 0), (0, 0), (0, 1), (0, 0)]]
+    ops.packed_kv(x[:, :, :255])
+    assert len(padded) == 1  # other key counts are not padded

@@ -188,18 +188,24 @@ def model_module_names(model) -> set[str]:
     return {n for n in names if n in sys.modules}
 
 
-def hook_attention(model) -> list[str]:
-    """Route the model's attention name through `invariant_sdpa` whatever the strategy (ragged
-    passes need it even at L = 0; with no active setting it is the native call). The module
-    keeps the wrapper while this model lives. Returns the hooked module names."""
-    hooked = []
+def _wrap_attention(model, user) -> list[str]:
+    """Put `invariant_sdpa` in place of the attention name in the model's modules, recording
+    `user` there (the name goes back to native when no user is left). Returns the modules."""
+    wrapped = []
     for name in model_module_names(model):
         module = sys.modules[name]
         if getattr(module, "scaled_dot_product_attention", None) in (_NATIVE_SDPA, invariant_sdpa):
             module.scaled_dot_product_attention = invariant_sdpa
-            _sdpa_users.setdefault(name, {})[("ragged", id(model))] = weakref.ref(model)
-            hooked.append(name)
-    return hooked
+            _sdpa_users.setdefault(name, {})[user] = weakref.ref(model)
+            wrapped.append(name)
+    return wrapped
+
+
+def hook_attention(model) -> list[str]:
+    """Route the model's attention name through `invariant_sdpa` whatever the strategy (ragged
+    passes need it even at L = 0; with no active setting it is the native call). The module
+    keeps the wrapper while this model lives. Returns the hooked module names."""
+    return _wrap_attention(model, ("ragged", id(model)))
 
 
 def install(model, setting: Setting) -> dict:
@@ -210,19 +216,13 @@ def install(model, setting: Setting) -> dict:
     model._lockstep_sdpa_modules = frozenset()
     if setting.strategy.is_native:
         return {}  # the model's own calls are the proven form: nothing to swap
-    counts, wrapped = {}, []
+    counts = {}
     for _, m in model.named_modules():
         swap = LAYER_SWAPS.get(type(m))
         if swap is not None:
             m.__class__ = swap
             counts[swap.__name__] = counts.get(swap.__name__, 0) + 1
-    for name in model_module_names(model):
-        module = sys.modules[name]
-        current = getattr(module, "scaled_dot_product_attention", None)
-        if current is _NATIVE_SDPA or current is invariant_sdpa:
-            module.scaled_dot_product_attention = invariant_sdpa
-            _sdpa_users.setdefault(name, {})[id(model)] = weakref.ref(model)
-            wrapped.append(name)
+    wrapped = _wrap_attention(model, id(model))
     counts["attention_modules"] = len(wrapped)
     # Plain attributes (not tuple/list/dict, which nn.Module would file as children).
     model._lockstep_sdpa_modules = frozenset(wrapped)

@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
-
-from .cache_check import cache_invariance_problem  # noqa: F401  (re-exported: the API)
 from mlx.utils import tree_flatten
 
 from .. import cpu_blas, custom
+from .cache_check import cache_invariance_problem  # noqa: F401  (re-exported: the API)
 from .layers import LAYER_SWAPS, Setting, install, model_module_names, uninstall
 from .ops import ROWWISE, STRATEGIES, Strategy
 from .selftest import SelfTestResult, seconds_per_step, self_test
@@ -56,6 +55,7 @@ def auto_candidates(model) -> tuple:
     if dtype is not None and custom.uses_mma(dtype):
         return CUDA_16BIT_AUTO_CANDIDATES
     return AUTO_CANDIDATES
+
 
 # L of each model (by id) that has cpu_kernel installed: the shim's switch is one per
 # process, so it serves the largest of them and goes off only when none is left.

@@ -179,14 +179,10 @@ def quantized_rows(
 KV_CACHE_STEP = 256
 
 
-def _on_cuda() -> bool:
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
-
-
 def packed_kv(x: mx.array) -> mx.array:
     """x (B, H, S, D) as a row-packed copy the canonical attention calls use; on CUDA, for
     S a multiple of 256, a view of S rows of an (S + 1)-row buffer (see KV_CACHE_STEP)."""
-    if x.shape[2] % KV_CACHE_STEP == 0 and _on_cuda():
+    if x.shape[2] % KV_CACHE_STEP == 0 and custom.backend() == "cuda":
         return mx.pad(x, [(0, 0), (0, 0), (0, 1), (0, 0)])[:, :, : x.shape[2]]
     return mx.contiguous(x)
 
