@@ -31,6 +31,30 @@ def bits(x: mx.array) -> bytes:
     return np.array(x.astype(mx.float32)).tobytes()
 
 
+# ------------------------------------------------------------------------- row writes
+
+@pytest.mark.parametrize("starts", [[7], [3, 40, 90], [10, 11]])
+def test_a_pass_writes_each_rows_kv_to_its_own_slot(model, starts):
+    """Consecutive slots (one request, or requests that follow on) take a slice write, the
+    others put_along_axis; both must leave exactly what an indexed assignment would."""
+    from kernels.batching.ragged import PooledPass
+
+    pool = KVPool(model, 128)
+    caches = [pool.allocate(12) for _ in starts]
+    for cache, start in zip(caches, starts):  # place each range where the case wants it
+        cache[0].span.start = start
+    where = PooledPass([c[0] for c in caches], [1] * len(starts))
+    assert (where.first_slot is not None) == (starts in ([7], [10, 11]))
+    hkv, _, dim = pool.keys[0].shape
+    keys = mx.random.normal((hkv, len(starts), dim), key=mx.random.key(1)).astype(pool.keys[0].dtype)
+    values = keys * 2
+    expect_k, expect_v = mx.array(pool.keys[0]), mx.array(pool.values[0])
+    expect_k[:, mx.array(starts)] = keys
+    expect_v[:, mx.array(starts)] = values
+    pool.write_rows(0, where, keys, values)
+    assert bits(pool.keys[0]) == bits(expect_k) and bits(pool.values[0]) == bits(expect_v)
+
+
 # ------------------------------------------------------------------------- the allocator
 
 def test_ranges_are_first_fit_released_once_and_merged(model):

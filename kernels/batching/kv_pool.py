@@ -8,7 +8,7 @@
 With each request's KV in its own caches, a pass over the rows of many requests needs a KV
 write and an attention call per request per layer, and on a GPU those launches cost more
 than the arithmetic. In the pool, a pass (kernels/batching/ragged.py) writes every row's KV with one
-scatter per layer and runs one attention launch for all rows (kernels/custom/attention.py).
+write per layer and runs one attention launch for all rows (kernels/custom/attention.py).
 
 A request holds one contiguous range of slots for its whole life, sized by its KV
 reservation (prompt + max_tokens + drafts, server/engine/kv_budget.py), so it never grows
@@ -187,10 +187,16 @@ class KVPool:
         self.keys[layer][:, start:start + n] = keys
         self.values[layer][:, start:start + n] = values
 
-    def scatter(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Slot slots[i] of one layer gets keys[:, i] / values[:, i] ((HKV, T, D))."""
-        self.keys[layer][:, slots] = keys
-        self.values[layer][:, slots] = values
+    def write_rows(self, layer: int, where, keys: mx.array, values: mx.array) -> None:
+        """Row i of one layer's (HKV, R, D) keys/values goes to slot where.slots[i]
+        (kernels/batching/ragged.PooledPass). Consecutive slots take a slice write;
+        others `put_along_axis`, which MLX's CUDA backend runs several times faster than
+        an indexed assignment (measured on the H200: 60 writes a pass, 0.44 vs 1.1 ms)."""
+        if where.first_slot is not None:
+            self.write(layer, where.first_slot, keys, values)
+            return
+        self.keys[layer] = mx.put_along_axis(self.keys[layer], where.index(keys.shape), keys, axis=1)
+        self.values[layer] = mx.put_along_axis(self.values[layer], where.index(values.shape), values, axis=1)
 
     def attention(self, layer: int, queries: mx.array, rows: PoolRows, scale: float, sinks=None) -> mx.array:
         """queries (1, HQ, R, D), row r against its keys in this layer (`rows`)."""

@@ -18,7 +18,7 @@ A row therefore meets the same ops alone (a ragged pass of one request) and besi
 that its bits are the same is proven per backend (`prove_ragged`), like every other form.
 
 When the requests' caches live in one KV pool (kernels/batching/kv_pool.py), a layer writes all rows'
-KV with one scatter and runs one attention call for all rows (kernels/custom/attention.py)
+KV with one write and runs one attention call for all rows (kernels/custom/attention.py)
 instead of one of each per request.
 """
 from __future__ import annotations
@@ -61,7 +61,16 @@ class PooledPass:
             base += [start] * n
             lens += range(offset + 1, offset + n + 1)
         self.slots = mx.array(slots, dtype=mx.int32)
+        # One request's rows (or several whose slots happen to follow on): a slice write.
+        self.first_slot = slots[0] if slots == list(range(slots[0], slots[0] + len(slots))) else None
         self.rows = PoolRows(base, lens)
+        self._index: dict[tuple, mx.array] = {}
+
+    def index(self, shape: tuple) -> mx.array:
+        """`slots` broadcast to a layer's (HKV, rows, D) keys, made once per pass and shape."""
+        if shape not in self._index:
+            self._index[shape] = mx.broadcast_to(self.slots[None, :, None], shape)
+        return self._index[shape]
 
 
 class RaggedLayerCache:
@@ -82,7 +91,7 @@ class RaggedLayerCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append each request's rows to its own cache; the attention reads `fetched`."""
         if self.pooled is not None:
-            self.pooled.pool.scatter(self.caches[0].layer, self.pooled.slots, keys[0], values[0])
+            self.pooled.pool.write_rows(self.caches[0].layer, self.pooled, keys[0], values[0])
             for cache, n in zip(self.caches, self.rows):
                 cache.offset += n
             return keys, values
@@ -182,6 +191,27 @@ def ragged_forward(model, requests: list[tuple[list, list[int]]]) -> list[mx.arr
 
 def ragged_logits(model, requests: list[tuple[list, list[int]]]) -> mx.array:
     """`ragged_forward`'s logits as one (rows, vocab) array, the requests' rows end to end."""
+    tokens, ragged = _ragged_inputs(requests)
+    return model(tokens, cache=ragged)[0]
+
+
+def ragged_prompt_forward(model, requests: list[tuple[list, list[int]]]) -> None:
+    """Append each (cache, tokens) request's prompt chunk to its own cache in one pass, without
+    the output head (a prompt chunk's logits are never used), under the model's
+    batch-invariance setting as in its own call."""
+    from ..invariance.layers import batch_invariant
+
+    body = getattr(model, "model", None)
+    if not callable(body):
+        ragged_logits(model, requests)
+        return
+    tokens, ragged = _ragged_inputs(requests)
+    with batch_invariant(getattr(model, "_lockstep_setting", None)):
+        body(tokens, cache=ragged)
+
+
+def _ragged_inputs(requests: list[tuple[list, list[int]]]) -> tuple[mx.array, list[RaggedLayerCache]]:
+    """The pass's (1, rows) tokens and one RaggedLayerCache per layer."""
     rows = [len(tokens) for _, tokens in requests]
     if any(n < 1 for n in rows):
         raise ValueError("every request in a ragged pass needs at least one row")
@@ -194,5 +224,4 @@ def ragged_logits(model, requests: list[tuple[list, list[int]]]) -> mx.array:
     where = PooledPass([cache[0] for cache, _ in requests], rows) if pooled else None
     ragged = [RaggedLayerCache([cache[layer] for cache, _ in requests], rows, positions, where)
               for layer in range(layers)]
-    tokens = mx.array([t for _, ts in requests for t in ts])[None]
-    return model(tokens, cache=ragged)[0]
+    return mx.array([t for _, ts in requests for t in ts])[None], ragged

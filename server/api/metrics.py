@@ -44,6 +44,8 @@ class Metrics:
                                    buckets=ROWS_BUCKETS, registry=r)
         self.pass_requests = Histogram("lockstep_forward_pass_requests", "Requests sharing a decode pass",
                                        buckets=ROWS_BUCKETS, registry=r)
+        self.prefill_requests = Histogram("lockstep_prefill_pass_requests", "Requests whose prompt chunks "
+                                          "shared a prefill pass", buckets=ROWS_BUCKETS, registry=r)
         self.queue_depth = Gauge("lockstep_queue_depth", "Requests waiting for a generation slot", registry=r)
         self.active = Gauge("lockstep_active_requests", "Requests being generated", registry=r)
 
@@ -57,6 +59,10 @@ class Metrics:
         """Engine observer: one decode pass ran (called on the engine thread)."""
         self.pass_rows.observe(rows)
         self.pass_requests.observe(requests)
+
+    def on_prefill(self, rows: int, requests: int) -> None:
+        """Engine observer: prompt chunks of several requests shared one pass."""
+        self.prefill_requests.observe(requests)
 
     def on_admit(self, waited_seconds: float) -> None:
         self.queue_time.observe(waited_seconds)

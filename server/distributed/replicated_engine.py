@@ -53,6 +53,11 @@ class ReplicaHandle(RequestHandle):
         if self.client is not None:
             self.client.post(event)
 
+    def deliver_via(self, events: list) -> RequestHandle | None:
+        for event in events:
+            self._digest(self.rid, event)
+        return self.client.deliver_via(events) if self.client is not None else None
+
 
 class _Inbox(list):
     """Rank 0's engine queue: the base `submit_group` validates and appends the clients'

@@ -60,6 +60,15 @@ class RequestHandle:
         except RuntimeError:  # the loop is closed: nobody is listening any more
             self.cancel()
 
+    def deliver_via(self, events: list) -> "RequestHandle | None":
+        """For `post_all`: the handle whose queue takes `events` (None: no listener here).
+        A handle that observes what is posted (as `post` does) overrides both."""
+        return self
+
+    def _put(self, events: list) -> None:
+        for event in events:
+            self._events.put_nowait(event)
+
     async def __aiter__(self) -> AsyncIterator[Delta]:
         while True:
             event = await self._events.get()
@@ -68,3 +77,25 @@ class RequestHandle:
             yield event
             if event.finish_reason is not None:
                 return
+
+
+def post_all(posts: list[tuple[RequestHandle, list]]) -> None:
+    """Called on the worker thread: each handle's events, with one wake-up of each event loop
+    for all of them (a pass's rows reach their clients together; one wake-up per token
+    costs a syscall and a loop iteration each)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, list]]] = {}
+    for handle, events in posts:
+        target = handle.deliver_via(events) if events else None
+        if target is not None:
+            by_loop.setdefault(target._loop, []).append((target, events))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_deliver, items)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            for handle, _ in items:
+                handle.cancel()
+
+
+def _deliver(items: list[tuple[RequestHandle, list]]) -> None:
+    for handle, events in items:
+        handle._put(events)

@@ -134,6 +134,7 @@ class RequestState:
         self._leader = prefill_from if (found is None and prefill_from is not None
                                         and PrefixCache.storable(self.cache)) else None
         self.closed = False  # set by the engine when it drops this request
+        self._prefilled_alone = True  # every prompt chunk so far ran in a pass of its own
         # All but the last prompt token are prefilled; decoding starts by feeding the last one.
         done = self.cache[0].offset if self.cache else 0
         self._prefill_pos = resume_at(model, done, self._chunk)
@@ -178,17 +179,34 @@ class RequestState:
                 self.cache[:] = copy_prefix(leader.cache, length)  # in place: the source holds this list
             self._prefill_pos = length
 
+    @property
+    def shares_prefill(self) -> bool:
+        """Its prompt chunks may share a pass with other requests' chunks: only a request with
+        no determinism to keep (such a pass's bits depend on its neighbours) and no leader."""
+        return self._leader is None and not (self.plan and (self.plan.deterministic or self.plan.exclusive))
+
+    def next_chunk(self) -> list[int]:
+        """The next prompt chunk's tokens."""
+        return self.prompt[self._prefill_pos:chunk_end(self._prefill_pos, len(self.prompt) - 1, self._chunk)]
+
     def prefill_chunk(self) -> None:
         """Run the next prompt chunk on this request's cache (its own forward pass)."""
         if self._leader is not None:
             self._follow_leader()
             return
-        end = chunk_end(self._prefill_pos, len(self.prompt) - 1, self._chunk)
-        self.step(self.loaded.model, self.cache, self.prompt[self._prefill_pos:end])
+        chunk = self.next_chunk()
+        self.step(self.loaded.model, self.cache, chunk)
         mx.eval([c.state for c in self.cache])
-        self._prefill_pos = end
-        if not self.prefilling and self.prefix_cache:
+        self.chunk_written(len(chunk), alone=True)
+
+    def chunk_written(self, tokens: int, *, alone: bool) -> None:
+        """The next `tokens` prompt tokens are in the cache. Only KV prefilled in passes of
+        its own goes to the prefix cache: a shared pass's bits depend on its neighbours, and
+        a deterministic request may later start from the entry."""
+        self._prefill_pos += tokens
+        if not self.prefilling and self.prefix_cache and alone and self._prefilled_alone:
             self.prefix_cache.store(self.prompt[:-1], self.cache)
+        self._prefilled_alone = self._prefilled_alone and alone
 
     # ----------------------------------------------------------------------- decode
 

@@ -30,9 +30,9 @@ from server.engine.decoding import DecodePlan, Deployment
 from server.engine.kv_budget import KVBudget, reservation
 from server.engine.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, Demand, compose_passes
 from server.engine.prefix_cache import PrefixCache
-from server.engine.handle import (GenerationError, QueueFull, RequestHandle, ShuttingDown,
+from server.engine.handle import (GenerationError, QueueFull, RequestHandle, ShuttingDown, post_all,
                                   TooLargeForMemory)
-from server.engine.request_state import Delta, GenerationRequest, RequestState, forward
+from server.engine.request_state import GenerationRequest, RequestState, forward
 
 log = logging.getLogger(__name__)
 
@@ -223,8 +223,11 @@ class Engine:
 
     def _notify(self, method: str, *args) -> None:
         for observer in self.observers:
+            call = getattr(observer, method, None)
+            if call is None:
+                continue  # observers implement the events they care about
             try:
-                getattr(observer, method)(*args)
+                call(*args)
             except Exception:  # observability must never break serving
                 log.exception("engine observer failed")
 
@@ -325,10 +328,6 @@ class Engine:
         start = self._turn % n
         return self._active[start:] + self._active[:start]
 
-    def _post(self, active: _Active, deltas: list[Delta]) -> None:
-        for delta in deltas:
-            active.handle.post(delta)
-
     # ---------------------------------------------------------------- generator mode
 
     def _step_generators(self) -> None:
@@ -353,23 +352,52 @@ class Engine:
     # ------------------------------------------------------------------ batched mode
 
     def _prefill(self) -> None:
-        """Prompt chunks, each a pass of its own, up to one chunk's worth of tokens per
-        iteration: many short prompts start together, a long one still goes a chunk at a time."""
+        """Prompt chunks, up to one chunk's worth of tokens per iteration: many short prompts
+        start together, a long one still goes a chunk at a time. Chunks of requests with no
+        determinism to keep share one pass; the others run in passes of their own."""
         budget = self.deployment.prefill_chunk
+        shared: list[_Active] = []
         for active in self._in_turn():
             if budget <= 0:
-                return
+                break
             if not active.work.prefilling or active.handle.cancelled:
                 continue
             tokens = active.work.next_chunk_tokens()
             if tokens > budget and budget < self.deployment.prefill_chunk:
                 continue  # too big for what is left of this iteration; its turn to go first comes
-            try:
-                active.work.prefill_chunk()
-            except Exception as exc:
+            if tokens and active.work.shares_prefill and self.ragged_problem is None:
+                shared.append(active)
+            else:
+                self._prefill_alone(active)
+            budget -= tokens
+        if len(shared) == 1:
+            self._prefill_alone(shared[0])
+        elif shared:
+            self._prefill_shared(shared)
+
+    def _prefill_alone(self, active: _Active) -> None:
+        try:
+            active.work.prefill_chunk()
+        except Exception as exc:
+            self._fail(active.handle, exc)
+            self._remove(active)
+
+    def _prefill_shared(self, members: list[_Active]) -> None:
+        """One ragged pass over several requests' next prompt chunks."""
+        from kernels.batching.ragged import ragged_prompt_forward
+
+        chunks = [a.work.next_chunk() for a in members]
+        try:
+            ragged_prompt_forward(self.loaded.model, [(a.work.cache, c) for a, c in zip(members, chunks)])
+            mx.eval([layer.state for a in members for layer in a.work.cache])
+        except Exception as exc:
+            for active in members:
                 self._fail(active.handle, exc)
                 self._remove(active)
-            budget -= tokens
+            return
+        self._notify("on_prefill", sum(len(c) for c in chunks), len(members))
+        for active, chunk in zip(members, chunks):
+            active.work.chunk_written(len(chunk), alone=False)
 
     def _draft_room(self) -> "_DraftRoom | None":
         if not self.draft_room or self.ragged_problem is not None:
@@ -439,6 +467,7 @@ class Engine:
         except Exception:  # each request then samples (and fails, if it must) on its own
             log.exception("batched sampling failed")
             sampled = [None] * len(members)
+        posts = []
         for (active, rows), (begin, end), pending in zip(members, spans, sampled):
             try:
                 deltas = active.work.take(logits[begin:end], argmax[begin:end], pending)
@@ -446,6 +475,7 @@ class Engine:
                 self._fail(active.handle, exc)
                 self._remove(active)
                 continue
-            self._post(active, deltas)
+            posts.append((active.handle, deltas))
             if active.work.finished:
                 self._remove(active)
+        post_all(posts)
