@@ -8,6 +8,7 @@ solo answer: that checks the shared pass's positions and caches.
 """
 import asyncio
 import struct
+import threading
 
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
@@ -129,3 +130,26 @@ def test_ragged_prompt_forward_writes_the_kv_of_each_prompt_alone():
             assert a.offset == b.offset == len(chunk)
             for x, y in zip(a.state, b.state):
                 assert np.array_equal(np.array(x), np.array(y))
+
+
+def test_decode_passes_run_canonical_forms_only_for_requests_that_asked_for_determinism(monkeypatch):
+    """With L installed every pass of <= L rows could run the canonical forms; a pass with no
+    deterministic request runs natively instead (it only costs time there)."""
+    import kernels.invariance.layers as layers
+
+    one_row_calls = []
+    canonical = layers.dense_rows
+
+    def counted(x, weight, form):  # one-row calls on the engine thread (not the startup self-test)
+        if x.reshape(-1, x.shape[-1]).shape[0] == 1 and threading.current_thread().name == "lockstep-engine":
+            one_row_calls.append(form)
+        return canonical(x, weight, form)
+
+    monkeypatch.setattr(layers, "dense_rows", counted)
+    # One-token prompts: no prefill chunk, so every linear call with one row is a decode row.
+    run_together([request([11], deterministic=True)], limit=6, double=True)
+    deterministic_calls = len(one_row_calls)
+    one_row_calls.clear()
+    run_together([request([11])], limit=6, double=True)
+    assert deterministic_calls >= TOKENS  # the deterministic request's decode ran canonical forms
+    assert one_row_calls == []           # the other one's never did

@@ -42,18 +42,33 @@ _local = threading.local()
 
 
 def active_setting() -> Setting | None:
+    if getattr(_local, "native", False):
+        return None
     return getattr(_local, "setting", None)
 
 
 @contextmanager
 def batch_invariant(setting: Setting | None):
     """Make `setting` the active one on this thread (None: native) for the enclosed calls."""
-    previous = active_setting()
+    previous = getattr(_local, "setting", None)
     _local.setting = setting
     try:
         yield
     finally:
         _local.setting = previous
+
+
+@contextmanager
+def native_forms():
+    """The enclosed model calls run natively even where a setting is installed: for passes
+    that hold no row needing the guarantee (the engine's passes of non-deterministic rows),
+    where canonical forms would only cost time."""
+    previous = getattr(_local, "native", False)
+    _local.native = True
+    try:
+        yield
+    finally:
+        _local.native = previous
 
 
 def _setting_for(rows: int) -> Setting | None:

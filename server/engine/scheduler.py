@@ -22,10 +22,12 @@ import asyncio
 import logging
 import threading
 import time
+from contextlib import nullcontext
 from typing import Callable, Iterator
 
 import mlx.core as mx
 
+from kernels.invariance.layers import native_forms
 from server.engine.decoding import DecodePlan, Deployment
 from server.engine.kv_budget import KVBudget, reservation
 from server.engine.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, Demand, compose_passes
@@ -437,14 +439,19 @@ class Engine:
 
     def _run_pass(self, members: list[tuple[_Active, list[int]]]) -> None:
         model = self.loaded.model
+        # Canonical forms only where a request asked for determinism: a pass of other rows
+        # runs natively whatever its width (decode passes write no prefix-cache KV).
+        asked = any(a.work.plan is not None and a.work.plan.deterministic for a, _ in members)
+        forms = nullcontext() if asked else native_forms()
         try:
-            if self.ragged_problem is None:
-                from kernels.batching.ragged import ragged_logits
+            with forms:
+                if self.ragged_problem is None:
+                    from kernels.batching.ragged import ragged_logits
 
-                logits = ragged_logits(model, [(a.work.cache, rows) for a, rows in members])
-            else:
-                (active, rows), = members
-                logits = forward(model, active.work.cache, rows)
+                    logits = ragged_logits(model, [(a.work.cache, rows) for a, rows in members])
+                else:
+                    (active, rows), = members
+                    logits = forward(model, active.work.cache, rows)
             # One argmax for all rows (greedy requests need nothing else); each request's
             # logits rows are sliced out below, computed only if its sampler reads them.
             argmax = mx.argmax(logits, axis=-1)
