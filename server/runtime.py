@@ -225,6 +225,11 @@ def build_runtime(options: Options) -> Runtime:
         (log.info if guaranteed else log.warning)(
             "batch invariance L=%d strategy=%s guaranteed=%s (%s)",
             plan.limit, plan.strategy, guaranteed, plan.reason)
+    if guaranteed:
+        from kernels.invariance.warmup import build_kernels
+
+        with timings.timed("build_kernels"):  # compiled now, not during the first passes
+            build_kernels(loaded.model, plan.limit)
 
     from kernels.batching.kv_pool import pool_mode
 

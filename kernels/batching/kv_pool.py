@@ -131,6 +131,15 @@ class KVPool:
         self.values: list[mx.array] = []
         self._free: list[tuple[int, int]] = []  # (start, length), sorted, never adjacent
         self._grow(max(1, capacity))
+        self._build_row_writes()
+
+    def _build_row_writes(self) -> None:
+        """Run `put_along_axis` once per KV dtype now: MLX's CUDA backend compiles its kernel
+        on first use (~4 s per dtype on the H200, cached on disk after), which would
+        otherwise stall the first pass that writes several requests' rows."""
+        for dtype in {dtype for _, _, dtype in self._layouts}:
+            into = mx.zeros((1, 2, 1), dtype)
+            mx.eval(mx.put_along_axis(into, mx.zeros((1, 1, 1), mx.int32), mx.ones((1, 1, 1), dtype), axis=1))
 
     @property
     def layers(self) -> int:
