@@ -197,17 +197,10 @@ def ragged_logits(model, requests: list[tuple[list, list[int]]]) -> mx.array:
 
 def ragged_prompt_forward(model, requests: list[tuple[list, list[int]]]) -> None:
     """Append each (cache, tokens) request's prompt chunk to its own cache in one pass, without
-    the output head (a prompt chunk's logits are never used), under the model's
-    batch-invariance setting as in its own call."""
-    from ..invariance.layers import batch_invariant
+    the output head (a prompt chunk's logits are never used)."""
+    from ..invariance.layers import call_without_head
 
-    body = getattr(model, "model", None)
-    if not callable(body):
-        ragged_logits(model, requests)
-        return
-    tokens, ragged = _ragged_inputs(requests)
-    with batch_invariant(getattr(model, "_lockstep_setting", None)):
-        body(tokens, cache=ragged)
+    call_without_head(model, *_ragged_inputs(requests))
 
 
 def _ragged_inputs(requests: list[tuple[list, list[int]]]) -> tuple[mx.array, list[RaggedLayerCache]]:

@@ -48,27 +48,38 @@ def active_setting() -> Setting | None:
 
 
 @contextmanager
-def batch_invariant(setting: Setting | None):
-    """Make `setting` the active one on this thread (None: native) for the enclosed calls."""
-    previous = getattr(_local, "setting", None)
-    _local.setting = setting
+def _thread_value(name: str, value, default):
+    """`name` on this thread's state is `value` for the enclosed calls, then what it was."""
+    previous = getattr(_local, name, default)
+    setattr(_local, name, value)
     try:
         yield
     finally:
-        _local.setting = previous
+        setattr(_local, name, previous)
 
 
-@contextmanager
+def batch_invariant(setting: Setting | None):
+    """Make `setting` the active one on this thread (None: native) for the enclosed calls."""
+    return _thread_value("setting", setting, None)
+
+
 def native_forms():
     """The enclosed model calls run natively even where a setting is installed: for passes
     that hold no row needing the guarantee (the engine's passes of non-deterministic rows),
     where canonical forms would only cost time."""
-    previous = getattr(_local, "native", False)
-    _local.native = True
-    try:
-        yield
-    finally:
-        _local.native = previous
+    return _thread_value("native", True, False)
+
+
+def call_without_head(model, inputs: mx.array, cache) -> None:
+    """The model's body on `inputs` (1, T), writing `cache`, without the output head (for
+    prompt chunks, whose logits are never used), under the model's batch-invariance setting
+    as in its own call. A model with no separate body runs whole."""
+    body = getattr(model, "model", None)
+    if not callable(body):
+        model(inputs, cache=cache)
+        return
+    with batch_invariant(getattr(model, "_lockstep_setting", None)):
+        body(inputs, cache=cache)
 
 
 def _setting_for(rows: int) -> Setting | None:

@@ -18,6 +18,7 @@ def build_kernels(model, limit: int) -> int:
     setting = getattr(model, "_lockstep_setting", None)
     if setting is None or limit < 1 or not setting.strategy.uses_custom_kernels:
         return 0
-    for rows in range(1, min(limit, setting.limit) + 1):
+    widths = min(limit, setting.limit)
+    for rows in range(1, widths + 1):
         mx.eval(model(mx.zeros((1, rows), dtype=mx.int32), cache=make_prompt_cache(model)))
-    return min(limit, setting.limit)
+    return widths

@@ -48,11 +48,6 @@ class ReplicaHandle(RequestHandle):
         if client is not None:
             self.submitted_at = client.submitted_at
 
-    def post(self, event) -> None:
-        self._digest(self.rid, event)
-        if self.client is not None:
-            self.client.post(event)
-
     def deliver_via(self, events: list) -> RequestHandle | None:
         for event in events:
             self._digest(self.rid, event)

@@ -55,14 +55,11 @@ class RequestHandle:
 
     def post(self, event: Delta | Exception) -> None:
         """Called on the worker thread."""
-        try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            self.cancel()
+        post_all([(self, [event])])
 
     def deliver_via(self, events: list) -> "RequestHandle | None":
-        """For `post_all`: the handle whose queue takes `events` (None: no listener here).
-        A handle that observes what is posted (as `post` does) overrides both."""
+        """The handle whose queue takes `events` posted here (None: no listener here); a
+        handle that observes what is posted overrides this."""
         return self
 
     def _put(self, events: list) -> None:

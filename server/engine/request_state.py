@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from kernels.batching.kv_pool import fill_prefix, is_pooled
-from kernels.invariance.layers import batch_invariant
+from kernels.invariance.layers import call_without_head
 from kernels.invariance.prefill import chunk_end, resume_at
 
 from server.engine.decoding import DecodePlan, Deployment
@@ -77,14 +77,8 @@ def forward(model, cache: list, tokens: list[int]) -> mx.array:
 
 def prompt_forward(model, cache: list, tokens: list[int]) -> None:
     """Append `tokens`' KV to `cache` without the output head: a prompt chunk's logits are
-    never used, and the head (a vocab-wide matmul per row) is much of a chunk's cost. The
-    model's batch-invariance setting stays active, as in its own call."""
-    body = getattr(model, "model", None)
-    if not callable(body):
-        forward(model, cache, tokens)
-        return
-    with batch_invariant(getattr(model, "_lockstep_setting", None)):
-        body(mx.array(tokens)[None], cache=cache)
+    never used, and the head (a vocab-wide matmul per row) is much of a chunk's cost."""
+    call_without_head(model, mx.array(tokens)[None], cache)
 
 
 class _TokenTexts:
@@ -183,7 +177,7 @@ class RequestState:
     def shares_prefill(self) -> bool:
         """Its prompt chunks may share a pass with other requests' chunks: only a request with
         no determinism to keep (such a pass's bits depend on its neighbours) and no leader."""
-        return self._leader is None and not (self.plan and (self.plan.deterministic or self.plan.exclusive))
+        return self._leader is None and not (self.wants_determinism or self.exclusive)
 
     def next_chunk(self) -> list[int]:
         """The next prompt chunk's tokens."""
@@ -214,6 +208,12 @@ class RequestState:
     def deterministic(self) -> bool:
         """Its rows must share passes only within the proven batch-invariant limit."""
         return bool(self.plan and self.plan.deterministic and self.deployment and self.deployment.guaranteed)
+
+    @property
+    def wants_determinism(self) -> bool:
+        """It asked for determinism (whether or not this deployment guarantees it): its
+        passes run the installed canonical forms."""
+        return bool(self.plan and self.plan.deterministic)
 
     @property
     def exclusive(self) -> bool:

@@ -22,19 +22,16 @@ import asyncio
 import logging
 import threading
 import time
-from contextlib import nullcontext
 from typing import Callable, Iterator
 
-import mlx.core as mx
-
-from kernels.invariance.layers import native_forms
 from server.engine.decoding import DecodePlan, Deployment
+from server.engine.forward_step import decode_logits, presample_together, shared_prefill
 from server.engine.kv_budget import KVBudget, reservation
 from server.engine.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, Demand, compose_passes
 from server.engine.prefix_cache import PrefixCache
 from server.engine.handle import (GenerationError, QueueFull, RequestHandle, ShuttingDown, post_all,
                                   TooLargeForMemory)
-from server.engine.request_state import GenerationRequest, RequestState, forward
+from server.engine.request_state import GenerationRequest, RequestState
 
 log = logging.getLogger(__name__)
 
@@ -386,20 +383,16 @@ class Engine:
 
     def _prefill_shared(self, members: list[_Active]) -> None:
         """One ragged pass over several requests' next prompt chunks."""
-        from kernels.batching.ragged import ragged_prompt_forward
-
-        chunks = [a.work.next_chunk() for a in members]
         try:
-            ragged_prompt_forward(self.loaded.model, [(a.work.cache, c) for a, c in zip(members, chunks)])
-            mx.eval([layer.state for a in members for layer in a.work.cache])
+            lengths = shared_prefill(self.loaded.model, [a.work for a in members])
         except Exception as exc:
             for active in members:
                 self._fail(active.handle, exc)
                 self._remove(active)
             return
-        self._notify("on_prefill", sum(len(c) for c in chunks), len(members))
-        for active, chunk in zip(members, chunks):
-            active.work.chunk_written(len(chunk), alone=False)
+        self._notify("on_prefill", sum(lengths), len(members))
+        for active, tokens in zip(members, lengths):
+            active.work.chunk_written(tokens, alone=False)
 
     def _draft_room(self) -> "_DraftRoom | None":
         if not self.draft_room or self.ragged_problem is not None:
@@ -438,25 +431,9 @@ class Engine:
             self._run_pass([d.owner for d in group])
 
     def _run_pass(self, members: list[tuple[_Active, list[int]]]) -> None:
-        model = self.loaded.model
-        # Canonical forms only where a request asked for determinism: a pass of other rows
-        # runs natively whatever its width (decode passes write no prefix-cache KV).
-        asked = any(a.work.plan is not None and a.work.plan.deterministic for a, _ in members)
-        forms = nullcontext() if asked else native_forms()
         try:
-            with forms:
-                if self.ragged_problem is None:
-                    from kernels.batching.ragged import ragged_logits
-
-                    logits = ragged_logits(model, [(a.work.cache, rows) for a, rows in members])
-                else:
-                    (active, rows), = members
-                    logits = forward(model, active.work.cache, rows)
-            # One argmax for all rows (greedy requests need nothing else); each request's
-            # logits rows are sliced out below, computed only if its sampler reads them.
-            argmax = mx.argmax(logits, axis=-1)
-            mx.eval(logits, argmax)
-            argmax = argmax.tolist()
+            logits, argmax = decode_logits(self.loaded.model, [(a.work, rows) for a, rows in members],
+                                           ragged=self.ragged_problem is None)
         except Exception as exc:
             for active, _ in members:
                 self._fail(active.handle, exc)
@@ -467,10 +444,8 @@ class Engine:
         for _, rows in members:
             spans.append((end, end + len(rows)))
             end += len(rows)
-        # Sampled (non-greedy) requests: every request's sampling in one device round trip.
         try:
-            sampled = [a.work.presample(logits[b:e]) for (a, _), (b, e) in zip(members, spans)]
-            mx.eval([x for s in sampled if s is not None for x in s.arrays])
+            sampled = presample_together([a.work for a, _ in members], [logits[b:e] for b, e in spans])
         except Exception:  # each request then samples (and fails, if it must) on its own
             log.exception("batched sampling failed")
             sampled = [None] * len(members)
