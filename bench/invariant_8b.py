@@ -5,11 +5,15 @@ For bf16, nvfp4 and affine-4 (g64) weights and B = 1, 8, 16, 32 rows after a 512
 context, it times one forward step for native MLX and each strategy installed with L = B,
 gives % of the HBM floor (every weight byte read once at 4.8 TB/s) and checks every row of
 the B-row step bitwise against that row fed alone (same strategy, same cache). It also runs
-the startup self-test for the skinny kernels at L = 32, and (--check) compares the kernels
+the startup self-test for the custom-kernel strategies at L = 32, and (--check) compares the kernels
 with the NumPy model of their loop order. Measures and prints; asserts nothing.
 
     python bench/invariant_8b.py [--weights bf16,nvfp4,affine4] [--rows 1,8,16,32]
-                                 [--layers 32] [--check] [--out table.md]
+                                 [--layers 32] [--check] [--kv-pool] [--out table.md]
+
+--kv-pool: every strategy but native runs as lockstep's engine runs it (a ragged pass of one
+request over the KV pool: one KV write and one attention launch per layer, decode included);
+native stays the plain mlx-lm call, the stock baseline.
 """
 import argparse
 import sys
@@ -28,10 +32,11 @@ from kernels import custom  # noqa: E402
 from kernels.custom import loop_order, mma_order, skinny  # noqa: E402
 from kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from kernels.invariance.selftest import bits_equal, self_test  # noqa: E402
+from server.engine.engine_path import EnginePath  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 WEIGHTS = {"bf16": None, "nvfp4": ("nvfp4", 16, 4), "affine4": ("affine", 64, 4)}
-STRATEGIES = ("native", "strided_gemv", "skinny")
+STRATEGIES = ("native", "strided_gemv", "gemv_rows", "skinny")
 
 
 def build(weights: str, layers: int, seed: int = 0):
@@ -56,8 +61,9 @@ def weight_bytes(model) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
-def context(model, length: int, seed: int = 1):
-    cache = make_prompt_cache(model)
+def context(model, length: int, cache=None, seed: int = 1):
+    """`length` tokens of context in `cache` (plain KVCaches by default)."""
+    cache = make_prompt_cache(model) if cache is None else cache
     prompt = mx.random.randint(0, model.args.vocab_size, (1, length), key=mx.random.key(seed))
     for start in range(0, length, 256):  # M > L: native prefill, as the server does
         mx.eval(model(prompt[:, start : start + 256], cache=cache))
@@ -69,30 +75,38 @@ def trim(cache, n):
         c.trim(n)
 
 
-def step_ms(model, cache, tokens, repeats: int) -> float:
+def forward(model, cache, path):
+    """tokens (list) -> logits (B, vocab): the plain model call on mlx-lm's caches, or
+    (path) a ragged pass over the engine's KV pool, as lockstep's engine runs it."""
+    if path is None:
+        return lambda tokens: model(mx.array([tokens]), cache=cache)[0]
+    return lambda tokens: path.step(model, cache, tokens)
+
+
+def step_ms(run, cache, tokens, repeats: int) -> float:
     """Median wall time of one forward step of `tokens` (the cache is rewound after each)."""
-    mx.eval(model(tokens, cache=cache))  # warm-up: kernel builds
-    trim(cache, tokens.shape[1])
+    mx.eval(run(tokens))  # warm-up: kernel builds
+    trim(cache, len(tokens))
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        mx.eval(model(tokens, cache=cache))
+        mx.eval(run(tokens))
         times.append(time.perf_counter() - t)
-        trim(cache, tokens.shape[1])
+        trim(cache, len(tokens))
     return 1e3 * float(np.median(times))
 
 
-def rows_identical(model, cache, tokens) -> int:
+def rows_identical(run, cache, tokens) -> int:
     """How many rows of the B-row step equal, bitwise, the same token fed alone in order."""
-    b = tokens.shape[1]
-    block = model(tokens, cache=cache)
+    b = len(tokens)
+    block = run(tokens)
     mx.eval(block)
     trim(cache, b)
     same = 0
     for i in range(b):
-        one = model(tokens[:, i : i + 1], cache=cache)
+        one = run(tokens[i : i + 1])
         mx.eval(one)
-        same += bits_equal(block[0, i], one[0, 0])
+        same += bits_equal(block[i], one[0])
     trim(cache, b)
     return same
 
@@ -166,6 +180,8 @@ def main():
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--require-kernels", action="store_true", help="stop if the kernels cannot run")
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="subset of " + ",".join(STRATEGIES))
+    ap.add_argument("--kv-pool", action="store_true",
+                    help="strategies over the engine's KV pool (one attention launch per layer); native stays on mlx-lm's caches")
     ap.add_argument("--out")
     a = ap.parse_args()
     lines = []
@@ -188,19 +204,25 @@ def main():
         nbytes = weight_bytes(model)
         floor_ms = 1e3 * nbytes / HBM_BYTES_PER_S
         cache = context(model, a.context)
+        path = pooled = None
+        if a.kv_pool:  # the strategies run as the engine runs them: ragged passes over the pool
+            path = EnginePath(model, "kernel")
+            pooled = context(model, a.context, path.new_cache(a.context + max(rows)))
         log(f"\n## {weights}: {nbytes / 1e9:.2f} GB of weights, HBM floor {floor_ms:.2f} ms")
         for b in rows:
-            tokens = mx.random.randint(0, model.args.vocab_size, (1, b), key=mx.random.key(100 + b))
+            tokens = mx.random.randint(0, model.args.vocab_size, (b,), key=mx.random.key(100 + b)).tolist()
             for strategy in strategies:
                 install(model, strategy, b)
-                ms = step_ms(model, cache, tokens, a.repeats)
-                same = rows_identical(model, cache, tokens) if b > 1 else 1
+                on_pool = path is not None and strategy != "native"
+                run = forward(model, pooled, path) if on_pool else forward(model, cache, None)
+                ms = step_ms(run, pooled if on_pool else cache, tokens, a.repeats)
+                same = rows_identical(run, pooled if on_pool else cache, tokens) if b > 1 else 1
                 table.append((weights, b, strategy, ms, floor_ms, same))
                 log(f"{weights:>8} B={b:<3} {strategy:>13}: {ms:8.2f} ms  {100 * floor_ms / ms:5.1f}% of floor"
                     f"  rows == single-row pass: {same}/{b}")
-        if custom.available() and a.proof_limit:
-            plan = set_batch_invariant_limit(model, a.proof_limit, "skinny")
-            log(f"self-test L={a.proof_limit} (skinny): guaranteed={plan.guaranteed}, widths "
+        for strategy in (s for s in strategies if s in ("gemv_rows", "skinny") and a.proof_limit):
+            plan = set_batch_invariant_limit(model, a.proof_limit, strategy)
+            log(f"self-test L={a.proof_limit} ({strategy}): guaranteed={plan.guaranteed}, widths "
                 f"{plan.self_test.widths if plan.self_test else ()}, {plan.reason}")
         set_batch_invariant_limit(model, 0)
         del model, cache

@@ -50,6 +50,11 @@ def code_version(*modules) -> str:
     return _source_digest(tuple(sorted(m.__file__ for m in modules)))
 
 
+def files_version(*paths) -> str:
+    """Digest of the given files' contents (kernel sources and their loaders)."""
+    return _source_digest(tuple(sorted(str(p) for p in paths)))
+
+
 def function_identity(fn) -> str:
     """`module.qualname` of a function: the real MLX op, or whatever wraps it now."""
     return f"{getattr(fn, '__module__', None)}.{getattr(fn, '__qualname__', repr(fn))}"

@@ -211,8 +211,12 @@ def build_runtime(options: Options) -> Runtime:
 
     with timings.timed("fingerprint"):  # reads every weight file once (cached per process)
         digest = weights_digest(str(loaded.path))
-    proofs = ProofCache(VerdictCache("selftest"), fresh=options.audit == "fresh" or not options.reuse_proofs,
+    fresh_proofs = options.audit == "fresh" or not options.reuse_proofs
+    proofs = ProofCache(VerdictCache("selftest"), fresh=fresh_proofs,
                         model_identity={"weights": digest, "transform": transform})
+    from kernels.custom import smoke_cache
+
+    smoke_cache.prove_afresh(fresh_proofs)  # the custom kernels' smoke tests likewise
     with timings.timed("self_test"):
         plan = set_batch_invariant_limit(loaded.model, options.batch_invariant_limit,
                                          options.invariant_strategy, proof_cache=proofs)

@@ -138,14 +138,15 @@ def test_decode_passes_run_canonical_forms_only_for_requests_that_asked_for_dete
     import kernels.invariance.layers as layers
 
     one_row_calls = []
-    canonical = layers.dense_rows
+    active = layers.active_setting
 
-    def counted(x, weight, form):  # one-row calls on the engine thread (not the startup self-test)
-        if x.reshape(-1, x.shape[-1]).shape[0] == 1 and threading.current_thread().name == "lockstep-engine":
-            one_row_calls.append(form)
-        return canonical(x, weight, form)
+    def counted():  # settings seen by linears and attention on the engine thread (not the startup self-test)
+        s = active()
+        if s is not None and threading.current_thread().name == "lockstep-engine":
+            one_row_calls.append(s.strategy.name)
+        return s
 
-    monkeypatch.setattr(layers, "dense_rows", counted)
+    monkeypatch.setattr(layers, "active_setting", counted)
     # One-token prompts: no prefill chunk, so every linear call with one row is a decode row.
     run_together([request([11], deterministic=True)], limit=6, double=True)
     deterministic_calls = len(one_row_calls)

@@ -1,6 +1,7 @@
 """Custom batch-invariant kernels through MLX's public custom-kernel API
 (mx.fast.cuda_kernel / mx.fast.metal_kernel). Sources live beside this file as .cu / .metal;
 loop_order.py is the NumPy model of their reduction order."""
+from . import gemv_rows
 from .loop_order import MAX_ROWS
 from .skinny import (
     available,
@@ -15,5 +16,5 @@ from .skinny import (
     uses_mma,
 )
 
-__all__ = ["MAX_ROWS", "available", "backend", "dense_matmul", "dense_serves", "quantized_kind",
+__all__ = ["MAX_ROWS", "gemv_rows", "available", "backend", "dense_matmul", "dense_serves", "quantized_kind",
            "quantized_matmul", "quantized_serves", "try_dense_matmul", "unavailable_reason", "uses_mma"]

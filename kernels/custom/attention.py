@@ -18,6 +18,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from .skinny import FLOAT_DTYPES, SOURCE_DIR, backend, compact_source
+from .smoke_cache import smoke_verdict
 
 ATT_WARPS = 4  # pooled_attention.cu's ATT_WARPS
 THREADS = 32 * ATT_WARPS
@@ -134,7 +135,9 @@ def _availability(which: str | None, dtype, dim: int) -> str | None:
     if which is None:
         return f"no custom-kernel API on {mx.default_device()}"
     try:
-        problem = _smoke_test(dtype, dim)
+        problem = smoke_verdict(f"pooled_attention {which} {dtype} D{dim}", lambda: _smoke_test(dtype, dim),
+                                __file__, SOURCE_DIR / "skinny.py",
+                                *(SOURCE_DIR / name for name in SOURCE_FILES.values()))
     except Exception as e:  # a compile or launch failure: the reference form is used
         return f"{which} pooled attention failed to build or run: {type(e).__name__}: {str(e)[:300]}"
     return f"{which} pooled attention: {problem}" if problem else None

@@ -27,6 +27,7 @@
 namespace lockstep {
 
 constexpr int ATT_WARPS = 4;
+constexpr int V_AHEAD = 8;  // V rows in flight per lane (registers: V_AHEAD * D / 32)
 constexpr unsigned FULL_MASK = 0xffffffffu;
 
 __device__ __forceinline__ float att_float(float v) { return v; }
@@ -43,7 +44,7 @@ template <typename T, int D>
 __device__ __forceinline__ float key_dot(const float* q_s, const T* key) {
   constexpr int PER = 16 / sizeof(T);
   float dot = 0.f;
-#pragma unroll 4
+#pragma unroll 8  // loads issued ahead of the chain; the chain's order is unchanged
   for (int d0 = 0; d0 < D; d0 += PER) {
     const uint4 raw = __ldg(reinterpret_cast<const uint4*>(key + d0));
     const T* e = reinterpret_cast<const T*>(&raw);
@@ -102,11 +103,30 @@ __device__ void pooled_attention(const T* q, const T* k, const T* v, const int* 
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) acc[i] *= corr;
     const int in_tile = min(32, len - t * 32);
-    for (int i = 0; i < in_tile; ++i) {
-      const float p_i = __shfl_sync(FULL_MASK, p, i);
-      const T* vrow = vh + (base + t * 32 + i) * D;
+    const T* vtile = vh + (base + t * 32) * D + lane;
+    if (in_tile == 32) {
+      // A full tile: V rows loaded V_AHEAD keys at a time before their fmafs (a key per
+      // iteration waited on each load); same fmafs in the same order as below.
 #pragma unroll
-      for (int c = 0; c < PER_LANE; ++c) acc[c] = fmaf(p_i, att_float(vrow[lane + 32 * c]), acc[c]);
+      for (int i0 = 0; i0 < 32; i0 += V_AHEAD) {
+        float vv[V_AHEAD][PER_LANE];
+#pragma unroll
+        for (int i = 0; i < V_AHEAD; ++i)
+#pragma unroll
+          for (int c = 0; c < PER_LANE; ++c) vv[i][c] = att_float(vtile[(i0 + i) * D + 32 * c]);
+#pragma unroll
+        for (int i = 0; i < V_AHEAD; ++i) {
+          const float p_i = __shfl_sync(FULL_MASK, p, i0 + i);
+#pragma unroll
+          for (int c = 0; c < PER_LANE; ++c) acc[c] = fmaf(p_i, vv[i][c], acc[c]);
+        }
+      }
+    } else {
+      for (int i = 0; i < in_tile; ++i) {
+        const float p_i = __shfl_sync(FULL_MASK, p, i);
+#pragma unroll
+        for (int c = 0; c < PER_LANE; ++c) acc[c] = fmaf(p_i, att_float(vtile[i * D + 32 * c]), acc[c]);
+      }
     }
     m = m_new;
   }

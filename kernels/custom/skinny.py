@@ -12,6 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .loop_order import MAX_ROWS, columns_per_warp, launch_threads
+from .smoke_cache import smoke_verdict
 
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCE_FILES = {"cuda": "skinny_matmul.cu", "metal": "skinny_matmul.metal", "cuda_mma": "skinny_mma.cu"}
@@ -239,7 +240,8 @@ def _availability(which: str | None) -> str | None:
     if which is None:
         return f"no custom-kernel API on {mx.default_device()}"
     try:
-        problem = _smoke_test()
+        problem = smoke_verdict(f"skinny {which}", _smoke_test, __file__, SOURCE_DIR / SHARED_CUDA_SOURCE,
+                                *(SOURCE_DIR / name for name in SOURCE_FILES.values()))
     except Exception as e:  # a compile or launch failure: the kernels are not used
         return f"{which} kernels failed to build or run: {type(e).__name__}: {str(e)[:300]}"
     return f"{which} kernels: {problem}" if problem else None

@@ -42,9 +42,12 @@ _local = threading.local()
 
 
 def active_setting() -> Setting | None:
-    if getattr(_local, "native", False):
-        return None
-    return getattr(_local, "setting", None)
+    # read by every linear call: one attribute, kept by _thread_value
+    return getattr(_local, "active", None)
+
+
+def _update_active() -> None:
+    _local.active = None if getattr(_local, "native", False) else getattr(_local, "setting", None)
 
 
 @contextmanager
@@ -52,10 +55,12 @@ def _thread_value(name: str, value, default):
     """`name` on this thread's state is `value` for the enclosed calls, then what it was."""
     previous = getattr(_local, name, default)
     setattr(_local, name, value)
+    _update_active()
     try:
         yield
     finally:
         setattr(_local, name, previous)
+        _update_active()
 
 
 def batch_invariant(setting: Setting | None):
@@ -82,25 +87,36 @@ def call_without_head(model, inputs: mx.array, cache) -> None:
         body(inputs, cache=cache)
 
 
-def _setting_for(rows: int) -> Setting | None:
+def _setting_for(x: mx.array) -> Setting | None:
     s = active_setting()
-    return s if s is not None and rows <= s.limit else None
+    return s if s is not None and rows_of(x) <= s.limit else None
+
+
+def _plain_row(s: Setting, x: mx.array, quantized: bool) -> bool:
+    """True where a one-row call under `s` is the plain call: every form but the skinny
+    kernel's runs one row as the model's own op, so decode runs exactly the native ops
+    (and pays no reshapes or checks: ~3 µs a linear on the host, 200+ linears a token)."""
+    if x.size != x.shape[-1]:
+        return False
+    return s.strategy.quantized_form != "skinny" if quantized else s.strategy.dense != "skinny"
 
 
 class InvariantLinear(nn.Linear):
     def __call__(self, x):
-        s = _setting_for(rows_of(x))
+        s = _setting_for(x)
         if s is None or s.strategy.dense == "native":
             return super().__call__(x)
-        # The bias is a separate elementwise add for every M, never fused (addmm) for some.
-        y = dense_rows(x, self["weight"], s.strategy.dense)
+        if _plain_row(s, x, quantized=False):
+            y = x @ self["weight"].T  # (not addmm: the bias is a separate add for every M)
+        else:
+            y = dense_rows(x, self["weight"], s.strategy.dense)
         return y + self["bias"] if "bias" in self else y
 
 
 class InvariantQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x):
-        s = _setting_for(rows_of(x))
-        if s is None or s.strategy.quantized_rows == 0:
+        s = _setting_for(x)
+        if s is None or s.strategy.quantized_rows == 0 or _plain_row(s, x, quantized=True):
             return super().__call__(x)
         y = quantized_rows(
             x, self["weight"], self["scales"], self.get("biases"),
@@ -112,16 +128,16 @@ class InvariantQuantizedLinear(nn.QuantizedLinear):
 
 class InvariantEmbedding(nn.Embedding):
     def as_linear(self, x):
-        s = _setting_for(rows_of(x))
-        if s is None or s.strategy.dense == "native":
+        s = _setting_for(x)
+        if s is None or s.strategy.dense == "native" or _plain_row(s, x, quantized=False):
             return super().as_linear(x)
         return dense_rows(x, self["weight"], s.strategy.dense)
 
 
 class InvariantQuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x):
-        s = _setting_for(rows_of(x))
-        if s is None or s.strategy.quantized_rows == 0:
+        s = _setting_for(x)
+        if s is None or s.strategy.quantized_rows == 0 or _plain_row(s, x, quantized=True):
             return super().as_linear(x)
         return quantized_rows(
             x, self["weight"], self["scales"], self.get("biases"),

@@ -28,17 +28,21 @@ from .ops import ROWWISE, STRATEGIES, Strategy
 from .selftest import SelfTestResult, seconds_per_step, self_test
 
 # Candidates "auto" tries, in order; the first proven is kept. rowwise is the fallback. A
-# candidate that cannot run here (skinny without a GPU kernel API, or L > 64; cpu_kernel off
-# the CPU) is skipped unproven. cpu_kernel (the OpenBLAS shim's own kernel, CPU only) comes
-# first: it batches rows over one read of the weights (8 rows: see docs/BENCHMARKS.md).
-# strided_gemv before skinny by default: its single row is the plain call. On CUDA with 16-bit
-# activations skinny comes first (CUDA_16BIT_AUTO_CANDIDATES): its tensor-core kernel reads
-# the weights once for all rows (H200, SmolLM2 float16, L = 16: 16 deterministic clients
-# 1255 tok/s with skinny vs 749 with strided_gemv, one stream 120 vs 136 tok/s; at 16 rows
-# of an 8B shape strided_gemv failed the proof: docs/cuda/invariant_8b.md). Metal's skinny
-# kernel has never been measured, so Metal keeps the default order.
-AUTO_CANDIDATES = ("native", "cpu_kernel", "strided_gemv", "skinny", "rowwise")
-CUDA_16BIT_AUTO_CANDIDATES = ("native", "cpu_kernel", "skinny", "strided_gemv", "rowwise")
+# candidate that cannot run here (gemv_rows or skinny without CUDA / a GPU kernel API, or
+# L > 64; cpu_kernel off the CPU) is skipped unproven. cpu_kernel (the OpenBLAS shim's own
+# kernel, CPU only) comes first: it batches rows over one read of the weights (8 rows: see
+# docs/BENCHMARKS.md). gemv_rows (CUDA) before the others: decode stays MLX's own
+# single-row GEMV and blocks read the weights once per 8 rows (H200, SmolLM2 float16, L = 16,
+# one run: one deterministic stream 178 tok/s against 114 with skinny; 16 deterministic
+# clients 1225 against 1114 tok/s). At the 8B shape skinny's blocks cost less (16 rows over
+# the KV pool: 1.22x native against 1.50x): `--invariant-strategy skinny` for wide
+# deterministic batches of large models (docs/cuda/invariant_8b.md). strided_gemv before
+# skinny elsewhere: its single row is the plain call; on CUDA with 16-bit activations
+# skinny comes before it (CUDA_16BIT_AUTO_CANDIDATES: at 16 rows of an 8B shape
+# strided_gemv failed the proof). Metal's skinny kernel has never been measured, so Metal
+# keeps the default order.
+AUTO_CANDIDATES = ("native", "cpu_kernel", "gemv_rows", "strided_gemv", "skinny", "rowwise")
+CUDA_16BIT_AUTO_CANDIDATES = ("native", "cpu_kernel", "gemv_rows", "skinny", "strided_gemv", "rowwise")
 
 
 def activation_dtype(model):

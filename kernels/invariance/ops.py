@@ -10,13 +10,14 @@ at load time by proof (kernels/invariance/selftest.py), never assumed.
 Every op is looked up on `mx` at call time (`@`, `mx.quantized_matmul`, the model's SDPA),
 so the shape-variant test double (kernels/doubles/shape_variant.py) sees these calls too.
 """
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from .. import custom
 
-DENSE_FORMS = ("native", "rowwise", "strided_gemv", "skinny", "cpu_kernel")
+DENSE_FORMS = ("native", "rowwise", "strided_gemv", "gemv_rows", "skinny", "cpu_kernel")
 QUANTIZED_FORMS = ("chunks", "skinny")
 ATTENTION_FORMS = ("native", "per_query", "per_query_contiguous", "composed")
 
@@ -27,7 +28,9 @@ class Strategy:
 
     dense: "rowwise" (one call per row), "strided_gemv" (one batched call over an (M, 1, K)
         view that cannot be folded into a GEMM, so each row gets the single-row kernel), or
-        "native" (the call as the model makes it).
+        "native" (the call as the model makes it), "gemv_rows" (M = 1 the plain call; 2..64
+        rows one launch of kernels/custom/gemv_rows.cu, which computes each row in the order
+        of MLX's single-row CUDA GEMV and reads the weights once per 8 rows).
     quantized_rows: most rows per `mx.quantized_matmul` call (1 = one row per call; CUDA
         keeps its per-row kernel up to 7 rows); 0 = native, one call for all rows.
     attention: "per_query" (each query attends exactly its key range, unmasked, one call
@@ -63,7 +66,7 @@ class Strategy:
 
     @property
     def uses_custom_kernels(self) -> bool:
-        return self.dense == "skinny" or self.quantized_form == "skinny"
+        return self.dense in ("skinny", "gemv_rows") or self.quantized_form == "skinny"
 
     def unavailable_reason(self, limit: int) -> str | None:
         """Why this strategy cannot run here for L = limit (None: it can)."""
@@ -77,6 +80,9 @@ class Strategy:
             return None
         if limit > custom.MAX_ROWS:
             return f"custom kernels take at most {custom.MAX_ROWS} rows, L = {limit}"
+        if self.dense == "gemv_rows":
+            # its quantized layers keep the chunks where the skinny kernel cannot run
+            return custom.gemv_rows.unavailable_reason()
         return custom.unavailable_reason()
 
     @property
@@ -87,20 +93,22 @@ class Strategy:
 NATIVE = Strategy("native", dense="native", quantized_rows=0, attention="native")
 STRIDED_GEMV = Strategy("strided_gemv", dense="strided_gemv", quantized_rows=7, attention="per_query_contiguous")
 ROWWISE = Strategy("rowwise", dense="rowwise", quantized_rows=1, attention="per_query_contiguous")
+# Decode keeps MLX's own single-row GEMV; blocks run a kernel that follows its order (CUDA).
+# Quantized layers take the skinny kernel (M = 1 included), as under SKINNY.
+GEMV_ROWS = Strategy("gemv_rows", dense="gemv_rows", quantized_rows=7, attention="per_query_contiguous",
+                     quantized_form="skinny")
 SKINNY = Strategy("skinny", dense="skinny", quantized_rows=7, attention="per_query_contiguous",
                   quantized_form="skinny")
 # Attention as matmuls the shim's kernel takes (one set of calls for all rows, decode
 # included); per query, the CPU step of 8 rows spent ~13 % in attention op overhead.
 CPU_KERNEL = Strategy("cpu_kernel", dense="cpu_kernel", quantized_rows=7, attention="composed")
-STRATEGIES = {s.name: s for s in (NATIVE, STRIDED_GEMV, ROWWISE, SKINNY, CPU_KERNEL)}
+STRATEGIES = {s.name: s for s in (NATIVE, STRIDED_GEMV, ROWWISE, GEMV_ROWS, SKINNY, CPU_KERNEL)}
 
 
 def rows_of(x: mx.array) -> int:
     """Number of rows a linear layer sees in x (all leading dimensions together)."""
-    m = 1
-    for d in x.shape[:-1]:
-        m *= d
-    return m
+    k = x.shape[-1]
+    return x.size // k if k else math.prod(x.shape[:-1])
 
 
 def dense_rows(x: mx.array, weight: mx.array, form: str) -> mx.array:
@@ -114,6 +122,14 @@ def dense_rows(x: mx.array, weight: mx.array, form: str) -> mx.array:
         out = custom.try_dense_matmul(rows, weight)
         if out is not None:
             return out.reshape(*lead, out.shape[-1])
+        form = "strided_gemv"
+    if form == "gemv_rows" and rows.shape[0] > 1:
+        # Rows in the order of the single-row call below (decode keeps that plain call);
+        # where the kernel is not proven here or cannot take the arrays: the strided GEMV.
+        out = custom.gemv_rows.try_matmul(rows, weight)
+        if out is not None:
+            return out.reshape(*lead, out.shape[-1])
+    if form == "gemv_rows":
         form = "strided_gemv"
     if form in ("native", "cpu_kernel") or rows.shape[0] == 1:
         # One row is the reference every form must match (the self-test proves it): run it

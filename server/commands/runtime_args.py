@@ -37,7 +37,7 @@ def add_determinism_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rows per forward pass that must match single-row bits (0 = off; env "
                              "LOCKSTEP_BATCH_INVARIANT_LIMIT or MLX_METAL_BATCH_INVARIANT_LIMIT)")
     parser.add_argument("--invariant-strategy", default="auto",
-                        choices=("auto", "native", "strided_gemv", "skinny", "cpu_kernel", "rowwise"),
+                        choices=("auto", "native", "strided_gemv", "rowwise", "gemv_rows", "skinny", "cpu_kernel"),
                         help="canonical kernel form (default auto: fastest proven by the self-test)")
     parser.add_argument("--speculative", choices=METHODS, default="none",
                         help="default speculative method for requests that do not choose one")

@@ -1,0 +1,138 @@
+"""gemv_rows (kernels/custom/gemv_rows.cu) on a CPU, where it cannot run: the order it follows
+(MLX's single-row CUDA GEMV, through the NumPy model gemv_order.py), how warps are shaped, the
+strategy that uses it, its selection by proof and the fallback when it is unavailable or
+wrong. The GPU proof (every row equal to MLX's plain single-row call, M = 2..64, three dtypes,
+SmolLM2 and 8B shapes; self-test at L = 32 on the 8B shape) is in docs/cuda/."""
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kernels.custom import gemv_order, gemv_rows, loop_order
+from kernels.doubles.shape_variant import shape_variant_backend
+from kernels.invariance import set_batch_invariant_limit
+from kernels.invariance.limit import AUTO_CANDIDATES, CUDA_16BIT_AUTO_CANDIDATES
+from kernels.invariance.ops import GEMV_ROWS, STRATEGIES, dense_rows
+from kernels.invariance.selftest import bits_equal, self_test
+from tiny_models import tiny_llama
+
+
+def rand(*shape, seed=0, dtype=mx.float32):
+    return mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
+
+
+# -- the order ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k,npt", [(128, 4), (4096, 4), (14336, 4), (576, 2), (192, 2), (64, 2),
+                                   (100, 1), (4100, 1), (32, 1), (1, 1)])
+def test_each_lane_takes_mlxs_elements_in_mlxs_order(k, npt):
+    assert gemv_order.lanes_per_step(k) == npt
+    steps = gemv_order.lane_steps(k)  # transcribed from MLX's loop
+    assert steps == loop_order.lane_schedule(k, npt)  # what the model (and kernel) follow
+    assert sorted(i for lane in steps for i in lane) == list(range(k))
+
+
+def test_the_source_follows_the_model():
+    text = gemv_rows.SOURCE.read_text()
+    assert "for (int k = NPT * lane; k < K; k += 32 * NPT)" in text
+    assert "__fmaf_rn(wv[r][j], xv[m][j], acc[m][r])" in text  # one fma per element, j innermost
+    assert "for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync" in text
+    assert re.search(r"gemv_rows<T, NPT, R, MR>", gemv_rows._BODY)
+
+
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 8, 16, 33, 64])
+@pytest.mark.parametrize("n", [9, 576, 1024, 4096, 14336, 128256])
+def test_warp_shapes_fit_registers_and_cover_every_output(m, n):
+    columns, rows = gemv_order.warp_shape(m, n)
+    assert columns * rows <= 32 and rows in (2, 4, 8) and columns in (1, 2, 4)
+    plan = gemv_rows._launch_plan(m, n, 4096, mx.bfloat16, None)
+    warps = plan["grid"][0] // 32
+    assert warps * columns >= n and plan["grid"][1] * rows >= m
+    assert plan["threadgroup"] == (32 * gemv_rows.WARPS_PER_BLOCK, 1, 1)
+
+
+@pytest.mark.parametrize("k", [100, 576, 4096])
+def test_the_model_gives_each_row_its_own_bits_and_the_product(k):
+    x, w = np.array(rand(9, k, seed=1)), np.array(rand(7, k, seed=2))
+    block = gemv_order.gemv_rows(x, w)
+    for i in range(9):
+        assert np.array_equal(block[i], gemv_order.gemv_rows(x[i : i + 1], w)[0])
+    np.testing.assert_allclose(block, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-3)
+
+
+def test_the_order_is_not_a_plain_sum():
+    # 1 + 2^-24 per lane-step is lost in a running sum but kept by the lanes' separate sums
+    k = 256
+    x = np.full((1, k), 1.0, np.float32)
+    w = np.full((1, k), 2.0**-24, np.float32)
+    w[0, 0] = 1.0
+    plain = np.float32(0)
+    for v in (x[0] * w[0]):
+        plain = np.float32(plain + v)
+    assert gemv_order.gemv_rows(x, w)[0, 0] != plain
+
+
+# -- the strategy ---------------------------------------------------------------------------
+
+def test_the_cpu_has_no_gemv_rows_and_says_why():
+    assert "follows MLX's CUDA GEMV" in gemv_rows.unavailable_reason()
+    assert "follows MLX's CUDA GEMV" in GEMV_ROWS.unavailable_reason(8)
+    assert "at most 64 rows" in GEMV_ROWS.unavailable_reason(65)
+    assert gemv_rows.try_matmul(rand(3, 64), rand(5, 64)) is None
+
+
+def test_auto_tries_gemv_rows_right_after_the_cpu_kernel():
+    for order in (AUTO_CANDIDATES, CUDA_16BIT_AUTO_CANDIDATES):
+        assert order.index("gemv_rows") == order.index("cpu_kernel") + 1
+    with shape_variant_backend():  # native fails, gemv_rows cannot run: strided_gemv is next
+        plan = set_batch_invariant_limit(tiny_llama(), 4, prefixes=(7,))
+    assert plan.strategy == "strided_gemv" and "gemv_rows (gemv_rows follows MLX's CUDA GEMV" in plan.reason
+
+
+def test_every_strategy_can_be_asked_for_on_the_command_line():
+    import argparse
+
+    from server.commands.runtime_args import add_determinism_arguments
+
+    parser = argparse.ArgumentParser()
+    add_determinism_arguments(parser)
+    action = next(a for a in parser._actions if a.dest == "invariant_strategy")
+    assert set(action.choices) == {"auto", *STRATEGIES}
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """gemv_rows as if proven here; the test gives the kernel's stand-in and sees its calls."""
+    calls = []
+    monkeypatch.setattr(gemv_rows, "unavailable_reason", lambda: None)
+
+    def use(kernel):
+        monkeypatch.setattr(gemv_rows, "try_matmul",
+                            lambda x, w: calls.append(x.shape[0]) or kernel(x, w))
+        return calls
+    return use
+
+
+def _rows_alone(x, w):
+    """What a correct kernel gives: every row as the plain single-row call."""
+    return mx.concatenate([x[i : i + 1] @ w.T for i in range(x.shape[0])], axis=0)
+
+
+def test_decode_keeps_the_plain_call_and_blocks_run_the_kernel(emulated):
+    calls = emulated(_rows_alone)
+    x, w = rand(5, 64, seed=3), rand(16, 64, seed=4)
+    assert bits_equal(dense_rows(x[:1], w, "gemv_rows"), x[:1] @ w.T) and calls == []
+    assert bits_equal(dense_rows(x, w, "gemv_rows"), _rows_alone(x, w)) and calls == [5]
+
+
+def test_a_kernel_in_mlxs_order_is_proven_and_one_that_is_not_is_refused(emulated):
+    with shape_variant_backend():  # blocks of the native call vary with M here
+        emulated(_rows_alone)
+        plan = set_batch_invariant_limit(tiny_llama(), 4, "gemv_rows", prefixes=(7,))
+        assert plan.guaranteed and plan.strategy == "gemv_rows"
+        emulated(lambda x, w: x @ w.T)  # a block call: not the single-row order
+        model = tiny_llama()
+        plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
+        assert not plan.guaranteed and "self-test failed" in plan.reason
+        assert not self_test(model, 4, prefixes=(7,)).passed
