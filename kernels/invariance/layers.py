@@ -156,6 +156,21 @@ _LAYER_RESTORES = {v: k for k, v in LAYER_SWAPS.items()}
 
 _NATIVE_SDPA = mlx_base.scaled_dot_product_attention
 _SDPA_SIGNATURE = inspect.signature(_NATIVE_SDPA)
+_SDPA_NAMES = tuple(_SDPA_SIGNATURE.parameters)
+_SDPA_REQUIRED = frozenset(n for n, p in _SDPA_SIGNATURE.parameters.items() if p.default is inspect.Parameter.empty)
+
+
+def _sdpa_arguments(args, kwargs) -> dict:
+    """The attention call's arguments by name, as `_SDPA_SIGNATURE.bind(...).arguments`
+    gives them (defaults left out). inspect's bind cost ~15-40 µs a call on the host, once
+    per layer per pass; anything unusual still goes through it (and its errors)."""
+    if len(args) <= len(_SDPA_NAMES) and all(k in _SDPA_NAMES for k in kwargs):
+        a = dict(zip(_SDPA_NAMES, args))
+        if not any(k in a for k in kwargs):
+            a.update(kwargs)
+            if _SDPA_REQUIRED <= a.keys():
+                return a
+    return dict(_SDPA_SIGNATURE.bind(*args, **kwargs).arguments)
 
 
 @wraps(_NATIVE_SDPA)
@@ -164,22 +179,22 @@ def invariant_sdpa(*args, **kwargs):
     (kernels/batching/ragged.py) comes back here once per request, with that request's own keys."""
     cache = kwargs.get("cache") if len(args) < 4 else args[3]
     if isinstance(cache, RaggedLayerCache):
-        a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
+        a = _sdpa_arguments(args, kwargs)
         return cache.attention(invariant_sdpa, a["queries"], scale=a["scale"], sinks=a.get("sinks"))
     if isinstance(cache, PooledLayerCache):
         # One request's own pass over the pool (a prompt chunk): each row against its keys.
-        a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
+        a = _sdpa_arguments(args, kwargs)
         return cache.attention(a["queries"], a["scale"], a.get("sinks"))
     s = active_setting()
     if s is not None and s.strategy.attention == "composed":
-        a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
+        a = _sdpa_arguments(args, kwargs)
         if (is_positional(a.get("cache")) and a["queries"].shape[2] <= s.limit
                 and composed_serves(a.get("mask"), a.get("sinks"))):
             return composed_attention(a["queries"], a["keys"], a["values"], a["scale"])
     queries = args[0] if args else kwargs.get("queries")
     packed = s is not None and s.strategy.attention == "per_query_contiguous"
     if queries is not None and queries.shape[2] == 1:
-        a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments if packed else {}
+        a = _sdpa_arguments(args, kwargs) if packed else {}
         if packed and is_positional(a.get("cache")):
             # decode gets the same packed layout as each row of a block
             a["queries"] = mx.contiguous(a["queries"])
@@ -187,14 +202,14 @@ def invariant_sdpa(*args, **kwargs):
             return _NATIVE_SDPA(**a)
         return _NATIVE_SDPA(*args, **kwargs)  # one query is already the call decode makes
     if s is not None and s.strategy.attention in ("per_query", "per_query_contiguous", "composed"):
-        a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
+        a = _sdpa_arguments(args, kwargs)
         q = a.pop("queries")
         # Per-query slicing is only meaningful on keys stored in position order.
         if q.shape[2] <= s.limit and is_positional(a.get("cache")):
             k, v, mask = a.pop("keys"), a.pop("values"), a.pop("mask", None)
             return attention_per_query(_NATIVE_SDPA, q, k, v, mask=mask, contiguous=packed, **a)
     if mx.default_device() == mx.cpu:  # a long prompt chunk on the CPU attends in blocks
-        a = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
+        a = _sdpa_arguments(args, kwargs)
         if is_positional(a.get("cache")) and wants_blocks(a["queries"], a["keys"], a.get("mask")):
             q, k, v = a.pop("queries"), a.pop("keys"), a.pop("values")
             a.pop("mask")
