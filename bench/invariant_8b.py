@@ -214,9 +214,10 @@ def main():
             for strategy in strategies:
                 install(model, strategy, b)
                 on_pool = path is not None and strategy != "native"
-                run = forward(model, pooled, path) if on_pool else forward(model, cache, None)
-                ms = step_ms(run, pooled if on_pool else cache, tokens, a.repeats)
-                same = rows_identical(run, pooled if on_pool else cache, tokens) if b > 1 else 1
+                kv = pooled if on_pool else cache
+                run = forward(model, kv, path if on_pool else None)
+                ms = step_ms(run, kv, tokens, a.repeats)
+                same = rows_identical(run, kv, tokens) if b > 1 else 1
                 table.append((weights, b, strategy, ms, floor_ms, same))
                 log(f"{weights:>8} B={b:<3} {strategy:>13}: {ms:8.2f} ms  {100 * floor_ms / ms:5.1f}% of floor"
                     f"  rows == single-row pass: {same}/{b}")

@@ -45,14 +45,14 @@ def _source_digest(paths: tuple[str, ...]) -> str:
     return digest.hexdigest()[:16]
 
 
-def code_version(*modules) -> str:
-    """Digest of the given modules' source files: any edit to them is a new version."""
-    return _source_digest(tuple(sorted(m.__file__ for m in modules)))
-
-
 def files_version(*paths) -> str:
     """Digest of the given files' contents (kernel sources and their loaders)."""
     return _source_digest(tuple(sorted(str(p) for p in paths)))
+
+
+def code_version(*modules) -> str:
+    """Digest of the given modules' source files: any edit to them is a new version."""
+    return files_version(*(m.__file__ for m in modules))
 
 
 def function_identity(fn) -> str:

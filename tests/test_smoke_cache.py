@@ -15,6 +15,13 @@ def verdicts(tmp_path, monkeypatch):
     smoke_cache.prove_afresh(False)
 
 
+@pytest.fixture
+def source(tmp_path):
+    path = tmp_path / "k.cu"
+    path.write_text("one")
+    return path
+
+
 def counting(result):
     calls = []
 
@@ -24,9 +31,7 @@ def counting(result):
     return run, calls
 
 
-def test_a_pass_is_kept_and_reused(verdicts, tmp_path):
-    source = tmp_path / "k.cu"
-    source.write_text("one")
+def test_a_pass_is_kept_and_reused(verdicts, source):
     run, calls = counting(None)
     assert smoke_cache.smoke_verdict("k", run, source) is None
     assert smoke_cache.smoke_verdict("k", run, source) is None
@@ -34,18 +39,14 @@ def test_a_pass_is_kept_and_reused(verdicts, tmp_path):
     assert list((verdicts / smoke_cache.NAMESPACE).glob("*.json"))
 
 
-def test_a_failure_is_never_kept(verdicts, tmp_path):
-    source = tmp_path / "k.cu"
-    source.write_text("one")
+def test_a_failure_is_never_kept(verdicts, source):
     run, calls = counting("rows differ")
     assert smoke_cache.smoke_verdict("k", run, source) == "rows differ"
     assert smoke_cache.smoke_verdict("k", run, source) == "rows differ"
     assert len(calls) == 2
 
 
-def test_an_edited_source_or_another_kernel_runs_again(verdicts, tmp_path):
-    source = tmp_path / "k2.cu"
-    source.write_text("one")
+def test_an_edited_source_or_another_kernel_runs_again(verdicts, source):
     run, calls = counting(None)
     smoke_cache.smoke_verdict("k", run, source)
     smoke_cache.smoke_verdict("other", run, source)
@@ -57,9 +58,7 @@ def test_an_edited_source_or_another_kernel_runs_again(verdicts, tmp_path):
     assert len(calls) == 3
 
 
-def test_audit_fresh_runs_every_smoke_test_again(verdicts, tmp_path):
-    source = tmp_path / "k.cu"
-    source.write_text("one")
+def test_audit_fresh_runs_every_smoke_test_again(verdicts, source):
     run, calls = counting(None)
     smoke_cache.smoke_verdict("k", run, source)
     smoke_cache.prove_afresh(True)

@@ -13,7 +13,7 @@ function of its own x row, W and K.
 """
 import numpy as np
 
-from .loop_order import butterfly, fp32_fma, lane_schedule
+from .loop_order import skinny_matmul
 
 MAX_ROWS = 64
 TARGET_WARPS = 4096  # about 31 warps per SM of an H200 (132 SMs) before a warp takes more columns
@@ -52,14 +52,6 @@ def lane_steps(k: int) -> list:
 
 def gemv_rows(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """float32 result of x (M, K) @ w (N, K).T in MLX's single-row GEMV order, every row
-    alike (x, w as float32: bf16/fp16 convert exactly). Round to the output dtype after."""
-    x = np.asarray(x, np.float32)
-    w = np.asarray(w, np.float32)
-    m, k = x.shape
-    partials = []
-    for ks in lane_schedule(k, lanes_per_step(k)):
-        acc = np.zeros((m, w.shape[0]), np.float32)
-        for kk in ks:
-            acc = fp32_fma(w[None, :, kk], x[:, kk, None], acc)
-        partials.append(acc)
-    return butterfly(partials)
+    alike (x, w as float32: bf16/fp16 convert exactly). Round to the output dtype after.
+    The same lanes, fma chain and butterfly as the scalar skinny kernel, with units of NPT."""
+    return skinny_matmul(x, w, lanes_per_step(np.shape(x)[1]))

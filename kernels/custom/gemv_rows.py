@@ -54,16 +54,19 @@ def matmul(x: mx.array, weight: mx.array, shape: tuple | None = None) -> mx.arra
     shape: (columns, rows) per warp, for benchmarks; default warp_shape(M, N)."""
     if not serves(x, weight):
         raise ValueError(f"gemv_rows cannot take x {x.shape} {x.dtype}, w {weight.shape} {weight.dtype}")
-    m, k = x.shape
-    return _kernel()(inputs=[x, weight], **_launch_plan(m, weight.shape[0], k, x.dtype, shape))[0]
+    return _launch(x, weight, shape)
 
 
 def try_matmul(x: mx.array, weight: mx.array):
     """matmul(x, weight) where the kernel is proven here and takes these arrays, else None."""
     if unavailable_reason() is not None or not serves(x, weight):
         return None
+    return _launch(x, weight, None)
+
+
+def _launch(x: mx.array, weight: mx.array, shape: tuple | None) -> mx.array:
     m, k = x.shape
-    return _kernel()(inputs=[x, weight], **_launch_plan(m, weight.shape[0], k, x.dtype, None))[0]
+    return _kernel()(inputs=[x, weight], **_launch_plan(m, weight.shape[0], k, x.dtype, shape))[0]
 
 
 # (M, N, K): K picks the lanes' step (4, 2 or 1 elements: K % 128, K % 64, else), N a
