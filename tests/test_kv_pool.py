@@ -119,6 +119,17 @@ def test_the_tile_schedule_covers_every_key_once_in_an_order_fixed_by_the_length
     assert schedule == tile_schedule(length)
 
 
+def test_the_order_model_the_loader_and_both_kernel_sources_agree_on_the_warp_count():
+    from pathlib import Path
+
+    from kernels.custom import attention
+
+    assert attention.ATT_WARPS == WARPS and attention.THREADS == 32 * WARPS
+    folder = Path(attention.__file__).parent
+    assert f"constexpr int ATT_WARPS = {WARPS};" in (folder / "pooled_attention.cu").read_text()
+    assert f"constant constexpr int ATT_WARPS = {WARPS};" in (folder / "pooled_attention.metal").read_text()
+
+
 @pytest.mark.parametrize("length", [1, 31, 33, 129, 513])
 def test_the_kernels_online_softmax_and_warp_combination_compute_attention(length):
     rng = np.random.default_rng(length)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 TILE = 32
-WARPS = 4
+WARPS = 8  # attention.ATT_WARPS
 
 
 def tile_schedule(length: int, warps: int = WARPS) -> list[list[range]]:

@@ -26,7 +26,7 @@
 
 namespace lockstep {
 
-constexpr int ATT_WARPS = 4;
+constexpr int ATT_WARPS = 8;
 constexpr int V_AHEAD = 8;  // V rows in flight per lane (registers: V_AHEAD * D / 32)
 constexpr unsigned FULL_MASK = 0xffffffffu;
 

@@ -10,7 +10,7 @@ using namespace metal;
 
 namespace lockstep {
 
-constant constexpr int ATT_WARPS = 4;
+constant constexpr int ATT_WARPS = 8;
 
 template <typename T, int D>
 inline float key_dot(threadgroup const float* q_s, const device T* key) {

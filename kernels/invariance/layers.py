@@ -15,7 +15,7 @@ import sys
 import threading
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import wraps
 import inspect
 
@@ -36,24 +36,44 @@ from .ops import (Strategy, attention_per_query, dense_rows, packed_kv, quantize
 class Setting:
     limit: int
     strategy: Strategy
+    # What each layer kind does with a call, worked out once here rather than per call
+    # (the linears' host cost is per layer per token): the model's own call (native), and
+    # whether one row is the plain op (every form but the skinny kernel's).
+    dense_native: bool = field(init=False)
+    dense_row_plain: bool = field(init=False)
+    quantized_native: bool = field(init=False)
+    quantized_row_plain: bool = field(init=False)
+
+    def __post_init__(self):
+        st = self.strategy
+        object.__setattr__(self, "dense_native", st.dense == "native")
+        object.__setattr__(self, "dense_row_plain", st.dense != "skinny")
+        object.__setattr__(self, "quantized_native", st.quantized_rows == 0)
+        object.__setattr__(self, "quantized_row_plain", st.quantized_form != "skinny")
 
 
-_local = threading.local()
+class _ThreadState(threading.local):
+    # class attributes: every thread starts from these, and a read is one attribute lookup
+    active: "Setting | None" = None  # what the layers read: kept by _thread_value
+    setting: "Setting | None" = None
+    native: bool = False
+
+
+_local = _ThreadState()
 
 
 def active_setting() -> Setting | None:
-    # read by every linear call: one attribute, kept by _thread_value
-    return getattr(_local, "active", None)
+    return _local.active
 
 
 def _update_active() -> None:
-    _local.active = None if getattr(_local, "native", False) else getattr(_local, "setting", None)
+    _local.active = None if _local.native else _local.setting
 
 
 @contextmanager
-def _thread_value(name: str, value, default):
+def _thread_value(name: str, value):
     """`name` on this thread's state is `value` for the enclosed calls, then what it was."""
-    previous = getattr(_local, name, default)
+    previous = getattr(_local, name)
     setattr(_local, name, value)
     _update_active()
     try:
@@ -65,14 +85,14 @@ def _thread_value(name: str, value, default):
 
 def batch_invariant(setting: Setting | None):
     """Make `setting` the active one on this thread (None: native) for the enclosed calls."""
-    return _thread_value("setting", setting, None)
+    return _thread_value("setting", setting)
 
 
 def native_forms():
     """The enclosed model calls run natively even where a setting is installed: for passes
     that hold no row needing the guarantee (the engine's passes of non-deterministic rows),
     where canonical forms would only cost time."""
-    return _thread_value("native", True, False)
+    return _thread_value("native", True)
 
 
 def call_without_head(model, inputs: mx.array, cache) -> None:
@@ -87,37 +107,36 @@ def call_without_head(model, inputs: mx.array, cache) -> None:
         body(inputs, cache=cache)
 
 
-def _setting_for(x: mx.array) -> Setting | None:
-    s = active_setting()
-    return s if s is not None and rows_of(x) <= s.limit else None
-
-
-def _plain_row(s: Setting, x: mx.array, quantized: bool) -> bool:
-    """True where a one-row call under `s` is the plain call: every form but the skinny
-    kernel's runs one row as the model's own op, so decode runs exactly the native ops
-    (and pays no reshapes or checks: ~3 µs a linear on the host, 200+ linears a token)."""
-    if x.size != x.shape[-1]:
-        return False
-    return s.strategy.quantized_form != "skinny" if quantized else s.strategy.dense != "skinny"
+# The four layer classes below run on every linear of every token: one attribute read and
+# the row count, then the op (a one-row call under a setting whose row is the plain op is
+# exactly the native op: decode pays ~nothing on the host beyond nn.Linear's own call).
+# `x.size == x.shape[-1]`: one row. The base classes' calls by name: super() cost ~1 µs a call here.
+_linear_call = nn.Linear.__call__
+_quantized_linear_call = nn.QuantizedLinear.__call__
+_embedding_as_linear = nn.Embedding.as_linear
+_quantized_embedding_as_linear = nn.QuantizedEmbedding.as_linear
 
 
 class InvariantLinear(nn.Linear):
     def __call__(self, x):
-        s = _setting_for(x)
-        if s is None or s.strategy.dense == "native":
-            return super().__call__(x)
-        if _plain_row(s, x, quantized=False):
+        s = _local.active
+        if s is None or s.dense_native:
+            return _linear_call(self, x)
+        if x.size == x.shape[-1] and s.dense_row_plain:
             y = x @ self["weight"].T  # (not addmm: the bias is a separate add for every M)
-        else:
+        elif rows_of(x) <= s.limit:
             y = dense_rows(x, self["weight"], s.strategy.dense)
+        else:
+            return _linear_call(self, x)
         return y + self["bias"] if "bias" in self else y
 
 
 class InvariantQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x):
-        s = _setting_for(x)
-        if s is None or s.strategy.quantized_rows == 0 or _plain_row(s, x, quantized=True):
-            return super().__call__(x)
+        s = _local.active
+        if (s is None or s.quantized_native or (x.size == x.shape[-1] and s.quantized_row_plain)
+                or rows_of(x) > s.limit):
+            return _quantized_linear_call(self, x)
         y = quantized_rows(
             x, self["weight"], self["scales"], self.get("biases"),
             group_size=self.group_size, bits=self.bits, mode=self.mode,
@@ -128,17 +147,19 @@ class InvariantQuantizedLinear(nn.QuantizedLinear):
 
 class InvariantEmbedding(nn.Embedding):
     def as_linear(self, x):
-        s = _setting_for(x)
-        if s is None or s.strategy.dense == "native" or _plain_row(s, x, quantized=False):
-            return super().as_linear(x)
+        s = _local.active
+        if (s is None or s.dense_native or (x.size == x.shape[-1] and s.dense_row_plain)
+                or rows_of(x) > s.limit):
+            return _embedding_as_linear(self, x)
         return dense_rows(x, self["weight"], s.strategy.dense)
 
 
 class InvariantQuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x):
-        s = _setting_for(x)
-        if s is None or s.strategy.quantized_rows == 0 or _plain_row(s, x, quantized=True):
-            return super().as_linear(x)
+        s = _local.active
+        if (s is None or s.quantized_native or (x.size == x.shape[-1] and s.quantized_row_plain)
+                or rows_of(x) > s.limit):
+            return _quantized_embedding_as_linear(self, x)
         return quantized_rows(
             x, self["weight"], self["scales"], self.get("biases"),
             group_size=self.group_size, bits=self.bits, mode=self.mode,
