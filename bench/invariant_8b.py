@@ -31,7 +31,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from kernels import custom  # noqa: E402
 from kernels.custom import loop_order, mma_order, skinny  # noqa: E402
 from kernels.invariance import set_batch_invariant_limit  # noqa: E402
-from kernels.invariance.selftest import bits_equal, self_test  # noqa: E402
+from kernels.invariance.selftest import bits_equal  # noqa: E402
 from server.engine.engine_path import EnginePath  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
@@ -39,10 +39,12 @@ WEIGHTS = {"bf16": None, "nvfp4": ("nvfp4", 16, 4), "affine4": ("affine", 64, 4)
 STRATEGIES = ("native", "strided_gemv", "gemv_rows", "skinny")
 
 
-def build(weights: str, layers: int, seed: int = 0):
+def build(weights: str, layers: int, seed: int = 0, *, hidden: int = 4096, intermediate: int = 14336,
+          vocab: int = 128256):
+    """The 8B-shaped model (smaller matrices on request: 32/8 heads of 128 stay)."""
     args = llama.ModelArgs(
-        model_type="llama", hidden_size=4096, num_hidden_layers=layers, intermediate_size=14336,
-        num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, vocab_size=128256,
+        model_type="llama", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=intermediate,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, vocab_size=vocab,
         rope_theta=500000.0, tie_word_embeddings=False,
     )
     mx.random.seed(seed)

@@ -1,7 +1,7 @@
 """What an 8B-shaped decode step costs apart from reading weights, on the running backend.
 
 (a) The Llama-3-8B-shaped step at B = 1 after 512 tokens of context, native MLX (random
-    weights, as bench/invariant_8b.py builds them), against its HBM floor (every weight byte
+    weights, bench/invariant_8b.py's `build`), against its HBM floor (every weight byte
     read once at 4.8 TB/s).
 (b) The same step with tiny matrices (hidden 256, MLP 512, vocab 1024; the same 32 layers,
     the same op count and the same attention shapes): the part of a step that is not weight
@@ -22,47 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-import numpy as np  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
-from mlx_lm.models import llama  # noqa: E402
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from invariant_8b import HBM_BYTES_PER_S, WEIGHTS  # noqa: E402
+from invariant_8b import HBM_BYTES_PER_S, build, context, forward, step_ms, weight_bytes  # noqa: E402
 
 
-def model_of(hidden: int, intermediate: int, vocab: int, weights: str):
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=hidden, num_hidden_layers=32, intermediate_size=intermediate,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
-        vocab_size=vocab, rope_theta=500000.0, tie_word_embeddings=False,
-    )
-    mx.random.seed(0)
-    model = llama.Model(args)
-    model.set_dtype(mx.bfloat16)
-    if WEIGHTS[weights]:
-        mode, group, bits = WEIGHTS[weights]
-        nn.quantize(model, group_size=group, bits=bits, mode=mode)
-    mx.eval(model.parameters())
-    return model
-
-
-def nbytes(module) -> int:
-    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
-
-
-def step_ms(model, repeats: int = 10) -> float:
-    """Median ms of one decode step after 512 tokens of context (the cache rewound each time)."""
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.random.randint(0, model.args.vocab_size, (1, 512)), cache=cache))
-    times = []
-    for _ in range(repeats + 2):
-        start = time.perf_counter()
-        mx.eval(model(mx.array([[3]]), cache=cache))
-        times.append(time.perf_counter() - start)
-        for c in cache:
-            c.trim(1)
-    return 1e3 * float(np.median(times[2:]))
+def decode_ms(model) -> float:
+    """Median ms of one native decode step after 512 tokens of context."""
+    cache = context(model, 512)
+    return step_ms(forward(model, cache, None), cache, [3], repeats=10)
 
 
 def linears(model, weights: str) -> str:
@@ -77,7 +44,7 @@ def linears(model, weights: str) -> str:
         start = time.perf_counter()
         mx.eval([module(x) for _ in range(50)])
         us = 1e6 * (time.perf_counter() - start) / 50
-        cells.append(f"{name} {us:.1f} us ({100 * nbytes(module) / HBM_BYTES_PER_S / (us * 1e-6):.0f} % of floor)")
+        cells.append(f"{name} {us:.1f} us ({100 * weight_bytes(module) / HBM_BYTES_PER_S / (us * 1e-6):.0f} % of floor)")
     return ", ".join(cells)
 
 
@@ -87,10 +54,10 @@ def main() -> int:
     args = ap.parse_args()
     print(f"backend {mx.default_device()}, MLX {mx.__version__}")
     for weights in args.weights.split(","):
-        tiny = step_ms(model_of(256, 512, 1024, weights))
-        model = model_of(4096, 14336, 128256, weights)
-        full = step_ms(model)
-        floor = 1e3 * nbytes(model) / HBM_BYTES_PER_S
+        tiny = decode_ms(build(weights, 32, hidden=256, intermediate=512, vocab=1024))
+        model = build(weights, 32)
+        full = decode_ms(model)
+        floor = 1e3 * weight_bytes(model) / HBM_BYTES_PER_S
         print(f"{weights}: 8B step {full:.2f} ms, floor {floor:.2f} ms ({100 * floor / full:.0f} %); "
               f"same ops, tiny matrices {tiny:.2f} ms; 40 % of floor = {floor / 0.4:.2f} ms | "
               f"{linears(model, weights)}", flush=True)

@@ -123,13 +123,12 @@ def dense_rows(x: mx.array, weight: mx.array, form: str) -> mx.array:
         if out is not None:
             return out.reshape(*lead, out.shape[-1])
         form = "strided_gemv"
-    if form == "gemv_rows" and rows.shape[0] > 1:
+    if form == "gemv_rows":
         # Rows in the order of the single-row call below (decode keeps that plain call);
         # where the kernel is not proven here or cannot take the arrays: the strided GEMV.
-        out = custom.gemv_rows.try_matmul(rows, weight)
+        out = custom.gemv_rows.try_matmul(rows, weight) if rows.shape[0] > 1 else None
         if out is not None:
             return out.reshape(*lead, out.shape[-1])
-    if form == "gemv_rows":
         form = "strided_gemv"
     if form in ("native", "cpu_kernel") or rows.shape[0] == 1:
         # One row is the reference every form must match (the self-test proves it): run it
