@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels import cpu_blas  # noqa: E402
+from lockstep.kernels import cpu_blas  # noqa: E402
 
 CONFIGS = {  # name -> env builder
     "reference": lambda: cpu_blas.reference_env(),
@@ -39,7 +39,7 @@ def _model():
     import mlx.core as mx
 
     try:
-        from models.load import load_model
+        from lockstep.models.load import load_model
     except ImportError:
         load_model = None
     if load_model is not None:
@@ -94,8 +94,8 @@ STEP_ROWS = (1, 4, 8)
 
 
 def steps_worker(strategy: str | None) -> dict:
-    from kernels.invariance import set_batch_invariant_limit
-    from kernels.invariance.selftest import seconds_per_step
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+    from lockstep.kernels.invariance.selftest import seconds_per_step
 
     model, name = _model()
     if strategy:

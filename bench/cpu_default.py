@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels import cpu_blas  # noqa: E402
+from lockstep.kernels import cpu_blas  # noqa: E402
 
 # The shim's OpenBLAS threads: `OPENBLAS_NUM_THREADS` for small calls, and
 # LOCKSTEP_BLAS_LARGE_THREADS for calls of >= LOCKSTEP_BLAS_LARGE_ROWS rows (0 = one count).
@@ -66,13 +66,13 @@ def worker(weights: str, limit: int, n_prompt: int, n_long: int, n_decode: int,
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kernels.invariance import set_batch_invariant_limit
-    from models.load import load_model
-    from server.bench import decode, prefill_seconds
-    from server.engine.generate import forward, prefill
-    from server.engine.request_state import prompt_forward
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+    from lockstep.models.load import load_model
+    from lockstep.server.bench import decode, prefill_seconds
+    from lockstep.server.engine.generate import forward, prefill
+    from lockstep.server.engine.request_state import prompt_forward
 
-    from kernels.batching.ragged import enable_ragged
+    from lockstep.kernels.batching.ragged import enable_ragged
 
     loaded = load_model("default", weights=weights)
     model = loaded.model

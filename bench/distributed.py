@@ -27,9 +27,9 @@ import mlx.nn as nn  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from kernels.batching.ragged import enable_ragged, ragged_forward  # noqa: E402
-from kernels.invariance import set_batch_invariant_limit  # noqa: E402
-from server.distributed.sharded_layers import make_invariant  # noqa: E402
+from lockstep.kernels.batching.ragged import enable_ragged, ragged_forward  # noqa: E402
+from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
+from lockstep.server.distributed.sharded_layers import make_invariant  # noqa: E402
 
 SHAPES = {  # (hidden, layers, intermediate, heads, kv heads, vocab)
     "8b": (4096, 32, 14336, 32, 8, 128256),

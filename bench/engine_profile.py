@@ -26,13 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from kernels.batching.kv_pool import pool_mode  # noqa: E402
-from kernels.invariance import set_batch_invariant_limit  # noqa: E402
-from models.load import load_model  # noqa: E402
-from server.engine import Engine  # noqa: E402
-from server.engine.decoding import Deployment, plan_request  # noqa: E402
-from server.engine.request_state import GenerationRequest  # noqa: E402
-from server.engine.sampling import SamplingParams  # noqa: E402
+from lockstep.kernels.batching.kv_pool import pool_mode  # noqa: E402
+from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
+from lockstep.models.load import load_model  # noqa: E402
+from lockstep.server.engine import Engine  # noqa: E402
+from lockstep.server.engine.decoding import Deployment, plan_request  # noqa: E402
+from lockstep.server.engine.request_state import GenerationRequest  # noqa: E402
+from lockstep.server.engine.sampling import SamplingParams  # noqa: E402
 
 
 class ProfiledEngine(Engine):

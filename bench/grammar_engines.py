@@ -212,7 +212,7 @@ def main() -> None:
 
     import jsonschema
 
-    from models.load import load_model
+    from lockstep.models.load import load_model
 
     m = load_model("default")
     hf = m.tokenizer._tokenizer
@@ -314,7 +314,7 @@ def main() -> None:
     try:  # the server's wrapper on top of the chosen engine: bitmask → mx bool mask, and applying it
         import mlx.core as mx
 
-        from server.engine.grammar import GrammarCompiler, apply_mask
+        from lockstep.server.engine.grammar import GrammarCompiler, apply_mask
 
         compiler = GrammarCompiler(m.tokenizer, vocab_size, m.eos_token_ids)
         matcher = compiler.json_schema(REALISTIC_SCHEMA).matcher()

@@ -28,11 +28,11 @@ import numpy as np  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from kernels import custom  # noqa: E402
-from kernels.custom import loop_order, mma_order, skinny  # noqa: E402
-from kernels.invariance import set_batch_invariant_limit  # noqa: E402
-from kernels.invariance.selftest import bits_equal  # noqa: E402
-from server.engine.engine_path import EnginePath  # noqa: E402
+from lockstep.kernels import custom  # noqa: E402
+from lockstep.kernels.custom import loop_order, mma_order, skinny  # noqa: E402
+from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
+from lockstep.kernels.invariance.selftest import bits_equal  # noqa: E402
+from lockstep.server.engine.engine_path import EnginePath  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 WEIGHTS = {"bf16": None, "nvfp4": ("nvfp4", 16, 4), "affine4": ("affine", 64, 4)}

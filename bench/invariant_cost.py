@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from kernels.invariance import set_batch_invariant_limit  # noqa: E402
+from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 
 
 def load(spec):
@@ -22,7 +22,7 @@ def load(spec):
         from tiny_models import tiny_llama
 
         return tiny_llama(quant="affine", tied=True)
-    from models.load import load_model
+    from lockstep.models.load import load_model
 
     return load_model(spec).model
 

@@ -17,9 +17,9 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from invariant_8b import build, context, forward, trim  # noqa: E402
-from kernels.custom import attention  # noqa: E402
-from kernels.invariance import set_batch_invariant_limit  # noqa: E402
-from server.engine.engine_path import EnginePath  # noqa: E402
+from lockstep.kernels.custom import attention  # noqa: E402
+from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
+from lockstep.server.engine.engine_path import EnginePath  # noqa: E402
 
 
 def measure(run, cache, tokens, repeats=9):

@@ -22,12 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from kernels.batching.kv_pool import KVPool, pool_mode  # noqa: E402
-from kernels.batching.ragged import enable_ragged, ragged_forward  # noqa: E402
-from kernels.batching.ragged_selftest import prove_ragged  # noqa: E402
-from kernels.custom.attention import kernel_unavailable_reason  # noqa: E402
-from kernels.invariance import set_batch_invariant_limit  # noqa: E402
-from models.load import load_model  # noqa: E402
+from lockstep.kernels.batching.kv_pool import KVPool, pool_mode  # noqa: E402
+from lockstep.kernels.batching.ragged import enable_ragged, ragged_forward  # noqa: E402
+from lockstep.kernels.batching.ragged_selftest import prove_ragged  # noqa: E402
+from lockstep.kernels.custom.attention import kernel_unavailable_reason  # noqa: E402
+from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
+from lockstep.models.load import load_model  # noqa: E402
 
 
 def timed_passes(model, caches, steps: int) -> float:

@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels import custom  # noqa: E402
-from kernels.invariance.selftest import bits_equal  # noqa: E402
+from lockstep.kernels import custom  # noqa: E402
+from lockstep.kernels.invariance.selftest import bits_equal  # noqa: E402
 
 SHAPES = {"lm_head": (128256, 4096), "q/o": (4096, 4096), "k/v": (1024, 4096),
           "gate/up": (14336, 4096), "down": (4096, 14336)}

@@ -59,7 +59,7 @@ def start_to_healthy(args: list[str], env: dict, log: Path, timeout: float = 120
     base = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
     with open(log, "a") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *args],
+        proc = subprocess.Popen([sys.executable, "-m", "lockstep.server.cli", "serve", "--port", str(port), *args],
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         while True:

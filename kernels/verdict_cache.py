@@ -62,8 +62,8 @@ def function_identity(fn) -> str:
 
 def environment() -> dict:
     """What a verdict about kernels depends on, beyond the code: MLX, backend, device, BLAS."""
-    from kernels import cpu_blas
-    from kernels.audit.slicing import backend_kind
+    from lockstep.kernels import cpu_blas
+    from lockstep.kernels.audit.slicing import backend_kind
 
     try:
         info = mx.device_info()

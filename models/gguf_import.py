@@ -21,9 +21,9 @@ from gguf import GGUFReader
 from platformdirs import user_cache_dir
 from tqdm import tqdm
 
-from models.errors import ModelError
-from models.gguf_tensors import GROUP_SIZE, NATIVE_BITS, dequantized, native_affine, unpermute_rope_rows
-from models.gguf_tokenizer import GGUFVocab, write_tokenizer
+from lockstep.models.errors import ModelError
+from lockstep.models.gguf_tensors import GROUP_SIZE, NATIVE_BITS, dequantized, native_affine, unpermute_rope_rows
+from lockstep.models.gguf_tokenizer import GGUFVocab, write_tokenizer
 
 log = logging.getLogger(__name__)
 

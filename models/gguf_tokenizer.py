@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from models.errors import ModelError
+from lockstep.models.errors import ModelError
 
 # llama.cpp token types (llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

@@ -5,9 +5,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models.embedded import MODEL_NAME as EMBEDDED_NAME
-from models.errors import ModelError
-from models.resolve import DEFAULT_SPEC, resolve_model, resolve_weights
+from lockstep.models.embedded import MODEL_NAME as EMBEDDED_NAME
+from lockstep.models.errors import ModelError
+from lockstep.models.resolve import DEFAULT_SPEC, resolve_model, resolve_weights
 
 log = logging.getLogger(__name__)
 

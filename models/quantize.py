@@ -215,8 +215,8 @@ def convert(
     """Quantize `src` (mlx-lm/HF dir, `.gguf`, or `default`) into the mlx-lm dir `dst`."""
     from mlx_lm.utils import load_model as mlx_load_model, save_config, save_model
 
-    from models.errors import ModelError
-    from models.resolve import resolve_model
+    from lockstep.models.errors import ModelError
+    from lockstep.models.resolve import resolve_model
 
     resolve_spec(q_mode, q_bits, q_group_size)  # refuse bad flags before any work
     dst = Path(dst)

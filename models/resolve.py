@@ -8,9 +8,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from models.embedded import embedded_gguf_path
-from models.errors import ModelError
-from models.gguf_import import WEIGHT_FORMATS, import_gguf
+from lockstep.models.embedded import embedded_gguf_path
+from lockstep.models.errors import ModelError
+from lockstep.models.gguf_import import WEIGHT_FORMATS, import_gguf
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ AUTO_WEIGHTS = {"cpu-openblas": "float32", "cpu": "q4", "gpu": "q4"}
 
 def auto_weights() -> str:
     """The weights format that runs fastest on the running backend and CPU BLAS."""
-    from kernels import cpu_blas
+    from lockstep.kernels import cpu_blas
 
     if mx.default_device().type == mx.DeviceType.gpu:
         return AUTO_WEIGHTS["gpu"]

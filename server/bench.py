@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from server.engine.generate import forward, prefill
-from server.engine.request_state import prompt_forward
-from server.engine.sampling import SamplingParams
-from server.engine.speculative import measure_pass_costs
-from server.engine.token_steps import SpeculationStats, drive, make_source
+from lockstep.server.engine.generate import forward, prefill
+from lockstep.server.engine.request_state import prompt_forward
+from lockstep.server.engine.sampling import SamplingParams
+from lockstep.server.engine.speculative import measure_pass_costs
+from lockstep.server.engine.token_steps import SpeculationStats, drive, make_source
 
 # A copying task: the answer repeats the prompt, which is what prompt lookup drafts from.
 REPETITIVE = ("Copy the following text exactly, word for word:\n\n"
@@ -200,7 +200,7 @@ def run_exit_layer_bench(model, tokenizer, exit_layers: list[int], k: int, n_tok
     """Self-speculation (EarlyExitModel: the target's first layers and its own head as the
     draft), fixed k, deterministic, ÷ plain per exit layer and task, tokens checked
     identical: the measurement an exit layer is chosen by."""
-    from server.engine.speculative import EarlyExitModel
+    from lockstep.server.engine.speculative import EarlyExitModel
 
     chat = lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731
                                                        add_generation_prompt=True)

@@ -12,12 +12,12 @@ import logging
 import sys
 
 COMMAND_MODULES = (
-    "server.commands.serve",
-    "server.commands.convert",
-    "server.commands.audit",
-    "server.commands.service",
-    "server.commands.verify",
-    "server.commands.bench",
+    "lockstep.server.commands.serve",
+    "lockstep.server.commands.convert",
+    "lockstep.server.commands.audit",
+    "lockstep.server.commands.service",
+    "lockstep.server.commands.verify",
+    "lockstep.server.commands.bench",
 )
 
 
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from server.torchless import keep_torch_out
+    from lockstep.server.torchless import keep_torch_out
 
     keep_torch_out()  # before anything imports transformers
     args = build_parser().parse_args(argv)

@@ -14,7 +14,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from server.engine.decoding import MAX_DRAFT_TOKENS, METHODS, Deployment
+from lockstep.server.engine.decoding import MAX_DRAFT_TOKENS, METHODS, Deployment
 
 log = logging.getLogger("lockstep.runtime")
 
@@ -108,7 +108,7 @@ class Runtime:
 
     def model_info(self) -> dict:
         """Per-model details for GET /v1/models."""
-        from kernels.audit import summary
+        from lockstep.kernels.audit import summary
 
         audit = ({"mode": "off", "warning": AUDIT_OFF_WARNING} if self.audit is None
                  else {"mode": self.audit_mode, **summary(self.audit)})
@@ -129,9 +129,9 @@ class Runtime:
 
 def _load_audited(spec: str, weights: str, quantize: str | None, bits, group,
                   audit: str = "cached", phases: Phases | None = None) -> tuple:
-    from kernels.audit import audit_and_patch, audit_verdict_cache
-    from models.load import load_model
-    from models.quantize import quantize_model_in_memory
+    from lockstep.kernels.audit import audit_and_patch, audit_verdict_cache
+    from lockstep.models.load import load_model
+    from lockstep.models.quantize import quantize_model_in_memory
 
     phases = Phases() if phases is None else phases
     with phases.timed("load"):
@@ -162,11 +162,11 @@ def build_runtime(options: Options) -> Runtime:
     # imports this module to build its parser, before `--cpu-blas` may re-exec the process.
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kernels import cpu_blas
-    from kernels.invariance import cache_invariance_problem, set_batch_invariant_limit
-    from kernels.invariance.selftest import ProofCache
-    from kernels.verdict_cache import VerdictCache
-    from server.fingerprint import system_fingerprint, weights_digest
+    from lockstep.kernels import cpu_blas
+    from lockstep.kernels.invariance import cache_invariance_problem, set_batch_invariant_limit
+    from lockstep.kernels.invariance.selftest import ProofCache
+    from lockstep.kernels.verdict_cache import VerdictCache
+    from lockstep.server.fingerprint import system_fingerprint, weights_digest
 
     if options.speculative not in METHODS:
         raise ValueError(f"--speculative must be one of {METHODS}")
@@ -201,7 +201,7 @@ def build_runtime(options: Options) -> Runtime:
             draft_loaded, _, _ = _load_audited(options.draft_model, "auto", None, None, None,
                                                options.audit, timings)
             draft_name = draft_loaded.name
-            from server.engine.speculative import draft_tokenizer_problem
+            from lockstep.server.engine.speculative import draft_tokenizer_problem
 
             problem = draft_tokenizer_problem(loaded.tokenizer, draft_loaded.tokenizer)
             if problem:
@@ -214,7 +214,7 @@ def build_runtime(options: Options) -> Runtime:
     fresh_proofs = options.audit == "fresh" or not options.reuse_proofs
     proofs = ProofCache(VerdictCache("selftest"), fresh=fresh_proofs,
                         model_identity={"weights": digest, "transform": transform})
-    from kernels.custom import smoke_cache
+    from lockstep.kernels.custom import smoke_cache
 
     smoke_cache.prove_afresh(fresh_proofs)  # the custom kernels' smoke tests likewise
     with timings.timed("self_test"):
@@ -230,12 +230,12 @@ def build_runtime(options: Options) -> Runtime:
             "batch invariance L=%d strategy=%s guaranteed=%s (%s)",
             plan.limit, plan.strategy, guaranteed, plan.reason)
     if guaranteed:
-        from kernels.invariance.warmup import build_kernels
+        from lockstep.kernels.invariance.warmup import build_kernels
 
         with timings.timed("build_kernels"):  # compiled now, not during the first passes
             build_kernels(loaded.model, plan.limit)
 
-    from kernels.batching.kv_pool import pool_mode
+    from lockstep.kernels.batching.kv_pool import pool_mode
 
     kv_pool = pool_mode(loaded.model, options.kv_pool)
     if options.kv_pool != "off":
@@ -243,8 +243,8 @@ def build_runtime(options: Options) -> Runtime:
 
     pass_costs = None
     if options.adaptive_speculation:
-        from server.engine.engine_path import EnginePath
-        from server.engine.speculative import measure_pass_costs
+        from lockstep.server.engine.engine_path import EnginePath
+        from lockstep.server.engine.speculative import measure_pass_costs
 
         widest = options.max_draft_tokens + 1
         if guaranteed:
@@ -254,8 +254,8 @@ def build_runtime(options: Options) -> Runtime:
                                                   path=EnginePath(loaded.model, kv_pool)))
     ragged_proof = None
     if guaranteed:
-        from kernels.batching.ragged import enable_ragged, ragged_problem
-        from kernels.batching.ragged_selftest import prove_ragged_cached
+        from lockstep.kernels.batching.ragged import enable_ragged, ragged_problem
+        from lockstep.kernels.batching.ragged_selftest import prove_ragged_cached
 
         if ragged_problem(loaded.model) is None:
             with timings.timed("ragged_proof"):
@@ -266,7 +266,7 @@ def build_runtime(options: Options) -> Runtime:
         try:
             mx.eval(loaded.model(mx.array([[1, 2, 3]]), cache=make_prompt_cache(loaded.model)))
         except Exception as exc:  # e.g. a faulty kernel path the audit was told not to look for
-            from models.errors import ModelError
+            from lockstep.models.errors import ModelError
 
             hint = "; the kernel audit is off (--audit off)" if options.audit == "off" else ""
             raise ModelError(f"{loaded.path}: the warm-up forward pass failed "

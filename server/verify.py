@@ -16,11 +16,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from kernels.invariance.selftest import UINT_OF_SIZE
+from lockstep.kernels.invariance.selftest import UINT_OF_SIZE
 
-from server.engine.generate import forward, prefill
-from server.engine.sampling import SamplingParams
-from server.engine.token_steps import SpeculationStats, token_source
+from lockstep.server.engine.generate import forward, prefill
+from lockstep.server.engine.sampling import SamplingParams
+from lockstep.server.engine.token_steps import SpeculationStats, token_source
 
 PROMPTS = (
     "Write the numbers from 1 to 40 separated by commas, then write them again.",

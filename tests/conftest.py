@@ -11,7 +11,7 @@ os.environ["LOCKSTEP_VERDICT_CACHE_DIR"] = tempfile.mkdtemp(prefix="lockstep-tes
 
 @pytest.fixture(scope="session")
 def embedded_model():
-    from models.load import load_model
+    from lockstep.models.load import load_model
 
     return load_model("default")
 
@@ -22,8 +22,8 @@ def live_server(embedded_model):
 
     Yields the base URL ("http://127.0.0.1:PORT/v1"), for the official `openai` client.
     """
-    from server.api.app import create_app
-    from server.engine import Engine
+    from lockstep.server.api.app import create_app
+    from lockstep.server.engine import Engine
     from tests.http_server import running
 
     engine = Engine(embedded_model, max_active=4).start()

@@ -12,11 +12,11 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from kernels.invariance.selftest import bits_equal
-from server.engine.decoding import DecodePlan, Deployment
-from server.engine.generate import GenerationRequest, forward, generate, prefill
-from server.engine.sampling import SamplingParams
-from server.engine.token_steps import SpeculationStats, plain_tokens, speculative_tokens
+from lockstep.kernels.invariance.selftest import bits_equal
+from lockstep.server.engine.decoding import DecodePlan, Deployment
+from lockstep.server.engine.generate import GenerationRequest, forward, generate, prefill
+from lockstep.server.engine.sampling import SamplingParams
+from lockstep.server.engine.token_steps import SpeculationStats, plain_tokens, speculative_tokens
 
 GREEDY = SamplingParams(temperature=0.0, top_logprobs=3)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, top_logprobs=3)

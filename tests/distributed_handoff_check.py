@@ -10,8 +10,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from models.load import load_model  # noqa: E402
-from server.distributed.pipeline import pipeline_llama  # noqa: E402
+from lockstep.models.load import load_model  # noqa: E402
+from lockstep.server.distributed.pipeline import pipeline_llama  # noqa: E402
 
 
 def run(model):

@@ -67,15 +67,15 @@ def deterministic_server(loaded, limit: int, prefill_chunk: int = 4, max_active:
     server keeps them, so the next module's server re-uses them. Yields (client, engine)."""
     from openai import OpenAI
 
-    from kernels.batching.ragged import enable_ragged
-    from kernels.batching.ragged_selftest import prove_ragged_cached
-    from kernels.invariance import set_batch_invariant_limit
-    from kernels.invariance.selftest import ProofCache
-    from kernels.verdict_cache import VerdictCache
-    from server.api.app import create_app
-    from server.engine import Engine
-    from server.engine.decoding import Deployment
-    from server.engine.prefix_cache import PrefixCache
+    from lockstep.kernels.batching.ragged import enable_ragged
+    from lockstep.kernels.batching.ragged_selftest import prove_ragged_cached
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+    from lockstep.kernels.invariance.selftest import ProofCache
+    from lockstep.kernels.verdict_cache import VerdictCache
+    from lockstep.server.api.app import create_app
+    from lockstep.server.engine import Engine
+    from lockstep.server.engine.decoding import Deployment
+    from lockstep.server.engine.prefix_cache import PrefixCache
 
     proofs = ProofCache(VerdictCache("selftest"), model_identity={"model": str(loaded.path), "weights": loaded.weights})
     plan = set_batch_invariant_limit(loaded.model, limit, proof_cache=proofs)

@@ -1,7 +1,7 @@
 """Adaptive speculation in the engine: the batch-full hook cuts drafts, never tokens.
 
 Deterministic requests speculate with adaptive k (flat pass costs, so k grows on these
-repetitive prompts) on the shape-variant double (kernels/doubles/shape_variant.py), where any pass
+repetitive prompts) on the shape-variant double (tests/doubles/shape_variant.py), where any pass
 wider than the rule allows would change bits. The same requests run with the engine's
 batch-full hook (`Engine.draft_room`) on and off: the hook only changes how many drafts a
 pass verifies, so every token and logprob bit must be the same either way.
@@ -9,11 +9,11 @@ pass verifies, so every token and logprob bit must be the same either way.
 import asyncio
 import struct
 
-from kernels.doubles.shape_variant import shape_variant_backend
-from kernels.invariance import set_batch_invariant_limit
-from server.engine.decoding import Deployment, plan_request
-from server.engine.request_state import GenerationRequest
-from server.engine.sampling import SamplingParams
+from tests.doubles.shape_variant import shape_variant_backend
+from lockstep.kernels.invariance import set_batch_invariant_limit
+from lockstep.server.engine.decoding import Deployment, plan_request
+from lockstep.server.engine.request_state import GenerationRequest
+from lockstep.server.engine.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded
 from tests.test_deterministic_double import peaked_llama
 from tests.test_batching import PassLog
@@ -28,7 +28,7 @@ SAMPLINGS = [SamplingParams(temperature=0.0, top_logprobs=2), SamplingParams(tem
 def run_engine(draft_room: bool):
     """Every (prompt, sampling) pair at once, deterministic, adaptive prompt lookup up to k = 5:
     {request: (tokens, logprob bits)}, drafted tokens per request, and the pass log."""
-    from server.engine import Engine
+    from lockstep.server.engine import Engine
 
     model = peaked_llama()
     with shape_variant_backend():

@@ -232,8 +232,8 @@ def test_unknown_route_and_wrong_method(http):
 def test_generation_failure_reaches_the_client(embedded_model):
     from fastapi.testclient import TestClient
 
-    from server.api.app import create_app
-    from server.engine import Engine
+    from lockstep.server.api.app import create_app
+    from lockstep.server.engine import Engine
 
     def failing(loaded, request, **_):
         yield None

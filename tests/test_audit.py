@@ -7,12 +7,12 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model as mlx_load_model
 
-from kernels.audit import apply_workarounds, audit_model, format_table, summary, workarounds
-from kernels.audit.patch import quantized_layers
-from kernels.audit.probes import layer_kind, reference_weight
-from kernels.audit.reference import reference_dequantize
-from kernels.doubles.faulty_kernels import faulty_tiled_qmm
-from models.errors import ModelError
+from lockstep.kernels.audit import apply_workarounds, audit_model, format_table, summary, workarounds
+from lockstep.kernels.audit.patch import quantized_layers
+from lockstep.kernels.audit.probes import layer_kind, reference_weight
+from lockstep.kernels.audit.reference import reference_dequantize
+from tests.doubles.faulty_kernels import faulty_tiled_qmm
+from lockstep.models.errors import ModelError
 from tests.synthetic import build_llama_dir, write_tiny_tokenizer
 
 # Logits of the patched nvfp4 model vs its float32 dequantized twin, relative to the
@@ -154,7 +154,7 @@ def test_switch_layer_gather_paths_audited():
 
 
 def test_cli_audit_prints_table(nvfp4_dir, capsys):
-    from server.cli import main as cli_main
+    from lockstep.server.cli import main as cli_main
 
     assert cli_main(["audit", str(nvfp4_dir), "--prompt-rows", "40"]) == 0
     out = capsys.readouterr().out

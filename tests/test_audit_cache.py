@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load_model as mlx_load_model
 
-import kernels.audit.patch as audit
-from kernels.audit import audit_model, audit_verdict_cache, format_table, slicing
-from kernels.doubles.faulty_kernels import faulty_tiled_qmm
-from kernels.verdict_cache import VerdictCache
+import lockstep.kernels.audit.patch as audit
+from lockstep.kernels.audit import audit_model, audit_verdict_cache, format_table, slicing
+from tests.doubles.faulty_kernels import faulty_tiled_qmm
+from lockstep.kernels.verdict_cache import VerdictCache
 from tests.synthetic import build_llama_dir
 
 PROMPT_ROWS = 40  # reaches the tiled path (>= 33) and keeps the probes cheap on 2 cores
@@ -237,7 +237,7 @@ def test_writes_are_atomic_and_leave_no_temporary_files(tmp_path, monkeypatch):
     def interrupted(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr("kernels.verdict_cache.os.replace", interrupted)
+    monkeypatch.setattr("lockstep.kernels.verdict_cache.os.replace", interrupted)
     store.put({"a": 1}, {"verdict": "changed"})  # a warning, not a crash
     assert json.loads(path.read_text())["value"] == {"verdict": "ok"}  # the old file is intact
     assert [p.name for p in store.dir.iterdir()] == [path.name]  # no temporary left behind
@@ -259,7 +259,7 @@ def test_default_root_follows_the_environment(tmp_path, monkeypatch):
 
 
 def test_cli_audit_reuses_verdicts_unless_fresh(nvfp4_dir, tmp_path, monkeypatch, capsys):
-    from server.cli import main as cli_main
+    from lockstep.server.cli import main as cli_main
     from tests.synthetic import write_tiny_tokenizer
 
     write_tiny_tokenizer(nvfp4_dir)  # `lockstep audit` loads through models.load

@@ -1,7 +1,7 @@
 """Continuous batching: many requests' rows in one forward pass, each deterministic request
 still bit-identical to running alone.
 
-The backend is the shape-variant double (kernels/doubles/shape_variant.py: on the CPU, calls with
+The backend is the shape-variant double (tests/doubles/shape_variant.py: on the CPU, calls with
 several rows reduce in another order, as CUDA's do), so batching *would* change bits
 unless the scheduler keeps deterministic rows in passes of at most L canonical rows. The
 model is a tiny random llama (tests/tiny_models.py) whose token ids read back from the
@@ -16,13 +16,13 @@ import mlx.core as mx
 import pytest
 from openai import OpenAI
 
-from kernels.batching.ragged import enable_ragged, ragged_forward
-from kernels.batching.ragged_selftest import prove_ragged
-from kernels.doubles.shape_variant import shape_variant_backend
-from kernels.invariance import set_batch_invariant_limit
-from server.engine.decoding import Deployment
-from server.engine.passes import Demand, compose_passes
-from server.engine.prefix_cache import PrefixCache
+from lockstep.kernels.batching.ragged import enable_ragged, ragged_forward
+from lockstep.kernels.batching.ragged_selftest import prove_ragged
+from tests.doubles.shape_variant import shape_variant_backend
+from lockstep.kernels.invariance import set_batch_invariant_limit
+from lockstep.server.engine.decoding import Deployment
+from lockstep.server.engine.passes import Demand, compose_passes
+from lockstep.server.engine.prefix_cache import PrefixCache
 from tests.deterministic_fixtures import TinyLoaded
 from tests.http_server import running, wait_until
 from tests.test_deterministic_double import peaked_llama
@@ -119,8 +119,8 @@ class PassLog:
 def serve_tiny(limit: int, *, prove: bool = True, max_batch_rows: int = 32, max_kv_tokens=None,
                kv_pool: str = "off"):
     """(app, engine, pass log) for the tiny model with L = `limit` installed under the double."""
-    from server.api.app import create_app
-    from server.engine import Engine
+    from lockstep.server.api.app import create_app
+    from lockstep.server.engine import Engine
 
     model = peaked_llama()
     draft = peaked_llama(quant="affine")
@@ -320,7 +320,7 @@ def test_kv_budget_refuses_what_never_fits_and_queues_what_does_not_fit_yet():
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_between_decode_passes(monkeypatch):
-    from server.engine.request_state import RequestState
+    from lockstep.server.engine.request_state import RequestState
 
     app, engine, log = serve_tiny(0)
     events = []

@@ -17,7 +17,7 @@ import httpx2 as httpx
 import pytest
 from openai import OpenAI
 
-from kernels import cpu_blas
+from lockstep.kernels import cpu_blas
 from tests.http_server import free_port, wait_for_health
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +36,7 @@ def openblas_server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("openblas") / "serve.log"
     log = open(log_path, "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", "--cpu-blas", "openblas", "--weights", "float32",
+        [sys.executable, "-m", "lockstep.server.cli", "serve", "--cpu-blas", "openblas", "--weights", "float32",
          "--batch-invariant-limit", str(LIMIT), "--port", str(port), "--max-active", "24"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LOCKSTEP_API_KEYS": ""})
     base = f"http://127.0.0.1:{port}"

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels.invariance.composed_attention import composed_attention, composed_serves
+from lockstep.kernels.invariance.composed_attention import composed_attention, composed_serves
 from tests.test_cpu_blas import _run, _shim_env  # the shim acts at process start
 
 
@@ -41,8 +41,8 @@ def test_serves_causal_or_no_mask_without_sinks():
 
 ROWS = """
     import json, os, mlx.core as mx
-    from kernels import cpu_blas
-    from kernels.invariance.composed_attention import composed_attention
+    from lockstep.kernels import cpu_blas
+    from lockstep.kernels.invariance.composed_attention import composed_attention
     cpu_blas.set_kernel_limit(int(os.environ["COMPOSED_LIMIT"]))
     keys = mx.random.split(mx.random.key(1), 3)
     t, s = 8, 45  # 45 keys: not a multiple of the kernel's 8 lanes

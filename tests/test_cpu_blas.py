@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_blas
+from lockstep.kernels import cpu_blas
 
 ROOT = Path(__file__).resolve().parents[1]
 LINUX = sys.platform.startswith("linux")
@@ -47,7 +47,7 @@ def _run(code: str, env: dict[str, str]) -> dict:
 
 MATMUL = """
     import json, numpy as np, mlx.core as mx
-    from kernels import cpu_blas
+    from lockstep.kernels import cpu_blas
     rng = np.random.default_rng(0)
     a = rng.standard_normal((64, 576)).astype(np.float32)
     w = rng.standard_normal((576, 576)).astype(np.float32)
@@ -59,7 +59,7 @@ MATMUL = """
 
 VARIANCE = f"""
     import json, numpy as np, mlx.core as mx
-    from kernels import cpu_blas
+    from lockstep.kernels import cpu_blas
     rng = np.random.default_rng(0)
     out = {{"active": cpu_blas.active()}}
     for k, n in {VARYING_SHAPES!r}:
@@ -128,7 +128,7 @@ def test_openblas_is_shape_variant_reference_is_not():
 
 REEXEC = """
     import json, sys
-    from kernels import cpu_blas
+    from lockstep.kernels import cpu_blas
     cpu_blas.ensure_preloaded(choice=sys.argv[1])
     print(json.dumps({"active": cpu_blas.active()}))
 """
@@ -157,7 +157,7 @@ LOGITS = """
     import json, numpy as np, mlx.core as mx
     from mlx_lm.models import llama
     from mlx_lm.models.cache import make_prompt_cache
-    from kernels import cpu_blas
+    from lockstep.kernels import cpu_blas
     args = llama.ModelArgs(model_type="llama", hidden_size=576, num_hidden_layers=2,
                            num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
                            vocab_size=1024, rms_norm_eps=1e-5, rope_theta=100000.0,

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernels import cpu_blas
+from lockstep.kernels import cpu_blas
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -59,7 +59,7 @@ def _run(code: str, env: dict[str, str], *args: str) -> dict:
 # an N that is no multiple of 16, one too narrow to split, an addmm (beta = 1).
 PRODUCTS = """
     import json, sys, numpy as np, mlx.core as mx
-    from kernels import cpu_blas
+    from lockstep.kernels import cpu_blas
     rng = np.random.default_rng(7)
     cases = [(64, 576, 576, True, False), (130, 1536, 576, True, False),
              (99, 576, 1536, False, False), (77, 33, 2048, True, False),
@@ -120,7 +120,7 @@ def test_split_bits_do_not_depend_on_idle_cores(tmp_path):
 
 ROWS = """
     import json, numpy as np, mlx.core as mx
-    from kernels import cpu_blas
+    from lockstep.kernels import cpu_blas
     rng = np.random.default_rng(3)
     w = mx.array(rng.standard_normal((1536, 576)).astype(np.float32))  # 9 rows: > 4e6 MACs
     counts = {}
@@ -154,7 +154,7 @@ def test_large_calls_and_the_invariant_kernels_calls_are_split(tmp_path):
 
 KERNEL_ROWS = """
     import json, sys, numpy as np, mlx.core as mx
-    from kernels import cpu_blas
+    from lockstep.kernels import cpu_blas
     rng = np.random.default_rng(11)
     cpu_blas.set_kernel_limit(8)
     outs = []
@@ -189,7 +189,7 @@ def test_invariant_kernel_bits_do_not_depend_on_who_runs_the_blocks(tmp_path):
 
 FORK = """
     import ctypes, json, os, numpy as np
-    from kernels import cpu_blas
+    from lockstep.kernels import cpu_blas
     lib = ctypes.CDLL(None)  # the preloaded shim's cblas_sgemm, no MLX (its threads do not fork)
     sgemm = lib.cblas_sgemm
     f, i, p = ctypes.c_float, ctypes.c_int, ctypes.c_void_p

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_blas
+from lockstep.kernels import cpu_blas
 from tests.test_cpu_blas import _run, _shim_env  # subprocess helpers: the shim acts at process start
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ LIMIT = 8
 # the two layouts MLX passes (logged: always row-major, A not transposed).
 KERNEL = f"""
     import ctypes, json, numpy as np, mlx.core as mx
-    from kernels import cpu_blas
+    from lockstep.kernels import cpu_blas
     LIMIT = {LIMIT}
     shapes = [(5, 3), (13, 11), (577, 301), (576, 576), (1536, 576), (64, 9)]
     lib = ctypes.CDLL(None)
@@ -83,7 +83,7 @@ def test_kernel_rows_are_correct_invariant_and_path_independent():
 # column-major order, both transposes, alpha and beta.
 DIRECT = """
     import ctypes, json, numpy as np
-    from kernels import cpu_blas
+    from lockstep.kernels import cpu_blas
     cpu_blas.set_kernel_limit(8)
     lib = ctypes.CDLL(None)
     f = lib.cblas_sgemm
@@ -121,8 +121,8 @@ def test_kernel_takes_every_blas_argument_combination():
 SELFTEST = """
     import json, sys, ctypes, mlx.core as mx
     from mlx_lm.models import llama
-    from kernels import cpu_blas
-    from kernels.invariance import set_batch_invariant_limit
+    from lockstep.kernels import cpu_blas
+    from lockstep.kernels.invariance import set_batch_invariant_limit
     if sys.argv[1] == "portable":
         ctypes.c_int.in_dll(ctypes.CDLL(None), "lockstep_cpu_kernel_portable").value = 1
     args = llama.ModelArgs(model_type="llama", hidden_size=576, num_hidden_layers=2,
@@ -172,5 +172,5 @@ def test_without_the_shim_cpu_kernel_is_skipped_with_the_reason():
     assert r["active"] == "reference" and r["shim_limit"] is None, r
     assert r["strategy"] == "native" and r["guaranteed"], r  # reference BLAS is invariant
     # native passed first, so cpu_kernel was never needed; ask for it by name instead
-    from kernels.invariance.ops import CPU_KERNEL
+    from lockstep.kernels.invariance.ops import CPU_KERNEL
     assert "OpenBLAS shim" in CPU_KERNEL.unavailable_reason(4)

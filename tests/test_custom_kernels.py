@@ -12,12 +12,12 @@ from mlx_lm.models import cache as mlx_cache
 import numpy as np
 import pytest
 
-from kernels import custom
-from kernels.custom import loop_order, mma_order, skinny
-from kernels.doubles.shape_variant import shape_variant_backend
-from kernels.invariance import set_batch_invariant_limit
-from kernels.invariance.ops import SKINNY, STRATEGIES, dense_rows, quantized_rows
-from kernels.invariance.selftest import bits_equal, self_test
+from lockstep.kernels import custom
+from lockstep.kernels.custom import loop_order, mma_order, skinny
+from tests.doubles.shape_variant import shape_variant_backend
+from lockstep.kernels.invariance import set_batch_invariant_limit
+from lockstep.kernels.invariance.ops import SKINNY, STRATEGIES, dense_rows, quantized_rows
+from lockstep.kernels.invariance.selftest import bits_equal, self_test
 from tiny_models import QUANT_MODES, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -262,7 +262,7 @@ def _emulated_kernel(unit_for_rows):
 @pytest.fixture
 def strided_fails(monkeypatch):
     """strided_gemv as a form that fails the proof (native rows), so auto goes past it."""
-    from kernels.invariance.ops import STRATEGIES, Strategy
+    from lockstep.kernels.invariance.ops import STRATEGIES, Strategy
 
     broken = Strategy("strided_gemv", dense="native", quantized_rows=0, attention="per_query_contiguous")
     monkeypatch.setitem(STRATEGIES, "strided_gemv", broken)

@@ -5,8 +5,8 @@ import threading
 
 import pytest
 
-from server.engine.decoding import METHODS, DecodePlan, Deployment, RequestRejected, plan_request
-from server.runtime import LIMIT_ENV, limit_from_env
+from lockstep.server.engine.decoding import METHODS, DecodePlan, Deployment, RequestRejected, plan_request
+from lockstep.server.runtime import LIMIT_ENV, limit_from_env
 
 DRAFT = object()  # stands in for a draft model: plan_request only checks it is there
 PROVEN = Deployment(limit=6, guaranteed=True, strategy="native", num_draft_tokens=4, draft_model=DRAFT)
@@ -108,7 +108,7 @@ def test_extension_reports_the_guarantee_only_for_deterministic_requests():
 
 
 def test_every_speculative_method_has_a_drafter():
-    from server.engine.speculative import DraftModelDrafter, PromptLookupDrafter
+    from lockstep.server.engine.speculative import DraftModelDrafter, PromptLookupDrafter
 
     assert set(METHODS) == {"none", DraftModelDrafter.name, PromptLookupDrafter.name}
 
@@ -139,7 +139,7 @@ def test_limit_from_env_rejects_bad_values_naming_the_variable(value, which):
 def test_serve_flag_beats_environment(monkeypatch):
     import argparse
 
-    from server.commands.runtime_args import add_determinism_arguments, add_model_arguments, options_from_args
+    from lockstep.server.commands.runtime_args import add_determinism_arguments, add_model_arguments, options_from_args
 
     parser = argparse.ArgumentParser()
     add_model_arguments(parser)
@@ -158,9 +158,9 @@ def test_serve_flag_beats_environment(monkeypatch):
 def test_adaptive_speculation_flag_reaches_the_deployment_with_measured_costs(monkeypatch):
     import argparse
 
-    import server.engine.speculative as speculative
-    from server.commands.runtime_args import add_determinism_arguments, add_model_arguments, options_from_args
-    from server.runtime import build_runtime
+    import lockstep.server.engine.speculative as speculative
+    from lockstep.server.commands.runtime_args import add_determinism_arguments, add_model_arguments, options_from_args
+    from lockstep.server.runtime import build_runtime
 
     parser = argparse.ArgumentParser()
     add_model_arguments(parser)
@@ -186,8 +186,8 @@ def test_adaptive_speculation_flag_reaches_the_deployment_with_measured_costs(mo
 def test_engine_runs_an_exclusive_plan_alone():
     """Units of work are logged per request: an exclusive request never interleaves with
     another, and requests queued after it wait for it (FIFO); plain ones interleave."""
-    from server.engine import Engine
-    from server.engine.generate import Delta, GenerationRequest
+    from lockstep.server.engine import Engine
+    from lockstep.server.engine.generate import Delta, GenerationRequest
 
     log: list[str] = []
     lock = threading.Lock()

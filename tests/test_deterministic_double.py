@@ -1,5 +1,5 @@
 """Speculative decoding == plain decoding, bit for bit, only where batch invariance covers
-the verification width: on the shape-variant double (kernels/doubles/shape_variant.py), the CPU
+the verification width: on the shape-variant double (tests/doubles/shape_variant.py), the CPU
 stand-in for a backend whose reductions change with the number of rows M.
 
 Driven through server.engine.generate.generate() with real DecodePlans and Deployments, and at the
@@ -10,11 +10,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from kernels.doubles.shape_variant import shape_variant_backend
-from kernels.invariance import set_batch_invariant_limit
-from kernels.invariance.selftest import bits_equal
-from server.engine.decoding import DecodePlan, Deployment, plan_request
-from server.engine.speculative import DraftModelDrafter, PromptLookupDrafter
+from tests.doubles.shape_variant import shape_variant_backend
+from lockstep.kernels.invariance import set_batch_invariant_limit
+from lockstep.kernels.invariance.selftest import bits_equal
+from lockstep.server.engine.decoding import DecodePlan, Deployment, plan_request
+from lockstep.server.engine.speculative import DraftModelDrafter, PromptLookupDrafter
 from tests.deterministic_fixtures import (GREEDY, SEEDED, TinyLoaded, chosen_rows, rows_bit_identical,
                                           run_generate, steps_from)
 from tests.tiny_models import QUANT_MODES, tiny_llama

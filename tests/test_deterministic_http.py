@@ -109,7 +109,7 @@ def restarted(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("LOCKSTEP_BATCH_INVARIANT_LIMIT",
                                                             "MLX_METAL_BATCH_INVARIANT_LIMIT")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "--log-level", "WARNING", "serve", "--batch-invariant-limit", str(L),
+        [sys.executable, "-m", "lockstep.server.cli", "--log-level", "WARNING", "serve", "--batch-invariant-limit", str(L),
          "--prefill-chunk", str(CHUNK), "--port", str(port),
          "--cpu-blas", "reference"],  # as the in-process server it is compared with (auto = q4)
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -126,8 +126,8 @@ def restarted(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def draft_model():
-    from models.load import load_model
-    from models.quantize import quantize_model_in_memory
+    from lockstep.models.load import load_model
+    from lockstep.models.quantize import quantize_model_in_memory
 
     draft = load_model("default", weights="float32")
     quantize_model_in_memory(draft.model, None, "affine", 4, 64, progress=False)
@@ -138,13 +138,13 @@ def draft_model():
 def server(restarted, embedded_model, draft_model):
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kernels import cpu_blas
-    from kernels.invariance import cache_invariance_problem, set_batch_invariant_limit
-    from server.api.app import create_app
-    from server.engine.decoding import Deployment
-    from server.engine import Engine
-    from server.fingerprint import system_fingerprint
-    from server.engine.prefix_cache import PrefixCache
+    from lockstep.kernels import cpu_blas
+    from lockstep.kernels.invariance import cache_invariance_problem, set_batch_invariant_limit
+    from lockstep.server.api.app import create_app
+    from lockstep.server.engine.decoding import Deployment
+    from lockstep.server.engine import Engine
+    from lockstep.server.fingerprint import system_fingerprint
+    from lockstep.server.engine.prefix_cache import PrefixCache
 
     plan = set_batch_invariant_limit(embedded_model.model, L)
     try:
@@ -316,10 +316,10 @@ def test_refusals_name_the_parameter(server):
 @pytest.fixture(scope="module")
 def l0_server(server, embedded_model):
     """A deployment with L = 0 and no draft model (same engine code, own prefix cache)."""
-    from server.api.app import create_app
-    from server.engine.decoding import Deployment
-    from server.engine import Engine
-    from server.engine.prefix_cache import PrefixCache
+    from lockstep.server.api.app import create_app
+    from lockstep.server.engine.decoding import Deployment
+    from lockstep.server.engine import Engine
+    from lockstep.server.engine.prefix_cache import PrefixCache
 
     engine = Engine(embedded_model, max_active=4, deployment=Deployment(prefill_chunk=CHUNK),
                     prefix_cache=PrefixCache(2)).start()

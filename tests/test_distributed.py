@@ -21,10 +21,10 @@ import httpx2 as httpx
 import pytest
 from openai import OpenAI
 
-from server.distributed.pipeline import layer_split
-from server.distributed.sharding import pipeline_problem, tensor_parallel_problem
-from server.distributed.world import DistributedStartupError, join
-from server.fingerprint import system_fingerprint
+from lockstep.server.distributed.pipeline import layer_split
+from lockstep.server.distributed.sharding import pipeline_problem, tensor_parallel_problem
+from lockstep.server.distributed.world import DistributedStartupError, join
+from lockstep.server.fingerprint import system_fingerprint
 from tests.http_server import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ class RingDeployment:
         self.base = f"http://127.0.0.1:{self.port}"
         hostfile = tmp / "hostfile.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(ranks)]))
-        command = [sys.executable, "-m", "server.cli", "serve", "--parallel", parallel,
+        command = [sys.executable, "-m", "lockstep.server.cli", "serve", "--parallel", parallel,
                    "--port", str(self.port), "--batch-invariant-limit", "2", "--max-active", "4",
                    "--connect-timeout", "60", "--rank-timeout", "15", *extra]
         self.logs = [tmp / f"rank{r}.log" for r in range(ranks)]
@@ -173,7 +173,7 @@ def test_parallel_without_a_launcher_is_a_clear_error(monkeypatch):
 
 def run_rank(env_extra: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, **env_extra}
-    return subprocess.run([sys.executable, "-m", "server.cli", "serve", "--parallel", "pipeline", *args],
+    return subprocess.run([sys.executable, "-m", "lockstep.server.cli", "serve", "--parallel", "pipeline", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

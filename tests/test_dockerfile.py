@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from server import cli
+from lockstep.server import cli
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile.macos"
@@ -189,13 +189,13 @@ def test_build_time_model_import_matches_what_serve_loads(monkeypatch):
     tree = ast.parse(source)
     imports = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert [(i.module, [a.name for a in i.names]) for i in imports] == [
-        ("kernels.cpu_blas", ["ensure_preloaded"]), ("models.load", ["load_model"])]
+        ("lockstep.kernels.cpu_blas", ["ensure_preloaded"]), ("lockstep.models.load", ["load_model"])]
     calls = {n.func.id: n for n in ast.walk(tree) if isinstance(n, ast.Call)}
     # The import runs under the BLAS serve's `--cpu-blas auto` picks in the container (Linux,
     # MLX on the CPU), since `--weights auto` depends on it (float32 on OpenBLAS, else q4).
     blas = {k.arg: ast.literal_eval(k.value) for k in calls["ensure_preloaded"].keywords}
     import mlx.core as mx
-    from server.commands.runtime_args import auto_cpu_blas
+    from lockstep.server.commands.runtime_args import auto_cpu_blas
 
     defaults = cli.build_parser().parse_args(["serve"])
     assert defaults.cpu_blas == "auto"
@@ -208,9 +208,9 @@ def test_build_time_model_import_matches_what_serve_loads(monkeypatch):
     # Same spec and weights as a default `lockstep serve`, so its model cache entry is hit.
     assert keywords == {"spec": defaults.model, "weights": defaults.weights}
     # ...and serve really loads with those: record the call its runtime makes.
-    import models.load
-    from server.commands.runtime_args import options_from_args
-    from server.runtime import build_runtime
+    import lockstep.models.load as load_module
+    from lockstep.server.commands.runtime_args import options_from_args
+    from lockstep.server.runtime import build_runtime
 
     calls = []
 
@@ -218,7 +218,7 @@ def test_build_time_model_import_matches_what_serve_loads(monkeypatch):
         calls.append((spec, weights))
         raise LookupError("recorded")
 
-    monkeypatch.setattr(models.load, "load_model", record)
+    monkeypatch.setattr(load_module, "load_model", record)
     with pytest.raises(LookupError):
         build_runtime(options_from_args(defaults))
     assert calls == [(defaults.model, defaults.weights)]

@@ -13,7 +13,7 @@ from tests.http_server import wait_until
 from tests.test_hardening_round2 import CHAT, EndlessGenerate
 
 def _serve_draining(app, drain_timeout):
-    from server.api.shutdown import DrainingServer, bind
+    from lockstep.server.api.shutdown import DrainingServer, bind
 
     import uvicorn
 
@@ -32,8 +32,8 @@ def test_streams_cut_at_the_drain_timeout_end_with_an_error_event_and_done(embed
                                                                           second_signal):
     import signal
 
-    from server.api.app import create_app
-    from server.engine import Engine
+    from lockstep.server.api.app import create_app
+    from lockstep.server.engine import Engine
 
     endless = EndlessGenerate()
     engine = Engine(embedded_model, generate_fn=endless).start()

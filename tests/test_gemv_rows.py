@@ -9,12 +9,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels.custom import gemv_order, gemv_rows, loop_order
-from kernels.doubles.shape_variant import shape_variant_backend
-from kernels.invariance import set_batch_invariant_limit
-from kernels.invariance.limit import AUTO_CANDIDATES, CUDA_16BIT_AUTO_CANDIDATES
-from kernels.invariance.ops import GEMV_ROWS, STRATEGIES, dense_rows
-from kernels.invariance.selftest import bits_equal, self_test
+from lockstep.kernels.custom import gemv_order, gemv_rows, loop_order
+from tests.doubles.shape_variant import shape_variant_backend
+from lockstep.kernels.invariance import set_batch_invariant_limit
+from lockstep.kernels.invariance.limit import AUTO_CANDIDATES, CUDA_16BIT_AUTO_CANDIDATES
+from lockstep.kernels.invariance.ops import GEMV_ROWS, STRATEGIES, dense_rows
+from lockstep.kernels.invariance.selftest import bits_equal, self_test
 from tiny_models import tiny_llama
 
 
@@ -93,7 +93,7 @@ def test_auto_tries_gemv_rows_right_after_the_cpu_kernel():
 def test_every_strategy_can_be_asked_for_on_the_command_line():
     import argparse
 
-    from server.commands.runtime_args import add_determinism_arguments
+    from lockstep.server.commands.runtime_args import add_determinism_arguments
 
     parser = argparse.ArgumentParser()
     add_determinism_arguments(parser)

@@ -10,9 +10,9 @@ import regex
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter, quants
 
-from models.embedded import embedded_gguf_path
-from models.gguf_import import import_gguf
-from models.gguf_tensors import NATIVE_BITS, native_affine, unpermute_rope_rows
+from lockstep.models.embedded import embedded_gguf_path
+from lockstep.models.gguf_import import import_gguf
+from lockstep.models.gguf_tensors import NATIVE_BITS, native_affine, unpermute_rope_rows
 
 # ---- a tiny llama GGUF, written the way llama.cpp's converter would ---------------------
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from server.engine.grammar import GrammarCompiler, GrammarError, apply_mask
+from lockstep.server.engine.grammar import GrammarCompiler, GrammarError, apply_mask
 
 START, END = "<tool_call>\n", "\n</tool_call>"
 

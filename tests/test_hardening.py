@@ -12,7 +12,7 @@ import httpx2 as httpx
 import pytest
 from openai import AuthenticationError, OpenAI
 
-from server.engine.generate import Delta
+from lockstep.server.engine.generate import Delta
 from tests.http_server import running, wait_until
 
 KEYS = ["key-one", "key-two"]
@@ -50,9 +50,9 @@ def scripted():
 @pytest.fixture(scope="module")
 def hardened(embedded_model, scripted):
     """(base URL, app) for an app with keys, small limits and one slot."""
-    from server.api.app import create_app
-    from server.engine import Engine
-    from server.api.limits import Limits
+    from lockstep.server.api.app import create_app
+    from lockstep.server.engine import Engine
+    from lockstep.server.api.limits import Limits
 
     engine = Engine(embedded_model, max_active=1, generate_fn=scripted).start()
     limits = Limits(max_body_bytes=4096, max_tokens=16, max_prompt_tokens=64, max_queue=1)
@@ -119,7 +119,7 @@ def test_the_openai_client_sees_an_authentication_error(hardened):
 
 
 def test_keys_come_from_flags_and_the_environment():
-    from server.api.auth import api_keys
+    from lockstep.server.api.auth import api_keys
 
     assert api_keys(["a", " b "], environ={"LOCKSTEP_API_KEYS": "c, ,d"}) == ["a", "b", "c", "d"]
     assert api_keys([], environ={}) == []
@@ -128,7 +128,7 @@ def test_keys_come_from_flags_and_the_environment():
 # ---------------------------------------------------------------------------- binding
 
 def _serve_args(*argv):
-    from server.commands.serve import add_arguments
+    from lockstep.server.commands.serve import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -136,7 +136,7 @@ def _serve_args(*argv):
 
 
 def test_binding_beyond_loopback_without_a_key_warns(caplog, monkeypatch):
-    from server.commands.http_args import http_settings_from_args
+    from lockstep.server.commands.http_args import http_settings_from_args
 
     monkeypatch.delenv("LOCKSTEP_API_KEYS", raising=False)
     assert _serve_args().host == "127.0.0.1"
@@ -152,7 +152,7 @@ def test_binding_beyond_loopback_without_a_key_warns(caplog, monkeypatch):
 
 
 def test_limit_flags_reach_the_settings(monkeypatch):
-    from server.commands.http_args import http_settings_from_args
+    from lockstep.server.commands.http_args import http_settings_from_args
 
     monkeypatch.setenv("LOCKSTEP_API_KEYS", "from-env")
     args = _serve_args("--api-key", "k1", "--api-key", "k2", "--max-body-bytes", "100", "--max-tokens-limit", "7",
@@ -317,8 +317,8 @@ def test_metrics_count_requests_errors_tokens_and_extensions(hardened, http):
 
 
 def test_each_app_has_its_own_registry(embedded_model, scripted):
-    from server.api.app import create_app
-    from server.engine import Engine
+    from lockstep.server.api.app import create_app
+    from lockstep.server.engine import Engine
 
     engine = Engine(embedded_model, generate_fn=scripted)  # never started: no request reaches it
     first, second = create_app(engine), create_app(engine)
@@ -350,8 +350,8 @@ def test_access_log_is_one_json_line_without_the_prompt(http, caplog):
 def test_prompts_are_logged_only_when_asked(embedded_model, scripted, caplog):
     from fastapi.testclient import TestClient
 
-    from server.api.app import create_app
-    from server.engine import Engine
+    from lockstep.server.api.app import create_app
+    from lockstep.server.engine import Engine
 
     engine = Engine(embedded_model, generate_fn=scripted).start()
     try:
@@ -369,8 +369,8 @@ def test_prompts_are_logged_only_when_asked(embedded_model, scripted, caplog):
 def test_draining_refuses_new_work_with_503(embedded_model, scripted):
     from fastapi.testclient import TestClient
 
-    from server.api.app import create_app
-    from server.engine import Engine
+    from lockstep.server.api.app import create_app
+    from lockstep.server.engine import Engine
 
     engine = Engine(embedded_model, generate_fn=scripted)  # not started: refused before it matters
     app = create_app(engine)

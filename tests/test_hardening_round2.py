@@ -15,7 +15,7 @@ import httpx2 as httpx
 import mlx.core as mx
 import pytest
 
-from server.engine.generate import Delta
+from lockstep.server.engine.generate import Delta
 from tests.http_server import running, wait_until
 
 KEYS = ["k1"]
@@ -47,8 +47,8 @@ def endless():
 
 @pytest.fixture(scope="module")
 def app_url(embedded_model, endless):
-    from server.api.app import create_app
-    from server.engine import Engine
+    from lockstep.server.api.app import create_app
+    from lockstep.server.engine import Engine
 
     engine = Engine(embedded_model, max_active=4, generate_fn=endless).start()
     app = create_app(engine, api_keys=KEYS)
@@ -76,7 +76,7 @@ def error_of(response, status, param):
 # ------------------------------------------------- 1. a request that stalls all others
 
 def test_draft_tokens_above_the_server_maximum_are_refused_naming_the_limit(http):
-    from server.engine.decoding import MAX_DRAFT_TOKENS
+    from lockstep.server.engine.decoding import MAX_DRAFT_TOKENS
 
     body = {**CHAT, "speculative": "prompt_lookup", "num_draft_tokens": 300, "max_tokens": 1}
     message = error_of(http.post("/v1/chat/completions", json=body), 400, "num_draft_tokens")
@@ -86,7 +86,7 @@ def test_draft_tokens_above_the_server_maximum_are_refused_naming_the_limit(http
 
 
 def test_the_num_draft_tokens_flag_is_bounded_by_the_maximum():
-    from server.runtime import Options, build_runtime
+    from lockstep.server.runtime import Options, build_runtime
 
     with pytest.raises(ValueError, match="above --max-draft-tokens"):
         build_runtime(Options(num_draft_tokens=300))  # refused before any model is loaded
@@ -95,10 +95,10 @@ def test_the_num_draft_tokens_flag_is_bounded_by_the_maximum():
 
 
 def test_drafts_are_clipped_to_the_tokens_left(embedded_model, monkeypatch):
-    from server.engine.decoding import DecodePlan, Deployment
-    from server.engine.generate import GenerationRequest, generate
-    from server.engine.sampling import SamplingParams
-    from server.engine.speculative import PromptLookupDrafter
+    from lockstep.server.engine.decoding import DecodePlan, Deployment
+    from lockstep.server.engine.generate import GenerationRequest, generate
+    from lockstep.server.engine.sampling import SamplingParams
+    from lockstep.server.engine.speculative import PromptLookupDrafter
 
     asked = []
     original = PromptLookupDrafter.propose
@@ -118,7 +118,7 @@ def test_drafts_are_clipped_to_the_tokens_left(embedded_model, monkeypatch):
 
 
 def test_a_cancelled_request_stops_drafting_inside_the_step(embedded_model):
-    from server.engine.speculative import DraftModelDrafter
+    from lockstep.server.engine.speculative import DraftModelDrafter
 
     drafter = DraftModelDrafter(embedded_model.model)
     feeds = []
@@ -143,7 +143,7 @@ def test_a_cancelled_request_stops_drafting_inside_the_step(embedded_model):
 
 def test_a_long_step_does_not_hold_the_engine_after_its_client_left(embedded_model):
     """The engine passes `cancelled` to generate, and a cancelled request leaves at once."""
-    from server.engine import Engine
+    from lockstep.server.engine import Engine
 
     seen = {}
 
@@ -157,7 +157,7 @@ def test_a_long_step_does_not_hold_the_engine_after_its_client_left(embedded_mod
         import asyncio
 
         async def go():
-            from server.engine.generate import GenerationRequest
+            from lockstep.server.engine.generate import GenerationRequest
 
             handle = engine.submit(GenerationRequest([1, 2], max_tokens=4))
             await asyncio.to_thread(wait_until, lambda: "cancelled" in seen)
@@ -175,7 +175,7 @@ def test_a_long_step_does_not_hold_the_engine_after_its_client_left(embedded_mod
 @pytest.mark.parametrize("params", [dict(temperature=1e-40), dict(temperature=1e-300),
                                     dict(temperature=1.0, top_p=1e-300), dict(temperature=1.0, top_p=1e-45)])
 def test_tiny_temperature_or_top_p_picks_the_top_token(params):
-    from server.engine.sampling import SamplingParams, sample
+    from lockstep.server.engine.sampling import SamplingParams, sample
 
     logits = mx.random.normal((3, 1000), key=mx.random.key(3)) * 4
     chosen = sample(logits, [10, 11, 12], SamplingParams(seed=5, top_logprobs=1, **params))
@@ -208,7 +208,7 @@ def test_seeds_inside_int64_are_accepted(http, seed):
 
 
 def test_distinct_int64_seeds_give_distinct_keys():
-    from server.engine.sampling import key_for
+    from lockstep.server.engine.sampling import key_for
 
     keys = {tuple(key_for(seed, 7).tolist()) for seed in (0, -1, 2**63 - 1, -(2**63), 1)}
     assert len(keys) == 5
@@ -244,7 +244,7 @@ def test_non_streamed_disconnects_move_the_metric_and_health_together(app_url, h
 # ------------------------------------------------ 6. orphaned import directories
 
 def test_stale_import_directories_are_swept(tmp_path):
-    from models.gguf_import import sweep_stale_imports
+    from lockstep.models.gguf_import import sweep_stale_imports
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -260,8 +260,8 @@ def test_stale_import_directories_are_swept(tmp_path):
 
 
 def test_an_import_sweeps_before_it_looks_in_the_cache(tmp_path):
-    from models.embedded import embedded_gguf_path
-    from models.gguf_import import imported_dir, import_gguf
+    from lockstep.models.embedded import embedded_gguf_path
+    from lockstep.models.gguf_import import imported_dir, import_gguf
 
     final = imported_dir(embedded_gguf_path(), "q4", tmp_path)
     final.mkdir(parents=True)
@@ -280,7 +280,7 @@ def test_a_busy_port_is_reported_before_the_model_loads():
     holder.listen()
     port = holder.getsockname()[1]
     try:
-        done = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
+        done = subprocess.run([sys.executable, "-m", "lockstep.server.cli", "serve", "--port", str(port)],
                               capture_output=True, text=True, timeout=120)
     finally:
         holder.close()
@@ -339,8 +339,8 @@ def test_openapi_schema_needs_the_key_when_keys_are_set(app_url):
 def test_cpu_gets_a_default_prompt_cap_and_the_flag_overrides_it(monkeypatch):
     import argparse
 
-    from server.commands.http_args import add_http_arguments, http_settings_from_args
-    from server.api.limits import DEFAULT_CPU_MAX_PROMPT_TOKENS
+    from lockstep.server.commands.http_args import add_http_arguments, http_settings_from_args
+    from lockstep.server.api.limits import DEFAULT_CPU_MAX_PROMPT_TOKENS
 
     monkeypatch.delenv("LOCKSTEP_API_KEYS", raising=False)
     parser = argparse.ArgumentParser()
@@ -356,10 +356,10 @@ def test_a_cancelled_prefill_stops_at_the_next_chunk(embedded_model, monkeypatch
     """Each prompt chunk is one engine step, so a disconnect frees the slot after one chunk."""
     import asyncio
 
-    import server.engine.request_state as request_state
-    from server.engine import Engine
-    from server.engine.decoding import Deployment
-    from server.engine.request_state import GenerationRequest
+    import lockstep.server.engine.request_state as request_state
+    from lockstep.server.engine import Engine
+    from lockstep.server.engine.decoding import Deployment
+    from lockstep.server.engine.request_state import GenerationRequest
 
     chunks = []
     release = threading.Event()

@@ -1,7 +1,7 @@
 """Batch invariance: canonical ops, the model-level switch, cache checks, aligned prefill.
 
 The CPU backend is natively shape-invariant, so every claim is also shown under the
-shape-variant test double (kernels/doubles/shape_variant.py), where the native path must diverge.
+shape-variant test double (tests/doubles/shape_variant.py), where the native path must diverge.
 """
 import gc
 
@@ -12,17 +12,17 @@ from mlx_lm.models import base as mlx_base
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models import llama
 
-from kernels.doubles.shape_variant import shape_variant_backend
-from kernels.invariance.limit import (
+from tests.doubles.shape_variant import shape_variant_backend
+from lockstep.kernels.invariance.limit import (
     batch_invariant_plan,
     cache_invariance_problem,
     set_batch_invariant_limit,
     uncovered_parts,
 )
-from kernels.invariance.layers import Setting, _sdpa_users, batch_invariant, invariant_sdpa
-from kernels.invariance.ops import ROWWISE, attention_per_query, dense_rows, quantized_rows
-from kernels.invariance.prefill import prefill
-from kernels.invariance.selftest import bits_equal, self_test
+from lockstep.kernels.invariance.layers import Setting, _sdpa_users, batch_invariant, invariant_sdpa
+from lockstep.kernels.invariance.ops import ROWWISE, attention_per_query, dense_rows, quantized_rows
+from lockstep.kernels.invariance.prefill import prefill
+from lockstep.kernels.invariance.selftest import bits_equal, self_test
 from tiny_models import QUANT_MODES, tiny_llama
 
 CANONICAL = ("rowwise", "strided_gemv")
@@ -316,8 +316,8 @@ class _nothing:
 
 
 def test_packed_kv_keeps_the_values_and_pads_256_multiples_only_for_cuda(monkeypatch):
-    from kernels import custom
-    from kernels.invariance import ops
+    from lockstep.kernels import custom
+    from lockstep.kernels.invariance import ops
 
     x = mx.random.normal((1, 3, 256, 8))
     padded, pad = [], mx.pad

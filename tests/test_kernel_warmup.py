@@ -4,11 +4,11 @@ passes. On this CPU the custom kernels are unavailable and their forms fall back
 runs every width through the canonical layers."""
 import threading
 
-import kernels.invariance.layers as layers
-from kernels.doubles.shape_variant import shape_variant_backend
-from kernels.invariance import STRATEGIES, set_batch_invariant_limit
-from kernels.invariance.layers import Setting
-from kernels.invariance.warmup import build_kernels
+import lockstep.kernels.invariance.layers as layers
+from tests.doubles.shape_variant import shape_variant_backend
+from lockstep.kernels.invariance import STRATEGIES, set_batch_invariant_limit
+from lockstep.kernels.invariance.layers import Setting
+from lockstep.kernels.invariance.warmup import build_kernels
 from tests.test_deterministic_double import peaked_llama
 
 LIMIT = 5

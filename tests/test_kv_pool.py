@@ -8,13 +8,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels.batching.kv_pool import KVPool, fill_prefix, pool_mode
-from kernels.batching.ragged import enable_ragged, ragged_forward
-from kernels.batching.ragged_selftest import prove_ragged
-from kernels.custom.attention import PoolRows, kernel_unavailable_reason, pooled_attention
-from kernels.custom.attention_order import TILE, WARPS, attention_row, tile_schedule
-from kernels.doubles.shape_variant import shape_variant_backend
-from kernels.invariance import set_batch_invariant_limit
+from lockstep.kernels.batching.kv_pool import KVPool, fill_prefix, pool_mode
+from lockstep.kernels.batching.ragged import enable_ragged, ragged_forward
+from lockstep.kernels.batching.ragged_selftest import prove_ragged
+from lockstep.kernels.custom.attention import PoolRows, kernel_unavailable_reason, pooled_attention
+from lockstep.kernels.custom.attention_order import TILE, WARPS, attention_row, tile_schedule
+from tests.doubles.shape_variant import shape_variant_backend
+from lockstep.kernels.invariance import set_batch_invariant_limit
 from tests.test_deterministic_double import peaked_llama
 
 LIMIT = 8
@@ -37,7 +37,7 @@ def bits(x: mx.array) -> bytes:
 def test_a_pass_writes_each_rows_kv_to_its_own_slot(model, starts):
     """Consecutive slots (one request, or requests that follow on) take a slice write, the
     others put_along_axis; both must leave exactly what an indexed assignment would."""
-    from kernels.batching.ragged import PooledPass
+    from lockstep.kernels.batching.ragged import PooledPass
 
     pool = KVPool(model, 128)
     caches = [pool.allocate(12) for _ in starts]
@@ -122,7 +122,7 @@ def test_the_tile_schedule_covers_every_key_once_in_an_order_fixed_by_the_length
 def test_the_order_model_the_loader_and_both_kernel_sources_agree_on_the_warp_count():
     from pathlib import Path
 
-    from kernels.custom import attention
+    from lockstep.kernels.custom import attention
 
     assert attention.ATT_WARPS == WARPS and attention.THREADS == 32 * WARPS
     folder = Path(attention.__file__).parent
@@ -202,9 +202,9 @@ def test_pool_mode_on_the_cpu(model):
 # ----------------------------------------------------- measuring as the engine decodes
 
 def test_speculation_over_the_engine_path_is_exact_and_gives_its_ranges_back(model):
-    from server.bench import decode
-    from server.engine.engine_path import EnginePath
-    from server.engine.speculative import measure_pass_costs
+    from lockstep.server.bench import decode
+    from lockstep.server.engine.engine_path import EnginePath
+    from lockstep.server.engine.speculative import measure_pass_costs
 
     path = EnginePath(model, "reference")
     prompt = [11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11, 12]
@@ -219,7 +219,7 @@ def test_speculation_over_the_engine_path_is_exact_and_gives_its_ranges_back(mod
 def test_the_kernels_smoke_test_refuses_a_wrong_kernel(monkeypatch):
     """On a GPU the kernel is checked per element type and head size against the reference
     form before the pool uses it; here a stand-in plays the kernel."""
-    import kernels.custom.attention as attention
+    import lockstep.kernels.custom.attention as attention
 
     right = lambda q, k, v, rows, scale: attention.reference_attention(q, k, v, rows, scale)  # noqa: E731
     monkeypatch.setattr(attention, "kernel_attention", right)

@@ -1,7 +1,7 @@
 """The HTTP load bench's client mix and its "changed answers" count (server/load_bench.py)."""
 import pytest
 
-from server.load_bench import (RoundResult, changed_answers, extra_for, mixed_extra, run_round,
+from lockstep.server.load_bench import (RoundResult, changed_answers, extra_for, mixed_extra, run_round,
                                solo_texts, summary_line)
 from tests.http_server import deterministic_server
 

@@ -9,11 +9,11 @@ from importlib import metadata
 import pytest
 from gguf import GGUFWriter
 
-import models.embedded as embedded
-import models.gguf_import as gguf_import
-from models.errors import ModelError
-from models.load import load_model
-from models.resolve import auto_weights, resolve_model
+import lockstep.models.embedded as embedded
+import lockstep.models.gguf_import as gguf_import
+from lockstep.models.errors import ModelError
+from lockstep.models.load import load_model
+from lockstep.models.resolve import auto_weights, resolve_model
 from test_gguf_import import write_tiny_gguf
 
 

@@ -3,8 +3,8 @@
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from kernels.batching.ragged import enable_ragged
-from kernels.invariance.prefill_attention import BLOCK, blocked_causal, wants_blocks
+from lockstep.kernels.batching.ragged import enable_ragged
+from lockstep.kernels.invariance.prefill_attention import BLOCK, blocked_causal, wants_blocks
 from tests.test_deterministic_double import peaked_llama
 
 
@@ -29,7 +29,7 @@ def test_the_models_prefill_goes_through_blocks_and_keeps_its_function():
     plain = model(tokens, cache=make_prompt_cache(model))  # the model's own attention
     enable_ragged(model)  # routes the model's attention name through lockstep's hook
     calls = []
-    import kernels.invariance.layers as layers
+    import lockstep.kernels.invariance.layers as layers
 
     original = layers.blocked_causal
     layers.blocked_causal = lambda *a, **k: calls.append(1) or original(*a, **k)

@@ -8,14 +8,14 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-import kernels.invariance.prefill
-import server.engine.generate as generate_module
-from kernels.doubles.shape_variant import shape_variant_backend
-from kernels.invariance import set_batch_invariant_limit
-from kernels.invariance.selftest import bits_equal
-from server.engine.decoding import Deployment
-from server.engine.generate import GenerationRequest
-from server.engine.prefix_cache import PrefixCache
+import lockstep.kernels.invariance.prefill as prefill_module
+import lockstep.server.engine.generate as generate_module
+from tests.doubles.shape_variant import shape_variant_backend
+from lockstep.kernels.invariance import set_batch_invariant_limit
+from lockstep.kernels.invariance.selftest import bits_equal
+from lockstep.server.engine.decoding import Deployment
+from lockstep.server.engine.generate import GenerationRequest
+from lockstep.server.engine.prefix_cache import PrefixCache
 from tests.deterministic_fixtures import GREEDY, SEEDED, TinyLoaded, rows_bit_identical, run_generate
 from tests.tiny_models import tiny_llama
 
@@ -174,7 +174,7 @@ def test_alignment_is_what_makes_a_mid_chunk_hit_exact(tiny, monkeypatch):
     deployment = Deployment(prefill_chunk=CHUNK)
     with shape_variant_backend():
         cold = run_generate(tiny, PROMPT, TOKENS, GREEDY, deployment=deployment)
-        monkeypatch.setattr(kernels.invariance.prefill, "rows_are_canonical", lambda model, chunk: True)
+        monkeypatch.setattr(prefill_module, "rows_are_canonical", lambda model, chunk: True)
         pc = PrefixCache(4)
         run_generate(tiny, SHARED, 1, GREEDY, deployment=deployment, prefix_cache=pc)
         unaligned = run_generate(tiny, PROMPT, TOKENS, GREEDY, deployment=deployment, prefix_cache=pc)

@@ -12,8 +12,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model as mlx_load_model
 
-from kernels.audit import audit_and_patch
-from models.quantize import quantize_model_in_memory
+from lockstep.kernels.audit import audit_and_patch
+from lockstep.models.quantize import quantize_model_in_memory
 
 PROMPTS = ("What is the capital of France?", "Write one word: blue")
 # (min greedy agreement, max mean |logit error|). Measured on the embedded model vs
@@ -24,7 +24,7 @@ MODES = [("affine", 4), ("affine", 8), ("mxfp4", None), ("mxfp8", None), ("nvfp4
 
 @pytest.fixture(scope="module")
 def float_model():
-    from models.load import load_model
+    from lockstep.models.load import load_model
 
     loaded = load_model("default", weights="float32")
     prompts = [mx.array([loaded.tokenizer.apply_chat_template(

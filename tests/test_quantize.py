@@ -7,10 +7,10 @@ import pytest
 from mlx_lm.utils import load_model as mlx_load_model
 from mlx_lm.utils import quantize_model
 
-from models.errors import ModelError
-from models.quantize import (convert, dir_size, is_quantized_module, quantize_model_in_memory,
+from lockstep.models.errors import ModelError
+from lockstep.models.quantize import (convert, dir_size, is_quantized_module, quantize_model_in_memory,
                              resolve_spec)
-from server.cli import main as cli_main
+from lockstep.server.cli import main as cli_main
 from tests.synthetic import llama_config, random_llama, write_model_dir
 
 SMALL = dict(hidden=1040, intermediate=2064, layers=1, vocab=256)
@@ -39,7 +39,7 @@ def test_layers_left_dense_are_reported(caplog):
     # 1040 and 2064 are not multiples of 32: mxfp4 cannot quantize any projection.
     config = llama_config(**SMALL)
     model = random_llama(config)
-    with caplog.at_level(logging.WARNING, logger="models.quantize"):
+    with caplog.at_level(logging.WARNING, logger="lockstep.models.quantize"):
         result = quantize_model_in_memory(model, config, "mxfp4", progress=False)
     dense = {d.path for d in result.dense}
     assert "model.layers.0.mlp.down_proj" in dense and "model.embed_tokens" in dense

@@ -90,7 +90,7 @@ def serve_process(tmp_path):
     port = free_port()
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--drain-timeout", "120"],
+        [sys.executable, "-m", "lockstep.server.cli", "serve", "--port", str(port), "--drain-timeout", "120"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LOCKSTEP_API_KEYS": ""},
     )
     base = f"http://127.0.0.1:{port}"

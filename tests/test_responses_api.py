@@ -12,11 +12,11 @@ import jsonschema
 import pytest
 from openai import BadRequestError, OpenAI
 
-from server.api import protocol as p
-from server.api import responses_protocol as rp
-from server.api.chat_prompt import chat_prompt_tokens
-from server.api.responses import chat_request
-from server.api.tool_calls import tool_format
+from lockstep.server.api import protocol as p
+from lockstep.server.api import responses_protocol as rp
+from lockstep.server.api.chat_prompt import chat_prompt_tokens
+from lockstep.server.api.responses import chat_request
+from lockstep.server.api.tool_calls import tool_format
 
 ARITHMETIC = "What is 2+2? Answer with a number only."  # the model ends its turn in a few tokens
 POEM = "Write a short poem about the sea."

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from openai import BadRequestError
 
-from server.api.choices import choice_seed
-from server.engine.logits_processors import LogitBias, Penalties
+from lockstep.server.api.choices import choice_seed
+from lockstep.server.engine.logits_processors import LogitBias, Penalties
 from tests.deterministic_fixtures import float_bits
 from tests.http_server import deterministic_server
 
@@ -67,7 +67,7 @@ def test_streamed_n_choices_equal_the_non_streamed_ones(server):
 def test_n_choices_share_one_prompt_prefill(server, monkeypatch):
     from collections import OrderedDict
 
-    from server.engine import request_state
+    from lockstep.server.engine import request_state
 
     cache = server.engine.prefix_cache  # off here, so each request's own prefill is counted
     monkeypatch.setattr(cache, "entries", 0)

@@ -18,9 +18,9 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 @pytest.fixture(scope="module")
 def fuzz_server(embedded_model):
-    from server.api.app import create_app
-    from server.engine import Engine
-    from server.api.limits import Limits
+    from lockstep.server.api.app import create_app
+    from lockstep.server.engine import Engine
+    from lockstep.server.api.limits import Limits
 
     engine = Engine(embedded_model, max_active=2).start()
     try:

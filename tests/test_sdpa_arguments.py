@@ -3,7 +3,7 @@ same names and values as inspect's bind for every way mlx-lm calls it, and inspe
 for calls it would refuse."""
 import pytest
 
-from kernels.invariance.layers import _SDPA_SIGNATURE, _sdpa_arguments
+from lockstep.kernels.invariance.layers import _SDPA_SIGNATURE, _sdpa_arguments
 
 CALLS = [
     (("q", "k", "v"), dict(cache="c", scale=0.5, mask=None)),          # mlx-lm's models

@@ -3,10 +3,10 @@ say where they were not."""
 import mlx.core as mx
 import pytest
 
-from kernels.doubles.shape_variant import shape_variant_backend
-from kernels.invariance import set_batch_invariant_limit
-from kernels.invariance.ops import Strategy
-from kernels.invariance.selftest import bits_equal, sample_widths, self_test
+from tests.doubles.shape_variant import shape_variant_backend
+from lockstep.kernels.invariance import set_batch_invariant_limit
+from lockstep.kernels.invariance.ops import Strategy
+from lockstep.kernels.invariance.selftest import bits_equal, sample_widths, self_test
 from tiny_models import tiny_llama
 
 

@@ -5,10 +5,10 @@ import logging
 
 import pytest
 
-from kernels.doubles.shape_variant import shape_variant_backend
-from kernels.invariance import set_batch_invariant_limit
-from kernels.invariance.selftest import ProofCache, proof_key, self_test
-from kernels.verdict_cache import VerdictCache
+from tests.doubles.shape_variant import shape_variant_backend
+from lockstep.kernels.invariance import set_batch_invariant_limit
+from lockstep.kernels.invariance.selftest import ProofCache, proof_key, self_test
+from lockstep.kernels.verdict_cache import VerdictCache
 from tests.tiny_models import tiny_llama
 
 PREFIXES = (7,)

@@ -11,9 +11,9 @@ from openai import OpenAI
 from tests.http_server import running
 from tests.synthetic import build_llama_dir, write_tiny_tokenizer
 
-from server.api.app import create_app
-from server.engine import Engine
-from server.runtime import Options, build_runtime
+from lockstep.server.api.app import create_app
+from lockstep.server.engine import Engine
+from lockstep.server.runtime import Options, build_runtime
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from server import cli, launchd
-from server.commands import service
+from lockstep.server import cli, launchd
+from lockstep.server.commands import service
 
 REPO = Path(__file__).resolve().parents[1]
 LABEL = launchd.DEFAULT_LABEL
@@ -128,14 +128,14 @@ def free_port() -> int:
 
 
 def test_cli_lists_the_service_command():
-    assert "server.commands.service" in cli.COMMAND_MODULES
+    assert "lockstep.server.commands.service" in cli.COMMAND_MODULES
 
 
 def test_dry_run_prints_a_plist_on_stdout_and_touches_nothing(tmp_path):
     # A real process on this (Linux) host: stdout alone must be a valid plist.
     harness = textwrap.dedent("""
         import argparse, sys
-        from server.commands import service
+        from lockstep.server.commands import service
         parser = argparse.ArgumentParser(prog="lockstep")
         service.register(parser.add_subparsers(dest="command", required=True))
         args = parser.parse_args(sys.argv[1:])

@@ -14,13 +14,13 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 import pytest
 
-from kernels.batching.ragged import enable_ragged, ragged_prompt_forward
-from kernels.doubles.shape_variant import shape_variant_backend
-from kernels.invariance import set_batch_invariant_limit
-from server.engine.decoding import Deployment, plan_request
-from server.engine.prefix_cache import PrefixCache
-from server.engine.request_state import GenerationRequest, prompt_forward
-from server.engine.sampling import SamplingParams
+from lockstep.kernels.batching.ragged import enable_ragged, ragged_prompt_forward
+from tests.doubles.shape_variant import shape_variant_backend
+from lockstep.kernels.invariance import set_batch_invariant_limit
+from lockstep.server.engine.decoding import Deployment, plan_request
+from lockstep.server.engine.prefix_cache import PrefixCache
+from lockstep.server.engine.request_state import GenerationRequest, prompt_forward
+from lockstep.server.engine.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded
 from tests.test_deterministic_double import peaked_llama
 
@@ -40,7 +40,7 @@ class PrefillLog:
 def run_together(requests, *, limit=0, kv_pool="off", double=False, prefix_cache=None, observers=()):
     """Submit every (request, plan kwargs) before the engine starts, so all are admitted and
     prefilled in the same iterations: ({index: (tokens, logprob bits)}, PrefillLog, engine)."""
-    from server.engine import Engine
+    from lockstep.server.engine import Engine
 
     model = peaked_llama()
     guaranteed = False
@@ -84,7 +84,7 @@ def request(prompt, *, deterministic=False, seed=None):
 
 @pytest.mark.parametrize("kv_pool", ["off", "reference"])
 def test_requests_prefilled_in_one_shared_pass_give_their_solo_answers(kv_pool):
-    from server.api.metrics import Metrics
+    from lockstep.server.api.metrics import Metrics
 
     metrics = Metrics()
     requests = [request(p, seed=(None if i % 2 else 40 + i)) for i, p in enumerate(PROMPTS)]
@@ -135,7 +135,7 @@ def test_ragged_prompt_forward_writes_the_kv_of_each_prompt_alone():
 def test_decode_passes_run_canonical_forms_only_for_requests_that_asked_for_determinism(monkeypatch):
     """With L installed every pass of <= L rows could run the canonical forms; a pass with no
     deterministic request runs natively instead (it only costs time there)."""
-    import kernels.invariance.layers as layers
+    import lockstep.kernels.invariance.layers as layers
 
     one_row_calls = []
     active = layers.active_setting

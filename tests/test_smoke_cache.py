@@ -4,7 +4,7 @@ runs them again. The kernels themselves cannot run on this CPU; their loaders ar
 with the smoke test replaced by a counter."""
 import pytest
 
-from kernels.custom import attention, gemv_rows, skinny, smoke_cache
+from lockstep.kernels.custom import attention, gemv_rows, skinny, smoke_cache
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def test_an_edited_source_or_another_kernel_runs_again(verdicts, source):
     smoke_cache.smoke_verdict("k", run, source)
     smoke_cache.smoke_verdict("other", run, source)
     source.write_text("two")
-    from kernels import verdict_cache
+    from lockstep.kernels import verdict_cache
 
     verdict_cache._source_digest.cache_clear()
     smoke_cache.smoke_verdict("k", run, source)

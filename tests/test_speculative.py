@@ -4,7 +4,7 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-from server.engine.speculative import (AdaptiveDraftLength, DraftModelDrafter, PromptLookupDrafter,
+from lockstep.server.engine.speculative import (AdaptiveDraftLength, DraftModelDrafter, PromptLookupDrafter,
                                        draft_tokenizer_problem, verify_step)
 
 
@@ -166,8 +166,8 @@ def test_adaptive_k_probes_an_expensive_drafter_less_often_after_failed_probes()
 def _adaptive_run(model, prompt, n, step_fn=None, room=lambda i: None, k=4, costs=(1.0, 1.0, 1.0, 1.0, 1.0)):
     """Greedy adaptive prompt lookup: (tokens, k per step, passes, logits rows' bytes)."""
     import numpy as np
-    from server.engine.sampling import SamplingParams
-    from server.engine.token_steps import SpeculationStats, make_source
+    from lockstep.server.engine.sampling import SamplingParams
+    from lockstep.server.engine.token_steps import SpeculationStats, make_source
 
     cache = make_prompt_cache(model)
     model(mx.array(prompt[:-1])[None], cache=cache)
@@ -194,7 +194,7 @@ def test_adaptive_k_depends_only_on_the_requests_own_history_not_on_its_batch():
     the same k at every step, and bit-identical tokens and logits rows."""
     import random
 
-    from kernels.batching.ragged import enable_ragged, ragged_forward
+    from lockstep.kernels.batching.ragged import enable_ragged, ragged_forward
 
     model = tiny_llama(0)
     enable_ragged(model)
@@ -251,7 +251,7 @@ def test_a_draft_with_another_tokenizer_is_refused():
 # ------------------------------------------------------------ self-speculation
 
 def test_early_exit_draft_shares_the_targets_weights_and_keeps_speculation_exact():
-    from server.engine.speculative import EarlyExitModel
+    from lockstep.server.engine.speculative import EarlyExitModel
 
     target = tiny_llama(0, layers=3)
     draft = EarlyExitModel(target, 1)
@@ -266,7 +266,7 @@ def test_early_exit_draft_shares_the_targets_weights_and_keeps_speculation_exact
 def test_early_exit_wrapper_given_every_layer_reproduces_the_target_bitwise():
     """The wrapper's embedding, mask, norm and head are the target's own: with all layers
     put back it must give the target's logits exactly."""
-    from server.engine.speculative import EarlyExitModel
+    from lockstep.server.engine.speculative import EarlyExitModel
 
     target = tiny_llama(0, layers=3)
     full = EarlyExitModel(target, 2)
@@ -291,7 +291,7 @@ def test_adaptive_k_keeps_acceptance_per_match_class():
 def test_build_runtime_refuses_a_draft_model_with_another_tokenizer(monkeypatch):
     from types import SimpleNamespace
 
-    import server.runtime as runtime
+    import lockstep.server.runtime as runtime
 
     target_vocab, draft_vocab = {"a": 0, "b": 1}, {"a": 1, "b": 0}
 
@@ -305,9 +305,9 @@ def test_build_runtime_refuses_a_draft_model_with_another_tokenizer(monkeypatch)
 
 
 def test_plans_carry_adaptive_k_from_the_deployment_with_k_as_its_bound():
-    from server.engine.decoding import Deployment, plan_request
-    from server.engine.speculative import EarlyExitModel
-    from server.engine.token_steps import draft_cost_estimate
+    from lockstep.server.engine.decoding import Deployment, plan_request
+    from lockstep.server.engine.speculative import EarlyExitModel
+    from lockstep.server.engine.token_steps import draft_cost_estimate
 
     on = Deployment(limit=6, guaranteed=True, adaptive_draft_tokens=True)
     plan = plan_request(on, deterministic=True, speculative="prompt_lookup", num_draft_tokens=None)

@@ -4,12 +4,12 @@ import logging
 
 import pytest
 
-from kernels import cpu_blas
-from kernels.verdict_cache import ROOT_ENV
-from models import resolve
-from server import cli
-from server.commands.runtime_args import auto_cpu_blas, options_from_args
-from server.runtime import Options, build_runtime
+from lockstep.kernels import cpu_blas
+from lockstep.kernels.verdict_cache import ROOT_ENV
+from lockstep.models import resolve
+from lockstep.server import cli
+from lockstep.server.commands.runtime_args import auto_cpu_blas, options_from_args
+from lockstep.server.runtime import Options, build_runtime
 from tests.synthetic import build_llama_dir, write_tiny_tokenizer
 
 PHASES = {"import", "load", "audit", "self_test", "warm_up"}
@@ -88,7 +88,7 @@ def test_audit_off_warns_and_shows_in_models_and_fingerprint(aligned_dir, verdic
 
 
 def test_audit_off_on_a_faulty_model_fails_at_start_naming_why(nvfp4_dir, verdicts):
-    from models.errors import ModelError
+    from lockstep.models.errors import ModelError
 
     with pytest.raises(ModelError, match=r"warm-up forward pass failed.*reshape.*--audit off"):
         build_runtime(Options(model=str(nvfp4_dir), audit="off"))

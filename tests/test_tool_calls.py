@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from server.api import protocol as p
-from server.api.chat_prompt import template_messages
-from server.api.tool_calls import FALLBACK_END, FALLBACK_START, ToolCallStream, split_tool_calls, tool_format
+from lockstep.server.api import protocol as p
+from lockstep.server.api.chat_prompt import template_messages
+from lockstep.server.api.tool_calls import FALLBACK_END, FALLBACK_START, ToolCallStream, split_tool_calls, tool_format
 
 FMT = tool_format(object())  # no template, no parser: the fallback format
 NAMES = {"get_weather", "add"}

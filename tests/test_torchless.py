@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = """
 import importlib.util, sys
-from server import cli
+from lockstep.server import cli
 try:
     cli.main(["--help"])
 except SystemExit:

@@ -4,7 +4,7 @@ reference.py's dequantization, slicing.py keeps the probes O(K), workarounds.py 
 stand-in layers and report.py the results. Verdicts are kept per machine by
 kernels/verdict_cache.py.
 
-    from kernels.audit import audit_and_patch, audit_verdict_cache
+    from lockstep.kernels.audit import audit_and_patch, audit_verdict_cache
     report = audit_and_patch(model, cache=audit_verdict_cache())
 """
 from .patch import (AuditReport, apply_workarounds, audit_and_patch, audit_model,

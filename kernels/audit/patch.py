@@ -220,7 +220,7 @@ def apply_workarounds(model: nn.Module, report: AuditReport) -> list[str]:
     Raises `ModelError` naming the layer and failing paths if any configuration was
     refused (nothing is patched then).
     """
-    from models.errors import ModelError
+    from lockstep.models.errors import ModelError
 
     if report.refused:
         raise ModelError(_refusal(report))

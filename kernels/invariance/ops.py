@@ -8,7 +8,7 @@ M = 1 *and* cheapest differs per backend, so the form is a parameter (`Strategy`
 at load time by proof (kernels/invariance/selftest.py), never assumed.
 
 Every op is looked up on `mx` at call time (`@`, `mx.quantized_matmul`, the model's SDPA),
-so the shape-variant test double (kernels/doubles/shape_variant.py) sees these calls too.
+so the shape-variant test double (tests/doubles/shape_variant.py) sees these calls too.
 """
 import math
 from dataclasses import dataclass

@@ -128,7 +128,7 @@ def kernels_code_version() -> str:
 
 def proof_key(model, limit: int, widths, prefixes, seed: int, stop_at_first: bool,
               model_identity: dict) -> dict:
-    from kernels.verdict_cache import environment, function_identity
+    from lockstep.kernels.verdict_cache import environment, function_identity
 
     setting = getattr(model, "_lockstep_setting", None)
     strategy = dataclasses.asdict(setting.strategy) if setting is not None else None

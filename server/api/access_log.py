@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 
-from server.api.request_record import RequestRecord
+from lockstep.server.api.request_record import RequestRecord
 
 logger = logging.getLogger("lockstep.access")
 

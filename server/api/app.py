@@ -18,27 +18,27 @@ from typing import AsyncIterator, Callable, Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server.api import choices
-from server.api import protocol as p
-from server.api.access_log import AccessLog
-from server.api.chat_prompt import chat_prompt_tokens
-from server.api.constraints import Constraints
-from server.api.auth import APIKeyAuth
-from server.api.disconnect import unless_disconnected
-from server.api.drain import Drain, DrainMiddleware
-from server.engine import Engine, GenerationError, QueueFull, TooLargeForMemory
-from server.api.limits import BodySizeLimit, Limits, max_tokens_too_large, prompt_too_long, queue_full
-from server.api.metrics import Metrics
-from server.api.request_record import RecordRequests, current, track
-from server.api.responses import ResponsesRoute
-from server.api.responses_protocol import ResponsesRequest
-from server.api.errors import (APIError, context_length_exceeded, generation_error, install_error_handlers,
+from lockstep.server.api import choices
+from lockstep.server.api import protocol as p
+from lockstep.server.api.access_log import AccessLog
+from lockstep.server.api.chat_prompt import chat_prompt_tokens
+from lockstep.server.api.constraints import Constraints
+from lockstep.server.api.auth import APIKeyAuth
+from lockstep.server.api.disconnect import unless_disconnected
+from lockstep.server.api.drain import Drain, DrainMiddleware
+from lockstep.server.engine import Engine, GenerationError, QueueFull, TooLargeForMemory
+from lockstep.server.api.limits import BodySizeLimit, Limits, max_tokens_too_large, prompt_too_long, queue_full
+from lockstep.server.api.metrics import Metrics
+from lockstep.server.api.request_record import RecordRequests, current, track
+from lockstep.server.api.responses import ResponsesRoute
+from lockstep.server.api.responses_protocol import ResponsesRequest
+from lockstep.server.api.errors import (APIError, context_length_exceeded, generation_error, install_error_handlers,
                                model_not_found)
-from server.engine.decoding import DecodePlan, RequestRejected, plan_request
-from server.engine.generate import Delta, GenerationRequest
-from server.engine.logits_processors import logits_width
-from server.engine.sampling import GREEDY_BELOW, SamplingParams
-from server.api.tool_calls import ParsedCall, ToolCallStream, new_call_id, tool_format
+from lockstep.server.engine.decoding import DecodePlan, RequestRejected, plan_request
+from lockstep.server.engine.generate import Delta, GenerationRequest
+from lockstep.server.engine.logits_processors import logits_width
+from lockstep.server.engine.sampling import GREEDY_BELOW, SamplingParams
+from lockstep.server.api.tool_calls import ParsedCall, ToolCallStream, new_call_id, tool_format
 
 MODEL_ALIAS = "default"
 SHUTTING_DOWN = "the server is shutting down; this request was cut off"

@@ -16,7 +16,7 @@ import logging
 import os
 from typing import Iterable, Sequence
 
-from server.api.errors import APIError
+from lockstep.server.api.errors import APIError
 
 log = logging.getLogger("lockstep.auth")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 
-from server.api import protocol as p
-from server.api.tool_calls import ToolFormat, fallback_system_prompt
+from lockstep.server.api import protocol as p
+from lockstep.server.api.tool_calls import ToolFormat, fallback_system_prompt
 
 
 def _tool_dicts(body: p.ChatCompletionRequest) -> list[dict]:

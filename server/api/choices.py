@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
-from server.api import protocol as p
-from server.engine.generate import Delta
-from server.engine.sampling import splitmix64
+from lockstep.server.api import protocol as p
+from lockstep.server.engine.generate import Delta
+from lockstep.server.engine.sampling import splitmix64
 
 _INT64 = 1 << 63
 

@@ -7,9 +7,9 @@ engine masks each logits row with it (server/engine/logits_processors.py).
 """
 from __future__ import annotations
 
-from server.api import protocol as p
-from server.api.errors import APIError
-from server.api.tool_calls import ToolFormat
+from lockstep.server.api import protocol as p
+from lockstep.server.api.errors import APIError
+from lockstep.server.api.tool_calls import ToolFormat
 
 
 class Constraints:
@@ -19,7 +19,7 @@ class Constraints:
         self.loaded, self.tool_format = loaded, tool_format
 
     def _grammars(self):
-        from server.engine.grammar import compiler_for  # built at first use, then shared
+        from lockstep.server.engine.grammar import compiler_for  # built at first use, then shared
 
         return compiler_for(self.loaded)
 
@@ -30,7 +30,7 @@ class Constraints:
         response_format = getattr(body, "response_format", None)
         if mode not in ("required", "named") and (response_format is None or response_format.type == "text"):
             return None  # unconstrained: the grammar engine is not even imported
-        from server.engine.grammar import GrammarError
+        from lockstep.server.engine.grammar import GrammarError
 
         try:
             if mode in ("required", "named"):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, TypeVar
 
-from server.api.errors import APIError
-from server.api.request_record import CLIENT_CLOSED_REQUEST
+from lockstep.server.api.errors import APIError
+from lockstep.server.api.request_record import CLIENT_CLOSED_REQUEST
 
 T = TypeVar("T")
 

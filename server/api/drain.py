@@ -12,7 +12,7 @@ from typing import Callable
 
 from fastapi.responses import JSONResponse
 
-from server.api.errors import APIError
+from lockstep.server.api.errors import APIError
 
 REFUSED_PREFIX = "/v1"
 

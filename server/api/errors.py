@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.api.protocol import ErrorBody, ErrorResponse
+from lockstep.server.api.protocol import ErrorBody, ErrorResponse
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,8 @@ class APIError(Exception):
 
 def generation_error(exc: Exception) -> APIError:
     """The error a request that failed on the engine gets (503 when the server cut it off)."""
-    from server.api.request_record import current
-    from server.engine import ShuttingDown
+    from lockstep.server.api.request_record import current
+    from lockstep.server.engine import ShuttingDown
 
     if isinstance(exc, ShuttingDown):
         record = current()

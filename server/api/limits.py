@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.api.errors import APIError
+from lockstep.server.api.errors import APIError
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a full 8k-token prompt as JSON is well under this
 DEFAULT_MAX_TOKENS = 4096

@@ -8,7 +8,7 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from server.api.request_record import RequestRecord
+from lockstep.server.api.request_record import RequestRecord
 
 OTHER_ENDPOINT = "other"  # unknown paths share one label value: no unbounded label sets
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)

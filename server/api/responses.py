@@ -15,13 +15,13 @@ from typing import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from server.api import choices
-from server.api import protocol as p
-from server.api import responses_protocol as rp
-from server.api.errors import APIError, generation_error
-from server.api.tool_calls import ParsedCall, ToolCallStream, new_call_id
-from server.engine import GenerationError
-from server.engine.generate import Delta
+from lockstep.server.api import choices
+from lockstep.server.api import protocol as p
+from lockstep.server.api import responses_protocol as rp
+from lockstep.server.api.errors import APIError, generation_error
+from lockstep.server.api.tool_calls import ParsedCall, ToolCallStream, new_call_id
+from lockstep.server.engine import GenerationError
+from lockstep.server.engine.generate import Delta
 
 # Chat-request fields named in errors from the shared submission path -> the Responses field.
 PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",

@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from server.api.protocol import (
+from lockstep.server.api.protocol import (
     FUNCTION_NAME, SEED_MAX, SEED_MIN, Request, Response, _check_unicode, _omit_if_none,
 )
 

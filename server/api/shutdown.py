@@ -18,7 +18,7 @@ import time
 
 import uvicorn
 
-from server.api.drain import Drain
+from lockstep.server.api.drain import Drain
 
 log = logging.getLogger("lockstep.shutdown")
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import argparse
 import logging
 
-from server.commands.runtime_args import WEIGHT_CHOICES
+from lockstep.server.commands.runtime_args import WEIGHT_CHOICES
 
 log = logging.getLogger("lockstep.audit")
 
 
 def register(subparsers) -> None:
-    from models.quantize import Q_MODES
+    from lockstep.models.quantize import Q_MODES
 
     parser = subparsers.add_parser("audit", help="audit a model's quantized kernels on this backend")
     parser.add_argument("model", help='"default", an mlx-lm directory or a .gguf file')
@@ -32,10 +32,10 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kernels.audit import apply_workarounds, audit_model, audit_verdict_cache, format_table
-    from models.errors import ModelError
-    from models.load import load_model
-    from models.quantize import quantize_model_in_memory
+    from lockstep.kernels.audit import apply_workarounds, audit_model, audit_verdict_cache, format_table
+    from lockstep.models.errors import ModelError
+    from lockstep.models.load import load_model
+    from lockstep.models.quantize import quantize_model_in_memory
 
     try:
         weights = "float32" if args.quantize and args.weights == "auto" else args.weights

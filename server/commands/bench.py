@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from server.commands.runtime_args import (add_model_arguments, apply_cpu_blas, options_from_args)
+from lockstep.server.commands.runtime_args import (add_model_arguments, apply_cpu_blas, options_from_args)
 
 
 def register(subparsers) -> None:
@@ -46,16 +46,16 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.concurrency:
-        from server.commands.load import run_load
+        from lockstep.server.commands.load import run_load
 
         return run_load(args)
     apply_cpu_blas(args)
     import mlx.core as mx
 
-    from kernels import cpu_blas
-    from kernels.invariance import set_batch_invariant_limit
-    from server.bench import run_bench
-    from server.runtime import build_runtime
+    from lockstep.kernels import cpu_blas
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+    from lockstep.server.bench import run_bench
+    from lockstep.server.runtime import build_runtime
 
     args.batch_invariant_limit = args.limit
     args.draft_model = None if args.no_draft or args.tasks or args.early_exit else "default-quantized"
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
               f"model {runtime.loaded.name} ({runtime.transform}), L={args.limit}, deterministic, "
               f"{args.tokens} tokens, best of {args.rounds} rounds")
     if args.early_exit:
-        from server.bench import run_exit_layer_bench
+        from lockstep.server.bench import run_exit_layer_bench
 
         k = args.num_draft_tokens or 3
         set_limit(args.limit)
@@ -82,10 +82,10 @@ def run(args: argparse.Namespace) -> int:
                 f.write("\n".join(lines) + "\n")
         return 0
     if args.tasks:
-        from server.bench import run_task_bench, task_table
-        from server.engine.speculative import measure_pass_costs
+        from lockstep.server.bench import run_task_bench, task_table
+        from lockstep.server.engine.speculative import measure_pass_costs
 
-        from server.engine.engine_path import EnginePath
+        from lockstep.server.engine.engine_path import EnginePath
 
         k = args.num_draft_tokens or max(1, args.limit - 1)
         set_limit(args.limit)

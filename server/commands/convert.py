@@ -8,7 +8,7 @@ log = logging.getLogger("lockstep.convert")
 
 
 def register(subparsers) -> None:
-    from models.quantize import Q_MODES
+    from lockstep.models.quantize import Q_MODES
 
     parser = subparsers.add_parser("convert", help="quantize a model into an mlx-lm directory")
     parser.add_argument("src", help='"default", an mlx-lm/HF model directory or a .gguf file')
@@ -22,8 +22,8 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from models.errors import ModelError
-    from models.quantize import convert
+    from lockstep.models.errors import ModelError
+    from lockstep.models.quantize import convert
 
     try:
         result = convert(args.src, args.dst, args.q_mode, args.q_bits, args.q_group_size)

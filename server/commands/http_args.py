@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import argparse
 
-from server.api.auth import KEYS_ENV, api_keys, warn_if_exposed
-from server.api.limits import (DEFAULT_CPU_MAX_PROMPT_TOKENS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE,
+from lockstep.server.api.auth import KEYS_ENV, api_keys, warn_if_exposed
+from lockstep.server.api.limits import (DEFAULT_CPU_MAX_PROMPT_TOKENS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE,
                            DEFAULT_MAX_TOKENS, Limits, default_max_prompt_tokens)
-from server.api.shutdown import DEFAULT_DRAIN_TIMEOUT
+from lockstep.server.api.shutdown import DEFAULT_DRAIN_TIMEOUT
 
 
 def _positive_int(text: str) -> int:

@@ -21,7 +21,7 @@ def _start(cmd: list[str], log_path: str | None) -> subprocess.Popen:
 
 def _bench(name: str, base_url: str, model: str, levels: list[int], args, extra) -> list:
     """extra: one dict of request fields for every client, or a function of the client index."""
-    from server.load_bench import changed_answers, extra_for, run_round, solo_texts, summary_line
+    from lockstep.server.load_bench import changed_answers, extra_for, run_round, solo_texts, summary_line
 
     results = []
     run_round(base_url, model, 1, 8, extra)  # warm-up: first-call compilation out of the numbers
@@ -38,9 +38,9 @@ def _bench(name: str, base_url: str, model: str, levels: list[int], args, extra)
 
 
 def run_load(args: argparse.Namespace) -> int:
-    from models.resolve import resolve_model
-    from server.commands.runtime_args import apply_cpu_blas
-    from server.load_bench import HEADER, mixed_extra, wait_healthy
+    from lockstep.models.resolve import resolve_model
+    from lockstep.server.commands.runtime_args import apply_cpu_blas
+    from lockstep.server.load_bench import HEADER, mixed_extra, wait_healthy
 
     apply_cpu_blas(args)  # as serve would: both servers below inherit the BLAS choice
 
@@ -55,7 +55,7 @@ def run_load(args: argparse.Namespace) -> int:
     print(HEADER, flush=True)
 
     port = _free_port()
-    serve = [sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--port", str(port),
+    serve = [sys.executable, "-m", "lockstep.server.cli", "serve", "--model", str(model_dir), "--port", str(port),
              "--max-active", str(max(levels)), "--max-queue", str(max(levels)), *args.serve_arg]
     if args.limit is not None and (args.deterministic or args.mixed):
         serve += ["--batch-invariant-limit", str(args.limit)]

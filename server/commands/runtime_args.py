@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from server.engine.decoding import MAX_DRAFT_TOKENS, METHODS
-from server.runtime import AUDIT_MODES, Options, limit_from_env
+from lockstep.server.engine.decoding import MAX_DRAFT_TOKENS, METHODS
+from lockstep.server.runtime import AUDIT_MODES, Options, limit_from_env
 
 WEIGHT_CHOICES = ("auto", "q4", "float32", "float16")
 QUANT_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
@@ -100,6 +100,6 @@ def apply_cpu_blas(args: argparse.Namespace) -> None:
     if args.cpu_blas == "auto":
         args.cpu_blas = auto_cpu_blas()
     if args.cpu_blas == "openblas" and sys.platform.startswith("linux"):
-        from kernels.cpu_blas import ensure_preloaded
+        from lockstep.kernels.cpu_blas import ensure_preloaded
 
         ensure_preloaded(choice="openblas")

@@ -10,7 +10,7 @@ import logging
 
 log = logging.getLogger("lockstep.serve")
 
-from server.commands.runtime_args import (add_determinism_arguments, add_model_arguments,
+from lockstep.server.commands.runtime_args import (add_determinism_arguments, add_model_arguments,
                                           apply_cpu_blas, options_from_args)
 
 
@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_determinism_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
-    from server.engine.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS
+    from lockstep.server.engine.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS
 
     parser.add_argument("--max-active", type=int, default=DEFAULT_MAX_ACTIVE,
                         help=f"requests generated concurrently, batched into shared forward passes "
@@ -35,10 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt KV snapshots kept for reuse (0 = off)")
 
     # HTTP service hardening: keys, limits, access log, draining.
-    from server.commands.http_args import add_http_arguments
+    from lockstep.server.commands.http_args import add_http_arguments
     add_http_arguments(parser)
 
-    from server.distributed.serve import add_distributed_arguments
+    from lockstep.server.distributed.serve import add_distributed_arguments
     add_distributed_arguments(parser)
 
 
@@ -50,12 +50,12 @@ def register(subparsers) -> None:
 
 def build_app_from_args(args: argparse.Namespace):
     """Load the model, start the engine and build the app. Returns (app, engine)."""
-    from server.api.app import create_app
-    from server.commands.http_args import http_settings_from_args
-    from server.engine import Engine
-    from server.engine.kv_budget import default_kv_tokens
-    from server.engine.prefix_cache import PrefixCache
-    from server.runtime import build_runtime
+    from lockstep.server.api.app import create_app
+    from lockstep.server.commands.http_args import http_settings_from_args
+    from lockstep.server.engine import Engine
+    from lockstep.server.engine.kv_budget import default_kv_tokens
+    from lockstep.server.engine.prefix_cache import PrefixCache
+    from lockstep.server.runtime import build_runtime
 
     if min(args.max_active, args.max_batch_rows) < 1 or (args.max_kv_tokens is not None and args.max_kv_tokens < 1):
         raise ValueError("--max-active, --max-batch-rows and --max-kv-tokens must be >= 1")
@@ -70,11 +70,11 @@ def build_app_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from models.errors import ModelError
-    from server.api import access_log, shutdown
+    from lockstep.models.errors import ModelError
+    from lockstep.server.api import access_log, shutdown
 
     if args.parallel:  # one rank of an mlx.launch deployment (server/distributed/serve.py)
-        from server.distributed.serve import run as run_distributed
+        from lockstep.server.distributed.serve import run as run_distributed
 
         return run_distributed(args)
     apply_cpu_blas(args)

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from server import launchd
-from server.commands.runtime_args import WEIGHT_CHOICES
+from lockstep.server import launchd
+from lockstep.server.commands.runtime_args import WEIGHT_CHOICES
 
 LOOPBACK_HOSTS = ("localhost", "::1")
 BOOTSTRAP_TRIES = 3  # right after a bootout, bootstrap can fail with "5: Input/output error"

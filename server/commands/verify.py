@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from server.commands.runtime_args import QUANT_MODES, WEIGHT_CHOICES, apply_cpu_blas
+from lockstep.server.commands.runtime_args import QUANT_MODES, WEIGHT_CHOICES, apply_cpu_blas
 
 log = logging.getLogger("lockstep.verify")
 
@@ -28,7 +28,7 @@ def register(subparsers) -> None:
 
 
 def _options(args, variant: str, draft: bool):
-    from server.runtime import Options
+    from lockstep.server.runtime import Options
 
     weights, quantize = ("auto", variant) if variant in QUANT_MODES else (variant, None)
     if variant not in QUANT_MODES and variant not in WEIGHT_CHOICES:
@@ -42,10 +42,10 @@ def run(args: argparse.Namespace) -> int:
     apply_cpu_blas(args)
     import mlx.core as mx
 
-    from kernels import cpu_blas
-    from kernels.invariance import set_batch_invariant_limit
-    from server import verify
-    from server.runtime import build_runtime
+    from lockstep.kernels import cpu_blas
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+    from lockstep.server import verify
+    from lockstep.server.runtime import build_runtime
 
     if args.limit < 2:
         raise SystemExit("--limit must be >= 2 (speculative verification needs 2 rows)")

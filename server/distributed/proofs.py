@@ -18,8 +18,8 @@ import dataclasses
 import json
 from contextlib import contextmanager
 
-from server.distributed.collectives import gather_bytes
-from server.distributed.world import World
+from lockstep.server.distributed.collectives import gather_bytes
+from lockstep.server.distributed.world import World
 
 
 def _agree(world: World, result):
@@ -34,8 +34,8 @@ def _agree(world: World, result):
 
 @contextmanager
 def agreed_proofs(world: World):
-    import kernels.invariance.limit as invariant
-    import kernels.batching.ragged_selftest as ragged
+    import lockstep.kernels.invariance.limit as invariant
+    import lockstep.kernels.batching.ragged_selftest as ragged
 
     own_self_test, own_prove, own_cached = invariant.self_test, ragged.prove_ragged, ragged.prove_ragged_cached
 

@@ -23,11 +23,11 @@ import logging
 import pickle
 import time
 
-from server.distributed.collectives import broadcast_bytes
-from server.distributed.watchdog import Watchdog
-from server.distributed.world import World
-from server.engine import Engine
-from server.engine.handle import GenerationError, RequestHandle, ShuttingDown
+from lockstep.server.distributed.collectives import broadcast_bytes
+from lockstep.server.distributed.watchdog import Watchdog
+from lockstep.server.distributed.world import World
+from lockstep.server.engine import Engine
+from lockstep.server.engine.handle import GenerationError, RequestHandle, ShuttingDown
 
 log = logging.getLogger("lockstep.distributed")
 
@@ -92,7 +92,7 @@ class ReplicatedEngine(Engine):
         self._iteration_digest = hashlib.sha256()  # what this rank's last iteration posted
         self._iterations = 0
         if loaded is not None:
-            from server.engine.grammar import compiler_for
+            from lockstep.server.engine.grammar import compiler_for
 
             compiler_for(loaded)  # constrained requests arrive pickled: their grammars recompile here
 

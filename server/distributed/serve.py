@@ -25,7 +25,7 @@ FAILED_GRACE_S = 2.0  # rank 0 answers 503 and ends the streams this long before
 
 
 def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
-    from server.distributed.world import BACKENDS, PARALLEL_MODES
+    from lockstep.server.distributed.world import BACKENDS, PARALLEL_MODES
 
     group = parser.add_argument_group("distributed (run under mlx.launch; docs/DISTRIBUTED.md)")
     group.add_argument("--parallel", choices=PARALLEL_MODES, default=None,
@@ -50,8 +50,8 @@ def _settings(args: argparse.Namespace) -> dict:
 
 def _check_startup(world, args, problem: str | None) -> None:
     """Every rank learns of a problem on any rank, and of version or setting mismatches."""
-    from server.distributed.world import DistributedStartupError, require_same_everywhere, software_identity
-    from server.distributed.collectives import gather_bytes
+    from lockstep.server.distributed.world import DistributedStartupError, require_same_everywhere, software_identity
+    from lockstep.server.distributed.collectives import gather_bytes
 
     problems = [b.decode() for b in gather_bytes(world.group, (problem or "").encode()[:4000])]
     found = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
@@ -63,9 +63,9 @@ def _check_startup(world, args, problem: str | None) -> None:
 def _agree_on_runtime(world, runtime, kv_tokens: int):
     """Compare what the ranks built; every rank takes rank 0's KV budget and pass costs
     (both measured, so they may differ per rank, and admission and speculation use them)."""
-    from server.distributed.collectives import broadcast_bytes
-    from server.distributed.world import require_same_everywhere
-    from server.fingerprint import weights_digest
+    from lockstep.server.distributed.collectives import broadcast_bytes
+    from lockstep.server.distributed.world import require_same_everywhere
+    from lockstep.server.fingerprint import weights_digest
 
     plan = runtime.plan
     require_same_everywhere(world, "the built runtime", {
@@ -78,8 +78,8 @@ def _agree_on_runtime(world, runtime, kv_tokens: int):
 
 
 def _fingerprint(world, runtime, args) -> str:
-    from kernels import cpu_blas
-    from server.fingerprint import system_fingerprint
+    from lockstep.kernels import cpu_blas
+    from lockstep.server.fingerprint import system_fingerprint
 
     return system_fingerprint(runtime.loaded.path, transform=runtime.transform,
                               strategy=runtime.plan.strategy, limit=runtime.plan.limit,
@@ -101,17 +101,17 @@ def _gate_on_health(app, watchdog) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from models.errors import ModelError
-    from server.api import shutdown
-    from server.commands.runtime_args import apply_cpu_blas, options_from_args
-    from server.distributed.proofs import agreed_proofs
-    from server.distributed.replicated_engine import ReplicatedEngine
-    from server.distributed.sharding import shard_model
-    from server.distributed.watchdog import Watchdog
-    from server.distributed.world import DistributedStartupError, join
-    from server.engine.kv_budget import default_kv_tokens
-    from server.engine.prefix_cache import PrefixCache
-    from server.runtime import build_runtime
+    from lockstep.models.errors import ModelError
+    from lockstep.server.api import shutdown
+    from lockstep.server.commands.runtime_args import apply_cpu_blas, options_from_args
+    from lockstep.server.distributed.proofs import agreed_proofs
+    from lockstep.server.distributed.replicated_engine import ReplicatedEngine
+    from lockstep.server.distributed.sharding import shard_model
+    from lockstep.server.distributed.watchdog import Watchdog
+    from lockstep.server.distributed.world import DistributedStartupError, join
+    from lockstep.server.engine.kv_budget import default_kv_tokens
+    from lockstep.server.engine.prefix_cache import PrefixCache
+    from lockstep.server.runtime import build_runtime
 
     apply_cpu_blas(args)  # may re-exec this process (same pid, same launcher variables)
     if min(args.max_active, args.max_batch_rows) < 1 or (args.max_kv_tokens is not None and args.max_kv_tokens < 1):
@@ -159,9 +159,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve_http(args, runtime, engine, deployment, sock, watchdog, world) -> int:
-    from server.api import access_log, shutdown
-    from server.api.app import create_app
-    from server.commands.http_args import http_settings_from_args
+    from lockstep.server.api import access_log, shutdown
+    from lockstep.server.api.app import create_app
+    from lockstep.server.commands.http_args import http_settings_from_args
 
     extras = {**runtime.model_info(), "distributed": {
         "world_size": world.size, "backend": world.backend, "parallel": world.parallel}}

@@ -17,9 +17,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from kernels.invariance.layers import active_setting
-from kernels.invariance.ops import dense_rows, quantized_rows, rows_of
-from server.distributed.collectives import ordered_all_sum
+from lockstep.kernels.invariance.layers import active_setting
+from lockstep.kernels.invariance.ops import dense_rows, quantized_rows, rows_of
+from lockstep.server.distributed.collectives import ordered_all_sum
 
 
 def _setting(x):

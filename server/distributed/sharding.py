@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from server.distributed.world import DistributedStartupError, World
+from lockstep.server.distributed.world import DistributedStartupError, World
 
 # Backends without send/recv in MLX 0.32.4 pass pipeline stages on with collectives.
 PIPELINE_HANDOFF = {"nccl": "all_sum"}
@@ -72,19 +72,19 @@ def shard_model(model, world: World, invariant_rows: int) -> str:
         raise DistributedStartupError(f"cannot run this model {world.parallel}-parallel over "
                                       f"{world.size} ranks: {problem}")
     patched = [type(m).__name__ for _, m in model.named_modules()
-               if type(m).__module__.startswith("kernels.audit.workarounds")]
+               if type(m).__module__.startswith("lockstep.kernels.audit.workarounds")]
     if patched:
         raise DistributedStartupError(
             f"the kernel audit replaced layers ({sorted(set(patched))}); sharding those stand-ins "
             f"is not supported: run --quantize with another mode or float weights")
     if world.parallel == "tensor":
-        from server.distributed.sharded_layers import make_invariant
+        from lockstep.server.distributed.sharded_layers import make_invariant
 
         model.shard(world.group)
         swapped = make_invariant(model, invariant_rows)
         log.info("rank %d: tensor parallel, %d sharded linears (1/%d of each)", world.rank, swapped, world.size)
     else:
-        from server.distributed.pipeline import pipeline_llama
+        from lockstep.server.distributed.pipeline import pipeline_llama
 
         start, end = pipeline_llama(model, world.group, handoff=PIPELINE_HANDOFF.get(world.backend, "sendrecv"))
         log.info("rank %d: pipeline stage, layers %d..%d", world.rank, start, end - 1)

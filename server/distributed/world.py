@@ -116,7 +116,7 @@ def software_identity(settings: dict) -> dict:
         lockstep = version("lockstep")
     except PackageNotFoundError:
         lockstep = "unknown"
-    from kernels.invariance.selftest import kernels_code_version
+    from lockstep.kernels.invariance.selftest import kernels_code_version
 
     return {
         "lockstep": lockstep,
@@ -129,7 +129,7 @@ def software_identity(settings: dict) -> dict:
 
 def require_same_everywhere(world: World, what: str, mine: dict) -> None:
     """Exchange `mine` with every rank; raise naming the first field and ranks that differ."""
-    from server.distributed.collectives import gather_bytes
+    from lockstep.server.distributed.collectives import gather_bytes
 
     blobs = gather_bytes(world.group, json.dumps(mine, sort_keys=True, default=str).encode())
     everyone = [json.loads(b) for b in blobs]

@@ -18,7 +18,7 @@ POOL_TOKENS = 4096
 
 class EnginePath:
     def __init__(self, model, kv_pool: str = "off"):
-        from kernels.batching.ragged import enable_ragged, ragged_problem
+        from lockstep.kernels.batching.ragged import enable_ragged, ragged_problem
 
         self.model = model
         self.ragged = ragged_problem(model) is None
@@ -26,7 +26,7 @@ class EnginePath:
             enable_ragged(model)
         self.pool = None
         if kv_pool != "off" and self.ragged:
-            from kernels.batching.kv_pool import KVPool
+            from lockstep.kernels.batching.kv_pool import KVPool
 
             self.pool = KVPool(model, POOL_TOKENS, use_kernel=kv_pool == "kernel")
 
@@ -40,9 +40,9 @@ class EnginePath:
     def step(self, model, cache: list, rows: list[int]):
         """Logits (len(rows), vocab) of one pass, as the engine runs it."""
         if not self.ragged:
-            from server.engine.request_state import forward
+            from lockstep.server.engine.request_state import forward
 
             return forward(model, cache, rows)
-        from kernels.batching.ragged import ragged_forward
+        from lockstep.kernels.batching.ragged import ragged_forward
 
         return ragged_forward(model, [(cache, rows)])[0]

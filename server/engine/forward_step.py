@@ -9,9 +9,9 @@ from contextlib import nullcontext
 
 import mlx.core as mx
 
-from kernels.batching.ragged import ragged_logits, ragged_prompt_forward
-from kernels.invariance.layers import native_forms
-from server.engine.request_state import RequestState, forward
+from lockstep.kernels.batching.ragged import ragged_logits, ragged_prompt_forward
+from lockstep.kernels.invariance.layers import native_forms
+from lockstep.server.engine.request_state import RequestState, forward
 
 
 def decode_logits(model, members: list[tuple[RequestState, list[int]]], ragged: bool) -> tuple[mx.array, list[int]]:

@@ -13,14 +13,14 @@ from typing import Callable, Iterator
 import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
 
-from kernels.invariance.prefill import chunk_end, resume_at
+from lockstep.kernels.invariance.prefill import chunk_end, resume_at
 
-from server.engine.decoding import DecodePlan, Deployment
-from server.engine.prefix_cache import PrefixCache
-from server.engine.request_state import (PREFILL_CHUNK, Delta, GenerationRequest, RequestState,  # noqa: F401
+from lockstep.server.engine.decoding import DecodePlan, Deployment
+from lockstep.server.engine.prefix_cache import PrefixCache
+from lockstep.server.engine.request_state import (PREFILL_CHUNK, Delta, GenerationRequest, RequestState,  # noqa: F401
                                   TokenLogprob, forward)
-from server.engine.speculative import never
-from server.engine.token_steps import fast_argmax
+from lockstep.server.engine.speculative import never
+from lockstep.server.engine.token_steps import fast_argmax
 
 # forward(model, cache, tokens) -> logits of shape (len(tokens), vocab)
 Forward = Callable[[object, list, list[int]], mx.array]

@@ -215,7 +215,7 @@ _COMPILERS_LOCK = threading.Lock()
 
 def compiler_for(loaded) -> GrammarCompiler:
     """The process's compiler for a loaded model (built at first use, then shared)."""
-    from server.engine.logits_processors import logits_width
+    from lockstep.server.engine.logits_processors import logits_width
 
     width, eos = logits_width(loaded), tuple(sorted({int(t) for t in loaded.eos_token_ids}))
     with _COMPILERS_LOCK:  # two first requests build one compiler

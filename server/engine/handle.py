@@ -7,7 +7,7 @@ import threading
 import time
 from typing import AsyncIterator
 
-from server.engine.request_state import Delta, GenerationRequest
+from lockstep.server.engine.request_state import Delta, GenerationRequest
 
 
 class GenerationError(Exception):

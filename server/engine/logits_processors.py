@@ -69,7 +69,7 @@ class LogitsProcessors:
         if self.penalties:
             row = self.penalties.apply(row, context[self.prompt_length:])
         if self.matcher is not None:
-            from server.engine.grammar import apply_mask
+            from lockstep.server.engine.grammar import apply_mask
 
             row = apply_mask(row, self.matcher.allowed())
         return row

@@ -12,7 +12,7 @@ from collections import OrderedDict
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from kernels.batching.kv_pool import is_pooled
+from lockstep.kernels.batching.kv_pool import is_pooled
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -18,17 +18,17 @@ from typing import Callable
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from kernels.batching.kv_pool import fill_prefix, is_pooled
-from kernels.invariance.layers import call_without_head
-from kernels.invariance.prefill import chunk_end, resume_at
+from lockstep.kernels.batching.kv_pool import fill_prefix, is_pooled
+from lockstep.kernels.invariance.layers import call_without_head
+from lockstep.kernels.invariance.prefill import chunk_end, resume_at
 
-from server.engine.decoding import DecodePlan, Deployment
-from server.engine.logits_processors import processors_for
-from server.engine.prefix_cache import PrefixCache, copy_prefix
-from server.engine.sampling import SamplingParams
-from server.engine.stops import IncrementalDecoder, StopTextStream
-from server.engine.speculative import never
-from server.engine.token_steps import SpeculationStats, make_source
+from lockstep.server.engine.decoding import DecodePlan, Deployment
+from lockstep.server.engine.logits_processors import processors_for
+from lockstep.server.engine.prefix_cache import PrefixCache, copy_prefix
+from lockstep.server.engine.sampling import SamplingParams
+from lockstep.server.engine.stops import IncrementalDecoder, StopTextStream
+from lockstep.server.engine.speculative import never
+from lockstep.server.engine.token_steps import SpeculationStats, make_source
 
 PREFILL_CHUNK = 512
 

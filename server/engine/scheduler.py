@@ -24,14 +24,14 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from server.engine.decoding import DecodePlan, Deployment
-from server.engine.forward_step import decode_logits, presample_together, shared_prefill
-from server.engine.kv_budget import KVBudget, reservation
-from server.engine.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, Demand, compose_passes
-from server.engine.prefix_cache import PrefixCache
-from server.engine.handle import (GenerationError, QueueFull, RequestHandle, ShuttingDown, post_all,
+from lockstep.server.engine.decoding import DecodePlan, Deployment
+from lockstep.server.engine.forward_step import decode_logits, presample_together, shared_prefill
+from lockstep.server.engine.kv_budget import KVBudget, reservation
+from lockstep.server.engine.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, Demand, compose_passes
+from lockstep.server.engine.prefix_cache import PrefixCache
+from lockstep.server.engine.handle import (GenerationError, QueueFull, RequestHandle, ShuttingDown, post_all,
                                   TooLargeForMemory)
-from server.engine.request_state import GenerationRequest, RequestState
+from lockstep.server.engine.request_state import GenerationRequest, RequestState
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class Engine:
         """Patch the model for ragged passes; why not, when it cannot (then one request per pass)."""
         if self._generate is not None or self.loaded is None:
             return "not used"
-        from kernels.batching.ragged import enable_ragged, ragged_problem
+        from lockstep.kernels.batching.ragged import enable_ragged, ragged_problem
 
         problem = ragged_problem(self.loaded.model)
         if problem is None:
@@ -120,7 +120,7 @@ class Engine:
         """The shared KV pool when the deployment uses one and passes are batched."""
         if self.deployment.kv_pool == "off" or self.ragged_problem is not None:
             return None
-        from kernels.batching.kv_pool import KVPool
+        from lockstep.kernels.batching.kv_pool import KVPool
 
         capacity = self.max_active * POOL_TOKENS_PER_SLOT
         if max_kv_tokens is not None:
@@ -132,7 +132,7 @@ class Engine:
         deterministic request's rows share no pass with another request's."""
         if self.ragged_problem is not None or not self.deployment.guaranteed:
             return None
-        from kernels.batching.ragged_selftest import prove_ragged
+        from lockstep.kernels.batching.ragged_selftest import prove_ragged
 
         kv_pool = self.deployment.kv_pool if self.kv_pool is not None else "off"
         proof = self.deployment.ragged_proof or prove_ragged(self.loaded.model, self.deployment.limit,

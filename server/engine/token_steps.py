@@ -19,8 +19,8 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from server.engine.sampling import PendingSample, Sampled, SamplingParams, sample, sample_pending
-from server.engine.speculative import (AdaptiveDraftLength, DraftModelDrafter, PromptLookupDrafter,
+from lockstep.server.engine.sampling import PendingSample, Sampled, SamplingParams, sample, sample_pending
+from lockstep.server.engine.speculative import (AdaptiveDraftLength, DraftModelDrafter, PromptLookupDrafter,
                                        accept_drafts, agreeing_prefix, never)
 
 
