@@ -19,7 +19,7 @@ environment are dropped, so each row is what its name says. The last column coun
 round, the blocks helper threads ran / the large calls split.
 
 Issue 10's side-by-side run (the reference-BLAS rows do not depend on the shim):
-    .venv/bin/python bench/cpu_default.py --rounds 2 --out docs/cpu_default.txt --only \
+    .venv/bin/python bench/cpu_default.py --rounds 2 --out bench/results/cpu_default.txt --only \
       "float32 / openblas 1 thread,float32 / openblas,float32 / openblas 2 threads,\
 float32 / openblas chunk 128,float32 / openblas L=8 1 thread,float32 / openblas L=8"
 """
@@ -68,9 +68,8 @@ def worker(weights: str, limit: int, n_prompt: int, n_long: int, n_decode: int,
 
     from lockstep.kernels.invariance import set_batch_invariant_limit
     from lockstep.models.load import load_model
-    from lockstep.server.bench import decode, prefill_seconds
-    from lockstep.server.engine.generate import forward, prefill
-    from lockstep.server.engine.request_state import prompt_forward
+    from lockstep.server.tools.speed_ratios import decode, prefill_seconds
+    from lockstep.server.engine.model_runner import ModelRunner, forward
 
     from lockstep.kernels.batching.ragged import enable_ragged
 
@@ -85,7 +84,7 @@ def worker(weights: str, limit: int, n_prompt: int, n_long: int, n_decode: int,
     _, decode_s, _ = decode(model, tokens[:16], n_decode)
     cache = make_prompt_cache(model)
     start = time.perf_counter()
-    for _ in prefill(model, cache, tokens[: n_long - 1], prompt_forward, chunk):  # as the engine does
+    for _ in ModelRunner(model, batched=False).prefill_cache(cache, tokens[: n_long - 1], chunk):  # as the engine does
         pass
     first = mx.argmax(forward(model, cache, tokens[n_long - 1 : n_long])[-1])
     mx.eval(first)

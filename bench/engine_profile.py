@@ -26,11 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from lockstep.kernels.batching.kv_pool import pool_mode  # noqa: E402
+from lockstep.kernels.batching.pool_mode import pool_mode  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from lockstep.models.load import load_model  # noqa: E402
 from lockstep.server.engine import Engine  # noqa: E402
-from lockstep.server.engine.decoding import Deployment, plan_request  # noqa: E402
+from lockstep.server.engine.decoding import plan_request  # noqa: E402
+from lockstep.server.engine.guarantee import proven_deployment  # noqa: E402
 from lockstep.server.engine.request_state import GenerationRequest  # noqa: E402
 from lockstep.server.engine.sampling import SamplingParams  # noqa: E402
 
@@ -70,14 +71,14 @@ def main() -> int:
     loaded = load_model(args.model, args.weights)
     plan = set_batch_invariant_limit(loaded.model, args.limit)
     mode = pool_mode(loaded.model, args.kv_pool)
-    deployment = Deployment(limit=plan.limit, guaranteed=plan.guaranteed, strategy=plan.strategy, kv_pool=mode)
+    deployment = proven_deployment(loaded.model, plan, kv_pool=mode)
     engine = ProfiledEngine(loaded, max_active=args.requests, deployment=deployment,
                             max_batch_rows=max(32, args.requests), max_kv_tokens=None)
     mx.eval(loaded.model(mx.array([[1, 2, 3]])))
     engine.start()
     vocab = loaded.model.args.vocab_size
     requests = [GenerationRequest(prompt_tokens=mx.random.randint(0, vocab, (40 + i,), key=mx.random.key(i)).tolist(),
-                                  max_tokens=args.tokens, deterministic=args.deterministic,
+                                  max_tokens=args.tokens,
                                   sampling=SamplingParams(temperature=args.temperature, seed=i))
                 for i in range(args.requests)]
     plans = [plan_request(deployment, deterministic=args.deterministic, speculative=None, num_draft_tokens=None)

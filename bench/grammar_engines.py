@@ -1,6 +1,6 @@
 """Grammar engines for constrained decoding, measured on the embedded model's tokenizer.
 
-    .venv/bin/python bench/grammar_engines.py [--out docs/grammar_engines.txt]
+    .venv/bin/python bench/grammar_engines.py [--out bench/results/grammar_engines.txt]
 
 For each engine installed (llguidance, xgrammar, outlines-core) it measures:
 - tokenizer setup (once per loaded model);
@@ -207,7 +207,7 @@ def decode_step_seconds(model, tokenizer, steps: int = 40) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(ROOT / "docs" / "grammar_engines.txt"))
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "grammar_engines.txt"))
     args = parser.parse_args()
 
     import jsonschema
@@ -314,7 +314,8 @@ def main() -> None:
     try:  # the server's wrapper on top of the chosen engine: bitmask → mx bool mask, and applying it
         import mlx.core as mx
 
-        from lockstep.server.engine.grammar import GrammarCompiler, apply_mask
+        from lockstep.server.engine.grammar import GrammarCompiler
+        from lockstep.server.engine.logits_processors import apply_mask
 
         compiler = GrammarCompiler(m.tokenizer, vocab_size, m.eos_token_ids)
         matcher = compiler.json_schema(REALISTIC_SCHEMA).matcher()

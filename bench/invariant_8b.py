@@ -32,7 +32,7 @@ from lockstep.kernels import custom  # noqa: E402
 from lockstep.kernels.custom import loop_order, mma_order, skinny  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from lockstep.kernels.invariance.selftest import bits_equal  # noqa: E402
-from lockstep.server.engine.engine_path import EnginePath  # noqa: E402
+from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 WEIGHTS = {"bf16": None, "nvfp4": ("nvfp4", 16, 4), "affine4": ("affine", 64, 4)}
@@ -82,7 +82,7 @@ def forward(model, cache, path):
     (path) a ragged pass over the engine's KV pool, as lockstep's engine runs it."""
     if path is None:
         return lambda tokens: model(mx.array([tokens]), cache=cache)[0]
-    return lambda tokens: path.step(model, cache, tokens)
+    return lambda tokens: path.forward_rows(cache, tokens)
 
 
 def step_ms(run, cache, tokens, repeats: int) -> float:
@@ -208,7 +208,7 @@ def main():
         cache = context(model, a.context)
         path = pooled = None
         if a.kv_pool:  # the strategies run as the engine runs them: ragged passes over the pool
-            path = EnginePath(model, "kernel")
+            path = ModelRunner.as_engine_runs(model, "kernel")
             pooled = context(model, a.context, path.new_cache(a.context + max(rows)))
         log(f"\n## {weights}: {nbytes / 1e9:.2f} GB of weights, HBM floor {floor_ms:.2f} ms")
         for b in rows:

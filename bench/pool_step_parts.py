@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 from invariant_8b import build, context, forward, trim  # noqa: E402
 from lockstep.kernels.custom import attention  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
-from lockstep.server.engine.engine_path import EnginePath  # noqa: E402
+from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
 
 
 def measure(run, cache, tokens, repeats=9):
@@ -51,9 +51,9 @@ def main():
     a = ap.parse_args()
     model = build("bf16", a.layers)
     plain = context(model, 512)
-    path = EnginePath(model, "kernel")
+    path = ModelRunner.as_engine_runs(model, "kernel")
     pooled = context(model, 512, path.new_cache(600))
-    path_ref = EnginePath(model, "on")  # the pool without the attention kernel
+    path_ref = ModelRunner.as_engine_runs(model, "on")  # the pool without the attention kernel
     pooled_ref = context(model, 512, path_ref.new_cache(600))
     for strategy, limit in (("native", 0), ("gemv_rows", 16), ("skinny", 16)):
         set_batch_invariant_limit(model, limit, strategy, verify=False)

@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from lockstep.kernels.batching.kv_pool import KVPool, pool_mode  # noqa: E402
+from lockstep.kernels.batching.kv_pool import KVPool  # noqa: E402
+from lockstep.kernels.batching.pool_mode import pool_mode  # noqa: E402
 from lockstep.kernels.batching.ragged import enable_ragged, ragged_forward  # noqa: E402
 from lockstep.kernels.batching.ragged_selftest import prove_ragged  # noqa: E402
 from lockstep.kernels.custom.attention import kernel_unavailable_reason  # noqa: E402

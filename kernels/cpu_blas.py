@@ -1,6 +1,6 @@
 """Route MLX's CPU float32 matmul from netlib reference BLAS to OpenBLAS.
 
-The `mlx[cpu]` Linux wheel bundles netlib reference BLAS (a few GFLOP/s) and
+The `mlx[cpu]` Linux wheel bundles netlib reference BLAS (slow: README, the CPU default) and
 imports `cblas_sgemm`/`cblas_dgemm`/`cblas_cgemm` dynamically. A tiny C shim
 (`cpu_blas/shim.c`) defines those and forwards to pip's `scipy-openblas32`
 (`scipy_cblas_*`). LD_PRELOAD must be set before the process starts, hence
@@ -116,8 +116,8 @@ def shim_path() -> Path | None:
 def default_threads() -> int:
     """OpenBLAS threads for calls of fewer than `LARGE_ROWS` rows (decode, small passes)."""
     # OpenBLAS workers spin-wait, and MLX's CPU stream plus the server need a
-    # core too: on 2 cores, 2 threads ran at 0.06-0.6x the speed of 1
-    # (bench/cpu_blas.py). Half the cores, at most 4 (larger untested).
+    # core too: on 2 cores, 2 threads ran slower than 1 (docs/BENCHMARKS.md, CPU BLAS).
+    # Half the cores, at most 4 (larger untested).
     return max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
@@ -164,21 +164,9 @@ def reference_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 def active() -> str:
     """Which BLAS MLX's CPU matmul uses in this process: openblas | reference | accelerate."""
-    if sys.platform == "darwin":
-        return "accelerate"
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return "reference"
-    if _SHIM_STEM not in maps:
-        return "reference"
-    # Mapped is not enough (dlopen'd late it would not interpose): preloaded
-    # objects are in the global scope, so the marker resolves from RTLD_DEFAULT.
-    try:
-        ctypes.c_char.in_dll(ctypes.CDLL(None), "lockstep_cpu_blas_shim")
-    except ValueError:
-        return "reference"
-    return "openblas"
+    from lockstep.models.backend import cpu_blas_in_use
+
+    return cpu_blas_in_use()
 
 
 def describe() -> str:

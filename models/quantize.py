@@ -11,7 +11,8 @@ What this adds over `mlx_lm.utils.quantize_model`:
   reported too: MLX 0.32's CPU `mx.quantize` raises a reshape error on them, and
   mlx-lm's loader would hit the same error rebuilding the layer;
 - float parameters are cast to float32 first on CPU, so affine scales/biases and the
-  whole forward pass are float32 (half precision is ~30x slower on MLX's CPU backend).
+  whole forward pass are float32 (half precision is much slower on MLX's CPU backend:
+  docs/QUANTIZATION.md).
 """
 from __future__ import annotations
 

@@ -17,21 +17,20 @@ log = logging.getLogger(__name__)
 DEFAULT_SPEC = "default"
 GGUF_MAGIC = b"GGUF"
 
-# Fastest GGUF import format per backend, measured (SmolLM2-135M, 2 shared cores,
-# docs/cpu_default.txt): on the CPU float32 wins once MLX's float32 matmuls run on OpenBLAS
-# (181 vs 8.9 tok/s prefill, 8.1 vs 5.5 decode against q4), while on the bundled reference
-# BLAS float32 loses to q4 (7.4 / 5.1 tok/s), so there q4 stays. GPU is not measured here:
-# q4 on the assumption that less memory traffic wins there too.
+# Fastest GGUF import format per backend (README, "The CPU default"): on the CPU float32 wins
+# once MLX's float32 matmuls run on OpenBLAS, while on the bundled reference BLAS float32
+# loses to q4, so there q4 stays. GPU is not measured here: q4 on the assumption that less
+# memory traffic wins there too.
 AUTO_WEIGHTS = {"cpu-openblas": "float32", "cpu": "q4", "gpu": "q4"}
 
 
 def auto_weights() -> str:
     """The weights format that runs fastest on the running backend and CPU BLAS."""
-    from lockstep.kernels import cpu_blas
+    from lockstep.models.backend import cpu_blas_in_use
 
     if mx.default_device().type == mx.DeviceType.gpu:
         return AUTO_WEIGHTS["gpu"]
-    return AUTO_WEIGHTS["cpu-openblas" if cpu_blas.active() == "openblas" else "cpu"]
+    return AUTO_WEIGHTS["cpu-openblas" if cpu_blas_in_use() == "openblas" else "cpu"]
 
 
 def resolve_weights(weights: str) -> str:

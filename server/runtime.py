@@ -15,10 +15,10 @@ from typing import Callable
 import mlx.core as mx
 
 from lockstep.server.engine.decoding import MAX_DRAFT_TOKENS, METHODS, Deployment
+from lockstep.server.options import AUDIT_MODES, DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK
 
 log = logging.getLogger("lockstep.runtime")
 
-AUDIT_MODES = ("cached", "fresh", "off")
 AUDIT_OFF_WARNING = ("quantized kernels NOT audited (--audit off): a faulty kernel path "
                      "would go unnoticed")
 _IMPORTED_AT = time.perf_counter()
@@ -51,14 +51,12 @@ class Options:
     batch_invariant_limit: int = 0
     invariant_strategy: str = "auto"
     speculative: str = "none"
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     max_draft_tokens: int = MAX_DRAFT_TOKENS
     adaptive_speculation: bool = False  # k per step from each request's own acceptance
     draft_model: str | None = None  # a model spec, or "default-quantized"
-    prefill_chunk: int = 512
-    # Startup verdicts: "cached" re-uses this machine's audit verdicts and self-test proofs,
-    # "fresh" redoes and re-stores them, "off" skips the audit (self-test still cached).
-    audit: str = "cached"
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    audit: str = "cached"  # one of AUDIT_MODES (server/options.py says what each does)
     # Applied to the loaded, audited model before batch invariance (distributed sharding,
     # server/distributed/sharding.py); returns a label appended to the model's transform.
     prepare_model: Callable[[object], str] | None = None
@@ -101,7 +99,7 @@ class Runtime:
     loaded: object  # models.load.LoadedModel
     deployment: Deployment
     audit: object  # kernels.audit.report.AuditReport
-    plan: object  # kernels.invariance.limit.InvariancePlan
+    invariance: object  # kernels.invariance.limit.InstalledInvariance
     transform: str
     timings: dict = field(default_factory=dict)  # startup phase -> seconds (Phases)
     audit_mode: str = "cached"
@@ -112,15 +110,15 @@ class Runtime:
 
         audit = ({"mode": "off", "warning": AUDIT_OFF_WARNING} if self.audit is None
                  else {"mode": self.audit_mode, **summary(self.audit)})
-        test = getattr(self.plan, "self_test", None)
+        test = getattr(self.invariance, "self_test", None)
         return {
             "audit": audit,
             "startup": {"phases_s": {k: round(v, 2) for k, v in self.timings.items()},
                         "total_s": round(sum(self.timings.values()), 2),
                         "self_test_cached": bool(test is not None and test.cached)},
             "batch_invariance": {
-                "limit": self.plan.limit, "strategy": self.plan.strategy,
-                "guaranteed": self.plan.guaranteed, "reason": self.plan.reason,
+                "limit": self.invariance.limit, "strategy": self.invariance.strategy,
+                "guaranteed": self.invariance.guaranteed, "reason": self.invariance.reason,
             },
             "transform": self.transform,
             "draft_model": self.deployment.draft_name,
@@ -163,7 +161,7 @@ def build_runtime(options: Options) -> Runtime:
     from mlx_lm.models.cache import make_prompt_cache
 
     from lockstep.kernels import cpu_blas
-    from lockstep.kernels.invariance import cache_invariance_problem, set_batch_invariant_limit
+    from lockstep.kernels.invariance import set_batch_invariant_limit
     from lockstep.kernels.invariance.selftest import ProofCache
     from lockstep.kernels.verdict_cache import VerdictCache
     from lockstep.server.fingerprint import system_fingerprint, weights_digest
@@ -190,8 +188,16 @@ def build_runtime(options: Options) -> Runtime:
     if options.prepare_model is not None:
         transform += ";" + options.prepare_model(loaded.model)
 
+    from mlx_lm.models.cache import can_trim_prompt_cache
+
+    # Speculation rewinds a request's caches past rejected drafts; recurrent state cannot be.
+    speculation = can_trim_prompt_cache(make_prompt_cache(loaded.model))
+    if not speculation:
+        log.warning("speculative decoding is off%s: %s keeps recurrent state, which cannot be rewound "
+                    "past rejected drafts", " (--draft-model not loaded)" if options.draft_model else "",
+                    loaded.name)
     draft, draft_name = None, None
-    if options.draft_model:
+    if options.draft_model and speculation:
         if options.draft_model == "default-quantized":
             # a 4-bit copy of the target: cheap to make, and it agrees with it often
             draft_loaded, _, _ = _load_audited(options.model, "auto", "affine", 4, 32,
@@ -208,6 +214,9 @@ def build_runtime(options: Options) -> Runtime:
                 raise ValueError(f"--draft-model {options.draft_model}: {problem}; use a draft "
                                  f"that shares {loaded.name}'s tokenizer")
         draft = draft_loaded.model
+        if not can_trim_prompt_cache(make_prompt_cache(draft)):
+            raise ValueError(f"--draft-model {options.draft_model}: its recurrent state cannot be rewound "
+                             f"past rejected drafts; use a draft with plain KV caches")
 
     with timings.timed("fingerprint"):  # reads every weight file once (cached per process)
         digest = weights_digest(str(loaded.path))
@@ -220,22 +229,17 @@ def build_runtime(options: Options) -> Runtime:
     with timings.timed("self_test"):
         plan = set_batch_invariant_limit(loaded.model, options.batch_invariant_limit,
                                          options.invariant_strategy, proof_cache=proofs)
-    guaranteed = plan.guaranteed
-    problem = cache_invariance_problem(make_prompt_cache(loaded.model))
-    if options.batch_invariant_limit and problem:
-        guaranteed = False
-        log.warning("batch invariance refused: %s", problem)
     if options.batch_invariant_limit:
-        (log.info if guaranteed else log.warning)(
+        (log.info if plan.guaranteed else log.warning)(
             "batch invariance L=%d strategy=%s guaranteed=%s (%s)",
-            plan.limit, plan.strategy, guaranteed, plan.reason)
-    if guaranteed:
+            plan.limit, plan.strategy, plan.guaranteed, plan.reason)
+    if plan.guaranteed:
         from lockstep.kernels.invariance.warmup import build_kernels
 
         with timings.timed("build_kernels"):  # compiled now, not during the first passes
             build_kernels(loaded.model, plan.limit)
 
-    from lockstep.kernels.batching.kv_pool import pool_mode
+    from lockstep.kernels.batching.pool_mode import pool_mode
 
     kv_pool = pool_mode(loaded.model, options.kv_pool)
     if options.kv_pool != "off":
@@ -243,24 +247,19 @@ def build_runtime(options: Options) -> Runtime:
 
     pass_costs = None
     if options.adaptive_speculation:
-        from lockstep.server.engine.engine_path import EnginePath
+        from lockstep.server.engine.model_runner import ModelRunner
         from lockstep.server.engine.speculative import measure_pass_costs
 
         widest = options.max_draft_tokens + 1
-        if guaranteed:
+        if plan.guaranteed:
             widest = max(widest, plan.limit)
         with timings.timed("pass_costs"):  # what a verification pass of w rows costs in the engine
             pass_costs = tuple(measure_pass_costs(loaded.model, widest,
-                                                  path=EnginePath(loaded.model, kv_pool)))
-    ragged_proof = None
-    if guaranteed:
-        from lockstep.kernels.batching.ragged import enable_ragged, ragged_problem
-        from lockstep.kernels.batching.ragged_selftest import prove_ragged_cached
+                                                  runner=ModelRunner.as_engine_runs(loaded.model, kv_pool)))
+    from lockstep.server.engine.guarantee import decide_guarantee
 
-        if ragged_problem(loaded.model) is None:
-            with timings.timed("ragged_proof"):
-                enable_ragged(loaded.model)
-                ragged_proof = prove_ragged_cached(loaded.model, plan.limit, proofs, kv_pool=kv_pool)
+    with timings.timed("ragged_proof"):  # the deployment's guarantee, decided here only
+        guarantee = decide_guarantee(loaded.model, plan, kv_pool, proofs)
 
     with timings.timed("warm_up"):  # the first request should not pay for first-call setup
         try:
@@ -279,10 +278,11 @@ def build_runtime(options: Options) -> Runtime:
                                      limit=plan.limit, blas=cpu_blas.describe(),
                                      prefill_chunk=options.prefill_chunk, kv_pool=kv_pool)
     deployment = Deployment(
-        limit=plan.limit, guaranteed=guaranteed, strategy=plan.strategy,
+        limit=plan.limit, guaranteed_rows=guarantee.rows, shared_passes=guarantee.shared_passes,
+        strategy=plan.strategy, speculation=speculation,
         speculative=options.speculative, num_draft_tokens=options.num_draft_tokens,
         max_draft_tokens=options.max_draft_tokens, draft_model=draft, draft_name=draft_name,
-        prefill_chunk=options.prefill_chunk, fingerprint=fingerprint, ragged_proof=ragged_proof,
+        prefill_chunk=options.prefill_chunk, fingerprint=fingerprint,
         adaptive_draft_tokens=options.adaptive_speculation, pass_costs=pass_costs, kv_pool=kv_pool,
     )
     return Runtime(loaded, deployment, report, plan, transform, timings, options.audit)

@@ -1,8 +1,8 @@
 """Keep PyTorch out of lockstep's process.
 
 lockstep runs on MLX alone, but transformers (loaded for the tokenizer) imports torch
-whenever it is installed: on the H200 host that was ~6 s of a 7 s model load at every
-start (profiled: torch._dynamo, fsdp, custom-op registration). Marking torch absent
+whenever it is installed, and that was most of a model load's time at every start where
+torch is present (docs/BENCHMARKS.md, session 6: restart). Marking torch absent
 (`sys.modules["torch"] = None`) makes transformers' availability check answer no and any
 `import torch` fail at once. LOCKSTEP_ALLOW_TORCH=1 leaves it importable.
 """

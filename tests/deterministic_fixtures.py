@@ -14,9 +14,10 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from lockstep.kernels.invariance.selftest import bits_equal
 from lockstep.server.engine.decoding import DecodePlan, Deployment
-from lockstep.server.engine.generate import GenerationRequest, forward, generate, prefill
+from lockstep.server.engine.generate import GenerationRequest, generate
+from lockstep.server.engine.model_runner import ModelRunner
 from lockstep.server.engine.sampling import SamplingParams
-from lockstep.server.engine.token_steps import SpeculationStats, plain_tokens, speculative_tokens
+from lockstep.server.engine.token_steps import PlainSource, SpeculationStats, drive, speculative_tokens
 
 GREEDY = SamplingParams(temperature=0.0, top_logprobs=3)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, top_logprobs=3)
@@ -79,17 +80,18 @@ class Run:
         return [[(t, float_bits(v)) for t, v in top] for top in self.tops]
 
 
-class RecordingStep:
-    """A `Forward` for generate() that records every logits row computed at or after
-    `first_position` (decode and verification rows, not prompt prefill)."""
+class RecordingRunner(ModelRunner):
+    """A runner for one request (as generate() makes) that records every logits row of its
+    passes computed at or after `first_position` (decode and verification rows)."""
 
-    def __init__(self, first_position: int):
+    def __init__(self, model, deployment, first_position: int):
+        super().__init__(model, deployment, batched=False)
         self.first_position = first_position
         self.rows: dict[int, list] = {}  # position -> logits rows computed there (in order)
 
-    def __call__(self, model, cache, tokens):
+    def forward_rows(self, cache, tokens):
         start = cache[0].offset if cache else 0
-        logits = forward(model, cache, tokens)
+        logits = super().forward_rows(cache, tokens)
         mx.eval(logits)
         for i in range(len(tokens)):
             if start + i >= self.first_position:
@@ -101,10 +103,10 @@ def run_generate(loaded, prompt: list[int], max_tokens: int, sampling: SamplingP
                  plan: DecodePlan | None = None, deployment: Deployment | None = None,
                  prefix_cache=None, tokenizer_ids=None) -> Run:
     """Drive server.engine.generate.generate() to the end, the way the engine does."""
-    step = RecordingStep(len(prompt) - 1)
+    step = RecordingRunner(loaded.model, deployment, len(prompt) - 1)
     request = GenerationRequest(prompt_tokens=list(prompt), max_tokens=max_tokens, sampling=sampling)
-    deltas = [d for d in generate(loaded, request, step, plan=plan, deployment=deployment,
-                                  prefix_cache=prefix_cache) if d is not None]
+    deltas = [d for d in generate(loaded, request, plan=plan, deployment=deployment,
+                                  prefix_cache=prefix_cache, runner=step) if d is not None]
     items = [lp for d in deltas for lp in d.logprobs]
     ids = tokenizer_ids or loaded.tokenizer.ids
     tokens = [t for lp in items for t in ids(lp.token)]
@@ -129,15 +131,16 @@ def steps_from(model, prompt: list[int], n: int, params: SamplingParams, *, draf
                k: int = 0) -> list:
     """The first `n` `token_steps.Step`s of plain (drafter None) or speculative decoding,
     after prefilling prompt[:-1] in one call, exactly as generate() sets them up."""
+    runner = ModelRunner(model, batched=False)
     cache = make_prompt_cache(model)
-    for _ in prefill(model, cache, prompt[:-1], forward, chunk=max(1, len(prompt))):
+    for _ in runner.prefill_cache(cache, prompt[:-1], chunk=max(1, len(prompt))):
         pass
     stats = SpeculationStats()
     context = list(prompt)
     if drafter is None:
-        source = plain_tokens(forward, model, cache, context, params, stats)
+        source = drive(PlainSource(cache, context, params, stats), runner, cache)
     else:
-        source = speculative_tokens(forward, model, cache, context, params, drafter, k, stats)
+        source = speculative_tokens(runner, cache, context, params, drafter, k, stats)
     steps = []
     for batch in source:
         steps.extend(batch)

@@ -67,23 +67,20 @@ def deterministic_server(loaded, limit: int, prefill_chunk: int = 4, max_active:
     server keeps them, so the next module's server re-uses them. Yields (client, engine)."""
     from openai import OpenAI
 
-    from lockstep.kernels.batching.ragged import enable_ragged
-    from lockstep.kernels.batching.ragged_selftest import prove_ragged_cached
     from lockstep.kernels.invariance import set_batch_invariant_limit
     from lockstep.kernels.invariance.selftest import ProofCache
     from lockstep.kernels.verdict_cache import VerdictCache
     from lockstep.server.api.app import create_app
     from lockstep.server.engine import Engine
-    from lockstep.server.engine.decoding import Deployment
+    from lockstep.server.engine.guarantee import proven_deployment
     from lockstep.server.engine.prefix_cache import PrefixCache
 
     proofs = ProofCache(VerdictCache("selftest"), model_identity={"model": str(loaded.path), "weights": loaded.weights})
     plan = set_batch_invariant_limit(loaded.model, limit, proof_cache=proofs)
     try:
         assert plan.guaranteed, plan.reason
-        enable_ragged(loaded.model)  # as the engine would, before its proof
-        deployment = Deployment(limit=limit, guaranteed=True, strategy=plan.strategy, prefill_chunk=prefill_chunk,
-                                ragged_proof=prove_ragged_cached(loaded.model, limit, proofs))
+        deployment = proven_deployment(loaded.model, plan, proofs=proofs, prefill_chunk=prefill_chunk)
+        assert deployment.shared_passes
         engine = Engine(loaded, max_active=max_active, deployment=deployment, prefix_cache=PrefixCache(4)).start()
         try:
             with running(create_app(engine)) as url:

@@ -11,7 +11,8 @@ import struct
 
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
-from lockstep.server.engine.decoding import Deployment, plan_request
+from lockstep.server.engine.decoding import plan_request
+from lockstep.server.engine.guarantee import proven_deployment
 from lockstep.server.engine.request_state import GenerationRequest
 from lockstep.server.engine.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded
@@ -34,22 +35,22 @@ def run_engine(draft_room: bool):
     with shape_variant_backend():
         plan = set_batch_invariant_limit(model, LIMIT)
     assert plan.guaranteed
-    deployment = Deployment(limit=LIMIT, guaranteed=True, strategy=plan.strategy, prefill_chunk=8,
-                            adaptive_draft_tokens=True, pass_costs=(1.0,) * LIMIT)
+    with shape_variant_backend():
+        deployment = proven_deployment(model, plan, prefill_chunk=8, adaptive_draft_tokens=True,
+                                       pass_costs=(1.0,) * LIMIT)
     log = PassLog()
 
     async def main():
         with shape_variant_backend():
             engine = Engine(TinyLoaded(model), max_active=16, deployment=deployment)
-        engine.draft_room = draft_room
+        engine.scheduler.draft_room = draft_room
         engine.observers.append(log)
         engine.start()
         try:
             handles = {}
             for p, prompt in enumerate(PROMPTS):
                 for s, sampling in enumerate(SAMPLINGS):
-                    request = GenerationRequest(prompt, TOKENS, sampling, deterministic=True,
-                                                speculative="prompt_lookup", num_draft_tokens=5)
+                    request = GenerationRequest(prompt, TOKENS, sampling)
                     decode_plan = plan_request(deployment, deterministic=True, speculative="prompt_lookup",
                                                num_draft_tokens=5)
                     assert decode_plan.adaptive

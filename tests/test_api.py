@@ -233,13 +233,13 @@ def test_generation_failure_reaches_the_client(embedded_model):
     from fastapi.testclient import TestClient
 
     from lockstep.server.api.app import create_app
-    from lockstep.server.engine import Engine
+    from tests.doubles.scripted_engine import ScriptedEngine
 
     def failing(loaded, request, **_):
         yield None
         raise RuntimeError("boom")
 
-    engine = Engine(embedded_model, generate_fn=failing).start()
+    engine = ScriptedEngine(embedded_model, failing).start()
     try:
         with TestClient(create_app(engine)) as test_client:
             body = {"model": "default", "messages": GREETING, "max_tokens": 2}

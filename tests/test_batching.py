@@ -34,29 +34,29 @@ TOKENS = 16
 # ------------------------------------------------------------------- pass composition
 
 def demand(name, rows, det):
-    return Demand(name, rows, det)
+    return Demand(name, rows, "shared" if det else "none")
 
 
 def test_deterministic_passes_hold_at_most_l_rows_and_are_topped_up_with_free_rows():
     demands = [demand("a", 1, True), demand("b", 4, True), demand("x", 1, False), demand("c", 4, True),
                demand("y", 3, False), demand("z", 2, False)]
-    passes = compose_passes(demands, limit=6, max_rows=32)
+    passes = compose_passes(demands, shared_rows=6, max_rows=32)
     for group in passes:
-        if any(d.deterministic for d in group):
+        if any(d.determinism == "shared" for d in group):
             assert sum(d.rows for d in group) <= 6
     assert [[d.owner for d in g] for g in passes] == [["a", "b", "x"], ["c", "z"], ["y"]]
 
 
 def test_free_rows_alone_may_be_wider_than_l_up_to_max_rows():
     demands = [demand(i, 1, False) for i in range(40)]
-    passes = compose_passes(demands, limit=4, max_rows=16)
+    passes = compose_passes(demands, shared_rows=4, max_rows=16)
     assert [len(g) for g in passes] == [16, 16, 8]
     assert [d.owner for g in passes for d in g] == list(range(40))  # order kept, none split
 
 
 def test_a_deterministic_demand_wider_than_l_is_refused():
-    with pytest.raises(ValueError, match="limit is 4"):
-        compose_passes([demand("a", 5, True)], limit=4, max_rows=32)
+    with pytest.raises(ValueError, match="at most 4 may share"):
+        compose_passes([demand("a", 5, True)], shared_rows=4, max_rows=32)
 
 
 # ------------------------------------------------------------------- ragged forward itself
@@ -116,19 +116,25 @@ class PassLog:
         pass
 
 
-def serve_tiny(limit: int, *, prove: bool = True, max_batch_rows: int = 32, max_kv_tokens=None,
+def serve_tiny(limit: int, *, claim_without_proof: int = 0, max_batch_rows: int = 32, max_kv_tokens=None,
                kv_pool: str = "off"):
-    """(app, engine, pass log) for the tiny model with L = `limit` installed under the double."""
+    """(app, engine, pass log) for the tiny model with L = `limit` installed under the double
+    and its guarantee decided as at startup; `claim_without_proof`: a deployment that claims
+    that many shared deterministic rows instead (the negative control)."""
     from lockstep.server.api.app import create_app
     from lockstep.server.engine import Engine
+    from lockstep.server.engine.guarantee import proven_deployment
 
     model = peaked_llama()
     draft = peaked_llama(quant="affine")
     with shape_variant_backend():
         plan = set_batch_invariant_limit(model, limit)
-    guaranteed = bool(plan.guaranteed) if limit else False
-    deployment = Deployment(limit=limit, guaranteed=guaranteed or not prove, strategy=plan.strategy,
-                            draft_model=draft, prefill_chunk=8, kv_pool=kv_pool)
+        if claim_without_proof:
+            deployment = Deployment(limit=claim_without_proof, guaranteed_rows=claim_without_proof, shared_passes=True,
+                                    draft_model=draft, prefill_chunk=8, kv_pool=kv_pool)
+        else:
+            deployment = proven_deployment(model, plan if limit else None, kv_pool=kv_pool, draft_model=draft,
+                                           prefill_chunk=8)
     with shape_variant_backend():
         engine = Engine(TinyLoaded(model), max_active=16, deployment=deployment,
                         max_batch_rows=max_batch_rows, max_kv_tokens=max_kv_tokens,
@@ -235,7 +241,7 @@ def test_deterministic_answers_under_mixed_batched_load_equal_their_solo_runs(kv
             health = httpx.get(url + "/health").json()
     finally:
         engine.stop()
-    assert engine.ragged_proof
+    assert engine.deployment.shared_passes  # the ragged proof passed
     assert all(requests == 1 for _, requests in solo_passes)
     assert len(loaded) == len(DETERMINISTIC)
     for i, run in solo.items():
@@ -248,7 +254,7 @@ def test_deterministic_answers_under_mixed_batched_load_equal_their_solo_runs(kv
     assert engine.describe()["kv_pool"] == kv_pool
     assert engine.prefix_cache.hits > 0  # prompts repeat: some requests started from a cached prefix
     if kv_pool != "off":  # every range came back, the cancelled request's too
-        assert engine.kv_pool.free_slots == engine.kv_pool.capacity
+        assert engine.runner.kv_pool.free_slots == engine.runner.kv_pool.capacity
 
 
 def test_choices_of_one_request_share_the_pooled_prompt_and_give_their_ranges_back():
@@ -266,16 +272,13 @@ def test_choices_of_one_request_share_the_pooled_prompt_and_give_their_ranges_ba
     assert [c.text for c in three][0] == one[0].text  # choice 0 is the n = 1 answer
     assert three[0].logprobs.token_logprobs == one[0].logprobs.token_logprobs
     assert len({c.text for c in three}) > 1  # the followers sampled their own streams
-    assert engine.kv_pool.free_slots == engine.kv_pool.capacity
+    assert engine.runner.kv_pool.free_slots == engine.runner.kv_pool.capacity
 
 
 def test_negative_control_the_same_batching_without_invariant_kernels_diverges():
     """L installed nowhere (native kernels under the double), but the scheduler batches the
     deterministic rows as if it were proven: their answers change under load."""
-    app, engine, log = serve_tiny(0, prove=False)
-    engine.ragged_proof = True  # batch deterministic rows with others, unproven
-    engine.deployment = Deployment(limit=LIMIT, guaranteed=True, draft_model=engine.deployment.draft_model,
-                                   prefill_chunk=8)
+    app, engine, log = serve_tiny(0, claim_without_proof=LIMIT)  # batch deterministic rows with others, unproven
     engine.start()
     try:
         with shape_variant_backend(), running(app) as url:
@@ -320,17 +323,17 @@ def test_kv_budget_refuses_what_never_fits_and_queues_what_does_not_fit_yet():
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_between_decode_passes(monkeypatch):
-    from lockstep.server.engine.request_state import RequestState
+    from lockstep.server.engine.model_runner import ModelRunner
 
     app, engine, log = serve_tiny(0)
     events = []
-    original = RequestState.prefill_chunk
+    original = ModelRunner.prefill
 
-    def logged_chunk(self):
+    def logged_chunk(self, state):
         events.append("chunk")
-        return original(self)
+        return original(self, state)
 
-    monkeypatch.setattr(RequestState, "prefill_chunk", logged_chunk)
+    monkeypatch.setattr(ModelRunner, "prefill", logged_chunk)
     engine.observers.append(type("O", (), {"on_pass": lambda s, r, n: events.append("pass"),
                                            "on_admit": lambda s, w: None})())
     engine.start()

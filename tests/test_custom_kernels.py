@@ -2,7 +2,7 @@
 order through the NumPy model the .cu/.metal sources follow (tails, group boundaries,
 dims = 16 mod 32), the strategy that uses them, its selection by proof, and the fallback to
 today's forms when the kernels are unavailable or wrong. The GPU proof is the self-test on
-the H200 (docs/cuda/invariant_8b.md)."""
+the H200 (bench/results/cuda/invariant_8b.md)."""
 import re
 import tomllib
 from pathlib import Path

@@ -1,15 +1,13 @@
-"""Decode plans (server/engine/decoding.py), the limit's environment names (server/runtime.py), and
-how the engine schedules an exclusive plan. No model: fast."""
-import asyncio
-import threading
-
+"""Decode plans (server/engine/decoding.py) and the limit's environment names
+(server/runtime.py). No model: fast."""
 import pytest
 
 from lockstep.server.engine.decoding import METHODS, DecodePlan, Deployment, RequestRejected, plan_request
 from lockstep.server.runtime import LIMIT_ENV, limit_from_env
 
 DRAFT = object()  # stands in for a draft model: plan_request only checks it is there
-PROVEN = Deployment(limit=6, guaranteed=True, strategy="native", num_draft_tokens=4, draft_model=DRAFT)
+PROVEN = Deployment(limit=6, guaranteed_rows=6, shared_passes=True, strategy="native", num_draft_tokens=4,
+                    draft_model=DRAFT)
 
 
 def plan(deployment=PROVEN, *, deterministic=True, speculative=None, k=None) -> DecodePlan:
@@ -28,7 +26,7 @@ def rejected(deployment=PROVEN, **kwargs) -> RequestRejected:
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_deterministic_allows_every_k_up_to_limit_minus_one(method, k):
     p = plan(speculative=method, k=k)
-    assert (p.deterministic, p.method, p.num_draft_tokens, p.exclusive, p.note) == (True, method, k, False, "")
+    assert (p.determinism, p.method, p.num_draft_tokens, p.guaranteed, p.note) == ("shared", method, k, True, "")
 
 
 @pytest.mark.parametrize("method", ["draft", "prompt_lookup"])
@@ -41,22 +39,22 @@ def test_deterministic_refuses_k_of_limit_or_more_naming_the_param(method, k):
 
 def test_non_deterministic_requests_are_not_bounded_by_the_limit():
     p = plan(deterministic=False, speculative="prompt_lookup", k=12)
-    assert (p.deterministic, p.method, p.num_draft_tokens, p.exclusive) == (False, "prompt_lookup", 12, False)
+    assert (p.determinism, p.method, p.num_draft_tokens, p.guaranteed) == ("none", "prompt_lookup", 12, False)
     assert plan(deterministic=False).method == "none"  # the deployment's default method
 
 
 def test_the_deployment_default_k_is_clipped_not_refused():
-    wide = Deployment(limit=6, guaranteed=True, speculative="draft", num_draft_tokens=9, draft_model=DRAFT)
+    wide = Deployment(limit=6, guaranteed_rows=6, speculative="draft", num_draft_tokens=9, draft_model=DRAFT)
     p = plan(wide)  # neither method nor k chosen by the request
-    assert (p.method, p.num_draft_tokens, p.exclusive) == ("draft", 5, False)
+    assert (p.method, p.num_draft_tokens, p.guaranteed) == ("draft", 5, True)
     assert plan(wide, speculative="prompt_lookup").num_draft_tokens == 5
     assert rejected(wide, speculative="prompt_lookup", k=9).param == "num_draft_tokens"  # chosen: refused
 
 
 def test_limit_one_leaves_no_room_for_drafts():
-    one = Deployment(limit=1, guaranteed=True, speculative="prompt_lookup", num_draft_tokens=4)
+    one = Deployment(limit=1, guaranteed_rows=1, speculative="prompt_lookup", num_draft_tokens=4)
     p = plan(one)
-    assert (p.method, p.num_draft_tokens, p.exclusive) == ("none", 0, False)
+    assert (p.method, p.num_draft_tokens, p.guaranteed) == ("none", 0, True)
     assert rejected(one, speculative="prompt_lookup", k=1).param == "num_draft_tokens"
 
 
@@ -67,7 +65,7 @@ def test_method_none_carries_no_draft_tokens():
 
 def test_unknown_method_and_missing_draft_model_are_refused():
     assert rejected(speculative="medusa").param == "speculative"
-    no_draft = Deployment(limit=6, guaranteed=True)
+    no_draft = Deployment(limit=6, guaranteed_rows=6)
     error = rejected(no_draft, speculative="draft", k=2)
     assert error.param == "speculative" and "draft model" in str(error)
     # the refusal does not depend on determinism
@@ -79,20 +77,20 @@ def test_unknown_method_and_missing_draft_model_are_refused():
 
 @pytest.mark.parametrize("method, k", [(None, None), ("none", None), ("prompt_lookup", 3),
                                        ("draft", 5), ("prompt_lookup", 16)])
-def test_limit_zero_runs_without_speculation_and_alone_with_a_note(method, k):
-    off = Deployment(limit=0, guaranteed=False, speculative="prompt_lookup", draft_model=DRAFT)
+def test_limit_zero_runs_without_speculation_in_passes_of_its_own_with_a_note(method, k):
+    off = Deployment(limit=0, speculative="prompt_lookup", draft_model=DRAFT)
     p = plan(off, speculative=method, k=k)
-    assert (p.deterministic, p.method, p.num_draft_tokens, p.exclusive) == (True, "none", 0, True)
-    assert "limit is 0" in p.note and "without speculation and alone" in p.note
+    assert (p.determinism, p.method, p.num_draft_tokens, p.guaranteed) == ("alone", "none", 0, False)
+    assert "limit is 0" in p.note and "without speculation, in passes of its own" in p.note
     info = p.extension(off)
     assert info == {"deterministic": True, "batch_invariant_limit": 0, "guaranteed": False,
                     "speculative": "none", "num_draft_tokens": 0, "note": p.note}
 
 
 def test_unproven_limit_is_not_trusted():
-    unproven = Deployment(limit=6, guaranteed=False, draft_model=DRAFT)
+    unproven = Deployment(limit=6, draft_model=DRAFT)
     p = plan(unproven, speculative="draft", k=3)
-    assert (p.method, p.num_draft_tokens, p.exclusive) == ("none", 0, True)
+    assert (p.method, p.num_draft_tokens, p.determinism) == ("none", 0, "alone")
     assert "not proven" in p.note
     assert p.extension(unproven)["guaranteed"] is False
     assert p.extension(unproven)["batch_invariant_limit"] == 6
@@ -173,7 +171,7 @@ def test_adaptive_speculation_flag_reaches_the_deployment_with_measured_costs(mo
     assert options.adaptive_speculation is True
     widths = []
     monkeypatch.setattr(speculative, "measure_pass_costs",
-                        lambda model, w, path=None: widths.append(w) or [float(i + 1) for i in range(w)])
+                        lambda model, w, runner=None: widths.append(w) or [float(i + 1) for i in range(w)])
     deployment = build_runtime(options).deployment
     assert deployment.adaptive_draft_tokens and deployment.pass_costs == (1.0, 2.0, 3.0, 4.0)
     assert widths == [4]  # passes of up to max_draft_tokens + 1 rows
@@ -181,54 +179,17 @@ def test_adaptive_speculation_flag_reaches_the_deployment_with_measured_costs(mo
     assert p.adaptive and p.extension(deployment)["adaptive_draft_tokens"] is True
 
 
-# ------------------------------------------------------------------ the engine honours `exclusive`
-
-def test_engine_runs_an_exclusive_plan_alone():
-    """Units of work are logged per request: an exclusive request never interleaves with
-    another, and requests queued after it wait for it (FIFO); plain ones interleave."""
-    from lockstep.server.engine import Engine
-    from lockstep.server.engine.generate import Delta, GenerationRequest
-
-    log: list[str] = []
-    lock = threading.Lock()
-
-    def fake_generate(loaded, request, *, plan=None, deployment=None, prefix_cache=None, **_):
-        name = request.stop[0]
-        for i in range(4):
-            with lock:
-                log.append(name)
-            yield None
-        yield Delta(text=name, prompt_tokens=1, completion_tokens=4, finish_reason="stop")
-
-    off = Deployment(limit=0)
-    excl = plan_request(off, deterministic=True, speculative=None, num_draft_tokens=None)
-    loose = plan_request(off, deterministic=False, speculative=None, num_draft_tokens=None)
-    assert excl.exclusive and not loose.exclusive
-
-    async def main():
-        engine = Engine(loaded=None, max_active=4, generate_fn=fake_generate, deployment=off)
-        try:
-            # all queued before the worker starts, so its first admission sees the whole queue
-            handles = [engine.submit(GenerationRequest([1], 4, stop=(name,)), p)
-                       for name, p in (("a", loose), ("b", loose), ("X", excl), ("c", loose))]
-            engine.start()
-            for h in handles:
-                async for _ in h:
-                    pass
-        finally:
-            engine.stop()
-
-    asyncio.run(main())
-    assert sorted(log) == sorted("aaaabbbbXXXXcccc")
-    first_x, last_x = log.index("X"), len(log) - 1 - log[::-1].index("X")
-    assert log[first_x:last_x + 1] == ["X"] * 4  # alone while it ran
-    assert set(log[:first_x]) == {"a", "b"} and log[last_x + 1:] == ["c"] * 4  # nobody overtook it
-    assert log[:first_x] != sorted(log[:first_x])  # the plain ones did interleave (control)
+def test_a_proven_limit_without_shared_passes_plans_alone():
+    """The self-test proved L but requests may not share passes (no ragged proof): the
+    request keeps its speculation (its own rows are covered) in passes of its own."""
+    own = Deployment(limit=6, guaranteed_rows=6, shared_passes=False, draft_model=DRAFT)
+    p = plan(own, speculative="draft", k=3)
+    assert (p.determinism, p.method, p.num_draft_tokens, p.guaranteed) == ("alone", "draft", 3, True)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_k_above_the_server_maximum_is_refused_for_every_request(deterministic):
-    small = Deployment(limit=64, guaranteed=True, max_draft_tokens=8)
+    small = Deployment(limit=64, guaranteed_rows=64, max_draft_tokens=8)
     error = rejected(small, deterministic=deterministic, speculative="prompt_lookup", k=9)
     assert error.param == "num_draft_tokens" and "at most 8" in str(error)
     assert plan(small, deterministic=deterministic, speculative="prompt_lookup", k=8).num_draft_tokens == 8

@@ -66,7 +66,7 @@ def limit(tiny):
 
 
 def deployment_for(plan, draft, limit):
-    return Deployment(limit=limit, guaranteed=bool(plan and plan.guaranteed),
+    return Deployment(limit=limit, guaranteed_rows=limit if plan and plan.guaranteed else 0,
                       strategy=plan.strategy if plan else "native", draft_model=draft, prefill_chunk=8)
 
 
@@ -89,7 +89,7 @@ def test_speculative_equals_plain_bitwise_with_the_limit(tiny, draft, limit, sam
         for method in ("draft", "prompt_lookup"):
             for k in (1, 3, LIMIT - 1):
                 p = plan_request(dep, deterministic=True, speculative=method, num_draft_tokens=k)
-                assert (p.method, p.num_draft_tokens, p.exclusive) == (method, k, False)
+                assert (p.method, p.num_draft_tokens, p.determinism) == (method, k, "alone")
                 runs[method, k] = run_generate(tiny, PROMPT, TOKENS, params, plan=p, deployment=dep)
 
     assert len(plain.tokens) == TOKENS and plain.extension["forward_passes"] == TOKENS
@@ -135,9 +135,9 @@ def test_the_limit_must_cover_the_verification_width(tiny, draft, limit):
     with shape_variant_backend():
         plain = run_generate(tiny, PROMPT, TOKENS, GREEDY, plan=None, deployment=dep)
         inside = run_generate(tiny, PROMPT, TOKENS, GREEDY, deployment=dep,
-                              plan=DecodePlan(True, "draft", small - 1, exclusive=False))
+                              plan=DecodePlan("shared", "draft", small - 1, guaranteed=True))
         outside = run_generate(tiny, PROMPT, TOKENS, GREEDY, deployment=dep,
-                               plan=DecodePlan(True, "draft", small, exclusive=False))
+                               plan=DecodePlan("shared", "draft", small, guaranteed=True))
     assert same_bits(inside, plain)
     assert not rows_bit_identical(chosen_rows(outside), chosen_rows(plain))
 
@@ -148,7 +148,7 @@ def test_deterministic_on_an_l0_deployment_runs_plain_and_says_so(tiny, draft):
         plain = run_generate(tiny, PROMPT, TOKENS, SEEDED, plan=None, deployment=dep)
         p = plan_request(dep, deterministic=True, speculative="draft", num_draft_tokens=5)
         run = run_generate(tiny, PROMPT, TOKENS, SEEDED, plan=p, deployment=dep)
-    assert p.exclusive and p.method == "none"
+    assert p.determinism == "alone" and p.method == "none"
     assert same_bits(run, plain)
     ext = run.extension
     assert (ext["speculative"], ext["num_draft_tokens"], ext["guaranteed"]) == ("none", 0, False)
@@ -206,7 +206,7 @@ def test_embedded_model_speculation_is_exact_only_with_the_limit(embedded_model)
             native_plain, native_spec = runs(Deployment(limit=0))
             plan = set_batch_invariant_limit(loaded.model, 3, prefixes=(11,))
             assert plan.guaranteed, plan.reason
-            plain, spec = runs(Deployment(limit=3, guaranteed=True, strategy=plan.strategy))
+            plain, spec = runs(Deployment(limit=3, guaranteed_rows=3, strategy=plan.strategy))
     finally:
         set_batch_invariant_limit(loaded.model, 0)  # other tests share this model
 

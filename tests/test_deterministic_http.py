@@ -141,8 +141,8 @@ def server(restarted, embedded_model, draft_model):
     from lockstep.kernels import cpu_blas
     from lockstep.kernels.invariance import cache_invariance_problem, set_batch_invariant_limit
     from lockstep.server.api.app import create_app
-    from lockstep.server.engine.decoding import Deployment
     from lockstep.server.engine import Engine
+    from lockstep.server.engine.guarantee import proven_deployment
     from lockstep.server.fingerprint import system_fingerprint
     from lockstep.server.engine.prefix_cache import PrefixCache
 
@@ -153,9 +153,8 @@ def server(restarted, embedded_model, draft_model):
         transform = f"weights={embedded_model.weights}"
         fingerprint = system_fingerprint(embedded_model.path, transform=transform, strategy=plan.strategy,
                                          limit=plan.limit, blas=cpu_blas.describe(), prefill_chunk=CHUNK)
-        deployment = Deployment(limit=L, guaranteed=plan.guaranteed, strategy=plan.strategy,
-                                draft_model=draft_model, draft_name="4-bit copy", prefill_chunk=CHUNK,
-                                fingerprint=fingerprint)
+        deployment = proven_deployment(embedded_model.model, plan, draft_model=draft_model,
+                                       draft_name="4-bit copy", prefill_chunk=CHUNK, fingerprint=fingerprint)
         prefix_cache = PrefixCache(4)
         engine = Engine(embedded_model, max_active=4, deployment=deployment, prefix_cache=prefix_cache).start()
         try:

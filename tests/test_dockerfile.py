@@ -123,8 +123,8 @@ def test_dockerignore_keeps_local_state_out_of_the_context():
 
 
 def test_every_project_package_is_copied_before_pip_install():
-    includes = pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
-    packages = {pattern.rstrip("*") for pattern in includes}
+    # the folders pyproject's package-dir maps into the lockstep namespace
+    packages = set(pyproject()["tool"]["setuptools"]["package-dir"].values())
     copied = {Path(s).name for sources, _ in copies() for s in sources}
     assert packages <= copied, packages - copied
     assert "pyproject.toml" in copied

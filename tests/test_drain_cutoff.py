@@ -9,6 +9,7 @@ import threading
 import httpx2 as httpx
 import pytest
 
+from tests.doubles.scripted_engine import ScriptedEngine
 from tests.http_server import wait_until
 from tests.test_hardening_round2 import CHAT, EndlessGenerate
 
@@ -33,10 +34,9 @@ def test_streams_cut_at_the_drain_timeout_end_with_an_error_event_and_done(embed
     import signal
 
     from lockstep.server.api.app import create_app
-    from lockstep.server.engine import Engine
 
     endless = EndlessGenerate()
-    engine = Engine(embedded_model, generate_fn=endless).start()
+    engine = ScriptedEngine(embedded_model, endless).start()
     app = create_app(engine)
     server, thread, url = _serve_draining(app, drain_timeout=60 if second_signal else 0.5)
     bodies, statuses = {}, {}

@@ -2,7 +2,7 @@
 (MLX's single-row CUDA GEMV, through the NumPy model gemv_order.py), how warps are shaped, the
 strategy that uses it, its selection by proof and the fallback when it is unavailable or
 wrong. The GPU proof (every row equal to MLX's plain single-row call, M = 2..64, three dtypes,
-SmolLM2 and 8B shapes; self-test at L = 32 on the 8B shape) is in docs/cuda/."""
+SmolLM2 and 8B shapes; self-test at L = 32 on the 8B shape) is in bench/results/cuda/."""
 import re
 
 import mlx.core as mx

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from lockstep.server.engine.grammar import GrammarCompiler, GrammarError, apply_mask
+from lockstep.server.engine.grammar import GrammarCompiler, GrammarError
+from lockstep.server.engine.logits_processors import apply_mask
 
 START, END = "<tool_call>\n", "\n</tool_call>"
 
@@ -238,3 +239,52 @@ def test_a_grammar_pickles_to_its_source_and_recompiles(compiler):
     assert again.source == grammar.source
     first, second = grammar.matcher(), again.matcher()
     assert mx.array_equal(first.allowed(), second.allowed()).item()
+
+
+def accepts(model, grammar, text: str) -> bool:
+    """Whether the grammar takes every token of `text` (masked in, consumed) and can end there."""
+    matcher = grammar.matcher()
+    for token in encode(model, text):
+        if not matcher.allowed()[token].item():
+            return False
+        matcher.consume(token)
+    return bool(matcher.allowed()[min(model.eos_token_ids)].item())
+
+
+def test_an_extra_key_cannot_stand_in_for_a_declared_one(model, compiler):
+    """Issue 25, finding 3: keys are text to the engine, so `"\\u0078"` was an additional
+    property beside `"x"`, and once parsed it replaced x's integer with a string."""
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+              "additionalProperties": {"type": "string"}}
+    grammar = compiler.json_schema(schema)
+    assert not accepts(model, grammar, '{"x": 1, "\\u0078": "s"}')
+    assert accepts(model, grammar, '{"x": 1, "y": "two\\nlines, \\"quoted\\" \\\\ é"}')
+    patterned = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+                 "patternProperties": {"^x": {"type": "integer"}}}
+    assert not accepts(model, compiler.json_schema(patterned), '{"x": 1, "\\u0078": 2}')
+
+
+def test_a_required_call_with_a_tag_in_its_arguments_still_parses_to_the_call(model, compiler):
+    """Issue 25, finding 2: the grammar lets an argument string hold the end tag's text, so
+    the parser must not cut the call there, or "required" answers no call."""
+    from lockstep.server.api.tool_calls import split_tool_calls, tool_format
+
+    arguments = {"city": "</tool_call>", "unit": "celsius"}
+    text = call("get_weather", arguments)
+    matcher = compiler.tool_calls(TOOLS, start=START, end=END, name=None, parallel=False).matcher()
+    walk(model, matcher, text)
+    assert matcher.finished
+    content, calls = split_tool_calls(text, tool_format(object()), {"get_weather", "add"})
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", arguments)]
+
+
+def test_tool_arguments_are_always_an_object(model, compiler):
+    """Issue 25, finding 2: parameters `{"type": "string"}` gave string arguments, which are no
+    call; such a tool is refused naming it, and a schema without a type is taken as an object."""
+    untyped = {"type": "function", "function": {"name": "echo", "parameters": {"properties": {"x": {"type": "integer"}}}}}
+    matcher = compiler.tool_calls([untyped], start=START, end=END, name=None, parallel=False).matcher()
+    walk(model, matcher, START + '{"name": "echo", "arguments": ')
+    assert not matcher.allowed()[encode(model, '"')[0]].item()
+    shout = {"type": "function", "function": {"name": "shout", "parameters": {"type": "string"}}}
+    with pytest.raises(GrammarError, match="'shout' must be a JSON Schema of type \"object\""):
+        compiler.tool_calls([*TOOLS, shout], start=START, end=END, name=None, parallel=False)

@@ -13,6 +13,7 @@ import pytest
 from openai import AuthenticationError, OpenAI
 
 from lockstep.server.engine.generate import Delta
+from tests.doubles.scripted_engine import ScriptedEngine
 from tests.http_server import running, wait_until
 
 KEYS = ["key-one", "key-two"]
@@ -51,10 +52,9 @@ def scripted():
 def hardened(embedded_model, scripted):
     """(base URL, app) for an app with keys, small limits and one slot."""
     from lockstep.server.api.app import create_app
-    from lockstep.server.engine import Engine
     from lockstep.server.api.limits import Limits
 
-    engine = Engine(embedded_model, max_active=1, generate_fn=scripted).start()
+    engine = ScriptedEngine(embedded_model, scripted, max_active=1).start()
     limits = Limits(max_body_bytes=4096, max_tokens=16, max_prompt_tokens=64, max_queue=1)
     app = create_app(engine, api_keys=KEYS, limits=limits)
     try:
@@ -318,9 +318,8 @@ def test_metrics_count_requests_errors_tokens_and_extensions(hardened, http):
 
 def test_each_app_has_its_own_registry(embedded_model, scripted):
     from lockstep.server.api.app import create_app
-    from lockstep.server.engine import Engine
 
-    engine = Engine(embedded_model, generate_fn=scripted)  # never started: no request reaches it
+    engine = ScriptedEngine(embedded_model, scripted)  # never started: no request reaches it
     first, second = create_app(engine), create_app(engine)
     assert first is not second  # two apps on one process: no duplicate-metric error
 
@@ -351,9 +350,8 @@ def test_prompts_are_logged_only_when_asked(embedded_model, scripted, caplog):
     from fastapi.testclient import TestClient
 
     from lockstep.server.api.app import create_app
-    from lockstep.server.engine import Engine
 
-    engine = Engine(embedded_model, generate_fn=scripted).start()
+    engine = ScriptedEngine(embedded_model, scripted).start()
     try:
         with TestClient(create_app(engine, log_prompts=True)) as client, \
                 caplog.at_level(logging.INFO, logger="lockstep.access"):
@@ -370,9 +368,8 @@ def test_draining_refuses_new_work_with_503(embedded_model, scripted):
     from fastapi.testclient import TestClient
 
     from lockstep.server.api.app import create_app
-    from lockstep.server.engine import Engine
 
-    engine = Engine(embedded_model, generate_fn=scripted)  # not started: refused before it matters
+    engine = ScriptedEngine(embedded_model, scripted)  # not started: refused before it matters
     app = create_app(engine)
     app.state.drain.start()
     with TestClient(app) as client:

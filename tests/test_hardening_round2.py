@@ -16,6 +16,7 @@ import mlx.core as mx
 import pytest
 
 from lockstep.server.engine.generate import Delta
+from tests.doubles.scripted_engine import ScriptedEngine
 from tests.http_server import running, wait_until
 
 KEYS = ["k1"]
@@ -48,9 +49,8 @@ def endless():
 @pytest.fixture(scope="module")
 def app_url(embedded_model, endless):
     from lockstep.server.api.app import create_app
-    from lockstep.server.engine import Engine
 
-    engine = Engine(embedded_model, max_active=4, generate_fn=endless).start()
+    engine = ScriptedEngine(embedded_model, endless, max_active=4).start()
     app = create_app(engine, api_keys=KEYS)
     try:
         with running(app) as url:
@@ -110,7 +110,7 @@ def test_drafts_are_clipped_to_the_tokens_left(embedded_model, monkeypatch):
     monkeypatch.setattr(PromptLookupDrafter, "propose", recording)
     prompt = list(embedded_model.tokenizer.encode("one two three one two three one two three one two"))
     request = GenerationRequest(prompt, max_tokens=3, sampling=SamplingParams(temperature=0.0))
-    plan = DecodePlan(False, "prompt_lookup", 8, exclusive=False)
+    plan = DecodePlan("none", "prompt_lookup", 8)
     deltas = [d for d in generate(embedded_model, request, plan=plan, deployment=Deployment()) if d]
     assert deltas[-1].completion_tokens <= 3
     assert asked and asked[0] == 2  # 3 tokens left: 2 drafts + the target's own token
@@ -143,7 +143,6 @@ def test_a_cancelled_request_stops_drafting_inside_the_step(embedded_model):
 
 def test_a_long_step_does_not_hold_the_engine_after_its_client_left(embedded_model):
     """The engine passes `cancelled` to generate, and a cancelled request leaves at once."""
-    from lockstep.server.engine import Engine
 
     seen = {}
 
@@ -152,7 +151,7 @@ def test_a_long_step_does_not_hold_the_engine_after_its_client_left(embedded_mod
         while not cancelled():  # a step that polls cancellation, like a drafter does
             yield None
 
-    engine = Engine(embedded_model, generate_fn=long_step_generate).start()
+    engine = ScriptedEngine(embedded_model, long_step_generate).start()
     try:
         import asyncio
 
@@ -356,14 +355,14 @@ def test_a_cancelled_prefill_stops_at_the_next_chunk(embedded_model, monkeypatch
     """Each prompt chunk is one engine step, so a disconnect frees the slot after one chunk."""
     import asyncio
 
-    import lockstep.server.engine.request_state as request_state
+    import lockstep.server.engine.model_runner as model_runner
     from lockstep.server.engine import Engine
     from lockstep.server.engine.decoding import Deployment
     from lockstep.server.engine.request_state import GenerationRequest
 
     chunks = []
     release = threading.Event()
-    original = request_state.prompt_forward
+    original = model_runner.prompt_forward
 
     def counting_chunk(model, cache, tokens):
         chunks.append(len(tokens))
@@ -371,7 +370,7 @@ def test_a_cancelled_prefill_stops_at_the_next_chunk(embedded_model, monkeypatch
             release.wait(30)  # hold the first chunk until the client has left
         return original(model, cache, tokens)
 
-    monkeypatch.setattr(request_state, "prompt_forward", counting_chunk)
+    monkeypatch.setattr(model_runner, "prompt_forward", counting_chunk)
     engine = Engine(embedded_model, deployment=Deployment(prefill_chunk=16)).start()
     try:
         async def go():

@@ -14,7 +14,7 @@ from mlx_lm.models import llama
 
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance.limit import (
-    batch_invariant_plan,
+    installed_invariance,
     cache_invariance_problem,
     set_batch_invariant_limit,
     uncovered_parts,
@@ -150,7 +150,7 @@ def test_auto_picks_a_proven_strategy_and_records_why():
     tried = {name: passed for name, passed, _ in plan.candidates}
     assert tried == {"native": False, "strided_gemv": True}  # first proven in speed order
     assert plan.strategy == "strided_gemv" and "failed: ['native']" in plan.reason
-    assert batch_invariant_plan(model) is plan
+    assert installed_invariance(model) is plan
 
 
 def test_auto_can_measure_every_candidate():

@@ -2,13 +2,14 @@
 
 On the CPU there is no custom-kernel API, so the pool runs its reference form (one MLX
 attention call per row); the GPU kernel's order of work is checked here through its NumPy
-model (kernels/custom/attention_order.py), its bits on the H200 (docs/cuda/).
+model (kernels/custom/attention_order.py), its bits on the H200 (bench/results/cuda/).
 """
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from lockstep.kernels.batching.kv_pool import KVPool, fill_prefix, pool_mode
+from lockstep.kernels.batching.kv_pool import KVPool, fill_prefix
+from lockstep.kernels.batching.pool_mode import pool_mode
 from lockstep.kernels.batching.ragged import enable_ragged, ragged_forward
 from lockstep.kernels.batching.ragged_selftest import prove_ragged
 from lockstep.kernels.custom.attention import PoolRows, kernel_unavailable_reason, pooled_attention
@@ -202,18 +203,18 @@ def test_pool_mode_on_the_cpu(model):
 # ----------------------------------------------------- measuring as the engine decodes
 
 def test_speculation_over_the_engine_path_is_exact_and_gives_its_ranges_back(model):
-    from lockstep.server.bench import decode
-    from lockstep.server.engine.engine_path import EnginePath
+    from lockstep.server.tools.speed_ratios import decode
+    from lockstep.server.engine.model_runner import ModelRunner
     from lockstep.server.engine.speculative import measure_pass_costs
 
-    path = EnginePath(model, "reference")
+    path = ModelRunner.as_engine_runs(model, "reference")
     prompt = [11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11, 12]
-    plain, _, _ = decode(model, prompt, 12, path=path)
-    spec, _, stats = decode(model, prompt, 12, "prompt_lookup", 3, path=path)
+    plain, _, _ = decode(model, prompt, 12, runner=path)
+    spec, _, stats = decode(model, prompt, 12, "prompt_lookup", 3, runner=path)
     assert spec == plain and stats.drafted > 0
-    costs = measure_pass_costs(model, 4, context=8, repeats=1, path=path)
+    costs = measure_pass_costs(model, 4, context=8, repeats=1, runner=path)
     assert len(costs) == 4 and costs == sorted(costs)
-    assert path.pool.free_slots == path.pool.capacity
+    assert path.kv_pool.free_slots == path.kv_pool.capacity
 
 
 def test_the_kernels_smoke_test_refuses_a_wrong_kernel(monkeypatch):

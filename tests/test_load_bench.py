@@ -1,8 +1,8 @@
-"""The HTTP load bench's client mix and its "changed answers" count (server/load_bench.py)."""
+"""The HTTP load bench's client mix and its "changed answers" count (server/tools/http_load.py)."""
 import pytest
 
-from lockstep.server.load_bench import (RoundResult, changed_answers, extra_for, mixed_extra, run_round,
-                               solo_texts, summary_line)
+from lockstep.server.tools.http_load import (RoundResult, changed_answers, extra_for, mixed_extra, run_round,
+                                             solo_texts, summary_line)
 from tests.http_server import deterministic_server
 
 L = 6  # as tests/test_sampling_fields.py: the session's cached proofs for this L are re-used

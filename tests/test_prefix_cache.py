@@ -10,6 +10,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import lockstep.kernels.invariance.prefill as prefill_module
 import lockstep.server.engine.generate as generate_module
+import lockstep.server.engine.model_runner as model_runner
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.selftest import bits_equal
@@ -157,7 +158,7 @@ def cold_and_cached(tiny, prompt, sampling, warm_with, *, deployment):
 @pytest.mark.parametrize("warm_with", ["same", "shared"])
 def test_prefix_hit_is_bitwise_a_cold_run_under_the_double(tiny, invariance, limit, warm_with):
     plan = invariance(limit) if limit else None
-    deployment = Deployment(limit=limit, guaranteed=bool(plan and plan.guaranteed), prefill_chunk=CHUNK)
+    deployment = Deployment(limit=limit, guaranteed_rows=limit if plan and plan.guaranteed else 0, prefill_chunk=CHUNK)
     warm = PROMPT if warm_with == "same" else SHARED
     with shape_variant_backend():
         cold, cached, pc = cold_and_cached(tiny, PROMPT, GREEDY, warm, deployment=deployment)
@@ -183,22 +184,25 @@ def test_alignment_is_what_makes_a_mid_chunk_hit_exact(tiny, monkeypatch):
     assert not bits_equal(sorted_rows(cold)[0], sorted_rows(unaligned)[0])
 
 
-def test_canonical_rows_skip_the_rewind(tiny, invariance):
+def test_canonical_rows_skip_the_rewind(tiny, invariance, monkeypatch):
     """With L >= chunk a hit resumes exactly where the cached prefix ends (nothing is
     recomputed); with L < chunk it resumes at the chunk start."""
     calls = []
+    original = model_runner.prompt_forward
 
     def counting_step(model, cache, tokens):
         calls.append((cache[0].offset, len(tokens)))
-        return generate_module.forward(model, cache, tokens)
+        return original(model, cache, tokens)
+
+    monkeypatch.setattr(model_runner, "prompt_forward", counting_step)
 
     def resume_points(limit):
         plan = invariance(limit)
-        deployment = Deployment(limit=limit, guaranteed=plan.guaranteed, prefill_chunk=CHUNK)
+        deployment = Deployment(limit=limit, guaranteed_rows=limit if plan.guaranteed else 0, prefill_chunk=CHUNK)
         pc = PrefixCache(2)
         run_generate(tiny, SHARED, 1, GREEDY, deployment=deployment, prefix_cache=pc)
         calls.clear()
-        list(generate_module.generate(tiny, GenerationRequest(PROMPT, 1, GREEDY), counting_step,
+        list(generate_module.generate(tiny, GenerationRequest(PROMPT, 1, GREEDY),
                                       deployment=deployment, prefix_cache=pc))
         return calls[0]
 

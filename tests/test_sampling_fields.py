@@ -67,14 +67,14 @@ def test_streamed_n_choices_equal_the_non_streamed_ones(server):
 def test_n_choices_share_one_prompt_prefill(server, monkeypatch):
     from collections import OrderedDict
 
-    from lockstep.server.engine import request_state
+    from lockstep.server.engine import model_runner
 
     cache = server.engine.prefix_cache  # off here, so each request's own prefill is counted
     monkeypatch.setattr(cache, "entries", 0)
     monkeypatch.setattr(cache, "_store", OrderedDict())
     chunks = []
-    real = request_state.prompt_forward
-    monkeypatch.setattr(request_state, "prompt_forward",
+    real = model_runner.prompt_forward
+    monkeypatch.setattr(model_runner, "prompt_forward",
                         lambda model, cache, tokens: (chunks.append(len(tokens)), real(model, cache, tokens))[1])
     chat(server, messages=REPEAT, n=1, max_tokens=2, temperature=0)
     alone = list(chunks)

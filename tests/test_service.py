@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from lockstep.server import cli, launchd
+from lockstep.server import cli
 from lockstep.server.commands import service
+from lockstep.server.tools import launchd_job as launchd
 
 REPO = Path(__file__).resolve().parents[1]
 LABEL = launchd.DEFAULT_LABEL

@@ -17,9 +17,11 @@ import pytest
 from lockstep.kernels.batching.ragged import enable_ragged, ragged_prompt_forward
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
-from lockstep.server.engine.decoding import Deployment, plan_request
+from lockstep.server.engine.decoding import plan_request
+from lockstep.server.engine.guarantee import proven_deployment
 from lockstep.server.engine.prefix_cache import PrefixCache
-from lockstep.server.engine.request_state import GenerationRequest, prompt_forward
+from lockstep.server.engine.model_runner import prompt_forward
+from lockstep.server.engine.request_state import GenerationRequest
 from lockstep.server.engine.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded
 from tests.test_deterministic_double import peaked_llama
@@ -38,24 +40,25 @@ class PrefillLog:
 
 
 def run_together(requests, *, limit=0, kv_pool="off", double=False, prefix_cache=None, observers=()):
-    """Submit every (request, plan kwargs) before the engine starts, so all are admitted and
+    """Submit every (request, deterministic) before the engine starts, so all are admitted and
     prefilled in the same iterations: ({index: (tokens, logprob bits)}, PrefillLog, engine)."""
     from lockstep.server.engine import Engine
 
     model = peaked_llama()
-    guaranteed = False
+    plan = None
     if limit:
         with shape_variant_backend():
-            guaranteed = set_batch_invariant_limit(model, limit).guaranteed
-        assert guaranteed
-    deployment = Deployment(limit=limit, guaranteed=guaranteed, prefill_chunk=64, kv_pool=kv_pool)
+            plan = set_batch_invariant_limit(model, limit)
+        assert plan.guaranteed
+    with shape_variant_backend():
+        deployment = proven_deployment(model, plan, prefill_chunk=64, kv_pool=kv_pool)
     log = PrefillLog()
 
     async def main():
         engine = Engine(TinyLoaded(model), max_active=16, deployment=deployment, prefix_cache=prefix_cache)
         engine.observers += [log, *observers]
-        handles = [engine.submit(r, plan_request(deployment, deterministic=r.deterministic, speculative=None,
-                                                 num_draft_tokens=None)) for r in requests]
+        handles = [engine.submit(r, plan_request(deployment, deterministic=deterministic, speculative=None,
+                                                 num_draft_tokens=None)) for r, deterministic in requests]
         engine.start()
         try:
             out = {}
@@ -78,8 +81,9 @@ def run_together(requests, *, limit=0, kv_pool="off", double=False, prefix_cache
 
 
 def request(prompt, *, deterministic=False, seed=None):
+    """(request, whether it asks for determinism): what run_together submits."""
     sampling = SamplingParams(temperature=0.7 if seed is not None else 0.0, seed=seed, top_logprobs=2)
-    return GenerationRequest(list(prompt), TOKENS, sampling, deterministic=deterministic)
+    return GenerationRequest(list(prompt), TOKENS, sampling), deterministic
 
 
 @pytest.mark.parametrize("kv_pool", ["off", "reference"])

@@ -309,12 +309,101 @@ def test_plans_carry_adaptive_k_from_the_deployment_with_k_as_its_bound():
     from lockstep.server.engine.speculative import EarlyExitModel
     from lockstep.server.engine.token_steps import draft_cost_estimate
 
-    on = Deployment(limit=6, guaranteed=True, adaptive_draft_tokens=True)
+    on = Deployment(limit=6, guaranteed_rows=6, adaptive_draft_tokens=True)
     plan = plan_request(on, deterministic=True, speculative="prompt_lookup", num_draft_tokens=None)
     assert plan.adaptive and plan.num_draft_tokens == 4 and plan.extension(on)["adaptive_draft_tokens"]
     assert not plan_request(on, deterministic=False, speculative="none", num_draft_tokens=None).adaptive
-    off = plan_request(Deployment(limit=6, guaranteed=True), deterministic=True, speculative="prompt_lookup",
+    off = plan_request(Deployment(limit=6, guaranteed_rows=6), deterministic=True, speculative="prompt_lookup",
                        num_draft_tokens=3)
     assert not off.adaptive and "adaptive_draft_tokens" not in off.extension(Deployment())
     target = tiny_llama(0, layers=3)
     assert draft_cost_estimate(target, EarlyExitModel(target, 1)) == pytest.approx(1 / 3)
+
+
+# ------------------------------------------------------------ Predicted Outputs
+
+def _predicted(prediction, output, k=4, prompt=(90, 91)):
+    """Drafts of a PredictionDrafter after `output` followed `prompt`."""
+    from lockstep.server.engine.speculative import PredictionDrafter
+
+    drafter = PredictionDrafter(prediction, start=len(prompt))
+    return drafter.propose([*prompt, *output], k)
+
+
+def test_a_prediction_is_drafted_from_where_the_output_agrees_with_it():
+    prediction = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert _predicted(prediction, []) == [1, 2, 3, 4]  # the answer starts as predicted
+    assert _predicted(prediction, [1, 2, 3], k=3) == [4, 5, 6]
+    assert _predicted(prediction, [1, 2, 3, 4, 5, 6, 7], k=5) == [8]  # up to the prediction's end
+    assert _predicted(prediction, [1, 2, 3, 4, 5, 6, 7, 8]) == []  # used up
+    assert _predicted(prediction, [1, 2], k=0) == []
+
+
+def test_after_an_edit_the_prediction_is_found_again_past_it():
+    prediction = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert _predicted(prediction, [1, 2, 3, 99]) == []  # a word the prediction does not have
+    assert _predicted(prediction, [1, 2, 3, 99, 5]) == [6, 7, 8]  # substituted: 4 -> 99
+    assert _predicted(prediction, [1, 2, 3, 50, 51, 4]) == [5, 6, 7, 8]  # inserted: 50 51
+    assert _predicted(prediction, [1, 2, 6, 7], k=2) == [8]  # deleted: 3 4 5
+
+
+def test_realignment_prefers_long_matches_and_ignores_far_one_token_ones():
+    # 20 21 recurs twice; after the divergence at index 2 the output's "20 21" is nearer at 7
+    prediction = [1, 2, 3, 20, 21, 30, 31, 20, 21, 40, 41]
+    assert _predicted(prediction, [1, 2, 9, 20, 21], k=2) == [30, 31]  # nearest at or after the edit
+    assert _predicted(prediction, [1, 2, 9, 21], k=2) == [30, 31]  # "21" alone, just past the edit
+    far = [1, 2, 3, *range(100, 110), 21, 30, 31]
+    assert _predicted(far, [1, 2, 9, 21], k=2) == []  # "21" alone, ten tokens past the edit: chance
+    assert _predicted(far, [1, 2, 9, 109, 21], k=2) == [30, 31]  # two tokens agree: found again
+    # a longer match wins over a nearer shorter one
+    prediction = [5, 6, 7, 1, 2, 3, 8, 7, 9]
+    assert _predicted(prediction, [4, 6, 7], k=1) == [1]
+
+
+def test_a_drafter_state_follows_the_output_incrementally():
+    from lockstep.server.engine.speculative import PredictionDrafter
+
+    prediction = [1, 2, 3, 4, 5, 6, 7, 8]
+    drafter = PredictionDrafter(prediction, start=1)
+    context = [0]
+    for step, token in enumerate([1, 2, 3, 99, 5, 6]):
+        fresh = PredictionDrafter(prediction, start=1).propose(context, 3)
+        assert drafter.propose(context, 3) == fresh, step  # same as from scratch
+        context.append(token)
+    assert drafter.match(context) == (6, 2) and drafter.propose(context, 3) == [7, 8]
+
+
+@pytest.mark.parametrize("edit", ["exact", "edited", "unrelated"])
+def test_speculation_from_a_prediction_equals_plain_greedy(edit):
+    from lockstep.server.engine.speculative import PredictionDrafter
+
+    target = tiny_llama(0)
+    prompt = [3, 14, 15, 92, 65, 35]
+    plain = plain_greedy(target, prompt, 16)
+    prediction = {"exact": plain, "edited": plain[:5] + [1, 2] + plain[6:], "unrelated": [7] * 16}[edit]
+    spec, drafted, accepted = speculative_greedy(target, PredictionDrafter(prediction, len(prompt)), prompt, 16, 5)
+    assert spec == plain
+    if edit == "exact":
+        assert drafted == accepted >= 12  # every draft taken (each pass adds one token of its own)
+    elif edit == "edited":
+        assert accepted >= 8  # found again past the edit
+
+
+def test_a_prediction_makes_the_plan_draft_from_it():
+    from lockstep.server.engine.decoding import Deployment, RequestRejected, plan_request
+
+    dep = Deployment(limit=8, guaranteed_rows=8, shared_passes=True, speculative="prompt_lookup")
+    free = plan_request(dep, deterministic=False, speculative=None, num_draft_tokens=None, prediction=True)
+    assert (free.method, free.num_draft_tokens) == ("prediction", dep.max_draft_tokens)
+    kept = plan_request(dep, deterministic=True, speculative=None, num_draft_tokens=None, prediction=True)
+    assert (kept.method, kept.num_draft_tokens, kept.determinism) == ("prediction", 7, "shared")  # k + 1 <= L
+    assert plan_request(dep, deterministic=False, speculative=None, num_draft_tokens=3,
+                        prediction=True).num_draft_tokens == 3
+    assert plan_request(dep, deterministic=False, speculative="none", num_draft_tokens=None,
+                        prediction=True).method == "none"
+    with pytest.raises(RequestRejected) as refused:
+        plan_request(dep, deterministic=False, speculative="prompt_lookup", num_draft_tokens=None, prediction=True)
+    assert refused.value.param == "speculative"
+    unproven = plan_request(Deployment(limit=8), deterministic=True, speculative=None, num_draft_tokens=None,
+                            prediction=True)
+    assert (unproven.method, unproven.determinism) == ("none", "alone")

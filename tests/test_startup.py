@@ -107,8 +107,10 @@ def test_serve_flags(monkeypatch):
 
 def test_cpu_default_is_openblas_with_float32(monkeypatch):
     assert auto_cpu_blas() == "openblas"  # this CI host: Linux, MLX on the CPU
-    monkeypatch.setattr(cpu_blas, "active", lambda: "reference")
+    import lockstep.models.backend as backend
+
+    monkeypatch.setattr(backend, "cpu_blas_in_use", lambda: "reference")
     assert resolve.auto_weights() == "q4"  # float32 without OpenBLAS decodes ~3x slower
-    monkeypatch.setattr(cpu_blas, "active", lambda: "openblas")
+    monkeypatch.setattr(backend, "cpu_blas_in_use", lambda: "openblas")
     assert resolve.auto_weights() == "float32"
     assert resolve.resolve_weights("auto") == "float32"

@@ -156,3 +156,13 @@ def test_a_named_tool_choice_calls_that_tool_and_streams_the_same_call(server):
     assert finish == "tool_calls"
     assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == \
         [(0, "add", whole.message.tool_calls[0].function.arguments)]
+
+
+def test_a_tool_whose_parameters_are_not_an_object_is_a_400_naming_it(server):
+    """Issue 25, finding 2: string arguments are no call, so "required" answered none."""
+    shout = {"type": "function", "function": {"name": "shout", "parameters": {"type": "string"}}}
+    for tool_choice in ("required", "auto"):
+        with pytest.raises(BadRequestError) as err:
+            chat(server, ASK_WEATHER, tools=[WEATHER, shout], tool_choice=tool_choice, max_tokens=4)
+        assert err.value.body["param"] == "tools" and "'shout'" in err.value.body["message"]
+        assert 'type "object"' in err.value.body["message"]

@@ -111,3 +111,22 @@ def test_whitespace_between_calls_is_not_content():
     assert content == "" and len(calls) == 2
     content, _ = split_tool_calls(CALL + "\n\nDone.", FMT, NAMES)
     assert content == "\n\nDone."
+
+
+@pytest.mark.parametrize("size", [0, 1, 5])
+def test_an_end_tag_inside_an_argument_string_does_not_end_the_call(size):
+    """Issue 25, finding 2: a call's JSON may hold the tags as text; cutting at the first end
+    tag lost the call (and tool_choice "required" answered none)."""
+    arguments = {"city": 'say "</tool_call>" then <tool_call>', "note": "\\</tool_call>"}
+    text = "<tool_call>\n" + json.dumps({"name": "get_weather", "arguments": arguments}) + "\n</tool_call> after"
+    if size:
+        stream, content, calls = ToolCallStream(FMT, NAMES), "", []
+        for i in range(0, len(text), size):
+            more, new = stream.add(text[i:i + size])
+            content, calls = content + more, calls + new
+        rest, last = stream.finish()
+        content, calls = content + rest, calls + last
+    else:
+        content, calls = split_tool_calls(text, FMT, NAMES)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", arguments)]
+    assert content == " after"

@@ -35,7 +35,7 @@ import mlx.nn as nn
 
 # The slice keeps N mod this: 128 for CUDA (sm80's N % 128; Metal's N % 32 and N % 64
 # divide it); on the CPU nothing depends on N, and 32 + N mod 32 rows keep probes cheap
-# (float16 quantized matmuls run at ~30 MMAC/s there) while keeping any 16-row tail.
+# (its float16 quantized matmuls are slow: docs/QUANTIZATION.md) while keeping any 16-row tail.
 ROW_MODULUS = {"cpu": 32}
 DEFAULT_ROW_MODULUS = 128
 CUDA_SM90_QMV_MAX_N = 16384

@@ -81,8 +81,9 @@ class PooledLayerCache:
         first = self.offset - count
         return PoolRows([self.span.start] * count, [first + i + 1 for i in range(count)])
 
-    def attention(self, queries: mx.array, scale: float, sinks=None) -> mx.array:
-        """The queries of the positions just written, each against its own keys."""
+    def attend(self, sdpa, queries: mx.array, *, scale, sinks=None) -> mx.array:
+        """The queries of the positions just written, each against its own keys (one request's
+        own pass over the pool, a prompt chunk; `sdpa` is not needed: the pool attends)."""
         return self.pool.attention(self.layer, queries, self.rows(queries.shape[2]), scale, sinks)
 
     def make_mask(self, *args, **kwargs):
@@ -235,7 +236,6 @@ class KVPool:
         self._free = merged
 
 
-POOL_MODES = ("auto", "on", "off")
 
 
 def kv_layouts(model) -> list[tuple[tuple[int, int], tuple[int, int], object]]:
@@ -245,42 +245,3 @@ def kv_layouts(model) -> list[tuple[tuple[int, int], tuple[int, int], object]]:
     model(mx.array([[0]]), cache=probe)
     return [((c.keys.shape[1], c.keys.shape[3]), (c.values.shape[1], c.values.shape[3]), c.keys.dtype)
             for c in probe]
-
-
-def pool_problem(model, layouts) -> str | None:
-    """Why this model's requests cannot share a KV pool (None: they can)."""
-    from .ragged import ragged_problem
-
-    problem = ragged_problem(model)
-    if problem:
-        return problem
-    if any(k[1] != v[1] for k, v, _ in layouts):
-        return "its keys and values have different head sizes"
-    return None
-
-
-def kernel_problem(layouts) -> str | None:
-    """Why the pooled attention kernel cannot serve KV of these layouts here (None: it can)."""
-    from ..custom.attention import kernel_takes, kernel_unavailable_reason
-
-    for dtype, dim in {(dtype, k[1]) for k, _, dtype in layouts}:
-        if not kernel_takes(dtype, dim):
-            return f"head size {dim} ({dtype}): the kernel takes multiples of 32 up to 256"
-        reason = kernel_unavailable_reason(dtype, dim)
-        if reason:
-            return reason
-    return None
-
-
-def pool_mode(model, requested: str) -> str:
-    """What `--kv-pool auto|on|off` means for this model here: "kernel", "reference" or "off"."""
-    if requested not in POOL_MODES:
-        raise ValueError(f"--kv-pool must be one of {POOL_MODES}")
-    if requested == "off":
-        return "off"
-    layouts = kv_layouts(model)
-    if pool_problem(model, layouts) is not None:
-        return "off"
-    if kernel_problem(layouts) is None:
-        return "kernel"
-    return "reference" if requested == "on" else "off"

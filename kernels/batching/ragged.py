@@ -106,7 +106,7 @@ class RaggedLayerCache:
     def make_mask(self, *args, **kwargs):
         return None  # each request's attention makes its own (see attention())
 
-    def attention(self, sdpa, queries: mx.array, *, scale, sinks=None, **_) -> mx.array:
+    def attend(self, sdpa, queries: mx.array, *, scale, sinks=None) -> mx.array:
         """Each request's query rows against its own keys, by `sdpa` (the model's attention
         function) exactly as that request's pass alone would call it; rows end to end.
         Pooled: all rows in one call, each against its own keys in the pool."""

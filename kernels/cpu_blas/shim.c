@@ -102,8 +102,8 @@ EXPORT void cblas_sgemm(int order, int ta, int tb, blasint m, blasint n,
                          ldb, beta, c, ldc);
     return;
   }
-  /* One row (decode) is a matrix-vector product: OpenBLAS's sgemv is ~1.7x faster for it
-   * than its sgemm at M = 1 (measured on the embedded model's decode). Row-major only. */
+  /* One row (decode) is a matrix-vector product: OpenBLAS's sgemv is faster for it than
+   * its sgemm at M = 1 (docs/BENCHMARKS.md, CPU BLAS). Row-major only. */
   if (order == 101 && m == 1) {
     blasint incx = ta == 111 ? 1 : lda; /* op(A) = the row, or A's column of stride lda */
     if (tb == 111) /* y = x B, B k x n: y = B^T x */

@@ -10,8 +10,7 @@
  * run by the caller. Who runs a block never changes its bits: the result depends on the
  * call's shape only, whatever the machine's load. (OpenBLAS's own threads give other bits
  * with 1 and 2 threads, and one worker that must share its core stalls the whole call:
- * with another process busy on one of 2 cores, 2 OpenBLAS threads ran a 128-row product
- * ~10x slower than 1.) Split calls are serialized (one job at a time); MLX's CPU stream
+ * docs/BENCHMARKS.md, the CPU default.) Split calls are serialized (one job at a time); MLX's CPU stream
  * is their one caller in lockstep. */
 
 #include <fcntl.h>

@@ -20,7 +20,7 @@ import mlx.core as mx
 from .skinny import FLOAT_DTYPES, SOURCE_DIR, backend, compact_source
 from .smoke_cache import smoke_verdict
 
-ATT_WARPS = 8  # pooled_attention.cu's ATT_WARPS (best of 4/8/16 over the H200 shapes in docs/cuda/attention_warps_s9.txt)
+ATT_WARPS = 8  # pooled_attention.cu's ATT_WARPS: the best of 4/8/16 (docs/BENCHMARKS.md, session 9)
 THREADS = 32 * ATT_WARPS
 SOURCE_FILES = {"cuda": "pooled_attention.cu", "metal": "pooled_attention.metal"}
 

@@ -29,11 +29,11 @@ def lanes_per_step(k: int) -> int:
 
 
 def warp_shape(m: int, n: int) -> tuple:
-    """(output columns, rows) per warp for an M-row call on N columns. Measured on the H200
-    at the 8B layer shapes (docs/cuda/gemv_rows_ops_s8.txt): from 5 rows, 4 columns x 8 rows
-    a warp was fastest or within 10 % everywhere (each x load serves 4 columns, each weight
-    load 8 rows); for 2..4 rows one column a warp keeps enough warps in flight, but a wide
-    N affords more. Never changes the order of an output's sum."""
+    """(output columns, rows) per warp for an M-row call on N columns. From 5 rows, 4 columns
+    x 8 rows a warp (each x load serves 4 columns, each weight load 8 rows; chosen at the 8B
+    layer shapes: docs/BENCHMARKS.md, session 8); for 2..4 rows one column a warp keeps
+    enough warps in flight, but a wide N affords more. Never changes the order of an
+    output's sum."""
     if m > 4:
         return 4, 8
     rows = 2 if m <= 2 else 4

@@ -10,8 +10,8 @@ the model hooks; cache_check.py the per-request cache check; selftest.py the pro
 prefill.py, prefill_attention.py and composed_attention.py the prefill and attention forms.
 """
 from .cache_check import cache_invariance_problem
-from .limit import InvariancePlan, set_batch_invariant_limit
+from .limit import InstalledInvariance, set_batch_invariant_limit
 from .ops import STRATEGIES, Strategy
 
-__all__ = ["InvariancePlan", "STRATEGIES", "Strategy", "cache_invariance_problem",
+__all__ = ["InstalledInvariance", "STRATEGIES", "Strategy", "cache_invariance_problem",
            "set_batch_invariant_limit"]

@@ -1,10 +1,10 @@
 """Attention for all query rows of a pass in a few calls whose bits do not depend on how many
 rows there are, for the CPU strategy `cpu_kernel` (attention form "composed").
 
-Per-query attention (one MLX attention call per row) costs ~13 % of an 8-row CPU step in
-op overhead. Here the rows share each call, and every reduction runs as a matmul that the
-shim's invariant kernel takes (M = the pass's rows <= L; kernels/cpu_blas/invariant_gemm.c),
-whose order depends on K alone:
+Per-query attention (one MLX attention call per row) spends a CPU step's time in per-op
+overhead (docs/BENCHMARKS.md, the CPU kernel). Here the rows share each call, and every
+reduction runs as a matmul that the shim's invariant kernel takes (M = the pass's rows <= L;
+kernels/cpu_blas/invariant_gemm.c), whose order depends on K alone:
 - scores = (q * scale) @ kᵀ per head: K = head size, the same for any row count;
 - a row's keys past its own position are masked to -inf, so its max is exact and its
   exp weights there are exact zeros;

@@ -25,9 +25,7 @@ from mlx_lm.models import base as mlx_base
 
 from .composed_attention import composed_attention, composed_serves
 from .cache_check import is_positional
-from ..batching.kv_pool import PooledLayerCache
 from .prefill_attention import blocked_causal, wants_blocks
-from ..batching.ragged import RaggedLayerCache
 from .ops import (Strategy, attention_per_query, dense_rows, packed_kv, quantized_rows,
                   rows_of)
 
@@ -110,7 +108,8 @@ def call_without_head(model, inputs: mx.array, cache) -> None:
 # The four layer classes below run on every linear of every token: one attribute read and
 # the row count, then the op (a one-row call under a setting whose row is the plain op is
 # exactly the native op: decode pays ~nothing on the host beyond nn.Linear's own call).
-# `x.size == x.shape[-1]`: one row. The base classes' calls by name: super() cost ~1 µs a call here.
+# `x.size == x.shape[-1]`: one row. The base classes are called by name: super() costs host
+# time on every linear (docs/BENCHMARKS.md, session 9).
 _linear_call = nn.Linear.__call__
 _quantized_linear_call = nn.QuantizedLinear.__call__
 _embedding_as_linear = nn.Embedding.as_linear
@@ -183,8 +182,9 @@ _SDPA_REQUIRED = frozenset(n for n, p in _SDPA_SIGNATURE.parameters.items() if p
 
 def _sdpa_arguments(args, kwargs) -> dict:
     """The attention call's arguments by name, as `_SDPA_SIGNATURE.bind(...).arguments`
-    gives them (defaults left out). inspect's bind cost ~15-40 µs a call on the host, once
-    per layer per pass; anything unusual still goes through it (and its errors)."""
+    gives them (defaults left out), without inspect's bind on the common calls: it costs
+    host time once per layer per pass (docs/BENCHMARKS.md, session 9); anything unusual
+    still goes through it (and its errors)."""
     if len(args) <= len(_SDPA_NAMES) and all(k in _SDPA_NAMES for k in kwargs):
         a = dict(zip(_SDPA_NAMES, args))
         if not any(k in a for k in kwargs):
@@ -199,13 +199,10 @@ def invariant_sdpa(*args, **kwargs):
     """mlx-lm's attention, per query over exactly its key range when T <= L; a ragged pass
     (kernels/batching/ragged.py) comes back here once per request, with that request's own keys."""
     cache = kwargs.get("cache") if len(args) < 4 else args[3]
-    if isinstance(cache, RaggedLayerCache):
+    attend = getattr(cache, "attend", None)
+    if attend is not None:  # a ragged pass, or one request's pass over the KV pool: the cache attends
         a = _sdpa_arguments(args, kwargs)
-        return cache.attention(invariant_sdpa, a["queries"], scale=a["scale"], sinks=a.get("sinks"))
-    if isinstance(cache, PooledLayerCache):
-        # One request's own pass over the pool (a prompt chunk): each row against its keys.
-        a = _sdpa_arguments(args, kwargs)
-        return cache.attention(a["queries"], a["scale"], a.get("sinks"))
+        return attend(invariant_sdpa, a["queries"], scale=a["scale"], sinks=a.get("sinks"))
     s = active_setting()
     if s is not None and s.strategy.attention == "composed":
         a = _sdpa_arguments(args, kwargs)

@@ -22,7 +22,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .. import cpu_blas, custom
-from .cache_check import cache_invariance_problem  # noqa: F401  (re-exported: the API)
+from .cache_check import cache_invariance_problem
 from .layers import LAYER_SWAPS, Setting, install, model_module_names, uninstall
 from .ops import ROWWISE, STRATEGIES, Strategy
 from .selftest import SelfTestResult, seconds_per_step, self_test
@@ -32,15 +32,13 @@ from .selftest import SelfTestResult, seconds_per_step, self_test
 # L > 64; cpu_kernel off the CPU) is skipped unproven. cpu_kernel (the OpenBLAS shim's own
 # kernel, CPU only) comes first: it batches rows over one read of the weights (8 rows: see
 # docs/BENCHMARKS.md). gemv_rows (CUDA) before the others: decode stays MLX's own
-# single-row GEMV and blocks read the weights once per 8 rows (H200, SmolLM2 float16, L = 16,
-# one run: one deterministic stream 178 tok/s against 114 with skinny; 16 deterministic
-# clients 1225 against 1114 tok/s). At the 8B shape skinny's blocks cost less (16 rows over
-# the KV pool: 1.22x native against 1.50x): `--invariant-strategy skinny` for wide
-# deterministic batches of large models (docs/cuda/invariant_8b.md). strided_gemv before
-# skinny elsewhere: its single row is the plain call; on CUDA with 16-bit activations
-# skinny comes before it (CUDA_16BIT_AUTO_CANDIDATES: at 16 rows of an 8B shape
-# strided_gemv failed the proof). Metal's skinny kernel has never been measured, so Metal
-# keeps the default order.
+# single-row GEMV and blocks read the weights once per 8 rows, faster than skinny for one
+# stream and for 16 clients of SmolLM2. At the 8B shape skinny's blocks cost less:
+# `--invariant-strategy skinny` for wide deterministic batches of large models (figures for
+# both: docs/BENCHMARKS.md, session 8). strided_gemv before skinny elsewhere: its single
+# row is the plain call; on CUDA with 16-bit activations skinny comes before it
+# (CUDA_16BIT_AUTO_CANDIDATES: at 16 rows of an 8B shape strided_gemv failed the proof).
+# Metal's skinny kernel has never been measured, so Metal keeps the default order.
 AUTO_CANDIDATES = ("native", "cpu_kernel", "gemv_rows", "strided_gemv", "skinny", "rowwise")
 CUDA_16BIT_AUTO_CANDIDATES = ("native", "cpu_kernel", "gemv_rows", "skinny", "strided_gemv", "rowwise")
 
@@ -80,7 +78,7 @@ def _uninstall(model) -> None:
 
 
 @dataclass(frozen=True)
-class InvariancePlan:
+class InstalledInvariance:
     limit: int  # L; 0 = off
     strategy: str
     backend: str
@@ -94,7 +92,12 @@ class InvariancePlan:
 
 def uncovered_parts(model) -> tuple:
     """Parts of the model whose rows the canonical ops do not reach (the guarantee is refused)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
     found = []
+    problem = cache_invariance_problem(make_prompt_cache(model))
+    if problem:
+        found.append(f"KV cache: {problem}")
     for name, m in model.named_modules():
         kind = type(m).__name__
         if kind in ("SwitchLinear", "QuantizedSwitchLinear"):
@@ -113,7 +116,7 @@ def uncovered_parts(model) -> tuple:
     return tuple(found)
 
 
-def batch_invariant_plan(model) -> InvariancePlan | None:
+def installed_invariance(model) -> InstalledInvariance | None:
     """The plan installed on this model, or None."""
     return getattr(model, "_lockstep_plan", None)
 
@@ -129,7 +132,7 @@ def _resolve(strategy, model) -> tuple:
 
 
 def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: bool = True,
-                              measure: bool = False, **self_test_options) -> InvariancePlan:
+                              measure: bool = False, **self_test_options) -> InstalledInvariance:
     """Install batch invariance for M <= `limit` rows (0 restores native). Idempotent.
 
     strategy: "auto" (auto_candidates(model): expected-speed order, the first proven one; with
@@ -141,7 +144,7 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
     _uninstall(model)
     backend = str(mx.default_device())
     if limit <= 0:
-        plan = InvariancePlan(0, "native", backend, False, "off (L = 0)")
+        plan = InstalledInvariance(0, "native", backend, False, "off (L = 0)")
         model._lockstep_plan = plan
         return plan
 
@@ -186,7 +189,7 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
         why += "; skipped: " + ", ".join(f"{name} ({reason})" for name, reason in skipped.items())
     if uncovered:
         why += f"; not guaranteed: {len(uncovered)} uncovered part(s), first: {uncovered[0]}"
-    plan = InvariancePlan(limit, chosen.name, backend, guaranteed, why, uncovered, result,
+    plan = InstalledInvariance(limit, chosen.name, backend, guaranteed, why, uncovered, result,
                           tuple((c.name, None if r is None else bool(r), s) for c, r, s in tried),
                           layers)
     model._lockstep_plan = plan

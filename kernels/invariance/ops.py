@@ -36,7 +36,7 @@ class Strategy:
     attention: "per_query" (each query attends exactly its key range, unmasked, one call
         each: the call decode makes), "per_query_contiguous" (the same, and every call, decode
         included, gets row-contiguous q/k/v: MLX's CUDA SDPA gives other bits for a strided
-        view of the KV cache than for a packed copy, measured on the H200 at contexts >= 250),
+        view of the KV cache than for a packed copy: docs/DETERMINISM.md, skinny kernels),
         "composed" (all rows in a few matmuls that the CPU shim's invariant kernel takes:
         kernels/invariance/composed_attention.py; per query where it cannot serve) or "native".
     quantized_form: "chunks" (quantized_rows per call) or "skinny" (kernels/custom: one
@@ -100,7 +100,7 @@ GEMV_ROWS = Strategy("gemv_rows", dense="gemv_rows", quantized_rows=7, attention
 SKINNY = Strategy("skinny", dense="skinny", quantized_rows=7, attention="per_query_contiguous",
                   quantized_form="skinny")
 # Attention as matmuls the shim's kernel takes (one set of calls for all rows, decode
-# included); per query, the CPU step of 8 rows spent ~13 % in attention op overhead.
+# included): per query, a CPU step pays op overhead for every row (composed_attention.py).
 CPU_KERNEL = Strategy("cpu_kernel", dense="cpu_kernel", quantized_rows=7, attention="composed")
 STRATEGIES = {s.name: s for s in (NATIVE, STRIDED_GEMV, ROWWISE, GEMV_ROWS, SKINNY, CPU_KERNEL)}
 
@@ -187,8 +187,8 @@ def quantized_rows(
 # MLX's CUDA attention hands one query to cuDNN instead of its vector kernel when the key
 # buffer's row count (read from the strides) is a multiple of 256, mlx-lm's cache step, and
 # the keys are still in flight with a buffer of exactly their size: allocator and timing
-# state, not the row's. The two kernels round differently: on the H200 a row with exactly 256
-# keys gave other bits from one run to the next. Such keys are handed over as a view of a
+# state, not the row's. The two kernels round differently, so a row with exactly 256 keys
+# gave other bits from one run to the next (docs/DETERMINISM.md). Such keys are handed over as a view of a
 # buffer one row longer, which only the vector kernel takes (its order depends on the key
 # count alone).
 KV_CACHE_STEP = 256

@@ -10,12 +10,12 @@ to its chunk's start and that chunk recomputed whole.
 """
 import mlx.core as mx
 
-from .limit import batch_invariant_plan
+from .limit import installed_invariance
 
 
 def rows_are_canonical(model, chunk: int) -> bool:
     """True when every row of a `chunk`-row call is proven to get its solo (M = 1) bits."""
-    plan = batch_invariant_plan(model)
+    plan = installed_invariance(model)
     return plan is not None and plan.guaranteed and chunk <= plan.limit
 
 

@@ -2,8 +2,8 @@
 
 MLX's CPU attention builds, masks and exponentiates the whole (rows x keys) score matrix,
 with scalar math on x86; for a causal prompt chunk the masked upper triangle is half of that
-work (measured: 500 rows on this 2-core machine, 137 ms per layer whole, 58 ms in blocks of
-32 rows). Each block of BLOCK query rows here attends only the keys up to its last row, through
+work (docs/BENCHMARKS.md, the CPU default: a layer's attention of 500 rows whole and in
+blocks). Each block of BLOCK query rows here attends only the keys up to its last row, through
 the model's own attention call with its causal mask, and the blocks are concatenated.
 
 The blocks are cut by the chunk's own length, counted from its first row, so a chunk's

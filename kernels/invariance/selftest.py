@@ -168,8 +168,8 @@ def _cached_result(value: dict, backend: str, limit: int, widths, prefixes) -> S
 def default_prefixes() -> tuple:
     """Prefix lengths the proof runs at. On a GPU also 250: the block then crosses the KV
     cache's 256-slot step, where MLX's CUDA attention gave a strided cache view other bits
-    than a packed copy (H200; prefixes 11 and 70 never showed it). The CPU's native kernels
-    take no such path, and a 250-token prefill there costs half a minute."""
+    than a packed copy (docs/DETERMINISM.md, skinny kernels). The CPU's native kernels take
+    no such path, and a 250-token prefill there is slow."""
     return (11, 70) if mx.default_device() == mx.cpu else (11, 70, 250)
 
 

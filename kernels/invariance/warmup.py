@@ -3,8 +3,8 @@
 MLX compiles a custom kernel per template instance on its first launch (the `skinny` kernels'
 instances depend on the row count). A fresh self-test launches them all; a proof taken from
 the verdict cache launches none, so without this the first passes after a restart would
-stall for seconds while their widths compile (measured on the H200: 2.6-3.6 s before the
-first token of 16 deterministic clients after a cached-proof restart).
+stall for seconds while their widths compile (docs/BENCHMARKS.md, session 7: the first-burst
+stalls).
 """
 from __future__ import annotations
 

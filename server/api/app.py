@@ -1,4 +1,4 @@
-"""FastAPI routes: /v1/chat/completions, /v1/completions, /v1/models, /health.
+"""FastAPI routes: /v1/chat/completions, /v1/completions, /v1/models (and one model), /health.
 
 A route turns its request into a `GenerationRequest` (prompt tokens, limits, sampling),
 submits it to the engine and turns the engine's `Delta`s into OpenAI JSON, either one
@@ -34,7 +34,7 @@ from lockstep.server.api.responses import ResponsesRoute
 from lockstep.server.api.responses_protocol import ResponsesRequest
 from lockstep.server.api.errors import (APIError, context_length_exceeded, generation_error, install_error_handlers,
                                model_not_found)
-from lockstep.server.engine.decoding import DecodePlan, RequestRejected, plan_request
+from lockstep.server.engine.decoding import PREDICTION, DecodePlan, RequestRejected, plan_request
 from lockstep.server.engine.generate import Delta, GenerationRequest
 from lockstep.server.engine.logits_processors import logits_width
 from lockstep.server.engine.sampling import GREEDY_BELOW, SamplingParams
@@ -84,8 +84,10 @@ def _response_calls(calls: list[ParsedCall]) -> list[p.ResponseToolCall]:
             for c in calls]
 
 
-def _finish_reason(reason: str | None, called: bool) -> str | None:
-    return "tool_calls" if called and reason == "stop" else reason
+def _finish_reason(reason: str | None, called: bool, legacy: bool = False) -> str | None:
+    if called and reason == "stop":
+        return "function_call" if legacy else "tool_calls"
+    return reason
 
 
 class Routes:
@@ -121,15 +123,23 @@ class Routes:
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         return list(prompt)
 
-    def _prepare(self, body: p.SamplingRequest, tokenize: Callable) -> tuple[list[int], object]:
-        """Prompt tokens and the output grammar (CPU work, run off the event loop)."""
-        return tokenize(body), self.constraints.grammar_for(body)
+    def _prepare(self, body: p.SamplingRequest, tokenize: Callable) -> tuple[list[int], object, tuple[int, ...]]:
+        """Prompt tokens, the output grammar and the prediction's tokens (CPU work, run off the
+        event loop)."""
+        return tokenize(body), self.constraints.grammar_for(body), self._prediction_tokens(body)
+
+    def _prediction_tokens(self, body: p.SamplingRequest) -> tuple[int, ...]:
+        """Predicted Outputs: the predicted answer as the tokens the model would write it in."""
+        text = body.prediction_text()
+        if not text:
+            return ()
+        return tuple(self.loaded.tokenizer.encode(text, add_special_tokens=False))
 
     async def _submit(self, body: p.SamplingRequest, tokenize: Callable, param: str) -> list:
         """Submit `body`'s n choices; returns their engine handles."""
         self._check_model(body.model)
         try:
-            prompt, grammar = await asyncio.to_thread(self._prepare, body, tokenize)
+            prompt, grammar, prediction = await asyncio.to_thread(self._prepare, body, tokenize)
         except APIError:
             raise
         except Exception as exc:  # e.g. the chat template rejects the message sequence
@@ -148,20 +158,18 @@ class Routes:
         vocab = logits_width(self.loaded)
         if any(token >= vocab for token, _ in body.bias_items()):
             raise APIError(400, f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
-        plan = self._plan(body)
+        plan = self._plan(body, bool(prediction))
         requests = [
             GenerationRequest(
                 prompt_tokens=prompt,
                 max_tokens=requested or min(self.limits.max_tokens, context - len(prompt)),
                 sampling=self._sampling(body, i),
                 stop=tuple(body.stop_list()),
-                deterministic=body.deterministic,
-                speculative=body.speculative,
-                num_draft_tokens=body.num_draft_tokens,
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
                 logit_bias=body.bias_items(),
                 grammar=grammar,
+                prediction=prediction if plan.method == PREDICTION else (),
             )
             for i in range(body.n)
         ]
@@ -183,12 +191,13 @@ class Routes:
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                               min_p=body.min_p, top_logprobs=body.logprobs_count(), **seed)
 
-    def _plan(self, body: p.SamplingRequest) -> DecodePlan:
+    def _plan(self, body: p.SamplingRequest, prediction: bool = False) -> DecodePlan:
         if body.deterministic and body.temperature >= GREEDY_BELOW and body.seed is None:
             raise APIError(400, "deterministic sampling with temperature > 0 needs a seed", param="seed")
         try:
             return plan_request(self.engine.deployment, deterministic=body.deterministic,
-                                speculative=body.speculative, num_draft_tokens=body.num_draft_tokens)
+                                speculative=body.speculative, num_draft_tokens=body.num_draft_tokens,
+                                prediction=prediction)
         except RequestRejected as exc:
             raise APIError(400, str(exc), param=exc.param) from exc
 
@@ -228,14 +237,22 @@ class Routes:
     def _chat_choice(self, index: int, d: Delta, body: p.ChatCompletionRequest) -> p.ChatChoice:
         stream = self.tool_calls_stream(body)
         content, calls = (d.text, []) if stream is None else stream.split(d.text)
-        message = p.AssistantMessage(content=(content or None) if calls else content,
-                                     tool_calls=_response_calls(calls) or None)
-        return p.ChatChoice(index=index, message=message, finish_reason=_finish_reason(d.finish_reason, bool(calls)),
+        legacy = body.legacy_functions()  # deprecated functions: the call as message.function_call
+        message = p.AssistantMessage(
+            content=(content or None) if calls else content,
+            tool_calls=None if legacy else _response_calls(calls) or None,
+            function_call=p.ResponseFunctionCall(name=calls[0].name, arguments=calls[0].arguments)
+            if legacy and calls else None)
+        return p.ChatChoice(index=index, message=message,
+                            finish_reason=_finish_reason(d.finish_reason, bool(calls), legacy),
                             logprobs=_chat_logprobs(d) if body.logprobs else None)
 
     async def chat(self, body: p.ChatCompletionRequest, receive=None):
         handles = await self.submit_chat(body)
         common = {"id": p.new_id("chatcmpl"), "model": self.loaded.name, "system_fingerprint": self.fingerprint}
+        if body.service_tier is not None:  # one tier here, named as OpenAI names its standard one
+            common["service_tier"] = "default"
+        legacy = body.legacy_functions()
 
         if not body.stream:
             finals = await self.collect(handles, receive)
@@ -259,14 +276,18 @@ class Routes:
                     tool_deltas = [p.ToolCallDelta(index=sent[i] + k, id=c.id, function=c.function)
                                    for k, c in enumerate(_response_calls(new_calls))] or None
                     sent[i] += len(new_calls)
+                    function_call = None
+                    if legacy and tool_deltas:  # at most one call (parallel_tool_calls is off)
+                        function_call, tool_deltas = tool_deltas[0].function, None
                     delta = p.ChatDelta(role="assistant" if role_due[i] else None,
-                                        content=text if text or not tool_deltas else None, tool_calls=tool_deltas)
+                                        content=text if text or not (tool_deltas or function_call) else None,
+                                        tool_calls=tool_deltas, function_call=function_call)
                     logprobs = _chat_logprobs(d) if body.logprobs else None
                     yield p.ChatCompletionChunk(**common, choices=[p.ChatChunkChoice(index=i, delta=delta, logprobs=logprobs)])
                     role_due[i] = False
                 if d.finish_reason is not None:
                     finish = p.ChatChunkChoice(index=i, delta=p.ChatDelta(),
-                                               finish_reason=_finish_reason(d.finish_reason, sent[i] > 0))
+                                               finish_reason=_finish_reason(d.finish_reason, sent[i] > 0, legacy))
                     yield p.ChatCompletionChunk(**common, choices=[finish], lockstep=d.extension)
                     finals.append(d)
             if body.include_usage():
@@ -298,15 +319,18 @@ class Routes:
 
         return StreamingResponse(self._stream(handles, chunks()), media_type="text/event-stream")
 
-    def models(self, extras: dict | None) -> p.ModelList:
+    def model_card(self, extras: dict | None) -> p.ModelCard:
         info = {"weights": self.loaded.weights, "context_length": self.loaded.context_length,
                 "batching": self.engine.describe()}
-        card = p.ModelCard(
-            id=self.loaded.name,
-            created=self.created,
-            lockstep={**info, **(extras or {})},
-        )
-        return p.ModelList(data=[card])
+        return p.ModelCard(id=self.loaded.name, created=self.created, lockstep={**info, **(extras or {})})
+
+    def models(self, extras: dict | None) -> p.ModelList:
+        return p.ModelList(data=[self.model_card(extras)])
+
+    def model(self, model_id: str, extras: dict | None) -> p.ModelCard:
+        """One model by id (the served model's name, or the alias "default"); 404 otherwise."""
+        self._check_model(model_id)
+        return self.model_card(extras)
 
 
 def create_app(
@@ -355,6 +379,10 @@ def create_app(
     @app.get("/v1/models")
     async def list_models():
         return JSONResponse(routes.models(model_extras).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")  # ids may hold slashes ("org/name")
+    async def retrieve_model(model_id: str):
+        return JSONResponse(routes.model(model_id, model_extras).model_dump())
 
     @app.head("/health", include_in_schema=False)  # load balancers often probe with HEAD
     @app.get("/health")

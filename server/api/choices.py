@@ -10,6 +10,7 @@ import asyncio
 from typing import AsyncIterator
 
 from lockstep.server.api import protocol as p
+from lockstep.server.engine.decoding import PREDICTION
 from lockstep.server.engine.generate import Delta
 from lockstep.server.engine.sampling import splitmix64
 
@@ -39,11 +40,25 @@ def merge(deltas: list[Delta]) -> Delta:
     )
 
 
+def prediction_counts(final: Delta) -> tuple[int, int]:
+    """(accepted, rejected) prediction tokens of one choice: its drafts, when they came from
+    the request's prediction, that verification accepted and rejected (docs/API.md)."""
+    ext = final.extension or {}
+    if ext.get("speculative") != PREDICTION:
+        return 0, 0
+    accepted = ext.get("accepted_tokens", 0)
+    return accepted, ext.get("drafted_tokens", 0) - accepted
+
+
 def usage(finals: list[Delta]) -> p.Usage:
-    """The prompt counts once; completion tokens add up over the choices."""
+    """The prompt counts once; completion tokens and prediction tokens add up over the choices."""
     prompt = finals[0].prompt_tokens
     completion = sum(d.completion_tokens for d in finals)
-    return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    counts = [prediction_counts(d) for d in finals]
+    details = p.CompletionTokensDetails(accepted_prediction_tokens=sum(a for a, _ in counts),
+                                        rejected_prediction_tokens=sum(r for _, r in counts))
+    return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   completion_tokens_details=details)
 
 
 def cancel_all(handles) -> None:

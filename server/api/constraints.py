@@ -3,7 +3,9 @@
 tool_choice "required" or a named function: one call (or several, with
 parallel_tool_calls) in the model's JSON tool-call format. Otherwise `response_format`
 json_object / json_schema. The grammar engine (server/engine/grammar.py) compiles it; the
-engine masks each logits row with it (server/engine/logits_processors.py).
+engine masks each logits row with it (server/engine/logits_processors.py). Every offered
+tool's `parameters` must be an object schema, whatever tool_choice (a 400 naming the
+function otherwise).
 """
 from __future__ import annotations
 
@@ -27,11 +29,13 @@ class Constraints:
         """The compiled grammar `body` asks for, or None. Runs off the event loop (compiling
         takes milliseconds to seconds); an unsupported schema is a 400 naming the problem."""
         mode = body.tool_mode() if isinstance(body, p.ChatCompletionRequest) else "none"
+        self._check_tools(getattr(body, "tools", None))
         response_format = getattr(body, "response_format", None)
         if mode not in ("required", "named") and (response_format is None or response_format.type == "text"):
             return None  # unconstrained: the grammar engine is not even imported
-        from lockstep.server.engine.grammar import GrammarError
+        from lockstep.server.engine.grammar import GrammarCheckerUnavailable, GrammarError
 
+        param = "tools" if mode in ("required", "named") else "response_format"
         try:
             if mode in ("required", "named"):
                 if not self.tool_format.json_calls:
@@ -45,6 +49,18 @@ class Constraints:
             if response_format.type == "json_object":
                 return self._grammars().json_object()
             return self._grammars().json_schema(response_format.json_schema.schema_ or {})
-        except GrammarError as exc:
-            param = "tools" if mode in ("required", "named") else "response_format"
-            raise APIError(400, str(exc), param=param) from exc
+        except GrammarError as exc:  # a limit's message names it, and its code says it is one
+            raise APIError(400, str(exc), param=param, code=exc.code) from exc
+        except GrammarCheckerUnavailable as exc:
+            raise APIError(503, str(exc), type="server_error") from exc
+
+    @staticmethod
+    def _check_tools(tools) -> None:
+        """Every tool's parameters are an object schema (OpenAI's rule), whatever tool_choice:
+        a tool whose arguments could not be a JSON object could never be called."""
+        from lockstep.server.engine.grammar_limits import parameters_problem
+
+        for tool in tools or []:
+            problem = parameters_problem(tool.function.name, tool.function.parameters)
+            if problem:
+                raise APIError(400, f"tools: {problem}", param="tools")

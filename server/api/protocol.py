@@ -1,21 +1,33 @@
 """Pydantic models mirroring the OpenAI API: requests, responses, stream chunks, errors.
 
-Requests forbid unknown fields, so a typo is a 400 naming the field instead of being
-silently ignored, and types are strict as OpenAI's are (`"4"`, `true` or `1e3` is not an
-integer, `"yes"` is not a boolean). Fields lockstep cannot honour (echo, suffix) are
-rejected with the field named as `param`; rules that a union type would report obscurely
-(how many stop strings, one prompt, text-only content) are checked first and named
-plainly. The `lockstep` request fields and the `lockstep` response object are this
-server's extensions; everything else follows the spec. /v1/responses has its models in
+Requests carry the whole current chat-completions and completions schema (docs/API.md has
+the table of every field and what lockstep does with it). Each field is implemented,
+accepted with its documented effect (bookkeeping such as `store` and `metadata` is
+ignored), or refused with a 400 naming it and saying why (`modalities: ["audio"]`: lockstep
+writes text only). Unknown fields are still a 400 naming the field, as OpenAI's are, and
+types are strict as OpenAI's are (`"4"`, `true` or `1e3` is not an integer, `"yes"` is not a
+boolean); `null` is the default wherever the spec makes a field nullable. Rules that a
+union type would report obscurely (how many stop strings, one prompt, text-only content)
+are checked first and named plainly, and a lone surrogate is refused in any field.
+
+Messages are one class per role (a union on `role`), so a field another role has is still
+unknown on this one. Legacy shapes are normalised after validation, so prompt building
+sees one shape: `functions` / `function_call` become `tools` / `tool_choice`, a `function`
+message a tool result, an assistant `function_call` a tool call, and an `allowed_tools`
+tool_choice the subset of tools it allows. The `lockstep` request fields and the `lockstep`
+response object are this server's extensions. /v1/responses has its models in
 server/api/responses_protocol.py.
 """
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator,
+                      model_validator)
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
@@ -23,19 +35,84 @@ MAX_CHOICES = 16  # n: choices per request (each is generated as a request of it
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 # OpenAI's seed is a signed 64-bit integer; outside it a seed would alias another one.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# OpenAI's metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512.
+MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
-def _check_unicode(text: str) -> str:
-    """Lone surrogates (valid JSON escapes, invalid Unicode) cannot be tokenized."""
+# OpenAI's logit_bias keys are "token IDs as strings": ASCII digits only (str.isdigit() also
+# takes "²" and "٣"), and at most 10 of them, so int() never meets a 5000-digit key.
+TOKEN_ID = re.compile(r"[0-9]{1,10}")
+
+
+def _is_unicode(text: str) -> bool:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise ValueError("text must be valid Unicode (it contains a lone surrogate)") from None
-    return text
+        return False
+    return True
+
+
+def _check_unicode(value, field: str):
+    """Refuses a lone surrogate (a valid JSON escape, invalid Unicode) anywhere in `value`.
+
+    It could not be tokenized, and echoed into a JSON answer or an error it cannot be
+    encoded; so every field of a request is checked, keys included (iteratively: the
+    body may be nested as deep as the JSON parser allows).
+    """
+    stack = [(value, field)]
+    while stack:
+        part, where = stack.pop()
+        if isinstance(part, str):
+            if not _is_unicode(part):
+                raise ValueError(f"text must be valid Unicode (a lone surrogate in {where})")
+        elif isinstance(part, dict):
+            for key, item in part.items():
+                if isinstance(key, str) and not _is_unicode(key):
+                    raise ValueError(f"text must be valid Unicode (a lone surrogate in a key of {where})")
+                if isinstance(item, (str, dict, list)):
+                    stack.append((item, f"{where}.{key}"))
+        elif isinstance(part, list):
+            stack.extend((item, f"{where}.{i}") for i, item in enumerate(part)
+                         if isinstance(item, (str, dict, list)))
+    return value
+
+
+def unicode_checked():
+    """A before-validator for every field of a top-level request, so errors name the field."""
+    def check(cls, value, info: ValidationInfo):
+        return _check_unicode(value, info.field_name)
+
+    return field_validator("*", mode="before")(classmethod(check))
+
+
+def shown(value, limit: int = 40) -> str:
+    """A user's value in an error message: as JSON (escaped, not a Python repr), cut short."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _omit_if_none(value) -> bool:
     return value is None
+
+
+def _refused(field: str, why: str, allowed=(None,)):
+    """A validator for a field lockstep cannot honour: accepted only with a value in `allowed`."""
+    def check(cls, value):
+        if value not in allowed:
+            raise ValueError(f"{field} is not supported: {why}")
+        return value
+
+    return field_validator(field)(classmethod(check))
+
+
+def _nulls_are_defaults(fields: tuple[str, ...]):
+    """A before-validator: the spec makes these fields nullable, and null means the default."""
+    def drop(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in fields)}
+        return data
+
+    return model_validator(mode="before")(classmethod(drop))
 
 
 class Request(BaseModel):
@@ -43,7 +120,18 @@ class Request(BaseModel):
 
 
 class StreamOptions(Request):
-    include_usage: bool = False
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None
+
+    # Obfuscation pads stream events against a length side channel; lockstep sends none, and
+    # a client that asks for it is told so rather than left without it unknowingly.
+    _no_obfuscation = _refused("include_obfuscation", "lockstep does not pad stream events",
+                               allowed=(None, False))
+
+
+Metadata = Annotated[dict[Annotated[str, Field(max_length=MAX_METADATA_KEY)],
+                          Annotated[str, Field(max_length=MAX_METADATA_VALUE)]],
+                     Field(max_length=MAX_METADATA)]
 
 
 class SamplingRequest(Request):
@@ -60,7 +148,7 @@ class SamplingRequest(Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
-    user: str | None = None
+    user: str | None = None  # bookkeeping: ignored
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     # Token id (as a string, as JSON keys are) -> bias in [-100, 100].
@@ -70,12 +158,17 @@ class SamplingRequest(Request):
     speculative: Literal["none", "draft", "prompt_lookup"] | None = None
     num_draft_tokens: int | None = Field(default=None, ge=1)
 
+    _defaults_for_nulls = _nulls_are_defaults((
+        "temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "logprobs", "echo"))
+    _valid_unicode = unicode_checked()
+
     @field_validator("logit_bias")
     @classmethod
     def _token_ids_and_range(cls, bias):
         for key, value in (bias or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not TOKEN_ID.fullmatch(key):
+                raise ValueError(f"logit_bias keys must be token ids (decimal integers as strings), "
+                                 f"got {shown(key)}")
             if not -100.0 <= value <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {key}")
         return bias
@@ -106,10 +199,15 @@ class SamplingRequest(Request):
     def bias_items(self) -> tuple[tuple[int, float], ...]:
         return tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
 
+    def prediction_text(self) -> str | None:
+        """The client's draft of the answer (Predicted Outputs), or None."""
+        return None
+
 
 # ----------------------------------------------------------------------------- tools
 
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+CUSTOM_TOOLS = "lockstep calls function tools only"
 
 
 class FunctionDefinition(Request):
@@ -124,6 +222,36 @@ class Tool(Request):
     function: FunctionDefinition
 
 
+class CustomGrammar(Request):
+    definition: str
+    syntax: Literal["lark", "regex"]
+
+
+class CustomFormatText(Request):
+    type: Literal["text"]
+
+
+class CustomFormatGrammar(Request):
+    type: Literal["grammar"]
+    grammar: CustomGrammar
+
+
+class CustomDefinition(Request):
+    name: str
+    description: str | None = None
+    format: Annotated[CustomFormatText | CustomFormatGrammar, Field(discriminator="type")] | None = None
+
+
+class CustomTool(Request):
+    """A free-form-input tool: in the schema, refused by `tools` (CUSTOM_TOOLS)."""
+
+    type: Literal["custom"]
+    custom: CustomDefinition
+
+
+AnyTool = Annotated[Tool | CustomTool, Field(discriminator="type")]
+
+
 class FunctionName(Request):
     name: str
 
@@ -133,7 +261,54 @@ class NamedToolChoice(Request):
     function: FunctionName
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+class NamedCustomChoice(Request):
+    type: Literal["custom"]
+    custom: FunctionName
+
+
+class AllowedTools(Request):
+    mode: Literal["auto", "required"]
+    tools: Annotated[list[dict], Field(min_length=1)]
+
+
+class AllowedToolsChoice(Request):
+    """Offer only some of `tools` (normalised to that subset and `mode`)."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | NamedCustomChoice
+
+
+class LegacyFunction(Request):
+    """An entry of the deprecated `functions` (a function tool without `strict`)."""
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict | None = None
+
+
+LegacyFunctionChoice = Literal["none", "auto"] | FunctionName
+
+
+def _unique_names(tools, names: list[str]):
+    if len(set(names)) != len(names):
+        raise ValueError("tool names must be unique")
+    return tools
+
+
+def _choice_names_a_tool(choice, named: str | None, info: ValidationInfo, name_of, field: str = "tools"):
+    """tool_choice against the request's tools (already validated; absent from info.data if invalid)."""
+    if field not in info.data:  # tools were refused: that error is the one reported
+        return choice
+    names = [name_of(tool) for tool in info.data[field] or []]
+    if named is not None and named not in names:
+        raise ValueError(f"{'tool_choice' if field == 'tools' else 'function_call'} names {shown(named)}, "
+                         f"which is not in {field}")
+    if choice == "required" and not names:
+        raise ValueError("tool_choice 'required' needs tools")
+    return choice
 
 
 class FunctionCall(Request):
@@ -145,6 +320,26 @@ class ToolCall(Request):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = None  # what a streamed call was assembled from: not needed here
+
+
+class CustomCall(Request):
+    name: str
+    input: str
+
+
+class CustomToolCall(Request):
+    id: str
+    type: Literal["custom"]
+    custom: CustomCall
+
+
+def _call_type(call) -> str:
+    return call.get("type", "function") if isinstance(call, dict) else "function"
+
+
+AnyToolCall = Annotated[Union[Annotated[ToolCall, Tag("function")], Annotated[CustomToolCall, Tag("custom")]],
+                        Discriminator(_call_type)]
 
 
 class ResponseFormatText(Request):
@@ -173,74 +368,398 @@ ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJSONObject | Respo
                            Field(discriminator="type")]
 
 
+# ----------------------------------------------------------------------------- messages
+
+class CacheBreakpoint(Request):
+    """A prompt-cache hint on a content part: lockstep's prefix cache needs none (ignored)."""
+
+    mode: Literal["explicit"]
+    ttl: Literal["30m", "12h"] | None = None
+
+
 class TextContentPart(Request):
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: CacheBreakpoint | None = None
 
 
-class ChatMessage(Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
-    tool_call_id: str | None = None  # tool turns: which call this answers
+class RefusalContentPart(Request):
+    type: Literal["refusal"]
+    refusal: str
+
+
+def _text_parts_only(content, also: tuple[str, ...] = ()):
+    """Names a content part lockstep cannot read (images, audio, files) before the union would."""
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" and kind not in also:
+                raise ValueError(f"only text content parts are supported: the served model reads text only "
+                                 f"(got type {shown(kind)})")
+    return content
+
+
+def _parts_text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text if isinstance(part, TextContentPart) else part.refusal for part in content)
+
+
+def _no_tool_calls(data):
+    if isinstance(data, dict) and "tool_calls" in data:
+        raise ValueError("only assistant messages carry tool_calls")
+    return data
+
+
+class _Message(Request):
+    """What prompt building reads of every message: `role`, `text()`, `tool_calls` and
+    `tool_call_id` (fields where the role has them, properties giving None where not)."""
+
+    def text(self) -> str:
+        return _parts_text(getattr(self, "content", None))
+
+    def normalized(self) -> "_Message":
+        return self
+
+
+class _InstructionMessage(_Message):
+    content: str | list[TextContentPart] | None = None  # required; None gets the message below
+    name: str | None = None  # templates render no participant names: accepted, not rendered
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_calls(cls, data):
+        return _no_tool_calls(data)
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, content):
-        if isinstance(content, list):
-            for part in content:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text":
-                    raise ValueError(f"only text content parts are supported (got type {kind!r})")
-        return content
+    def _text_only(cls, content):
+        return _text_parts_only(content)
 
-    @field_validator("content")
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    @property
+    def tool_calls(self) -> None:
+        return None
+
+    @property
+    def tool_call_id(self) -> None:
+        return None
+
+
+class SystemMessage(_InstructionMessage):
+    role: Literal["system"]
+
+
+class DeveloperMessage(_InstructionMessage):
+    role: Literal["developer"]
+
+
+class UserMessage(_InstructionMessage):
+    role: Literal["user"]
+
+
+class AssistantAudio(Request):
+    id: str
+
+
+class Annotation(Request):
+    """A citation on an answer (what `message.model_dump()` sends back): ignored."""
+
+    type: Literal["url_citation"]
+    url_citation: dict
+
+
+class AssistantMessageParam(_Message):
+    role: Literal["assistant"]
+    content: str | list[TextContentPart | RefusalContentPart] | None = None
+    refusal: str | None = None
+    name: str | None = None
+    audio: AssistantAudio | None = None
+    function_call: FunctionCall | None = None
+    tool_calls: list[AnyToolCall] | None = None
+    annotations: list[Annotation] | None = None
+
+    # An earlier answer's audio is referred to by id: lockstep made none to refer to.
+    _no_audio = _refused("audio", "lockstep writes no audio, so there is no earlier audio to refer to")
+
+    @field_validator("content", mode="before")
     @classmethod
-    def _valid_unicode(cls, content):
-        if content is None:
-            return content
-        for text in [content] if isinstance(content, str) else [part.text for part in content]:
-            _check_unicode(text)
-        return content
+    def _text_only(cls, content):
+        return _text_parts_only(content, also=("refusal",))
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _function_calls_only(cls, calls):
+        if any(isinstance(call, CustomToolCall) for call in calls or []):
+            raise ValueError(f"custom tool calls are not supported: {CUSTOM_TOOLS}")
+        return calls
+
+    @property
+    def tool_call_id(self) -> None:
+        return None
+
+    def text(self) -> str:
+        """The content, or the refusal when there is no content (what the assistant said)."""
+        text = _parts_text(self.content)
+        return text if text or self.refusal is None else self.refusal
+
+    def normalized(self) -> "AssistantMessageParam":
+        """A legacy `function_call` as the one tool call it is."""
+        if self.function_call is None or self.tool_calls:
+            return self
+        call = ToolCall(id=legacy_call_id(self.function_call.name), function=self.function_call)
+        return self.model_copy(update={"tool_calls": [call], "function_call": None})
 
     @model_validator(mode="after")
     def _content_or_calls(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs tool_call_id")
+        if self.content is None and self.refusal is None and not (self.tool_calls or self.function_call):
+            raise ValueError("an assistant message needs content, a refusal or tool calls")
         return self
 
-    def text(self) -> str:
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: str | list[TextContentPart] | None = None
+    tool_call_id: str = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_calls(cls, data):
+        if isinstance(data, dict) and not data.get("tool_call_id"):
+            raise ValueError("a tool message needs tool_call_id")
+        return _no_tool_calls(data)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content):
+        return _text_parts_only(content)
+
+    @model_validator(mode="after")
+    def _has_content(self):
         if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+            raise ValueError("a tool message needs content")
+        return self
+
+    @property
+    def tool_calls(self) -> None:
+        return None
+
+
+def legacy_call_id(name: str) -> str:
+    """The id tying a legacy function call to its `function` message (they pair by name)."""
+    return f"call_{name}"
+
+
+class FunctionMessage(_Message):
+    """A legacy function result: rendered as the tool result it is."""
+
+    role: Literal["function"]
+    content: str | None
+    name: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_calls(cls, data):
+        return _no_tool_calls(data)
+
+    @property
+    def tool_calls(self) -> None:
+        return None
+
+    @property
+    def tool_call_id(self) -> None:
+        return None
+
+    def normalized(self) -> ToolMessage:
+        return ToolMessage(role="tool", content=self.content or "", tool_call_id=legacy_call_id(self.name))
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def _role_of(message):
+    """The message's class; None (an error naming the roles) for a missing or unknown role. A
+    value that is no object at all goes to one class, whose error says it must be an object."""
+    if isinstance(message, _Message):
+        return message.role
+    if not isinstance(message, dict):
+        return "user"
+    role = message.get("role")
+    return role if isinstance(role, str) and role in ROLES else None
+
+
+ChatMessage = Annotated[
+    Union[Annotated[SystemMessage, Tag("system")], Annotated[DeveloperMessage, Tag("developer")],
+          Annotated[UserMessage, Tag("user")], Annotated[AssistantMessageParam, Tag("assistant")],
+          Annotated[ToolMessage, Tag("tool")], Annotated[FunctionMessage, Tag("function")]],
+    Discriminator(_role_of, custom_error_type="message_role",
+                  custom_error_message="each message needs a role: one of " + ", ".join(map(repr, ROLES)))]
+
+
+# ----------------------------------------------------------------------------- chat
+
+class VoiceID(Request):
+    id: str
+
+
+class ChatAudioOutput(Request):
+    format: Literal["wav", "aac", "mp3", "flac", "opus", "pcm16"]
+    voice: str | VoiceID
+
+
+class Prediction(Request):
+    """Predicted Outputs: the client's draft of the answer (server/engine/speculative.py)."""
+
+    type: Literal["content"]
+    content: str | list[TextContentPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content):
+        return _text_parts_only(content)
+
+    def text(self) -> str:
+        return _parts_text(self.content)
+
+
+class Moderation(Request):
+    model: str
+    policy: dict | None = None
+
+
+class PromptCacheOptions(Request):
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m"] | None = None
+
+
+class UserLocationApproximate(Request):
+    city: str | None = None
+    country: str | None = None
+    region: str | None = None
+    timezone: str | None = None
+
+
+class UserLocation(Request):
+    type: Literal["approximate"]
+    approximate: UserLocationApproximate
+
+
+class WebSearchOptions(Request):
+    search_context_size: Literal["low", "medium", "high"] | None = None
+    user_location: UserLocation | None = None
+
+
+REASONING_EFFORTS = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+SERVICE_TIERS = Literal["auto", "default", "flex", "scale", "priority", "fast"]
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Tool] | None = None
+    # Deprecated function calling, normalised into tools / tool_choice (answered in its own shape).
+    functions: Annotated[list[LegacyFunction], Field(min_length=1)] | None = None
+    function_call: LegacyFunctionChoice | None = None
+    tools: list[AnyTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    prediction: Prediction | None = None
+    # Output lockstep cannot produce: refused unless off.
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: ChatAudioOutput | None = None
+    web_search_options: WebSearchOptions | None = None
+    moderation: Moderation | None = None
+    # Accepted with no effect: bookkeeping, hints for models lockstep does not serve, and
+    # prompt-cache settings (lockstep's prefix cache needs none).
+    store: bool | None = None
+    metadata: Metadata | None = None
+    service_tier: SERVICE_TIERS | None = None
+    reasoning_effort: REASONING_EFFORTS | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+
+    _no_audio = _refused("audio", "lockstep writes text only (no audio output)")
+    _no_web_search = _refused("web_search_options", "lockstep has no web search")
+    _no_moderation = _refused("moderation", "lockstep runs no moderation model")
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_output_only(cls, modalities):
+        if "audio" in (modalities or []):
+            raise ValueError('modalities ["audio"] is not supported: lockstep writes text only (no audio output)')
+        return modalities
+
+    # Field validators, not a model validator: a model validator's error names no field
+    # (param null). Fields are validated in declaration order, so `functions` and `tools`
+    # are known when `function_call` and `tool_choice` are checked.
+    @field_validator("functions")
+    @classmethod
+    def _unique_function_names(cls, functions):
+        return _unique_names(functions, [f.name for f in functions or []])
+
+    @field_validator("function_call")
+    @classmethod
+    def _function_call_names_a_function(cls, choice, info: ValidationInfo):
+        named = choice.name if isinstance(choice, FunctionName) else None
+        if "functions" in info.data and not info.data["functions"] and choice is not None:
+            raise ValueError("function_call needs functions")
+        return _choice_names_a_tool(choice, named, info, lambda f: f.name, field="functions")
+
+    @field_validator("tools")
+    @classmethod
+    def _function_tools_with_unique_names(cls, tools, info: ValidationInfo):
+        if any(isinstance(tool, CustomTool) for tool in tools or []):
+            raise ValueError(f"custom tools are not supported: {CUSTOM_TOOLS}")
+        if tools is not None and info.data.get("functions"):
+            raise ValueError("send tools or the deprecated functions, not both")
+        return _unique_names(tools, [t.function.name for t in tools or []])
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_names_a_tool(cls, choice, info: ValidationInfo):
+        if choice is not None and info.data.get("functions"):
+            raise ValueError("with the deprecated functions, choose with function_call, not tool_choice")
+        if isinstance(choice, NamedCustomChoice):
+            raise ValueError(f"a custom tool_choice is not supported: {CUSTOM_TOOLS}")
+        if isinstance(choice, AllowedToolsChoice):
+            for ref in choice.allowed_tools.tools:
+                function = ref.get("function")
+                if ref.get("type") != "function" or not isinstance(function, dict) or not isinstance(
+                        function.get("name"), str):
+                    raise ValueError('allowed_tools entries must be {"type": "function", "function": '
+                                     f'{{"name": ...}}}}, got {shown(ref)}')
+                _choice_names_a_tool(choice, function["name"], info, lambda tool: tool.function.name)
+            return choice
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        return _choice_names_a_tool(choice, named, info, lambda tool: tool.function.name)
 
     @model_validator(mode="after")
-    def _tool_choice_names_a_tool(self):
-        names = [t.function.name for t in self.tools or []]
-        if len(set(names)) != len(names):
-            raise ValueError("tool names must be unique")
-        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
-        if self.tool_choice == "required" and not names:
-            raise ValueError("tool_choice 'required' needs tools")
+    def _normalise(self):
+        """One shape for prompt building, grammars and tool-call parsing (module docstring)."""
+        self.messages = [m.normalized() for m in self.messages]
+        if self.functions:
+            self.tools = [Tool(type="function", function=FunctionDefinition(**f.model_dump(exclude_none=True)))
+                          for f in self.functions]
+            choice = self.function_call
+            self.tool_choice = (NamedToolChoice(type="function", function=choice) if isinstance(choice, FunctionName)
+                                else choice)
+            self.parallel_tool_calls = False  # a legacy answer holds one function call
+        if isinstance(self.tool_choice, AllowedToolsChoice):
+            allowed = {ref["function"]["name"] for ref in self.tool_choice.allowed_tools.tools}
+            self.tools = [t for t in self.tools if t.function.name in allowed]
+            self.tool_choice = self.tool_choice.allowed_tools.mode
         return self
 
     def token_limit(self) -> int | None:
@@ -258,6 +777,13 @@ class ChatCompletionRequest(SamplingRequest):
             return "named"
         return self.tool_choice or "auto"
 
+    def legacy_functions(self) -> bool:
+        """Answer in the deprecated shape (`message.function_call`, finish_reason "function_call")."""
+        return bool(self.functions)
+
+    def prediction_text(self) -> str | None:
+        return self.prediction.text() if self.prediction is not None else None
+
 
 TokenIds = Annotated[list[int], Field(min_length=1)]
 
@@ -270,6 +796,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -277,14 +804,6 @@ class CompletionRequest(SamplingRequest):
         # A list of strings or of token lists is a batch of prompts; lockstep takes one.
         if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(x, (str, list)) for x in prompt):
             raise ValueError(f"one prompt per request is supported, got {len(prompt)}")
-        return prompt
-
-    @field_validator("prompt")
-    @classmethod
-    def _valid_unicode(cls, prompt):
-        texts = [prompt] if isinstance(prompt, str) else [x for x in prompt if isinstance(x, str)]
-        for text in texts:
-            _check_unicode(text)
         return prompt
 
     @field_validator("echo")
@@ -301,6 +820,17 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("suffix is not supported")
         return suffix
 
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of, info: ValidationInfo):
+        # best_of > n ranks candidates by log probability server-side and returns the best n;
+        # lockstep returns every choice it generates, so only best_of == n (the default) is met.
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of != n:
+            raise ValueError(f"best_of is supported only equal to n ({n}): lockstep returns every choice "
+                             "it generates")
+        return best_of
+
     def token_limit(self) -> int | None:
         return self.max_tokens
 
@@ -310,17 +840,27 @@ class CompletionRequest(SamplingRequest):
 
 # ----------------------------------------------------------------------------- responses
 
-FinishReason = Literal["stop", "length", "tool_calls"]
+FinishReason = Literal["stop", "length", "tool_calls", "function_call"]
 
 
 class Response(BaseModel):
     pass
 
 
+class CompletionTokensDetails(Response):
+    """As OpenAI reports them: prediction tokens accepted and rejected by verification (docs/API.md)."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+    reasoning_tokens: int = 0  # no reasoning models are served
+    audio_tokens: int = 0
+
+
 class Usage(Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = Field(default=None, exclude_if=_omit_if_none)
 
 
 class TopLogprob(Response):
@@ -358,7 +898,9 @@ class ResponseToolCall(Response):
 class AssistantMessage(Response):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    refusal: str | None = None  # lockstep's models never refuse through this field
     tool_calls: list[ResponseToolCall] | None = Field(default=None, exclude_if=_omit_if_none)
+    function_call: ResponseFunctionCall | None = Field(default=None, exclude_if=_omit_if_none)  # legacy functions
 
 
 class ChatChoice(Response):
@@ -379,6 +921,7 @@ class ChatDelta(Response):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_omit_if_none)
     content: str | None = Field(default=None, exclude_if=_omit_if_none)
     tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=_omit_if_none)
+    function_call: ResponseFunctionCall | None = Field(default=None, exclude_if=_omit_if_none)
 
 
 class ChatChunkChoice(Response):
@@ -401,6 +944,7 @@ class _Completion(Response):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     system_fingerprint: str | None = None
+    service_tier: str | None = Field(default=None, exclude_if=_omit_if_none)  # "default", when asked
     choices: list
     usage: Usage | None = None
     # lockstep extension (e.g. determinism or speculative-decoding statistics).

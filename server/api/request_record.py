@@ -109,7 +109,7 @@ class TrackedHandle:
         self.request = handle.request
         if record is not None:
             record.prompt_tokens = len(handle.request.prompt_tokens)
-            record.deterministic = bool(getattr(handle.request, "deterministic", False))
+            record.deterministic = bool(handle.plan is not None and handle.plan.deterministic)
 
     def cancel(self) -> None:
         if self._record is not None and self._record.finish_reason is None:

@@ -14,11 +14,12 @@ import time
 from typing import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 
 from lockstep.server.api import choices
 from lockstep.server.api import protocol as p
 from lockstep.server.api import responses_protocol as rp
-from lockstep.server.api.errors import APIError, generation_error
+from lockstep.server.api.errors import APIError, generation_error, validation_text
 from lockstep.server.api.tool_calls import ParsedCall, ToolCallStream, new_call_id
 from lockstep.server.engine import GenerationError
 from lockstep.server.engine.generate import Delta
@@ -82,8 +83,17 @@ def chat_request(body: rp.ResponsesRequest) -> p.ChatCompletionRequest:
     }
     try:
         return p.ChatCompletionRequest.model_validate(fields)
-    except ValueError as exc:  # input the chat model refuses (e.g. a message without content)
-        raise APIError(400, f"Invalid input: {exc}", param="input") from exc
+    except ValidationError as exc:
+        # ResponsesRequest is meant to refuse all such input first; if some slips through,
+        # the error names the Responses field, never the chat model or pydantic's dump.
+        error = exc.errors()[0]
+        field = error["loc"][0] if error["loc"] else None
+        param = PARAMS.get(field, field) if isinstance(field, str) else None
+        if field == "messages" and body.instructions is not None and error["loc"][1:2] == (0,):
+            param = "instructions"  # the system message `instructions` became
+        message = validation_text(error)
+        raise APIError(400, f"Invalid value for '{param}': {message}" if param else message,
+                       param=param) from None
 
 
 # ----------------------------------------------------------------------------- output

@@ -15,10 +15,11 @@ import json
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from lockstep.server.api.protocol import (
-    FUNCTION_NAME, SEED_MAX, SEED_MIN, Request, Response, _check_unicode, _omit_if_none,
+    FUNCTION_NAME, SEED_MAX, SEED_MIN, Request, Response, _choice_names_a_tool, _omit_if_none, _unique_names,
+    shown, unicode_checked,
 )
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -63,7 +64,7 @@ def _text_parts_only(content):
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind not in TEXT_PARTS:
-                raise ValueError(f"only text content parts are supported (got type {kind!r})")
+                raise ValueError(f"only text content parts are supported (got type {shown(kind)})")
     return content
 
 
@@ -77,13 +78,6 @@ class InputMessage(Request):
     phase: Literal["commentary", "final_answer"] | None = None
 
     _content_parts = field_validator("content", mode="before")(_text_parts_only)
-
-    @field_validator("content")
-    @classmethod
-    def _valid_unicode(cls, content):
-        for text in [content] if isinstance(content, str) else [_text_of(part) for part in content]:
-            _check_unicode(text)
-        return content
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(_text_of(p) for p in self.content)
@@ -104,7 +98,7 @@ class FunctionCallOutputInput(Request):
     """The caller's result for the call `call_id`."""
 
     type: Literal["function_call_output"]
-    call_id: str
+    call_id: str = Field(min_length=1)  # the chat tool message it becomes needs one
     output: str | Annotated[list[InputText], Field(min_length=1)]
     id: str | None = None
     status: ItemStatus | None = None
@@ -161,7 +155,7 @@ class TextConfig(Request):
     @classmethod
     def _default_verbosity_only(cls, verbosity):
         if verbosity not in (None, "medium"):
-            raise ValueError(f"verbosity {verbosity!r} is not supported (only 'medium')")
+            raise ValueError(f"verbosity {shown(verbosity)} is not supported (only 'medium')")
         return verbosity
 
 
@@ -228,31 +222,31 @@ class ResponsesRequest(Request):
     _no_conversation = _rejected("conversation", STATELESS)
     _no_include = _rejected("include", "no extra output data can be included")
     _no_reasoning = _rejected("reasoning", "lockstep serves no reasoning models")
+    _valid_unicode = unicode_checked()
 
     @field_validator("input", mode="before")
     @classmethod
     def _known_item_types(cls, items):
-        if not isinstance(items, list):
+        # Said here: the union would report only its first branch ("input.str").
+        if isinstance(items, str):
             return items
+        if not isinstance(items, list) or not items:
+            raise ValueError("input must be a string or a non-empty list of input items "
+                             f"({', '.join(INPUT_ITEM_TYPES)})")
         typed = []
         for item in items:
             if isinstance(item, dict) and "type" not in item and "role" in item:
                 item = {**item, "type": "message"}  # EasyInputMessage: `type` is optional
-            kind = item.get("type") if isinstance(item, dict) else None
+            if not isinstance(item, dict):
+                raise ValueError(f"input items must be objects, got {shown(item)}")
+            kind = item.get("type")
             if kind not in INPUT_ITEM_TYPES:
-                raise ValueError(f"input items of type {kind!r} are not supported "
+                raise ValueError(f"input items of type {shown(kind)} are not supported "
                                  f"(only {', '.join(INPUT_ITEM_TYPES)})")
             if kind == "message":
                 _text_parts_only(item.get("content"))
             typed.append(item)
         return typed
-
-    @field_validator("input")
-    @classmethod
-    def _valid_unicode(cls, value):
-        if isinstance(value, str):
-            _check_unicode(value)
-        return value
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -260,27 +254,28 @@ class ResponsesRequest(Request):
         for tool in tools or []:
             kind = tool.get("type") if isinstance(tool, dict) else None
             if kind != "function":
-                raise ValueError(f"only function tools are supported (got type {kind!r})")
+                raise ValueError(f"only function tools are supported (got type {shown(kind)})")
         return tools
 
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _function_choice_only(cls, choice):
         if isinstance(choice, dict) and choice.get("type") != "function":
-            raise ValueError(f"tool_choice of type {choice.get('type')!r} is not supported "
+            raise ValueError(f"tool_choice of type {shown(choice.get('type'))} is not supported "
                              "(only 'none', 'auto', 'required' or a function)")
         return choice
 
-    @model_validator(mode="after")
-    def _tool_choice_names_a_tool(self):
-        names = [t.name for t in self.tools or []]
-        if len(set(names)) != len(names):
-            raise ValueError("tool names must be unique")
-        if isinstance(self.tool_choice, ToolChoiceFunction) and self.tool_choice.name not in names:
-            raise ValueError(f"tool_choice names {self.tool_choice.name!r}, which is not in tools")
-        if self.tool_choice == "required" and not names:
-            raise ValueError("tool_choice 'required' needs tools")
-        return self
+    # Field validators, as on chat, so the errors name their field; `tools` is declared first.
+    @field_validator("tools")
+    @classmethod
+    def _unique_tool_names(cls, tools):
+        return _unique_names(tools, [t.name for t in tools or []])
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_names_a_tool(cls, choice, info: ValidationInfo):
+        named = choice.name if isinstance(choice, ToolChoiceFunction) else None
+        return _choice_names_a_tool(choice, named, info, lambda tool: tool.name)
 
 
 # ----------------------------------------------------------------------------- response

@@ -85,7 +85,8 @@ class ToolCallStream:
     """Splits output text, as it arrives, into content and complete calls.
 
     Text that might begin a call tag is held back until it is known not to; a call is
-    reported once its end tag arrives (or at the end of output, if its body is valid JSON).
+    reported once its end tag arrives (or at the end of output, if its body is valid JSON);
+    the end tag's text inside a JSON string of the body does not end it (`_call_end`).
     A tagged body that is not a valid call of a known tool is passed on as content.
     """
 
@@ -108,7 +109,7 @@ class ToolCallStream:
         content, calls = "", []
         while True:
             if self._in_call:
-                end = self._pending.find(self.fmt.end)
+                end = _call_end(self._pending, self.fmt.end)
                 if end < 0:
                     return content, calls
                 body = self._pending[:end]
@@ -153,6 +154,34 @@ class ToolCallStream:
         content, calls = self.add(text)
         rest, more = self.finish()
         return content + rest, calls + more
+
+
+def _call_end(body: str, end_tag: str) -> int:
+    """Where the end tag that closes a call starts in `body` (the text after its start tag),
+    or -1 while it has not arrived.
+
+    A JSON body ends at the first end tag outside its strings: an argument's text may contain
+    the tag (`{"note": "</tool_call>"}`), and cutting there would lose the call. Any other
+    body ends at the first end tag (it is passed on as content).
+    """
+    start = len(body) - len(body.lstrip())
+    if start == len(body) or body[start] != "{":
+        return body.find(end_tag)
+    in_string = escaped = False
+    for i in range(start, len(body)):
+        char = body[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif body.startswith(end_tag, i):
+            return i
+    return -1
 
 
 def _partial_tag_suffix(text: str, tag: str) -> int:

@@ -8,19 +8,17 @@ from __future__ import annotations
 import argparse
 import logging
 
-from lockstep.server.commands.runtime_args import WEIGHT_CHOICES
+from lockstep.server.options import DEFAULT_WEIGHTS, QUANT_MODES, WEIGHT_CHOICES
 
 log = logging.getLogger("lockstep.audit")
 
 
 def register(subparsers) -> None:
-    from lockstep.models.quantize import Q_MODES
-
     parser = subparsers.add_parser("audit", help="audit a model's quantized kernels on this backend")
     parser.add_argument("model", help='"default", an mlx-lm directory or a .gguf file')
-    parser.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
+    parser.add_argument("--weights", default=DEFAULT_WEIGHTS, choices=WEIGHT_CHOICES,
                         help="GGUF import format (default auto; float32 when --quantize)")
-    parser.add_argument("--quantize", choices=Q_MODES, default=None,
+    parser.add_argument("--quantize", choices=QUANT_MODES, default=None,
                         help="quantize in memory first, as `serve --quantize` would")
     parser.add_argument("--q-bits", type=int, default=None)
     parser.add_argument("--q-group-size", type=int, default=None)

@@ -1,31 +1,43 @@
-"""`lockstep bench`: ratios of deterministic vs native and speculative vs plain, in one run."""
+"""`lockstep bench`: ratios of deterministic vs native and speculative vs plain, in one run.
+
+Four modes: the speed ratios (default), `--tasks` (speculation by task kind, as the engine
+decodes), `--early-exit` (self-speculation per exit layer), and `--concurrency` (N
+streaming clients over HTTP against a `lockstep serve` it starts, and mlx_lm.server with
+`--against-mlx-lm`). The measurements themselves are in server/tools/.
+"""
 from __future__ import annotations
 
 import argparse
+import socket
+import subprocess
+import sys
 
-from lockstep.server.commands.runtime_args import (add_model_arguments, apply_cpu_blas, options_from_args)
+from lockstep.server.commands.runtime_args import (add_kv_pool_argument, add_limit_argument, add_model_arguments,
+                                                   add_strategy_argument, apply_cpu_blas, options_from_args)
+from lockstep.server.options import DEFAULT_MEASURE_LIMIT, DEFAULT_MEASURE_TOKENS, DEFAULT_PREFILL_CHUNK
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("bench", help="measure deterministic-mode and speculative speed ratios")
     add_model_arguments(parser)
-    parser.add_argument("--limit", type=int, default=8, help="batch-invariant limit L (default 8)")
+    add_limit_argument(parser, DEFAULT_MEASURE_LIMIT, f"batch-invariant limit L (default {DEFAULT_MEASURE_LIMIT})",
+                       also=("--limit",))
     parser.add_argument("--num-draft-tokens", type=int, default=None, help="k (default L-1)")
-    parser.add_argument("--invariant-strategy", default="auto")
+    add_strategy_argument(parser)
     parser.add_argument("--no-draft", action="store_true")
-    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=DEFAULT_MEASURE_TOKENS)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=None)
     parser.add_argument("--early-exit", default=None, metavar="LAYER,LAYER,...",
                         help="only self-speculation: the target's first LAYER layers and its head "
                              "draft (k = --num-draft-tokens, default 3); acceptance and ÷ plain per layer")
-    parser.add_argument("--kv-pool", choices=("auto", "on", "off"), default="auto",
-                        help="--tasks: decode as the engine does, over its KV pool (auto: where the "
-                             "GPU kernel is available)")
+    add_kv_pool_argument(parser, "--tasks: decode as the engine does, over its KV pool (auto: where the "
+                                 "GPU kernel is available)")
     parser.add_argument("--tasks", action="store_true",
                         help="only speculation by task kind: prompt lookup with fixed and adaptive k "
-                             "÷ plain, deterministic, on copy-heavy tasks and an open-ended story")
+                             "÷ plain, deterministic, on copy-heavy tasks and an open-ended story; then "
+                             "Predicted Outputs (the answer, or the text it edits, as the prediction) ÷ plain")
     load = parser.add_argument_group("load over HTTP (with --concurrency)")
     load.add_argument("--concurrency", default=None, metavar="N,N,...",
                       help="streaming clients per round, e.g. 1,4,16,32: starts `lockstep serve` and "
@@ -39,76 +51,153 @@ def register(subparsers) -> None:
     load.add_argument("--max-tokens", type=int, default=128)
     load.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                       help="extra argument for `lockstep serve` (repeatable)")
-    parser.set_defaults(func=run, batch_invariant_limit=None, speculative="none", draft_model=None,
+    parser.set_defaults(func=run, speculative="none", draft_model=None,
                         max_draft_tokens=64,  # no server here: k is bounded only by L
-                        prefill_chunk=512)
+                        prefill_chunk=DEFAULT_PREFILL_CHUNK)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.concurrency:
-        from lockstep.server.commands.load import run_load
-
         return run_load(args)
     apply_cpu_blas(args)
     import mlx.core as mx
 
     from lockstep.kernels import cpu_blas
     from lockstep.kernels.invariance import set_batch_invariant_limit
-    from lockstep.server.bench import run_bench
     from lockstep.server.runtime import build_runtime
+    from lockstep.server.tools.speed_ratios import run_bench
 
-    args.batch_invariant_limit = args.limit
+    limit = args.batch_invariant_limit
     args.draft_model = None if args.no_draft or args.tasks or args.early_exit else "default-quantized"
     runtime = build_runtime(options_from_args(args))
-    model, plan = runtime.loaded.model, runtime.plan
+    model, plan = runtime.loaded.model, runtime.invariance
 
     def set_limit(limit):
         set_batch_invariant_limit(model, limit, plan.strategy, verify=False)
 
     header = (f"backend {mx.default_device()}, MLX {mx.__version__}, BLAS {cpu_blas.describe()}, "
-              f"model {runtime.loaded.name} ({runtime.transform}), L={args.limit}, deterministic, "
+              f"model {runtime.loaded.name} ({runtime.transform}), L={limit}, deterministic, "
               f"{args.tokens} tokens, best of {args.rounds} rounds")
     if args.early_exit:
-        from lockstep.server.bench import run_exit_layer_bench
+        from lockstep.server.tools.speed_ratios import run_exit_layer_bench
 
         k = args.num_draft_tokens or 3
-        set_limit(args.limit)
+        set_limit(limit)
         layers = [int(x) for x in args.early_exit.split(",")]
         lines = [f"lockstep bench --early-exit: {header}, k={k}"]
         lines += run_exit_layer_bench(model, runtime.loaded.tokenizer, layers, k, args.tokens, args.rounds)
-        print("\n".join(lines))
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write("\n".join(lines) + "\n")
-        return 0
+        return _report(lines, args.out)
     if args.tasks:
-        from lockstep.server.bench import run_task_bench, task_table
+        from lockstep.server.engine.model_runner import ModelRunner
         from lockstep.server.engine.speculative import measure_pass_costs
+        from lockstep.server.tools.speed_ratios import (prediction_table, run_prediction_bench, run_task_bench,
+                                                        task_table)
 
-        from lockstep.server.engine.engine_path import EnginePath
-
-        k = args.num_draft_tokens or max(1, args.limit - 1)
-        set_limit(args.limit)
-        path = EnginePath(model, runtime.deployment.kv_pool)  # ragged passes, as the engine decodes
-        costs = measure_pass_costs(model, k + 1, path=path)
-        results = run_task_bench(model, runtime.loaded.tokenizer, k, args.tokens, args.rounds, costs, path)
+        k = args.num_draft_tokens or max(1, limit - 1)
+        set_limit(limit)
+        runner = ModelRunner.as_engine_runs(model, runtime.deployment.kv_pool)  # ragged passes, as the engine decodes
+        costs = measure_pass_costs(model, k + 1, runner=runner)
+        results = run_task_bench(model, runtime.loaded.tokenizer, k, args.tokens, args.rounds, costs, runner)
         lines = [f"lockstep bench --tasks: {header}, k={k} (adaptive: up to {k}), engine passes, "
                  f"KV pool {runtime.deployment.kv_pool}"] + task_table(results, costs)
-        print("\n".join(lines))
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write("\n".join(lines) + "\n")
-        return 0
-    results = run_bench(model, runtime.loaded.tokenizer, set_limit, args.limit,
+        predicted = run_prediction_bench(model, runtime.loaded.tokenizer, k, args.tokens, args.rounds, runner)
+        lines += ["", f"Predicted Outputs (drafts from the request's prediction), k={k}:"] + prediction_table(predicted)
+        return _report(lines, args.out)
+    results = run_bench(model, runtime.loaded.tokenizer, set_limit, limit,
                         runtime.deployment.draft_model, args.tokens, args.rounds,
                         args.prompt_tokens, args.num_draft_tokens)
     lines = [f"lockstep bench: backend {mx.default_device()}, MLX {mx.__version__}, BLAS "
-             f"{cpu_blas.describe()}, model {runtime.loaded.name} ({runtime.transform}), L={args.limit}, "
+             f"{cpu_blas.describe()}, model {runtime.loaded.name} ({runtime.transform}), L={limit}, "
              f"strategy {plan.strategy} (guaranteed {plan.guaranteed}), {args.tokens} tokens, "
              f"best of {args.rounds} rounds"]
     lines += [r.line() for r in results]
+    return _report(lines, args.out)
+
+
+def _report(lines: list[str], out: str | None) -> int:
     print("\n".join(lines))
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write("\n".join(lines) + "\n")
+    return 0
+
+
+# --- `--concurrency`: lockstep (and mlx_lm.server) under N streaming clients, side by side in
+# one run, on the same model directory ---
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(cmd: list[str], log_path: str | None) -> subprocess.Popen:
+    out = open(log_path, "w") if log_path else subprocess.DEVNULL
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _load_rounds(name: str, base_url: str, model: str, levels: list[int], args, extra) -> list:
+    """extra: one dict of request fields for every client, or a function of the client index."""
+    from lockstep.server.tools.http_load import changed_answers, extra_for, run_round, solo_texts, summary_line
+
+    results = []
+    run_round(base_url, model, 1, 8, extra)  # warm-up: first-call compilation out of the numbers
+    solo = solo_texts(base_url, model, max(levels), args.max_tokens, extra)
+    for n in levels:
+        r = run_round(base_url, model, n, args.max_tokens, extra)
+        # With mixed clients only the deterministic ones are promised their solo answer.
+        watched = ({i for i in range(n) if extra_for(extra, i).get("deterministic")}
+                   if callable(extra) else None)
+        changed = changed_answers(r, solo, watched) if n > 1 else None
+        print(summary_line(name, r, changed, None if watched is None else len(watched)), flush=True)
+        results.append(r)
+    return results
+
+
+def run_load(args: argparse.Namespace) -> int:
+    from lockstep.models.resolve import resolve_model
+    from lockstep.server.tools.http_load import HEADER, mixed_extra, wait_healthy
+
+    apply_cpu_blas(args)  # as serve would: both servers below inherit the BLAS choice
+
+    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    if not levels or min(levels) < 1:
+        raise SystemExit("--concurrency takes positive integers, e.g. 1,4,16,32")
+    model_dir = resolve_model(args.model, args.weights)
+    lines = [f"lockstep bench --concurrency {args.concurrency}: model {model_dir}, {args.max_tokens} tokens "
+             f"per request, greedy, streamed" + (", deterministic" if args.deterministic else "")
+             + (", mixed (even clients deterministic; changed counts those)" if args.mixed else "")]
+    print(lines[0])
+    print(HEADER, flush=True)
+
+    port = _free_port()
+    serve = [sys.executable, "-m", "lockstep.server.cli", "serve", "--model", str(model_dir), "--port", str(port),
+             "--max-active", str(max(levels)), "--max-queue", str(max(levels)), *args.serve_arg]
+    if args.batch_invariant_limit is not None and (args.deterministic or args.mixed):
+        serve += ["--batch-invariant-limit", str(args.batch_invariant_limit)]
+    extra = mixed_extra if args.mixed else {"deterministic": True} if args.deterministic else {}
+    rows = {}
+    proc = _start(serve, (args.out + ".lockstep.log") if args.out else None)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", "/health", 600, proc)
+        rows["lockstep"] = _load_rounds("lockstep", f"http://127.0.0.1:{port}/v1", "default", levels, args, extra)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+    if args.against_mlx_lm:
+        port = _free_port()
+        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port)]
+        proc = _start(cmd, (args.out + ".mlx_lm.log") if args.out else None)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", "/v1/models", 600, proc)
+            rows["mlx_lm.server"] = _load_rounds("mlx_lm.server", f"http://127.0.0.1:{port}/v1", str(model_dir),
+                                                 levels, args, {})
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+        print("ratios lockstep / mlx_lm.server (aggregate tok/s):")
+        for ours, theirs in zip(rows["lockstep"], rows["mlx_lm.server"]):
+            ratio = ours.tok_per_s / theirs.tok_per_s if theirs.tok_per_s else float("nan")
+            print(f"  concurrency {ours.concurrency:>3}: {ratio:.2f}x", flush=True)
     return 0

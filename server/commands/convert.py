@@ -1,19 +1,21 @@
-"""`lockstep convert SRC DST --q-mode MODE`: write a quantized mlx-lm model directory."""
+"""`lockstep convert SRC DST --quantize MODE`: write a quantized mlx-lm model directory."""
 from __future__ import annotations
 
 import argparse
 import logging
 
+from lockstep.server.options import QUANT_MODES
+
 log = logging.getLogger("lockstep.convert")
 
 
 def register(subparsers) -> None:
-    from lockstep.models.quantize import Q_MODES
-
     parser = subparsers.add_parser("convert", help="quantize a model into an mlx-lm directory")
     parser.add_argument("src", help='"default", an mlx-lm/HF model directory or a .gguf file')
     parser.add_argument("dst", help="output directory (must not exist or be empty)")
-    parser.add_argument("--q-mode", required=True, choices=Q_MODES, help="quantization mode")
+    # --quantize as in serve and audit; --q-mode, its first name, still works
+    parser.add_argument("--quantize", "--q-mode", dest="quantize", required=True, choices=QUANT_MODES,
+                        help="quantization mode")
     parser.add_argument("--q-bits", type=int, default=None,
                         help="bits per weight (default: the mode's; affine 4)")
     parser.add_argument("--q-group-size", type=int, default=None,
@@ -26,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from lockstep.models.quantize import convert
 
     try:
-        result = convert(args.src, args.dst, args.q_mode, args.q_bits, args.q_group_size)
+        result = convert(args.src, args.dst, args.quantize, args.q_bits, args.q_group_size)
     except (ModelError, ValueError) as exc:
         log.error("%s", exc)
         return 1

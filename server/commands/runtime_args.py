@@ -3,60 +3,80 @@ from __future__ import annotations
 
 import argparse
 
-from lockstep.server.engine.decoding import MAX_DRAFT_TOKENS, METHODS
-from lockstep.server.runtime import AUDIT_MODES, Options, limit_from_env
+from lockstep.server.options import (AUDIT_MODES, CPU_BLAS_CHOICES, DEFAULT_AUDIT, DEFAULT_CPU_BLAS,
+                                     DEFAULT_KV_POOL, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MODEL,
+                                     DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK, DEFAULT_SPECULATIVE,
+                                     DEFAULT_STRATEGY, DEFAULT_WEIGHTS, INVARIANT_STRATEGIES, KV_POOL_MODES,
+                                     QUANT_MODES, SPECULATIVE_METHODS, WEIGHT_CHOICES)
+from lockstep.server.runtime import Options, limit_from_env
 
-WEIGHT_CHOICES = ("auto", "q4", "float32", "float16")
-QUANT_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
-CPU_BLAS_CHOICES = ("auto", "openblas", "reference")
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help='"default" (the embedded SmolLM2-135M-Instruct), an mlx-lm dir or a .gguf')
+
+
+def add_cpu_blas_argument(parser: argparse.ArgumentParser, default: str = DEFAULT_CPU_BLAS) -> None:
+    parser.add_argument("--cpu-blas", choices=CPU_BLAS_CHOICES, default=default,
+                        help="BLAS for MLX's CPU float32 matmuls on Linux: OpenBLAS through a "
+                             "preloaded shim (much faster; results vary by shape, which batch "
+                             "invariance routes around) or the bundled reference BLAS. auto: "
+                             "OpenBLAS when MLX runs on the CPU, where `--weights auto` then picks "
+                             f"float32 (README: the CPU default). Default {default}")
+
+
+def add_limit_argument(parser: argparse.ArgumentParser, default: int | None, help: str,
+                       also: tuple[str, ...] = ()) -> None:
+    """L under one name in every command (`also`: older names that keep working)."""
+    parser.add_argument("--batch-invariant-limit", *also, dest="batch_invariant_limit", type=int,
+                        default=default, metavar="L", help=help)
+
+
+def add_strategy_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--invariant-strategy", default=DEFAULT_STRATEGY, choices=INVARIANT_STRATEGIES,
+                        help="canonical kernel form (default auto: fastest proven by the self-test)")
+
+
+def add_kv_pool_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("--kv-pool", choices=KV_POOL_MODES, default=DEFAULT_KV_POOL, help=help)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default",
-                        help='"default" (the embedded SmolLM2-135M-Instruct), an mlx-lm dir or a .gguf')
-    parser.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
+    add_model_argument(parser)
+    parser.add_argument("--weights", default=DEFAULT_WEIGHTS, choices=WEIGHT_CHOICES,
                         help="weight format for GGUF imports (default auto: fastest on this backend)")
     parser.add_argument("--quantize", choices=QUANT_MODES, default=None,
                         help="quantize at load time with mlx-lm's quantizer")
     parser.add_argument("--q-bits", type=int, default=None)
     parser.add_argument("--q-group-size", type=int, default=None)
-    parser.add_argument("--cpu-blas", choices=CPU_BLAS_CHOICES, default="auto",
-                        help="BLAS for MLX's CPU float32 matmuls on Linux: OpenBLAS through a "
-                             "preloaded shim (much faster; results vary by shape, which batch "
-                             "invariance routes around) or the bundled reference BLAS. Default auto: "
-                             "OpenBLAS when MLX runs on the CPU, where `--weights auto` then picks "
-                             "float32 (README: the CPU default)")
-    parser.add_argument("--audit", choices=AUDIT_MODES, default="cached",
+    add_cpu_blas_argument(parser)
+    parser.add_argument("--audit", choices=AUDIT_MODES, default=DEFAULT_AUDIT,
                         help="quantized-kernel audit and self-test proofs: re-use this machine's "
                              "verdicts (cached, default), redo them (fresh), or skip the audit (off: "
                              "warned, shown in /v1/models and the fingerprint)")
 
 
 def add_determinism_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-invariant-limit", type=int, default=None, metavar="L",
-                        help="rows per forward pass that must match single-row bits (0 = off; env "
-                             "LOCKSTEP_BATCH_INVARIANT_LIMIT or MLX_METAL_BATCH_INVARIANT_LIMIT)")
-    parser.add_argument("--invariant-strategy", default="auto",
-                        choices=("auto", "native", "strided_gemv", "rowwise", "gemv_rows", "skinny", "cpu_kernel"),
-                        help="canonical kernel form (default auto: fastest proven by the self-test)")
-    parser.add_argument("--speculative", choices=METHODS, default="none",
+    add_limit_argument(parser, None, help="rows per forward pass that must match single-row bits (0 = off; env "
+                                          "LOCKSTEP_BATCH_INVARIANT_LIMIT or MLX_METAL_BATCH_INVARIANT_LIMIT)")
+    add_strategy_argument(parser)
+    parser.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=DEFAULT_SPECULATIVE,
                         help="default speculative method for requests that do not choose one")
-    parser.add_argument("--num-draft-tokens", type=int, default=4,
+    parser.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS,
                         help="default drafts per speculative step (k) for requests that set none")
     parser.add_argument("--adaptive-speculation", action="store_true",
                         help="choose each step's number of drafts (0..k) from the request's own "
                              "acceptance and the measured cost of wider passes (startup measures it)")
-    parser.add_argument("--max-draft-tokens", type=int, default=MAX_DRAFT_TOKENS,
+    parser.add_argument("--max-draft-tokens", type=int, default=DEFAULT_MAX_DRAFT_TOKENS,
                         help=f"largest k a request may ask for; larger gets 400. A draft model runs k "
                              f"passes in one engine step, so this bounds how long one request holds "
-                             f"the engine (default {MAX_DRAFT_TOKENS})")
+                             f"the engine (default {DEFAULT_MAX_DRAFT_TOKENS})")
     parser.add_argument("--draft-model", default=None,
                         help='draft model for speculative decoding: a model spec or "default-quantized"')
-    parser.add_argument("--prefill-chunk", type=int, default=512)
-    parser.add_argument("--kv-pool", choices=("auto", "on", "off"), default="auto",
-                        help="keep all requests' KV in one pool so a batched pass runs one attention "
-                             "launch per layer (auto: where the GPU kernel is available; on: also "
-                             "elsewhere, one attention call per row; default auto)")
+    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
+    add_kv_pool_argument(parser, "keep all requests' KV in one pool so a batched pass runs one attention "
+                                 "launch per layer (auto: where the GPU kernel is available; on: also "
+                                 "elsewhere, one attention call per row; default auto)")
 
 
 def options_from_args(args: argparse.Namespace) -> Options:
@@ -72,7 +92,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
         adaptive_speculation=getattr(args, "adaptive_speculation", False),
         draft_model=args.draft_model,
-        prefill_chunk=args.prefill_chunk, audit=getattr(args, "audit", "cached"),
+        prefill_chunk=args.prefill_chunk, audit=getattr(args, "audit", DEFAULT_AUDIT),
         kv_pool=getattr(args, "kv_pool", "off"),
     )
 
@@ -80,15 +100,15 @@ def options_from_args(args: argparse.Namespace) -> Options:
 def auto_cpu_blas() -> str:
     """`--cpu-blas auto`: OpenBLAS where MLX computes on the CPU of a Linux host.
 
-    Measured on the 2-core CI machine (README, docs/cpu_default.txt): float32 on OpenBLAS
-    prefills ~20x and decodes ~1.5x faster than q4 on the reference BLAS; on a GPU the BLAS
-    is not on the model's path, so the process is left as it is.
+    There float32 on OpenBLAS prefills and decodes faster than q4 on the reference BLAS
+    (README: the CPU default); on a GPU the BLAS is not on the model's path, so the process
+    is left as it is.
     """
     import sys
 
     if not sys.platform.startswith("linux"):
         return "reference"
-    import mlx.core as mx  # cheap (~0.05 s); the re-exec starts a fresh process anyway
+    import mlx.core as mx  # cheap next to a model load; the re-exec starts a fresh process anyway
 
     return "openblas" if mx.default_device().type == mx.DeviceType.cpu else "reference"
 

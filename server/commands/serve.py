@@ -1,29 +1,38 @@
 """`lockstep serve`: load a model and serve the OpenAI-compatible API over HTTP.
 
-Three steps, so new options slot in where they act: `add_arguments` (flags),
-`build_app_from_args` (model -> engine -> app) and `run` (uvicorn).
+Three steps, so new options slot in where they act: `add_arguments` (flags), the one serve
+assembly (`start_engine` then `build_app`: runtime -> engine -> app) and `run` (uvicorn).
+The assembly takes a `world`: `serve --parallel` under mlx.launch (`run_rank`) runs it on
+every rank with that rank's world (server/distributed/startup.py: what a world adds);
+rank 0 serves HTTP, the others run the replicated engine.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 
-log = logging.getLogger("lockstep.serve")
-
 from lockstep.server.commands.runtime_args import (add_determinism_arguments, add_model_arguments,
-                                          apply_cpu_blas, options_from_args)
+                                                   apply_cpu_blas, options_from_args)
+from lockstep.server.options import (DEFAULT_HOST, DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, DEFAULT_PORT,
+                                     DEFAULT_PREFIX_CACHE_ENTRIES)
+
+log = logging.getLogger("lockstep.serve")
+rank_log = logging.getLogger("lockstep.distributed")  # a rank's start-up, as the distributed layer logs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_determinism_arguments(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
-    from lockstep.server.engine.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS
-
+    parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     parser.add_argument("--max-active", type=int, default=DEFAULT_MAX_ACTIVE,
                         help=f"requests generated concurrently, batched into shared forward passes "
                              f"(default {DEFAULT_MAX_ACTIVE})")
+    parser.add_argument("--max-active-per-request", type=int, default=None,
+                        help="choices of one request (n) generated at once; its other choices start as "
+                             "these finish, and other requests may go first, so one request never takes "
+                             "every slot (default: three quarters of --max-active)")
     parser.add_argument("--max-batch-rows", type=int, default=DEFAULT_MAX_BATCH_ROWS,
                         help=f"most rows in one decode pass of non-deterministic requests (passes with a "
                              f"deterministic row hold at most L) (default {DEFAULT_MAX_BATCH_ROWS})")
@@ -31,14 +40,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV cache budget in tokens: requests are admitted while their prompt + "
                              "max_tokens fit, the rest queue (default: half the memory MLX may still "
                              "use after loading the model)")
-    parser.add_argument("--prefix-cache-entries", type=int, default=4,
+    parser.add_argument("--prefix-cache-entries", type=int, default=DEFAULT_PREFIX_CACHE_ENTRIES,
                         help="prompt KV snapshots kept for reuse (0 = off)")
+    from lockstep.server.engine.grammar_sandbox import DEFAULT_TIMEOUT_S
+
+    parser.add_argument("--grammar-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                        help="longest a request's response_format schema or tools grammar may take to compile "
+                             "in the grammar checker process; slower ones are a 400 (default "
+                             f"{DEFAULT_TIMEOUT_S:g})")
 
     # HTTP service hardening: keys, limits, access log, draining.
     from lockstep.server.commands.http_args import add_http_arguments
     add_http_arguments(parser)
 
-    from lockstep.server.distributed.serve import add_distributed_arguments
+    from lockstep.server.distributed.startup import add_distributed_arguments
     add_distributed_arguments(parser)
 
 
@@ -48,35 +63,95 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def build_app_from_args(args: argparse.Namespace):
-    """Load the model, start the engine and build the app. Returns (app, engine)."""
-    from lockstep.server.api.app import create_app
-    from lockstep.server.commands.http_args import http_settings_from_args
-    from lockstep.server.engine import Engine
+def check_engine_arguments(args: argparse.Namespace) -> None:
+    """The engine flags' ranges (ValueError), checked before anything is loaded."""
+    if min(args.max_active, args.max_batch_rows) < 1 or (args.max_kv_tokens is not None and args.max_kv_tokens < 1):
+        raise ValueError("--max-active, --max-batch-rows and --max-kv-tokens must be >= 1")
+    if args.max_active_per_request is not None and not 1 <= args.max_active_per_request <= args.max_active:
+        raise ValueError("--max-active-per-request must be in 1..--max-active")
+
+
+def start_engine(args: argparse.Namespace, world=None, watchdog=None):
+    """The serve assembly's first half: runtime -> engine, started. Returns (runtime, engine).
+
+    `world` None: one process, an `Engine`. With a world (and its watchdog): this rank's shard
+    of the model, proofs every rank agrees on, rank 0's KV budget and pass costs and the
+    topology in the fingerprint, a `ReplicatedEngine` whose failure reaches the clients.
+    """
     from lockstep.server.engine.kv_budget import default_kv_tokens
     from lockstep.server.engine.prefix_cache import PrefixCache
     from lockstep.server.runtime import build_runtime
 
-    if min(args.max_active, args.max_batch_rows) < 1 or (args.max_kv_tokens is not None and args.max_kv_tokens < 1):
-        raise ValueError("--max-active, --max-batch-rows and --max-kv-tokens must be >= 1")
-    runtime = build_runtime(options_from_args(args))  # logs model, load time, audit, invariance
-    kv_tokens = args.max_kv_tokens or default_kv_tokens(runtime.loaded.model)
-    engine = Engine(runtime.loaded, max_active=args.max_active, deployment=runtime.deployment,
-                    max_batch_rows=args.max_batch_rows, max_kv_tokens=kv_tokens,
-                    prefix_cache=PrefixCache(args.prefix_cache_entries)).start()
-    app = create_app(engine, model_extras=runtime.model_info(),
-                     fingerprint=runtime.deployment.fingerprint, **http_settings_from_args(args))
-    return app, engine
+    options = options_from_args(args)
+    proofs = contextlib.nullcontext()
+    if world is not None:
+        from lockstep.server.distributed.proofs import agreed_proofs
+        from lockstep.server.distributed.startup import rank_options
+
+        options, proofs = rank_options(options, world, args.batch_invariant_limit), agreed_proofs(world)
+    with proofs:  # a world's proofs: around the runtime and the engine's construction
+        runtime = build_runtime(options)  # logs model, load time, audit, invariance
+        kv_tokens = args.max_kv_tokens or default_kv_tokens(runtime.loaded.model)
+        settings = dict(max_active=args.max_active, max_batch_rows=args.max_batch_rows,
+                        max_active_per_request=args.max_active_per_request,
+                        prefix_cache=PrefixCache(args.prefix_cache_entries))
+        if world is None:
+            from lockstep.server.engine import Engine
+
+            engine = Engine(runtime.loaded, deployment=runtime.deployment, max_kv_tokens=kv_tokens, **settings)
+        else:
+            from lockstep.server.distributed.replicated_engine import ReplicatedEngine
+            from lockstep.server.distributed.startup import agreed_deployment
+
+            kv_tokens, deployment = agreed_deployment(world, runtime, kv_tokens, args.prefill_chunk)
+            engine = ReplicatedEngine(runtime.loaded, world=world, watchdog=watchdog, deployment=deployment,
+                                      max_kv_tokens=kv_tokens, **settings)
+    if watchdog is not None:
+        watchdog.on_fail.append(engine.fail_clients)
+        watchdog.enter("serving", args.rank_timeout)
+    return runtime, engine.start()
+
+
+def build_app(args: argparse.Namespace, runtime, engine, world=None, watchdog=None):
+    """The serve assembly's second half: the HTTP app over a started engine (rank 0's only,
+    with a world: /v1/models names the topology and every route answers 503 once the
+    deployment failed)."""
+    from lockstep.server.api.app import create_app
+    from lockstep.server.commands.http_args import http_settings_from_args
+
+    extras = runtime.model_info()
+    if world is not None:
+        from lockstep.server.distributed.startup import model_extras
+
+        extras = {**extras, **model_extras(world)}
+    app = create_app(engine, model_extras=extras, fingerprint=engine.deployment.fingerprint,
+                     **http_settings_from_args(args))
+    if watchdog is not None:
+        from lockstep.server.distributed.startup import gate_on_health
+
+        gate_on_health(app, watchdog)
+    return app
+
+
+def build_app_from_args(args: argparse.Namespace):
+    """One process: load the model, start the engine and build the app. Returns (app, engine)."""
+    check_engine_arguments(args)
+    runtime, engine = start_engine(args)
+    return build_app(args, runtime, engine), engine
 
 
 def run(args: argparse.Namespace) -> int:
     from lockstep.models.errors import ModelError
-    from lockstep.server.api import access_log, shutdown
+    from lockstep.server.api import shutdown
+    from lockstep.server.engine import grammar_sandbox
 
-    if args.parallel:  # one rank of an mlx.launch deployment (server/distributed/serve.py)
-        from lockstep.server.distributed.serve import run as run_distributed
-
-        return run_distributed(args)
+    try:
+        grammar_sandbox.configure(timeout_s=args.grammar_timeout)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 1
+    if args.parallel:  # one rank of an mlx.launch deployment
+        return run_rank(args)
     apply_cpu_blas(args)
     try:  # a busy port is reported now, not after the model load
         sock = shutdown.bind(args.host, args.port)
@@ -91,11 +166,64 @@ def run(args: argparse.Namespace) -> int:
         return 1
     log.info("serving %s on http://%s:%d/v1 (model id %r or \"default\")",
              engine.loaded.path, args.host, args.port, engine.loaded.name)
+    _serve_http(args, app, engine, sock)
+    shutdown.exit_without_finalizing(0)  # MLX teardown after worker-thread use can abort
+    return 0
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    """`serve --parallel`: this process is one rank (server/distributed/startup.py has the steps)."""
+    from lockstep.models.errors import ModelError
+    from lockstep.server.api import shutdown
+    from lockstep.server.distributed.startup import FAILED_GRACE_S, check_startup
+    from lockstep.server.distributed.watchdog import Watchdog
+    from lockstep.server.distributed.world import DistributedStartupError, join
+
+    apply_cpu_blas(args)  # may re-exec this process (same pid, same launcher variables)
+    try:
+        check_engine_arguments(args)
+    except ValueError as exc:
+        rank_log.error("%s", exc)
+        return 1
+    try:
+        world = join(args.parallel, args.distributed_backend, args.connect_timeout)
+    except DistributedStartupError as exc:
+        rank_log.error("%s", exc)
+        return 1
+    rank_log.info("rank %d of %d joined: %s", world.rank, world.size, world.describe())
+    watchdog = Watchdog(world.rank, args.startup_timeout, grace=FAILED_GRACE_S if world.is_root else 0.0).start()
+
+    sock, problem = None, None
+    if world.is_root:
+        try:  # a busy port is reported now, by every rank, not after the model load
+            sock = shutdown.bind(args.host, args.port)
+        except OSError as exc:
+            problem = f"{exc.strerror} (is another server running? choose another --port)"
+    try:
+        check_startup(world, args, problem)
+        runtime, engine = start_engine(args, world, watchdog)
+    except (DistributedStartupError, ModelError, ValueError, RuntimeError) as exc:
+        rank_log.error("rank %d: %s", world.rank, exc)
+        shutdown.exit_without_finalizing(1)
+    exit_code = lambda: 0 if engine.stopped_cleanly and watchdog.failed is None else 1  # noqa: E731
+    if not world.is_root:
+        engine.join()
+        shutdown.exit_without_finalizing(exit_code())
+    app = build_app(args, runtime, engine, world, watchdog)
+    rank_log.info("serving %s %s on http://%s:%d/v1 (model id %r or \"default\")", engine.loaded.path,
+                  world.describe(), args.host, args.port, engine.loaded.name)
+    _serve_http(args, app, engine, sock)
+    shutdown.exit_without_finalizing(exit_code())
+    return 0
+
+
+def _serve_http(args: argparse.Namespace, app, engine, sock) -> None:
+    """uvicorn on the socket bound at start, until SIGTERM/SIGINT and the drain; then the engine stops."""
+    from lockstep.server.api import access_log, shutdown
+
     try:
         access_log.send_to_stderr()  # bare JSON lines replace uvicorn's access log
         shutdown.serve(app, args.host, args.port, drain_timeout=args.drain_timeout, sock=sock,
                        log_level=logging.getLogger().level, access_log=False)
     finally:
         engine.stop()
-    shutdown.exit_without_finalizing(0)  # MLX teardown after worker-thread use can abort
-    return 0

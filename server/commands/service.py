@@ -1,6 +1,6 @@
 """`lockstep service install|uninstall|status|logs`: run `lockstep serve` under launchd (macOS).
 
-The plist and launchctl argument lists come from `server/launchd.py`; this module turns
+The plist and launchctl argument lists come from `server/tools/launchd_job.py`; this module turns
 CLI arguments into them and talks to the user. Everything host-specific (platform, HOME,
 uid, the `lockstep` executable, how launchctl is run) sits in `Host`, so tests drive the
 macOS code path on Linux with a temporary HOME and a fake `launchctl` on PATH.
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from lockstep.server import launchd
-from lockstep.server.commands.runtime_args import WEIGHT_CHOICES
+from lockstep.server.options import WEIGHT_CHOICES
+from lockstep.server.tools import launchd_job
 
 LOOPBACK_HOSTS = ("localhost", "::1")
 BOOTSTRAP_TRIES = 3  # right after a bootout, bootstrap can fail with "5: Input/output error"
@@ -45,7 +45,7 @@ class Host:
     uid: int = field(default_factory=os.getuid)
     euid: int = field(default_factory=os.geteuid)
     executable: Path = field(default_factory=default_executable)
-    launchctl: Callable[[list[str]], subprocess.CompletedProcess] = launchd.run_launchctl
+    launchctl: Callable[[list[str]], subprocess.CompletedProcess] = launchd_job.run_launchctl
     sleep: Callable[[float], None] = time.sleep
     exec_tail: Callable[[list[str]], None] = lambda argv: os.execvp(argv[0], argv)
 
@@ -66,8 +66,8 @@ def register(subparsers) -> None:
     install.add_argument("--model", help="passed to `lockstep serve --model` (default: embedded)")
     install.add_argument("--weights", choices=WEIGHT_CHOICES,
                          help="passed to `lockstep serve --weights` (weight format)")
-    install.add_argument("--host", default=launchd.DEFAULT_HOST)
-    install.add_argument("--port", type=int, default=launchd.DEFAULT_PORT)
+    install.add_argument("--host", default=launchd_job.DEFAULT_HOST)
+    install.add_argument("--port", type=int, default=launchd_job.DEFAULT_PORT)
     install.add_argument("--batch-invariant-limit", type=int, metavar="L",
                          help="set LOCKSTEP_BATCH_INVARIANT_LIMIT for the service")
     install.add_argument("--env-file", type=Path, metavar="PATH",
@@ -94,8 +94,8 @@ def register(subparsers) -> None:
 
 
 def _add_target_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--label", default=launchd.DEFAULT_LABEL,
-                        help=f"launchd label (default {launchd.DEFAULT_LABEL})")
+    parser.add_argument("--label", default=launchd_job.DEFAULT_LABEL,
+                        help=f"launchd label (default {launchd_job.DEFAULT_LABEL})")
     parser.add_argument("--system", action="store_true",
                         help="a LaunchDaemon in /Library/LaunchDaemons (needs sudo) "
                              "instead of a LaunchAgent in ~/Library/LaunchAgents")
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace, host: Host | None = None) -> int:
     host = host or Host()
     actions = {"install": install, "uninstall": uninstall, "status": status, "logs": logs}
     try:
-        launchd.validate_label(args.label)
+        launchd_job.validate_label(args.label)
         dry_run = getattr(args, "dry_run", False)
         if not host.is_macos and not dry_run:
             preview = "use `--dry-run` to see what it would do, " if hasattr(args, "dry_run") else ""
@@ -120,11 +120,11 @@ def run(args: argparse.Namespace, host: Host | None = None) -> int:
 
 
 def _domain(args, host: Host) -> str:
-    return launchd.domain(args.system, host.uid)
+    return launchd_job.domain(args.system, host.uid)
 
 
 def _plist_path(args, host: Host) -> Path:
-    return launchd.plist_path(args.label, args.system, host.home, host.root)
+    return launchd_job.plist_path(args.label, args.system, host.home, host.root)
 
 
 def _absolute_if_local(value: str | None) -> str | None:
@@ -164,14 +164,14 @@ def _daemon_account(args) -> tuple[str, Path]:
 def build_install_plist(args, host: Host) -> dict:
     env_file = args.env_file.expanduser().absolute() if args.env_file else None
     user_name, run_home = _daemon_account(args) if args.system else (None, host.home)
-    stdout_path, stderr_path = launchd.log_paths(args.label, args.system, host.home, host.root)
-    serve = launchd.serve_arguments(
+    stdout_path, stderr_path = launchd_job.log_paths(args.label, args.system, host.home, host.root)
+    serve = launchd_job.serve_arguments(
         args.host, args.port, _absolute_if_local(args.model), args.weights
     )
-    return launchd.build_plist(
+    return launchd_job.build_plist(
         label=args.label,
-        program=launchd.program_arguments(host.executable, serve, env_file),
-        env=launchd.environment(
+        program=launchd_job.program_arguments(host.executable, serve, env_file),
+        env=launchd_job.environment(
             host.executable, args.batch_invariant_limit, run_home if args.system else None
         ),
         working_directory=run_home,
@@ -196,7 +196,7 @@ def install(args, host: Host) -> int:
               "without an API key; pass --env-file with LOCKSTEP_API_KEYS=...", file=sys.stderr)
 
     if args.dry_run:
-        sys.stdout.buffer.write(launchd.render_plist(plist) + b"\n")
+        sys.stdout.buffer.write(launchd_job.render_plist(plist) + b"\n")
         sys.stdout.flush()
         if not host.is_macos:
             print(f"# note: launchd is macOS-only; this host is {host.platform}, so this only "
@@ -204,9 +204,9 @@ def install(args, host: Host) -> int:
         for problem in problems:
             print(f"# warning: {problem}", file=sys.stderr)
         print(f"# would write {path}", file=sys.stderr)
-        print(f"# would run: {' '.join(launchd.bootout_command(domain, args.label))} "
+        print(f"# would run: {' '.join(launchd_job.bootout_command(domain, args.label))} "
               "(ignoring 'not loaded')", file=sys.stderr)
-        print(f"# would run: {' '.join(launchd.bootstrap_command(domain, path))}", file=sys.stderr)
+        print(f"# would run: {' '.join(launchd_job.bootstrap_command(domain, path))}", file=sys.stderr)
         return 0
 
     if problems:
@@ -217,16 +217,16 @@ def install(args, host: Host) -> int:
     print(f"installed {args.label} ({domain}): {path}")
     print(f"logs: {plist['StandardOutPath']} and {plist['StandardErrorPath']}")
     print(f"check it with: lockstep service status{' --system' if args.system else ''}"
-          f"{'' if args.label == launchd.DEFAULT_LABEL else ' --label ' + args.label}")
+          f"{'' if args.label == launchd_job.DEFAULT_LABEL else ' --label ' + args.label}")
     return 0
 
 
 def _bootout(domain: str, label: str, host: Host) -> bool:
     """Unload the job; True if it was loaded. 'Not loaded' is fine, other failures are not."""
-    result = host.launchctl(launchd.bootout_command(domain, label))
+    result = host.launchctl(launchd_job.bootout_command(domain, label))
     if result.returncode == 0:
         return True
-    if launchd.is_not_loaded(result):
+    if launchd_job.is_not_loaded(result):
         return False
     raise ServiceError(f"launchctl bootout {domain}/{label} failed ({result.returncode}): "
                        f"{(result.stderr or result.stdout).strip()}")
@@ -235,7 +235,7 @@ def _bootout(domain: str, label: str, host: Host) -> bool:
 def _bootstrap(domain: str, path: Path, host: Host, retry: bool) -> None:
     tries = BOOTSTRAP_TRIES if retry else 1
     for attempt in range(1, tries + 1):
-        result = host.launchctl(launchd.bootstrap_command(domain, path))
+        result = host.launchctl(launchd_job.bootstrap_command(domain, path))
         if result.returncode == 0:
             return
         if attempt < tries:
@@ -251,7 +251,7 @@ def _write_plist(path: Path, plist: dict, args, host: Host) -> None:
         shutil.chown(log_folder, user=plist["UserName"])  # the daemon's user writes its logs
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    partial.write_bytes(launchd.render_plist(plist))
+    partial.write_bytes(launchd_job.render_plist(plist))
     # launchd refuses group/world-writable plists.
     partial.chmod(0o644)
     os.replace(partial, path)
@@ -261,7 +261,7 @@ def uninstall(args, host: Host) -> int:
     path = _plist_path(args, host)
     domain = _domain(args, host)
     if args.dry_run:
-        print(f"would run: {' '.join(launchd.bootout_command(domain, args.label))} "
+        print(f"would run: {' '.join(launchd_job.bootout_command(domain, args.label))} "
               "(ignoring 'not loaded')")
         print(f"would delete {path}")
         return 0
@@ -272,7 +272,7 @@ def uninstall(args, host: Host) -> int:
         print(f"{args.label} is not installed ({path} absent, not loaded)")
         return 0
     print(f"uninstalled {args.label} ({domain}); logs kept in "
-          f"{launchd.log_dir(args.system, host.home, host.root)}")
+          f"{launchd_job.log_dir(args.system, host.home, host.root)}")
     return 0
 
 
@@ -290,16 +290,16 @@ def status(args, host: Host) -> int:
     domain = _domain(args, host)
     print(f"label:  {args.label} ({domain})")
     print(f"plist:  {_plist_path(args, host)}")
-    result = host.launchctl(launchd.print_command(domain, args.label))
+    result = host.launchctl(launchd_job.print_command(domain, args.label))
     loaded = result.returncode == 0
     if loaded:
-        fields = launchd.parse_print_state(result.stdout or "")
+        fields = launchd_job.parse_print_state(result.stdout or "")
         detail = ", ".join(f"{key} = {value}" for key, value in fields.items())
         print(f"launchd: loaded{': ' + detail if detail else ''}")
     else:
         print(f"launchd: not loaded ({(result.stderr or result.stdout).strip()})")
-    url = launchd.health_url(*launchd.served_address(plist))
-    healthy, detail = launchd.check_health(url)
+    url = launchd_job.health_url(*launchd_job.served_address(plist))
+    healthy, detail = launchd_job.check_health(url)
     print(f"health: {url} -> {detail}")
     print(f"logs:   {plist.get('StandardOutPath')} {plist.get('StandardErrorPath')}")
     return 0 if loaded and healthy else 1
@@ -317,7 +317,7 @@ def logs(args, host: Host) -> int:
             plist = plistlib.load(handle)
         files = [Path(plist["StandardOutPath"]), Path(plist["StandardErrorPath"])]
     else:
-        files = list(launchd.log_paths(args.label, args.system, host.home, host.root))
+        files = list(launchd_job.log_paths(args.label, args.system, host.home, host.root))
     present = [f for f in files if f.is_file()]
     if not present:
         raise ServiceError(f"no log files yet: {' '.join(map(str, files))}")

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
-from lockstep.server.commands.runtime_args import QUANT_MODES, WEIGHT_CHOICES, apply_cpu_blas
+from lockstep.server.commands.runtime_args import (add_cpu_blas_argument, add_limit_argument, add_model_argument,
+                                                   add_strategy_argument, apply_cpu_blas)
+from lockstep.server.options import DEFAULT_MEASURE_LIMIT, DEFAULT_MEASURE_TOKENS, QUANT_MODES, WEIGHT_CHOICES
 
 log = logging.getLogger("lockstep.verify")
 
@@ -13,16 +14,19 @@ log = logging.getLogger("lockstep.verify")
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "verify", help="print divergent-token/logit counts: speculative and concurrent vs plain decoding")
-    parser.add_argument("--model", default="default")
+    add_model_argument(parser)
     parser.add_argument("--variants", default="q4",
                         help=f"comma-separated weight formats {WEIGHT_CHOICES[1:]} or quantization "
                              f"modes {QUANT_MODES} (default q4)")
-    parser.add_argument("--limit", type=int, default=8, help="batch-invariant limit L (default 8)")
-    parser.add_argument("--tokens", type=int, default=64, help="tokens decoded per prompt (default 64)")
+    add_limit_argument(parser, DEFAULT_MEASURE_LIMIT, f"batch-invariant limit L (default {DEFAULT_MEASURE_LIMIT})",
+                       also=("--limit",))
+    parser.add_argument("--tokens", type=int, default=DEFAULT_MEASURE_TOKENS,
+                        help=f"tokens decoded per prompt (default {DEFAULT_MEASURE_TOKENS})")
     parser.add_argument("--widths", default=None, help="verification widths to test (default 2..L)")
     parser.add_argument("--no-draft", action="store_true", help="skip the draft-model method")
-    parser.add_argument("--invariant-strategy", default="auto")
-    parser.add_argument("--cpu-blas", choices=("reference", "openblas"), default="reference")
+    add_strategy_argument(parser)
+    # The reference BLAS by default: the matrix is about the kernels' own invariance.
+    add_cpu_blas_argument(parser, default="reference")
     parser.add_argument("--out", default=None, help="also write the table to this file")
     parser.set_defaults(func=run)
 
@@ -34,7 +38,7 @@ def _options(args, variant: str, draft: bool):
     if variant not in QUANT_MODES and variant not in WEIGHT_CHOICES:
         raise SystemExit(f"unknown variant {variant!r}")
     return Options(model=args.model, weights=weights, quantize=quantize,
-                   batch_invariant_limit=args.limit, invariant_strategy=args.invariant_strategy,
+                   batch_invariant_limit=args.batch_invariant_limit, invariant_strategy=args.invariant_strategy,
                    draft_model="default-quantized" if draft else None)
 
 
@@ -44,26 +48,27 @@ def run(args: argparse.Namespace) -> int:
 
     from lockstep.kernels import cpu_blas
     from lockstep.kernels.invariance import set_batch_invariant_limit
-    from lockstep.server import verify
     from lockstep.server.runtime import build_runtime
+    from lockstep.server.tools import divergence
 
-    if args.limit < 2:
-        raise SystemExit("--limit must be >= 2 (speculative verification needs 2 rows)")
+    limit = args.batch_invariant_limit
+    if limit < 2:
+        raise SystemExit("--batch-invariant-limit must be >= 2 (speculative verification needs 2 rows)")
     widths = [int(w) for w in args.widths.split(",")] if args.widths else None
     lines = [f"lockstep verify: backend {mx.default_device()}, MLX {mx.__version__}, "
-             f"BLAS {cpu_blas.describe()}, L={args.limit}, {args.tokens} tokens x "
-             f"{len(verify.PROMPTS)} prompts per cell", verify.HEADER]
+             f"BLAS {cpu_blas.describe()}, L={limit}, {args.tokens} tokens x "
+             f"{len(divergence.PROMPTS)} prompts per cell", divergence.HEADER]
     print("\n".join(lines), flush=True)
     rows, draft_model = [], None
     for n, variant in enumerate(args.variants.split(",")):
         runtime = build_runtime(_options(args, variant, draft=not args.no_draft and n == 0))
         draft_model = draft_model or runtime.deployment.draft_model
-        plan = runtime.plan
+        plan = runtime.invariance
         lines.append(f"# {variant}: strategy {plan.strategy}, guaranteed {plan.guaranteed} ({plan.reason})")
         print(lines[-1], flush=True)
         tok = runtime.loaded.tokenizer
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-                   for p in verify.PROMPTS]
+                   for p in divergence.PROMPTS]
         model = runtime.loaded.model
 
         def set_limit(limit, model=model, strategy=plan.strategy):
@@ -74,9 +79,9 @@ def run(args: argparse.Namespace) -> int:
             lines.append(line)
             print(line, flush=True)
 
-        rows += verify.verify_variant(variant, model, draft_model, prompts, args.limit, args.tokens,
-                                      widths, set_limit, emit)
-    for line in verify.summary_lines(rows):
+        rows += divergence.verify_variant(variant, model, draft_model, prompts, limit, args.tokens,
+                                          widths, set_limit, emit)
+    for line in divergence.summary_lines(rows):
         emit(line)
     if args.out:
         with open(args.out, "w") as f:

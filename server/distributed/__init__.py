@@ -13,5 +13,5 @@ broadcasts each iteration's inputs (docs/DISTRIBUTED.md).
 | `proofs.py` | startup proofs (self-test, ragged passes) that every rank runs alike and agrees on |
 | `replicated_engine.py` | `ReplicatedEngine`: the Engine whose iterations rank 0 broadcasts |
 | `watchdog.py` | bounded failure: no collective for too long, or a lost peer, ends the process non-zero |
-| `serve.py` | `lockstep serve --parallel ...`: the whole distributed start-up, both roles |
+| `startup.py` | what `lockstep serve --parallel ...` adds to the one serve assembly (server/commands/serve.py): flags, startup checks, agreement on the built runtime, the health gate |
 """

@@ -27,7 +27,8 @@ from lockstep.server.distributed.collectives import broadcast_bytes
 from lockstep.server.distributed.watchdog import Watchdog
 from lockstep.server.distributed.world import World
 from lockstep.server.engine import Engine
-from lockstep.server.engine.handle import GenerationError, RequestHandle, ShuttingDown
+from lockstep.server.engine.errors import GenerationError, ShuttingDown
+from lockstep.server.engine.handle import RequestHandle
 
 log = logging.getLogger("lockstep.distributed")
 
@@ -55,7 +56,7 @@ class ReplicaHandle(RequestHandle):
 
 
 class _Inbox(list):
-    """Rank 0's engine queue: the base `submit_group` validates and appends the clients'
+    """Rank 0's scheduler queue: the base `submit_group` validates and appends the clients'
     handles as always; they are diverted here until the next boundary broadcasts them."""
 
     def __init__(self, diverted: list):
@@ -86,7 +87,7 @@ class ReplicatedEngine(Engine):
         self.heartbeat = heartbeat
         self.stopped_cleanly = False
         self._new: list[RequestHandle] = []  # rank 0: submitted, not yet broadcast
-        self._waiting = _Inbox(self._new)
+        self.scheduler.waiting = _Inbox(self._new)
         self._stop_requested = False
         self._next_id = 0
         self._iteration_digest = hashlib.sha256()  # what this rank's last iteration posted
@@ -139,7 +140,7 @@ class ReplicatedEngine(Engine):
         super()._fail(handle, exc)
 
     def _replicas(self) -> list[ReplicaHandle]:
-        return [a.handle for a in self._active] + list(self._waiting)
+        return [slot.handle for slot in self.scheduler.active] + list(self.scheduler.waiting)
 
     def _run(self) -> None:
         try:
@@ -161,7 +162,7 @@ class ReplicatedEngine(Engine):
         if self._stopping:
             self.stopped_cleanly = True
             return False
-        if not self._waiting and not self._active:
+        if not self.scheduler.waiting and not self.scheduler.active:
             return True  # nothing to do on any rank; the base would block here
         return super()._admit()
 
@@ -169,7 +170,7 @@ class ReplicatedEngine(Engine):
         """Rank 0: wait (at most a heartbeat) for something to do, then take the events."""
         deadline = time.monotonic() + self.heartbeat
         with self._wake:
-            while not (self._new or self._stop_requested or self._waiting or self._active):
+            while not (self._new or self._stop_requested or self.scheduler.waiting or self.scheduler.active):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -210,7 +211,7 @@ class ReplicatedEngine(Engine):
                 if cancelled:
                     handle.cancel()
                 made[rid] = handle
-                self._waiting.append(handle)
+                self.scheduler.waiting.append(handle)
             by_id = {h.rid: h for h in self._replicas()}
             for rid, cut in events["cancel"]:
                 handle = by_id.get(rid)

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("none", "draft", "prompt_lookup")
+# Drafts from the client's predicted answer (OpenAI's Predicted Outputs): the method of every
+# request that carries a prediction, never one a request names.
+PREDICTION = "prediction"
 # Drafts proposed in one engine step (a draft model runs k passes in it), so k bounds how
 # long one request can hold the engine: a server maximum, `--max-draft-tokens`.
 MAX_DRAFT_TOKENS = 16
@@ -23,10 +26,14 @@ class RequestRejected(ValueError):
 
 @dataclass(frozen=True)
 class Deployment:
-    """Per-deployment decoding settings (from `lockstep serve` flags)."""
+    """Per-deployment decoding settings (from `lockstep serve` flags and the startup proofs)."""
 
-    limit: int = 0  # batch-invariant limit L; 0 = off
-    guaranteed: bool = False  # L > 0 and the startup self-test proved it on this model
+    limit: int = 0  # batch-invariant limit L as configured; 0 = off
+    # Decided once, at startup (server/engine/guarantee.py), and read from here only:
+    # rows one pass may hold with the guarantee (L once the self-test proved it, else 0), and
+    # whether rows of different requests may share such a pass (the ragged proof).
+    guaranteed_rows: int = 0
+    shared_passes: bool = False
     strategy: str = "native"  # canonical kernel strategy in use
     speculative: str = "none"  # default method for requests that do not choose
     num_draft_tokens: int = 4  # default k
@@ -39,30 +46,47 @@ class Deployment:
     adaptive_draft_tokens: bool = False
     pass_costs: tuple[float, ...] | None = None
     prefill_chunk: int = 512
+    # The model's caches can be rewound past rejected drafts (recurrent state cannot: then no
+    # speculation, server/runtime.py decides it from the model's own caches).
+    speculation: bool = True
     # Requests' KV in one shared pool, one attention launch per layer for a whole pass
     # (kernels/batching/kv_pool.py): "kernel" (the GPU kernel), "reference" (one MLX attention call per
     # row, where there is no kernel) or "off" (each request its own KVCache).
     kv_pool: str = "off"
-    # kernels.batching.ragged_selftest.RaggedProof for L (None: not proven here; the engine proves it)
-    ragged_proof: object | None = None
     fingerprint: str = ""
+
+    @property
+    def guaranteed(self) -> bool:
+        return self.guaranteed_rows > 0
+
+
+# How a request's determinism is kept, decided by `plan_request` and read by the engine only
+# from the plan: "none" (it asked for none: native forms, any pass), "shared" (canonical forms;
+# its rows may share passes of at most `guaranteed_rows` rows with other requests' rows) or
+# "alone" (its rows and prompt chunks run in passes of their own: the guarantee is unproven,
+# or proven for one request's rows only).
+DETERMINISM = ("none", "shared", "alone")
 
 
 @dataclass(frozen=True)
 class DecodePlan:
-    deterministic: bool
-    method: str  # "none" | "draft" | "prompt_lookup"
+    determinism: str  # one of DETERMINISM
+    method: str  # "none" | "draft" | "prompt_lookup" | "prediction"
     num_draft_tokens: int  # k (0 when method is "none")
-    exclusive: bool  # run with no other request interleaved
+    guaranteed: bool = False  # the deployment's proof covers this request's tokens
     note: str = ""
     adaptive: bool = False  # k chosen per step up to num_draft_tokens (deployment setting)
 
+    @property
+    def deterministic(self) -> bool:
+        return self.determinism != "none"
+
     def extension(self, deployment: Deployment) -> dict:
-        """The `lockstep` object returned with the response (counts are added by generate)."""
+        """The `lockstep` object returned with the response (counts are added by the request)."""
         info = {
             "deterministic": self.deterministic,
             "batch_invariant_limit": deployment.limit,
-            "guaranteed": deployment.guaranteed if self.deterministic else False,
+            "guaranteed": self.guaranteed,
             "speculative": self.method,
             "num_draft_tokens": self.num_draft_tokens,
         }
@@ -73,11 +97,29 @@ class DecodePlan:
         return info
 
 
+PLAIN = DecodePlan("none", "none", 0)
+
+
 def plan_request(deployment: Deployment, *, deterministic: bool, speculative: str | None,
-                 num_draft_tokens: int | None) -> DecodePlan:
+                 num_draft_tokens: int | None, prediction: bool = False) -> DecodePlan:
+    """The one place a request's `deterministic` flag is read: everything after goes by the plan.
+
+    With a `prediction` the drafts are the prediction's tokens (`speculative` "none" turns
+    them off); k is `num_draft_tokens`, else the server's largest (a prediction's drafts are
+    the client's own guess of the answer), clipped like any k for deterministic requests."""
     method = speculative or deployment.speculative
-    if method not in METHODS:
+    if prediction and speculative not in (None, "none"):
+        raise RequestRejected("speculative", f"a request with a prediction drafts from the prediction; leave "
+                                             f"speculative out (or \"none\": no drafts), got {speculative!r}")
+    if prediction and speculative is None:
+        method = PREDICTION
+    elif method not in METHODS:
         raise RequestRejected("speculative", f"speculative must be one of {list(METHODS)}")
+    if method != "none" and not deployment.speculation:
+        if speculative not in (None, "none"):
+            raise RequestRejected("speculative", "this model's recurrent state cannot be rewound past rejected "
+                                                 "drafts, so this server decodes it without speculation")
+        method = "none"  # the deployment's default does not apply to this model
     if method == "draft" and deployment.draft_model is None:
         raise RequestRejected("speculative", "this server has no draft model (start it with --draft-model)")
     if num_draft_tokens is not None and num_draft_tokens > deployment.max_draft_tokens:
@@ -85,20 +127,21 @@ def plan_request(deployment: Deployment, *, deterministic: bool, speculative: st
             "num_draft_tokens",
             f"num_draft_tokens is at most {deployment.max_draft_tokens} on this server "
             f"(got {num_draft_tokens}; the server's --max-draft-tokens)")
-    k = min(num_draft_tokens or deployment.num_draft_tokens, deployment.max_draft_tokens)
+    default_k = deployment.max_draft_tokens if method == PREDICTION else deployment.num_draft_tokens
+    k = min(num_draft_tokens or default_k, deployment.max_draft_tokens)
     if method == "none":
         k = 0
 
     adaptive = deployment.adaptive_draft_tokens and method != "none"
     if not deterministic:
-        return DecodePlan(False, method, k, exclusive=False, adaptive=adaptive)
+        return DecodePlan("none", method, k, adaptive=adaptive)
 
     if not deployment.guaranteed:
         why = ("the batch-invariant limit is 0" if deployment.limit == 0
                else "batch invariance was not proven on this backend")
-        return DecodePlan(True, "none", 0, exclusive=True,
-                          note=f"{why}: ran without speculation and alone")
-    widest = deployment.limit - 1  # verification evaluates k + 1 rows in one pass
+        return DecodePlan("alone", "none", 0,
+                          note=f"{why}: ran without speculation, in passes of its own")
+    widest = deployment.guaranteed_rows - 1  # verification evaluates k + 1 rows in one pass
     if method != "none" and k > widest:
         if num_draft_tokens is not None:
             raise RequestRejected(
@@ -108,4 +151,5 @@ def plan_request(deployment: Deployment, *, deterministic: bool, speculative: st
         k = widest  # the deployment's default is clipped, not refused
     if k < 1:
         method, k, adaptive = "none", 0, False
-    return DecodePlan(True, method, k, exclusive=False, adaptive=adaptive)
+    determinism = "shared" if deployment.shared_passes else "alone"
+    return DecodePlan(determinism, method, k, guaranteed=True, adaptive=adaptive)

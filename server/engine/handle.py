@@ -1,5 +1,5 @@
-"""The asyncio side of a request (`RequestHandle`) and the errors a submission or a generation
-can end in. The engine's worker thread posts events; the event loop iterates them."""
+"""The asyncio side of a request (`RequestHandle`): the engine's worker thread posts events,
+the event loop iterates them."""
 from __future__ import annotations
 
 import asyncio
@@ -8,22 +8,6 @@ import time
 from typing import AsyncIterator
 
 from lockstep.server.engine.request_state import Delta, GenerationRequest
-
-
-class GenerationError(Exception):
-    """Generation failed on the worker; the message is safe to show to the client."""
-
-
-class QueueFull(GenerationError):
-    """`submit()` refused: `max_waiting` requests are already waiting (the API answers 429)."""
-
-
-class ShuttingDown(GenerationError):
-    """The server stopped this request (drain timeout or a second signal); the API answers 503."""
-
-
-class TooLargeForMemory(GenerationError):
-    """`submit()` refused: the request's KV alone exceeds the server's budget (400)."""
 
 
 class RequestHandle:

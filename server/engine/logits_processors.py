@@ -69,8 +69,6 @@ class LogitsProcessors:
         if self.penalties:
             row = self.penalties.apply(row, context[self.prompt_length:])
         if self.matcher is not None:
-            from lockstep.server.engine.grammar import apply_mask
-
             row = apply_mask(row, self.matcher.allowed())
         return row
 
@@ -97,3 +95,8 @@ def processors_for(request, loaded) -> LogitsProcessors | None:
     if not penalties and bias is None and matcher is None:
         return None
     return LogitsProcessors(len(request.prompt_tokens), penalties, bias, matcher)
+
+
+def apply_mask(logits_row: mx.array, allowed: mx.array) -> mx.array:
+    """`logits_row` (vocab,) with -inf where `allowed` is False; keeps the dtype."""
+    return mx.where(allowed, logits_row, mx.array(-mx.inf, dtype=logits_row.dtype))

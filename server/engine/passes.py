@@ -1,6 +1,8 @@
 """Which requests' rows share a forward pass: the scheduler's determinism rule, on its own.
 
-- A pass that holds a deterministic row has at most L rows (the batch-invariant limit), so
+Each demand carries its request's plan's determinism (server/engine/decoding.py):
+- "alone": its rows get a pass of their own;
+- "shared": a pass that holds such a row has at most L rows (the guaranteed rows), so
   every layer runs the canonical forms proven bit-identical to M = 1 (kernels/invariance/selftest.py
   and kernels/batching/ragged.py prove every width up to L). Rows of other requests may fill it up
   to L: canonical rows do not depend on their neighbours.
@@ -22,26 +24,32 @@ DEFAULT_MAX_ACTIVE = 16
 DEFAULT_MAX_BATCH_ROWS = 32
 
 
+def default_active_per_request(max_active: int) -> int:
+    """Choices of one request (n) decoding at once, when --max-active-per-request is not
+    given: three quarters of the slots, so one request never takes them all."""
+    return max(1, max_active - max_active // 4)
+
+
 @dataclass(frozen=True)
 class Demand(Generic[T]):
     owner: T  # whatever the caller uses to find the request again
     rows: int
-    deterministic: bool
+    determinism: str  # "none" | "shared" | "alone"
 
 
-def compose_passes(demands: list[Demand[T]], limit: int, max_rows: int) -> list[list[Demand[T]]]:
+def compose_passes(demands: list[Demand[T]], shared_rows: int, max_rows: int) -> list[list[Demand[T]]]:
     """Group `demands` into passes obeying the rule above. Raises ValueError when one
-    deterministic demand alone is wider than `limit` (the decode plan prevents that)."""
+    deterministic demand alone is wider than `shared_rows` (the decode plan prevents that)."""
     if max_rows < 1:
         raise ValueError("max_rows must be >= 1")
-    passes: list[list[Demand[T]]] = []
-    deterministic = [d for d in demands if d.deterministic]
-    free = [d for d in demands if not d.deterministic]
+    passes: list[list[Demand[T]]] = [[d] for d in demands if d.determinism == "alone"]
+    deterministic = [d for d in demands if d.determinism == "shared"]
+    free = [d for d in demands if d.determinism == "none"]
 
     def close(group: list[Demand[T]], used: int) -> None:
         # Top the deterministic pass up with free rows that fit within L.
         for d in list(free):
-            if used + d.rows <= limit:
+            if used + d.rows <= shared_rows:
                 group.append(d)
                 used += d.rows
                 free.remove(d)
@@ -50,9 +58,9 @@ def compose_passes(demands: list[Demand[T]], limit: int, max_rows: int) -> list[
     current: list[Demand[T]] = []
     used = 0
     for d in deterministic:
-        if d.rows > limit:
-            raise ValueError(f"a deterministic request brings {d.rows} rows; the limit is {limit}")
-        if used + d.rows > limit:
+        if d.rows > shared_rows:
+            raise ValueError(f"a deterministic request brings {d.rows} rows; at most {shared_rows} may share a pass")
+        if used + d.rows > shared_rows:
             close(current, used)
             current, used = [], 0
         current.append(d)

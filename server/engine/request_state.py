@@ -1,8 +1,11 @@
 """One request's progress: prefill its prompt in chunks, then decode rows the engine batches.
 
-The engine asks a `RequestState` for one unit of work at a time:
-- while `prefilling`, `prefill_chunk()` runs the next prompt chunk on the request's own cache
-  (a pass of its own: chunks are aligned to absolute positions, kernels/invariance/prefill.py);
+A `RequestState` holds a request's progress; it runs no forward pass itself (the model
+runner does, server/engine/model_runner.py):
+- while `prefilling`, `next_prefill()` names the next prompt chunk (aligned to absolute
+  positions, kernels/invariance/prefill.py) and the cache it goes to: the target's, then,
+  with a draft model, the draft's (chunked the same way, so a long prompt never holds the
+  engine for more than a chunk); `chunk_written()` records it;
 - then `rows()` names the tokens this request puts into the next forward pass (the last
   token, plus drafts when speculating), and `take(logits)` turns that pass's rows into
   `Delta`s: text (stop strings held back), logprobs, and a finish reason on the last one.
@@ -19,10 +22,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from lockstep.kernels.batching.kv_pool import fill_prefix, is_pooled
-from lockstep.kernels.invariance.layers import call_without_head
 from lockstep.kernels.invariance.prefill import chunk_end, resume_at
 
-from lockstep.server.engine.decoding import DecodePlan, Deployment
+from lockstep.server.engine.decoding import PLAIN, DecodePlan, Deployment
 from lockstep.server.engine.logits_processors import processors_for
 from lockstep.server.engine.prefix_cache import PrefixCache, copy_prefix
 from lockstep.server.engine.sampling import SamplingParams
@@ -39,15 +41,15 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
-    # lockstep extensions (see server/engine/decoding.py for how they are acted on).
-    deterministic: bool = False
-    speculative: str | None = None
-    num_draft_tokens: int | None = None
+    # Determinism and speculation are the request's DecodePlan (server/engine/decoding.py).
     # Per-row logits processing (server/engine/logits_processors.py).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: object | None = None  # a compiled server.engine.grammar.Grammar
+    # Predicted Outputs: the client's draft of the answer as token ids, drafted from when the
+    # plan's method is "prediction" (server/engine/speculative.py PredictionDrafter).
+    prediction: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,17 +72,6 @@ class Delta:
     extension: dict | None = None  # the `lockstep` response object, on the final Delta
 
 
-def forward(model, cache: list, tokens: list[int]) -> mx.array:
-    """Logits for every position of `tokens`, appending them to `cache`."""
-    return model(mx.array(tokens)[None], cache=cache)[0]
-
-
-def prompt_forward(model, cache: list, tokens: list[int]) -> None:
-    """Append `tokens`' KV to `cache` without the output head: a prompt chunk's logits are
-    never used, and the head (a vocab-wide matmul per row) is much of a chunk's cost."""
-    call_without_head(model, mx.array(tokens)[None], cache)
-
-
 class _TokenTexts:
     """Token id -> text, memoised (logprobs ask for the same alternatives repeatedly)."""
 
@@ -94,25 +85,36 @@ class _TokenTexts:
         return self._texts[token]
 
 
+@dataclass(frozen=True)
+class PrefillStep:
+    """The next prompt chunk of a request: `tokens` go into `cache` of `model` ("target" or
+    "draft"); `follow`: nothing to run, the request copies its leader's prompt KV."""
+
+    model: str
+    cache: list | None
+    tokens: list[int]
+    follow: bool = False
+
+
 class RequestState:
     def __init__(self, loaded, request: GenerationRequest, *, plan: DecodePlan | None = None,
                  deployment: Deployment | None = None, prefix_cache: PrefixCache | None = None,
-                 cancelled: Callable[[], bool] = never, step=forward,
+                 cancelled: Callable[[], bool] = never,
                  prefill_from: "RequestState | None" = None, cache: list | None = None):
         self.loaded = loaded
         self.request = request
-        self.plan = plan
+        self.plan = plan or PLAIN
         self.deployment = deployment
         self.prefix_cache = prefix_cache
-        self.step = prompt_forward if step is forward else step  # runs prefill chunks
         self.prompt = list(request.prompt_tokens)
-        self.limit = min(request.max_tokens, loaded.context_length - len(self.prompt))
-        if self.limit < 1:
+        self.max_new_tokens = min(request.max_tokens, loaded.context_length - len(self.prompt))
+        if self.max_new_tokens < 1:
             raise ValueError(f"prompt of {len(self.prompt)} tokens leaves no room in the context")
         self.generated = 0
         self.finished = False
         self.stats = SpeculationStats()
         self.extension = plan.extension(deployment) if plan and deployment else None
+        self.determinism = self.plan.determinism  # "none" | "shared" | "alone" (decoding.py)
         self._chunk = deployment.prefill_chunk if deployment else PREFILL_CHUNK
 
         model = loaded.model
@@ -130,7 +132,7 @@ class RequestState:
         self.closed = False  # set by the engine when it drops this request
         self._prefilled_alone = True  # every prompt chunk so far ran in a pass of its own
         # All but the last prompt token are prefilled; decoding starts by feeding the last one.
-        done = self.cache[0].offset if self.cache else 0
+        done = found_len if found else 0
         self._prefill_pos = resume_at(model, done, self._chunk)
         if self._prefill_pos < done:
             trim_prompt_cache(self.cache, done - self._prefill_pos)
@@ -139,33 +141,44 @@ class RequestState:
         self._stream = StopTextStream(IncrementalDecoder(loaded.tokenizer, self.prompt), list(request.stop))
         self._wants_logprobs = request.sampling.top_logprobs is not None
         self.processors = processors_for(request, loaded)
-        method, k = (plan.method, plan.num_draft_tokens) if plan else ("none", 0)
         draft_model = deployment.draft_model if deployment else None
-        self.source = make_source(self.cache, list(self.prompt), request.sampling, self.stats, method, k,
-                                  draft_model, remaining=lambda: self.limit - self.generated,
-                                  cancelled=cancelled, adaptive=bool(plan and plan.adaptive),
+        self.source = make_source(self.cache, list(self.prompt), request.sampling, self.stats, self.plan.method,
+                                  self.plan.num_draft_tokens, draft_model,
+                                  remaining=lambda: self.max_new_tokens - self.generated, cancelled=cancelled,
+                                  adaptive=self.plan.adaptive,
                                   pass_costs=deployment.pass_costs if deployment else None,
-                                  target=model, processors=self.processors)
+                                  target=model, processors=self.processors, prediction=request.prediction)
+        # A draft model's own cache is prefilled chunk by chunk after the target's.
+        self._drafter = getattr(self.source, "drafter", None) if self.plan.method == "draft" else None
 
     # ---------------------------------------------------------------------- prefill
 
     @property
     def prefilling(self) -> bool:
+        return self._target_prefilling or self._draft_pending() > 0
+
+    @property
+    def _target_prefilling(self) -> bool:
         return self._prefill_pos < len(self.prompt) - 1
+
+    def _draft_pending(self) -> int:
+        return self._drafter.pending(len(self.prompt) - 1) if self._drafter is not None else 0
 
     def next_chunk_tokens(self) -> int:
         """Tokens the next prompt chunk holds (none while a leader prefills for this one)."""
-        if self._leader is not None:
-            return 0
-        return chunk_end(self._prefill_pos, len(self.prompt) - 1, self._chunk) - self._prefill_pos
+        if self._target_prefilling:
+            if self._leader is not None:
+                return 0
+            return chunk_end(self._prefill_pos, len(self.prompt) - 1, self._chunk) - self._prefill_pos
+        return min(self._draft_pending(), self._chunk)
 
     def _follow_leader(self) -> None:
         """Copy the leader's prompt KV once it is there; go alone if the leader was dropped."""
         leader = self._leader
-        if leader.prefilling and not leader.closed:
+        if leader._target_prefilling and not leader.closed:
             return
         self._leader = None
-        if not leader.prefilling and not leader.closed:  # a closed leader's KV may be given back
+        if not leader._target_prefilling and not leader.closed:  # a closed leader's KV may be given back
             length = len(self.prompt) - 1
             if is_pooled(self.cache):
                 fill_prefix(self.cache, leader.cache, length)
@@ -175,49 +188,38 @@ class RequestState:
 
     @property
     def shares_prefill(self) -> bool:
-        """Its prompt chunks may share a pass with other requests' chunks: only a request with
-        no determinism to keep (such a pass's bits depend on its neighbours) and no leader."""
-        return self._leader is None and not (self.wants_determinism or self.exclusive)
+        """Its next prompt chunk may share a pass with other requests' chunks: only a target
+        chunk of a request with no determinism to keep (such a pass's bits depend on its
+        neighbours) and no leader."""
+        return self._target_prefilling and self._leader is None and self.determinism == "none"
 
     def next_chunk(self) -> list[int]:
-        """The next prompt chunk's tokens."""
+        """The next target prompt chunk's tokens."""
         return self.prompt[self._prefill_pos:chunk_end(self._prefill_pos, len(self.prompt) - 1, self._chunk)]
 
-    def prefill_chunk(self) -> None:
-        """Run the next prompt chunk on this request's cache (its own forward pass)."""
-        if self._leader is not None:
-            self._follow_leader()
-            return
-        chunk = self.next_chunk()
-        self.step(self.loaded.model, self.cache, chunk)
-        mx.eval([c.state for c in self.cache])
-        self.chunk_written(len(chunk), alone=True)
+    def next_prefill(self) -> PrefillStep:
+        """What the next prompt chunk is (the model runner runs it, then `chunk_written`)."""
+        if self._target_prefilling:
+            if self._leader is not None:
+                self._follow_leader()  # a copy, no model work
+                return PrefillStep("target", self.cache, [], follow=True)
+            return PrefillStep("target", self.cache, self.next_chunk())
+        start = self._drafter.prefilled
+        return PrefillStep("draft", self._drafter.cache, self.prompt[start:start + self._chunk])
 
-    def chunk_written(self, tokens: int, *, alone: bool) -> None:
+    def chunk_written(self, tokens: int, *, alone: bool, model: str = "target") -> None:
         """The next `tokens` prompt tokens are in the cache. Only KV prefilled in passes of
         its own goes to the prefix cache: a shared pass's bits depend on its neighbours, and
         a deterministic request may later start from the entry."""
+        if model == "draft":
+            self._drafter.advance(self.prompt[self._drafter.prefilled:self._drafter.prefilled + tokens])
+            return
         self._prefill_pos += tokens
-        if not self.prefilling and self.prefix_cache and alone and self._prefilled_alone:
+        if not self._target_prefilling and self.prefix_cache and alone and self._prefilled_alone:
             self.prefix_cache.store(self.prompt[:-1], self.cache)
         self._prefilled_alone = self._prefilled_alone and alone
 
     # ----------------------------------------------------------------------- decode
-
-    @property
-    def deterministic(self) -> bool:
-        """Its rows must share passes only within the proven batch-invariant limit."""
-        return bool(self.plan and self.plan.deterministic and self.deployment and self.deployment.guaranteed)
-
-    @property
-    def wants_determinism(self) -> bool:
-        """It asked for determinism (whether or not this deployment guarantees it): its
-        passes run the installed canonical forms."""
-        return bool(self.plan and self.plan.deterministic)
-
-    @property
-    def exclusive(self) -> bool:
-        return bool(self.plan and self.plan.exclusive)
 
     def rows(self, room: int | None = None) -> list[int]:
         """Tokens for this request's rows in the next decode pass (may run a drafter); at most
@@ -255,7 +257,7 @@ class RequestState:
             if self.processors is not None and self.processors.finished:  # the grammar is complete
                 deltas.append(self._delta(pending))
                 return self._finish(deltas, self._stream.finish(), "stop")
-            if self.generated >= self.limit:
+            if self.generated >= self.max_new_tokens:
                 if pending.text or pending.items:
                     deltas.append(self._delta(pending))
                 final = self._stream.finish()

@@ -1,463 +1,302 @@
-"""The engine: owns the model on one worker thread and batches requests into forward passes.
+"""The scheduler: which requests run, and what each engine step runs for them.
 
-All MLX work happens on the worker thread, never on the asyncio loop. Requests are
-admitted in FIFO order while there is a free slot (`max_active`) and room in the KV budget
-(server/engine/kv_budget.py). Each iteration of the worker then
-1. runs prompt chunks of prefilling requests, in turn, up to one chunk's worth of tokens
-   (`--prefill-chunk`), so a long prompt is interleaved with decoding and never stalls the
-   others for its whole length, while many short prompts start together;
-2. asks every decoding request for its rows (1, or k + 1 when speculating), groups them
-   into passes by the determinism rule (server/engine/passes.py) and runs each pass as one
-   forward over all its requests' rows, each attending its own KV cache
-   (kernels/batching/ragged.py); every request then turns its rows into tokens.
-Each request's output comes back to asyncio through its `RequestHandle`.
-
-A request whose plan is exclusive (deterministic, but the guarantee is not proven) runs
-alone. `generate_fn` replaces the batched path with one generator per request, stepped in
-turn (test doubles script the engine with it).
+It never runs the model (server/engine/model_runner.py does). Each step it describes work
+as a `SchedulerOutput` (server/engine/step_data.py) and updates its requests from the
+runner's `ModelRunnerOutput`:
+1. admission: waiting requests take free slots (`max_active`) in FIFO order while their KV
+   fits the budget (server/engine/kv_budget.py). The choices of one request (n > 1) hold
+   at most `active_per_request` slots at once; its other choices wait, and other requests'
+   may go ahead of them, so one request never takes every slot;
+2. prompt chunks of prefilling requests, in turn, up to one chunk's worth of tokens
+   (`--prefill-chunk`; a draft model's prompt is prefilled the same way), so a long prompt
+   is interleaved with decoding and never stalls the others for its whole length, while
+   many short prompts start together;
+3. every decoding request's rows (1, or k + 1 when speculating), grouped into passes by the
+   determinism rule (server/engine/passes.py), each pass one forward over all its requests'
+   rows; every request then turns its rows into tokens.
+All of it runs on the engine's worker thread (server/engine/engine.py).
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 import time
-from typing import Callable, Iterator
 
-from lockstep.server.engine.decoding import DecodePlan, Deployment
-from lockstep.server.engine.forward_step import decode_logits, presample_together, shared_prefill
+from lockstep.server.engine.errors import GenerationError
+from lockstep.server.engine.handle import RequestHandle
 from lockstep.server.engine.kv_budget import KVBudget, reservation
-from lockstep.server.engine.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, Demand, compose_passes
+from lockstep.server.engine.passes import Demand, compose_passes
 from lockstep.server.engine.prefix_cache import PrefixCache
-from lockstep.server.engine.handle import (GenerationError, QueueFull, RequestHandle, ShuttingDown, post_all,
-                                  TooLargeForMemory)
-from lockstep.server.engine.request_state import GenerationRequest, RequestState
+from lockstep.server.engine.request_state import RequestState
+from lockstep.server.engine.step_data import DecodePass, ModelRunnerOutput, PrefillResult, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
-# Initial KV pool size per `max_active` slot (the pool doubles when a request needs more).
-POOL_TOKENS_PER_SLOT = 1024
 
+class Slot:
+    """An admitted request: its handle, its state and the KV it reserved."""
 
-
-class _Active:
-    """An admitted request: its handle, its work (a RequestState or a generator) and its KV."""
-
-    def __init__(self, handle: RequestHandle, work, reserved: int):
+    def __init__(self, handle: RequestHandle, state: RequestState, reserved: int):
         self.handle = handle
-        self.work = work
+        self.state = state
         self.reserved = reserved
 
 
+def request_of(handle: RequestHandle) -> RequestHandle:
+    """The handle standing for the whole request (its first choice's)."""
+    return handle.leader or handle
+
+
 class _DraftRoom:
-    """Rows each decoding request may bring this iteration, asked in turn order: one row per
-    request is reserved, and drafts get only what is left of a pass (L rows for deterministic
-    requests, max_batch_rows for others), so a full batch stops drafting. Drafts never change
-    tokens (sample and compare), only how many passes a request takes."""
+    """Rows each decoding request may bring this step, asked in turn order: one row per
+    request is reserved, and drafts get only what is left of a pass (the guaranteed rows for
+    deterministic requests, max_batch_rows for others), so a full batch stops drafting.
+    Drafts never change tokens (sample and compare), only how many passes a request takes."""
 
-    def __init__(self, decoding: list, limit: int, max_batch_rows: int):
-        self.pending = {kind: sum(s.deterministic == kind for s in decoding) for kind in (True, False)}
-        self.claimed = {True: 0, False: 0}
-        self.capacity = {True: limit, False: max_batch_rows}
+    def __init__(self, decoding: list[RequestState], guaranteed_rows: int, max_batch_rows: int):
+        self.capacity = {"shared": guaranteed_rows, "alone": guaranteed_rows, "none": max_batch_rows}
+        self.pending = {kind: sum(s.determinism == kind for s in decoding) for kind in self.capacity}
+        self.claimed = dict.fromkeys(self.capacity, 0)
 
-    def take(self, state) -> int:
-        kind = state.deterministic
+    def take(self, state: RequestState) -> int:
+        kind = state.determinism
+        if kind == "alone":  # a pass of its own: the whole width is this request's
+            return max(1, self.capacity[kind])
         self.pending[kind] = max(0, self.pending[kind] - 1)
         return max(1, self.capacity[kind] - self.claimed[kind] - self.pending[kind])
 
-
-class EngineObserver:
-    """What the engine reports as it runs (metrics implement it); every method is optional."""
-
-    def on_pass(self, rows: int, requests: int) -> None: ...
-
-    def on_admit(self, waited_seconds: float) -> None: ...
+    def claim(self, state: RequestState, rows: int) -> None:
+        self.claimed[state.determinism] += rows
 
 
-class Engine:
-    max_waiting: int | None = None  # waiting requests before submit() refuses; None = unbounded
-    draft_room: bool = True  # a full pass stops drafting (`_draft_room`)
+class Scheduler:
+    """Admission and step composition for one engine. `runner` gives KV caches (its pool)
+    and says whether requests may share passes."""
 
-    def __init__(self, loaded, max_active: int = DEFAULT_MAX_ACTIVE,
-                 generate_fn: Callable[..., Iterator] | None = None,
-                 deployment: Deployment | None = None, prefix_cache: PrefixCache | None = None,
-                 max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS, max_kv_tokens: int | None = None):
-        if max_active < 1 or max_batch_rows < 1:
-            raise ValueError("max_active and max_batch_rows must be >= 1")
+    draft_room: bool = True  # a full pass stops drafting (_DraftRoom)
+
+    def __init__(self, loaded, runner, *, deployment, max_active: int, active_per_request: int,
+                 max_batch_rows: int, kv_budget: KVBudget, prefix_cache: PrefixCache | None = None):
         self.loaded = loaded
+        self.runner = runner
+        self.deployment = deployment
         self.max_active = max_active
+        self.active_per_request = active_per_request
         self.max_batch_rows = max_batch_rows
-        self.deployment = deployment or Deployment()
+        self.kv_budget = kv_budget
         self.prefix_cache = prefix_cache
-        self.kv_budget = KVBudget(max_kv_tokens)
-        self.observers: list[EngineObserver] = []
-        self._generate = generate_fn
-        self.ragged_problem = self._prepare_ragged()
-        self.kv_pool = self._make_pool(max_kv_tokens)
-        self.ragged_proof = self._prove_ragged()
-        self._waiting: list[RequestHandle] = []
-        self._active: list[_Active] = []
-        self._turn = 0  # rotates which request goes first
-        self._wake = threading.Condition()
-        self._stopping = False
-        self._cancelled = 0  # requests dropped because their client went away
-        self._thread: threading.Thread | None = None
+        self.waiting: list[RequestHandle] = []
+        self.active: list[Slot] = []
+        self.turn = 0  # rotates which request goes first
+        self.cancelled = 0  # requests (not choices) dropped because their client went away
+        self._counted: set[int] = set()  # requests already in `cancelled`
+        self.on_admit = lambda waited: None
+        self.on_fail = self._log_failure
 
-    def _prepare_ragged(self) -> str | None:
-        """Patch the model for ragged passes; why not, when it cannot (then one request per pass)."""
-        if self._generate is not None or self.loaded is None:
-            return "not used"
-        from lockstep.kernels.batching.ragged import enable_ragged, ragged_problem
+    # ----------------------------------------------------------------------- queue
 
-        problem = ragged_problem(self.loaded.model)
-        if problem is None:
-            enable_ragged(self.loaded.model)
-        else:
-            log.warning("requests are not batched into shared passes: %s", problem)
-        return problem
+    def reservation(self, handle: RequestHandle) -> int:
+        plan = handle.plan
+        return reservation(len(handle.request.prompt_tokens), handle.request.max_tokens,
+                           plan.num_draft_tokens if plan else 0)
 
-    def _make_pool(self, max_kv_tokens: int | None):
-        """The shared KV pool when the deployment uses one and passes are batched."""
-        if self.deployment.kv_pool == "off" or self.ragged_problem is not None:
-            return None
-        from lockstep.kernels.batching.kv_pool import KVPool
+    def kv_needed_at_once(self, handles: list[RequestHandle]) -> int:
+        """KV the choices of one request hold at most at once (`active_per_request` of them)."""
+        sizes = sorted((self.reservation(h) for h in handles), reverse=True)
+        return sum(sizes[:self.active_per_request])
 
-        capacity = self.max_active * POOL_TOKENS_PER_SLOT
-        if max_kv_tokens is not None:
-            capacity = min(capacity, max_kv_tokens)
-        return KVPool(self.loaded.model, capacity, use_kernel=self.deployment.kv_pool == "kernel")
+    def waiting_requests(self) -> int:
+        """Requests none of whose choices has started (a request whose other choices run is
+        running, not waiting)."""
+        running = {id(request_of(slot.handle)) for slot in self.active}
+        return len({id(request_of(h)) for h in self.waiting} - running)
 
-    def _prove_ragged(self):
-        """With a proven limit L, prove ragged passes of 1..L rows too; until proven, a
-        deterministic request's rows share no pass with another request's."""
-        if self.ragged_problem is not None or not self.deployment.guaranteed:
-            return None
-        from lockstep.kernels.batching.ragged_selftest import prove_ragged
+    def note_cancelled(self, handle: RequestHandle) -> None:
+        """Count a request whose client went away, once however many choices it has."""
+        if not handle.client_cancelled:
+            return
+        key = id(request_of(handle))
+        if key not in self._counted:
+            self._counted.add(key)
+            self.cancelled += 1
 
-        kv_pool = self.deployment.kv_pool if self.kv_pool is not None else "off"
-        proof = self.deployment.ragged_proof or prove_ragged(self.loaded.model, self.deployment.limit,
-                                                             kv_pool=kv_pool)
-        if proof:
-            log.info("ragged passes of 1..%d rows proven bit-identical to solo passes (%.1f s)",
-                     proof.limit, proof.seconds)
-        else:
-            log.warning("ragged passes not proven (%s): deterministic requests get passes of their own",
-                        proof.reason)
-        return proof
+    # ------------------------------------------------------------------- admission
 
-    def describe(self) -> dict:
-        """Batching settings, for /v1/models."""
-        limit = self.deployment.limit if self.deployment.guaranteed else 0
-        return {"max_active": self.max_active, "max_batch_rows": self.max_batch_rows,
-                "deterministic_pass_rows": limit, "max_kv_tokens": self.kv_budget.capacity,
-                "batched": self.ragged_problem is None, "kv_pool": self.deployment.kv_pool
-                if self.kv_pool is not None else "off",
-                "deterministic_rows_shared": bool(self.ragged_proof),
-                **({"not_batched_because": self.ragged_problem} if self.ragged_problem else {})}
-
-    def start(self) -> "Engine":
-        self._thread = threading.Thread(target=self._run, name="lockstep-engine", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        if self._thread is not None:
-            self._thread.join()
-
-    def _reservation(self, request: GenerationRequest, plan: DecodePlan | None) -> int:
-        k = plan.num_draft_tokens if plan else 0
-        return reservation(len(request.prompt_tokens), request.max_tokens, k)
-
-    def submit(self, request: GenerationRequest, plan: DecodePlan | None = None) -> RequestHandle:
-        """Queue a request; call from the event loop. Output arrives on the handle."""
-        return self.submit_group([request], plan)[0]
-
-    def submit_group(self, requests: list[GenerationRequest], plan: DecodePlan | None = None) -> list[RequestHandle]:
-        """Queue the choices of one request (same prompt) together: each is generated as a
-        request of its own, and all but the first copy the first one's prompt KV instead of
-        prefilling it again. All are queued or none."""
-        loop = asyncio.get_running_loop()
-        handles = [RequestHandle(request, loop, plan) for request in requests]
-        for handle in handles[1:]:
-            handle.leader = handles[0]
-        needed = sum(self._reservation(request, plan) for request in requests)
-        if not self.kv_budget.fits_at_all(needed):
-            raise TooLargeForMemory(
-                f"the prompt and max_tokens need {needed} tokens of KV cache; this server holds at "
-                f"most {self.kv_budget.capacity} (--max-kv-tokens): lower max_tokens" +
-                (" or n" if len(requests) > 1 else ""))
-        with self._wake:
-            if self._stopping:
-                raise GenerationError("the server is shutting down")
-            # Requests about to take a free slot are not "waiting" for the cap's purposes.
-            queued = len(self._waiting) + len(handles) - 1 - max(0, self.max_active - len(self._active))
-            if self.max_waiting is not None and queued >= self.max_waiting:
-                raise QueueFull(f"{max(queued, 0)} requests are already waiting")
-            self._waiting.extend(handles)
-            self._wake.notify()
-        return handles
-
-    def counts(self) -> dict[str, int]:
-        """Active and waiting requests now, and requests dropped so far because their client left
-        (the one count behind both /health and the `lockstep_cancelled_requests` metric)."""
-        with self._wake:
-            return {"active": len(self._active), "waiting": len(self._waiting), "cancelled": self._cancelled}
-
-    def cut_off(self, message: str) -> int:
-        """End every running and waiting request now with `ShuttingDown(message)`. Returns how many.
-
-        For the drain timeout: each stream then ends with an error event and [DONE] instead of
-        being severed mid-body. Call from the event loop.
-        """
-        with self._wake:
-            handles = [a.handle for a in self._active] + list(self._waiting)
-        for handle in handles:
-            handle.cut = True
-            handle.post(ShuttingDown(message))
-            handle.cancel()
-        return len(handles)
-
-    def _notify(self, method: str, *args) -> None:
-        for observer in self.observers:
-            call = getattr(observer, method, None)
-            if call is None:
-                continue  # observers implement the events they care about
+    def admit(self) -> None:
+        """Move waiting requests into free slots (caller holds the engine's lock)."""
+        held: dict[int, int] = {}
+        for slot in self.active:
+            key = id(request_of(slot.handle))
+            held[key] = held.get(key, 0) + 1
+        i = 0
+        while i < len(self.waiting) and len(self.active) < self.max_active:
+            handle = self.waiting[i]
+            if handle.cancelled:
+                self.waiting.pop(i)
+                self.note_cancelled(handle)
+                continue
+            key = id(request_of(handle))
+            if held.get(key, 0) >= self.active_per_request:
+                i += 1  # its request holds its share: later requests may go ahead of this choice
+                continue
+            needed = self.reservation(handle)
+            if not self.kv_budget.try_reserve(needed):
+                break  # FIFO: it goes first once enough KV is released
+            self.waiting.pop(i)
+            self.on_admit(time.monotonic() - handle.submitted_at)
             try:
-                call(*args)
-            except Exception:  # observability must never break serving
-                log.exception("engine observer failed")
+                slot = self._start(handle, needed)
+            except Exception as exc:
+                self.kv_budget.release(needed)
+                self.on_fail(handle, exc)
+                continue
+            self.active.append(slot)
+            held[key] = held.get(key, 0) + 1
 
-    # ------------------------------------------------------------------ worker thread
+    def _prompt_source(self, handle: RequestHandle) -> RequestState | None:
+        """For a choice after the first (n > 1): a running choice of the same request whose
+        prompt KV it copies (the first choice, or, once that has finished, any other)."""
+        if handle.leader is None:
+            return None
+        siblings = [handle.leader.state] + [slot.state for slot in self.active
+                                            if request_of(slot.handle) is handle.leader]
+        return next((s for s in siblings if s is not None and not s.closed), None)
 
-    def _run(self) -> None:
-        while self._admit():
-            self._drop_cancelled()
-            if self._generate is not None:
-                self._step_generators()
-            else:
-                self._prefill()
-                self._decode()
-            self._turn += 1
-        for active in self._active:
-            active.handle.post(GenerationError("the server is shutting down"))
-        for handle in self._waiting:
-            handle.post(GenerationError("the server is shutting down"))
-
-    def _admit(self) -> bool:
-        """Move waiting requests into free slots (FIFO); block while idle. False = stop."""
-        with self._wake:
-            while not self._stopping and not self._waiting and not self._active:
-                self._wake.wait()
-            if self._stopping:
-                return False
-            while self._waiting and len(self._active) < self.max_active:
-                handle = self._waiting[0]
-                if handle.cancelled:
-                    self._waiting.pop(0)
-                    self._cancelled += handle.client_cancelled
-                    continue
-                if self._exclusive_blocks(handle):
-                    break  # FIFO: later requests wait too, so nobody overtakes it
-                needed = self._reservation(handle.request, handle.plan)
-                if not self.kv_budget.try_reserve(needed):
-                    break  # FIFO again: it goes first once enough KV is released
-                self._waiting.pop(0)
-                self._notify("on_admit", time.monotonic() - handle.submitted_at)
-                try:
-                    work = self._start(handle, needed)
-                except Exception as exc:
-                    self.kv_budget.release(needed)
-                    self._fail(handle, exc)
-                    continue
-                self._active.append(_Active(handle, work, needed))
-            return True
-
-    def _exclusive_blocks(self, handle: RequestHandle) -> bool:
-        """An exclusive request runs alone: it waits for an empty engine, and blocks others."""
-        if handle.plan is not None and handle.plan.exclusive:
-            return bool(self._active)
-        return any(a.handle.plan is not None and a.handle.plan.exclusive for a in self._active)
-
-    def _start(self, handle: RequestHandle, reserved: int):
+    def _start(self, handle: RequestHandle, reserved: int) -> Slot:
+        leader = self._prompt_source(handle)
+        cache = self.runner.new_cache(reserved) if self.runner.kv_pool is not None else None
         cancelled = lambda: handle.cancelled  # noqa: E731
-        if self._generate is not None:
-            return self._generate(self.loaded, handle.request, plan=handle.plan, deployment=self.deployment,
-                                  prefix_cache=self.prefix_cache, cancelled=cancelled)
-        leader = handle.leader.state if handle.leader is not None else None
-        cache = self.kv_pool.allocate(reserved) if self.kv_pool is not None else None
         try:
             handle.state = RequestState(self.loaded, handle.request, plan=handle.plan,
                                         deployment=self.deployment, prefix_cache=self.prefix_cache,
                                         cancelled=cancelled, prefill_from=leader, cache=cache)
         except Exception:
-            if cache is not None:
-                self.kv_pool.release(cache)
+            self.runner.release(cache)
             raise
-        return handle.state
+        return Slot(handle, handle.state, reserved)
 
-    def _remove(self, active: _Active) -> None:
-        with self._wake:
-            if active in self._active:
-                self._active.remove(active)
-        self.kv_budget.release(active.reserved)
-        if self._generate is not None:
-            active.work.close()
-        else:
-            active.work.closed = True  # a follower of this request prefills on its own now
-            if self.kv_pool is not None:
-                self.kv_pool.release(active.work.cache)
+    def remove(self, slot: Slot) -> None:
+        if slot in self.active:
+            self.active.remove(slot)
+        self.kv_budget.release(slot.reserved)
+        slot.state.closed = True  # a follower of this request prefills on its own now
+        self.runner.release(slot.state.cache)
 
-    def _fail(self, handle: RequestHandle, exc: Exception) -> None:
+    def drop_cancelled(self) -> None:
+        for slot in [s for s in self.active if s.handle.cancelled]:
+            self.note_cancelled(slot.handle)
+            self.remove(slot)
+
+    def _in_turn(self) -> list[Slot]:
+        """Active requests, starting with a different one each step."""
+        n = len(self.active)
+        if n == 0:
+            return []
+        start = self.turn % n
+        return self.active[start:] + self.active[:start]
+
+    def _fail(self, slot: Slot, exc: Exception) -> None:
+        self.on_fail(slot.handle, exc)
+        self.remove(slot)
+
+    @staticmethod
+    def _log_failure(handle: RequestHandle, exc: Exception) -> None:
         log.error("generation failed", exc_info=exc)
         handle.post(GenerationError(f"generation failed: {type(exc).__name__}: {exc}"))
 
-    def _drop_cancelled(self) -> None:
-        for active in [a for a in self._active if a.handle.cancelled]:
-            self._cancelled += active.handle.client_cancelled
-            self._remove(active)
+    # ----------------------------------------------------------------- prompt chunks
 
-    def _in_turn(self) -> list[_Active]:
-        """Active requests, starting with a different one each iteration."""
-        n = len(self._active)
-        if n == 0:
-            return []
-        start = self._turn % n
-        return self._active[start:] + self._active[:start]
-
-    # ---------------------------------------------------------------- generator mode
-
-    def _step_generators(self) -> None:
-        for active in self._in_turn():
-            if active.handle.cancelled:
-                continue
-            try:
-                event = next(active.work)
-            except StopIteration:  # finished, or gave up inside the step because it was cancelled
-                self._cancelled += active.handle.client_cancelled
-                self._remove(active)
-                continue
-            except Exception as exc:  # reaches the client as an error, never a hang
-                self._fail(active.handle, exc)
-                self._remove(active)
-                continue
-            if event is not None:
-                active.handle.post(event)
-                if event.finish_reason is not None:
-                    self._remove(active)
-
-    # ------------------------------------------------------------------ batched mode
-
-    def _prefill(self) -> None:
-        """Prompt chunks, up to one chunk's worth of tokens per iteration: many short prompts
-        start together, a long one still goes a chunk at a time. Chunks of requests with no
-        determinism to keep share one pass; the others run in passes of their own."""
-        budget = self.deployment.prefill_chunk
-        shared: list[_Active] = []
-        for active in self._in_turn():
+    def schedule_prefill(self) -> SchedulerOutput:
+        """Prompt chunks, up to one chunk's worth of tokens this step: many short prompts
+        start together, a long one (target or draft) still goes a chunk at a time. Target
+        chunks of requests with no determinism to keep share one pass; others run alone."""
+        chunk = self.deployment.prefill_chunk
+        budget = chunk
+        output = SchedulerOutput()
+        for slot in self._in_turn():
             if budget <= 0:
                 break
-            if not active.work.prefilling or active.handle.cancelled:
+            state = slot.state
+            if not state.prefilling or slot.handle.cancelled:
                 continue
-            tokens = active.work.next_chunk_tokens()
-            if tokens > budget and budget < self.deployment.prefill_chunk:
-                continue  # too big for what is left of this iteration; its turn to go first comes
-            if tokens and active.work.shares_prefill and self.ragged_problem is None:
-                shared.append(active)
+            tokens = state.next_chunk_tokens()
+            if tokens > budget and budget < chunk:
+                continue  # too big for what is left of this step; its turn to go first comes
+            if tokens and state.shares_prefill and self.runner.batched:
+                output.prefill_shared.append(slot)
             else:
-                self._prefill_alone(active)
+                output.prefill_alone.append(slot)
             budget -= tokens
-        if len(shared) == 1:
-            self._prefill_alone(shared[0])
-        elif shared:
-            self._prefill_shared(shared)
+        if len(output.prefill_shared) == 1:
+            output.prefill_alone += output.prefill_shared
+            output.prefill_shared = []
+        return output
 
-    def _prefill_alone(self, active: _Active) -> None:
-        try:
-            active.work.prefill_chunk()
-        except Exception as exc:
-            self._fail(active.handle, exc)
-            self._remove(active)
+    # ------------------------------------------------------------------ decode passes
 
-    def _prefill_shared(self, members: list[_Active]) -> None:
-        """One ragged pass over several requests' next prompt chunks."""
-        try:
-            lengths = shared_prefill(self.loaded.model, [a.work for a in members])
-        except Exception as exc:
-            for active in members:
-                self._fail(active.handle, exc)
-                self._remove(active)
-            return
-        self._notify("on_prefill", sum(lengths), len(members))
-        for active, tokens in zip(members, lengths):
-            active.work.chunk_written(tokens, alone=False)
-
-    def _draft_room(self) -> "_DraftRoom | None":
-        if not self.draft_room or self.ragged_problem is not None:
-            return None
-        decoding = [a.work for a in self._active if not a.work.prefilling and not a.handle.cancelled]
-        limit = self.deployment.limit if self.deployment.guaranteed else 0
-        return _DraftRoom(decoding, limit, self.max_batch_rows)
-
-    def _decode(self) -> None:
+    def schedule_decode(self) -> SchedulerOutput:
+        """Every decoding request's rows (a drafter may propose here), grouped into passes."""
+        decoding = [s for s in self._in_turn() if not s.state.prefilling and not s.handle.cancelled]
+        room = (_DraftRoom([s.state for s in decoding], self.deployment.guaranteed_rows, self.max_batch_rows)
+                if self.runner.batched and self.draft_room else None)
         demands = []
-        room = self._draft_room()
-        for active in self._in_turn():
-            state = active.work
-            if state.prefilling or active.handle.cancelled:
-                continue
+        for slot in decoding:
             try:
-                rows = state.rows(room.take(state) if room else None)  # a drafter may run here
-                if room:
-                    room.claimed[state.deterministic] += len(rows)
+                rows = slot.state.rows(room.take(slot.state) if room else None)
             except Exception as exc:
-                self._fail(active.handle, exc)
-                self._remove(active)
+                self._fail(slot, exc)
                 continue
-            if active.handle.cancelled:
+            if room:
+                room.claim(slot.state, len(rows))
+            if slot.handle.cancelled:
                 continue
-            demands.append(Demand((active, rows), len(rows), state.deterministic))
-        if not demands:
-            return
-        limit = self.deployment.limit if self.deployment.guaranteed else 0
-        per_pass = self.max_batch_rows if self.ragged_problem is None else 1
-        groups = compose_passes([d for d in demands if not d.deterministic or self.ragged_proof], limit, per_pass)
-        groups += [[d] for d in demands if d.deterministic and not self.ragged_proof]
-        for group in groups:
-            if self.ragged_problem is not None and len(group) > 1:
-                raise AssertionError("unbatched passes hold one request")  # max_rows 1 ensures it
-            self._run_pass([d.owner for d in group])
+            demands.append(Demand((slot, rows), len(rows), slot.state.determinism))
+        if self.runner.batched:
+            groups = compose_passes(demands, self.deployment.guaranteed_rows, self.max_batch_rows)
+        else:
+            groups = [[d] for d in demands]
+        return SchedulerOutput(passes=[DecodePass([d.owner for d in group]) for group in groups])
 
-    def _run_pass(self, members: list[tuple[_Active, list[int]]]) -> None:
-        try:
-            logits, argmax = decode_logits(self.loaded.model, [(a.work, rows) for a, rows in members],
-                                           ragged=self.ragged_problem is None)
-        except Exception as exc:
-            for active, _ in members:
-                self._fail(active.handle, exc)
-                self._remove(active)
-            return
-        self._notify("on_pass", sum(len(rows) for _, rows in members), len(members))
-        spans, end = [], 0
-        for _, rows in members:
-            spans.append((end, end + len(rows)))
-            end += len(rows)
-        try:
-            sampled = presample_together([a.work for a, _ in members], [logits[b:e] for b, e in spans])
-        except Exception:  # each request then samples (and fails, if it must) on its own
-            log.exception("batched sampling failed")
-            sampled = [None] * len(members)
+    # ----------------------------------------------------------------------- update
+
+    def update_from_output(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list:
+        """Requests advanced by what ran: (handle, deltas) to post, finished and failed
+        requests removed."""
+        for slot, done in zip(output.prefill_alone, result.prefill_alone):
+            if isinstance(done, Exception):
+                self._fail(slot, done)
+            elif not done.follow:
+                slot.state.chunk_written(done.tokens, alone=True, model=done.model)
+        if output.prefill_shared:
+            if isinstance(result.prefill_shared, Exception):
+                for slot in output.prefill_shared:
+                    self._fail(slot, result.prefill_shared)
+            else:
+                for slot, tokens in zip(output.prefill_shared, result.prefill_shared):
+                    slot.state.chunk_written(tokens, alone=False)
         posts = []
-        for (active, rows), (begin, end), pending in zip(members, spans, sampled):
-            try:
-                deltas = active.work.take(logits[begin:end], argmax[begin:end], pending)
-            except Exception as exc:
-                self._fail(active.handle, exc)
-                self._remove(active)
+        for decode_pass, done in zip(output.passes, result.passes):
+            if isinstance(done, Exception):
+                for slot, _ in decode_pass.members:
+                    self._fail(slot, done)
                 continue
-            posts.append((active.handle, deltas))
-            if active.work.finished:
-                self._remove(active)
-        post_all(posts)
+            for (slot, _), (begin, end), pending in zip(decode_pass.members, done.spans, done.sampled):
+                try:
+                    deltas = slot.state.take(done.logits[begin:end], done.argmax[begin:end], pending)
+                except Exception as exc:
+                    self._fail(slot, exc)
+                    continue
+                posts.append((slot.handle, deltas))
+                if slot.state.finished:
+                    self.remove(slot)
+        return posts
+
+    def describe(self) -> dict:
+        return {"max_active": self.max_active, "max_active_per_request": self.active_per_request,
+                "max_batch_rows": self.max_batch_rows,
+                "deterministic_pass_rows": self.deployment.guaranteed_rows,
+                "max_kv_tokens": self.kv_budget.capacity,
+                "deterministic_rows_shared": self.deployment.shared_passes and self.runner.batched,
+                **self.runner.describe()}
+
+
+__all__ = ["PrefillResult", "Scheduler", "Slot"]

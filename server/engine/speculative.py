@@ -74,6 +74,85 @@ class PromptLookupDrafter:
         return 0 if n <= 1 else 1 if n <= 3 else 2
 
 
+class PredictionDrafter:
+    """Drafts the client's predicted answer (OpenAI's Predicted Outputs): the next k tokens of
+    the prediction from where the output agrees with it.
+
+    The output is followed along the prediction token by token; at the first disagreement
+    the alignment is lost, and found again from the output's longest recent suffix (up to
+    `max_ngram` tokens) that occurs in the prediction, as prompt lookup matches over the
+    prompt. Among equally long matches the nearest one at or after the point of divergence
+    wins (an edit moves the output forward through the prediction), else the nearest one
+    before it. A one-token match counts only within `window` tokens after the divergence
+    (the token after a small edit), since common tokens recur everywhere. No alignment, or
+    the prediction used up: no drafts. Proposing runs no model (`cheap`).
+    """
+
+    name = "prediction"
+    cheap = True
+
+    def __init__(self, prediction: Sequence[int], start: int, max_ngram: int = 8, window: int = 8):
+        self.prediction = list(prediction)
+        self.start = start  # context[start:] is the output (the context begins with the prompt)
+        self.max_ngram, self.window = max_ngram, window
+        self._seen = 0  # output tokens followed so far
+        self._next: int | None = 0  # prediction index the next output token should match; None: lost
+        self._run = 0  # output tokens agreeing with the prediction in a row, up to now
+        self._lost_at = 0  # prediction index where the alignment was last lost
+        self._positions: dict[int, list[int]] = {}
+        for i, token in enumerate(self.prediction):
+            self._positions.setdefault(token, []).append(i)
+
+    def _follow(self, context: Sequence[int]) -> None:
+        output = context[self.start:]
+        for token in output[self._seen:]:
+            if self._next is not None and self._next < len(self.prediction) and self.prediction[self._next] == token:
+                self._next += 1
+                self._run += 1
+            else:
+                if self._next is not None:
+                    self._lost_at = self._next
+                self._next, self._run = None, 0
+        self._seen = len(output)
+        if self._next is None:
+            self._next, self._run = self._realign(output)
+
+    def _realign(self, output: Sequence[int]) -> tuple[int | None, int]:
+        """(prediction index after the best match of the output's suffix, its length), or (None, 0)."""
+        if not output:
+            return None, 0
+        best, best_key = None, None
+        for i in self._positions.get(output[-1], ()):
+            end = i + 1  # the match ends at prediction[i]; drafting starts at `end`
+            if end >= len(self.prediction):
+                continue  # nothing after it to draft
+            n = 1
+            limit = min(self.max_ngram, i + 1, len(output))
+            while n < limit and self.prediction[i - n] == output[-1 - n]:
+                n += 1
+            forward = end > self._lost_at
+            if n == 1 and not (forward and end - self._lost_at <= self.window):
+                continue
+            key = (n, forward, -abs(end - self._lost_at))
+            if best_key is None or key > best_key:
+                best, best_key = end, key
+        return (best, best_key[0]) if best is not None else (None, 0)
+
+    def match(self, context: Sequence[int]) -> tuple[int, int]:
+        """(prediction index drafting starts at, agreeing run length), for acceptance kept per
+        evidence class (`match_class`); (0, 0) when not aligned."""
+        self._follow(context)
+        return (self._next, self._run) if self._next is not None else (0, 0)
+
+    def propose(self, context: Sequence[int], k: int, cancelled: Callable[[], bool] = never) -> list[int]:
+        self._follow(context)
+        if k < 1 or self._next is None:
+            return []
+        return self.prediction[self._next:self._next + k]
+
+    match_class = staticmethod(PromptLookupDrafter.match_class)
+
+
 class DraftModelDrafter:
     """Greedy drafts from a smaller (e.g. quantized) model with its own KV cache.
 
@@ -88,6 +167,20 @@ class DraftModelDrafter:
         self.model = model
         self.cache = make_prompt_cache(model)
         self.tokens: list[int] = []  # tokens whose KV is in self.cache
+
+    @property
+    def prefilled(self) -> int:
+        """Tokens whose KV is in the draft cache."""
+        return len(self.tokens)
+
+    def pending(self, prompt_tokens: int) -> int:
+        """Prompt tokens still to prefill (the model runner feeds them in chunks, like the
+        target's; a whole prompt in one call would hold the engine for all of it)."""
+        return max(0, prompt_tokens - len(self.tokens))
+
+    def advance(self, tokens: list[int]) -> None:
+        """`tokens` were fed into the draft cache by the model runner."""
+        self.tokens.extend(tokens)
 
     def _feed(self, tokens: list[int]) -> mx.array:
         logits = self.model(mx.array(tokens)[None], cache=self.cache)[0, -1]
@@ -294,26 +387,28 @@ def agreeing_prefix(drafts: Sequence[int], actual: Sequence[int]) -> int:
     return n
 
 
-def measure_pass_costs(model, widths: int, context: int = 64, repeats: int = 3, path=None) -> list[float]:
+def measure_pass_costs(model, widths: int, context: int = 64, repeats: int = 3, runner=None) -> list[float]:
     """Seconds of one target pass of 1..`widths` rows after `context` cached tokens (best of
     `repeats`): the cost table adaptive speculation weighs k against. Measured once, at
     startup or by the bench; the choice of k then depends on it only as a constant.
-    `path` (server/engine/engine_path.py): passes as the engine runs them (its KV pool,
-    ragged passes); None: plain model calls on plain caches."""
-    base = make_prompt_cache(model) if path is None else path.new_cache(context + widths + 1)
-    mx.eval(model(mx.array(list(range(1, context + 1)))[None], cache=base)[0, -1])
+    `runner`: passes as the engine runs them (ModelRunner.as_engine_runs: its KV pool, ragged
+    passes); None: plain model calls on plain caches."""
+    from lockstep.server.engine.model_runner import ModelRunner
+
+    runner = runner or ModelRunner(model, batched=False)
+    base = runner.new_cache(context + widths + 1)
+    mx.eval(runner.forward_rows(base, list(range(1, context + 1)))[-1])
     best = [float("inf")] * widths
     for _ in range(repeats + 1):  # the first round warms every width up; widths interleave so a
         for width in range(1, widths + 1):  # burst of other load spreads over all of them
             rows = list(range(2, width + 2))
             start = time.perf_counter()
-            mx.eval(model(mx.array(rows)[None], cache=base) if path is None else path.step(model, base, rows))
+            mx.eval(runner.forward_rows(base, rows))
             seconds = time.perf_counter() - start
             trim_prompt_cache(base, width)
             if _ > 0:
                 best[width - 1] = min(best[width - 1], seconds)
-    if path is not None:
-        path.release(base)
+    runner.release(base)
     for i in range(1, widths):  # a wider pass never costs less
         best[i] = max(best[i], best[i - 1])
     return best

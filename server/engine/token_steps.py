@@ -8,8 +8,9 @@ logits rows into tokens. Both sources choose every token the same way: `sample` 
 kernels a row's logits do not depend on how many rows shared its forward pass, so both
 give identical tokens, alone or batched.
 
-`token_source` drives a source solo (one pass per step) for callers without an engine
-(verify, bench, tests).
+`drive` runs a source solo, one pass per step through a model runner's `forward_rows` (the
+pass the engine's runner makes for one request), for callers without an engine (verify,
+bench, tests).
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from lockstep.server.engine.sampling import PendingSample, Sampled, SamplingParams, sample, sample_pending
-from lockstep.server.engine.speculative import (AdaptiveDraftLength, DraftModelDrafter, PromptLookupDrafter,
-                                       accept_drafts, agreeing_prefix, never)
+from lockstep.server.engine.speculative import (AdaptiveDraftLength, DraftModelDrafter, PredictionDrafter,
+                                                PromptLookupDrafter, accept_drafts, agreeing_prefix, never)
 
 
 @dataclass(frozen=True)
@@ -211,13 +212,19 @@ def draft_cost_estimate(target, draft) -> float:
 def make_source(cache, context: list[int], params: SamplingParams, stats: SpeculationStats,
                 method: str = "none", k: int = 0, draft_model=None,
                 remaining: Callable[[], int] = _unbounded, cancelled: Callable[[], bool] = never,
-                adaptive: bool = False, pass_costs=None, target=None, processors=None):
-    """The two-phase source for a speculative `method` ("none", "draft", "prompt_lookup");
+                adaptive: bool = False, pass_costs=None, target=None, processors=None, prediction=()):
+    """The two-phase source for a speculative `method` ("none", "draft", "prompt_lookup",
+    "prediction": drafts from `prediction`, the client's predicted answer as token ids);
     with `adaptive`, k is chosen per step up to `k` (AdaptiveDraftLength, weighing
     `pass_costs`, the deployment's per-width pass costs)."""
     if method == "none":
         return PlainSource(cache, context, params, stats, processors)
-    drafter = DraftModelDrafter(draft_model) if method == "draft" else PromptLookupDrafter()
+    if method == "draft":
+        drafter = DraftModelDrafter(draft_model)
+    elif method == "prediction":
+        drafter = PredictionDrafter(prediction, start=len(context))
+    else:
+        drafter = PromptLookupDrafter()
     policy = None
     if adaptive:
         draft_cost = draft_cost_estimate(target, draft_model) if method == "draft" else 0.0
@@ -226,13 +233,14 @@ def make_source(cache, context: list[int], params: SamplingParams, stats: Specul
                              processors)
 
 
-def drive(source, step, model, cache) -> Iterator[list[Step]]:
-    """Run `source` solo: each pass is `step(model, cache, rows)` (logits (rows, vocab))."""
+def drive(source, runner, cache) -> Iterator[list[Step]]:
+    """Run `source` solo: each pass is `runner.forward_rows(cache, rows)` (a ModelRunner's
+    pass for one request, server/engine/model_runner.py)."""
     while True:
         rows = source.rows()
         if source_cancelled(source):
             return
-        logits = step(model, cache, rows)
+        logits = runner.forward_rows(cache, rows)
         argmax = mx.argmax(logits, axis=-1).tolist() if fast_argmax(source.params) else None
         yield source.take(logits, argmax)
 
@@ -242,7 +250,7 @@ def source_cancelled(source) -> bool:
     return bool(cancelled and cancelled())
 
 
-def token_source(step, model, cache, context: list[int], params: SamplingParams,
+def token_source(runner, cache, context: list[int], params: SamplingParams,
                  stats: SpeculationStats, method: str = "none", k: int = 0, draft_model=None,
                  remaining: Callable[[], int] = _unbounded, cancelled: Callable[[], bool] = never):
     """A generator of token batches for `method` with k drafts, one solo pass per batch.
@@ -251,19 +259,12 @@ def token_source(step, model, cache, context: list[int], params: SamplingParams,
     client is gone (checked between draft passes, so one step never runs k passes for nobody).
     """
     source = make_source(cache, context, params, stats, method, k, draft_model, remaining, cancelled)
-    return drive(source, step, model, cache)
+    return drive(source, runner, cache)
 
 
-def plain_tokens(step, model, cache, context: list[int], params: SamplingParams,
-                 stats: SpeculationStats) -> Iterator[list[Step]]:
-    """One token per forward pass, solo."""
-    return drive(PlainSource(cache, context, params, stats), step, model, cache)
-
-
-def speculative_tokens(step, model, cache, context: list[int], params: SamplingParams,
-                       drafter, k: int, stats: SpeculationStats,
-                       remaining: Callable[[], int] = _unbounded,
+def speculative_tokens(runner, cache, context: list[int], params: SamplingParams, drafter, k: int,
+                       stats: SpeculationStats, remaining: Callable[[], int] = _unbounded,
                        cancelled: Callable[[], bool] = never) -> Iterator[list[Step]]:
     """Speculative decoding with a given drafter, solo (tests and tools pick their drafter)."""
     source = SpeculativeSource(cache, context, params, drafter, k, stats, remaining, cancelled)
-    return drive(source, step, model, cache)
+    return drive(source, runner, cache)

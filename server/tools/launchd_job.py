@@ -28,9 +28,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from lockstep.server.options import DEFAULT_HOST, DEFAULT_PORT  # what `serve` listens on unless told
+
 DEFAULT_LABEL = "dev.lockstep.server"
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8080
 THROTTLE_INTERVAL_S = 30
 PROCESS_TYPE = "Interactive"
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"

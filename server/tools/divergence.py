@@ -1,4 +1,5 @@
-"""`lockstep verify`: do speculative and concurrent decoding reproduce plain decoding bit for bit?
+"""The divergence matrix (`lockstep verify`): do speculative and concurrent decoding reproduce
+plain decoding bit for bit?
 
 For each model variant, every cell (speculative method × verification width × alone or
 beside another request × greedy or seeded) decodes the same prompts and is compared with
@@ -14,11 +15,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
 
 from lockstep.kernels.invariance.selftest import UINT_OF_SIZE
 
-from lockstep.server.engine.generate import forward, prefill
+from lockstep.server.engine.model_runner import ModelRunner
 from lockstep.server.engine.sampling import SamplingParams
 from lockstep.server.engine.token_steps import SpeculationStats, token_source
 
@@ -56,11 +56,13 @@ class Trace:
 
 def start_decoding(model, prompt: list[int], params: SamplingParams, stats: SpeculationStats,
                    method: str = "none", k: int = 0, draft_model=None):
-    """Prefill a fresh cache with `prompt` and return its token source (no HTTP, no engine)."""
-    cache = make_prompt_cache(model)
-    for _ in prefill(model, cache, prompt[:-1], forward):
+    """Prefill a fresh cache with `prompt` and return its token source (no HTTP, no engine):
+    one request's passes through a runner of its own (plain model calls on plain caches)."""
+    runner = ModelRunner(model, batched=False)
+    cache = runner.new_cache(len(prompt))
+    for _ in runner.prefill_cache(cache, prompt[:-1]):
         pass
-    return token_source(forward, model, cache, list(prompt), params, stats, method, k, draft_model)
+    return token_source(runner, cache, list(prompt), params, stats, method, k, draft_model)
 
 
 def decode_trace(model, draft_model, prompt: list[int], cell: Cell, n_tokens: int,

@@ -185,5 +185,3 @@ def wait_healthy(base_url: str, path: str, timeout: float, proc=None) -> None:
             pass
         time.sleep(0.5)
     raise RuntimeError(f"{base_url}{path} did not answer within {timeout:.0f} s")
-
-

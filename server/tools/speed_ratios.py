@@ -1,4 +1,5 @@
-"""`lockstep bench`: deterministic mode's cost and speculative decoding's gain, side by side.
+"""The speed ratios (`lockstep bench`): deterministic mode's cost and speculative decoding's gain,
+side by side.
 
 Every ratio compares two configurations timed in the same process, alternating rounds, on
 the same prompt: deterministic decode ÷ native decode; deterministic speculative ÷
@@ -10,10 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from mlx_lm.models.cache import make_prompt_cache
-
-from lockstep.server.engine.generate import forward, prefill
-from lockstep.server.engine.request_state import prompt_forward
+from lockstep.server.engine.model_runner import ModelRunner
 from lockstep.server.engine.sampling import SamplingParams
 from lockstep.server.engine.speculative import measure_pass_costs
 from lockstep.server.engine.token_steps import SpeculationStats, drive, make_source
@@ -52,32 +50,35 @@ TASKS = {
 
 
 def decode(model, prompt: list[int], n: int, method="none", k=0, draft_model=None,
-           adaptive=False, pass_costs=None, path=None):
+           adaptive=False, pass_costs=None, runner: ModelRunner | None = None, prediction=()):
     """(tokens, decode seconds, stats) for n greedy tokens after prefilling `prompt`;
-    `path` (server/engine/engine_path.py): caches and passes as the engine has them (None:
-    plain caches and model calls, as `lockstep verify` runs)."""
+    `runner`: caches and passes as an engine's runner has them (None: a runner of its own,
+    plain caches and model calls, as `lockstep verify` runs); `prediction`: the predicted
+    answer's tokens (method "prediction")."""
     stats = SpeculationStats()
-    cache = make_prompt_cache(model) if path is None else path.new_cache(len(prompt) + n + k + 2)
+    runner = runner or ModelRunner(model, batched=False)
+    cache = runner.new_cache(len(prompt) + n + k + 2)
     try:
-        for _ in prefill(model, cache, prompt[:-1], forward):
+        for _ in runner.prefill_cache(cache, prompt[:-1]):
             pass
         source = drive(make_source(cache, list(prompt), SamplingParams(temperature=0.0), stats, method, k,
-                                   draft_model, adaptive=adaptive, pass_costs=pass_costs, target=model),
-                       forward if path is None else path.step, model, cache)
+                                   draft_model, adaptive=adaptive, pass_costs=pass_costs, target=model,
+                                   prediction=prediction),
+                       runner, cache)
         tokens = []
         start = time.perf_counter()
         while len(tokens) < n:
             tokens.extend(s.sampled.token for s in next(source))
         return tokens[:n], time.perf_counter() - start, stats
     finally:
-        if path is not None:
-            path.release(cache)
+        runner.release(cache)
 
 
 def prefill_seconds(model, prompt: list[int], chunk: int = 512) -> float:
-    cache = make_prompt_cache(model)
+    runner = ModelRunner(model, batched=False)
+    cache = runner.new_cache(len(prompt))
     start = time.perf_counter()
-    for _ in prefill(model, cache, prompt, prompt_forward, chunk):  # as the engine prefills
+    for _ in runner.prefill_cache(cache, prompt, chunk):  # as the engine prefills
         pass
     return time.perf_counter() - start
 
@@ -164,24 +165,24 @@ TASK_HEADER = ["task", "plain tok/s", "fixed k ÷ plain", "accepted", "mean k", 
 
 
 def run_task_bench(model, tokenizer, k: int, n_tokens=64, rounds=2, pass_costs=None,
-                   path=None) -> list[TaskResult]:
+                   runner=None) -> list[TaskResult]:
     """Prompt lookup on each of TASKS, fixed k and adaptive k, ÷ plain decoding, deterministic
-    (the caller installs L), rounds alternating. `pass_costs` None: measured here. `path`:
-    every decode run as the engine runs it (server/engine/engine_path.py)."""
+    (the caller installs L), rounds alternating. `pass_costs` None: measured here. `runner`:
+    every decode run as the engine runs it (ModelRunner.as_engine_runs)."""
     if pass_costs is None:
-        pass_costs = measure_pass_costs(model, k + 1, path=path)
+        pass_costs = measure_pass_costs(model, k + 1, runner=runner)
     chat = lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731
                                                        add_generation_prompt=True)
     results = [TaskResult(name) for name in TASKS]
-    decode(model, chat(OPEN), 4, path=path)  # warm-up
+    decode(model, chat(OPEN), 4, runner=runner)  # warm-up
     for _ in range(rounds):
         for result in results:
             prompt = chat(TASKS[result.task])
-            plain, secs, _ = decode(model, prompt, n_tokens, path=path)
+            plain, secs, _ = decode(model, prompt, n_tokens, runner=runner)
             result.plain.append(n_tokens / secs)
             for name, rates, adaptive in (("fixed", result.fixed, False), ("adaptive", result.adaptive, True)):
                 tokens, secs, stats = decode(model, prompt, n_tokens, "prompt_lookup", k,
-                                             adaptive=adaptive, pass_costs=pass_costs, path=path)
+                                             adaptive=adaptive, pass_costs=pass_costs, runner=runner)
                 rates.append(n_tokens / secs)
                 result.identical = result.identical and tokens == plain
                 result.stats[name], result.seconds[name] = stats, secs
@@ -192,6 +193,72 @@ def task_table(results: list[TaskResult], pass_costs: list[float]) -> list[str]:
     relative = ", ".join(f"{c / pass_costs[0]:.2f}" for c in pass_costs)
     lines = [f"pass cost of 1..{len(pass_costs)} rows, in single-row passes: {relative}",
              "| " + " | ".join(TASK_HEADER) + " |", "|" + "---|" * len(TASK_HEADER)]
+    return lines + ["| " + " | ".join(r.cells()) + " |" for r in results]
+
+
+# Predicted Outputs on the copy-heavy tasks: what a client would send as its prediction (the
+# text the answer is an edit of); the story has none (no prediction but the answer itself).
+PREDICTIONS = {
+    "rewrite, one word changed": PARAGRAPH,
+    "refactor a function": f"```python\n{FUNCTION}```",
+    "JSON quoting the prompt": f'{{"question": "{QUESTION}", "answer": ""}}',
+}
+
+
+@dataclass
+class PredictionResult:
+    task: str
+    plain: list = field(default_factory=list)  # tokens/s per round
+    exact: list = field(default_factory=list)  # prediction = the answer
+    edited: list = field(default_factory=list)  # prediction = PREDICTIONS[task]
+    identical: bool = True
+    stats: dict = field(default_factory=dict)  # config -> SpeculationStats (last round)
+
+    def cells(self) -> list[str]:
+        cells = [self.task, f"{max(self.plain):.1f}"]
+        for name, rates in (("exact", self.exact), ("edited", self.edited)):
+            if not rates:
+                cells += ["—", "—", "—"]
+                continue
+            st = self.stats[name]
+            cells += [f"{max(rates):.1f}", f"{max(rates) / max(self.plain):.2f}",
+                      f"{st.accepted}/{st.drafted - st.accepted}"]
+        return cells + [str(self.identical)]
+
+
+PREDICTION_HEADER = ["task", "plain tok/s", "prediction = answer: tok/s", "÷ plain", "accepted/rejected",
+                     "prediction = the text edited: tok/s", "÷ plain", "accepted/rejected", "tokens identical"]
+
+
+def run_prediction_bench(model, tokenizer, k: int, n_tokens=64, rounds=2, runner=None) -> list[PredictionResult]:
+    """Predicted Outputs (drafts from the client's prediction, k fixed) ÷ plain decoding on each
+    of TASKS, deterministic (the caller installs L), rounds alternating: with the answer itself
+    as the prediction, and with the text the answer edits (PREDICTIONS). Tokens are checked
+    identical to plain decoding's."""
+    chat = lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731
+                                                       add_generation_prompt=True)
+    encode = lambda text: list(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    results = [PredictionResult(name) for name in TASKS]
+    decode(model, chat(OPEN), 4, runner=runner)  # warm-up
+    for _ in range(rounds):
+        for result in results:
+            prompt = chat(TASKS[result.task])
+            plain, secs, _ = decode(model, prompt, n_tokens, runner=runner)
+            result.plain.append(n_tokens / secs)
+            guesses = [("exact", result.exact, plain)]
+            if result.task in PREDICTIONS:
+                guesses.append(("edited", result.edited, encode(PREDICTIONS[result.task])))
+            for name, rates, prediction in guesses:
+                tokens, secs, stats = decode(model, prompt, n_tokens, "prediction", k, runner=runner,
+                                             prediction=prediction)
+                rates.append(n_tokens / secs)
+                result.identical = result.identical and tokens == plain
+                result.stats[name] = stats
+    return results
+
+
+def prediction_table(results: list[PredictionResult]) -> list[str]:
+    lines = ["| " + " | ".join(PREDICTION_HEADER) + " |", "|" + "---|" * len(PREDICTION_HEADER)]
     return lines + ["| " + " | ".join(r.cells()) + " |" for r in results]
 
 

@@ -1,0 +1,206 @@
+"""The engine: one worker thread owns MLX and runs the step loop.
+
+    while requests are waiting or active:
+        admit (scheduler)
+        SchedulerOutput = scheduler.schedule_prefill()  -> runner.execute -> scheduler.update_from_output
+        SchedulerOutput = scheduler.schedule_decode()   -> runner.execute -> scheduler.update_from_output
+
+The scheduler (server/engine/scheduler.py) decides what runs, the model runner
+(server/engine/model_runner.py) runs it, and each request's output goes back to asyncio
+through its `RequestHandle`, one event-loop wake-up per pass. Nothing here knows HTTP; all
+MLX work happens on the worker thread, never on the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from lockstep.server.engine.decoding import Deployment, DecodePlan
+from lockstep.server.engine.errors import GenerationError, QueueFull, ShuttingDown, TooLargeForMemory
+from lockstep.server.engine.handle import RequestHandle, post_all
+from lockstep.server.engine.kv_budget import KVBudget
+from lockstep.server.engine.model_runner import ModelRunner
+from lockstep.server.engine.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, default_active_per_request
+from lockstep.server.engine.prefix_cache import PrefixCache
+from lockstep.server.engine.request_state import GenerationRequest
+from lockstep.server.engine.scheduler import Scheduler
+from lockstep.server.engine.step_data import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+# Initial KV pool size per `max_active` slot (the pool doubles when a request needs more).
+POOL_TOKENS_PER_SLOT = 1024
+
+
+class EngineObserver:
+    """What the engine reports as it runs (metrics implement it); every method is optional."""
+
+    def on_pass(self, rows: int, requests: int) -> None: ...
+
+    def on_prefill(self, rows: int, requests: int) -> None: ...
+
+    def on_admit(self, waited_seconds: float) -> None: ...
+
+
+class Engine:
+    max_waiting: int | None = None  # waiting requests before submit() refuses; None = unbounded
+
+    def __init__(self, loaded, max_active: int = DEFAULT_MAX_ACTIVE, *, deployment: Deployment | None = None,
+                 prefix_cache: PrefixCache | None = None, max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
+                 max_kv_tokens: int | None = None, max_active_per_request: int | None = None,
+                 runner: ModelRunner | None = None):
+        if max_active < 1 or max_batch_rows < 1:
+            raise ValueError("max_active and max_batch_rows must be >= 1")
+        per_request = max_active_per_request or default_active_per_request(max_active)
+        if not 1 <= per_request <= max_active:
+            raise ValueError("max_active_per_request must be in 1..max_active")
+        self.loaded = loaded
+        self.deployment = deployment or Deployment()
+        if runner is None:
+            pool_tokens = max_active * POOL_TOKENS_PER_SLOT
+            if max_kv_tokens is not None:
+                pool_tokens = min(pool_tokens, max_kv_tokens)
+            runner = ModelRunner(loaded.model, self.deployment, pool_tokens=pool_tokens)
+        self.runner = runner
+        self.kv_budget = KVBudget(max_kv_tokens)
+        self.scheduler = Scheduler(loaded, runner, deployment=self.deployment, max_active=max_active,
+                                   active_per_request=per_request, max_batch_rows=max_batch_rows,
+                                   kv_budget=self.kv_budget, prefix_cache=prefix_cache)
+        self.scheduler.on_admit = lambda waited: self._notify("on_admit", waited)
+        self.scheduler.on_fail = self._fail
+        self.observers: list[EngineObserver] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def max_active(self) -> int:
+        return self.scheduler.max_active
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self.scheduler.prefix_cache
+
+    def describe(self) -> dict:
+        """Batching settings, for /v1/models."""
+        return self.scheduler.describe()
+
+    def start(self) -> "Engine":
+        self._thread = threading.Thread(target=self._run, name="lockstep-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    # ---------------------------------------------------------------- event loop side
+
+    def submit(self, request: GenerationRequest, plan: DecodePlan | None = None) -> RequestHandle:
+        """Queue a request; call from the event loop. Output arrives on the handle."""
+        return self.submit_group([request], plan)[0]
+
+    def submit_group(self, requests: list[GenerationRequest], plan: DecodePlan | None = None) -> list[RequestHandle]:
+        """Queue the choices of one request (same prompt) together: each is generated as a
+        request of its own, and all but the first copy the first one's prompt KV instead of
+        prefilling it again. All are queued or none; the group counts as one request
+        against `max_waiting`."""
+        loop = asyncio.get_running_loop()
+        handles = [RequestHandle(request, loop, plan) for request in requests]
+        for handle in handles[1:]:
+            handle.leader = handles[0]
+        needed = self.scheduler.kv_needed_at_once(handles)
+        if not self.kv_budget.fits_at_all(needed):
+            raise TooLargeForMemory(
+                f"the prompt and max_tokens need {needed} tokens of KV cache; this server holds at "
+                f"most {self.kv_budget.capacity} (--max-kv-tokens): lower max_tokens" +
+                (" or n" if len(requests) > 1 else ""))
+        with self._wake:
+            if self._stopping:
+                raise GenerationError("the server is shutting down")
+            waiting = self.scheduler.waiting_requests()
+            free = max(0, self.scheduler.max_active - len(self.scheduler.active))
+            if self.max_waiting is not None and waiting + 1 - free > self.max_waiting:
+                raise QueueFull(f"{waiting} requests are already waiting")
+            self.scheduler.waiting.extend(handles)
+            self._wake.notify()
+        return handles
+
+    def counts(self) -> dict[str, int]:
+        """Active and waiting requests now, and requests dropped so far because their client left
+        (the one count behind both /health and the `lockstep_cancelled_requests` metric)."""
+        with self._wake:
+            return {"active": len(self.scheduler.active), "waiting": len(self.scheduler.waiting),
+                    "cancelled": self.scheduler.cancelled}
+
+    def cut_off(self, message: str) -> int:
+        """End every running and waiting request now with `ShuttingDown(message)`. Returns how many.
+
+        For the drain timeout: each stream then ends with an error event and [DONE] instead of
+        being severed mid-body. Call from the event loop.
+        """
+        with self._wake:
+            handles = [s.handle for s in self.scheduler.active] + list(self.scheduler.waiting)
+        for handle in handles:
+            handle.cut = True
+            handle.post(ShuttingDown(message))
+            handle.cancel()
+        return len(handles)
+
+    def _notify(self, method: str, *args) -> None:
+        for observer in self.observers:
+            call = getattr(observer, method, None)
+            if call is None:
+                continue  # observers implement the events they care about
+            try:
+                call(*args)
+            except Exception:  # observability must never break serving
+                log.exception("engine observer failed")
+
+    # ------------------------------------------------------------------ worker thread
+
+    def _run(self) -> None:
+        scheduler = self.scheduler
+        while self._admit():
+            scheduler.drop_cancelled()
+            self._step(scheduler.schedule_prefill())
+            self._step(scheduler.schedule_decode())
+            scheduler.turn += 1
+        for slot in scheduler.active:
+            slot.handle.post(GenerationError("the server is shutting down"))
+        for handle in scheduler.waiting:
+            handle.post(GenerationError("the server is shutting down"))
+
+    def _admit(self) -> bool:
+        """Move waiting requests into free slots; block while idle. False = stop."""
+        with self._wake:
+            while not self._stopping and not self.scheduler.waiting and not self.scheduler.active:
+                self._wake.wait()
+            if self._stopping:
+                return False
+            self.scheduler.admit()
+            return True
+
+    def _step(self, output: SchedulerOutput) -> None:
+        if output.empty:
+            return
+        result = self.runner.execute(output)
+        posts = self.scheduler.update_from_output(output, result)
+        if output.prefill_shared and not isinstance(result.prefill_shared, Exception):
+            self._notify("on_prefill", sum(result.prefill_shared), len(output.prefill_shared))
+        for decode_pass, done in zip(output.passes, result.passes):
+            if not isinstance(done, Exception):
+                self._notify("on_pass", decode_pass.rows, len(decode_pass.members))
+        post_all(posts)
+
+    def _fail(self, handle: RequestHandle, exc: Exception) -> None:
+        if isinstance(exc, GenerationError):  # meant for the client (e.g. a grammar-engine limit): no traceback
+            log.warning("generation stopped: %s", exc)
+            handle.post(exc)
+            return
+        log.error("generation failed", exc_info=exc)
+        handle.post(GenerationError(f"generation failed: {type(exc).__name__}: {exc}"))

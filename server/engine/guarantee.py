@@ -1,0 +1,60 @@
+"""What a deployment guarantees, decided once, at startup, and nowhere else.
+
+Two facts, both from proofs made on the running backend:
+- the rows one forward pass may hold with every row bit-identical to its single-row call:
+  L once the self-test (kernels/invariance/selftest.py) proved the installed forms, else 0;
+- whether rows of *different* requests may share such a pass: the ragged proof
+  (kernels/batching/ragged_selftest.py), made here only, over the KV layout the engine uses.
+
+The result goes into the `Deployment` (server/engine/decoding.py); `plan_request` turns it
+into each request's plan, and the engine reads nothing else.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Guarantee:
+    rows: int  # guaranteed rows per pass (0: none)
+    shared_passes: bool  # requests' deterministic rows may share a pass
+    reason: str = ""
+
+
+def decide_guarantee(model, plan, kv_pool: str = "off", proofs=None) -> Guarantee:
+    """The deployment's guarantee for `model` with the installed invariance `plan`
+    (a kernels.invariance.limit.InstalledInvariance or None); `proofs` a ProofCache to re-use
+    a ragged proof made earlier on this machine."""
+    if plan is None or not plan.guaranteed:
+        return Guarantee(0, False, plan.reason if plan is not None else "no batch-invariant limit")
+    from lockstep.kernels.batching.ragged import enable_ragged, ragged_problem
+    from lockstep.kernels.batching.ragged_selftest import prove_ragged_cached
+
+    problem = ragged_problem(model)
+    if problem is not None:
+        log.warning("requests are not batched into shared passes (%s): deterministic requests get "
+                    "passes of their own", problem)
+        return Guarantee(plan.limit, False, problem)
+    enable_ragged(model)
+    proof = prove_ragged_cached(model, plan.limit, proofs, kv_pool=kv_pool)
+    if proof:
+        log.info("ragged passes of 1..%d rows proven bit-identical to solo passes (%.1f s)",
+                 proof.limit, proof.seconds)
+    else:
+        log.warning("ragged passes not proven (%s): deterministic requests get passes of their own",
+                    proof.reason)
+    return Guarantee(plan.limit, bool(proof), proof.reason)
+
+
+def proven_deployment(model, plan, *, kv_pool: str = "off", proofs=None, **settings):
+    """A `Deployment` for `model` whose guarantee is `decide_guarantee`'s (the ragged proof made
+    here); `settings`: the Deployment's other fields."""
+    from lockstep.server.engine.decoding import Deployment
+
+    guarantee = decide_guarantee(model, plan, kv_pool, proofs)
+    return Deployment(limit=plan.limit if plan is not None else 0, guaranteed_rows=guarantee.rows,
+                      shared_passes=guarantee.shared_passes,
+                      strategy=plan.strategy if plan is not None else "native", kv_pool=kv_pool, **settings)

@@ -1,0 +1,182 @@
+"""The model runner: owns the model and everything that runs it, and executes what the
+scheduler describes.
+
+It holds the loaded model, its batched (ragged) passes, the KV pool and the choice of
+forms per pass (canonical forms only where a request asked for determinism, native
+otherwise). `execute(SchedulerOutput) -> ModelRunnerOutput` runs one engine step's prompt
+chunks and decode passes; every device round trip of a pass (logits, every row's argmax,
+every sampled request's sampling) happens here. Nothing here decides who runs (the
+scheduler) or what a token means (the request's state).
+
+One request run alone is this runner with one request: the solo paths (generate.py,
+token_steps.drive, the bench and verify) use `forward_rows`, `new_cache` and
+`prefill_cache`, which are exactly what the engine's passes run.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from lockstep.kernels.batching.kv_pool import KVPool, is_pooled
+from lockstep.kernels.batching.ragged import enable_ragged, ragged_logits, ragged_problem, ragged_prompt_forward
+from lockstep.kernels.invariance.layers import call_without_head, native_forms
+from lockstep.kernels.invariance.prefill import chunk_end, resume_at
+from lockstep.server.engine.decoding import Deployment
+from lockstep.server.engine.step_data import (DecodePass, ModelRunnerOutput, PassResult, PrefillResult,
+                                              SchedulerOutput)
+
+log = logging.getLogger(__name__)
+
+PREFILL_CHUNK = 512
+SOLO = "one request per pass"  # the batching problem of a runner made for one request
+
+
+def forward(model, cache: list, tokens: list[int]) -> mx.array:
+    """Logits for every position of `tokens`, appending them to `cache` (a plain model call)."""
+    return model(mx.array(tokens)[None], cache=cache)[0]
+
+
+def prompt_forward(model, cache: list, tokens: list[int]) -> None:
+    """Append `tokens`' KV to `cache` without the output head: a prompt chunk's logits are
+    never used, and the head (a vocab-wide matmul per row) is much of a chunk's cost."""
+    call_without_head(model, mx.array(tokens)[None], cache)
+
+
+class ModelRunner:
+    """`model`: a loaded mlx-lm model. `pool_tokens`: the KV pool's first size (None or
+    a deployment without a pool: every request its own KVCache). `batched` False: a runner
+    for one request at a time (plain model calls, as a solo run makes them)."""
+
+    def __init__(self, model, deployment: Deployment | None = None, *, pool_tokens: int | None = None,
+                 batched: bool = True):
+        self.model = model
+        self.deployment = deployment or Deployment()
+        self.batching_problem = self._prepare_batching() if batched else SOLO
+        self.kv_pool = None
+        if self.deployment.kv_pool != "off" and self.batching_problem is None and pool_tokens:
+            self.kv_pool = KVPool(self.model, pool_tokens, use_kernel=self.deployment.kv_pool == "kernel")
+
+    @classmethod
+    def as_engine_runs(cls, model, kv_pool: str = "off", pool_tokens: int = 4096) -> "ModelRunner":
+        """A runner whose passes for one request are the engine's: ragged passes, over a KV pool
+        when `kv_pool` is "kernel" or "reference" (pass-cost measurement, `bench --tasks`)."""
+        return cls(model, Deployment(kv_pool=kv_pool), pool_tokens=pool_tokens)
+
+    def _prepare_batching(self) -> str | None:
+        """Patch the model for ragged passes; why not, when it cannot (one request per pass)."""
+        problem = ragged_problem(self.model)
+        if problem is None:
+            enable_ragged(self.model)
+        else:
+            log.warning("requests are not batched into shared passes: %s", problem)
+        return problem
+
+    @property
+    def batched(self) -> bool:
+        return self.batching_problem is None
+
+    def describe(self) -> dict:
+        return {"batched": self.batched, "kv_pool": self.deployment.kv_pool if self.kv_pool is not None else "off",
+                **({"not_batched_because": self.batching_problem}
+                   if self.batching_problem not in (None, SOLO) else {})}
+
+    # ------------------------------------------------------------------------ caches
+
+    def new_cache(self, tokens: int) -> list:
+        """A request's KV: a range of the pool for `tokens`, or a fresh mlx-lm cache."""
+        return self.kv_pool.allocate(tokens) if self.kv_pool is not None else make_prompt_cache(self.model)
+
+    def release(self, cache: list | None) -> None:
+        if self.kv_pool is not None and cache and is_pooled(cache):
+            self.kv_pool.release(cache)
+
+    # --------------------------------------------------------------- one request's pass
+
+    def forward_rows(self, cache: list, rows: list[int]) -> mx.array:
+        """Logits (len(rows), vocab) of one request's pass, as the engine runs it."""
+        if self.batched:
+            return ragged_logits(self.model, [(cache, rows)])
+        return forward(self.model, cache, rows)
+
+    def prefill_cache(self, cache: list, tokens: list[int], chunk: int | None = None):
+        """Feed `tokens` past what `cache` holds, in chunks aligned to absolute positions (a
+        generator: yields after each chunk). A prefix reused from the prefix cache then ends
+        with the same KV as a cold prefill (kernels/invariance/prefill.py); a cached prefix
+        ending mid-chunk is rewound to the chunk start unless rows are canonical."""
+        chunk = chunk or self.deployment.prefill_chunk
+        done = next((layer.offset for layer in cache if isinstance(getattr(layer, "offset", None), int)), 0)
+        start = resume_at(self.model, done, chunk)
+        if start < done:
+            trim_prompt_cache(cache, done - start)
+        pos = start
+        while pos < len(tokens):
+            end = chunk_end(pos, len(tokens), chunk)
+            prompt_forward(self.model, cache, tokens[pos:end])
+            mx.eval([c.state for c in cache])
+            pos = end
+            yield None
+
+    # ---------------------------------------------------------------- an engine step
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        result = ModelRunnerOutput()
+        for slot in output.prefill_alone:
+            try:
+                result.prefill_alone.append(self.prefill(slot.state))
+            except Exception as exc:  # the scheduler fails this request; the others go on
+                result.prefill_alone.append(exc)
+        if output.prefill_shared:
+            try:
+                result.prefill_shared = self.prefill_shared([slot.state for slot in output.prefill_shared])
+            except Exception as exc:
+                result.prefill_shared = exc
+        for decode_pass in output.passes:
+            try:
+                result.passes.append(self.decode(decode_pass))
+            except Exception as exc:
+                result.passes.append(exc)
+        return result
+
+    def prefill(self, state) -> PrefillResult:
+        """A request's next prompt chunk, in a pass of its own (target or draft model)."""
+        step = state.next_prefill()
+        if step.follow:
+            return PrefillResult(0, step.model, follow=True)
+        model = self.model if step.model == "target" else self.deployment.draft_model
+        prompt_forward(model, step.cache, step.tokens)
+        mx.eval([c.state for c in step.cache])
+        return PrefillResult(len(step.tokens), step.model)
+
+    def prefill_shared(self, states: list) -> list[int]:
+        """Each request's next target prompt chunk, all in one ragged pass."""
+        chunks = [state.next_chunk() for state in states]
+        ragged_prompt_forward(self.model, [(state.cache, chunk) for state, chunk in zip(states, chunks)])
+        mx.eval([layer.state for state in states for layer in state.cache])
+        return [len(chunk) for chunk in chunks]
+
+    def decode(self, decode_pass: DecodePass) -> PassResult:
+        """One decode pass over its members' rows (their caches advance): logits, every row's
+        argmax and every sampled request's sampling, in two device round trips."""
+        members = [(slot.state, rows) for slot, rows in decode_pass.members]
+        with nullcontext() if decode_pass.canonical else native_forms():
+            if self.batched:
+                logits = ragged_logits(self.model, [(state.cache, rows) for state, rows in members])
+            else:
+                (state, rows), = members
+                logits = self.forward_rows(state.cache, rows)
+        argmax = mx.argmax(logits, axis=-1)  # greedy requests need nothing else
+        mx.eval(logits, argmax)
+        spans, end = [], 0
+        for _, rows in members:
+            spans.append((end, end + len(rows)))
+            end += len(rows)
+        try:
+            sampled = [state.presample(logits[b:e]) for (state, _), (b, e) in zip(members, spans)]
+            mx.eval([x for s in sampled if s is not None for x in s.arrays])
+        except Exception:  # each request then samples (and fails, if it must) on its own
+            log.exception("batched sampling failed")
+            sampled = [None] * len(members)
+        return PassResult(logits, argmax.tolist(), sampled, spans)

@@ -1,0 +1,9 @@
+"""What the commands other than `serve` drive: the measurements and the launchd job.
+
+| module | job | command |
+|---|---|---|
+| `divergence.py` | the divergence matrix: speculative and concurrent vs plain decoding, bitwise | `lockstep verify` |
+| `speed_ratios.py` | deterministic ÷ native, speculative ÷ plain, per task and per exit layer | `lockstep bench` |
+| `http_load.py` | N streaming clients over HTTP (stdlib only): tok/s, TTFT/ITL, changed answers | `bench --concurrency` |
+| `launchd_job.py` | the launchd plist and launchctl argument lists for `lockstep serve` | `lockstep service` |
+"""

@@ -1,0 +1,296 @@
+"""The scheduler's fairness (server/engine/scheduler.py): no single request's work holds the
+engine or its slots, and requests are counted as requests, not choices.
+
+Each test replays a finding of the third adversarial round (issue 25) on the tiny random
+llama (tests/tiny_models.py: token ids read back from the text), driven through the real
+engine: the scheduler, the model runner and the request states.
+"""
+import asyncio
+import struct
+import threading
+
+import httpx2 as httpx
+import mlx.core as mx
+import pytest
+
+import lockstep.server.engine.model_runner as model_runner
+from lockstep.server.engine.decoding import Deployment, plan_request
+from lockstep.server.engine.generate import generate
+from lockstep.server.engine.model_runner import ModelRunner
+from lockstep.server.engine.request_state import GenerationRequest
+from lockstep.server.engine.sampling import SamplingParams
+from tests.deterministic_fixtures import TinyLoaded
+from tests.doubles.shape_variant import shape_variant_backend
+from tests.http_server import running, wait_until
+from tests.test_deterministic_double import peaked_llama
+
+NO_EOS = ()  # TinyLoaded has no eos ids: every request runs to max_tokens
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return TinyLoaded(peaked_llama())
+
+
+def finish_order(engine, submissions) -> tuple[list[str], dict]:
+    """Submit (name, request, plan) in order, then wait for all: (names in the order their
+    last Delta arrived, {name: (token ids, logprob bits)})."""
+    order, out = [], {}
+
+    async def main():
+        handles = {name: engine.submit(request, plan) for name, request, plan in submissions}
+
+        async def consume(name, handle):
+            text, bits = "", []
+            async for delta in handle:
+                text += delta.text
+                bits += [struct.pack(">d", lp.logprob) for lp in delta.logprobs]
+            order.append(name)
+            out[name] = ([ord(ch) - 0x4E00 for ch in text], bits)
+
+        await asyncio.gather(*(consume(n, h) for n, h in handles.items()))
+
+    asyncio.run(main())
+    return order, out
+
+
+def plain(deployment, **kw):
+    return plan_request(deployment, deterministic=False, speculative=kw.get("speculative"),
+                        num_draft_tokens=kw.get("k"))
+
+
+# ------------------------------------------- 2. a long prompt with a draft model stalls everyone
+
+class WidestCall:
+    """Wraps a model: records the most tokens any one call (whole model or its body) took."""
+
+    def __init__(self, inner):
+        self.inner, self.widest = inner, 0
+        outer = self
+
+        class Body:
+            def __call__(self, inputs, cache=None, **kw):
+                outer.widest = max(outer.widest, inputs.shape[1])
+                return inner.model(inputs, cache=cache, **kw)
+
+            def __getattr__(self, name):
+                return getattr(inner.model, name)
+
+        self.model = Body()
+
+    def __call__(self, inputs, cache=None, **kw):
+        self.widest = max(self.widest, inputs.shape[1])
+        return self.inner(inputs, cache=cache, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_draft_models_prompt_is_prefilled_a_chunk_at_a_time(tiny):
+    """Finding 2: the draft model prefilled a whole long prompt in one call on the engine
+    thread. Now its prompt goes in chunks like the target's, between other requests' passes,
+    and a short request beside it finishes first."""
+    from lockstep.server.engine import Engine
+
+    draft = WidestCall(peaked_llama(quant="affine"))
+    deployment = Deployment(draft_model=draft, prefill_chunk=8)
+    engine = Engine(tiny, max_active=4, deployment=deployment).start()
+    long_prompt = [(i * 7) % 200 + 1 for i in range(160)]
+    greedy = SamplingParams(temperature=0.0)
+    try:
+        order, out = finish_order(engine, [
+            ("long", GenerationRequest(long_prompt, 8, greedy), plain(deployment, speculative="draft", k=3)),
+            ("short", GenerationRequest([5, 6, 7], 4, greedy), plain(deployment)),
+        ])
+    finally:
+        engine.stop()
+    assert draft.widest <= 8, f"the draft model took {draft.widest} tokens in one call"
+    assert order == ["short", "long"]
+    # the draft only changes how many passes it takes: the answer is the plain one
+    alone = [t for d in generate(tiny, GenerationRequest(long_prompt, 8, greedy), deployment=deployment) if d
+             for t in [ord(c) - 0x4E00 for c in d.text]]
+    assert out["long"][0] == alone
+
+
+def test_no_engine_step_runs_more_than_a_chunk_of_prompt_tokens_through_a_model(tiny, monkeypatch):
+    """The class behind finding 2: every prompt chunk the runner runs, target or draft, holds
+    at most --prefill-chunk tokens."""
+    from lockstep.server.engine import Engine
+
+    widest = []
+    original = model_runner.prompt_forward
+    monkeypatch.setattr(model_runner, "prompt_forward",
+                        lambda model, cache, tokens: widest.append(len(tokens)) or original(model, cache, tokens))
+    deployment = Deployment(draft_model=peaked_llama(quant="affine"), prefill_chunk=8)
+    engine = Engine(tiny, max_active=4, deployment=deployment).start()
+    try:
+        finish_order(engine, [(f"r{i}", GenerationRequest(list(range(1, 60 + i)), 2, SamplingParams(temperature=0.0)),
+                               plain(deployment, speculative="draft", k=2)) for i in range(3)])
+    finally:
+        engine.stop()
+    assert widest and max(widest) <= 8
+    assert sum(widest) >= 2 * 3 * 58  # the target's and the draft's prompts both went through
+
+
+# ------------------------------------------------------ 3. n fills every slot
+
+def test_one_request_with_a_large_n_leaves_a_slot_for_others(tiny):
+    """Finding 3: n = max_active choices took every slot, and another client's 4-token
+    request waited for one of them to finish. A request now holds at most
+    `max_active_per_request` slots (default three quarters): the short request finishes
+    first, and the big one's last choice starts as the others finish."""
+    from lockstep.server.engine import Engine
+
+    deployment = Deployment(prefill_chunk=8)
+    engine = Engine(tiny, max_active=4, deployment=deployment)
+    assert engine.describe()["max_active_per_request"] == 3
+    seen_active = []
+    observer = type("O", (), {"on_pass": lambda s, rows, n: seen_active.append(len(engine.scheduler.active))})()
+    engine.observers.append(observer)
+    engine.start()
+    sampled = SamplingParams(temperature=0.9, seed=1)
+    try:
+        async def main():
+            big = engine.submit_group([GenerationRequest([9, 8, 7], 40, sampled) for _ in range(4)], plain(deployment))
+            await asyncio.sleep(0)
+            short = engine.submit(GenerationRequest([1, 2, 3], 4, sampled), plain(deployment))
+            order = []
+
+            async def consume(name, handle):
+                async for _ in handle:
+                    pass
+                order.append(name)
+
+            await asyncio.gather(consume("short", short), *(consume(f"big{i}", h) for i, h in enumerate(big)))
+            return order
+
+        order = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert order[0] == "short"
+    assert sorted(order[1:]) == ["big0", "big1", "big2", "big3"]  # every choice was answered
+    assert max(seen_active) <= 4
+
+
+def test_the_per_request_share_is_a_serve_flag_checked_at_startup():
+    from lockstep.server.commands.serve import add_arguments
+    from lockstep.server.engine import Engine
+
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--max-active-per-request", "2"]).max_active_per_request == 2
+    with pytest.raises(ValueError, match="max_active_per_request"):
+        Engine(TinyLoaded(peaked_llama()), max_active=4, max_active_per_request=5)
+
+
+# ------------------------------------------------ 8. n above max_active + max_queue, 10. cancelled
+
+@pytest.fixture(scope="module")
+def small_server(tiny):
+    """(url, engine): the tiny model behind the API, 2 slots and a queue of 1."""
+    from lockstep.server.api.app import create_app
+    from lockstep.server.api.limits import Limits
+    from lockstep.server.engine import Engine
+
+    engine = Engine(tiny, max_active=2, deployment=Deployment(prefill_chunk=8)).start()
+    try:
+        with running(create_app(engine, limits=Limits(max_queue=1))) as url:
+            yield url, engine
+    finally:
+        engine.stop()
+
+
+def test_n_above_the_slots_and_the_queue_is_served_on_an_idle_server(small_server):
+    """Finding 8: n = 5 on a server of 2 slots and a queue of 1 got 429 "retry shortly" while
+    idle, which no retry could change. A request's choices count as one waiting request."""
+    url, _ = small_server
+    r = httpx.post(url + "/v1/completions", timeout=120,
+                   json={"model": "default", "prompt": [4, 5, 6], "max_tokens": 3, "n": 5, "temperature": 0.8,
+                         "seed": 2})
+    assert r.status_code == 200, r.text
+    assert sorted(c["index"] for c in r.json()["choices"]) == [0, 1, 2, 3, 4]
+
+
+def test_cancelled_counts_requests_not_choices(small_server):
+    """Finding 10: five cancelled n = 3 streams counted 15. Each cancelled request counts once,
+    in /health and in the metric alike."""
+    url, engine = small_server
+    before = httpx.get(url + "/health").json()["cancelled"]
+    for _ in range(2):
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"model": "default", "prompt": [7, 8, 9], "max_tokens": 2000, "n": 3,
+                                "stream": True}) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n >= 3:
+                    break  # the client goes away with every choice still running
+        wait_until(lambda: engine.counts()["active"] == 0 and engine.counts()["waiting"] == 0,
+                   what="the cancelled choices to leave")
+    health = httpx.get(url + "/health").json()
+    assert health["cancelled"] - before == 2
+    metrics = httpx.get(url + "/metrics").text
+    line = next(l for l in metrics.splitlines() if l.startswith("lockstep_cancelled_requests"))
+    assert float(line.split()[-1]) == health["cancelled"]
+
+
+# ------------------------------------------- 11. a deterministic request on an L = 0 deployment
+
+def test_on_l0_a_deterministic_request_runs_in_passes_of_its_own_beside_others(tiny, monkeypatch):
+    """Finding 11: it ran alone on the engine and every other request queued behind it. Now
+    it runs in passes of its own while the others go on: a short plain request submitted
+    after it finishes first, no pass mixes it with another request, and under the
+    shape-variant double (where sharing a pass changes bits) its answer is its solo answer."""
+    from lockstep.server.engine import Engine
+
+    deployment = Deployment(prefill_chunk=8)
+    det = plan_request(deployment, deterministic=True, speculative=None, num_draft_tokens=None)
+    assert det.determinism == "alone"
+    mixed = []
+    original = ModelRunner.decode
+
+    def recording(self, decode_pass):
+        kinds = [slot.state.determinism for slot, _ in decode_pass.members]
+        mixed.append("alone" in kinds and len(kinds) > 1)
+        return original(self, decode_pass)
+
+    monkeypatch.setattr(ModelRunner, "decode", recording)
+    seeded = SamplingParams(temperature=0.8, seed=5, top_logprobs=2)
+    long_request = GenerationRequest([3, 4, 5, 6], 40, seeded)
+    with shape_variant_backend():
+        solo = [(lp.token, struct.pack(">d", lp.logprob)) for d in
+                generate(tiny, long_request, plan=det, deployment=deployment) if d for lp in d.logprobs]
+        engine = Engine(tiny, max_active=8, deployment=deployment).start()
+        try:
+            order, out = finish_order(engine, [("deterministic", long_request, det)] + [
+                (f"plain{i}", GenerationRequest([i + 1, 9, 9], 4 + 8 * i, seeded), plain(deployment))
+                for i in range(4)])
+        finally:
+            engine.stop()
+    assert order[0] == "plain0"
+    assert not any(mixed)
+    assert len([m for m in mixed if m is False]) > 40  # it did run, and others ran beside it
+    tokens, bits = out["deterministic"]
+    assert bits == [b for _, b in solo]
+    assert "".join(chr(0x4E00 + t) for t in tokens) == "".join(t for t, _ in solo)
+
+
+def test_negative_control_the_same_request_sharing_passes_changes_its_answer(tiny):
+    """Without passes of its own (planned as a plain request), the double's batched
+    reductions change the request's logprobs: the rule above is what keeps them."""
+    from lockstep.server.engine import Engine
+
+    deployment = Deployment(prefill_chunk=8)
+    seeded = SamplingParams(temperature=0.8, seed=5, top_logprobs=2)
+    long_request = GenerationRequest([3, 4, 5, 6], 40, seeded)
+    with shape_variant_backend():
+        solo = [struct.pack(">d", lp.logprob) for d in generate(tiny, long_request, deployment=deployment) if d
+                for lp in d.logprobs]
+        engine = Engine(tiny, max_active=8, deployment=deployment).start()
+        try:
+            _, out = finish_order(engine, [("shared", long_request, plain(deployment))] + [
+                (f"plain{i}", GenerationRequest([i + 1, 9, 9], 4 + 8 * i, seeded), plain(deployment))
+                for i in range(4)])
+        finally:
+            engine.stop()
+    assert out["shared"][1] != solo
