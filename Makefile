@@ -20,8 +20,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 serve: setup
 	$(VENV)/bin/lockstep serve $(ARGS)
 
+# Two sessions: the suite on OpenBLAS (the CPU default), then the tests whose premise is the
+# reference BLAS's native invariance under it (tests/cpu_blas_session.py). pytest exits 5
+# when a selection has no such test.
 test: setup
 	$(PY) -m pytest -q $(ARGS)
+	LOCKSTEP_TEST_CPU_BLAS=reference $(PY) -m pytest -q -m reference_blas $(ARGS) || [ $$? -eq 5 ]
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -14,7 +14,7 @@ from lockstep.kernels.invariance.ops import STRATEGIES
 from lockstep.models.gguf_import import WEIGHT_FORMATS
 from lockstep.models.quantize import Q_MODES
 from lockstep.server.distributed.world import BACKENDS, PARALLEL_MODES
-from lockstep.server.engine.decoding import MAX_DRAFT_TOKENS, METHODS
+from lockstep.server.engine.decoding import MAX_DRAFT_TOKENS, METHODS, PREFILL_CHUNK
 # serve --max-active / --max-batch-rows, defined beside the rule they bound; re-exported
 from lockstep.server.engine.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS  # noqa: F401
 
@@ -41,7 +41,7 @@ DEFAULT_CPU_BLAS = "auto"
 DEFAULT_SPECULATIVE = "none"
 DEFAULT_NUM_DRAFT_TOKENS = 4
 DEFAULT_MAX_DRAFT_TOKENS = MAX_DRAFT_TOKENS
-DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_PREFILL_CHUNK = PREFILL_CHUNK
 DEFAULT_PREFIX_CACHE_ENTRIES = 4
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080

@@ -155,6 +155,13 @@ def _load_audited(spec: str, weights: str, quantize: str | None, bits, group,
     return loaded, report, transform
 
 
+def rewindable(model) -> bool:
+    """Every layer's cache is a plain KV cache, which can be cut back after rejected drafts."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    return all(type(c) is KVCache for c in make_prompt_cache(model))
+
+
 def build_runtime(options: Options) -> Runtime:
     # mlx_lm (and with it transformers, ~2 s) is imported here, not at module level: the CLI
     # imports this module to build its parser, before `--cpu-blas` may re-exec the process.
@@ -188,14 +195,13 @@ def build_runtime(options: Options) -> Runtime:
     if options.prepare_model is not None:
         transform += ";" + options.prepare_model(loaded.model)
 
-    from mlx_lm.models.cache import can_trim_prompt_cache
-
-    # Speculation rewinds a request's caches past rejected drafts; recurrent state cannot be.
-    speculation = can_trim_prompt_cache(make_prompt_cache(loaded.model))
+    # Speculation rewinds a request's caches past rejected drafts: recurrent state cannot be
+    # rewound, and a sliding window cannot once it has wrapped.
+    speculation = rewindable(loaded.model)
     if not speculation:
-        log.warning("speculative decoding is off%s: %s keeps recurrent state, which cannot be rewound "
-                    "past rejected drafts", " (--draft-model not loaded)" if options.draft_model else "",
-                    loaded.name)
+        log.warning("speculative decoding is off%s: %s keeps recurrent or sliding-window state, which "
+                    "cannot be rewound past rejected drafts",
+                    " (--draft-model not loaded)" if options.draft_model else "", loaded.name)
     draft, draft_name = None, None
     if options.draft_model and speculation:
         if options.draft_model == "default-quantized":
@@ -214,7 +220,7 @@ def build_runtime(options: Options) -> Runtime:
                 raise ValueError(f"--draft-model {options.draft_model}: {problem}; use a draft "
                                  f"that shares {loaded.name}'s tokenizer")
         draft = draft_loaded.model
-        if not can_trim_prompt_cache(make_prompt_cache(draft)):
+        if not rewindable(draft):
             raise ValueError(f"--draft-model {options.draft_model}: its recurrent state cannot be rewound "
                              f"past rejected drafts; use a draft with plain KV caches")
 

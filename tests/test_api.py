@@ -136,12 +136,15 @@ def test_seed_reproduces_sampled_text(client):
 
 
 def test_concurrent_requests_get_their_own_answers(client):
+    # deterministic: equal to the answer alone by contract on any BLAS (on OpenBLAS a plain
+    # row's last bits depend on the rows beside it)
     prompts = [GREETING, ARITHMETIC, [{"role": "user", "content": "List two fruits."}]]
-    alone = [chat(client, m, max_tokens=10).choices[0].message.content for m in prompts]
+    det = {"extra_body": {"deterministic": True}}
+    alone = [chat(client, m, max_tokens=10, **det).choices[0].message.content for m in prompts]
     together = [None] * len(prompts)
 
     def run(i):
-        together[i] = chat(client, prompts[i], max_tokens=10).choices[0].message.content
+        together[i] = chat(client, prompts[i], max_tokens=10, **det).choices[0].message.content
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -252,3 +255,52 @@ def test_generation_failure_reaches_the_client(embedded_model):
             assert "boom" in json.loads(events[-2])["error"]["message"]
     finally:
         engine.stop()
+
+
+# ----------------------------------------------------------- issue 31: one model, legacy functions
+
+def test_one_model_by_id_in_openais_shape(http, embedded_model):
+    listed = http.get("/v1/models").json()["data"][0]
+    for model_id in ("default", embedded_model.name):
+        card = http.get(f"/v1/models/{model_id}")
+        assert card.status_code == 200 and card.json() == listed  # the card /v1/models lists
+    for model_id in ("no-such-model", "org/no-such-model"):  # ids may hold a slash
+        missing = http.get(f"/v1/models/{model_id}")
+        assert missing.status_code == 404
+        assert missing.json()["error"] == {"message": f"The model '{model_id}' does not exist",
+                                           "type": "invalid_request_error", "param": "model",
+                                           "code": "model_not_found"}
+
+
+WEATHER_FUNCTION = {"name": "get_weather", "description": "Current weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+    "additionalProperties": False}}
+
+
+def _events(response) -> list[dict]:
+    lines = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_deprecated_functions_stream_a_function_call(http):
+    body = {"model": "default", "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 40,
+            "functions": [WEATHER_FUNCTION], "function_call": {"name": "get_weather"}, "stream": True}
+    events = _events(http.post("/v1/chat/completions", json=body))
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    calls = [d["function_call"] for d in deltas if "function_call" in d]
+    assert len(calls) == 1 and calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"])["city"]
+    assert not any("tool_calls" in d for d in deltas)
+    assert events[-1]["choices"][0]["finish_reason"] == "function_call"
+
+
+def test_allowed_tools_restricts_the_call_to_the_tools_it_names(http):
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}
+    body = {"model": "default", "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 40,
+            "tools": [{"type": "function", "function": WEATHER_FUNCTION}, clock], "parallel_tool_calls": False,
+            "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+                "mode": "required", "tools": [{"type": "function", "function": {"name": "get_time"}}]}}}
+    choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert [call["function"]["name"] for call in choice["message"]["tool_calls"]] == ["get_time"]

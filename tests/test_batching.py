@@ -68,6 +68,7 @@ def tiny_model():
     return model
 
 
+@pytest.mark.reference_blas
 def test_a_ragged_pass_gives_each_request_its_solo_bits_on_the_embedded_model(embedded_model):
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -90,6 +91,7 @@ def test_a_ragged_pass_gives_each_request_its_solo_bits_on_the_embedded_model(em
         assert mx.allclose(alone, plain, atol=1e-4).item()  # the same model, computed per request
 
 
+@pytest.mark.reference_blas
 def test_ragged_proof_passes_with_canonical_forms_and_fails_natively(tiny_model):
     assert prove_ragged(tiny_model, LIMIT)  # CPU: natively invariant
     with shape_variant_backend():

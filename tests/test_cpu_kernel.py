@@ -167,6 +167,7 @@ def test_portable_path_passes_the_self_test():
     assert (r["strategy"], r["guaranteed"]) == ("cpu_kernel", True), r
 
 
+@pytest.mark.reference_blas
 def test_without_the_shim_cpu_kernel_is_skipped_with_the_reason():
     r = _selftest(cpu_blas.reference_env(_shim_env()))
     assert r["active"] == "reference" and r["shim_limit"] is None, r

@@ -191,13 +191,13 @@ def test_every_kernel_source_file_is_package_data():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     sources = sorted(str(p.relative_to(ROOT / "kernels")) for ext in ("c", "cu", "cuh", "metal")
                      for p in (ROOT / "kernels").rglob(f"*.{ext}"))
-    assert sources and sorted(data["kernels"]) == sources
+    assert sources and sorted(data["lockstep.kernels"]) == sources
 
 
 def test_kernel_sources_are_package_data_and_define_what_the_loader_calls():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     for which, name in skinny.SOURCE_FILES.items():
-        assert f"custom/{name}" in data["kernels"]
+        assert f"custom/{name}" in data["lockstep.kernels"]
         text = skinny.source_text(which)
         bodies = (skinny._MMA_BODIES.values() if which == "cuda_mma" else
                   [body for (backend, _), body in skinny._BODIES.items() if backend == which])
@@ -224,6 +224,7 @@ def test_which_quantizations_have_a_kernel(mode, bits, group, kind):
 
 # -- selection and fallback -----------------------------------------------------------------
 
+@pytest.mark.reference_blas
 def test_auto_without_kernels_skips_them_for_todays_forms():
     with shape_variant_backend():  # native fails the proof, so auto reaches the kernels
         plan = set_batch_invariant_limit(tiny_llama(), 4, prefixes=(7,))
@@ -231,6 +232,7 @@ def test_auto_without_kernels_skips_them_for_todays_forms():
     assert [name for name, _, _ in plan.candidates] == ["native", "strided_gemv"]
 
 
+@pytest.mark.reference_blas
 def test_auto_past_a_failing_strided_gemv_skips_kernels_that_cannot_run(strided_fails):
     with shape_variant_backend():
         plan = set_batch_invariant_limit(tiny_llama(), 4, prefixes=(7,))
@@ -281,6 +283,7 @@ def kernels_here(monkeypatch):
     return use
 
 
+@pytest.mark.reference_blas
 def test_auto_picks_the_kernels_once_proven_where_strided_gemv_is_not(kernels_here, strided_fails):
     calls = []
     correct = _emulated_kernel(lambda m, size: loop_order.unit_elements(size))
@@ -294,6 +297,7 @@ def test_auto_picks_the_kernels_once_proven_where_strided_gemv_is_not(kernels_he
     assert 1 in calls and 4 in calls  # decode's single row runs the kernel too
 
 
+@pytest.mark.reference_blas
 def test_a_kernel_that_fails_the_proof_is_never_kept(kernels_here, strided_fails):
     # wrong on purpose: K split by a unit size that changes with M
     kernels_here(_emulated_kernel(lambda m, size: 4 if m == 1 else 8))
@@ -364,6 +368,7 @@ def test_launch_plans_are_built_once_per_shape(monkeypatch):
     skinny._launch_plan.cache_clear()  # plans made with the stand-in kernel go
 
 
+@pytest.mark.reference_blas
 def test_auto_tries_skinny_first_where_cuda_runs_16_bit_activations_on_tensor_cores(kernels_here, monkeypatch):
     correct = _emulated_kernel(lambda m, size: loop_order.unit_elements(size))
     kernels_here(correct)

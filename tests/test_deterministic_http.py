@@ -334,7 +334,7 @@ def test_limit_zero_runs_deterministic_requests_plain_with_a_note(l0_server):
     ext = got.lockstep
     assert (ext["deterministic"], ext["batch_invariant_limit"], ext["guaranteed"]) == (True, 0, False)
     assert (ext["speculative"], ext["num_draft_tokens"], ext["drafted_tokens"]) == ("none", 0, 0)
-    assert ext["forward_passes"] == 6 and "without speculation and alone" in ext["note"]
+    assert ext["forward_passes"] == 6 and "without speculation, in passes of its own" in ext["note"]
     assert got.fingerprint == "fp_l0"
     with pytest.raises(BadRequestError) as info:  # no draft model on this server
         chat(l0_server, HELLO, {**GREEDY, "max_tokens": 2}, method="draft", k=2)

@@ -42,6 +42,7 @@ def test_dense_row_is_its_solo_result(form, variant):
         assert bits_equal(dense_rows(a, w, form)[:1], dense_rows(a[:1], w, form))
 
 
+@pytest.mark.reference_blas
 def test_native_dense_row_diverges_under_the_double():
     a, w = rand(9, 128), rand(64, 128, seed=1)
     with shape_variant_backend():
@@ -141,6 +142,7 @@ def test_bf16_model_under_the_double():
         assert set_batch_invariant_limit(model, 4, "strided_gemv", prefixes=(7,)).guaranteed
 
 
+@pytest.mark.reference_blas
 def test_auto_picks_a_proven_strategy_and_records_why():
     model = tiny_llama(quant="affine")
     with shape_variant_backend():
@@ -153,6 +155,7 @@ def test_auto_picks_a_proven_strategy_and_records_why():
     assert installed_invariance(model) is plan
 
 
+@pytest.mark.reference_blas
 def test_auto_can_measure_every_candidate():
     model = tiny_llama()
     with shape_variant_backend():
@@ -162,6 +165,7 @@ def test_auto_can_measure_every_candidate():
     assert all(s > 0 for n, ok, s in plan.candidates if ok)
 
 
+@pytest.mark.reference_blas
 def test_auto_on_the_plain_cpu_keeps_native():
     plan = set_batch_invariant_limit(tiny_llama(), 4, prefixes=(7,))
     assert plan.strategy == "native" and plan.guaranteed and plan.layers.get("InvariantLinear") is None

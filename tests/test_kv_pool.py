@@ -166,6 +166,7 @@ def prefilled(pool, model, prompt, reserve=64):
     return cache
 
 
+@pytest.mark.reference_blas
 def test_a_pooled_pass_gives_each_request_its_solo_bits_and_the_model_its_own_function(model):
     from mlx_lm.models.cache import make_prompt_cache
 

@@ -137,3 +137,163 @@ def test_a_translation_error_names_the_responses_field():
         error = caught.value.body
         assert caught.value.status == 400 and error.param == param, error
         assert not [word for word in INTERNAL if word in error.message], error.message
+
+
+# --------------------------------- issue 31: the whole current request schema, from the spec
+
+def _spec_keys(typed_dict) -> set[str]:
+    return set(typed_dict.__annotations__)
+
+
+def _fields(model) -> set[str]:
+    return {field.alias or name for name, field in model.model_fields.items()}
+
+
+def test_every_field_of_the_clients_request_types_is_known():
+    """The official client's request types (generated from OpenAI's spec): each field is in
+    lockstep's schema, so none is "Unrecognized" (whether implemented, ignored or refused is
+    docs/API.md's table)."""
+    from openai.types import completion_create_params as completion
+    from openai.types.chat import (chat_completion_assistant_message_param as assistant,
+                                   chat_completion_content_part_text_param as text_part,
+                                   chat_completion_developer_message_param as developer,
+                                   chat_completion_function_message_param as function,
+                                   chat_completion_message_function_tool_call_param as tool_call,
+                                   chat_completion_prediction_content_param as prediction,
+                                   chat_completion_stream_options_param as stream_options,
+                                   chat_completion_system_message_param as system,
+                                   chat_completion_tool_message_param as tool,
+                                   chat_completion_user_message_param as user)
+    from openai.types.chat import completion_create_params as chat
+
+    pairs = [
+        (chat.CompletionCreateParamsStreaming, p.ChatCompletionRequest),
+        (completion.CompletionCreateParamsStreaming, p.CompletionRequest),
+        (system.ChatCompletionSystemMessageParam, p.SystemMessage),
+        (developer.ChatCompletionDeveloperMessageParam, p.DeveloperMessage),
+        (user.ChatCompletionUserMessageParam, p.UserMessage),
+        (assistant.ChatCompletionAssistantMessageParam, p.AssistantMessageParam),
+        (tool.ChatCompletionToolMessageParam, p.ToolMessage),
+        (function.ChatCompletionFunctionMessageParam, p.FunctionMessage),
+        (tool_call.ChatCompletionMessageFunctionToolCallParam, p.ToolCall),
+        (text_part.ChatCompletionContentPartTextParam, p.TextContentPart),
+        (prediction.ChatCompletionPredictionContentParam, p.Prediction),
+        (stream_options.ChatCompletionStreamOptionsParam, p.StreamOptions),
+        (chat.WebSearchOptions, p.WebSearchOptions),
+        (chat.PromptCacheOptions, p.PromptCacheOptions),
+    ]
+    for spec, model in pairs:
+        assert _spec_keys(spec) <= _fields(model), (spec.__name__, _spec_keys(spec) - _fields(model))
+
+
+REPLAYED = {"content": "Hello", "refusal": None, "role": "assistant", "annotations": None, "audio": None,
+            "function_call": None, "tool_calls": None}
+
+
+def test_history_as_the_client_dumps_it_is_accepted():
+    call = {"id": "call_1", "function": {"arguments": "{}", "name": "weather"}, "type": "function", "index": 0}
+    body = p.ChatCompletionRequest.model_validate({**CHAT, "tools": [TOOL], "messages": [
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief.",
+                                           "prompt_cache_breakpoint": {"mode": "explicit"}}], "name": "ops"},
+        {"role": "user", "content": "hi", "name": "ann"}, REPLAYED,
+        {**REPLAYED, "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]},
+        {"role": "assistant", "content": None, "refusal": "I can't help with that."},
+        {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "b"}]}]})
+    assert [m.text() for m in body.messages] == ["Be brief.", "hi", "Hello", "", "sunny", "I can't help with that.",
+                                                 "ab"]
+    assert body.messages[3].tool_calls[0].function.name == "weather" and body.messages[4].tool_call_id == "call_1"
+
+
+def test_nulls_are_the_defaults():
+    body = p.ChatCompletionRequest.model_validate({**CHAT, **dict.fromkeys(
+        ["temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "logprobs", "audio",
+         "modalities", "prediction", "web_search_options", "metadata", "store", "service_tier"])})
+    assert (body.temperature, body.top_p, body.n, body.stream, body.logprobs) == (1.0, 1.0, 1, False, False)
+    assert p.CompletionRequest.model_validate({"model": "m", "prompt": "x", "echo": None, "logprobs": None,
+                                               "best_of": 1}).echo is False
+
+
+def test_deprecated_functions_become_tools_and_function_messages_tool_results():
+    body = p.ChatCompletionRequest.model_validate({**CHAT, "functions": [{"name": "weather"}, {"name": "time"}],
+                                                   "function_call": {"name": "time"}, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "function_call": {"name": "time", "arguments": "{}"}},
+        {"role": "function", "name": "time", "content": "noon"}]})
+    assert [t.function.name for t in body.tools] == ["weather", "time"] and body.tool_mode() == "named"
+    assert body.legacy_functions() and not body.parallel_tool_calls  # one call per legacy answer
+    call, result = body.messages[1], body.messages[2]
+    assert call.tool_calls[0].function.name == "time" and result.role == "tool"
+    assert result.tool_call_id == call.tool_calls[0].id and result.text() == "noon"
+    assert p.ChatCompletionRequest.model_validate({**CHAT, "functions": [{"name": "f"}]}).tool_mode() == "auto"
+
+
+def test_allowed_tools_offers_only_the_tools_it_names():
+    body = p.ChatCompletionRequest.model_validate({**CHAT, "tools": [TOOL, {"type": "function", "function": {
+        "name": "clock"}}], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+            "mode": "required", "tools": [{"type": "function", "function": {"name": "clock"}}]}}})
+    assert [t.function.name for t in body.tools] == ["clock"] and body.tool_mode() == "required"
+
+
+def test_the_prediction_text_joins_its_parts():
+    body = p.ChatCompletionRequest.model_validate({**CHAT, "prediction": {"type": "content", "content": [
+        {"type": "text", "text": "a "}, {"type": "text", "text": "b"}]}})
+    assert body.prediction_text() == "a b" and p.ChatCompletionRequest.model_validate(CHAT).prediction_text() is None
+
+
+FUNCTION_CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("path, body, param, words", [
+    # what lockstep cannot do: a 400 naming the field and why
+    ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, "modalities", "writes text only"),
+    ("/v1/chat/completions", {**CHAT, "audio": {"format": "wav", "voice": "alloy"}}, "audio", "no audio output"),
+    ("/v1/chat/completions", {**CHAT, "web_search_options": {}}, "web_search_options", "no web search"),
+    ("/v1/chat/completions", {**CHAT, "moderation": {"model": "omni-moderation-latest"}}, "moderation",
+     "no moderation"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "custom", "custom": {"name": "c"}}]}, "tools",
+     "function tools only"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": {"type": "custom", "custom": {"name": "c"}}},
+     "tool_choice", "function tools only"),
+    ("/v1/chat/completions", {**CHAT, "stream_options": {"include_obfuscation": True}}, "stream_options",
+     "does not pad"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "assistant", "content": "x", "audio": {"id": "a"}}]},
+     "messages", "no earlier audio"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "custom", "custom": {"name": "n", "input": "i"}}]}]}, "messages", "function tools only"),
+    ("/v1/completions", {"model": "default", "prompt": "hi", "best_of": 3}, "best_of", "equal to n"),
+    # conflicting or dangling legacy fields
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "functions": [{"name": "f"}]}, "tools", "not both"),
+    ("/v1/chat/completions", {**CHAT, "function_call": "auto"}, "function_call", "needs functions"),
+    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}], "function_call": {"name": "g"}},
+     "function_call", "not in functions"),
+    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}], "tool_choice": "auto"}, "tool_choice",
+     "function_call"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [{"type": "function", "function": {"name": "other"}}]}}}, "tool_choice",
+     "not in tools"),
+    # a field another role has is still unknown on this one; a message needs a known role
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x", "refusal": None}]}, "messages",
+     "Unrecognized request argument supplied: messages.0.refusal"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "system", "content": "x", "tool_calls": [
+        FUNCTION_CALL]}]}, "messages", "only assistant messages carry tool_calls"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{**REPLAYED, "parsed": None}]}, "messages",
+     "Unrecognized request argument supplied: messages.0.parsed"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages",
+     "needs a role"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "function", "content": "x"}]}, "messages",
+     "'messages.0.name': Field required"),
+    # strict types and the spec's own limits still hold for the new fields
+    ("/v1/chat/completions", {**CHAT, "store": "yes"}, "store", "a boolean"),
+    ("/v1/chat/completions", {**CHAT, "metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16"),
+    ("/v1/chat/completions", {**CHAT, "metadata": {"k": 5}}, "metadata", "a string"),
+    ("/v1/chat/completions", {**CHAT, "service_tier": "gold"}, "service_tier", "'priority'"),
+    ("/v1/chat/completions", {**CHAT, "reasoning_effort": "extreme"}, "reasoning_effort", "'minimal'"),
+    ("/v1/chat/completions", {**CHAT, "prediction": {"type": "content", "content": 5}}, "prediction",
+     "a string or a list"),
+    ("/v1/chat/completions", {**CHAT, "prediction": {"type": "text", "content": "x"}}, "prediction", "'content'"),
+    ("/v1/chat/completions", {**CHAT, "prediction": {"type": "content", "content": "x"},
+                              "speculative": "prompt_lookup"}, "speculative", "drafts from the prediction"),
+])
+def test_refused_fields_are_400s_naming_the_field_and_why(http, path, body, param, words):
+    assert words in error_of(post(http, path, body), param)

@@ -2,7 +2,9 @@
 
 - 16 concurrent streaming clients on the shared live server (4 slots), a quarter of them hanging up
   after their first chunk: every finished stream equals the same request run alone
-  (greedy), and the server ends healthy with no request left running.
+  (greedy, `deterministic: true`, so equal by contract on any BLAS: on OpenBLAS a plain row's
+  last bits depend on the rows beside it), and the server ends healthy with no request left
+  running.
 - `lockstep serve` as a real process: SIGTERM lets an in-flight stream finish whole,
   refuses new work with 503 meanwhile, and the process exits 0.
 """
@@ -33,7 +35,7 @@ def messages(topic):
 def stream(client, topic, hang_up=False):
     """(text, finish_reason, chunk ids) of one streamed chat; after one chunk if `hang_up`."""
     chunks = client.chat.completions.create(model="default", messages=messages(topic), max_tokens=MAX_TOKENS,
-                                            temperature=0, stream=True)
+                                            temperature=0, stream=True, extra_body={"deterministic": True})
     text, finish, ids = "", None, set()
     for chunk in chunks:
         ids.add(chunk.id)

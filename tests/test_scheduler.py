@@ -7,10 +7,8 @@ engine: the scheduler, the model runner and the request states.
 """
 import asyncio
 import struct
-import threading
 
 import httpx2 as httpx
-import mlx.core as mx
 import pytest
 
 import lockstep.server.engine.model_runner as model_runner
@@ -24,7 +22,6 @@ from tests.doubles.shape_variant import shape_variant_backend
 from tests.http_server import running, wait_until
 from tests.test_deterministic_double import peaked_llama
 
-NO_EOS = ()  # TinyLoaded has no eos ids: every request runs to max_tokens
 
 
 @pytest.fixture(scope="module")

@@ -86,6 +86,7 @@ def request(prompt, *, deterministic=False, seed=None):
     return GenerationRequest(list(prompt), TOKENS, sampling), deterministic
 
 
+@pytest.mark.reference_blas
 @pytest.mark.parametrize("kv_pool", ["off", "reference"])
 def test_requests_prefilled_in_one_shared_pass_give_their_solo_answers(kv_pool):
     from lockstep.server.api.metrics import Metrics
@@ -121,6 +122,7 @@ def test_deterministic_chunks_never_share_and_shared_kv_never_reaches_the_prefix
     assert cache.hits >= 1 and again[0] == solo[0]
 
 
+@pytest.mark.reference_blas
 def test_ragged_prompt_forward_writes_the_kv_of_each_prompt_alone():
     model = peaked_llama()
     enable_ragged(model)

@@ -189,6 +189,7 @@ def _adaptive_run(model, prompt, n, step_fn=None, room=lambda i: None, k=4, cost
 REPEATING = [3, 14, 15, 92, 65, 35, 3, 14, 15, 92, 65, 35, 3, 14, 15]
 
 
+@pytest.mark.reference_blas
 def test_adaptive_k_depends_only_on_the_requests_own_history_not_on_its_batch():
     """The same request, alone and sharing ragged passes with others that change every step:
     the same k at every step, and bit-identical tokens and logits rows."""
@@ -218,6 +219,7 @@ def test_adaptive_k_depends_only_on_the_requests_own_history_not_on_its_batch():
     assert together[0] == alone[0] and together[3] == alone[3]
 
 
+@pytest.mark.reference_blas
 def test_a_full_batch_cuts_drafts_but_never_changes_the_tokens():
     """The batch-full hook (rows(room)) is the one input to k from outside the request: it
     changes how many drafts a step verifies, hence the passes, never a token or logits bit."""
@@ -295,9 +297,11 @@ def test_build_runtime_refuses_a_draft_model_with_another_tokenizer(monkeypatch)
 
     target_vocab, draft_vocab = {"a": 0, "b": 1}, {"a": 1, "b": 0}
 
+    model = tiny_llama(0, layers=1)
+
     def fake_load(spec, *args):
         vocab = draft_vocab if spec == "other-draft" else target_vocab
-        return SimpleNamespace(name=spec, tokenizer=_Vocab(vocab), model=object(), path=spec), None, None
+        return SimpleNamespace(name=spec, tokenizer=_Vocab(vocab), model=model, path=spec), None, None
 
     monkeypatch.setattr(runtime, "_load_audited", fake_load)
     with pytest.raises(ValueError, match="--draft-model other-draft: the draft model's tokenizer differs"):

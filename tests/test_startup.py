@@ -4,7 +4,6 @@ import logging
 
 import pytest
 
-from lockstep.kernels import cpu_blas
 from lockstep.kernels.verdict_cache import ROOT_ENV
 from lockstep.models import resolve
 from lockstep.server import cli

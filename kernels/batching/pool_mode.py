@@ -4,6 +4,8 @@ KVCache). A pool needs ragged passes (ragged.py) and, for the kernel, KV layouts
 """
 from __future__ import annotations
 
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
 from ..custom.attention import kernel_takes, kernel_unavailable_reason
 from .kv_pool import kv_layouts
 from .ragged import ragged_problem
@@ -37,7 +39,9 @@ def pool_mode(model, requested: str) -> str:
     if requested not in POOL_MODES:
         raise ValueError(f"--kv-pool must be one of {POOL_MODES}")
     if requested == "off" or ragged_problem(model) is not None:
-        return "off"  # (a model whose state is not all KV caches has no layouts to read)
+        return "off"
+    if any(type(c) is not KVCache for c in make_prompt_cache(model)):
+        return "off"  # the pool holds KV only: recurrent or sliding-window state stays per request
     layouts = kv_layouts(model)
     if pool_problem(model, layouts) is not None:
         return "off"

@@ -17,6 +17,12 @@ per request, and are patched from outside the mlx-lm model files:
 A row therefore meets the same ops alone (a ragged pass of one request) and beside others;
 that its bits are the same is proven per backend (`prove_ragged`), like every other form.
 
+Layers whose state is not a plain KV cache (recurrent or conv state, `ArraysCache`; a
+sliding window, `RotatingKVCache`) cannot take rows of several requests laid end to end:
+their decoder layer is called once per request, on that request's rows and state, with the
+mask its own cache makes (`_per_request_layer_class`). The layers with plain KV caches (the
+attention layers of a hybrid model) still run once for the whole pass.
+
 When the requests' caches live in one KV pool (kernels/batching/kv_pool.py), a layer writes all rows'
 KV with one write and runs one attention call for all rows (kernels/custom/attention.py)
 instead of one of each per request.
@@ -25,11 +31,16 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import inspect
+
 from mlx_lm.models import rope_utils
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from ..custom.attention import PoolRows
 from .kv_pool import is_pooled
+
+# Cache kinds whose decoder layer runs once per request in a ragged pass (see above).
+PER_REQUEST_CACHES = (ArraysCache, RotatingKVCache)
 
 # RoPE classes whose call hands `offset` straight to mx.fast.rope (so a per-row position
 # vector works once each row is its own batch entry).
@@ -140,14 +151,62 @@ def _ragged_rope_class(cls: type) -> type:
     return _rope_classes[cls]
 
 
+_layer_classes: dict[type, type] = {}
+
+
+def _per_request_layer_class(cls: type) -> type:
+    """`cls` (a decoder layer) whose call, given a RaggedLayerCache, runs once per request:
+    that request's rows, its own cache, and the mask that cache makes for them."""
+    if cls not in _layer_classes:
+        signature = inspect.signature(cls.__call__)
+
+        def __call__(self, *args, **kwargs):
+            bound = signature.bind(self, *args, **kwargs)
+            cache = bound.arguments.get("cache")
+            if not isinstance(cache, RaggedLayerCache):
+                return cls.__call__(self, *args, **kwargs)
+            arguments = dict(bound.arguments)
+            arguments.pop("self")
+            name = next(iter(arguments))  # the hidden states
+            x, outs, start = arguments[name], [], 0
+            for own, n in zip(cache.caches, cache.rows):
+                arguments.update({name: x[:, start:start + n], "cache": own})
+                if "mask" in signature.parameters:
+                    arguments["mask"] = own.make_mask(n)
+                outs.append(cls.__call__(self, **arguments))
+                start += n
+            return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+
+        _layer_classes[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    return _layer_classes[cls]
+
+
+def _model_layers(model):
+    layers = getattr(model, "layers", None)
+    return list(layers) if layers is not None else None
+
+
+def _state_kinds(model) -> list[type] | None:
+    """Each layer's cache class (None: the model makes plain KV caches for every layer)."""
+    if not hasattr(model, "make_cache"):
+        return None
+    return [type(c) for c in model.make_cache()]
+
+
 def ragged_problem(model) -> str | None:
     """Why this model cannot run ragged passes (None: it can)."""
     from ..invariance.layers import model_module_names
 
-    caches = model.make_cache() if hasattr(model, "make_cache") else None
-    if caches is not None and not all(type(c) is KVCache for c in caches):
-        kinds = sorted({type(c).__name__ for c in caches})
-        return f"its caches are {kinds}, not plain KV caches"
+    kinds = _state_kinds(model)
+    if kinds is not None:
+        odd = sorted({k.__name__ for k in kinds if k is not KVCache and not issubclass(k, PER_REQUEST_CACHES)})
+        if odd:
+            return f"its caches {odd} are neither plain KV caches nor per-request state"
+        layers = _model_layers(model)
+        if any(k is not KVCache for k in kinds) and (layers is None or len(layers) != len(kinds)):
+            return "its per-request layers cannot be matched to its caches"
+        if KVCache not in kinds and not any(k is RotatingKVCache for k in kinds):
+            return "it has no attention layer to batch"
     ropes = [m for _, m in model.named_modules() if "rope" in type(m).__name__.lower()]
     if not ropes:
         return "no RoPE module found"
@@ -173,6 +232,10 @@ def enable_ragged(model) -> None:
     for _, m in model.named_modules():
         if isinstance(m, ROPE_CLASSES) and type(m) not in _rope_classes.values():
             m.__class__ = _ragged_rope_class(type(m))
+    kinds = _state_kinds(model) or []
+    for layer, kind in zip(_model_layers(model) or [], kinds):
+        if kind is not KVCache and type(layer) not in _layer_classes.values():
+            layer.__class__ = _per_request_layer_class(type(layer))
     hook_attention(model)
 
 
@@ -208,7 +271,7 @@ def _ragged_inputs(requests: list[tuple[list, list[int]]]) -> tuple[mx.array, li
     rows = [len(tokens) for _, tokens in requests]
     if any(n < 1 for n in rows):
         raise ValueError("every request in a ragged pass needs at least one row")
-    positions = RowPositions(mx.array([cache[0].offset + i for (cache, _), n in zip(requests, rows)
+    positions = RowPositions(mx.array([_position(cache) + i for (cache, _), n in zip(requests, rows)
                                        for i in range(n)], dtype=mx.int32))
     layers = len(requests[0][0])
     pooled = (all(is_pooled(cache) for cache, _ in requests)
@@ -218,3 +281,9 @@ def _ragged_inputs(requests: list[tuple[list, list[int]]]) -> tuple[mx.array, li
     ragged = [RaggedLayerCache([cache[layer] for cache, _ in requests], rows, positions, where)
               for layer in range(layers)]
     return mx.array([t for _, ts in requests for t in ts])[None], ragged
+
+
+def _position(cache: list) -> int:
+    """Tokens a request's caches hold: the offset of its first positional cache (recurrent
+    state keeps no count)."""
+    return next(c.offset for c in cache if isinstance(getattr(c, "offset", None), int))

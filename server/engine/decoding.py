@@ -16,6 +16,9 @@ PREDICTION = "prediction"
 # Drafts proposed in one engine step (a draft model runs k passes in it), so k bounds how
 # long one request can hold the engine: a server maximum, `--max-draft-tokens`.
 MAX_DRAFT_TOKENS = 16
+# Prompt tokens one prefill chunk holds (`--prefill-chunk`): a long prompt holds the engine a
+# chunk at a time, and chunks are aligned to multiples of it (kernels/invariance/prefill.py).
+PREFILL_CHUNK = 512
 
 
 class RequestRejected(ValueError):
@@ -45,7 +48,7 @@ class Deployment:
     # measured cost of a target pass of w rows (measure_pass_costs); None: linear in w.
     adaptive_draft_tokens: bool = False
     pass_costs: tuple[float, ...] | None = None
-    prefill_chunk: int = 512
+    prefill_chunk: int = PREFILL_CHUNK
     # The model's caches can be rewound past rejected drafts (recurrent state cannot: then no
     # speculation, server/runtime.py decides it from the model's own caches).
     speculation: bool = True

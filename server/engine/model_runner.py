@@ -30,7 +30,6 @@ from lockstep.server.engine.step_data import (DecodePass, ModelRunnerOutput, Pas
 
 log = logging.getLogger(__name__)
 
-PREFILL_CHUNK = 512
 SOLO = "one request per pass"  # the batching problem of a runner made for one request
 
 

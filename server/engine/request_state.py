@@ -24,15 +24,13 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from lockstep.kernels.batching.kv_pool import fill_prefix, is_pooled
 from lockstep.kernels.invariance.prefill import chunk_end, resume_at
 
-from lockstep.server.engine.decoding import PLAIN, DecodePlan, Deployment
+from lockstep.server.engine.decoding import PLAIN, PREFILL_CHUNK, DecodePlan, Deployment
 from lockstep.server.engine.logits_processors import processors_for
 from lockstep.server.engine.prefix_cache import PrefixCache, copy_prefix
 from lockstep.server.engine.sampling import SamplingParams
 from lockstep.server.engine.stops import IncrementalDecoder, StopTextStream
 from lockstep.server.engine.speculative import never
 from lockstep.server.engine.token_steps import SpeculationStats, make_source
-
-PREFILL_CHUNK = 512
 
 
 @dataclass(frozen=True)

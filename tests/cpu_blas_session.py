@@ -1,0 +1,37 @@
+"""A pytest plugin (`-p tests.cpu_blas_session`, pyproject's addopts): the BLAS the suite runs on.
+
+By default the suite runs the way `lockstep serve` runs on this CPU (`--cpu-blas auto`):
+MLX's float32 matmuls on OpenBLAS through lockstep's shim, so the embedded model loads as
+float32 and prompts prefill far faster than on the reference BLAS (README: the CPU default).
+pytest re-executes itself once with the shim preloaded. That happens here, while plugins
+load and before pytest captures output (a conftest would be too late: the new process would
+inherit the capture's files).
+
+OpenBLAS's rows depend on how many rows a call has; the reference BLAS's do not. Tests whose
+premise is that native invariance (marked `reference_blas`) are left out of an OpenBLAS
+session and run in a second session under the reference BLAS
+(`LOCKSTEP_TEST_CPU_BLAS=reference pytest -m reference_blas`, which `make test` runs too).
+"""
+import os
+
+import pytest
+
+REFERENCE = os.environ.get("LOCKSTEP_TEST_CPU_BLAS", "openblas") == "reference"
+
+from lockstep.kernels import cpu_blas  # noqa: E402
+
+cpu_blas.ensure_preloaded(choice="reference" if REFERENCE else "openblas")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "reference_blas: needs the reference BLAS's native batch "
+                                       "invariance (runs in the reference-BLAS session of `make test`)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if REFERENCE or cpu_blas.active() != "openblas":
+        return  # the shim could not be built: this session is the reference one
+    deselected = [item for item in items if item.get_closest_marker("reference_blas")]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if not item.get_closest_marker("reference_blas")]
