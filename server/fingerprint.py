@@ -49,7 +49,7 @@ def system_fingerprint(model_dir: str | Path, *, transform: str, strategy: str, 
     }
     if topology is not None:
         parts["topology"] = topology
-    if kv_pool != "off":  # the pooled attention form (server/engine/decoding.py) has its own bits
+    if kv_pool != "off":  # the pooled attention form (kernels/batching/kv_pool.py) has its own bits
         parts["kv_pool"] = kv_pool
     blob = json.dumps(parts, sort_keys=True).encode()
     return "fp_" + hashlib.sha256(blob).hexdigest()[:16]

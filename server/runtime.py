@@ -14,7 +14,9 @@ from typing import Callable
 
 import mlx.core as mx
 
-from lockstep.server.engine.decoding import MAX_DRAFT_TOKENS, METHODS, Deployment
+from lockstep.server.engine.decode_plan import METHODS
+
+from lockstep.server.engine.deployment import MAX_DRAFT_TOKENS, Deployment
 from lockstep.server.options import AUDIT_MODES, DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK
 
 log = logging.getLogger("lockstep.runtime")

@@ -14,8 +14,6 @@ session and run in a second session under the reference BLAS
 """
 import os
 
-import pytest
-
 REFERENCE = os.environ.get("LOCKSTEP_TEST_CPU_BLAS", "openblas") == "reference"
 
 from lockstep.kernels import cpu_blas  # noqa: E402

@@ -13,7 +13,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from lockstep.kernels.invariance.selftest import bits_equal
-from lockstep.server.engine.decoding import DecodePlan, Deployment
+from lockstep.server.engine.decode_plan import DecodePlan
+from lockstep.server.engine.deployment import Deployment
 from lockstep.server.engine.generate import GenerationRequest, generate
 from lockstep.server.engine.model_runner import ModelRunner
 from lockstep.server.engine.sampling import SamplingParams

@@ -20,7 +20,7 @@ from lockstep.kernels.batching.ragged import enable_ragged, ragged_forward
 from lockstep.kernels.batching.ragged_selftest import prove_ragged
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
-from lockstep.server.engine.decoding import Deployment
+from lockstep.server.engine.deployment import Deployment
 from lockstep.server.engine.passes import Demand, compose_passes
 from lockstep.server.engine.prefix_cache import PrefixCache
 from tests.deterministic_fixtures import TinyLoaded

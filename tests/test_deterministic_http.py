@@ -316,7 +316,7 @@ def test_refusals_name_the_parameter(server):
 def l0_server(server, embedded_model):
     """A deployment with L = 0 and no draft model (same engine code, own prefix cache)."""
     from lockstep.server.api.app import create_app
-    from lockstep.server.engine.decoding import Deployment
+    from lockstep.server.engine.deployment import Deployment
     from lockstep.server.engine import Engine
     from lockstep.server.engine.prefix_cache import PrefixCache
 

@@ -76,7 +76,7 @@ def error_of(response, status, param):
 # ------------------------------------------------- 1. a request that stalls all others
 
 def test_draft_tokens_above_the_server_maximum_are_refused_naming_the_limit(http):
-    from lockstep.server.engine.decoding import MAX_DRAFT_TOKENS
+    from lockstep.server.engine.deployment import MAX_DRAFT_TOKENS
 
     body = {**CHAT, "speculative": "prompt_lookup", "num_draft_tokens": 300, "max_tokens": 1}
     message = error_of(http.post("/v1/chat/completions", json=body), 400, "num_draft_tokens")
@@ -95,7 +95,8 @@ def test_the_num_draft_tokens_flag_is_bounded_by_the_maximum():
 
 
 def test_drafts_are_clipped_to_the_tokens_left(embedded_model, monkeypatch):
-    from lockstep.server.engine.decoding import DecodePlan, Deployment
+    from lockstep.server.engine.decode_plan import DecodePlan
+    from lockstep.server.engine.deployment import Deployment
     from lockstep.server.engine.generate import GenerationRequest, generate
     from lockstep.server.engine.sampling import SamplingParams
     from lockstep.server.engine.speculative import PromptLookupDrafter
@@ -357,7 +358,7 @@ def test_a_cancelled_prefill_stops_at_the_next_chunk(embedded_model, monkeypatch
 
     import lockstep.server.engine.model_runner as model_runner
     from lockstep.server.engine import Engine
-    from lockstep.server.engine.decoding import Deployment
+    from lockstep.server.engine.deployment import Deployment
     from lockstep.server.engine.request_state import GenerationRequest
 
     chunks = []

@@ -14,7 +14,8 @@ import pytest
 
 from lockstep.kernels.batching.ragged import ragged_problem
 from lockstep.server.engine import Engine
-from lockstep.server.engine.decoding import Deployment, RequestRejected, plan_request
+from lockstep.server.engine.decode_plan import RequestRejected, plan_request
+from lockstep.server.engine.deployment import Deployment
 from lockstep.server.engine.generate import generate
 from lockstep.server.engine.request_state import GenerationRequest
 from lockstep.server.engine.sampling import SamplingParams

@@ -14,7 +14,7 @@ import lockstep.server.engine.model_runner as model_runner
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.selftest import bits_equal
-from lockstep.server.engine.decoding import Deployment
+from lockstep.server.engine.deployment import Deployment
 from lockstep.server.engine.generate import GenerationRequest
 from lockstep.server.engine.prefix_cache import PrefixCache
 from tests.deterministic_fixtures import GREEDY, SEEDED, TinyLoaded, rows_bit_identical, run_generate

@@ -12,7 +12,8 @@ import httpx2 as httpx
 import pytest
 
 import lockstep.server.engine.model_runner as model_runner
-from lockstep.server.engine.decoding import Deployment, plan_request
+from lockstep.server.engine.decode_plan import plan_request
+from lockstep.server.engine.deployment import Deployment
 from lockstep.server.engine.generate import generate
 from lockstep.server.engine.model_runner import ModelRunner
 from lockstep.server.engine.request_state import GenerationRequest

@@ -17,7 +17,7 @@ import pytest
 from lockstep.kernels.batching.ragged import enable_ragged, ragged_prompt_forward
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
-from lockstep.server.engine.decoding import plan_request
+from lockstep.server.engine.decode_plan import plan_request
 from lockstep.server.engine.guarantee import proven_deployment
 from lockstep.server.engine.prefix_cache import PrefixCache
 from lockstep.server.engine.model_runner import prompt_forward

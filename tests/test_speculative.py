@@ -309,7 +309,8 @@ def test_build_runtime_refuses_a_draft_model_with_another_tokenizer(monkeypatch)
 
 
 def test_plans_carry_adaptive_k_from_the_deployment_with_k_as_its_bound():
-    from lockstep.server.engine.decoding import Deployment, plan_request
+    from lockstep.server.engine.decode_plan import plan_request
+    from lockstep.server.engine.deployment import Deployment
     from lockstep.server.engine.speculative import EarlyExitModel
     from lockstep.server.engine.token_steps import draft_cost_estimate
 
@@ -394,7 +395,8 @@ def test_speculation_from_a_prediction_equals_plain_greedy(edit):
 
 
 def test_a_prediction_makes_the_plan_draft_from_it():
-    from lockstep.server.engine.decoding import Deployment, RequestRejected, plan_request
+    from lockstep.server.engine.decode_plan import RequestRejected, plan_request
+    from lockstep.server.engine.deployment import Deployment
 
     dep = Deployment(limit=8, guaranteed_rows=8, shared_passes=True, speculative="prompt_lookup")
     free = plan_request(dep, deterministic=False, speculative=None, num_draft_tokens=None, prediction=True)

@@ -89,7 +89,7 @@ class _Caches:
 def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None,
                  kv_pool: str = "off") -> RaggedProof:
     """Prove ragged passes of 1..limit rows bit-identical to solo passes on this model
-    (`kv_pool`: the requests' caches as the engine makes them, see server/engine/decoding.py)."""
+    (`kv_pool`: the requests' caches as the engine makes them, see server/engine/deployment.py)."""
     start = time.perf_counter()
     if limit < 1:
         return RaggedProof(False, limit, (), "the limit is 0")

@@ -10,7 +10,7 @@ import asyncio
 from typing import AsyncIterator
 
 from lockstep.server.api import protocol as p
-from lockstep.server.engine.decoding import PREDICTION
+from lockstep.server.engine.decode_plan import PREDICTION
 from lockstep.server.engine.generate import Delta
 from lockstep.server.engine.sampling import splitmix64
 

@@ -16,7 +16,9 @@ import asyncio
 import logging
 import threading
 
-from lockstep.server.engine.decoding import Deployment, DecodePlan
+from lockstep.server.engine.decode_plan import DecodePlan
+
+from lockstep.server.engine.deployment import Deployment
 from lockstep.server.engine.errors import GenerationError, QueueFull, ShuttingDown, TooLargeForMemory
 from lockstep.server.engine.handle import RequestHandle, post_all
 from lockstep.server.engine.kv_budget import KVBudget

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from lockstep.server.engine.decoding import DecodePlan, Deployment
+from lockstep.server.engine.decode_plan import DecodePlan
+
+from lockstep.server.engine.deployment import Deployment
 from lockstep.server.engine.model_runner import ModelRunner
 from lockstep.server.engine.prefix_cache import PrefixCache
 from lockstep.server.engine.request_state import Delta, GenerationRequest, RequestState

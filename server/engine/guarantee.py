@@ -6,7 +6,7 @@ Two facts, both from proofs made on the running backend:
 - whether rows of *different* requests may share such a pass: the ragged proof
   (kernels/batching/ragged_selftest.py), made here only, over the KV layout the engine uses.
 
-The result goes into the `Deployment` (server/engine/decoding.py); `plan_request` turns it
+The result goes into the `Deployment` (server/engine/deployment.py); `plan_request` turns it
 into each request's plan, and the engine reads nothing else.
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ def decide_guarantee(model, plan, kv_pool: str = "off", proofs=None) -> Guarante
 def proven_deployment(model, plan, *, kv_pool: str = "off", proofs=None, **settings):
     """A `Deployment` for `model` whose guarantee is `decide_guarantee`'s (the ragged proof made
     here); `settings`: the Deployment's other fields."""
-    from lockstep.server.engine.decoding import Deployment
+    from lockstep.server.engine.deployment import Deployment
 
     guarantee = decide_guarantee(model, plan, kv_pool, proofs)
     return Deployment(limit=plan.limit if plan is not None else 0, guaranteed_rows=guarantee.rows,

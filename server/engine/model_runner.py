@@ -24,7 +24,7 @@ from lockstep.kernels.batching.kv_pool import KVPool, is_pooled
 from lockstep.kernels.batching.ragged import enable_ragged, ragged_logits, ragged_problem, ragged_prompt_forward
 from lockstep.kernels.invariance.layers import call_without_head, native_forms
 from lockstep.kernels.invariance.prefill import chunk_end, resume_at
-from lockstep.server.engine.decoding import Deployment
+from lockstep.server.engine.deployment import Deployment
 from lockstep.server.engine.step_data import (DecodePass, ModelRunnerOutput, PassResult, PrefillResult,
                                               SchedulerOutput)
 

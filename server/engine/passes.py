@@ -1,6 +1,6 @@
 """Which requests' rows share a forward pass: the scheduler's determinism rule, on its own.
 
-Each demand carries its request's plan's determinism (server/engine/decoding.py):
+Each demand carries its request's plan's determinism (server/engine/decode_plan.py):
 - "alone": its rows get a pass of their own;
 - "shared": a pass that holds such a row has at most L rows (the guaranteed rows), so
   every layer runs the canonical forms proven bit-identical to M = 1 (kernels/invariance/selftest.py

@@ -24,7 +24,9 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from lockstep.kernels.batching.kv_pool import fill_prefix, is_pooled
 from lockstep.kernels.invariance.prefill import chunk_end, resume_at
 
-from lockstep.server.engine.decoding import PLAIN, PREFILL_CHUNK, DecodePlan, Deployment
+from lockstep.server.engine.decode_plan import PLAIN, DecodePlan
+
+from lockstep.server.engine.deployment import PREFILL_CHUNK, Deployment
 from lockstep.server.engine.logits_processors import processors_for
 from lockstep.server.engine.prefix_cache import PrefixCache, copy_prefix
 from lockstep.server.engine.sampling import SamplingParams
@@ -39,7 +41,7 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
-    # Determinism and speculation are the request's DecodePlan (server/engine/decoding.py).
+    # Determinism and speculation are the request's DecodePlan (server/engine/decode_plan.py).
     # Per-row logits processing (server/engine/logits_processors.py).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -112,7 +114,7 @@ class RequestState:
         self.finished = False
         self.stats = SpeculationStats()
         self.extension = plan.extension(deployment) if plan and deployment else None
-        self.determinism = self.plan.determinism  # "none" | "shared" | "alone" (decoding.py)
+        self.determinism = self.plan.determinism  # "none" | "shared" | "alone" (decode_plan.py)
         self._chunk = deployment.prefill_chunk if deployment else PREFILL_CHUNK
 
         model = loaded.model

@@ -1,8 +1,10 @@
-"""Decode plans (server/engine/decoding.py) and the limit's environment names
+"""Decode plans (server/engine/decode_plan.py) and the limit's environment names
 (server/runtime.py). No model: fast."""
 import pytest
 
-from lockstep.server.engine.decoding import METHODS, DecodePlan, Deployment, RequestRejected, plan_request
+from lockstep.server.engine.decode_plan import METHODS, DecodePlan, RequestRejected, plan_request
+
+from lockstep.server.engine.deployment import Deployment
 from lockstep.server.runtime import LIMIT_ENV, limit_from_env
 
 DRAFT = object()  # stands in for a draft model: plan_request only checks it is there

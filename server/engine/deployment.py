@@ -1,0 +1,50 @@
+"""A deployment's decoding settings: what `lockstep serve` was started with, and the
+guarantee its startup proofs established (server/engine/guarantee.py decides that, once).
+Requests read it through their plan (server/engine/decode_plan.py), nothing else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Drafts proposed in one engine step (a draft model runs k passes in it), so k bounds how
+# long one request can hold the engine: a server maximum, `--max-draft-tokens`.
+MAX_DRAFT_TOKENS = 16
+# Prompt tokens one prefill chunk holds (`--prefill-chunk`): a long prompt holds the engine a
+# chunk at a time, and chunks are aligned to multiples of it (kernels/invariance/prefill.py).
+PREFILL_CHUNK = 512
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Per-deployment decoding settings (from `lockstep serve` flags and the startup proofs)."""
+
+    limit: int = 0  # batch-invariant limit L as configured; 0 = off
+    # Decided once, at startup (server/engine/guarantee.py), and read from here only:
+    # rows one pass may hold with the guarantee (L once the self-test proved it, else 0), and
+    # whether rows of different requests may share such a pass (the ragged proof).
+    guaranteed_rows: int = 0
+    shared_passes: bool = False
+    strategy: str = "native"  # canonical kernel strategy in use
+    speculative: str = "none"  # default method for requests that do not choose
+    num_draft_tokens: int = 4  # default k
+    max_draft_tokens: int = MAX_DRAFT_TOKENS  # the largest k any request may use
+    draft_model: object | None = None
+    draft_name: str | None = None
+    # Adaptive speculation: k chosen per step from the request's own acceptance, up to the
+    # plan's k (server/engine/speculative.py AdaptiveDraftLength). pass_costs[w - 1] is the
+    # measured cost of a target pass of w rows (measure_pass_costs); None: linear in w.
+    adaptive_draft_tokens: bool = False
+    pass_costs: tuple[float, ...] | None = None
+    prefill_chunk: int = PREFILL_CHUNK
+    # The model's caches can be rewound past rejected drafts (recurrent state cannot: then no
+    # speculation, server/runtime.py decides it from the model's own caches).
+    speculation: bool = True
+    # Requests' KV in one shared pool, one attention launch per layer for a whole pass
+    # (kernels/batching/kv_pool.py): "kernel" (the GPU kernel), "reference" (one MLX attention call per
+    # row, where there is no kernel) or "off" (each request its own KVCache).
+    kv_pool: str = "off"
+    fingerprint: str = ""
+
+    @property
+    def guaranteed(self) -> bool:
+        return self.guaranteed_rows > 0
