@@ -35,3 +35,22 @@ def test_a_mixed_round_keeps_every_deterministic_answer(server):
     assert r.errors == 0 and all(text for text in r.texts)
     deterministic = {i for i in range(clients) if mixed_extra(i)}
     assert deterministic == {0, 2} and changed_answers(r, solo, deterministic) == 0
+
+
+def test_each_concurrency_is_warmed_then_the_median_of_three_rounds_is_reported(monkeypatch):
+    """Warm with warm: the first round at a concurrency (where a server compiles its batched
+    shapes) is never a measured one, and the figure is the median of at least three."""
+    import lockstep.server.tools.http_load as http_load
+
+    rates = iter([5.0, 30.0, 10.0, 20.0])  # the warm-up round, then three measured ones
+    calls = []
+
+    def fake_round(base_url, model, concurrency, max_tokens, extra=None):
+        calls.append(concurrency)
+        return RoundResult(concurrency, 1.0, int(next(rates)), [], [], 0, [])
+
+    monkeypatch.setattr(http_load, "run_round", fake_round)
+    median, rounds = http_load.measured_rounds("u", "m", 16, 8, rounds=2)
+    assert calls == [16, 16, 16, 16]  # one unmeasured round, then at least three
+    assert [r.tok_per_s for r in rounds] == [30.0, 10.0, 20.0]
+    assert median.tok_per_s == 20.0

@@ -27,7 +27,9 @@ def register(subparsers) -> None:
     parser.add_argument("--no-draft", action="store_true")
     parser.add_argument("--tokens", type=int, default=DEFAULT_MEASURE_TOKENS)
     parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds per figure (best of; with --concurrency the median of at least 3, "
+                             "each concurrency first warmed by an unmeasured round)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--early-exit", default=None, metavar="LAYER,LAYER,...",
                         help="only self-speculation: the target's first LAYER layers and its head "
@@ -137,20 +139,25 @@ def _start(cmd: list[str], log_path: str | None) -> subprocess.Popen:
 
 
 def _load_rounds(name: str, base_url: str, model: str, levels: list[int], args, extra) -> list:
-    """extra: one dict of request fields for every client, or a function of the client index."""
-    from lockstep.server.tools.http_load import changed_answers, extra_for, run_round, solo_texts, summary_line
+    """Each concurrency warmed with an unmeasured round, then the median of at least 3
+    measured rounds (tools/http_load.py `measured_rounds`). extra: one dict of request fields
+    for every client, or a function of the client index."""
+    from lockstep.server.tools.http_load import (changed_answers, extra_for, measured_rounds, solo_texts,
+                                                 summary_line)
 
     results = []
-    run_round(base_url, model, 1, 8, extra)  # warm-up: first-call compilation out of the numbers
     solo = solo_texts(base_url, model, max(levels), args.max_tokens, extra)
     for n in levels:
-        r = run_round(base_url, model, n, args.max_tokens, extra)
-        # With mixed clients only the deterministic ones are promised their solo answer.
+        median, rounds = measured_rounds(base_url, model, n, args.max_tokens, extra, args.rounds)
+        # With mixed clients only the deterministic ones are promised their solo answer;
+        # answers are checked in every measured round.
         watched = ({i for i in range(n) if extra_for(extra, i).get("deterministic")}
                    if callable(extra) else None)
-        changed = changed_answers(r, solo, watched) if n > 1 else None
-        print(summary_line(name, r, changed, None if watched is None else len(watched)), flush=True)
-        results.append(r)
+        changed = sum(changed_answers(r, solo, watched) for r in rounds) if n > 1 else None
+        of = len(rounds) * (n if watched is None else len(watched))
+        print(summary_line(name, median, changed, of) + f"   (median of {len(rounds)}: "
+              + ", ".join(f"{r.tok_per_s:.1f}" for r in rounds) + ")", flush=True)
+        results.append(median)
     return results
 
 

@@ -156,6 +156,21 @@ def run_round(base_url: str, model: str, concurrency: int, max_tokens: int, extr
                        [t.text if t is not None and t.error is None else None for t in timings])
 
 
+MEASURED_ROUNDS = 3  # the fewest measured rounds a figure is the median of
+
+
+def measured_rounds(base_url: str, model: str, concurrency: int, max_tokens: int, extra=None,
+                    rounds: int = MEASURED_ROUNDS) -> tuple[RoundResult, list[RoundResult]]:
+    """Warm with warm: one unmeasured round at `concurrency` (a server compiles its batched
+    shapes on first use; that belongs to neither side's figure), then `rounds` (at least
+    MEASURED_ROUNDS) measured ones. Returns (the median round by aggregate tok/s, all of them)."""
+    run_round(base_url, model, concurrency, max_tokens, extra)
+    measured = [run_round(base_url, model, concurrency, max_tokens, extra)
+                for _ in range(max(rounds, MEASURED_ROUNDS))]
+    ordered = sorted(measured, key=lambda r: r.tok_per_s)
+    return ordered[(len(ordered) - 1) // 2], measured
+
+
 def summary_line(name: str, r: RoundResult, changed: int | None = None, of: int | None = None) -> str:
     """One table row; `changed` of `of` answers (default: of all clients)."""
     of = r.concurrency if of is None else of
