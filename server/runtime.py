@@ -105,6 +105,9 @@ class Runtime:
     transform: str
     timings: dict = field(default_factory=dict)  # startup phase -> seconds (Phases)
     audit_mode: str = "cached"
+    # Why this model's requests neither speculate nor start from the prefix cache (None: they
+    # may): state that cannot be rewound or stored exactly (`state_refusal`).
+    state_refusal: str | None = None
 
     def model_info(self) -> dict:
         """Per-model details for GET /v1/models."""
@@ -121,7 +124,12 @@ class Runtime:
             "batch_invariance": {
                 "limit": self.invariance.limit, "strategy": self.invariance.strategy,
                 "guaranteed": self.invariance.guaranteed, "reason": self.invariance.reason,
+                "request_rows": self.invariance.request_rows,
             },
+            "speculation": {"available": self.deployment.speculation,
+                            **({"reason": self.state_refusal} if self.state_refusal else {})},
+            "prefix_cache": {"stores_prompts": self.state_refusal is None,
+                             **({"reason": self.state_refusal} if self.state_refusal else {})},
             "transform": self.transform,
             "draft_model": self.deployment.draft_name,
         }
@@ -158,10 +166,25 @@ def _load_audited(spec: str, weights: str, quantize: str | None, bits, group,
 
 
 def rewindable(model) -> bool:
-    """Every layer's cache is a plain KV cache, which can be cut back after rejected drafts."""
+    """Every layer's cache is a plain KV cache, which can be cut back after rejected drafts
+    (and copied exactly by the prefix cache: server/engine/prefix_cache.py `storable`)."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
     return all(type(c) is KVCache for c in make_prompt_cache(model))
+
+
+def state_refusal(model) -> str | None:
+    """Why this model's caches can be neither rewound past rejected drafts (no speculation)
+    nor stored by the prefix cache (every prompt prefilled cold), or None when they can."""
+    if rewindable(model):
+        return None
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from lockstep.kernels.invariance.cache_check import per_request_state
+
+    state = per_request_state(make_prompt_cache(model))
+    what = f"{state}: state rewritten in place" if state else "caches that are not all plain KV caches"
+    return f"{what} can be neither rewound past rejected drafts nor stored by the prefix cache"
 
 
 def build_runtime(options: Options) -> Runtime:
@@ -198,12 +221,13 @@ def build_runtime(options: Options) -> Runtime:
         transform += ";" + options.prepare_model(loaded.model)
 
     # Speculation rewinds a request's caches past rejected drafts: recurrent state cannot be
-    # rewound, and a sliding window cannot once it has wrapped.
-    speculation = rewindable(loaded.model)
+    # rewound, and a sliding window cannot once it has wrapped. The prefix cache stores plain
+    # KV only, for the same reason: such a model's prompts are always prefilled cold.
+    refusal = state_refusal(loaded.model)
+    speculation = refusal is None
     if not speculation:
-        log.warning("speculative decoding is off%s: %s keeps recurrent or sliding-window state, which "
-                    "cannot be rewound past rejected drafts",
-                    " (--draft-model not loaded)" if options.draft_model else "", loaded.name)
+        log.warning("speculative decoding is off%s and the prefix cache stores nothing for %s: %s",
+                    " (--draft-model not loaded)" if options.draft_model else "", loaded.name, refusal)
     draft, draft_name = None, None
     if options.draft_model and speculation:
         if options.draft_model == "default-quantized":
@@ -254,7 +278,7 @@ def build_runtime(options: Options) -> Runtime:
         log.info("KV pool: %s", kv_pool)
 
     pass_costs = None
-    if options.adaptive_speculation:
+    if options.adaptive_speculation and speculation:
         from lockstep.server.engine.model_runner import ModelRunner
         from lockstep.server.engine.speculative import measure_pass_costs
 
@@ -293,4 +317,4 @@ def build_runtime(options: Options) -> Runtime:
         prefill_chunk=options.prefill_chunk, fingerprint=fingerprint,
         adaptive_draft_tokens=options.adaptive_speculation, pass_costs=pass_costs, kv_pool=kv_pool,
     )
-    return Runtime(loaded, deployment, report, plan, transform, timings, options.audit)
+    return Runtime(loaded, deployment, report, plan, transform, timings, options.audit, refusal)

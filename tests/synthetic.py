@@ -113,3 +113,77 @@ def write_tiny_tokenizer(out: Path, vocab: int = VOCAB) -> None:
 
 def parameter_names(model: nn.Module) -> list[str]:
     return [name for name, _ in tree_flatten(model.parameters())]
+
+
+# ------------------------------------------------------------- template-driven chat models
+
+TEMPLATES = Path(__file__).parent / "chat_templates"  # published chat templates, unmodified
+# Each family's tokenizer config, scaled down: its published chat template, its special tokens
+# ((text, special) as in its tokenizer_config's added tokens), bos/eos and the generation
+# config's eos tokens.
+CHAT_FAMILIES = {
+    "qwen2.5": {  # Qwen/Qwen2.5-*-Instruct: Hermes-style <tool_call> JSON
+        "template": "qwen2.5-instruct.jinja",
+        "specials": [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
+                     ("<tool_call>", False), ("</tool_call>", False)],
+        "bos": None, "eos": "<|im_end|>", "eos_tokens": ["<|im_end|>", "<|endoftext|>"]},
+    "llama3.2": {  # meta-llama/Llama-3.2-3B-Instruct: bare JSON calls with "parameters"
+        "template": "llama-3.2-3b-instruct.jinja",
+        "specials": [("<|begin_of_text|>", True), ("<|end_of_text|>", True), ("<|start_header_id|>", True),
+                     ("<|end_header_id|>", True), ("<|eom_id|>", True), ("<|eot_id|>", True),
+                     ("<|python_tag|>", True)],
+        "bos": "<|begin_of_text|>", "eos": "<|eot_id|>",
+        "eos_tokens": ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"]},
+    "mistral-nemo": {  # mistralai/Mistral-Nemo-Instruct-2407: [TOOL_CALLS] + a JSON list
+        "template": "mistral-nemo-instruct-2407.jinja",
+        "specials": [("<unk>", True), ("<s>", True), ("</s>", True), ("[INST]", True), ("[/INST]", True),
+                     ("[AVAILABLE_TOOLS]", True), ("[/AVAILABLE_TOOLS]", True), ("[TOOL_RESULTS]", True),
+                     ("[/TOOL_RESULTS]", True), ("[TOOL_CALLS]", True)],
+        "bos": "<s>", "eos": "</s>", "eos_tokens": ["</s>"]},
+    "gpt-oss": {  # openai/gpt-oss-20b: harmony channels; <|call|> is not in its eos list
+        "template": "gpt-oss-20b.jinja",
+        "specials": [("<|startoftext|>", True), ("<|endoftext|>", True), ("<|return|>", True),
+                     ("<|constrain|>", True), ("<|channel|>", True), ("<|start|>", True), ("<|end|>", True),
+                     ("<|message|>", True), ("<|call|>", True), ("<|endofprompt|>", True)],
+        "bos": "<|startoftext|>", "eos": "<|return|>", "eos_tokens": ["<|return|>", "<|endoftext|>"]},
+}
+
+
+def write_chat_tokenizer(out: Path, family: str) -> dict[str, int]:
+    """A byte-level BPE tokenizer (every byte a token, no merges, the family's special tokens as
+    added tokens) and a tokenizer_config.json carrying the family's published chat template.
+    Returns the vocabulary. Any text encodes, so the grammar engine can write any call."""
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    spec = CHAT_FAMILIES[family]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = {text: i for i, (text, _) in enumerate(spec["specials"])}
+    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[char] = len(vocab)
+    tok = Tokenizer(BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_tokens([AddedToken(text, special=special, normalized=False) for text, special in spec["specials"]])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": spec["bos"], "eos_token": spec["eos"],
+        "clean_up_tokenization_spaces": False, "model_max_length": 4096,
+        "chat_template": (TEMPLATES / spec["template"]).read_text(),
+    }))
+    return vocab
+
+
+def build_chat_model_dir(out: Path, family: str, seed: int = 0) -> Path:
+    """A tiny random llama (hidden 64, 2 layers) with `family`'s tokenizer config: its own chat
+    template, special tokens and eos tokens (generation_config.json, as mlx-lm reads them)."""
+    spec = CHAT_FAMILIES[family]
+    vocab = write_chat_tokenizer(out, family)
+    config = llama_config(hidden=64, intermediate=128, heads=4, kv_heads=2, layers=2, vocab=len(vocab))
+    config["bos_token_id"] = vocab[spec["bos"]] if spec["bos"] else None
+    config["eos_token_id"] = vocab[spec["eos"]]
+    write_model_dir(random_llama(config, seed=seed), config, out)
+    (Path(out) / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [vocab[t] for t in spec["eos_tokens"]]}))
+    return Path(out)

@@ -217,16 +217,116 @@ def test_a_model_without_the_limit_stays_native_beside_one_with_it():
     set_batch_invariant_limit(with_limit, 0)
 
 
-def test_moe_layers_are_refused():
-    from mlx_lm.models import mixtral
+# -- MoE experts (mlx-lm's SwitchGLU / SwitchMLP: gather_mm, gather_qmm) ----------------------
 
-    args = mixtral.ModelArgs(model_type="mixtral", vocab_size=64, hidden_size=64, intermediate_size=64,
-                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                             num_local_experts=4, num_experts_per_tok=2)
-    model = mixtral.Model(args)
-    assert any("SwitchLinear" in part for part in uncovered_parts(model))
+def _experts(block, mode):
+    mx.random.seed(3)
+    experts = block(128, 64, 4)
+    if mode is not None:
+        group_size, bits = QUANT_MODES[mode]
+        nn.quantize(experts, group_size=group_size, bits=bits, mode=mode)
+    mx.eval(experts.parameters())
+    return experts
+
+
+@pytest.mark.parametrize("block", ["SwitchGLU", "SwitchMLP"])
+@pytest.mark.parametrize("mode", [None, "affine", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("rows", [5, 40])  # 40 rows x 2 experts: mlx-lm sorts the rows by expert
+def test_each_token_row_of_the_experts_is_its_decode_call(block, mode, rows):
+    from mlx_lm.models import switch_layers
+    from lockstep.kernels.invariance.layers import LAYER_SWAPS
+
+    native_class = getattr(switch_layers, block)
+    experts = _experts(native_class, mode)
+    x = rand(1, rows, 128, seed=4)
+    inds = mx.random.randint(0, 4, (1, rows, 2), key=mx.random.key(5))
+
+    def decode(i):  # the call a one-row decode makes: x (1, 1, D), indices (1, 1, k)
+        return experts(x[:, i:i + 1], inds[:, i:i + 1])
+
+    with shape_variant_backend():
+        native = experts(x, inds)
+        assert not all(bits_equal(native[:, i:i + 1], decode(i)) for i in range(rows))  # negative control
+        experts.__class__ = LAYER_SWAPS[native_class]
+        with batch_invariant(Setting(rows, ROWWISE)):
+            block_rows = experts(x, inds)
+            assert block_rows.shape == native.shape == (1, rows, 2, 128)
+            for i in range(rows):
+                assert bits_equal(block_rows[:, i:i + 1], decode(i))
+        with batch_invariant(Setting(rows - 1, ROWWISE)):  # more rows than L: the native call
+            assert bits_equal(experts(x, inds), native)
+    assert mx.allclose(block_rows, native, atol=1e-4)
+
+
+def _tiny_moe(family):
+    from tests.model_families import tiny_family
+
+    return tiny_family(family)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_moe_models_are_covered_and_proven_only_with_the_expert_rows(family):
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    model = _tiny_moe(family)
+    assert uncovered_parts(model) == ()
+    with shape_variant_backend():
+        assert not self_test(model, 4, prefixes=(7,)).passed  # native diverges
+        plan = set_batch_invariant_limit(model, 4, "strided_gemv", prefixes=(7,))
+        assert plan.guaranteed and plan.request_rows == 4, plan.reason
+        assert plan.layers["InvariantSwitchGLU"] == 2
+        # negative control: every other form installed, the experts back to their own call
+        experts = [m for _, m in model.named_modules() if isinstance(m, SwitchGLU)]
+        for m in experts:
+            m.__class__ = SwitchGLU
+        result = self_test(model, 4, prefixes=(7,))
+        assert not result.passed and result.mismatches[0].width == 2
+    set_batch_invariant_limit(model, 0)
+
+
+def test_switch_linear_a_model_calls_itself_is_not_covered():
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    model = _tiny_moe("mixtral")
+    model.layers[0].block_sparse_moe.own_experts = SwitchLinear(128, 64, 4, bias=False)
+    parts = uncovered_parts(model)
+    assert len(parts) == 1 and "own_experts" in parts[0] and "outside mlx-lm's SwitchGLU" in parts[0]
     plan = set_batch_invariant_limit(model, 4, "rowwise", prefixes=(5,))
     assert not plan.guaranteed and "uncovered" in plan.reason
+    set_batch_invariant_limit(model, 0)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss", "granitemoehybrid"])
+def test_top_k_ties_break_the_same_way_alone_and_batched(family):
+    """Routing is one argpartition row per token (MLX's CPU kernel: a strict order on (value,
+    index) per row; its CUDA kernel: one block per row, chosen by the expert count): with
+    two experts tied at the top-k boundary a row routes, and mixes its experts, exactly as alone."""
+    model = _tiny_moe(family)
+    moe = next(m for _, m in model.named_modules()
+               if type(m).__name__ in ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "MLPBlock",
+                                        "GraniteMoeHybridMoE"))
+    router = next(m for n, m in moe.named_modules()
+                  if isinstance(m, nn.Linear) and n in ("gate", "router", "router.layer"))
+    w = router.weight[1:2]
+    # gates (2g, g, g, -g): experts 1 and 2 tie, and the tie is always at the top-2 boundary
+    router.weight = mx.concatenate([2 * w, w, w, -w], axis=0)
+    if "bias" in router:
+        router.bias = mx.zeros_like(router.bias)
+    x = rand(1, 6, 128, seed=6)
+    gates = router(x)
+    assert bits_equal(gates[..., 1], gates[..., 2])
+    top = mx.argpartition(gates, kth=-2, axis=-1)[0, :, -2:].tolist()
+    assert all((1 in t) != (2 in t) for t in top)  # every row's tie decides which expert it gets
+    for kth in (1, -2):  # mixtral's argpartition(-g, kth=k-1), the others' argpartition(g, kth=-k)
+        batched = mx.argpartition(-gates if kth == 1 else gates, kth=kth, axis=-1)
+        for i in range(6):
+            alone = mx.argpartition(-gates[:, i:i + 1] if kth == 1 else gates[:, i:i + 1], kth=kth, axis=-1)
+            assert mx.array_equal(batched[:, i:i + 1], alone).item()
+    set_batch_invariant_limit(model, 6, "rowwise", verify=False)
+    with shape_variant_backend(), batch_invariant(model._lockstep_setting):
+        together = moe(x)
+        for i in range(6):
+            assert bits_equal(together[:, i:i + 1], moe(x[:, i:i + 1]))
     set_batch_invariant_limit(model, 0)
 
 
@@ -245,6 +345,21 @@ def test_cache_check_names_what_breaks_the_guarantee():
     assert "left-pads" in cache_invariance_problem([mlx_cache.BatchKVCache([0])])
     nested = mlx_cache.CacheList(mlx_cache.KVCache(), mlx_cache.RotatingKVCache(max_size=4))
     assert "RotatingKVCache" in cache_invariance_problem([nested])
+
+
+def test_per_request_state_narrows_the_guarantee_and_only_odd_caches_refuse_it():
+    from lockstep.kernels.invariance.cache_check import cache_refusal, per_request_state
+
+    sliding = tiny_llama(sliding=True).make_cache()
+    assert per_request_state(sliding) == "layer 0: RotatingKVCache (a sliding window)"
+    assert cache_refusal(sliding) is None  # runs per request: proven for one row per request
+    recurrent = [mlx_cache.ArraysCache(2), mlx_cache.KVCache()]
+    assert per_request_state(recurrent) == "layer 0: ArraysCache (recurrent or conv state)"
+    assert cache_refusal(recurrent) is None and "recurrent" in cache_invariance_problem(recurrent)
+    assert per_request_state(tiny_llama().make_cache()) is None
+    assert "quantized" in cache_refusal([mlx_cache.KVCache(), mlx_cache.QuantizedKVCache()])
+    assert "left-pads" in cache_refusal([mlx_cache.BatchRotatingKVCache(8, [0])])
+    assert "CacheList" in cache_refusal([mlx_cache.CacheList(mlx_cache.KVCache(), mlx_cache.ArraysCache(1))])
 
 
 # -- aligned prefill ------------------------------------------------------------------------

@@ -6,21 +6,29 @@ Layers with per-request state (ArraysCache, RotatingKVCache) run once per reques
 ragged pass (kernels/batching/ragged.py); the attention layers with plain KV caches run once
 for the whole pass. Each request's batched answer is its solo answer, token for token
 (greedy, with a peaked output head so no near-tie decides a token).
+
+Below, every family is also deterministic (docs/MODELS.md): bitwise answers alone, batched,
+after a prefix-cache hit and with prompt lookup, and a negative control per family.
 """
 import asyncio
+import struct
 
 import mlx.core as mx
 import pytest
 
 from lockstep.kernels.batching.ragged import ragged_problem
+from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.server.engine import Engine
 from lockstep.server.engine.decode_plan import RequestRejected, plan_request
 from lockstep.server.engine.deployment import Deployment
 from lockstep.server.engine.generate import generate
+from lockstep.server.engine.guarantee import proven_deployment
+from lockstep.server.engine.prefix_cache import PrefixCache
 from lockstep.server.engine.request_state import GenerationRequest
 from lockstep.server.engine.sampling import SamplingParams
 from lockstep.server.runtime import rewindable
 from tests.deterministic_fixtures import TinyLoaded
+from tests.doubles.shape_variant import shape_variant_backend
 from tests.model_families import FAMILIES, tiny_family
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -98,3 +106,170 @@ def test_state_that_cannot_be_rewound_turns_speculation_off_by_name(family):
 
 def test_plain_kv_families_keep_speculation():
     assert rewindable(tiny_family("llama")) and rewindable(tiny_family("qwen3_moe"))
+
+
+# ------------------------------------------------------------------ deterministic, every family
+#
+# Each family with L installed and proven under the shape-variant double (tests/doubles/
+# shape_variant.py: calls of several rows reduce in another order, as on a GPU), its guarantee
+# decided as at startup (guarantee.py: the ragged proof). Deterministic answers are compared
+# as token ids and logprob bits: alone (cold), alone after a prefix-cache hit, batched beside
+# plain requests, and with prompt lookup. Families with per-request state (sliding window,
+# recurrent or conv state) are proven for one row per request: no speculation (prompt lookup
+# is refused by name) and no prefix-cache hits (their state is never stored).
+
+LIMIT = 4
+DET_TOKENS = 6
+# prompts that repeat, so prompt lookup drafts; none is a prefix of another
+DET_PROMPTS = [[11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11], [30, 31, 32, 33, 30, 31, 32, 33, 30],
+               [70, 71, 70, 71, 70, 71, 72, 73, 70, 71]]
+DET_SAMPLING = [SamplingParams(temperature=0.0, top_logprobs=2),
+                SamplingParams(temperature=0.8, seed=7, top_logprobs=2),
+                SamplingParams(temperature=0.7, top_p=0.9, seed=3, top_logprobs=2)]
+OTHER_PROMPTS = [[5, 6, 7, 8, 9], [90, 91, 92, 93, 94, 95, 96], [120, 121, 120, 121, 120]]
+
+
+class PassWidths:
+    def __init__(self):
+        self.requests = []
+
+    def on_pass(self, rows, requests):
+        self.requests.append(requests)
+
+
+def serve_family(family: str, *, proven: bool = True):
+    """(engine, pass log) for the family's tiny model under the double: L installed and its
+    guarantee decided as at startup, or (proven=False) nothing installed and a deployment
+    that claims shared deterministic passes anyway (the negative control)."""
+    model = tiny_family(family)
+    with shape_variant_backend():
+        if proven:
+            plan = set_batch_invariant_limit(model, LIMIT)
+            assert plan.guaranteed, plan.reason
+            deployment = proven_deployment(model, plan, prefill_chunk=8)
+        else:
+            deployment = Deployment(limit=LIMIT, guaranteed_rows=LIMIT, shared_passes=True, prefill_chunk=8,
+                                    speculation=rewindable(model))
+        engine = Engine(TinyLoaded(model), max_active=8, deployment=deployment, prefix_cache=PrefixCache(8))
+    log = PassWidths()
+    engine.observers.append(log)
+    return engine, log
+
+
+def det_job(engine, i: int, speculative: str = "none"):
+    plan = plan_request(engine.deployment, deterministic=True, speculative=speculative,
+                        num_draft_tokens=3 if speculative != "none" else None)
+    return GenerationRequest(DET_PROMPTS[i], DET_TOKENS, DET_SAMPLING[i]), plan
+
+
+def other_jobs(engine):
+    plan = plan_request(engine.deployment, deterministic=False, speculative=None, num_draft_tokens=None)
+    return [(GenerationRequest(p, DET_TOKENS + 4, SamplingParams(temperature=0.9, seed=i)), plan)
+            for i, p in enumerate(OTHER_PROMPTS)]
+
+
+def run_jobs(engine, jobs) -> list:
+    """All jobs submitted at once; each answer as (token ids, logprob bits, top-logprob bits)."""
+
+    async def main():
+        handles = [engine.submit(request, plan) for request, plan in jobs]
+        out = []
+        for handle in handles:
+            ids_, bits, tops = [], [], []
+            async for delta in handle:
+                for lp in delta.logprobs:
+                    ids_ += ids(lp.token)
+                    bits.append(struct.pack(">d", lp.logprob))
+                    tops.append([(t, struct.pack(">d", v)) for t, v in lp.top])
+            out.append((ids_, bits, tops))
+        return out
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_is_deterministic_alone_batched_after_a_prefix_hit_and_with_prompt_lookup(family):
+    engine, log = serve_family(family)
+    kv_only = rewindable(engine.loaded.model)
+    deployment = engine.deployment
+    assert deployment.shared_passes and deployment.guaranteed_rows == LIMIT  # the ragged proof passed
+    assert deployment.speculation is kv_only
+    engine.start()
+    try:
+        with shape_variant_backend():
+            jobs = [det_job(engine, i) for i in range(len(DET_PROMPTS))]
+            assert all(plan.determinism == "shared" and plan.guaranteed for _, plan in jobs)
+            cold = [run_jobs(engine, [job])[0] for job in jobs]
+            hit = [run_jobs(engine, [job])[0] for job in jobs]
+            hits_alone = engine.prefix_cache.hits
+            log.requests.clear()
+            together = run_jobs(engine, jobs + other_jobs(engine))[:len(jobs)]
+            batched_widest = max(log.requests)
+            if kv_only:
+                lookup = [det_job(engine, i, "prompt_lookup") for i in range(len(jobs))]
+                assert all(plan.method == "prompt_lookup" and plan.num_draft_tokens == 3 for _, plan in lookup)
+                looked_up_alone = [run_jobs(engine, [job])[0] for job in lookup]
+                looked_up_together = run_jobs(engine, lookup + other_jobs(engine))[:len(jobs)]
+            else:
+                with pytest.raises(RequestRejected) as refused:
+                    det_job(engine, 0, "prompt_lookup")
+                assert refused.value.param == "speculative" and "cannot be rewound" in str(refused.value)
+    finally:
+        engine.stop()
+    assert all(len(answer[0]) == DET_TOKENS for answer in cold)
+    assert hit == cold
+    assert together == cold
+    assert batched_widest >= 3  # deterministic and plain requests really shared passes
+    if kv_only:
+        assert hits_alone >= len(jobs)  # the second runs started from cached prompt KV
+        assert looked_up_alone == cold and looked_up_together == cold
+    else:
+        assert engine.prefix_cache.hits == 0  # per-request state is never stored: no hit, said at startup
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_negative_control_every_family_diverges_batched_without_invariant_forms(family):
+    """The same sharing with nothing installed: deterministic rows beside others reduce in
+    another order under the double, so some deterministic answer changes."""
+    engine, log = serve_family(family, proven=False)
+    engine.start()
+    try:
+        with shape_variant_backend():
+            jobs = [det_job(engine, i) for i in range(len(DET_PROMPTS))]
+            alone = [run_jobs(engine, [job])[0] for job in jobs]
+            log.requests.clear()
+            together = run_jobs(engine, jobs + other_jobs(engine))[:len(jobs)]
+    finally:
+        engine.stop()
+    assert max(log.requests) >= 3
+    assert any(a != b for a, b in zip(alone, together))
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_next", "lfm2"])
+def test_the_ragged_proof_covers_per_request_state_and_fails_natively(family):
+    from lockstep.kernels.batching.ragged import enable_ragged
+    from lockstep.kernels.batching.ragged_selftest import prove_ragged
+
+    model = tiny_family(family)
+    enable_ragged(model)
+    with shape_variant_backend():
+        native = prove_ragged(model, LIMIT)
+        assert not native and "differ" in native.reason  # negative control
+        plan = set_batch_invariant_limit(model, LIMIT)
+        assert plan.guaranteed and plan.request_rows == 1
+        assert prove_ragged(model, LIMIT)  # one-row and multi-row members, each its own state
+    set_batch_invariant_limit(model, 0)
+
+
+def test_models_that_keep_no_plain_kv_say_why_they_neither_speculate_nor_hit_the_prefix_cache():
+    from lockstep.server.runtime import Runtime, state_refusal
+
+    assert state_refusal(tiny_family("llama")) is None and state_refusal(tiny_family("mixtral")) is None
+    why = state_refusal(tiny_family("granitemoehybrid"))
+    assert why.startswith("layer 0: ArraysCache (recurrent or conv state)") and "prefix cache" in why
+    assert "RotatingKVCache (a sliding window)" in state_refusal(tiny_family("gpt_oss"))
+    plan = type("Plan", (), {"limit": 4, "strategy": "rowwise", "guaranteed": True, "reason": "", "request_rows": 1})()
+    info = Runtime(TinyLoaded(tiny_family("lfm2")), Deployment(speculation=False), None, plan, "weights=float32",
+                   state_refusal=state_refusal(tiny_family("lfm2"))).model_info()
+    assert info["prefix_cache"] == {"stores_prompts": False, "reason": state_refusal(tiny_family("lfm2"))}
+    assert info["speculation"]["available"] is False and info["batch_invariance"]["request_rows"] == 1

@@ -6,7 +6,7 @@ import pytest
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.ops import Strategy
-from lockstep.kernels.invariance.selftest import bits_equal, sample_widths, self_test
+from lockstep.kernels.invariance.selftest import bits_equal, per_request_self_test, sample_widths, self_test
 from tiny_models import tiny_llama
 
 
@@ -27,6 +27,7 @@ def test_sample_widths_always_has_two_and_the_limit():
         assert widths[0] == 2 and widths[-1] == limit and 8 in widths and len(widths) <= 8
 
 
+@pytest.mark.reference_blas
 def test_passes_on_the_plain_cpu_backend():
     # Native CPU is shape-invariant; this is no evidence for the mechanism (see below).
     result = self_test(tiny_llama(), 4, prefixes=(7,))
@@ -86,3 +87,35 @@ def test_longer_prefix_is_tested_too():
 @pytest.mark.parametrize("limit", [0, 1])
 def test_nothing_to_prove_is_not_a_pass(limit):
     assert not self_test(tiny_llama(), limit).passed
+
+
+def test_a_sliding_window_model_is_proven_for_one_row_per_request():
+    """A block of a sliding-window layer is not its one-row calls (above), but each request's
+    decode row beside other requests' rows is its solo row: that is what is proven instead."""
+    model = tiny_llama(sliding=True)
+    with shape_variant_backend():
+        native = per_request_self_test(model, 4, prefixes=(7, 12), stop_at_first=False)
+        assert not native.passed and {m.width for m in native.mismatches} == {2, 3, 4}
+        assert {m.what for m in native.mismatches} >= {"logits", "layer 1 state"}  # the full-attention layer's KV
+        plan = set_batch_invariant_limit(model, 4, "strided_gemv", prefixes=(7, 12))
+    assert plan.guaranteed and plan.request_rows == 1 and plan.limit == 4
+    assert plan.per_request_state.startswith("layer 0: RotatingKVCache") and "one row per request" in plan.reason
+    assert plan.self_test.widths == (2, 3, 4) and plan.self_test.prefixes == (7, 12)
+    set_batch_invariant_limit(model, 0)
+
+
+def test_the_per_request_proof_is_kept_apart_from_the_block_proof(tmp_path):
+    from lockstep.kernels.invariance.selftest import ProofCache
+    from lockstep.kernels.verdict_cache import VerdictCache
+
+    store = VerdictCache("selftest", root=tmp_path)
+    proofs = ProofCache(store, {"weights": "tiny"})
+    model = tiny_llama(sliding=True)
+    set_batch_invariant_limit(model, 3, "strided_gemv", verify=False)
+    with shape_variant_backend():
+        first = per_request_self_test(model, 3, prefixes=(7,), proof_cache=proofs)
+        again = per_request_self_test(model, 3, prefixes=(7,), proof_cache=proofs)
+        block = self_test(model, 3, prefixes=(7,), proof_cache=proofs)
+    assert first.passed and not first.cached and again.passed and again.cached
+    assert not block.passed and not block.cached and block.reason.startswith("cache:")
+    set_batch_invariant_limit(model, 0)

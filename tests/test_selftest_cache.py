@@ -28,6 +28,7 @@ def proofs(store, weights="digest-a", fresh=False):
     return ProofCache(store, {"weights": weights, "transform": "weights=float32"}, fresh)
 
 
+@pytest.mark.reference_blas
 def test_a_proof_is_reused_on_a_restart(model, store):
     first = self_test(model, 4, prefixes=PREFIXES, proof_cache=proofs(store))
     again = self_test(model, 4, prefixes=PREFIXES, proof_cache=proofs(store))
@@ -73,6 +74,7 @@ def test_key_names_backend_mlx_code_and_ops(model):
         assert proof_key(model, 4, (2, 3, 4), PREFIXES, 0, True, {"weights": "w"})["ops"] != key["ops"]
 
 
+@pytest.mark.reference_blas
 def test_a_double_never_reuses_a_real_proof_and_failures_stay_failures(model, store):
     assert self_test(model, 4, prefixes=PREFIXES, proof_cache=proofs(store)).passed
     with shape_variant_backend():
@@ -82,6 +84,7 @@ def test_a_double_never_reuses_a_real_proof_and_failures_stay_failures(model, st
     assert not again.passed and again.cached and again.mismatches == failed.mismatches
 
 
+@pytest.mark.reference_blas
 @pytest.mark.parametrize("damage", ["not json", "passed with mismatches", "passed not a bool"])
 def test_a_corrupt_proof_is_proven_again(model, store, caplog, damage):
     self_test(model, 4, prefixes=PREFIXES, proof_cache=proofs(store))

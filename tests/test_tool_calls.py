@@ -40,8 +40,35 @@ def test_an_unterminated_call_counts_when_its_json_is_complete():
     assert [c.name for c in calls] == ["add"]
     _, calls = split_tool_calls('<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_', FMT, NAMES)
     assert [c.name for c in calls] == ["add"]  # cut off inside the end tag
-    content, calls = split_tool_calls('<tool_call>\n{"name": "add", "argu', FMT, NAMES)
-    assert calls == [] and content == '<tool_call>\n{"name": "add", "argu'
+
+
+def _split_in_pieces(text: str, size: int, max_calls=None):
+    """`text` through a ToolCallStream in pieces of `size` characters (0: whole), as streamed."""
+    if not size:
+        return split_tool_calls(text, FMT, NAMES | {"get_time"}, max_calls)
+    stream, content, calls = ToolCallStream(FMT, NAMES | {"get_time"}, max_calls), "", []
+    for i in range(0, len(text), size):
+        more, new = stream.add(text[i:i + size])
+        content, calls = content + more, calls + new
+    rest, last = stream.finish()
+    return content + rest, calls + last
+
+
+@pytest.mark.parametrize("size", [0, 1, 4])
+@pytest.mark.parametrize("text, content, names", [
+    # issue 31, item 4: tool_choice "required", the only call cut off by max_tokens
+    ('<tool_call>\n{"name": "get_time", "arguments', "", []),
+    # parallel calls: the second cut off inside its JSON, or inside its start tag
+    (CALL + '\n<tool_call>\n{"name": "get_time", "arguments', "", ["get_weather"]),
+    (CALL + "\n<tool_", "", ["get_weather"]),
+    ("Let me check. <tool_ca", "Let me check. ", []),
+])
+def test_a_call_cut_off_by_max_tokens_leaks_no_markup_into_content(size, text, content, names):
+    """Issue 31, item 4: the cut-off call's text went into `content` beside the valid calls.
+    It is dropped now: neither a call nor content (docs/API.md, Tools: cut-off calls)."""
+    got_content, calls = _split_in_pieces(text, size)
+    assert got_content == content and "<tool" not in got_content
+    assert [c.name for c in calls] == names
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7])

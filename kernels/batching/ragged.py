@@ -34,13 +34,12 @@ import mlx.nn as nn
 import inspect
 
 from mlx_lm.models import rope_utils
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..custom.attention import PoolRows
-from .kv_pool import is_pooled
-
 # Cache kinds whose decoder layer runs once per request in a ragged pass (see above).
-PER_REQUEST_CACHES = (ArraysCache, RotatingKVCache)
+from ..invariance.cache_check import PER_REQUEST_CACHES
+from .kv_pool import is_pooled
 
 # RoPE classes whose call hands `offset` straight to mx.fast.rope (so a per-row position
 # vector works once each row is its own batch entry).

@@ -4,8 +4,10 @@ and KV they get when that request's rows run alone, for every total width 1..L.
 A pool of requests with different cached prefix lengths (one decode row each, plus a few
 with several rows, as speculative verification brings) is run alone once each; then for
 every width w a mix of pool members totalling w rows runs as one pass and each member's
-logits and new KV rows are compared as raw bits with its solo pass. Costs the pool's solo
-passes plus one pass per width.
+logits and new KV rows (for recurrent, conv or sliding-window state: its whole state) are
+compared as raw bits with its solo pass. Costs the pool's solo passes plus one pass per width.
+A multi-row member is compared with the same rows alone, so the proof holds for models with
+per-request state too (their layers run per request either way).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from .ragged import ragged_forward
-from ..invariance.selftest import UINT_OF_SIZE
+from ..invariance.selftest import UINT_OF_SIZE, new_state
 
 
 @dataclass(frozen=True)
@@ -39,10 +41,6 @@ def _bits(x: mx.array) -> mx.array:
 
 def _same(a: mx.array, b: mx.array) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(_bits(a), _bits(b)))
-
-
-def _new_kv(cache: list, before: int) -> list:
-    return [(c.keys[..., before:c.offset, :], c.values[..., before:c.offset, :]) for c in cache]
 
 
 def _pool(limit: int) -> list[tuple[int, int]]:
@@ -110,7 +108,7 @@ def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None,
     for i, (prefix, _) in enumerate(pool):
         cache = made.copy(caches[i])
         logits = ragged_forward(model, [(cache, prompts[i])])[0]
-        kv = _new_kv(cache, prefix)
+        kv = new_state(cache, prefix)
         mx.eval(logits, kv)
         solo.append((logits, kv))
 
@@ -125,9 +123,9 @@ def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None,
             if not _same(outs[j], logits):
                 return RaggedProof(False, limit, widths, f"logits of a {pool[i][1]}-row request differ "
                                    f"in a ragged pass of {width} rows", time.perf_counter() - start)
-            for layer, ((k, v), (k2, v2)) in enumerate(zip(kv, _new_kv(fresh[j], pool[i][0]))):
-                if not (_same(k, k2) and _same(v, v2)):
-                    return RaggedProof(False, limit, widths, f"layer {layer} KV of a {pool[i][1]}-row "
+            for layer, (want, got) in enumerate(zip(kv, new_state(fresh[j], pool[i][0]))):
+                if len(want) != len(got) or not all(_same(a, b) for a, b in zip(want, got)):
+                    return RaggedProof(False, limit, widths, f"layer {layer} state of a {pool[i][1]}-row "
                                        f"request differs in a ragged pass of {width} rows",
                                        time.perf_counter() - start)
     return RaggedProof(True, limit, widths, "", time.perf_counter() - start)

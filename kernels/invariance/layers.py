@@ -4,6 +4,12 @@ Nothing in MLX or the mlx-lm model files is changed. Instead:
 - each nn.Linear / nn.QuantizedLinear / nn.Embedding / nn.QuantizedEmbedding instance gets a
   subclass as its class (same parameters, same names, so weights and the parameter tree are
   untouched) whose call / as_linear routes M <= L rows through the canonical form;
+- each MoE expert block of mlx-lm (`SwitchGLU`, `SwitchMLP`: the gather_mm / gather_qmm
+  calls of their SwitchLinear / QuantizedSwitchLinear experts, dense or quantized in any
+  mode) gets a subclass whose call runs each of M <= L token rows as its own call, the one a
+  decode row makes: a row's expert matmuls then never depend on how many rows the router
+  sends to an expert, nor on whether the rows are sorted by expert (mlx-lm sorts from 64
+  (row, expert) pairs up);
 - the model's module namespace gets a wrapper in place of the `scaled_dot_product_attention`
   name it imported from mlx_lm.models.base;
 - the model instance gets a subclass whose __call__ makes its setting (L, strategy) the
@@ -22,6 +28,7 @@ import inspect
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from .composed_attention import composed_attention, composed_serves
 from .cache_check import is_positional
@@ -166,12 +173,45 @@ class InvariantQuantizedEmbedding(nn.QuantizedEmbedding):
         )
 
 
+def _expert_rows(self, call, x, indices):
+    """`call(self, x, indices)` (an MoE expert block's own call) once per token row when the
+    active setting covers the call's rows, else once for all; outputs (..., k, D) as the
+    block's own. x: (..., D) hidden states, indices: (..., k) experts per row."""
+    s = _local.active
+    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    if s is None or rows <= 1 or rows > s.limit:
+        return call(self, x, indices)
+    lead, k = x.shape[:-1], indices.shape[-1]
+    xs, idx = x.reshape(1, rows, x.shape[-1]), indices.reshape(1, rows, k)
+    # each row exactly as decode calls the block: x (1, 1, D), indices (1, 1, k)
+    out = mx.concatenate([call(self, xs[:, i:i + 1], idx[:, i:i + 1]) for i in range(rows)], axis=1)
+    return out.reshape(*lead, *out.shape[2:])
+
+
+_switch_glu_call = SwitchGLU.__call__
+_switch_mlp_call = SwitchMLP.__call__
+
+
+class InvariantSwitchGLU(SwitchGLU):
+    def __call__(self, x, indices):
+        return _expert_rows(self, _switch_glu_call, x, indices)
+
+
+class InvariantSwitchMLP(SwitchMLP):
+    def __call__(self, x, indices):
+        return _expert_rows(self, _switch_mlp_call, x, indices)
+
+
 LAYER_SWAPS = {
     nn.Linear: InvariantLinear,
     nn.QuantizedLinear: InvariantQuantizedLinear,
     nn.Embedding: InvariantEmbedding,
     nn.QuantizedEmbedding: InvariantQuantizedEmbedding,
+    SwitchGLU: InvariantSwitchGLU,
+    SwitchMLP: InvariantSwitchMLP,
 }
+# The MoE expert blocks: the SwitchLinear / QuantizedSwitchLinear experts they call are covered.
+EXPERT_BLOCKS = (SwitchGLU, SwitchMLP)
 _LAYER_RESTORES = {v: k for k, v in LAYER_SWAPS.items()}
 
 _NATIVE_SDPA = mlx_base.scaled_dot_product_attention

@@ -6,12 +6,17 @@ speculative verification and batched requests return exactly what plain decoding
     plan.guaranteed, plan.strategy, plan.reason
     set_batch_invariant_limit(model, 0)             # native again
 
-Every linear (dense, quantized in any mode, the tied embedding head) and attention block
-with M <= L rows, M = 1 decode included, runs one canonical form (kernels/invariance/ops.py);
-M > L (long prefill) runs the native fast path. The form is chosen per backend by proof:
-each candidate is installed and self-tested bitwise on this model (kernels/invariance/selftest.py);
-"auto" keeps the fastest that passes, and falls back to rowwise, the safest, unclaimed.
-Per request the engine must also check its cache: `cache_invariance_problem(cache)`.
+Every linear (dense, quantized in any mode, the tied embedding head), MoE expert block
+(gather_mm / gather_qmm) and attention block with M <= L rows, M = 1 decode included, runs
+one canonical form (kernels/invariance/ops.py, layers.py); M > L (long prefill) runs the
+native fast path. The form is chosen per backend by proof: each candidate is installed and
+self-tested bitwise on this model (kernels/invariance/selftest.py); "auto" keeps the fastest
+that passes, and falls back to rowwise, the safest, unclaimed.
+
+Models with per-request state (a recurrent, conv or sliding-window cache:
+cache_check.per_request_state) are proven for one row per request: a pass of L requests'
+decode rows gives each its solo bits (`per_request_self_test`), `request_rows` = 1; their
+state can be neither rewound (no speculation) nor stored (no prefix cache).
 """
 import inspect
 import sys
@@ -22,10 +27,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .. import cpu_blas, custom
-from .cache_check import cache_invariance_problem
-from .layers import LAYER_SWAPS, Setting, install, model_module_names, uninstall
+from .cache_check import cache_invariance_problem, cache_refusal, per_request_state  # noqa: F401 (re-exported)
+from .layers import EXPERT_BLOCKS, LAYER_SWAPS, Setting, install, model_module_names, uninstall
 from .ops import ROWWISE, STRATEGIES, Strategy
-from .selftest import SelfTestResult, seconds_per_step, self_test
+from .selftest import SelfTestResult, per_request_self_test, seconds_per_step, self_test
 
 # Candidates "auto" tries, in order; the first proven is kept. rowwise is the fallback. A
 # candidate that cannot run here (gemv_rows or skinny without CUDA / a GPU kernel API, or
@@ -88,6 +93,10 @@ class InstalledInvariance:
     self_test: SelfTestResult | None = None
     candidates: tuple = field(default=())  # (name, passed, seconds per L-row step or None)
     layers: dict = field(default_factory=dict)  # swapped layer counts
+    # Rows of one request a guaranteed pass may hold: L, or 1 where a layer keeps per-request
+    # state (its multi-row call is not its one-row calls: no speculation, no canonical chunks).
+    request_rows: int = 0
+    per_request_state: str | None = None  # the first such layer, described
 
 
 def uncovered_parts(model) -> tuple:
@@ -95,16 +104,22 @@ def uncovered_parts(model) -> tuple:
     from mlx_lm.models.cache import make_prompt_cache
 
     found = []
-    problem = cache_invariance_problem(make_prompt_cache(model))
+    problem = cache_refusal(make_prompt_cache(model))
     if problem:
         found.append(f"KV cache: {problem}")
+    modules = dict(model.named_modules())
+    swapped = set(LAYER_SWAPS.values())
     for name, m in model.named_modules():
         kind = type(m).__name__
         if kind in ("SwitchLinear", "QuantizedSwitchLinear"):
-            found.append(f"{name}: {kind} (MoE gather_mm/gather_qmm) is not canonicalised")
+            # covered inside mlx-lm's own expert blocks (run per row), not when a model calls it
+            parent = modules.get(name.rpartition(".")[0])
+            if not (isinstance(parent, EXPERT_BLOCKS) and (type(parent) in LAYER_SWAPS or type(parent) in swapped)):
+                found.append(f"{name}: {kind} (MoE gather_mm/gather_qmm) outside mlx-lm's "
+                             f"SwitchGLU/SwitchMLP is not canonicalised")
         elif isinstance(m, nn.QQLinear):
             found.append(f"{name}: QQLinear (quantized activations) is not canonicalised")
-        elif isinstance(m, tuple(LAYER_SWAPS)) and type(m) not in LAYER_SWAPS:
+        elif isinstance(m, tuple(LAYER_SWAPS)) and type(m) not in LAYER_SWAPS and type(m) not in swapped:
             found.append(f"{name}: {kind} subclasses {type(m).__mro__[1].__name__} with its own call")
     for mod in sorted(model_module_names(model)):
         try:
@@ -148,7 +163,13 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
         model._lockstep_plan = plan
         return plan
 
+    from mlx_lm.models.cache import make_prompt_cache
+
     uncovered = uncovered_parts(model)
+    per_request = per_request_state(make_prompt_cache(model))
+    # One request's block of rows (self_test), or one row of each of several requests where a
+    # layer keeps per-request state (a block of such a layer is not its one-row calls).
+    prove = self_test if per_request is None else per_request_self_test
     candidates = _resolve(strategy, model)
     tried = []  # (strategy, self-test result or None, seconds per step or None)
     skipped = {}  # strategy name -> why it cannot run here (never installed, never proven)
@@ -158,7 +179,7 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
             skipped[candidate.name] = missing
             continue
         _install(model, Setting(limit, candidate))
-        result = self_test(model, limit, **self_test_options) if verify else None
+        result = prove(model, limit, **self_test_options) if verify else None
         # Timed only when asked to choose by measurement: an L-row step plus a decode step.
         seconds = (seconds_per_step(model, limit) + seconds_per_step(model, 1)
                    if result and measure else None)
@@ -189,8 +210,10 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
         why += "; skipped: " + ", ".join(f"{name} ({reason})" for name, reason in skipped.items())
     if uncovered:
         why += f"; not guaranteed: {len(uncovered)} uncovered part(s), first: {uncovered[0]}"
+    elif per_request is not None:
+        why += f"; one row per request ({per_request} runs per request)"
     plan = InstalledInvariance(limit, chosen.name, backend, guaranteed, why, uncovered, result,
                           tuple((c.name, None if r is None else bool(r), s) for c, r, s in tried),
-                          layers)
+                          layers, limit if per_request is None else 1, per_request)
     model._lockstep_plan = plan
     return plan

@@ -14,9 +14,10 @@ from .limit import installed_invariance
 
 
 def rows_are_canonical(model, chunk: int) -> bool:
-    """True when every row of a `chunk`-row call is proven to get its solo (M = 1) bits."""
+    """True when every row of a `chunk`-row call is proven to get its solo (M = 1) bits (never
+    for a model with per-request state beyond one row: its chunk is not its one-row calls)."""
     plan = installed_invariance(model)
-    return plan is not None and plan.guaranteed and chunk <= plan.limit
+    return plan is not None and plan.guaranteed and chunk <= min(plan.limit, plan.request_rows or plan.limit)
 
 
 def resume_at(model, cached: int, chunk: int) -> int:

@@ -1,6 +1,11 @@
 """Startup self-test: prove, bitwise, on the loaded model and the running backend, that a
 block of M <= L tokens gives each row the logits (and KV) of feeding the tokens one at a time.
 
+A model with per-request state (a recurrent, conv or sliding-window cache) is proven another
+way, since such a layer's block of rows is not its one-row calls: `per_request_self_test`
+runs the decode rows of M <= L requests in one ragged pass (kernels/batching/ragged.py, the
+pass the engine runs) and compares each request's logits and state with its pass alone.
+
 No tolerance: logits are compared as raw bit patterns. A failure names the prefix length,
 block width and row that differed, and by how much; the caller must then not claim the
 guarantee.
@@ -12,6 +17,7 @@ version, backend, device, CPU BLAS) plus the source of every kernels/ module and
 source (.c, .cu, .cuh, .metal), so a proof is only ever re-used for the same model, code,
 MLX and device that produced it.
 """
+import copy
 import dataclasses
 import hashlib
 import logging
@@ -20,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from .cache_check import cache_invariance_problem
+from .cache_check import cache_invariance_problem, cache_refusal, is_per_request
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +114,19 @@ def _kv_rows(cache, start: int, n: int):
     return [(c.keys[..., start : start + n, :], c.values[..., start : start + n, :]) for c in cache]
 
 
+def new_state(cache: list, before: int) -> list[list[mx.array]]:
+    """What a pass wrote into a request's caches, per layer: the KV rows from position `before`
+    on for a positional (or pooled) cache, every array of the state for per-request state (a
+    recurrent/conv state or a sliding window rewrites it in place)."""
+    out = []
+    for c in cache:
+        if is_per_request(c):
+            out.append([a for _, a in tree_flatten(c.state) if isinstance(a, mx.array)])
+        else:
+            out.append([c.keys[..., before:c.offset, :], c.values[..., before:c.offset, :]])
+    return out
+
+
 def _max_diff(a, b) -> float:
     return float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item())
 
@@ -147,7 +167,8 @@ def proof_key(model, limit: int, widths, prefixes, seed: int, stop_at_first: boo
         # the ops the model's rows go through: a test double wrapping one is a new key
         "ops": [function_identity(f) for f in (mx.matmul, mx.addmm, mx.array.__matmul__,
                                                mx.quantized_matmul,
-                                               mx.fast.scaled_dot_product_attention)],
+                                               mx.fast.scaled_dot_product_attention,
+                                               mx.gather_mm, mx.gather_qmm)],
     }
 
 
@@ -179,19 +200,37 @@ def self_test(model, limit: int, *, prefixes=None, widths=None, seed: int = 0,
     width M in `widths` (default: sample_widths(L)) compare a block of M tokens against the
     same M tokens fed one at a time from the same cache state (rewound between).
     proof_cache: re-use a result proven earlier on this machine, store a new one there."""
+    return _proven(_self_test, None, model, limit, prefixes, widths, seed, stop_at_first, proof_cache)
+
+
+def per_request_self_test(model, limit: int, *, prefixes=None, widths=None, seed: int = 0,
+                          stop_at_first: bool = True,
+                          proof_cache: ProofCache | None = None) -> SelfTestResult:
+    """The self-test of a model with per-request state: for each length p in `prefixes`,
+    requests holding random prompts of p, p + 1, ... tokens; for each width M in `widths`
+    (default: sample_widths(L)) the decode rows of M of them in one ragged pass, each
+    request's logits and new state compared with its one-row pass alone (from copies of the
+    same caches). Proves what such a model's guarantee claims: one row per request per pass."""
+    return _proven(_per_request_self_test, "one row per request", model, limit, prefixes, widths,
+                   seed, stop_at_first, proof_cache)
+
+
+def _proven(run, form, model, limit, prefixes, widths, seed, stop_at_first, proof_cache) -> SelfTestResult:
     widths = tuple(widths) if widths is not None else sample_widths(limit)
     prefixes = tuple(prefixes) if prefixes is not None else default_prefixes()
     if proof_cache is None or not widths:
-        return _self_test(model, limit, prefixes, widths, seed, stop_at_first)
+        return run(model, limit, prefixes, widths, seed, stop_at_first)
     key = proof_key(model, limit, widths, prefixes, seed, stop_at_first,
                     proof_cache.model_identity)
+    if form is not None:
+        key["form"] = form
     value = None if proof_cache.fresh else proof_cache.store.get(key)
     if value is not None:
         try:
             return _cached_result(value, str(mx.default_device()), limit, widths, prefixes)
         except (ValueError, TypeError, KeyError) as exc:
             log.warning("ignoring malformed cached self-test result: %s", exc)
-    result = _self_test(model, limit, prefixes, widths, seed, stop_at_first)
+    result = run(model, limit, prefixes, widths, seed, stop_at_first)
     proof_cache.store.put(key, _result_to_json(result))
     return result
 
@@ -257,8 +296,72 @@ def seconds_per_step(model, width: int, *, prefix: int = 11, repeats: int = 3, s
     mx.eval(tokens)
     best = float("inf")
     for _ in range(repeats):
+        trial = copy.deepcopy(cache)  # per-request state cannot be rewound: each run a copy
+        mx.eval([c.state for c in trial])
         t = time.perf_counter()
-        mx.eval(model(tokens, cache=cache))
+        mx.eval(model(tokens, cache=trial))
         best = min(best, time.perf_counter() - t)
-        _rewind(cache, width)
     return best
+
+
+def _per_request_self_test(model, limit: int, prefixes, widths: tuple, seed: int,
+                           stop_at_first: bool) -> SelfTestResult:
+    from ..batching.ragged import enable_ragged, ragged_forward, ragged_problem
+
+    t0 = time.perf_counter()
+    backend = str(mx.default_device())
+
+    def result(mismatches=(), reason=""):
+        passed = not mismatches and not reason
+        return SelfTestResult(passed, backend, limit, widths, tuple(prefixes), tuple(mismatches),
+                              reason or ("; ".join(map(str, mismatches[:3])) if mismatches else "ok"),
+                              time.perf_counter() - t0)
+
+    if not widths:
+        return result(reason=f"nothing to prove for L={limit}")
+    problem = cache_refusal(make_prompt_cache(model))
+    if problem:
+        return result(reason=f"cache: {problem}")
+    problem = ragged_problem(model)
+    if problem:
+        return result(reason=f"requests cannot share a pass: {problem}")
+    enable_ragged(model)
+    vocab = _vocab_size(model)
+    key = mx.random.key(seed)
+    members = max(widths)
+    mismatches = []
+    for prefix in prefixes:
+        key, k1, k2 = mx.random.split(key, 3)
+        prompts = mx.random.randint(0, vocab, (members, prefix + members), key=k1)
+        rows = mx.random.randint(0, vocab, (members,), key=k2).tolist()
+        caches = []
+        for j in range(members):  # request j holds prefix + j tokens: every row at its own position
+            cache = make_prompt_cache(model)
+            model(prompts[j : j + 1, : prefix + j], cache=cache)
+            mx.eval([c.state for c in cache])
+            caches.append(cache)
+        alone = []
+        for j in range(members):
+            own = copy.deepcopy(caches[j])
+            logits = ragged_forward(model, [(own, [rows[j]])])[0]
+            state = new_state(own, prefix + j)
+            mx.eval(logits, state)
+            alone.append((logits, state))
+        for w in widths:
+            together = [copy.deepcopy(caches[j]) for j in range(w)]
+            outs = ragged_forward(model, [(together[j], [rows[j]]) for j in range(w)])
+            mx.eval(outs)
+            for j in range(w):
+                logits, state = alone[j]
+                if not bits_equal(outs[j], logits):
+                    mismatches.append(Mismatch(prefix + j, w, j, "logits", _max_diff(outs[j], logits)))
+                got = new_state(together[j], prefix + j)
+                for layer, (want_arrays, got_arrays) in enumerate(zip(state, got)):
+                    for a, b in zip(want_arrays, got_arrays):
+                        if not bits_equal(a, b):
+                            diff = _max_diff(a, b) if a.shape == b.shape else float("inf")
+                            mismatches.append(Mismatch(prefix + j, w, -1, f"layer {layer} state", diff))
+                            break
+            if mismatches and stop_at_first:
+                return result(mismatches)
+    return result(mismatches)

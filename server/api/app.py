@@ -38,7 +38,7 @@ from lockstep.server.engine.decode_plan import PREDICTION, DecodePlan, RequestRe
 from lockstep.server.engine.generate import Delta, GenerationRequest
 from lockstep.server.engine.logits_processors import logits_width
 from lockstep.server.engine.sampling import GREEDY_BELOW, SamplingParams
-from lockstep.server.api.tool_calls import ParsedCall, ToolCallStream, new_call_id, tool_format
+from lockstep.server.api.tool_calls import ParsedCall, ToolCallStream, call_stream, new_call_id, tool_format
 
 MODEL_ALIAS = "default"
 SHUTTING_DOWN = "the server is shutting down; this request was cut off"
@@ -164,7 +164,7 @@ class Routes:
                 prompt_tokens=prompt,
                 max_tokens=requested or min(self.limits.max_tokens, context - len(prompt)),
                 sampling=self._sampling(body, i),
-                stop=tuple(body.stop_list()),
+                stop=tuple(body.stop_list()) + self._tool_stops(body),
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
                 logit_bias=body.bias_items(),
@@ -184,6 +184,12 @@ class Routes:
             raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from exc
         except GenerationError as exc:
             raise APIError(503, str(exc), type="server_error") from exc
+
+    def _tool_stops(self, body: p.SamplingRequest) -> tuple[str, ...]:
+        """A format whose turn ends with a call (gpt-oss's <|call|>, which not every config makes an
+        eos token) stops there: the tool answers next, not the model."""
+        offered = isinstance(body, p.ChatCompletionRequest) and body.tool_mode() != "none"
+        return (self.tool_format.stop,) if offered and self.tool_format and self.tool_format.stop else ()
 
     @staticmethod
     def _sampling(body: p.SamplingRequest, choice: int) -> SamplingParams:
@@ -228,11 +234,15 @@ class Routes:
     # ------------------------------------------------------------------- endpoints
 
     def tool_calls_stream(self, body: p.ChatCompletionRequest) -> ToolCallStream | None:
-        """What splits this request's output into content and tool calls (None: no tools)."""
+        """What splits this request's output into content and tool calls (None: no tools, the
+        output is all content). A call the output ends inside is dropped (docs/API.md, Tools)."""
         if body.tool_mode() == "none":
-            return None
-        return ToolCallStream(self.tool_format, {t.function.name for t in body.tools},
-                              None if body.parallel_tool_calls else 1)
+            # gpt-oss writes its channels' markup whatever the tools: content is its final text
+            harmony = self.tool_format is not None and self.tool_format.name == "gpt_oss"
+            return call_stream(self.tool_format, set()) if harmony else None
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        return call_stream(self.tool_format, {t.function.name for t in body.tools},
+                           None if body.parallel_tool_calls else 1, tools)
 
     def _chat_choice(self, index: int, d: Delta, body: p.ChatCompletionRequest) -> p.ChatChoice:
         stream = self.tool_calls_stream(body)

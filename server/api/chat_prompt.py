@@ -3,18 +3,24 @@
 Chat templates know system/user/assistant; "developer" is OpenAI's newer "system". Tools
 go to templates that render them (`tools=`); for the others lockstep describes them in the
 system prompt and renders earlier calls and tool results in the same fallback format the
-model is asked to answer in (server/api/tool_calls.py).
+model is asked to answer in (server/api/tool_calls.py). Earlier calls go to a template with
+their arguments as an object (templates write them with `tojson`); Mistral's templates take
+only 9-character call ids, so other ids reach them mapped (`mistral_call_id`).
 """
 from __future__ import annotations
 
 import json
 
 from lockstep.server.api import protocol as p
-from lockstep.server.api.tool_calls import ToolFormat, fallback_system_prompt
+from lockstep.server.api.tool_calls import ToolFormat, fallback_system_prompt, mistral_call_id
 
 
-def _tool_dicts(body: p.ChatCompletionRequest) -> list[dict]:
-    return [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+def _tool_dicts(body: p.ChatCompletionRequest, fmt: ToolFormat | None = None) -> list[dict]:
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+    if fmt is not None and fmt.name == "gpt_oss":  # its template writes "// " + description unguarded
+        for tool in tools:
+            tool["function"].setdefault("description", "")
+    return tools
 
 
 def _call_json(call: p.ToolCall) -> dict:
@@ -25,12 +31,14 @@ def _call_json(call: p.ToolCall) -> dict:
     return {"name": call.function.name, "arguments": arguments}
 
 
-def _native_message(m: p.ChatMessage) -> dict:
+def _native_message(m: p.ChatMessage, fmt: ToolFormat) -> dict:
+    call_id = mistral_call_id if fmt.name == "mistral" else str
     message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
     if m.tool_calls:
-        message["tool_calls"] = [{"id": c.id, "type": "function", "function": _call_json(c)} for c in m.tool_calls]
+        message["tool_calls"] = [{"id": call_id(c.id), "type": "function", "function": _call_json(c)}
+                                 for c in m.tool_calls]
     if m.tool_call_id:
-        message["tool_call_id"] = m.tool_call_id
+        message["tool_call_id"] = call_id(m.tool_call_id)
     return message
 
 
@@ -47,8 +55,8 @@ def template_messages(body: p.ChatCompletionRequest, fmt: ToolFormat) -> tuple[l
     """(messages, extra keyword arguments) for `apply_chat_template`."""
     offered = body.tool_mode() != "none"
     if fmt.native:
-        kwargs = {"tools": _tool_dicts(body)} if offered else {}
-        return [_native_message(m) for m in body.messages], kwargs
+        kwargs = {"tools": _tool_dicts(body, fmt)} if offered else {}
+        return [_native_message(m, fmt) for m in body.messages], kwargs
     messages = [_fallback_message(m, fmt) for m in body.messages]
     if offered:
         instructions = fallback_system_prompt(_tool_dicts(body))

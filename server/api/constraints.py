@@ -1,7 +1,9 @@
 """The grammar a chat or completion request's output must follow, if any.
 
 tool_choice "required" or a named function: one call (or several, with
-parallel_tool_calls) in the model's JSON tool-call format. Otherwise `response_format`
+parallel_tool_calls, where the format's answer can hold several) in the model's own tool-call
+format (`ToolFormat.grammar_tags` / `grammar_layout`); a format whose arguments are not one
+JSON object cannot be constrained (a 400). Otherwise `response_format`
 json_object / json_schema. The grammar engine (server/engine/grammar.py) compiles it; the
 engine masks each logits row with it (server/engine/logits_processors.py). Every offered
 tool's `parameters` must be an object schema, whatever tool_choice (a 400 naming the
@@ -38,14 +40,19 @@ class Constraints:
         param = "tools" if mode in ("required", "named") else "response_format"
         try:
             if mode in ("required", "named"):
-                if not self.tool_format.json_calls:
-                    raise APIError(400, f"tool_choice {body.tool_choice!r} needs JSON tool calls; this "
-                                        "model's template uses another call format", param="tool_choice")
-                start, end = self.tool_format.grammar_tags()
+                fmt = self.tool_format
+                if not fmt.json_calls:
+                    choice = "'required'" if mode == "required" else "naming a function"
+                    raise APIError(400, f"tool_choice {choice} needs a tool-call format whose arguments are one "
+                                        f"JSON object; this model's template uses {fmt.name!r} calls",
+                                   param="tool_choice")
+                start, end = fmt.grammar_tags()
                 name = body.tool_choice.function.name if mode == "named" else None
                 tools = [t.model_dump(exclude_none=True) for t in body.tools]
-                return self._grammars().tool_calls(tools, start=start, end=end, name=name,
-                                                   parallel=body.parallel_tool_calls and name is None)
+                # one call where the format's answer holds one (Llama 3.x, gpt-oss)
+                parallel = body.parallel_tool_calls and name is None and fmt.max_calls != 1
+                return self._grammars().tool_calls(tools, start=start, end=end, name=name, parallel=parallel,
+                                                   layout=fmt.grammar_layout())
             if response_format.type == "json_object":
                 return self._grammars().json_object()
             return self._grammars().json_schema(response_format.json_schema.schema_ or {})

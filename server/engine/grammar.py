@@ -53,6 +53,11 @@ ERROR_CHARS = 300  # engine messages can embed the whole grammar; keep the first
 # The request field each kind of grammar comes from (named by errors during generation).
 FIELDS = {"json_schema": "response_format", "tool_calls": "tools"}
 LIMIT_CODE = "grammar_limit_exceeded"
+# How a tool call is written (GrammarCompiler.tool_calls): open + call (separator call)* + close,
+# each call start + name_prefix + NAME + arguments_prefix + ARGUMENTS + arguments_suffix + end;
+# the name as a JSON string when name_json; separator None: up to 4 whitespace characters, or none.
+CALL_LAYOUT = {"open": "", "close": "", "separator": None, "name_prefix": '{"name": ', "name_json": True,
+               "arguments_prefix": ', "arguments": ', "arguments_suffix": "}"}
 
 
 class GrammarError(ValueError):
@@ -195,11 +200,19 @@ class GrammarCompiler:
         return self._cached("json_schema", schema, lambda: llguidance.LLMatcher.grammar_from_json_schema(
             schema, overrides=JSON_OPTIONS))
 
-    def tool_calls(self, tools: list[dict], *, start: str, end: str, name: str | None, parallel: bool) -> Grammar:
+    def tool_calls(self, tools: list[dict], *, start: str, end: str, name: str | None, parallel: bool,
+                   layout: dict | None = None) -> Grammar:
         """One call (or one or more if `parallel`): start + {"name": ..., "arguments": {...}} + end.
 
         Each tool is an alternative whose fixed name prefix selects its own arguments schema.
+        `layout` (CALL_LAYOUT's keys) is how the model's own format writes a call's name and
+        arguments and joins calls: Llama's "parameters", Mistral's `[TOOL_CALLS][...]` list or
+        `name[ARGS]{...}`, gpt-oss's `<|channel|>commentary to=functions.NAME ...<|message|>{...}`.
         """
+        layout = {**CALL_LAYOUT, **(layout or {})}
+        unknown = set(layout) - set(CALL_LAYOUT)
+        if unknown:
+            raise ValueError(f"unknown tool-call layout keys {sorted(unknown)}")
         functions = _functions(tools)
         for function, parameters in functions.items():  # before anything recursive sees them
             problem = grammar_limits.schema_problem(parameters, f"the parameters schema of function {function!r}")
@@ -212,9 +225,10 @@ class GrammarCompiler:
             if name not in functions:
                 raise GrammarError(f"tool_choice names function {name!r}, which is not among the tools")
             functions = {name: functions[name]}
-        key = {"tools": functions, "start": start, "end": end, "parallel": parallel}
+        key = {"tools": functions, "start": start, "end": end, "parallel": parallel, "layout": layout}
         try:
-            return self._cached("tool_calls", key, lambda: self._tool_calls_lark(functions, start, end, parallel))
+            return self._cached("tool_calls", key,
+                                lambda: self._tool_calls_lark(functions, start, end, parallel, layout))
         except GrammarError:
             self._blame_tool(functions)  # a clearer message when one tool's schema is the cause
             raise
@@ -227,19 +241,28 @@ class GrammarCompiler:
                 kind = GrammarLimitError if refusal.limit else GrammarError
                 raise kind(f"tools: parameters of function {function!r}: {refusal.message}")
 
-    def _tool_calls_lark(self, functions: dict[str, dict], start: str, end: str, parallel: bool) -> str:
+    def _tool_calls_lark(self, functions: dict[str, dict], start: str, end: str, parallel: bool,
+                         layout: dict) -> str:
         rules, alternatives = [], []
         for i, (function, parameters) in enumerate(functions.items()):
             # each arguments schema is its own %json root, so its "#/$defs/..." refs resolve
             rules.append(f"args_{i}: %json {json.dumps({**parameters, 'x-guidance': JSON_OPTIONS})}")
-            prefix = '{"name": ' + json.dumps(function, ensure_ascii=False) + ', "arguments": '
-            alternatives.append(f'{_lark_literal(prefix)} args_{i} "}}"')
-        top = "start: call (SEP? call)*" if parallel else "start: call"
+            spelled = json.dumps(function, ensure_ascii=False) if layout["name_json"] else function
+            prefix = layout["name_prefix"] + spelled + layout["arguments_prefix"]
+            alternatives.append(" ".join(filter(None, [self._text(prefix), f"args_{i}",
+                                                       self._text(layout["arguments_suffix"])])))
+        separator = layout["separator"]
+        if not parallel:
+            calls = "call"
+        elif separator is None:
+            calls = "call (SEP? call)*"
+        else:
+            calls = f"call ({self._text(separator)} call)*" if separator else "call+"
         lark = "\n".join([
-            top,
+            "start: " + " ".join(filter(None, [self._text(layout["open"]), calls, self._text(layout["close"])])),
             # bounded, so a model cannot loop on whitespace between calls
             r"SEP: /[ \t\r\n]{1,4}/",
-            f"call: {self._text(start)} body {self._text(end)}",
+            "call: " + " ".join(filter(None, [self._text(start), "body", self._text(end)])),
             "body: " + " | ".join(alternatives),
             *rules,
         ])

@@ -6,6 +6,11 @@ Two facts, both from proofs made on the running backend:
 - whether rows of *different* requests may share such a pass: the ragged proof
   (kernels/batching/ragged_selftest.py), made here only, over the KV layout the engine uses.
 
+A model with per-request state (a recurrent, conv or sliding-window cache) is proven for one
+row per request (`InstalledInvariance.request_rows` = 1): its deterministic requests share
+decode passes of at most L rows, one row each, and never speculate (k = 0); its state is
+neither rewound nor stored in the prefix cache.
+
 The result goes into the `Deployment` (server/engine/deployment.py); `plan_request` turns it
 into each request's plan, and the engine reads nothing else.
 """
@@ -51,10 +56,16 @@ def decide_guarantee(model, plan, kv_pool: str = "off", proofs=None) -> Guarante
 
 def proven_deployment(model, plan, *, kv_pool: str = "off", proofs=None, **settings):
     """A `Deployment` for `model` whose guarantee is `decide_guarantee`'s (the ragged proof made
-    here); `settings`: the Deployment's other fields."""
+    here); `settings`: the Deployment's other fields. A model with per-request state gets no
+    speculation, whatever `settings` say (its state cannot be rewound past rejected drafts)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from lockstep.kernels.invariance.cache_check import per_request_state
     from lockstep.server.engine.deployment import Deployment
 
     guarantee = decide_guarantee(model, plan, kv_pool, proofs)
+    if per_request_state(make_prompt_cache(model)) is not None:
+        settings["speculation"] = False
     return Deployment(limit=plan.limit if plan is not None else 0, guaranteed_rows=guarantee.rows,
                       shared_passes=guarantee.shared_passes,
                       strategy=plan.strategy if plan is not None else "native", kv_pool=kv_pool, **settings)

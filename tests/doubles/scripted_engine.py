@@ -38,7 +38,8 @@ class ScriptedEngine(Engine):
                     continue
                 try:
                     event = next(slot.state)
-                except StopIteration:
+                except StopIteration:  # finished, or gave up inside the step because it was cancelled
+                    scheduler.note_cancelled(slot.handle)
                     self._drop(slot)
                     continue
                 except Exception as exc:  # reaches the client as an error, never a hang

@@ -13,7 +13,11 @@ native:
 - mx.quantized_matmul: the same split at a quantization-group boundary from
   `quantized_rows` rows up (CUDA keeps its per-row kernel below 8 rows);
 - mx.fast.scaled_dot_product_attention: with more than one query, the probability-weighted
-  sum over keys is split in two halves (flash-decoding style).
+  sum over keys is split in two halves (flash-decoding style);
+- mx.gather_mm / mx.gather_qmm (MoE experts): with more than one token row in the call (the
+  rows a backend may group per expert, sorted or not), the K reduction is split in two, for
+  gather_qmm at a quantization-group boundary. A one-row call (decode: one token against its
+  k experts) stays native.
 
 These are the narrowest points both mlx-lm's own modules and kernels/invariance/ops.py go
 through. Results stay close to native (tests can check outputs are sane), just not bitwise.
@@ -42,6 +46,8 @@ def shape_variant_backend(quantized_rows: int = 8):
     native_addmm = mx.addmm
     native_qmm = mx.quantized_matmul
     native_sdpa = mx.fast.scaled_dot_product_attention
+    native_gather_mm = mx.gather_mm
+    native_gather_qmm = mx.gather_qmm
 
     def split_k_matmul(a, b):
         k = a.shape[-1]
@@ -102,10 +108,36 @@ def shape_variant_backend(quantized_rows: int = 8):
         out = native_matmul(p[..., :h], vg[..., :h, :]) + native_matmul(p[..., h:], vg[..., h:, :])
         return out.reshape(b, heads, t, -1)
 
+    def gather_mm(a, b, lhs_indices=None, rhs_indices=None, **kwargs):
+        k = a.shape[-1]
+        if a.size // max(k, 1) <= 1 or k < 2:
+            return native_gather_mm(a, b, lhs_indices, rhs_indices, **kwargs)
+        h = k // 2
+        return (native_gather_mm(a[..., :h], b[..., :h, :], lhs_indices, rhs_indices, **kwargs)
+                + native_gather_mm(a[..., h:], b[..., h:, :], lhs_indices, rhs_indices, **kwargs))
+
+    def gather_qmm(x, w, scales, biases=None, lhs_indices=None, rhs_indices=None, transpose=True,
+                   group_size=None, bits=None, mode="affine", global_scale=None, **kwargs):
+        def native(xx, ww, ss, bb):
+            return native_gather_qmm(xx, ww, ss, bb, lhs_indices, rhs_indices, transpose=transpose,
+                                     group_size=group_size, bits=bits, mode=mode,
+                                     global_scale=global_scale, **kwargs)
+
+        k = x.shape[-1]
+        h = (k // 2) // group_size * group_size if group_size else 0
+        if x.size // max(k, 1) <= 1 or not transpose or h == 0 or (h * bits) % 32:
+            return native(x, w, scales, biases)
+        wc, sc = h * bits // 32, h // group_size
+        low = native(x[..., :h], w[..., :wc], scales[..., :sc], None if biases is None else biases[..., :sc])
+        high = native(x[..., h:], w[..., wc:], scales[..., sc:], None if biases is None else biases[..., sc:])
+        return low + high
+
     mx.matmul, mx.array.__matmul__, mx.addmm = matmul, dunder, addmm
     mx.quantized_matmul, mx.fast.scaled_dot_product_attention = quantized_matmul, sdpa
+    mx.gather_mm, mx.gather_qmm = gather_mm, gather_qmm
     try:
         yield
     finally:
         mx.matmul, mx.array.__matmul__, mx.addmm = native_matmul, native_dunder, native_addmm
         mx.quantized_matmul, mx.fast.scaled_dot_product_attention = native_qmm, native_sdpa
+        mx.gather_mm, mx.gather_qmm = native_gather_mm, native_gather_qmm
