@@ -15,7 +15,6 @@ from lockstep.models.gguf_import import WEIGHT_FORMATS
 from lockstep.models.quantize import Q_MODES
 from lockstep.server.distributed.world import BACKENDS, PARALLEL_MODES
 from lockstep.server.engine.decode_plan import METHODS
-# serve --max-active / --max-batch-rows, defined beside the rule they bound; re-exported
 from lockstep.server.engine.deployment import MAX_DRAFT_TOKENS, PREFILL_CHUNK
 # serve --max-active / --max-batch-rows, defined beside the rule they bound; re-exported
 from lockstep.server.engine.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS  # noqa: F401
