@@ -235,8 +235,8 @@ def _proven(run, form, model, limit, prefixes, widths, seed, stop_at_first, proo
     return result
 
 
-def _self_test(model, limit: int, prefixes, widths: tuple, seed: int,
-               stop_at_first: bool) -> SelfTestResult:
+def _result_maker(limit: int, widths: tuple, prefixes):
+    """A function of (mismatches, reason) giving the SelfTestResult of a proof started now."""
     t0 = time.perf_counter()
     backend = str(mx.default_device())
 
@@ -245,6 +245,13 @@ def _self_test(model, limit: int, prefixes, widths: tuple, seed: int,
         return SelfTestResult(passed, backend, limit, widths, tuple(prefixes), tuple(mismatches),
                               reason or ("; ".join(map(str, mismatches[:3])) if mismatches else "ok"),
                               time.perf_counter() - t0)
+
+    return result
+
+
+def _self_test(model, limit: int, prefixes, widths: tuple, seed: int,
+               stop_at_first: bool) -> SelfTestResult:
+    result = _result_maker(limit, widths, prefixes)
 
     if not widths:
         return result(reason=f"nothing to prove for L={limit}")
@@ -308,14 +315,7 @@ def _per_request_self_test(model, limit: int, prefixes, widths: tuple, seed: int
                            stop_at_first: bool) -> SelfTestResult:
     from ..batching.ragged import enable_ragged, ragged_forward, ragged_problem
 
-    t0 = time.perf_counter()
-    backend = str(mx.default_device())
-
-    def result(mismatches=(), reason=""):
-        passed = not mismatches and not reason
-        return SelfTestResult(passed, backend, limit, widths, tuple(prefixes), tuple(mismatches),
-                              reason or ("; ".join(map(str, mismatches[:3])) if mismatches else "ok"),
-                              time.perf_counter() - t0)
+    result = _result_maker(limit, widths, prefixes)
 
     if not widths:
         return result(reason=f"nothing to prove for L={limit}")

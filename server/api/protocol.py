@@ -424,14 +424,10 @@ class _Message(Request):
         return self
 
 
-class _InstructionMessage(_Message):
-    content: str | list[TextContentPart] | None = None  # required; None gets the message below
-    name: str | None = None  # templates render no participant names: accepted, not rendered
+class _TextMessage(_Message):
+    """A message whose content is text (a string or text parts), and required."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_calls(cls, data):
-        return _no_tool_calls(data)
+    content: str | list[TextContentPart] | None = None  # required; None gets the message below
 
     @field_validator("content", mode="before")
     @classmethod
@@ -443,6 +439,15 @@ class _InstructionMessage(_Message):
         if self.content is None:
             raise ValueError(f"a {self.role} message needs content")
         return self
+
+
+class _InstructionMessage(_TextMessage):
+    name: str | None = None  # templates render no participant names: accepted, not rendered
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_calls(cls, data):
+        return _no_tool_calls(data)
 
     @property
     def tool_calls(self) -> None:
@@ -524,9 +529,8 @@ class AssistantMessageParam(_Message):
         return self
 
 
-class ToolMessage(_Message):
+class ToolMessage(_TextMessage):
     role: Literal["tool"]
-    content: str | list[TextContentPart] | None = None
     tool_call_id: str = Field(min_length=1)
 
     @model_validator(mode="before")
@@ -535,17 +539,6 @@ class ToolMessage(_Message):
         if isinstance(data, dict) and not data.get("tool_call_id"):
             raise ValueError("a tool message needs tool_call_id")
         return _no_tool_calls(data)
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_only(cls, content):
-        return _text_parts_only(content)
-
-    @model_validator(mode="after")
-    def _has_content(self):
-        if self.content is None:
-            raise ValueError("a tool message needs content")
-        return self
 
     @property
     def tool_calls(self) -> None:

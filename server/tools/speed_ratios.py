@@ -102,13 +102,16 @@ class Comparison:
                 f"{max(self.a_rate):8.1f} tok/s = {self.ratio():5.2f}x{same}{('  ' + self.note) if self.note else ''}")
 
 
+def chat_tokens(tokenizer, text: str) -> list[int]:
+    """`text` as a user's turn in the model's chat template, ready for its answer."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+
+
 def run_bench(model, tokenizer, set_limit, limit: int, draft_model=None, n_tokens=64, rounds=2,
               prompt_tokens=512, k=None) -> list[Comparison]:
     """set_limit(L) installs L on `model` (0 = native)."""
     k = k or max(1, limit - 1)
-    chat = lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                       add_generation_prompt=True)
-    open_prompt, rep_prompt = chat(OPEN), chat(REPETITIVE)
+    open_prompt, rep_prompt = chat_tokens(tokenizer, OPEN), chat_tokens(tokenizer, REPETITIVE)
     long_prompt = (open_prompt * (prompt_tokens // len(open_prompt) + 1))[:prompt_tokens]
 
     decode_cmp = Comparison("decode (plain)", "native", "deterministic")
@@ -171,8 +174,7 @@ def run_task_bench(model, tokenizer, k: int, n_tokens=64, rounds=2, pass_costs=N
     every decode run as the engine runs it (ModelRunner.as_engine_runs)."""
     if pass_costs is None:
         pass_costs = measure_pass_costs(model, k + 1, runner=runner)
-    chat = lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731
-                                                       add_generation_prompt=True)
+    chat = lambda text: chat_tokens(tokenizer, text)  # noqa: E731
     results = [TaskResult(name) for name in TASKS]
     decode(model, chat(OPEN), 4, runner=runner)  # warm-up
     for _ in range(rounds):
@@ -235,8 +237,7 @@ def run_prediction_bench(model, tokenizer, k: int, n_tokens=64, rounds=2, runner
     of TASKS, deterministic (the caller installs L), rounds alternating: with the answer itself
     as the prediction, and with the text the answer edits (PREDICTIONS). Tokens are checked
     identical to plain decoding's."""
-    chat = lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731
-                                                       add_generation_prompt=True)
+    chat = lambda text: chat_tokens(tokenizer, text)  # noqa: E731
     encode = lambda text: list(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
     results = [PredictionResult(name) for name in TASKS]
     decode(model, chat(OPEN), 4, runner=runner)  # warm-up
@@ -269,8 +270,7 @@ def run_exit_layer_bench(model, tokenizer, exit_layers: list[int], k: int, n_tok
     identical: the measurement an exit layer is chosen by."""
     from lockstep.server.engine.speculative import EarlyExitModel
 
-    chat = lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731
-                                                       add_generation_prompt=True)
+    chat = lambda text: chat_tokens(tokenizer, text)  # noqa: E731
     depth = len(model.model.layers)
     lines = ["| exit layer | task | accepted | acceptance | self-spec ÷ plain | tokens identical |",
              "|---|---|---|---|---|---|"]
