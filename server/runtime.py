@@ -17,7 +17,8 @@ import mlx.core as mx
 from lockstep.server.engine.decode_plan import METHODS
 
 from lockstep.server.engine.deployment import MAX_DRAFT_TOKENS, Deployment
-from lockstep.server.options import AUDIT_MODES, DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK
+from lockstep.server.options import (AUDIT_MODES, DEFAULT_MAX_BATCH_ROWS, DEFAULT_NUM_DRAFT_TOKENS,
+                                     DEFAULT_PREFILL_CHUNK)
 
 log = logging.getLogger("lockstep.runtime")
 
@@ -67,6 +68,8 @@ class Options:
     # "auto" = where the GPU kernel is available, "on" = also elsewhere (one attention call
     # per row), "off".
     kv_pool: str = "off"
+    # The widest pass the engine builds (`serve --max-batch-rows`): the ragged proof covers it.
+    max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS
 
 
 def seconds_since_process_start() -> float:
@@ -291,7 +294,7 @@ def build_runtime(options: Options) -> Runtime:
     from lockstep.server.engine.guarantee import decide_guarantee
 
     with timings.timed("ragged_proof"):  # the deployment's guarantee, decided here only
-        guarantee = decide_guarantee(loaded.model, plan, kv_pool, proofs)
+        guarantee = decide_guarantee(loaded.model, plan, kv_pool, proofs, options.max_batch_rows)
 
     with timings.timed("warm_up"):  # the first request should not pay for first-call setup
         try:
@@ -311,6 +314,7 @@ def build_runtime(options: Options) -> Runtime:
                                      prefill_chunk=options.prefill_chunk, kv_pool=kv_pool)
     deployment = Deployment(
         limit=plan.limit, guaranteed_rows=guarantee.rows, shared_passes=guarantee.shared_passes,
+        shared_pass_rows=guarantee.pass_rows,
         strategy=plan.strategy, speculation=speculation,
         speculative=options.speculative, num_draft_tokens=options.num_draft_tokens,
         max_draft_tokens=options.max_draft_tokens, draft_model=draft, draft_name=draft_name,

@@ -119,7 +119,7 @@ class PassLog:
 
 
 def serve_tiny(limit: int, *, claim_without_proof: int = 0, max_batch_rows: int = 32, max_kv_tokens=None,
-               kv_pool: str = "off"):
+               kv_pool: str = "off", pass_rows: int | None = None):
     """(app, engine, pass log) for the tiny model with L = `limit` installed under the double
     and its guarantee decided as at startup; `claim_without_proof`: a deployment that claims
     that many shared deterministic rows instead (the negative control)."""
@@ -136,7 +136,7 @@ def serve_tiny(limit: int, *, claim_without_proof: int = 0, max_batch_rows: int 
                                     draft_model=draft, prefill_chunk=8, kv_pool=kv_pool)
         else:
             deployment = proven_deployment(model, plan if limit else None, kv_pool=kv_pool, draft_model=draft,
-                                           prefill_chunk=8)
+                                           prefill_chunk=8, pass_rows=pass_rows)
     with shape_variant_backend():
         engine = Engine(TinyLoaded(model), max_active=16, deployment=deployment,
                         max_batch_rows=max_batch_rows, max_kv_tokens=max_kv_tokens,
@@ -361,3 +361,70 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_passes(monkeypatch)
 def test_models_endpoint_reports_batching(live_server):
     info = httpx.get(live_server + "/models").json()["data"][0]["lockstep"]["batching"]
     assert info["batched"] is True and info["max_batch_rows"] >= 1 and info["max_active"] >= 1
+
+
+# ------------------------------------------- the limit bounds one kernel call, not a pass
+
+WIDE_L = 2  # far fewer rows than the deterministic requests below bring to one pass
+WIDE = [(i % 4, None if i % 2 else 20 + i) for i in range(8)]  # (prompt, seed or greedy)
+
+
+def wide_load(url) -> dict:
+    """Every WIDE request at once, deterministic, no speculation: {i: (ids, logprob bits, tops)}."""
+    client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    results, errors = {}, []
+
+    def run(i):
+        try:
+            p, seed = WIDE[i]
+            results[i] = completion(client, p, "none", None, seed, i % 3 == 0, True)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(WIDE))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    return results
+
+
+def wide_runs(monkeypatch=None, blocks=True):
+    """(solo answers, answers under load, passes under load) with L = 2 and passes of up to
+    16 rows proven (calls of more than L rows run in blocks of at most L)."""
+    app, engine, log = serve_tiny(WIDE_L, pass_rows=16, max_batch_rows=16)
+    if not blocks:  # the negative control: wide calls run natively in the engine's passes
+        import contextlib
+
+        import lockstep.server.engine.model_runner as model_runner
+
+        monkeypatch.setattr(model_runner, "calls_in_blocks", contextlib.nullcontext)
+    engine.start()
+    try:
+        with shape_variant_backend(), running(app) as url:
+            client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+            solo = {i: completion(client, p, "none", None, seed, False, True) for i, (p, seed) in enumerate(WIDE)}
+            first = len(log.passes)
+            loaded = wide_load(url)
+    finally:
+        engine.stop()
+    assert engine.describe()["deterministic_pass_rows"] == 16 and engine.deployment.guaranteed_rows == WIDE_L
+    return solo, loaded, log.passes[first:]
+
+
+def test_deterministic_rows_fill_passes_wider_than_l_and_keep_their_solo_bits():
+    solo, loaded, passes = wide_runs()
+    assert max(rows for rows, _ in passes) > WIDE_L  # passes really held more than L deterministic rows
+    assert max(requests for _, requests in passes) > WIDE_L
+    for i in solo:
+        assert len(solo[i][0]) == TOKENS
+        assert loaded[i] == solo[i], f"deterministic request {i} changed in a pass wider than L"
+
+
+def test_negative_control_wide_passes_without_blocks_change_answers(monkeypatch):
+    """The same passes with each wide call run whole (native, the double's batched order):
+    the deterministic answers change."""
+    solo, loaded, passes = wide_runs(monkeypatch, blocks=False)
+    assert max(rows for rows, _ in passes) > WIDE_L
+    assert any(loaded[i] != solo[i] for i in solo)

@@ -1,5 +1,8 @@
 """Bitwise proof that a ragged pass (kernels/batching/ragged.py) gives each request's rows the logits
-and KV they get when that request's rows run alone, for every total width 1..L.
+and KV they get when that request's rows run alone, for every total width 1..W (W: the widest
+pass the engine builds with deterministic rows, at least L; calls of more than L rows run in
+blocks of at most L, kernels/invariance/layers.py `calls_in_blocks`, as the engine's decode
+passes run them).
 
 A pool of requests with different cached prefix lengths (one decode row each, plus a few
 with several rows, as speculative verification brings) is run alone once each; then for
@@ -43,9 +46,10 @@ def _same(a: mx.array, b: mx.array) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(_bits(a), _bits(b)))
 
 
-def _pool(limit: int) -> list[tuple[int, int]]:
-    """(prefix length, rows) per member: `limit` one-row decoders, and multi-row members."""
-    singles = [(3 + 2 * i, 1) for i in range(limit)]
+def _pool(limit: int, widest: int) -> list[tuple[int, int]]:
+    """(prefix length, rows) per member: `widest` one-row decoders, and multi-row members of
+    at most `limit` rows (a request's own rows: speculative verification)."""
+    singles = [(3 + 2 * i, 1) for i in range(widest)]
     multi = [(5 + i, r) for i, r in enumerate(sorted({min(limit, 2), min(limit, 4)})) if r > 1]
     return singles + multi
 
@@ -85,15 +89,19 @@ class _Caches:
 
 
 def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None,
-                 kv_pool: str = "off") -> RaggedProof:
-    """Prove ragged passes of 1..limit rows bit-identical to solo passes on this model
-    (`kv_pool`: the requests' caches as the engine makes them, see server/engine/deployment.py)."""
+                 kv_pool: str = "off", pass_rows: int | None = None) -> RaggedProof:
+    """Prove ragged passes of 1..max(limit, pass_rows) rows bit-identical to solo passes on
+    this model (`kv_pool`: the requests' caches as the engine makes them, see
+    server/engine/deployment.py)."""
+    from ..invariance.layers import calls_in_blocks
+
     start = time.perf_counter()
     if limit < 1:
         return RaggedProof(False, limit, (), "the limit is 0")
+    widest = max(limit, pass_rows or limit)
     vocab = vocab or _vocab_size(model)
     key = mx.random.key(seed)
-    pool = _pool(limit)
+    pool = _pool(limit, widest)
     made = _Caches(model, kv_pool, max(prefix + rows for prefix, rows in pool))
     prompts, caches = [], []
     for i, (prefix, rows) in enumerate(pool):
@@ -112,11 +120,12 @@ def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None,
         mx.eval(logits, kv)
         solo.append((logits, kv))
 
-    widths = tuple(range(1, limit + 1))
+    widths = tuple(range(1, widest + 1))
     for width in widths:
         members = _members_for(width, pool)
         fresh = [made.copy(caches[i]) for i in members]
-        outs = ragged_forward(model, [(fresh[j], prompts[i]) for j, i in enumerate(members)])
+        with calls_in_blocks():
+            outs = ragged_forward(model, [(fresh[j], prompts[i]) for j, i in enumerate(members)])
         mx.eval(outs)
         for j, i in enumerate(members):
             logits, kv = solo[i]
@@ -132,20 +141,20 @@ def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None,
 
 
 def prove_ragged_cached(model, limit: int, proof_cache=None, *, seed: int = 0,
-                        kv_pool: str = "off") -> RaggedProof:
+                        kv_pool: str = "off", pass_rows: int | None = None) -> RaggedProof:
     """`prove_ragged`, re-using a result proven earlier on this machine (a
-    kernels.invariance.selftest.ProofCache: same model, strategy, L, code, MLX and device)."""
+    kernels.invariance.selftest.ProofCache: same model, strategy, L, widths, code, MLX and device)."""
     if proof_cache is None:
-        return prove_ragged(model, limit, seed=seed, kv_pool=kv_pool)
+        return prove_ragged(model, limit, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows)
     from ..invariance.selftest import proof_key
 
-    key = {**proof_key(model, limit, range(1, limit + 1), (), seed, True, proof_cache.model_identity),
+    widths = tuple(range(1, max(limit, pass_rows or limit) + 1))
+    key = {**proof_key(model, limit, widths, (), seed, True, proof_cache.model_identity),
            "what": "ragged pass proof", **({"kv_pool": kv_pool} if kv_pool != "off" else {})}
     value = None if proof_cache.fresh else proof_cache.store.get(key)
     if isinstance(value, dict) and isinstance(value.get("passed"), bool):
-        return RaggedProof(value["passed"], limit, tuple(range(1, limit + 1)), str(value.get("reason", "")),
-                           0.0, cached=True)
-    proof = prove_ragged(model, limit, seed=seed, kv_pool=kv_pool)
+        return RaggedProof(value["passed"], limit, widths, str(value.get("reason", "")), 0.0, cached=True)
+    proof = prove_ragged(model, limit, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows)
     proof_cache.store.put(key, {"passed": proof.passed, "reason": proof.reason, "seconds": proof.seconds})
     return proof
 

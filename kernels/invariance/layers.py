@@ -62,6 +62,7 @@ class _ThreadState(threading.local):
     active: "Setting | None" = None  # what the layers read: kept by _thread_value
     setting: "Setting | None" = None
     native: bool = False
+    blocks: bool = False  # calls of more than L rows run canonically in blocks of at most L rows
 
 
 _local = _ThreadState()
@@ -91,6 +92,23 @@ def _thread_value(name: str, value):
 def batch_invariant(setting: Setting | None):
     """Make `setting` the active one on this thread (None: native) for the enclosed calls."""
     return _thread_value("setting", setting)
+
+
+def calls_in_blocks():
+    """The enclosed calls of more than L rows run canonically, as blocks of at most L rows each
+    (every row keeps the bits of its single-row call: the canonical forms are row-independent
+    within a call the self-test proved). For the engine's decode passes, whose deterministic
+    rows may outnumber L; a prompt chunk keeps its own shape (its native call: chunks are
+    aligned, so the same chunk has the same shape alone or after a cached prefix)."""
+    return _thread_value("blocks", True)
+
+
+def _in_blocks(x: mx.array, limit: int, call) -> mx.array:
+    """`call` (rows (M, K) -> (M, N)) on x's rows in blocks of at most `limit`, in order."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    out = mx.concatenate([call(rows[i:i + limit]) for i in range(0, rows.shape[0], limit)], axis=0)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def native_forms():
@@ -123,6 +141,14 @@ _embedding_as_linear = nn.Embedding.as_linear
 _quantized_embedding_as_linear = nn.QuantizedEmbedding.as_linear
 
 
+def _canonical(x, limit: int, call):
+    """`call(x)` for a call of at most `limit` rows; in blocks under `calls_in_blocks`; None:
+    the call is wider than L and runs natively (a prompt chunk)."""
+    if rows_of(x) <= limit:
+        return call(x)
+    return _in_blocks(x, limit, call) if _local.blocks else None
+
+
 class InvariantLinear(nn.Linear):
     def __call__(self, x):
         s = _local.active
@@ -130,47 +156,48 @@ class InvariantLinear(nn.Linear):
             return _linear_call(self, x)
         if x.size == x.shape[-1] and s.dense_row_plain:
             y = x @ self["weight"].T  # (not addmm: the bias is a separate add for every M)
-        elif rows_of(x) <= s.limit:
-            y = dense_rows(x, self["weight"], s.strategy.dense)
         else:
-            return _linear_call(self, x)
+            y = _canonical(x, s.limit, lambda r: dense_rows(r, self["weight"], s.strategy.dense))
+            if y is None:
+                return _linear_call(self, x)
         return y + self["bias"] if "bias" in self else y
+
+
+def _quantized_rows_of(layer, s: Setting):
+    return lambda r: quantized_rows(
+        r, layer["weight"], layer["scales"], layer.get("biases"),
+        group_size=layer.group_size, bits=layer.bits, mode=layer.mode,
+        rows_per_call=s.strategy.quantized_rows, form=s.strategy.quantized_form,
+    )
 
 
 class InvariantQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x):
         s = _local.active
-        if (s is None or s.quantized_native or (x.size == x.shape[-1] and s.quantized_row_plain)
-                or rows_of(x) > s.limit):
+        if s is None or s.quantized_native or (x.size == x.shape[-1] and s.quantized_row_plain):
             return _quantized_linear_call(self, x)
-        y = quantized_rows(
-            x, self["weight"], self["scales"], self.get("biases"),
-            group_size=self.group_size, bits=self.bits, mode=self.mode,
-            rows_per_call=s.strategy.quantized_rows, form=s.strategy.quantized_form,
-        )
+        y = _canonical(x, s.limit, _quantized_rows_of(self, s))
+        if y is None:
+            return _quantized_linear_call(self, x)
         return y + self["bias"] if "bias" in self else y
 
 
 class InvariantEmbedding(nn.Embedding):
     def as_linear(self, x):
         s = _local.active
-        if (s is None or s.dense_native or (x.size == x.shape[-1] and s.dense_row_plain)
-                or rows_of(x) > s.limit):
+        if s is None or s.dense_native or (x.size == x.shape[-1] and s.dense_row_plain):
             return _embedding_as_linear(self, x)
-        return dense_rows(x, self["weight"], s.strategy.dense)
+        y = _canonical(x, s.limit, lambda r: dense_rows(r, self["weight"], s.strategy.dense))
+        return _embedding_as_linear(self, x) if y is None else y
 
 
 class InvariantQuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x):
         s = _local.active
-        if (s is None or s.quantized_native or (x.size == x.shape[-1] and s.quantized_row_plain)
-                or rows_of(x) > s.limit):
+        if s is None or s.quantized_native or (x.size == x.shape[-1] and s.quantized_row_plain):
             return _quantized_embedding_as_linear(self, x)
-        return quantized_rows(
-            x, self["weight"], self["scales"], self.get("biases"),
-            group_size=self.group_size, bits=self.bits, mode=self.mode,
-            rows_per_call=s.strategy.quantized_rows, form=s.strategy.quantized_form,
-        )
+        y = _canonical(x, s.limit, _quantized_rows_of(self, s))
+        return _quantized_embedding_as_linear(self, x) if y is None else y
 
 
 def _expert_rows(self, call, x, indices):
@@ -179,7 +206,7 @@ def _expert_rows(self, call, x, indices):
     block's own. x: (..., D) hidden states, indices: (..., k) experts per row."""
     s = _local.active
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
-    if s is None or rows <= 1 or rows > s.limit:
+    if s is None or rows <= 1 or (rows > s.limit and not _local.blocks):
         return call(self, x, indices)
     lead, k = x.shape[:-1], indices.shape[-1]
     xs, idx = x.reshape(1, rows, x.shape[-1]), indices.reshape(1, rows, k)

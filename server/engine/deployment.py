@@ -24,6 +24,9 @@ class Deployment:
     # whether rows of different requests may share such a pass (the ragged proof).
     guaranteed_rows: int = 0
     shared_passes: bool = False
+    # The widest pass proven to hold several requests' deterministic rows (L bounds one
+    # kernel call, not a pass: wider calls run in blocks of at most L rows); 0: L.
+    shared_pass_rows: int = 0
     strategy: str = "native"  # canonical kernel strategy in use
     speculative: str = "none"  # default method for requests that do not choose
     num_draft_tokens: int = 4  # default k

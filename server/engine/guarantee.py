@@ -24,15 +24,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Guarantee:
-    rows: int  # guaranteed rows per pass (0: none)
+    rows: int  # rows one kernel call may hold with the guarantee: L (0: none)
     shared_passes: bool  # requests' deterministic rows may share a pass
     reason: str = ""
+    pass_rows: int = 0  # the widest pass proven to hold deterministic rows of several requests
 
 
-def decide_guarantee(model, plan, kv_pool: str = "off", proofs=None) -> Guarantee:
+def decide_guarantee(model, plan, kv_pool: str = "off", proofs=None, pass_rows: int | None = None) -> Guarantee:
     """The deployment's guarantee for `model` with the installed invariance `plan`
     (a kernels.invariance.limit.InstalledInvariance or None); `proofs` a ProofCache to re-use
-    a ragged proof made earlier on this machine."""
+    a ragged proof made earlier on this machine. `pass_rows`: the widest pass the engine will
+    build (`--max-batch-rows`): L bounds one kernel call, not a pass, so the ragged proof covers
+    every width up to it (calls of more than L rows run in blocks of at most L); if that fails,
+    passes of at most L rows are proven instead."""
     if plan is None or not plan.guaranteed:
         return Guarantee(0, False, plan.reason if plan is not None else "no batch-invariant limit")
     from lockstep.kernels.batching.ragged import enable_ragged, ragged_problem
@@ -44,17 +48,24 @@ def decide_guarantee(model, plan, kv_pool: str = "off", proofs=None) -> Guarante
                     "passes of their own", problem)
         return Guarantee(plan.limit, False, problem)
     enable_ragged(model)
-    proof = prove_ragged_cached(model, plan.limit, proofs, kv_pool=kv_pool)
+    widest = max(plan.limit, pass_rows or plan.limit)
+    proof = prove_ragged_cached(model, plan.limit, proofs, kv_pool=kv_pool, pass_rows=widest)
+    if not proof and widest > plan.limit:
+        log.warning("ragged passes of up to %d rows not proven (%s): trying passes of at most L = %d",
+                    widest, proof.reason, plan.limit)
+        widest = plan.limit
+        proof = prove_ragged_cached(model, plan.limit, proofs, kv_pool=kv_pool, pass_rows=widest)
     if proof:
         log.info("ragged passes of 1..%d rows proven bit-identical to solo passes (%.1f s)",
-                 proof.limit, proof.seconds)
+                 widest, proof.seconds)
     else:
         log.warning("ragged passes not proven (%s): deterministic requests get passes of their own",
                     proof.reason)
-    return Guarantee(plan.limit, bool(proof), proof.reason)
+    return Guarantee(plan.limit, bool(proof), proof.reason, widest if proof else 0)
 
 
-def proven_deployment(model, plan, *, kv_pool: str = "off", proofs=None, **settings):
+def proven_deployment(model, plan, *, kv_pool: str = "off", proofs=None, pass_rows: int | None = None,
+                      **settings):
     """A `Deployment` for `model` whose guarantee is `decide_guarantee`'s (the ragged proof made
     here); `settings`: the Deployment's other fields. A model with per-request state gets no
     speculation, whatever `settings` say (its state cannot be rewound past rejected drafts)."""
@@ -63,9 +74,9 @@ def proven_deployment(model, plan, *, kv_pool: str = "off", proofs=None, **setti
     from lockstep.kernels.invariance.cache_check import per_request_state
     from lockstep.server.engine.deployment import Deployment
 
-    guarantee = decide_guarantee(model, plan, kv_pool, proofs)
+    guarantee = decide_guarantee(model, plan, kv_pool, proofs, pass_rows)
     if per_request_state(make_prompt_cache(model)) is not None:
         settings["speculation"] = False
     return Deployment(limit=plan.limit if plan is not None else 0, guaranteed_rows=guarantee.rows,
-                      shared_passes=guarantee.shared_passes,
+                      shared_passes=guarantee.shared_passes, shared_pass_rows=guarantee.pass_rows,
                       strategy=plan.strategy if plan is not None else "native", kv_pool=kv_pool, **settings)

@@ -15,14 +15,12 @@ token_steps.drive, the bench and verify) use `forward_rows`, `new_cache` and
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
-
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from lockstep.kernels.batching.kv_pool import KVPool, is_pooled
 from lockstep.kernels.batching.ragged import enable_ragged, ragged_logits, ragged_problem, ragged_prompt_forward
-from lockstep.kernels.invariance.layers import call_without_head, native_forms
+from lockstep.kernels.invariance.layers import call_without_head, calls_in_blocks, native_forms
 from lockstep.kernels.invariance.prefill import chunk_end, resume_at
 from lockstep.server.engine.deployment import Deployment
 from lockstep.server.engine.step_data import (DecodePass, ModelRunnerOutput, PassResult, PrefillResult,
@@ -160,7 +158,9 @@ class ModelRunner:
         """One decode pass over its members' rows (their caches advance): logits, every row's
         argmax and every sampled request's sampling, in two device round trips."""
         members = [(slot.state, rows) for slot, rows in decode_pass.members]
-        with nullcontext() if decode_pass.canonical else native_forms():
+        # Canonical passes may hold more rows than L (the ragged proof covered their widths):
+        # each call of more than L rows then runs in blocks of at most L.
+        with calls_in_blocks() if decode_pass.canonical else native_forms():
             if self.batched:
                 logits = ragged_logits(self.model, [(state.cache, rows) for state, rows in members])
             else:

@@ -2,10 +2,10 @@
 
 Each demand carries its request's plan's determinism (server/engine/decode_plan.py):
 - "alone": its rows get a pass of their own;
-- "shared": a pass that holds such a row has at most L rows (the guaranteed rows), so
-  every layer runs the canonical forms proven bit-identical to M = 1 (kernels/invariance/selftest.py
-  and kernels/batching/ragged.py prove every width up to L). Rows of other requests may fill it up
-  to L: canonical rows do not depend on their neighbours.
+- "shared": a pass that holds such a row has at most `shared_rows` rows (the widest pass the
+  ragged proof covered: L bounds one kernel call, and wider calls run in blocks of at most L,
+  kernels/invariance/layers.py), so every row keeps the bits of its single-row call. Rows of
+  other requests may fill it: canonical rows do not depend on their neighbours.
 - Passes of non-deterministic rows only may be wider (up to `max_rows`) and run native.
 - A request's rows are never split across passes, and requests keep their order (the
   caller rotates it between steps, so every request gets to go first in turn).

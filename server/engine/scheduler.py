@@ -52,8 +52,8 @@ class _DraftRoom:
     deterministic requests, max_batch_rows for others), so a full batch stops drafting.
     Drafts never change tokens (sample and compare), only how many passes a request takes."""
 
-    def __init__(self, decoding: list[RequestState], guaranteed_rows: int, max_batch_rows: int):
-        self.capacity = {"shared": guaranteed_rows, "alone": guaranteed_rows, "none": max_batch_rows}
+    def __init__(self, decoding: list[RequestState], shared_rows: int, guaranteed_rows: int, max_batch_rows: int):
+        self.capacity = {"shared": shared_rows, "alone": guaranteed_rows, "none": max_batch_rows}
         self.pending = {kind: sum(s.determinism == kind for s in decoding) for kind in self.capacity}
         self.claimed = dict.fromkeys(self.capacity, 0)
 
@@ -91,6 +91,12 @@ class Scheduler:
         self._counted: set[int] = set()  # requests already in `cancelled`
         self.on_admit = lambda waited: None
         self.on_fail = self._log_failure
+
+    @property
+    def shared_rows(self) -> int:
+        """Rows a pass holding deterministic rows of several requests may have: the widest
+        width the ragged proof covered (L bounds one kernel call, not a pass)."""
+        return min(self.max_batch_rows, max(self.deployment.shared_pass_rows, self.deployment.guaranteed_rows))
 
     # ----------------------------------------------------------------------- queue
 
@@ -236,7 +242,8 @@ class Scheduler:
     def schedule_decode(self) -> SchedulerOutput:
         """Every decoding request's rows (a drafter may propose here), grouped into passes."""
         decoding = [s for s in self._in_turn() if not s.state.prefilling and not s.handle.cancelled]
-        room = (_DraftRoom([s.state for s in decoding], self.deployment.guaranteed_rows, self.max_batch_rows)
+        room = (_DraftRoom([s.state for s in decoding], self.shared_rows, self.deployment.guaranteed_rows,
+                           self.max_batch_rows)
                 if self.runner.batched and self.draft_room else None)
         demands = []
         for slot in decoding:
@@ -251,7 +258,7 @@ class Scheduler:
                 continue
             demands.append(Demand((slot, rows), len(rows), slot.state.determinism))
         if self.runner.batched:
-            groups = compose_passes(demands, self.deployment.guaranteed_rows, self.max_batch_rows)
+            groups = compose_passes(demands, self.shared_rows, self.max_batch_rows)
         else:
             groups = [[d] for d in demands]
         return SchedulerOutput(passes=[DecodePass([d.owner for d in group]) for group in groups])
@@ -293,7 +300,9 @@ class Scheduler:
     def describe(self) -> dict:
         return {"max_active": self.max_active, "max_active_per_request": self.active_per_request,
                 "max_batch_rows": self.max_batch_rows,
-                "deterministic_pass_rows": self.deployment.guaranteed_rows,
+                "deterministic_pass_rows": self.shared_rows if self.deployment.shared_passes
+                else self.deployment.guaranteed_rows,
+                "deterministic_call_rows": self.deployment.guaranteed_rows,
                 "max_kv_tokens": self.kv_budget.capacity,
                 "deterministic_rows_shared": self.deployment.shared_passes and self.runner.batched,
                 **self.runner.describe()}
