@@ -111,6 +111,7 @@ def restarted(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "lockstep.server.cli", "--log-level", "WARNING", "serve", "--batch-invariant-limit", str(L),
          "--prefill-chunk", str(CHUNK), "--port", str(port),
+         "--max-batch-rows", str(L),  # the restart is the point here, not wide passes: prove 1..L only
          "--cpu-blas", "reference"],  # as the in-process server it is compared with (auto = q4)
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     yield SimpleNamespace(proc=proc, url=f"http://127.0.0.1:{port}", log=log.name)

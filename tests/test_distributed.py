@@ -42,6 +42,7 @@ class RingDeployment:
         hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(ranks)]))
         command = [sys.executable, "-m", "lockstep.server.cli", "serve", "--parallel", parallel,
                    "--port", str(self.port), "--batch-invariant-limit", "2", "--max-active", "4",
+                   "--max-batch-rows", "4",  # every rank proves every pass width: keep them few
                    "--connect-timeout", "60", "--rank-timeout", "15", *extra]
         self.logs = [tmp / f"rank{r}.log" for r in range(ranks)]
         self.procs = []
