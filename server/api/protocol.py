@@ -441,8 +441,8 @@ class _TextMessage(_Message):
         return self
 
 
-class _InstructionMessage(_TextMessage):
-    name: str | None = None  # templates render no participant names: accepted, not rendered
+class _CallFreeMessage(_Message):
+    """A message that neither makes tool calls nor answers one."""
 
     @model_validator(mode="before")
     @classmethod
@@ -456,6 +456,10 @@ class _InstructionMessage(_TextMessage):
     @property
     def tool_call_id(self) -> None:
         return None
+
+
+class _InstructionMessage(_TextMessage, _CallFreeMessage):
+    name: str | None = None  # templates render no participant names: accepted, not rendered
 
 
 class SystemMessage(_InstructionMessage):
@@ -550,25 +554,12 @@ def legacy_call_id(name: str) -> str:
     return f"call_{name}"
 
 
-class FunctionMessage(_Message):
+class FunctionMessage(_CallFreeMessage):
     """A legacy function result: rendered as the tool result it is."""
 
     role: Literal["function"]
     content: str | None
     name: str
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_calls(cls, data):
-        return _no_tool_calls(data)
-
-    @property
-    def tool_calls(self) -> None:
-        return None
-
-    @property
-    def tool_call_id(self) -> None:
-        return None
 
     def normalized(self) -> ToolMessage:
         return ToolMessage(role="tool", content=self.content or "", tool_call_id=legacy_call_id(self.name))
