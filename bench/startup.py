@@ -1,34 +1,67 @@
-"""Seconds from `lockstep serve` to a healthy /health: a first start vs a restart.
+"""How long `lockstep serve` takes to serve, and to prove its guarantee: a fresh start vs a restart.
 
-    .venv/bin/python bench/startup.py [--out FILE] [--only nvfp4|embedded]
+On this machine (CPU), from the project root:
 
-Each case starts a real server process twice with the same, initially empty, verdict
-cache (`LOCKSTEP_VERDICT_CACHE_DIR` in a temporary directory; the model import cache is the
-user's, as for any start): the first start runs the kernel audit and the self-test, the
-restart re-uses their verdicts. The startup phases come from /v1/models.
+    .venv/bin/python bench/startup.py [--only embedded] [--only nvfp4] [--restarts 3] [--out FILE]
 
-Cases (issue 10's goals):
+On the GPU machine (a source tree at /tmp/src, docs/DESIGN.md's "Device runs"), from /tmp/src:
+
+    PYTHONPATH=/tmp/site:/tmp/ns:/tmp/src python3 bench/startup.py --only h200-float16 \\
+        --only h200-nvfp4 --only h200-float16-l16 --out /tmp/startup.md   # then copy it to $OUT
+
+Each start is a real server process (`python -m lockstep.server.cli serve`, with this
+interpreter and environment). Measured from the moment the process is spawned:
+- health: the first 200 from /health;
+- first plain answer: one plain chat request, sent as soon as /health answers;
+- guarantee: when /health's "guarantee" leaves "proving", and the state it settles in
+  (a server without that key is taken as "in_force" once /health answers);
+- the startup phases from /v1/models once the guarantee is settled (the largest are shown).
+
+A fresh start gets empty caches: the verdict cache (`LOCKSTEP_VERDICT_CACHE_DIR`) and MLX's
+CUDA compile caches (`MLX_PTX_CACHE_DIR`, `CUDA_CACHE_PATH`; set on every backend, used only
+on CUDA), each a new temporary directory; the restarts re-use the same directories. The model
+import cache is the user's, as for any start. Each start's server output goes to a log file
+(its `startup:` lines are printed); a start that is not done within --timeout is killed and
+reported as timed out.
+
+Cases (`--only`, repeatable; default embedded and nvfp4):
+- embedded: the embedded model, `--batch-invariant-limit 8 --draft-model default-quantized`;
 - nvfp4: a 2-layer llama, hidden 1040 (16 mod 32), vocab 49152, float16, tied head,
   quantized to nvfp4 on disk (built here once, random weights);
-- embedded: the embedded model with `--batch-invariant-limit 8 --draft-model default-quantized`.
+- h200-float16: the embedded model in float16, L = 8, the quantized draft model;
+- h200-nvfp4: the embedded model quantized to nvfp4 at load time, L = 8;
+- h200-float16-l16: the embedded model in float16, L = 16.
+The h200 cases pass `--cpu-blas reference`, as docs/DESIGN.md asks for device runs.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # tests.synthetic, for the nvfp4 case
 
+STOP_GRACE_S = 60       # after SIGTERM, before SIGKILL
+POLL_S = 0.05           # /health polling interval
+PLAIN_REQUEST = {"model": "default", "messages": [{"role": "user", "content": "Say hi"}],
+                 "max_tokens": 8}
+
+
+# ---------------------------------------------------------------- cases
 
 def build_nvfp4_1040(out: Path) -> Path:
     """2 layers, hidden 1040, vocab 49152, float16, tied embeddings, nvfp4 on disk."""
@@ -48,79 +81,319 @@ def build_nvfp4_1040(out: Path) -> Path:
     return out
 
 
+def case_args(name: str, model_dir: Path) -> list[str]:
+    """`lockstep serve` arguments of one case (the nvfp4 case builds its model first)."""
+    if name == "nvfp4":
+        return ["--model", str(build_nvfp4_1040(model_dir))]
+    return CASES[name]
+
+
+CASES = {
+    "embedded": ["--batch-invariant-limit", "8", "--draft-model", "default-quantized"],
+    "nvfp4": None,  # built on demand: case_args()
+    "h200-float16": ["--weights", "float16", "--batch-invariant-limit", "8",
+                     "--draft-model", "default-quantized", "--cpu-blas", "reference"],
+    "h200-nvfp4": ["--quantize", "nvfp4", "--batch-invariant-limit", "8", "--cpu-blas", "reference"],
+    "h200-float16-l16": ["--weights", "float16", "--batch-invariant-limit", "16",
+                         "--cpu-blas", "reference"],
+}
+DEFAULT_CASES = ("embedded", "nvfp4")
+
+
+def cache_env(cache_root: Path) -> dict:
+    """The environment of a case's starts: its own (initially empty) verdict and compile caches."""
+    dirs = {"LOCKSTEP_VERDICT_CACHE_DIR": "verdicts", "MLX_PTX_CACHE_DIR": "ptx",
+            "CUDA_CACHE_PATH": "cuda"}
+    for sub in dirs.values():
+        (cache_root / sub).mkdir(parents=True, exist_ok=True)
+    return {**os.environ, "LOCKSTEP_API_KEYS": "",
+            **{var: str(cache_root / sub) for var, sub in dirs.items()}}
+
+
+# ---------------------------------------------------------------- one start
+
+@dataclass
+class Start:
+    label: str
+    log: Path
+    health_s: float | None = None
+    first_plain_s: float | None = None
+    plain_error: str | None = None
+    guarantee_s: float | None = None
+    state: str | None = None
+    reports_guarantee: bool = True   # False: an older server without /health's "guarantee"
+    phases: dict = field(default_factory=dict)
+    models_state: str | None = None  # /v1/models' batch_invariance.state, if any
+    failure: str | None = None       # "timed out ..." / "exited with ..."
+
+
+class StartFailed(Exception):
+    pass
+
+
+class PlainRequest(threading.Thread):
+    """One plain chat request, timed from `t0` (the spawn) to its answer."""
+
+    def __init__(self, base: str, t0: float, timeout: float):
+        super().__init__(daemon=True)  # never keeps the bench alive
+        self.base, self.t0, self.timeout = base, t0, timeout
+        self.seconds: float | None = None
+        self.error: str | None = None
+
+    def run(self) -> None:
+        req = urllib.request.Request(self.base + "/v1/chat/completions",
+                                     data=json.dumps(PLAIN_REQUEST).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                body = json.load(r)
+            body["choices"][0]["message"]  # an answer, not just a 200
+            self.seconds = time.perf_counter() - self.t0
+        except Exception as exc:  # noqa: BLE001 -- reported in the table
+            self.error = f"{type(exc).__name__}: {exc}"[:120]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def start_to_healthy(args: list[str], env: dict, log: Path, timeout: float = 1200) -> dict:
+def spawn(serve_args: list[str], port: int, env: dict, log: Path) -> subprocess.Popen:
+    """The server process, its output (stdout and stderr) in `log`, in its own process group."""
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "lockstep.server.cli", "serve", "--port", str(port), *serve_args],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> str | None:
+    """SIGTERM and wait; SIGKILL (its process group) after STOP_GRACE_S. Returns a note if killed."""
+    if proc.poll() is not None:
+        return None
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_GRACE_S)
+        return None
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return f"SIGKILLed {STOP_GRACE_S} s after SIGTERM"
+
+
+def get_json(url: str, timeout: float) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        if r.status != 200:
+            raise OSError(f"HTTP {r.status}")
+        return json.load(r)
+
+
+def check_alive(proc: subprocess.Popen, deadline: float, waiting_for: str) -> None:
+    if proc.poll() is not None:
+        raise StartFailed(f"exited with {proc.returncode} waiting for {waiting_for}")
+    if time.perf_counter() > deadline:
+        raise StartFailed(f"timed out waiting for {waiting_for}")
+
+
+def poll_health(base: str) -> dict | None:
+    """/health's body, or None while it does not answer 200 (not listening yet, 503, a slow
+    answer). Any other HTTP error is a broken server: StartFailed."""
+    try:
+        return get_json(base + "/health", timeout=2)
+    except urllib.error.HTTPError as exc:
+        if exc.code >= 500 and exc.code != 503:
+            raise StartFailed(f"/health answered HTTP {exc.code}") from exc
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def wait_for_health(base: str, proc: subprocess.Popen, deadline: float) -> dict:
+    """Polls /health until its first 200; returns the body."""
+    while True:
+        check_alive(proc, deadline, "/health")
+        health = poll_health(base)
+        if health is not None:
+            return health
+        time.sleep(POLL_S)
+
+
+def wait_for_guarantee(base: str, proc: subprocess.Popen, deadline: float, health: dict) -> dict:
+    """Polls /health until its guarantee leaves "proving"; returns that body."""
+    while health.get("guarantee", "in_force") == "proving":
+        check_alive(proc, deadline, "the guarantee")
+        time.sleep(POLL_S)
+        health = poll_health(base) or health
+    return health
+
+
+def model_details(base: str) -> tuple[dict, str | None]:
+    """(startup phases, batch_invariance.state) from /v1/models (details under "lockstep" or not)."""
+    card = get_json(base + "/v1/models", timeout=30)["data"][0]
+    info = card.get("lockstep") or card
+    phases = (info.get("startup") or {}).get("phases_s") or {}
+    return phases, (info.get("batch_invariance") or {}).get("state")
+
+
+def measure_start(label: str, serve_args: list[str], env: dict, log: Path, timeout: float) -> Start:
+    """One server start, timed from its spawn; the server is stopped before this returns."""
+    result = Start(label, log)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
-    with open(log, "a") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "lockstep.server.cli", "serve", "--port", str(port), *args],
-                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = t0 + timeout
+    proc = spawn(serve_args, port, env, log)
+    plain = None
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"serve exited with {proc.returncode}; see {log}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.perf_counter() - t0 > timeout:
-                raise RuntimeError(f"not healthy after {timeout}s; see {log}")
-            time.sleep(0.1)
-        healthy = time.perf_counter() - t0
-        with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
-            info = json.load(r)["data"][0]["lockstep"]
-        return {"healthy_s": healthy, "startup": info.get("startup"),
-                "audit": {k: info["audit"].get(k) for k in ("mode", "configurations", "cached",
-                                                            "workarounds", "seconds")},
-                "invariance": info.get("batch_invariance", {}).get("strategy")}
+        health = wait_for_health(base, proc, deadline)
+        result.health_s = time.perf_counter() - t0
+        plain = PlainRequest(base, t0, timeout=max(1.0, deadline - time.perf_counter()))
+        plain.start()
+        result.reports_guarantee = "guarantee" in health
+        settled = wait_for_guarantee(base, proc, deadline, health)
+        result.guarantee_s = (time.perf_counter() - t0 if result.reports_guarantee
+                              else result.health_s)
+        result.state = settled.get("guarantee", "in_force")
+        plain.join(timeout=max(0.0, deadline - time.perf_counter()))
+        if plain.is_alive():
+            raise StartFailed("timed out waiting for the plain answer")
+        result.phases, result.models_state = model_details(base)
+    except StartFailed as exc:
+        result.failure = str(exc)
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        result.failure = f"/v1/models: {type(exc).__name__}: {exc}"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        killed = stop(proc)
+        if killed:
+            result.failure = "; ".join(filter(None, (result.failure, killed)))
+    if plain is not None and not plain.is_alive():
+        result.first_plain_s, result.plain_error = plain.seconds, plain.error
+    if result.reports_guarantee and result.guarantee_s is None and result.health_s is not None:
+        result.state = "proving"  # never left it
+    return result
 
+
+def startup_lines(log: Path) -> list[str]:
+    try:
+        return [line.rstrip() for line in log.read_text(errors="replace").splitlines()
+                if "startup:" in line]
+    except OSError:
+        return []
+
+
+# ---------------------------------------------------------------- a case
+
+def median_start(starts: list[Start]) -> Start:
+    """The median of each measurement (and phase) over `starts`; states joined if they differ."""
+    def med(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    keys = {k for s in starts for k in s.phases}
+    states = sorted({s.state for s in starts if s.state})
+    failures = [s.failure for s in starts if s.failure]
+    return Start(
+        f"restart (median of {len(starts)})", starts[0].log,
+        health_s=med(s.health_s for s in starts),
+        first_plain_s=med(s.first_plain_s for s in starts),
+        guarantee_s=med(s.guarantee_s for s in starts),
+        state="/".join(states) or None,
+        reports_guarantee=all(s.reports_guarantee for s in starts),
+        phases={k: med(s.phases.get(k) for s in starts) for k in keys},
+        failure=f"{len(failures)} of {len(starts)} failed" if failures else None)
+
+
+def run_case(name: str, serve_args: list[str], work: Path, restarts: int, timeout: float) -> list[Start]:
+    """A fresh start, then `restarts` restarts with the same caches; the caches are removed after."""
+    cache_root = work / f"cache-{name}"
+    env = cache_env(cache_root)
+    labels = ["fresh"] + [f"restart {i}" if restarts > 1 else "restart" for i in range(1, restarts + 1)]
+    starts = []
+    try:
+        for label in labels:
+            log = work / f"{name}-{label.replace(' ', '')}.log"
+            start = measure_start(label, serve_args, env, log, timeout)
+            print(f"{name} {label}: " + "; ".join(row(start)[1:]) + f"  (log {log})", flush=True)
+            for line in startup_lines(log):
+                print(f"    {line}", flush=True)
+            print(f"    phases from /v1/models: {json.dumps(start.phases)}", flush=True)
+            starts.append(start)
+            if label == "fresh" and start.health_s is None:
+                print(f"{name}: the fresh start never answered /health; restarts skipped", flush=True)
+                break
+    finally:
+        shutil.rmtree(cache_root, ignore_errors=True)
+    if restarts > 1 and len(starts) > 2:
+        starts.append(median_start(starts[1:]))
+    return starts
+
+
+# ---------------------------------------------------------------- the table
+
+def seconds(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f} s"
+
+
+def largest_phases(phases: dict, n: int = 3) -> str:
+    top = sorted(((v, k) for k, v in phases.items() if v is not None), reverse=True)[:n]
+    return ", ".join(f"{k} {v:.1f}" for v, k in top) or "—"
+
+
+def row(s: Start) -> list[str]:
+    plain = seconds(s.first_plain_s) if s.plain_error is None else f"error ({s.plain_error})"
+    state = s.state or "—"
+    if not s.reports_guarantee:
+        state += "*"
+    if s.models_state and s.state and s.models_state != s.state:
+        state += f"; /v1/models {s.models_state}"
+    guarantee = f"{seconds(s.guarantee_s)} ({state})"
+    health = seconds(s.health_s)
+    if s.failure:
+        health += f" [{s.failure}]"
+    return [s.label, health, plain, guarantee, largest_phases(s.phases)]
+
+
+def table(name: str, serve_args: list[str], starts: list[Start]) -> str:
+    header = ["start", "health", "first plain answer", "guarantee (state)", "largest phases (s)"]
+    lines = [f"### {name}", "", f"`lockstep serve {' '.join(serve_args)}`", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row(s)) + " |" for s in starts]
+    if not all(s.reports_guarantee for s in starts):
+        lines += ["", "\\* this server's /health has no \"guarantee\": taken as in force at /health."]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- main
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("nvfp4", "embedded"), default=None)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--only", action="append", choices=tuple(CASES), default=None,
+                        help=f"case to run (repeat for several; default {' and '.join(DEFAULT_CASES)})")
+    parser.add_argument("--restarts", type=int, default=1,
+                        help="restarts after the fresh start (more than 1: their median is added)")
+    parser.add_argument("--timeout", type=float, default=600,
+                        help="seconds a start may take to settle its guarantee and answer (default 600)")
     parser.add_argument("--model-dir", default=None, help="where to build/keep the nvfp4 model")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="also write the tables (markdown) here")
     parser.add_argument("--serve-arg", action="append", default=[],
-                        help="extra `lockstep serve` argument (repeat), e.g. --serve-arg=--weights=float16")
+                        help="extra `lockstep serve` argument (repeat), e.g. --serve-arg=--audit=fresh")
     args = parser.parse_args()
+    if args.restarts < 1:
+        parser.error("--restarts must be at least 1")
 
     work = Path(tempfile.mkdtemp(prefix="lockstep-startup-"))
     model_dir = Path(args.model_dir) if args.model_dir else work / "nvfp4-1040"
-    cases = {
-        "nvfp4": lambda: ["--model", str(build_nvfp4_1040(model_dir))],
-        "embedded": lambda: ["--batch-invariant-limit", "8", "--draft-model", "default-quantized"],
-    }
-    lines = []
-    for name, make_args in cases.items():
-        if args.only and name != args.only:
-            continue
-        serve_args = make_args() + args.serve_arg
-        env = {**os.environ, "LOCKSTEP_VERDICT_CACHE_DIR": str(work / f"cache-{name}"),
-               "LOCKSTEP_API_KEYS": ""}
-        for start in ("first start", "restart"):
-            r = start_to_healthy(serve_args, env, work / f"{name}.log")
-            line = (f"{name:8s} {start:11s} healthy in {r['healthy_s']:6.1f} s; phases "
-                    f"{json.dumps(r['startup'])}; audit {json.dumps(r['audit'])}; "
-                    f"strategy {r['invariance']}")
-            print(line, flush=True)
-            lines.append(line)
+    print(f"logs in {work}", flush=True)
+    tables = []
+    for name in args.only or DEFAULT_CASES:
+        serve_args = case_args(name, model_dir) + args.serve_arg
+        starts = run_case(name, serve_args, work, args.restarts, args.timeout)
+        tables.append(table(name, serve_args, starts))
+        print("\n" + tables[-1], flush=True)
     if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+        Path(args.out).write_text("\n".join(tables))
     return 0
 
 

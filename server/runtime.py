@@ -18,6 +18,7 @@ import mlx.core as mx
 from lockstep.server.engine.decode_plan import METHODS
 
 from lockstep.server.engine.deployment import MAX_DRAFT_TOKENS, Deployment
+from lockstep.server.engine.guarantee_state import IN_FORCE, OFF, PROVING, REFUSED, GuaranteeState
 from lockstep.server.options import (AUDIT_MODES, DEFAULT_MAX_BATCH_ROWS, DEFAULT_NUM_DRAFT_TOKENS,
                                      DEFAULT_PREFILL_CHUNK)
 
@@ -86,18 +87,30 @@ def seconds_since_process_start() -> float:
 
 class Phases(dict):
     """Seconds per startup phase (import, load, quantize, audit, fingerprint, self_test,
-    warm_up), in the order they ran; a phase met twice (the draft model's load) adds up."""
+    warm_up), in the order they ran; a phase met twice (the draft model's load) adds up.
+    `compile`: the custom kernels' NVRTC seconds per phase where there were any (added up over
+    the threads that compile them concurrently, so it may exceed the phase's own time)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.compile: dict[str, float] = {}
 
     @contextmanager
     def timed(self, phase: str):
-        start = time.perf_counter()
+        from lockstep.kernels.custom.compiled import compile_seconds
+
+        start, compiled = time.perf_counter(), compile_seconds()
         try:
             yield
         finally:
             self[phase] = self.get(phase, 0.0) + time.perf_counter() - start
+            spent = compile_seconds() - compiled
+            if spent > 0:
+                self.compile[phase] = self.compile.get(phase, 0.0) + spent
 
     def line(self) -> str:
-        return ", ".join(f"{k.replace('_', '-')} {v:.1f}s" for k, v in self.items())
+        return ", ".join(f"{k.replace('_', '-')} {v:.1f}s" + (f" (compile {self.compile[k]:.1f}s)" if k in self.compile else "")
+                         for k, v in self.items())
 
 
 @dataclass
@@ -112,6 +125,10 @@ class Runtime:
     # Why this model's requests neither speculate nor start from the prefix cache (None: they
     # may): state that cannot be rewound or stored exactly (`state_refusal`).
     state_refusal: str | None = None
+    guarantee: GuaranteeState = field(default_factory=GuaranteeState)  # proving, in force, refused, off
+    pending: "GuaranteeWork | None" = None  # the proofs still to run (build_runtime's defer_guarantee)
+    guarantee_seconds: float | None = None  # how long the proofs took, once they ran
+    serving_after_s: float | None = None  # the phases before serving (the proofs' only when not deferred)
 
     def model_info(self) -> dict:
         """Per-model details for GET /v1/models."""
@@ -124,8 +141,14 @@ class Runtime:
             "audit": audit,
             "startup": {"phases_s": {k: round(v, 2) for k, v in self.timings.items()},
                         "total_s": round(sum(self.timings.values()), 2),
+                        **({"serving_after_s": round(self.serving_after_s, 2)} if self.serving_after_s else {}),
+                        **({"compile_s": {k: round(v, 2) for k, v in self.timings.compile.items()}}
+                           if getattr(self.timings, "compile", None) else {}),
+                        **({"guarantee_s": round(self.guarantee_seconds, 2)}
+                           if self.guarantee_seconds is not None else {}),
                         "self_test_cached": bool(test is not None and test.cached)},
             "batch_invariance": {
+                "state": self.guarantee.state,
                 "limit": self.invariance.limit, "strategy": self.invariance.strategy,
                 "guaranteed": self.invariance.guaranteed, "reason": self.invariance.reason,
                 "request_rows": self.invariance.request_rows,
@@ -191,16 +214,19 @@ def state_refusal(model) -> str | None:
     return f"{what} can be neither rewound past rejected drafts nor stored by the prefix cache"
 
 
-def build_runtime(options: Options) -> Runtime:
+def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime:
+    """The deployment `options` describe: the model loaded, quantized and audited, its
+    guarantee proven (`GuaranteeWork`). With `defer_guarantee` (and L > 0) the proofs are left
+    to the caller: `runtime.pending` is the work, `runtime.guarantee` says "proving" until it
+    has run, and the deployment guarantees nothing meanwhile."""
     # mlx_lm (and with it transformers, ~2 s) is imported here, not at module level: the CLI
     # imports this module to build its parser, before `--cpu-blas` may re-exec the process.
     from mlx_lm.models.cache import make_prompt_cache
 
-    from lockstep.kernels import cpu_blas
-    from lockstep.kernels.invariance import set_batch_invariant_limit
+    from lockstep.kernels.invariance.limit import InstalledInvariance
     from lockstep.kernels.invariance.selftest import ProofCache
     from lockstep.kernels.verdict_cache import VerdictCache
-    from lockstep.server.fingerprint import system_fingerprint, weights_digest
+    from lockstep.server.fingerprint import weights_digest
 
     if options.speculative not in METHODS:
         raise ValueError(f"--speculative must be one of {METHODS}")
@@ -262,42 +288,27 @@ def build_runtime(options: Options) -> Runtime:
     from lockstep.kernels.custom import smoke_cache
 
     smoke_cache.prove_afresh(fresh_proofs)  # the custom kernels' smoke tests likewise
-    with timings.timed("self_test"):
-        plan = set_batch_invariant_limit(loaded.model, options.batch_invariant_limit,
-                                         options.invariant_strategy, proof_cache=proofs)
-    if options.batch_invariant_limit:
-        (log.info if plan.guaranteed else log.warning)(
-            "batch invariance L=%d strategy=%s guaranteed=%s (%s)",
-            plan.limit, plan.strategy, plan.guaranteed, plan.reason)
-    if plan.guaranteed:
-        from lockstep.kernels.invariance.warmup import build_kernels
-
-        with timings.timed("build_kernels"):  # compiled now, not during the first passes
-            build_kernels(loaded.model, plan.limit)
 
     from lockstep.kernels.batching.pool_mode import pool_mode
 
     kv_pool = pool_mode(loaded.model, options.kv_pool)
     if options.kv_pool != "off":
         log.info("KV pool: %s", kv_pool)
-
-    pass_costs = None
-    if options.adaptive_speculation and speculation:
-        from lockstep.server.engine.model_runner import ModelRunner
-        from lockstep.server.engine.speculative import measure_pass_costs
-
-        widest = options.max_draft_tokens + 1
-        if plan.guaranteed:
-            widest = max(widest, plan.limit)
-        with timings.timed("pass_costs"):  # what a verification pass of w rows costs in the engine
-            pass_costs = tuple(measure_pass_costs(loaded.model, widest,
-                                                  runner=ModelRunner.as_engine_runs(loaded.model, kv_pool)))
-    from lockstep.server.engine.guarantee import decide_guarantee
-
-    # the deployment's guarantee, decided here only (its ragged proof timed where one is made)
-    with timings.timed("ragged_proof") if plan.guaranteed else contextlib.nullcontext():
-        guarantee = decide_guarantee(loaded.model, plan, kv_pool, proofs, options.max_batch_rows)
-
+    limit = options.batch_invariant_limit
+    settings = dict(limit=limit, speculation=speculation, speculative=options.speculative,
+                    num_draft_tokens=options.num_draft_tokens, max_draft_tokens=options.max_draft_tokens,
+                    draft_model=draft, draft_name=draft_name, prefill_chunk=options.prefill_chunk,
+                    adaptive_draft_tokens=options.adaptive_speculation, kv_pool=kv_pool)
+    pending = InstalledInvariance(limit, "native" if not limit else PENDING_STRATEGY, str(mx.default_device()),
+                                  False, "off (L = 0)" if not limit else "being proven")
+    runtime = Runtime(loaded, Deployment(fingerprint=_fingerprint(loaded, transform, pending, options, kv_pool),
+                                         **settings),
+                      report, pending, transform, timings, options.audit, refusal,
+                      guarantee=GuaranteeState(PROVING if limit else OFF))
+    work = GuaranteeWork(runtime, options, proofs, settings)
+    if not (defer_guarantee and limit):
+        work.run()
+        work.settle()
     with timings.timed("warm_up"):  # the first request should not pay for first-call setup
         try:
             mx.eval(loaded.model(mx.array([[1, 2, 3]]), cache=make_prompt_cache(loaded.model)))
@@ -307,20 +318,90 @@ def build_runtime(options: Options) -> Runtime:
             hint = "; the kernel audit is off (--audit off)" if options.audit == "off" else ""
             raise ModelError(f"{loaded.path}: the warm-up forward pass failed "
                              f"({type(exc).__name__}: {exc}){hint}") from exc
-    log.info("startup: %s; total %.1fs%s", timings.line(), sum(timings.values()),
-             " (self-test proof re-used from the cache)" if plan.self_test and plan.self_test.cached
-             else "")
+    test = runtime.invariance.self_test
+    runtime.serving_after_s = sum(timings.values())
+    log.info("startup: %s; total %.1fs%s%s", timings.line(), sum(timings.values()),
+             " (self-test proof re-used from the cache)" if test and test.cached else "",
+             "; serving plain requests while the guarantee is proven" if not runtime.guarantee.settled else "")
+    if not runtime.guarantee.settled:
+        runtime.pending = work
+    return runtime
 
-    fingerprint = system_fingerprint(loaded.path, transform=transform, strategy=plan.strategy,
-                                     limit=plan.limit, blas=cpu_blas.describe(),
-                                     prefill_chunk=options.prefill_chunk, kv_pool=kv_pool)
-    deployment = Deployment(
-        limit=plan.limit, guaranteed_rows=guarantee.rows, shared_passes=guarantee.shared_passes,
-        shared_pass_rows=guarantee.pass_rows,
-        strategy=plan.strategy, speculation=speculation,
-        speculative=options.speculative, num_draft_tokens=options.num_draft_tokens,
-        max_draft_tokens=options.max_draft_tokens, draft_model=draft, draft_name=draft_name,
-        prefill_chunk=options.prefill_chunk, fingerprint=fingerprint,
-        adaptive_draft_tokens=options.adaptive_speculation, pass_costs=pass_costs, kv_pool=kv_pool,
-    )
-    return Runtime(loaded, deployment, report, plan, transform, timings, options.audit, refusal)
+
+PENDING_STRATEGY = "pending"  # the strategy a deployment names until its proof has chosen one
+
+
+def _fingerprint(loaded, transform: str, plan, options: Options, kv_pool: str) -> str:
+    from lockstep.kernels import cpu_blas
+    from lockstep.server.fingerprint import system_fingerprint
+
+    return system_fingerprint(loaded.path, transform=transform, strategy=plan.strategy, limit=plan.limit,
+                              blas=cpu_blas.describe(), prefill_chunk=options.prefill_chunk, kv_pool=kv_pool)
+
+
+@dataclass
+class GuaranteeWork:
+    """What proves a deployment's guarantee: the self-test (installing the proven forms), the
+    kernel builds, the pass costs and the ragged proof; then the deployment that carries it.
+
+    Run before serving (`build_runtime`), or by the engine thread after serving started
+    (`serve`: plain passes run between the proofs' steps, kernels/proof_steps.py), so a fresh
+    machine answers plain requests while it proves. Deterministic requests wait for it
+    (server/engine/guarantee_state.py)."""
+
+    runtime: Runtime
+    options: Options
+    proofs: object  # kernels.invariance.selftest.ProofCache
+    settings: dict  # the Deployment's fields that do not depend on the proofs
+
+    @property
+    def reason(self) -> str:
+        return self.runtime.invariance.reason
+
+    def run(self) -> Deployment:
+        from lockstep.kernels.invariance import set_batch_invariant_limit
+        from lockstep.server.engine.guarantee import decide_guarantee
+
+        runtime, options, timings = self.runtime, self.options, self.runtime.timings
+        model, kv_pool = runtime.loaded.model, self.settings["kv_pool"]
+        started = time.perf_counter()
+        with timings.timed("self_test"):
+            plan = set_batch_invariant_limit(model, options.batch_invariant_limit,
+                                             options.invariant_strategy, proof_cache=self.proofs)
+        if options.batch_invariant_limit:
+            (log.info if plan.guaranteed else log.warning)(
+                "batch invariance L=%d strategy=%s guaranteed=%s (%s)",
+                plan.limit, plan.strategy, plan.guaranteed, plan.reason)
+        if plan.guaranteed:
+            from lockstep.kernels.invariance.warmup import build_kernels
+
+            with timings.timed("build_kernels"):  # compiled now, not during the first passes
+                build_kernels(model, plan.limit)
+        pass_costs = None
+        if options.adaptive_speculation and self.settings["speculation"]:
+            from lockstep.server.engine.model_runner import ModelRunner
+            from lockstep.server.engine.speculative import measure_pass_costs
+
+            widest = options.max_draft_tokens + 1
+            if plan.guaranteed:
+                widest = max(widest, plan.limit)
+            with timings.timed("pass_costs"):  # what a verification pass of w rows costs in the engine
+                pass_costs = tuple(measure_pass_costs(model, widest,
+                                                      runner=ModelRunner.as_engine_runs(model, kv_pool)))
+        # the deployment's guarantee, decided here only (its ragged proof timed where one is made)
+        with timings.timed("ragged_proof") if plan.guaranteed else contextlib.nullcontext():
+            guarantee = decide_guarantee(model, plan, kv_pool, self.proofs, options.max_batch_rows)
+        deployment = Deployment(
+            **self.settings, guaranteed_rows=guarantee.rows, shared_passes=guarantee.shared_passes,
+            shared_pass_rows=guarantee.pass_rows, strategy=plan.strategy, pass_costs=pass_costs,
+            fingerprint=_fingerprint(runtime.loaded, runtime.transform, plan, options, kv_pool))
+        runtime.invariance, runtime.deployment = plan, deployment
+        runtime.guarantee_seconds = time.perf_counter() - started
+        return deployment
+
+    def settle(self) -> None:
+        """Say the proofs' outcome to whoever waits for it: once the deployment that carries it
+        is the one requests are planned with."""
+        plan, deployment = self.runtime.invariance, self.runtime.deployment
+        self.runtime.guarantee.settle(IN_FORCE if deployment.guaranteed else REFUSED if plan.limit else OFF,
+                                      "" if deployment.guaranteed else plan.reason)

@@ -486,3 +486,43 @@ def test_the_installed_argv_is_accepted_by_the_real_serve_parser(mac, fake_launc
     args = cli.build_parser().parse_args(program[1:])
     assert (args.command, args.model, args.weights, args.host, args.port) == (
         "serve", str(model_dir), "float16", "127.0.0.1", 9001)
+
+
+class ProvingHealthHandler(BaseHTTPRequestHandler):
+    """/health of a server proving its guarantee: "proving" for the first `proving_for` GETs."""
+
+    answers: list = []
+
+    def do_GET(self):
+        state = self.answers.pop(0) if self.answers else "in_force"
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(('{"status":"ok","guarantee":"%s"}' % state).encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def test_status_waits_for_the_guarantee_and_fails_on_a_refused_one(mac, fake_launchctl, capsys):
+    port = free_port()
+    assert run(mac, "install", "--port", str(port)) == 0
+    server = ThreadingHTTPServer(("127.0.0.1", port), ProvingHealthHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        ProvingHealthHandler.answers = ["proving"] * 3
+        capsys.readouterr()
+        assert run(mac, "status", "--wait-for", "ready") == 0  # plain requests are served already
+        assert "guarantee: proving" in capsys.readouterr().out and len(ProvingHealthHandler.answers) == 2
+        assert run(mac, "status", "--wait-for", "guarantee", "--timeout", "30") == 0
+        assert "guarantee: in_force" in capsys.readouterr().out and not ProvingHealthHandler.answers
+
+        ProvingHealthHandler.answers = ["proving"] * 1000
+        assert run(mac, "status", "--wait-for", "guarantee", "--timeout", "1") == 1
+        assert "still not guarantee" in capsys.readouterr().out
+        ProvingHealthHandler.answers = ["refused"]
+        assert run(mac, "status", "--wait-for", "guarantee", "--timeout", "30") == 1  # at once, not after 30 s
+        assert "guarantee: refused" in capsys.readouterr().out
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -113,3 +113,36 @@ def test_cpu_default_is_openblas_with_float32(monkeypatch):
     monkeypatch.setattr(backend, "cpu_blas_in_use", lambda: "openblas")
     assert resolve.auto_weights() == "float32"
     assert resolve.resolve_weights("auto") == "float32"
+
+
+def test_a_deferred_guarantee_is_proven_by_the_engine_after_serving_starts(aligned_dir, verdicts):
+    """`serve`'s start: the runtime is ready with its proofs left to do; the engine runs them,
+    and only then is the deployment guaranteed, as one proven before serving is."""
+    from lockstep.server.engine import Engine
+    from tests.http_server import wait_until
+
+    deferred = build_runtime(Options(model=str(aligned_dir), batch_invariant_limit=2), defer_guarantee=True)
+    assert deferred.pending is not None and deferred.guarantee.state == "proving"
+    assert not deferred.deployment.guaranteed and deferred.deployment.limit == 2
+    before = deferred.model_info()
+    assert before["batch_invariance"]["state"] == "proving" and "self_test" not in before["startup"]["phases_s"]
+    pending_fingerprint = deferred.deployment.fingerprint
+
+    engine = Engine(deferred.loaded, deployment=deferred.deployment, guarantee=deferred.guarantee)
+    engine.start(deferred.pending)
+    try:
+        wait_until(lambda: deferred.guarantee.settled, timeout=300, what="the deferred proofs")
+    finally:
+        engine.stop()
+    after = deferred.model_info()
+    assert deferred.guarantee.state == "in_force" and engine.deployment is deferred.deployment
+    assert engine.scheduler.deployment is engine.runner.deployment is deferred.deployment
+    assert deferred.deployment.guaranteed and deferred.deployment.shared_passes
+    assert after["batch_invariance"]["state"] == "in_force" and after["startup"]["guarantee_s"] >= 0
+    assert {"self_test", "ragged_proof"} <= set(after["startup"]["phases_s"])
+    assert deferred.deployment.fingerprint != pending_fingerprint
+
+    proven = start(aligned_dir)  # proven before serving, proofs from the verdict cache
+    assert proven.guarantee.state == "in_force" and proven.pending is None
+    assert proven.deployment.fingerprint == deferred.deployment.fingerprint
+    assert proven.invariance.strategy == deferred.invariance.strategy != "pending"

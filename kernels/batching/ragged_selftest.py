@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..proof_steps import step_done
 from .ragged import ragged_forward
 from ..invariance.selftest import UINT_OF_SIZE, new_state
 
@@ -137,6 +138,7 @@ def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None,
                     return RaggedProof(False, limit, widths, f"layer {layer} state of a {pool[i][1]}-row "
                                        f"request differs in a ragged pass of {width} rows",
                                        time.perf_counter() - start)
+        step_done()
     return RaggedProof(True, limit, widths, "", time.perf_counter() - start)
 
 

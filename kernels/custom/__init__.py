@@ -1,6 +1,7 @@
 """Custom batch-invariant kernels through MLX's public custom-kernel API
-(mx.fast.cuda_kernel / mx.fast.metal_kernel). Sources live beside this file as .cu / .metal;
-loop_order.py is the NumPy model of their reduction order."""
+(mx.fast.cuda_kernel / mx.fast.metal_kernel; on CUDA each instance compiled once per machine
+and launched with mx.fast.precompiled_cuda_kernel: compiled.py, precompile.py). Sources live
+beside this file as .cu / .metal; loop_order.py is the NumPy model of their reduction order."""
 from . import gemv_rows
 from .loop_order import MAX_ROWS
 from .skinny import (

@@ -6,7 +6,8 @@ file) through MLX's custom-kernel API, and the reference form used where there i
 queries (1, HQ, R, D) are the rows of a pass; k_pool / v_pool (HKV, S, D) hold every
 request's keys (kernels/batching/kv_pool.py); `rows` says where each row's keys start in the pool and
 how many it sees. On a GPU with the kernel all rows of all requests take one launch, in an
-order fixed by each row's key count (the header of pooled_attention.cu). Elsewhere each row
+order fixed by each row's key count (the header of pooled_attention.cu); on CUDA each
+instance is compiled once per machine (compiled.py) and launched precompiled. Elsewhere each row
 attends its own key range through MLX's attention, one call per row (the per-query form the
 self-tests prove on the CPU). Either way a row's result does not depend on the other rows.
 """
@@ -17,8 +18,8 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from . import compiled
 from .skinny import FLOAT_DTYPES, SOURCE_DIR, backend, compact_source
-from .smoke_cache import smoke_verdict
 
 ATT_WARPS = 8  # pooled_attention.cu's ATT_WARPS: the best of 4/8/16 (docs/BENCHMARKS.md, session 9)
 THREADS = 32 * ATT_WARPS
@@ -35,6 +36,10 @@ _BODIES = {
               " thread_index_in_simdgroup, q_s, m_s, l_s, acc_s);"),
 }
 _INPUTS = ["q", "k", "v", "row_base", "row_len", "scale"]
+# The precompiled wrapper (compiled.py): each input's type, and the int parameters after
+# out with the shapes they stand for in the CUDA body.
+_INPUT_TYPES = ["T", "T", "T", "int", "int", "float"]
+_SCALARS = (("heads", "q_shape[0]"), ("rows", "q_shape[1]"), ("kv_heads", "k_shape[0]"), ("slots", "k_shape[1]"))
 
 
 @dataclass
@@ -58,6 +63,37 @@ def _kernel(which: str):
                 source=_BODIES[which], header=compact_source((SOURCE_DIR / SOURCE_FILES[which]).read_text()))
 
 
+@lru_cache(maxsize=None)
+def family() -> compiled.Family:
+    return compiled.Family("lockstep_pooled_attention", "attention",
+                           compact_source((SOURCE_DIR / SOURCE_FILES["cuda"]).read_text()), _BODIES["cuda"],
+                           inputs=list(zip(_INPUTS, _INPUT_TYPES)), outputs=[("out", "T")], scalars=_SCALARS)
+
+
+@lru_cache(maxsize=4096)
+def _launcher(which: str, dtype, dim: int, heads: int, count: int, kv_heads: int, slots: int) -> tuple:
+    """(call, keyword arguments but inputs) of one launch shape, built once per shape."""
+    launch = dict(
+        template=[("T", dtype), ("D", dim)],
+        grid=(heads * count * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(heads, count, dim)],
+        output_dtypes=[dtype],
+    )
+    if which != "cuda":
+        return _kernel(which), launch
+    return compiled.launcher(family(), launch, dict(heads=heads, rows=count, kv_heads=kv_heads, slots=slots),
+                             lambda: (_kernel(which), launch))
+
+
+compiled.on_disable("attention", _launcher.cache_clear)
+
+
+def instances(dtype, dim: int) -> list:
+    """The (family, template) instance of this element type and head size (compiled.precompile)."""
+    return [(family(), (("T", dtype), ("D", dim)))]
+
+
 def kernel_takes(dtype, dim: int) -> bool:
     """Element types and head sizes the kernel is written for."""
     return dim % 32 == 0 and dim <= 256 and dtype in FLOAT_DTYPES
@@ -76,14 +112,8 @@ def kernel_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows
     """All rows in one launch (the GPU kernel); queries (1, HQ, R, D) -> (1, HQ, R, D)."""
     _, heads, count, dim = queries.shape
     base, lens = rows.arrays()
-    out = _kernel(backend())(
-        inputs=[queries[0], k_pool, v_pool, base, lens, mx.array([scale], dtype=mx.float32)],
-        template=[("T", queries.dtype), ("D", dim)],
-        grid=(heads * count * THREADS, 1, 1),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[(heads, count, dim)],
-        output_dtypes=[queries.dtype],
-    )[0]
+    call, launch = _launcher(backend(), queries.dtype, dim, heads, count, k_pool.shape[0], k_pool.shape[1])
+    out = call(inputs=[queries[0], k_pool, v_pool, base, lens, mx.array([scale], dtype=mx.float32)], **launch)[0]
     return out[None]
 
 
@@ -115,6 +145,8 @@ def pooled_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows
 def _smoke_test(dtype, dim: int) -> str | None:
     """Compile and run the kernel for one element type and head size on awkward lengths
     (tile tails, one key) with grouped heads, against the reference form; None when they agree."""
+    if backend() == "cuda":
+        compiled.precompile(instances(dtype, dim))
     lens = [1, 31, 32, 33, 129, 7]
     base = [0, 5, 40, 80, 120, 260]
     kq, kk, kv = mx.random.split(mx.random.key(11), 3)
@@ -135,9 +167,9 @@ def _availability(which: str | None, dtype, dim: int) -> str | None:
     if which is None:
         return f"no custom-kernel API on {mx.default_device()}"
     try:
-        problem = smoke_verdict(f"pooled_attention {which} {dtype} D{dim}", lambda: _smoke_test(dtype, dim),
-                                __file__, SOURCE_DIR / "skinny.py",
-                                *(SOURCE_DIR / name for name in SOURCE_FILES.values()))
+        problem = compiled.smoke(f"pooled_attention {which} {dtype} D{dim}", "attention",
+                                 lambda: _smoke_test(dtype, dim), __file__, SOURCE_DIR / "skinny.py",
+                                 compiled.SOURCE, *(SOURCE_DIR / name for name in SOURCE_FILES.values()))
     except Exception as e:  # a compile or launch failure: the reference form is used
         return f"{which} pooled attention failed to build or run: {type(e).__name__}: {str(e)[:300]}"
     return f"{which} pooled attention: {problem}" if problem else None

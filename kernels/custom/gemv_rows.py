@@ -1,5 +1,6 @@
 """Loads gemv_rows.cu (beside this file): dense rows in the order of MLX's own single-row
-GEMV, with the weights read once per group of rows, through mx.fast.cuda_kernel.
+GEMV, with the weights read once per group of rows: each instance compiled once per machine
+(compiled.py) and launched with mx.fast.precompiled_cuda_kernel, else through mx.fast.cuda_kernel.
 
 Decode (M = 1) keeps MLX's plain call; a block of 2..64 rows runs this kernel, whose rows
 carry the single-row call's bits because they follow its reduction order (index model:
@@ -13,21 +14,29 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from . import compiled
 from .gemv_order import MAX_ROWS, lanes_per_step, warp_shape
 from .skinny import backend, compact_source
-from .smoke_cache import smoke_verdict
 
 SOURCE = Path(__file__).resolve().parent / "gemv_rows.cu"
 SKINNY_LOADER = Path(__file__).resolve().parent / "skinny.py"  # compact_source
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 WARPS_PER_BLOCK = 4
 _BODY = "lockstep_gemv::gemv_rows<T, NPT, R, MR>(x, w, y, x_shape[0], w_shape[0], x_shape[1]);"
+# The precompiled wrapper's int parameters after y, and the shapes they stand for in _BODY.
+_SCALARS = (("M", "x_shape[0]"), ("N", "w_shape[0]"), ("K", "x_shape[1]"))
 
 
 @lru_cache(maxsize=None)
 def _kernel():
     return mx.fast.cuda_kernel(name="lockstep_gemv_rows", input_names=["x", "w"], output_names=["y"],
                                source=_BODY, header=compact_source(SOURCE.read_text()))
+
+
+@lru_cache(maxsize=None)
+def family() -> compiled.Family:
+    return compiled.Family("lockstep_gemv_rows", "gemv_rows", compact_source(SOURCE.read_text()), _BODY,
+                           inputs=[("x", "T"), ("w", "T")], outputs=[("y", "T")], scalars=_SCALARS)
 
 
 @lru_cache(maxsize=4096)
@@ -42,6 +51,21 @@ def _launch_plan(m: int, n: int, k: int, dtype, shape: tuple | None) -> dict:
         output_shapes=[(m, n)],
         output_dtypes=[dtype],
     )
+
+
+@lru_cache(maxsize=4096)
+def _launcher(m: int, n: int, k: int, dtype, shape: tuple | None) -> tuple:
+    """(call, keyword arguments but inputs) of one launch shape, built once per shape."""
+    plan = _launch_plan(m, n, k, dtype, shape)
+    return compiled.launcher(family(), plan, dict(M=m, N=n, K=k), lambda: (_kernel(), plan))
+
+
+compiled.on_disable("gemv_rows", _launcher.cache_clear)
+
+
+def instances(m: int, n: int, k: int, dtype, shape: tuple | None = None) -> list:
+    """The (family, template) instance a launch of x (m, k), w (n, k) runs (compiled.precompile)."""
+    return [(family(), tuple(_launch_plan(m, n, k, dtype, shape)["template"]))]
 
 
 def serves(x: mx.array, weight: mx.array) -> bool:
@@ -66,7 +90,8 @@ def try_matmul(x: mx.array, weight: mx.array):
 
 def _launch(x: mx.array, weight: mx.array, shape: tuple | None) -> mx.array:
     m, k = x.shape
-    return _kernel()(inputs=[x, weight], **_launch_plan(m, weight.shape[0], k, x.dtype, shape))[0]
+    call, launch = _launcher(m, weight.shape[0], k, x.dtype, shape)
+    return call(inputs=[x, weight], **launch)[0]
 
 
 # (M, N, K): K picks the lanes' step (4, 2 or 1 elements: K % 128, K % 64, else), N a
@@ -76,6 +101,7 @@ SMOKE_SHAPES = ((2, 33, 256), (5, 70, 192), (11, 9, 100), (3, 1030, 4096))
 
 def _smoke_test() -> str | None:
     """Every row of the kernel against MLX's own single-row call, bit for bit; None: equal."""
+    compiled.precompile(i for dtype in DTYPES for m, n, k in SMOKE_SHAPES for i in instances(m, n, k, dtype))
     key = mx.random.key(11)
     for dtype in DTYPES:
         for m, n, k in SMOKE_SHAPES:
@@ -94,7 +120,8 @@ def _availability(which: str | None) -> str | None:
     if which != "cuda":
         return f"gemv_rows follows MLX's CUDA GEMV; not on {mx.default_device()}"
     try:
-        problem = smoke_verdict("gemv_rows", _smoke_test, SOURCE, __file__, SKINNY_LOADER)
+        problem = compiled.smoke("gemv_rows", "gemv_rows", _smoke_test, SOURCE, __file__, SKINNY_LOADER,
+                                 compiled.SOURCE)
     except Exception as e:  # a compile or launch failure: the kernel is not used
         return f"gemv_rows failed to build or run: {type(e).__name__}: {str(e)[:300]}"
     return f"gemv_rows: {problem}" if problem else None

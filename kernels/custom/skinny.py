@@ -1,5 +1,7 @@
-"""Loads the batch-invariant skinny matmul (skinny_matmul.cu / skinny_matmul.metal, beside
-this file) through MLX's public custom-kernel API and calls it.
+"""Loads the batch-invariant skinny matmul (skinny_matmul.cu / skinny_mma.cu /
+skinny_matmul.metal, beside this file) through MLX's public custom-kernel API and calls it:
+on CUDA each instance compiled once per machine (compiled.py) and launched with
+mx.fast.precompiled_cuda_kernel (else mx.fast.cuda_kernel), on Metal mx.fast.metal_kernel.
 
 The CPU backend has no custom-kernel API: there `unavailable_reason()` says so and callers
 keep today's canonical forms. On a GPU the kernels are compiled on first use and checked
@@ -11,8 +13,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from . import compiled
 from .loop_order import MAX_ROWS, columns_per_warp, launch_threads
-from .smoke_cache import smoke_verdict
 
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCE_FILES = {"cuda": "skinny_matmul.cu", "metal": "skinny_matmul.metal", "cuda_mma": "skinny_mma.cu"}
@@ -101,6 +103,11 @@ _MMA_BODIES = {
               "(x, w, nullptr, scales, nullptr, y, x_shape[0], w_shape[0], x_shape[1]);"),
 }
 _INPUTS = {"dense": ["x", "w"], "affine": ["x", "w", "scales", "biases"], "nvfp4": ["x", "w", "scales"]}
+# The precompiled wrappers (compiled.py): each input's type, and the int parameters after y
+# with the shapes they stand for in the bodies.
+_INPUT_TYPES = {"dense": ["T", "T"], "affine": ["T", "uint32_t", "T", "T"], "nvfp4": ["T", "uint32_t", "uint8_t"]}
+_SCALARS = {"cuda": (("N", "w_shape[0]"),),
+            "cuda_mma": (("M", "x_shape[0]"), ("N", "w_shape[0]"), ("K", "x_shape[1]"))}
 
 
 @lru_cache(maxsize=None)
@@ -117,6 +124,16 @@ def _kernel(which: str, kind: str):
                                 source=_BODIES[which, kind], header=source_text(which))
 
 
+@lru_cache(maxsize=None)
+def family(which: str, kind: str) -> compiled.Family:
+    """The precompiled form of _kernel(which, kind), which "cuda" or "cuda_mma"."""
+    body = _MMA_BODIES[kind] if which == "cuda_mma" else _BODIES[which, kind]
+    name = f"lockstep_skinny_mma_{kind}" if which == "cuda_mma" else f"lockstep_skinny_{kind}"
+    return compiled.Family(name, "skinny", source_text(which), body,
+                           inputs=list(zip(_INPUTS[kind], _INPUT_TYPES[kind])), outputs=[("y", "T")],
+                           scalars=_SCALARS[which])
+
+
 def quantized_kind(mode: str, bits: int, group_size: int) -> str | None:
     """The kernel for this quantization, or None (such layers keep today's form)."""
     if mode == "affine" and bits == 4 and group_size in AFFINE_GROUPS:
@@ -131,16 +148,20 @@ def uses_mma(dtype) -> bool:
     return backend() == "cuda" and dtype in MMA_DTYPES
 
 
+def _variant(which: str, dtype) -> str:
+    """The kernel a launch runs: "cuda_mma" for 16-bit x on CUDA, else `which`."""
+    return "cuda_mma" if which == "cuda" and dtype in MMA_DTYPES else which
+
+
 @lru_cache(maxsize=4096)
-def _launch_plan(which: str, kind: str, m: int, n: int, k: int, group: int, dtype) -> tuple:
-    """(kernel, keyword arguments but inputs) of one launch shape, built once per shape: a
-    decode step makes hundreds of these calls."""
+def _geometry(which: str, kind: str, m: int, n: int, k: int, group: int, dtype) -> dict:
+    """Template values, grid, threadgroup and outputs of one launch shape."""
     group_arg = [("GROUP", group)] if kind == "affine" else []
-    if which == "cuda" and dtype in MMA_DTYPES:
+    if _variant(which, dtype) == "cuda_mma":
         # R8 and NT only size registers and the grid; M, N, K are read at run time (few compiles).
         tiles = mma_column_tiles(n, m)
         blocks = -(-n // (MMA_COLUMNS * tiles))
-        return _kernel("cuda_mma", kind), dict(
+        return dict(
             template=[("T", dtype), ("R8", -(-m // MMA_ROW_GROUP)), ("NT", tiles), *group_arg],
             grid=(blocks * 32 * MMA_WARPS, 1, 1),
             threadgroup=(32 * MMA_WARPS, 1, 1),
@@ -148,7 +169,7 @@ def _launch_plan(which: str, kind: str, m: int, n: int, k: int, group: int, dtyp
             output_dtypes=[dtype],
         )
     cols = columns_per_warp(m)
-    return _kernel(which, kind), dict(
+    return dict(
         template=[("T", dtype), ("M", m), ("NC", cols), ("K", k), *group_arg],
         grid=(launch_threads(n, cols, THREADS_PER_BLOCK), 1, 1),
         threadgroup=(THREADS_PER_BLOCK, 1, 1),
@@ -157,8 +178,39 @@ def _launch_plan(which: str, kind: str, m: int, n: int, k: int, group: int, dtyp
     )
 
 
+@lru_cache(maxsize=4096)
+def _launch_plan(which: str, kind: str, m: int, n: int, k: int, group: int, dtype) -> tuple:
+    """(kernel, keyword arguments but inputs) of one launch shape through MLX's JIT kernels
+    (cuda_kernel / metal_kernel)."""
+    return _kernel(_variant(which, dtype), kind), _geometry(which, kind, m, n, k, group, dtype)
+
+
+@lru_cache(maxsize=4096)
+def _launcher(which: str, kind: str, m: int, n: int, k: int, group: int, dtype) -> tuple:
+    """(call, keyword arguments but inputs) of one launch shape, built once per shape: a
+    decode step makes hundreds of these calls. CUDA: the precompiled instance where
+    compiled.py can build it, else _launch_plan's."""
+    if which != "cuda":
+        return _launch_plan(which, kind, m, n, k, group, dtype)
+    variant = _variant(which, dtype)
+    scalars = dict(M=m, N=n, K=k) if variant == "cuda_mma" else dict(N=n)
+    return compiled.launcher(family(variant, kind), _geometry(which, kind, m, n, k, group, dtype), scalars,
+                             lambda: _launch_plan(which, kind, m, n, k, group, dtype))
+
+
+compiled.on_disable("skinny", _launcher.cache_clear)
+
+
+def instances(kind: str, m: int, n: int, k: int, dtype, group: int = 0) -> list:
+    """The (family, template) instance a CUDA launch of x (m, k) against an (n, k) weight of
+    `kind` runs (compiled.precompile); group: the affine group size."""
+    group = group if kind == "affine" else 0
+    template = tuple(_geometry("cuda", kind, m, n, k, group, dtype)["template"])
+    return [(family(_variant("cuda", dtype), kind), template)]
+
+
 def _launch(kind: str, inputs: list, m: int, n: int, k: int, dtype, group: int = 0, which=None):
-    kernel, launch = _launch_plan(which or backend(), kind, m, n, k, group, dtype)
+    kernel, launch = _launcher(which or backend(), kind, m, n, k, group, dtype)
     return kernel(inputs=inputs, **launch)[0]
 
 
@@ -202,26 +254,38 @@ def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases, *,
     n = weight.shape[0]
     if weight.shape[1] * 32 // bits != k:
         raise ValueError(f"x has K = {k}, the weight {weight.shape[1] * 32 // bits}")
+    if weight.dtype != mx.uint32 or (kind == "affine" and getattr(biases, "dtype", None) != x.dtype):
+        # the kernels read them as uint32 / x's type (a precompiled kernel's types are fixed)
+        raise ValueError(f"skinny quantized kernel cannot take a {weight.dtype} weight with {x.dtype} x")
     if kind == "affine":
         return _launch(kind, [x, weight, scales, biases], m, n, k, x.dtype, group=group_size)
     return _launch(kind, [x, weight, scales], m, n, k, x.dtype)
 
 
+_SMOKE_DENSE = ((1, 33, 48), (5, 17, 100), (21, 40, 4128))  # (M, N, K)
+_SMOKE_QUANTIZED = (("affine", 32, 96, mx.bfloat16), ("affine", 64, 128, mx.float16),  # (mode, group, K, x)
+                    ("affine", 128, 256, mx.bfloat16), ("nvfp4", 16, 48, mx.bfloat16),
+                    ("nvfp4", 16, 4112, mx.float16))
+
+
 def _smoke_test() -> str | None:
     """Compile and run each kernel on small awkward shapes (K tail, 16-mod-32 dims, N not a
     multiple of the warp's columns) against MLX's own ops; None when all agree."""
+    if backend() == "cuda":  # every instance below at once, concurrently (compiled.py)
+        compiled.precompile([i for dtype in FLOAT_DTYPES for m, n, k in _SMOKE_DENSE
+                             for i in instances("dense", m, n, k, dtype)]
+                            + [i for mode, group, k, dtype in _SMOKE_QUANTIZED
+                               for i in instances(mode, 3, 48, k, dtype, group)])
     key = mx.random.key(7)
     for dtype in FLOAT_DTYPES:
-        for m, n, k in ((1, 33, 48), (5, 17, 100), (21, 40, 4128)):
+        for m, n, k in _SMOKE_DENSE:
             kx, kw, key = mx.random.split(key, 3)
             x = mx.random.normal((m, k), key=kx).astype(dtype)
             w = mx.random.normal((n, k), key=kw).astype(dtype)
             got, want = dense_matmul(x, w), x.astype(mx.float32) @ w.astype(mx.float32).T
             if not mx.allclose(got.astype(mx.float32), want, rtol=2e-2, atol=5e-2 * k**0.5).item():
                 return f"dense {dtype} {m}x{n}x{k} disagrees with matmul"
-    for mode, group, k, dtype in (("affine", 32, 96, mx.bfloat16), ("affine", 64, 128, mx.float16),
-                                  ("affine", 128, 256, mx.bfloat16), ("nvfp4", 16, 48, mx.bfloat16),
-                                  ("nvfp4", 16, 4112, mx.float16)):
+    for mode, group, k, dtype in _SMOKE_QUANTIZED:
         kx, kw, key = mx.random.split(key, 3)
         x = mx.random.normal((3, k), key=kx).astype(dtype)
         wq, scales, *biases = mx.quantize(mx.random.normal((48, k), key=kw).astype(dtype),
@@ -240,8 +304,9 @@ def _availability(which: str | None) -> str | None:
     if which is None:
         return f"no custom-kernel API on {mx.default_device()}"
     try:
-        problem = smoke_verdict(f"skinny {which}", _smoke_test, __file__, SOURCE_DIR / SHARED_CUDA_SOURCE,
-                                *(SOURCE_DIR / name for name in SOURCE_FILES.values()))
+        problem = compiled.smoke(f"skinny {which}", "skinny", _smoke_test, __file__, compiled.SOURCE,
+                                 SOURCE_DIR / SHARED_CUDA_SOURCE,
+                                 *(SOURCE_DIR / name for name in SOURCE_FILES.values()))
     except Exception as e:  # a compile or launch failure: the kernels are not used
         return f"{which} kernels failed to build or run: {type(e).__name__}: {str(e)[:300]}"
     return f"{which} kernels: {problem}" if problem else None

@@ -27,9 +27,11 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .. import cpu_blas, custom
+from ..proof_steps import step_done
 from .cache_check import cache_invariance_problem, cache_refusal, per_request_state  # noqa: F401 (re-exported)
 from .layers import EXPERT_BLOCKS, LAYER_SWAPS, Setting, install, model_module_names, uninstall
 from .ops import ROWWISE, STRATEGIES, Strategy
+from .warmup import precompile_kernels
 from .selftest import SelfTestResult, per_request_self_test, seconds_per_step, self_test
 
 # Candidates "auto" tries, in order; the first proven is kept. rowwise is the fallback. A
@@ -179,12 +181,14 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
             skipped[candidate.name] = missing
             continue
         _install(model, Setting(limit, candidate))
+        precompile_kernels(model, limit)  # every width's instances at once, before the proof launches them
         result = prove(model, limit, **self_test_options) if verify else None
         # Timed only when asked to choose by measurement: an L-row step plus a decode step.
         seconds = (seconds_per_step(model, limit) + seconds_per_step(model, 1)
                    if result and measure else None)
         tried.append((candidate, result, seconds))
         _uninstall(model)
+        step_done()
         if result and not measure:
             break  # candidates come fastest first: the first proven one is the pick
 

@@ -29,6 +29,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..proof_steps import step_done
 from .cache_check import cache_invariance_problem, cache_refusal, is_per_request
 
 log = logging.getLogger(__name__)
@@ -290,6 +291,7 @@ def _self_test(model, limit: int, prefixes, widths: tuple, seed: int,
             _rewind(cache, w)
             if mismatches and stop_at_first:
                 return result(mismatches)
+            step_done()
     return result(mismatches)
 
 
@@ -364,4 +366,5 @@ def _per_request_self_test(model, limit: int, prefixes, widths: tuple, seed: int
                             break
             if mismatches and stop_at_first:
                 return result(mismatches)
+            step_done()
     return result(mismatches)

@@ -1,15 +1,37 @@
 """Build, at startup, every custom-kernel instance the installed canonical forms will launch.
 
-MLX compiles a custom kernel per template instance on its first launch (the `skinny` kernels'
-instances depend on the row count). A fresh self-test launches them all; a proof taken from
-the verdict cache launches none, so without this the first passes after a restart would
-stall for seconds while their widths compile (docs/BENCHMARKS.md, session 7: the first-burst
-stalls).
+On CUDA, `precompile_kernels` compiles them all at once, concurrently, and keeps each per
+machine (kernels/custom/compiled.py), so a restart compiles none; it runs as soon as a
+strategy is installed, before its self-test. `build_kernels` then runs the model once at every
+width: what the custom kernels leave to first use (MLX's own kernels for each width, module
+loads) happens at startup, not in the first passes (docs/BENCHMARKS.md, session 7: the
+first-burst stalls). A proof taken from the verdict cache launches nothing itself.
 """
 from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
+
+from ..proof_steps import step_done
+
+
+def precompile_kernels(model, limit: int) -> int:
+    """Every custom-kernel instance the installed setting launches at widths 1..limit (its
+    linears, and the pooled attention at the model's head size), compiled or read from this
+    machine's cache, concurrently. Returns how many are ready (0: none to build, or not CUDA)."""
+    setting = getattr(model, "_lockstep_setting", None)
+    if setting is None or limit < 1 or not setting.strategy.uses_custom_kernels:
+        return 0
+    from ..custom.precompile import activation_dtype, linear_shapes, precompile_for
+
+    strategy = setting.strategy
+    args = getattr(model, "args", None)
+    heads = getattr(args, "num_attention_heads", None)
+    head_dim = getattr(args, "head_dim", None) or (args.hidden_size // heads if heads else None)
+    dtype = activation_dtype(model)
+    attention = [(dtype, head_dim)] if head_dim and dtype is not None else []
+    return precompile_for(linear_shapes(model, dense=strategy.dense, quantized=strategy.quantized_form),
+                          range(1, min(limit, setting.limit) + 1), attention=attention)
 
 
 def build_kernels(model, limit: int) -> int:
@@ -21,4 +43,5 @@ def build_kernels(model, limit: int) -> int:
     widths = min(limit, setting.limit)
     for rows in range(1, widths + 1):
         mx.eval(model(mx.zeros((1, rows), dtype=mx.int32), cache=make_prompt_cache(model)))
+        step_done()
     return widths

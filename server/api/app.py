@@ -41,6 +41,10 @@ from lockstep.server.engine.sampling import GREEDY_BELOW, SamplingParams
 from lockstep.server.api.tool_calls import ParsedCall, ToolCallStream, call_stream, new_call_id, tool_format
 
 MODEL_ALIAS = "default"
+# How long a deterministic request waits for a guarantee still being proven (`--guarantee-timeout`),
+# and the Retry-After of its 503 when that runs out.
+DEFAULT_GUARANTEE_TIMEOUT_S = 120.0
+GUARANTEE_RETRY_AFTER_S = 5
 SHUTTING_DOWN = "the server is shutting down; this request was cut off"
 
 log = logging.getLogger("lockstep.app")
@@ -49,6 +53,11 @@ log = logging.getLogger("lockstep.app")
 def _fingerprint(loaded) -> str:
     recipe = f"{loaded.name}|{loaded.weights}|mlx {metadata.version('mlx')}"
     return "fp_" + hashlib.sha256(recipe.encode()).hexdigest()[:10]
+
+
+def _extras(extras: dict | Callable[[], dict] | None) -> dict:
+    """/v1/models' extra details; a function gives those that change (the guarantee's state)."""
+    return (extras() if callable(extras) else extras) or {}
 
 
 def _sse(payload: p.Response) -> str:
@@ -93,15 +102,23 @@ def _finish_reason(reason: str | None, called: bool, legacy: bool = False) -> st
 class Routes:
     """Request handling for one served model."""
 
-    def __init__(self, engine: Engine, fingerprint: str, limits: Limits = Limits(), log_prompts: bool = False):
+    def __init__(self, engine: Engine, fingerprint: str | None, limits: Limits = Limits(), log_prompts: bool = False,
+                 guarantee_timeout: float = DEFAULT_GUARANTEE_TIMEOUT_S):
         self.engine = engine
         self.loaded = engine.loaded
-        self.fingerprint = fingerprint
+        self._fingerprint = fingerprint
         self.limits = limits
+        self.guarantee_timeout = guarantee_timeout
         self.log_prompts = log_prompts
         self.created = int(time.time())
         self.tool_format = tool_format(self.loaded.tokenizer) if self.loaded is not None else None
         self.constraints = Constraints(self.loaded, self.tool_format)
+
+    @property
+    def fingerprint(self) -> str:
+        """The one given, else the deployment's (it names the strategy, so it changes once the
+        guarantee is proven), else one from the model."""
+        return self._fingerprint or self.engine.deployment.fingerprint or _fingerprint(self.loaded)
 
     # ------------------------------------------------------------ request -> generation
 
@@ -158,6 +175,8 @@ class Routes:
         vocab = logits_width(self.loaded)
         if any(token >= vocab for token, _ in body.bias_items()):
             raise APIError(400, f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
+        if body.deterministic:
+            await self._await_guarantee()
         plan = self._plan(body, bool(prediction))
         requests = [
             GenerationRequest(
@@ -184,6 +203,17 @@ class Routes:
             raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from exc
         except GenerationError as exc:
             raise APIError(503, str(exc), type="server_error") from exc
+
+    async def _await_guarantee(self) -> None:
+        """A deterministic request is planned only once the guarantee's proof has settled (it
+        never runs unproven): it waits up to `--guarantee-timeout`, then gets a 503."""
+        state = self.engine.guarantee
+        if state.settled or await state.wait(self.guarantee_timeout):
+            return
+        raise APIError(503, "this server is still proving its determinism guarantee (it serves requests "
+                            "without `deterministic` meanwhile); retry shortly",
+                       type="server_error", param="deterministic", code="guarantee_pending",
+                       headers={"Retry-After": str(GUARANTEE_RETRY_AFTER_S)})
 
     def _tool_stops(self, body: p.SamplingRequest) -> tuple[str, ...]:
         """A format whose turn ends with a call (gpt-oss's <|call|>, which not every config makes an
@@ -329,10 +359,11 @@ class Routes:
 
         return StreamingResponse(self._stream(handles, chunks()), media_type="text/event-stream")
 
-    def model_card(self, extras: dict | None) -> p.ModelCard:
+    def model_card(self, extras: dict | Callable[[], dict] | None) -> p.ModelCard:
+        extras = _extras(extras)
         info = {"weights": self.loaded.weights, "context_length": self.loaded.context_length,
                 "batching": self.engine.describe()}
-        return p.ModelCard(id=self.loaded.name, created=self.created, lockstep={**info, **(extras or {})})
+        return p.ModelCard(id=self.loaded.name, created=self.created, lockstep={**info, **extras})
 
     def models(self, extras: dict | None) -> p.ModelList:
         return p.ModelList(data=[self.model_card(extras)])
@@ -346,23 +377,28 @@ class Routes:
 def create_app(
     engine: Engine,
     *,
-    model_extras: dict | None = None,
+    model_extras: dict | Callable[[], dict] | None = None,
     fingerprint: str | None = None,
     api_keys: Sequence[str] = (),
     limits: Limits = Limits(),
     log_prompts: bool = False,
+    guarantee_timeout: float = DEFAULT_GUARANTEE_TIMEOUT_S,
 ) -> FastAPI:
-    """The HTTP app for `engine`'s model. `model_extras` is added to its /v1/models entry.
+    """The HTTP app for `engine`'s model. `model_extras` (or what it returns, when a function) is
+    added to its /v1/models entry; `fingerprint` (default: the deployment's) is every response's
+    system_fingerprint.
 
     `api_keys` (empty: auth off) guard /v1 and /metrics; `limits` caps bodies, tokens and
-    the queue; prompts appear in the access log only with `log_prompts`.
+    the queue; prompts appear in the access log only with `log_prompts`; a deterministic request
+    waits at most `guarantee_timeout` seconds for a guarantee still being proven.
     """
-    routes = Routes(engine, fingerprint or _fingerprint(engine.loaded), limits, log_prompts)
+    routes = Routes(engine, fingerprint, limits, log_prompts, guarantee_timeout)
     app = FastAPI(title="lockstep", docs_url=None, redoc_url=None)
     app.state.engine = engine
     app.state.drain = Drain()
     metrics = Metrics()
     metrics.watch_engine(engine)
+    metrics.watch_startup(lambda: _extras(model_extras).get("startup", {}), engine.guarantee)
     engine.max_waiting = limits.max_queue
     app.state.drain.on_cut.append(lambda: engine.cut_off(SHUTTING_DOWN))
     install_error_handlers(app)
@@ -397,7 +433,7 @@ def create_app(
     @app.head("/health", include_in_schema=False)  # load balancers often probe with HEAD
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": engine.loaded.name, **engine.counts()}
+        return {"status": "ok", "model": engine.loaded.name, "guarantee": engine.guarantee.state, **engine.counts()}
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics():

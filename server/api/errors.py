@@ -25,14 +25,17 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status = status
+        self.headers = headers
         self.body = ErrorBody(message=_encodable(message), type=type, param=param and _encodable(param),
                               code=code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(ErrorResponse(error=self.body).model_dump(), status_code=self.status)
+        return JSONResponse(ErrorResponse(error=self.body).model_dump(), status_code=self.status,
+                            headers=self.headers)
 
 
 def generation_error(exc: Exception) -> APIError:

@@ -6,7 +6,7 @@ disagree (a non-streamed disconnect's record can close before its cancellation l
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from lockstep.server.api.request_record import RequestRecord
 
@@ -54,6 +54,12 @@ class Metrics:
         self.active.set_function(lambda: engine.counts()["active"])
         self.registry.register(_EngineCancellations(engine))
         engine.observers.append(self)
+
+    def watch_startup(self, startup, guarantee) -> None:
+        """Startup phases (`startup()`: /v1/models' startup object, whose phases_s and compile_s
+        map phase -> seconds, the proofs' too once they ran) and where the guarantee stands (a
+        GuaranteeState)."""
+        self.registry.register(_Startup(startup, guarantee))
 
     def on_pass(self, rows: int, requests: int) -> None:
         """Engine observer: one decode pass ran (called on the engine thread)."""
@@ -110,3 +116,32 @@ class _EngineCancellations:
 
 
 CANCELLED_HELP = "Generations stopped because the client left"
+
+
+class _Startup:
+    """`lockstep_startup_phase_seconds{phase}`, `lockstep_startup_compile_seconds{phase}` (the
+    custom kernels' compile time in it) and `lockstep_guarantee_state{state}` (1 for the current
+    state), read at every scrape: the proofs may end after serving started."""
+
+    def __init__(self, startup, guarantee):
+        self.startup, self.guarantee = startup, guarantee
+
+    def describe(self):
+        return []  # collected at scrape time only (values change after registration)
+
+    def collect(self):
+        from lockstep.server.engine.guarantee_state import STATES
+
+        startup = self.startup()
+        for name, key, what in (("lockstep_startup_phase_seconds", "phases_s", "Seconds each startup phase took"),
+                                ("lockstep_startup_compile_seconds", "compile_s",
+                                 "Custom-kernel compile seconds in each startup phase (summed over threads)")):
+            family = GaugeMetricFamily(name, what, labels=["phase"])
+            for phase, seconds in startup.get(key, {}).items():
+                family.add_metric([phase], seconds)
+            yield family
+        state = GaugeMetricFamily("lockstep_guarantee_state", "The determinism guarantee's state (1: current)",
+                                  labels=["state"])
+        for name in STATES:
+            state.add_metric([name], 1.0 if self.guarantee.state == name else 0.0)
+        yield state

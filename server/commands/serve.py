@@ -49,6 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "in the grammar checker process; slower ones are a 400 (default "
                              f"{DEFAULT_TIMEOUT_S:g})")
 
+    from lockstep.server.api.app import DEFAULT_GUARANTEE_TIMEOUT_S
+
+    parser.add_argument("--guarantee-timeout", type=float, default=DEFAULT_GUARANTEE_TIMEOUT_S, metavar="SECONDS",
+                        help="the server answers plain requests while it proves its determinism guarantee; a "
+                             "deterministic request waits this long for the proof, then gets a 503 with "
+                             f"Retry-After (default {DEFAULT_GUARANTEE_TIMEOUT_S:g})")
+
     # HTTP service hardening: keys, limits, access log, draining.
     from lockstep.server.commands.http_args import add_http_arguments
     add_http_arguments(parser)
@@ -69,6 +76,8 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
         raise ValueError("--max-active, --max-batch-rows and --max-kv-tokens must be >= 1")
     if args.max_active_per_request is not None and not 1 <= args.max_active_per_request <= args.max_active:
         raise ValueError("--max-active-per-request must be in 1..--max-active")
+    if not args.guarantee_timeout >= 0:
+        raise ValueError("--guarantee-timeout must be >= 0")
 
 
 def start_engine(args: argparse.Namespace, world=None, watchdog=None):
@@ -90,7 +99,9 @@ def start_engine(args: argparse.Namespace, world=None, watchdog=None):
 
         options, proofs = rank_options(options, world, args.batch_invariant_limit), agreed_proofs(world)
     with proofs:  # a world's proofs: around the runtime and the engine's construction
-        runtime = build_runtime(options)  # logs model, load time, audit, invariance
+        # One process proves its guarantee after serving starts (the engine thread runs the
+        # proofs between plain passes); a world's ranks agree on theirs before.
+        runtime = build_runtime(options, defer_guarantee=world is None)  # logs model, load time, audit
         kv_tokens = args.max_kv_tokens or default_kv_tokens(runtime.loaded.model)
         settings = dict(max_active=args.max_active, max_batch_rows=args.max_batch_rows,
                         max_active_per_request=args.max_active_per_request,
@@ -98,7 +109,8 @@ def start_engine(args: argparse.Namespace, world=None, watchdog=None):
         if world is None:
             from lockstep.server.engine import Engine
 
-            engine = Engine(runtime.loaded, deployment=runtime.deployment, max_kv_tokens=kv_tokens, **settings)
+            engine = Engine(runtime.loaded, deployment=runtime.deployment, max_kv_tokens=kv_tokens,
+                            guarantee=runtime.guarantee, **settings)
         else:
             from lockstep.server.distributed.replicated_engine import ReplicatedEngine
             from lockstep.server.distributed.startup import agreed_deployment
@@ -109,7 +121,7 @@ def start_engine(args: argparse.Namespace, world=None, watchdog=None):
     if watchdog is not None:
         watchdog.on_fail.append(engine.fail_clients)
         watchdog.enter("serving", args.rank_timeout)
-    return runtime, engine.start()
+    return runtime, engine.start(runtime.pending)
 
 
 def build_app(args: argparse.Namespace, runtime, engine, world=None, watchdog=None):
@@ -119,12 +131,12 @@ def build_app(args: argparse.Namespace, runtime, engine, world=None, watchdog=No
     from lockstep.server.api.app import create_app
     from lockstep.server.commands.http_args import http_settings_from_args
 
-    extras = runtime.model_info()
+    extras = runtime.model_info  # read at every request: the guarantee's state changes
     if world is not None:
         from lockstep.server.distributed.startup import model_extras
 
-        extras = {**extras, **model_extras(world)}
-    app = create_app(engine, model_extras=extras, fingerprint=engine.deployment.fingerprint,
+        extras = {**runtime.model_info(), **model_extras(world)}
+    app = create_app(engine, model_extras=extras, guarantee_timeout=args.guarantee_timeout,
                      **http_settings_from_args(args))
     if watchdog is not None:
         from lockstep.server.distributed.startup import gate_on_health

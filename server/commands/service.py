@@ -84,6 +84,11 @@ def register(subparsers) -> None:
 
     status = actions.add_parser("status", help="launchctl state and GET /health")
     _add_target_flags(status)
+    status.add_argument("--wait-for", choices=launchd_job.WAIT_FOR,
+                        help="poll /health until the server serves (ready) or its determinism guarantee "
+                             "is in force too (guarantee; a refused guarantee fails at once)")
+    status.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="with --wait-for: give up (exit 1) after this long (default 300)")
 
     logs = actions.add_parser("logs", help="show the service's stdout/stderr logs")
     _add_target_flags(logs)
@@ -299,10 +304,25 @@ def status(args, host: Host) -> int:
     else:
         print(f"launchd: not loaded ({(result.stderr or result.stdout).strip()})")
     url = launchd_job.health_url(*launchd_job.served_address(plist))
-    healthy, detail = launchd_job.check_health(url)
+    healthy, detail, body = _health(url, getattr(args, "wait_for", None), getattr(args, "timeout", 0.0))
     print(f"health: {url} -> {detail}")
+    if "guarantee" in body:
+        print(f"guarantee: {body['guarantee']}")
     print(f"logs:   {plist.get('StandardOutPath')} {plist.get('StandardErrorPath')}")
-    return 0 if loaded and healthy else 1
+    wanted = getattr(args, "wait_for", None)
+    return 0 if loaded and healthy and (wanted is None or launchd_job.reached(wanted, healthy, body)) else 1
+
+
+def _health(url: str, wanted: str | None, timeout: float) -> tuple[bool, str, dict]:
+    """GET /health once, or (`wanted`) until the server is in that state, refused it, or `timeout` passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        healthy, detail, body = launchd_job.check_health(url)
+        if wanted is None or launchd_job.reached(wanted, healthy, body) is not False:
+            return healthy, detail, body
+        if time.monotonic() >= deadline:
+            return healthy, detail + f" (still not {wanted} after {timeout:g} s)", body
+        time.sleep(0.5)
 
 
 def tail_lines(path: Path, count: int) -> list[str]:

@@ -1,5 +1,9 @@
 """The engine: one worker thread owns MLX and runs the step loop.
 
+A deployment that proves its guarantee after serving started hands the proofs to `start`:
+the worker thread runs them first, and serves plain passes between their steps
+(kernels/proof_steps.py), then plans deterministic requests with the proven deployment.
+
     while requests are waiting or active:
         admit (scheduler)
         SchedulerOutput = scheduler.schedule_prefill()  -> runner.execute -> scheduler.update_from_output
@@ -15,11 +19,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 from lockstep.server.engine.decode_plan import DecodePlan
 
 from lockstep.server.engine.deployment import Deployment
+from lockstep.kernels.proof_steps import between_steps
 from lockstep.server.engine.errors import GenerationError, QueueFull, ShuttingDown, TooLargeForMemory
+from lockstep.server.engine.guarantee_state import IN_FORCE, OFF, REFUSED, GuaranteeState
 from lockstep.server.engine.handle import RequestHandle, post_all
 from lockstep.server.engine.kv_budget import KVBudget
 from lockstep.server.engine.model_runner import ModelRunner
@@ -33,6 +40,24 @@ log = logging.getLogger(__name__)
 
 # Initial KV pool size per `max_active` slot (the pool doubles when a request needs more).
 POOL_TOKENS_PER_SLOT = 1024
+# While proofs run on the worker thread: the longest it serves requests at one of their steps
+# before the proof goes on (so steady traffic cannot hold the guarantee back for ever).
+SERVE_BETWEEN_PROOF_STEPS_S = 0.25
+
+
+class _Stopped(Exception):
+    """The engine stopped while its proofs were running."""
+
+
+class Proofs:
+    """What `Engine.start` may run first (server/runtime.py GuaranteeWork): `run()` returns the
+    proven deployment, `settle()` then tells the requests waiting for it."""
+
+    reason: str = ""
+
+    def run(self) -> Deployment: ...
+
+    def settle(self) -> None: ...
 
 
 class EngineObserver:
@@ -51,7 +76,7 @@ class Engine:
     def __init__(self, loaded, max_active: int = DEFAULT_MAX_ACTIVE, *, deployment: Deployment | None = None,
                  prefix_cache: PrefixCache | None = None, max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
                  max_kv_tokens: int | None = None, max_active_per_request: int | None = None,
-                 runner: ModelRunner | None = None):
+                 runner: ModelRunner | None = None, guarantee: GuaranteeState | None = None):
         if max_active < 1 or max_batch_rows < 1:
             raise ValueError("max_active and max_batch_rows must be >= 1")
         per_request = max_active_per_request or default_active_per_request(max_active)
@@ -59,6 +84,9 @@ class Engine:
             raise ValueError("max_active_per_request must be in 1..max_active")
         self.loaded = loaded
         self.deployment = deployment or Deployment()
+        # where the guarantee stands (proving while `start`'s proofs run); /health says it
+        self.guarantee = guarantee or GuaranteeState(
+            IN_FORCE if self.deployment.guaranteed else REFUSED if self.deployment.limit else OFF)
         if runner is None:
             pool_tokens = max_active * POOL_TOKENS_PER_SLOT
             if max_kv_tokens is not None:
@@ -75,6 +103,7 @@ class Engine:
         self._wake = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._proofs: Proofs | None = None
 
     @property
     def max_active(self) -> int:
@@ -88,7 +117,9 @@ class Engine:
         """Batching settings, for /v1/models."""
         return self.scheduler.describe()
 
-    def start(self) -> "Engine":
+    def start(self, proofs: Proofs | None = None) -> "Engine":
+        """Start the worker thread; it runs `proofs` first, serving plain requests between their steps."""
+        self._proofs = proofs
         self._thread = threading.Thread(target=self._run, name="lockstep-engine", daemon=True)
         self._thread.start()
         return self
@@ -167,15 +198,52 @@ class Engine:
 
     def _run(self) -> None:
         scheduler = self.scheduler
+        if self._proofs is not None:
+            self._prove(self._proofs)
         while self._admit():
-            scheduler.drop_cancelled()
-            self._step(scheduler.schedule_prefill())
-            self._step(scheduler.schedule_decode())
-            scheduler.turn += 1
+            self._iterate()
         for slot in scheduler.active:
             slot.handle.post(GenerationError("the server is shutting down"))
         for handle in scheduler.waiting:
             handle.post(GenerationError("the server is shutting down"))
+
+    def _iterate(self) -> None:
+        scheduler = self.scheduler
+        scheduler.drop_cancelled()
+        self._step(scheduler.schedule_prefill())
+        self._step(scheduler.schedule_decode())
+        scheduler.turn += 1
+
+    def set_deployment(self, deployment: Deployment) -> None:
+        """Plan and run from now on with `deployment` (worker thread, between steps)."""
+        self.deployment = self.scheduler.deployment = self.runner.deployment = deployment
+
+    def _prove(self, proofs: Proofs) -> None:
+        try:
+            with between_steps(self._serve_between_proof_steps):
+                deployment = proofs.run()
+        except _Stopped:
+            return
+        except Exception as exc:  # the deployment then guarantees nothing; plain serving goes on
+            log.error("proving the guarantee failed; deterministic requests get no guarantee", exc_info=exc)
+            self.guarantee.settle(REFUSED, f"the proof failed: {type(exc).__name__}: {exc}")
+            return
+        self.set_deployment(deployment)
+        proofs.settle()
+        log.info("guarantee %s%s", self.guarantee.state.replace("_", " "),
+                 f" ({self.guarantee.reason})" if self.guarantee.reason else "")
+
+    def _serve_between_proof_steps(self) -> None:
+        """A proof finished a step: serve the requests there are, for a moment."""
+        deadline = time.perf_counter() + SERVE_BETWEEN_PROOF_STEPS_S
+        while time.perf_counter() < deadline:
+            with self._wake:
+                if self._stopping:
+                    raise _Stopped
+                if not self.scheduler.waiting and not self.scheduler.active:
+                    return
+                self.scheduler.admit()
+            self._iterate()
 
     def _admit(self) -> bool:
         """Move waiting requests into free slots; block while idle. False = stop."""

@@ -21,6 +21,7 @@ arguments, so the macOS behaviour can be checked on any host. Key choices (why):
 """
 from __future__ import annotations
 
+import json
 import plistlib
 import re
 import subprocess
@@ -180,14 +181,38 @@ def health_url(host: str, port: int) -> str:
     return f"http://{host}:{port}/health"
 
 
-def check_health(url: str, timeout: float = 3.0) -> tuple[bool, str]:
+def check_health(url: str, timeout: float = 3.0) -> tuple[bool, str, dict]:
+    """(answered 200, "status reason", the JSON body or {})."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status == 200, f"{response.status} {response.reason}"
+            try:
+                body = json.loads(response.read() or b"{}")
+            except ValueError:
+                body = {}
+            return response.status == 200, f"{response.status} {response.reason}", body if isinstance(body, dict) else {}
     except urllib.error.HTTPError as exc:
-        return False, f"{exc.code} {exc.reason}"
+        return False, f"{exc.code} {exc.reason}", {}
     except (urllib.error.URLError, OSError) as exc:
-        return False, f"unreachable ({getattr(exc, 'reason', exc)})"
+        return False, f"unreachable ({getattr(exc, 'reason', exc)})", {}
+
+
+# What `lockstep service status --wait-for` waits for: the server answering (plain requests are
+# served), or its determinism guarantee settled too (deterministic requests are served).
+WAIT_FOR = ("ready", "guarantee")
+GUARANTEE_SETTLED_OK = ("in_force", "off")
+
+
+def reached(wanted: str, healthy: bool, body: dict) -> bool | None:
+    """True once the server is in the state `wanted` names, False while it may still get there,
+    None when it never will (its guarantee was refused)."""
+    if not healthy:
+        return False
+    if wanted == "ready":
+        return True
+    state = body.get("guarantee", "in_force")  # a server from before background proofs: proven at start
+    if state in GUARANTEE_SETTLED_OK:
+        return True
+    return None if state == "refused" else False
 
 
 def parse_print_state(text: str) -> dict[str, str]:

@@ -1,0 +1,92 @@
+"""What a startup compiles before the first forward: every custom CUDA kernel instance a
+model's layers will launch at the widths it serves, all at once and concurrently
+(compiled.py keeps each per machine, so a restart reads them from disk).
+
+    from lockstep.kernels.custom.precompile import linear_shapes, precompile_for
+    st = setting.strategy
+    precompile_for(linear_shapes(model, dense=st.dense, quantized=st.quantized_form),
+                   range(1, setting.limit + 1), attention=[(mx.float16, 64)])
+
+Elsewhere than CUDA, or where the precompiled path is off, this does nothing (returns 0)
+and the kernels compile on first use as before. Not imported by the package's __init__
+(attention.py's import of kernels.invariance would make a cycle).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from . import attention, compiled, gemv_rows, skinny
+from .gemv_order import MAX_ROWS as GEMV_MAX_ROWS
+from .loop_order import MAX_ROWS as SKINNY_MAX_ROWS
+
+# A shape's kind: which kernel its layer's rows run. "gemv_rows": dense rows of 2..64 (one
+# row is MLX's own GEMV); "skinny": dense rows of 1..64; "affine" / "nvfp4": 4-bit weights
+# through the skinny kernel, 1..64 rows.
+KINDS = ("gemv_rows", "skinny", "affine", "nvfp4")
+
+
+def instances_for(shapes: Iterable[tuple], widths: Iterable[int], *, attention_shapes=()) -> list:
+    """(family, template) of every launch: shapes (n, k, x dtype, kind[, affine group]) at
+    each width, and the pooled attention's (dtype, head size) pairs."""
+    widths = sorted(set(widths))
+    out = []
+    for shape in dict.fromkeys(tuple(s) for s in shapes):
+        n, k, dtype, kind, *rest = shape
+        group = rest[0] if rest else 0
+        if kind not in KINDS:
+            raise ValueError(f"shape kind {kind!r} is not one of {KINDS}")
+        for m in widths:
+            if kind == "gemv_rows":
+                if 2 <= m <= GEMV_MAX_ROWS:
+                    out += gemv_rows.instances(m, n, k, dtype)
+            elif 1 <= m <= SKINNY_MAX_ROWS:
+                out += skinny.instances("dense" if kind == "skinny" else kind, m, n, k, dtype, group)
+    for dtype, dim in attention_shapes:
+        if attention.kernel_takes(dtype, dim):
+            out += attention.instances(dtype, dim)
+    return out
+
+
+def precompile_for(shapes: Iterable[tuple], widths: Iterable[int], *, attention=(),
+                   workers: int | None = None) -> int:
+    """Compile, or read from this machine's cache, every instance `shapes` launch at `widths`
+    (see instances_for), concurrently (`workers`: default one per core). Returns how many
+    instances are ready; 0 off CUDA or where the precompiled path cannot run."""
+    if skinny.backend() != "cuda":
+        return 0
+    return compiled.precompile(instances_for(shapes, widths, attention_shapes=attention), workers)
+
+
+def activation_dtype(model):
+    """The type the model computes in: its first float parameter's that is not a quantization scale or bias."""
+    for name, value in tree_flatten(model.parameters()):
+        if value.dtype in skinny.FLOAT_DTYPES and not name.endswith(("scales", "biases")):
+            return value.dtype
+    return mx.float32
+
+
+def linear_shapes(model, *, dense: str, quantized: str = "chunks", dtype=None) -> list[tuple]:
+    """(n, k, x dtype, kind, group) of the model's linears (embeddings too: a tied head
+    runs as one) whose rows the custom kernels take under these forms: dense "gemv_rows" /
+    "skinny" (else no dense shapes), quantized "skinny" (else none). dtype: the activations'
+    type for nvfp4 layers (default: the model's first float parameter's)."""
+    shapes = {}
+    for _, module in model.named_modules():
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            if quantized != "skinny":
+                continue
+            bits, group = module.bits, module.group_size
+            kind = skinny.quantized_kind(getattr(module, "mode", "affine"), bits, group)
+            if kind is None:
+                continue
+            n, k = module.weight.shape[0], module.weight.shape[1] * 32 // bits
+            x_dtype = module.scales.dtype if kind == "affine" else (dtype or activation_dtype(model))
+            shapes[(n, k, x_dtype, kind, group if kind == "affine" else 0)] = None
+        elif isinstance(module, (nn.Linear, nn.Embedding)) and dense in ("gemv_rows", "skinny"):
+            n, k = module.weight.shape
+            shapes[(n, k, module.weight.dtype, dense, 0)] = None
+    return list(shapes)

@@ -1,0 +1,167 @@
+"""A guarantee proven after serving starts (server/engine/guarantee_state.py, the engine's
+proofs, server/runtime.py GuaranteeWork): plain requests are served while it is proven,
+deterministic ones wait for it or get a 503 with Retry-After, and none is planned before it
+settles. The held-back proof steps like a real one (`step_done` between its steps)."""
+import asyncio
+import threading
+import time
+
+import httpx2 as httpx
+import pytest
+
+from lockstep.kernels.proof_steps import between_steps, step_done
+from lockstep.server.engine.guarantee_state import IN_FORCE, OFF, PROVING, REFUSED, GuaranteeState
+
+PROMPT = [{"role": "user", "content": "Name a colour."}]
+
+
+def test_a_state_settles_once_and_wakes_its_waiters():
+    state = GuaranteeState(PROVING)
+
+    async def scenario():
+        early = await state.wait(0.05)  # nobody settles it: the wait runs out
+        waiter = asyncio.ensure_future(state.wait(30))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        threading.Thread(target=state.settle, args=(IN_FORCE,)).start()  # from another thread, as the engine's
+        return early, await asyncio.wait_for(waiter, 10)
+
+    assert asyncio.run(scenario()) == (False, True)
+    assert state.settled and state.describe() == {"state": IN_FORCE}
+    with pytest.raises(ValueError):
+        state.settle(PROVING)
+    assert GuaranteeState(REFUSED).settled and GuaranteeState(OFF).settled and not GuaranteeState(PROVING).settled
+
+
+def test_step_done_runs_the_callers_work_only_inside_between_steps_and_never_nested():
+    calls = []
+
+    def work():
+        calls.append("work")
+        step_done()  # what runs at a step must not start another round of itself
+
+    step_done()
+    with between_steps(work):
+        step_done()
+        step_done()
+    step_done()
+    assert calls == ["work", "work"]
+
+
+class HeldProof:
+    """Proofs that step (serving between steps) until released, then prove L for real."""
+
+    def __init__(self, loaded, limit):
+        self.loaded, self.limit = loaded, limit
+        self.release = threading.Event()
+        self.steps = 0
+        self.reason = ""
+
+    def run(self):
+        from lockstep.kernels.invariance import set_batch_invariant_limit
+        from lockstep.kernels.invariance.selftest import ProofCache
+        from lockstep.kernels.verdict_cache import VerdictCache
+        from lockstep.server.engine.guarantee import proven_deployment
+
+        while not self.release.is_set():
+            step_done()
+            self.steps += 1
+            time.sleep(0.01)
+        proofs = ProofCache(VerdictCache("selftest"),
+                            model_identity={"model": str(self.loaded.path), "weights": self.loaded.weights})
+        plan = set_batch_invariant_limit(self.loaded.model, self.limit, proof_cache=proofs)
+        self.deployment = proven_deployment(self.loaded.model, plan, proofs=proofs, prefill_chunk=4)
+        return self.deployment
+
+    def settle(self):
+        self.state.settle(IN_FORCE if self.deployment.guaranteed else REFUSED)
+
+
+def test_plain_requests_are_served_while_the_proof_is_held_and_deterministic_ones_wait(embedded_model):
+    from openai import APIStatusError, OpenAI
+
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+    from lockstep.server.api.app import create_app
+    from lockstep.server.engine import Engine
+    from lockstep.server.engine.deployment import Deployment
+    from tests.http_server import running, wait_until
+
+    proof = HeldProof(embedded_model, limit=2)
+    proof.state = GuaranteeState(PROVING)
+    engine = Engine(embedded_model, max_active=4, deployment=Deployment(limit=2, prefill_chunk=4),
+                    guarantee=proof.state)
+    planned = []  # (determinism, proof released) of every submission the engine took
+    submit = engine.submit_group
+
+    def spy(requests, plan=None):
+        planned.append((plan.determinism if plan else "none", proof.release.is_set()))
+        return submit(requests, plan)
+
+    engine.submit_group = spy
+    engine.start(proof)
+    deterministic = dict(model="default", messages=PROMPT, max_tokens=3, temperature=0,
+                         extra_body={"deterministic": True})
+    try:
+        # two apps over the one engine: one gives up on the proof after 0.3 s, one waits
+        with running(create_app(engine, guarantee_timeout=0.3)) as impatient, \
+                running(create_app(engine, guarantee_timeout=600)) as patient:
+            client = OpenAI(base_url=impatient + "/v1", api_key="x", max_retries=0, timeout=600)
+            assert httpx.get(impatient + "/health").json()["guarantee"] == PROVING
+            plain = client.chat.completions.create(model="default", messages=PROMPT, max_tokens=3, temperature=0)
+            assert plain.choices[0].message.content and plain.lockstep["deterministic"] is False
+            assert not proof.release.is_set() and proof.steps > 0  # served between the held proof's steps
+
+            with pytest.raises(APIStatusError) as refused:
+                client.chat.completions.create(**deterministic)
+            assert refused.value.status_code == 503
+            assert refused.value.response.headers["Retry-After"].isdigit()
+            assert refused.value.body["code"] == "guarantee_pending"
+            card = httpx.get(impatient + "/v1/models").json()["data"][0]
+            assert card["id"] == embedded_model.name
+
+            waited = {}
+            patient_client = OpenAI(base_url=patient + "/v1", api_key="x", max_retries=0, timeout=600)
+            thread = threading.Thread(target=lambda: waited.update(answer=patient_client.chat.completions.create(
+                **deterministic)))
+            thread.start()
+            time.sleep(0.6)
+            assert thread.is_alive() and not waited  # still waiting for the proof
+            proof.release.set()
+            thread.join(timeout=600)
+            assert httpx.get(patient + "/health").json()["guarantee"] == IN_FORCE
+            answer = waited["answer"]
+            assert answer.lockstep["deterministic"] is True and answer.lockstep["guaranteed"] is True
+            wait_until(lambda: engine.counts()["active"] == 0, what="the engine to go idle")
+    finally:
+        engine.stop()
+        set_batch_invariant_limit(embedded_model.model, 0)
+    # no deterministic request reached the engine before the proof was released
+    assert ("none", False) in planned
+    assert any(determinism != "none" for determinism, _ in planned)
+    assert all(released for determinism, released in planned if determinism != "none")
+
+
+def test_metrics_show_the_startup_phases_and_the_guarantee_state(embedded_model):
+    from lockstep.server.api.app import create_app
+    from lockstep.server.engine import Engine
+    from tests.http_server import running
+
+    state = GuaranteeState(PROVING)
+    phases = {"load": 1.5}
+    engine = Engine(embedded_model, guarantee=state).start()
+    try:
+        startup = lambda: {"startup": {"phases_s": dict(phases), "compile_s": {"self_test": 0.5}}}  # noqa: E731
+        with running(create_app(engine, model_extras=startup)) as url:
+            text = httpx.get(url + "/metrics").text
+            assert 'lockstep_startup_phase_seconds{phase="load"} 1.5' in text
+            assert 'lockstep_guarantee_state{state="proving"} 1.0' in text
+            phases["self_test"] = 2.0
+            state.settle(IN_FORCE)
+            text = httpx.get(url + "/metrics").text
+            assert 'lockstep_startup_phase_seconds{phase="self_test"} 2.0' in text
+            assert 'lockstep_startup_compile_seconds{phase="self_test"} 0.5' in text
+            assert 'lockstep_guarantee_state{state="in_force"} 1.0' in text
+            assert 'lockstep_guarantee_state{state="proving"} 0.0' in text
+            assert httpx.get(url + "/v1/models").json()["data"][0]["lockstep"]["startup"]["phases_s"] == phases
+    finally:
+        engine.stop()
