@@ -6,6 +6,7 @@ as the server would. No HTTP here (the device runs this without fastapi).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -126,7 +127,7 @@ class Runtime:
     # may): state that cannot be rewound or stored exactly (`state_refusal`).
     state_refusal: str | None = None
     guarantee: GuaranteeState = field(default_factory=GuaranteeState)  # proving, in force, refused, off
-    pending: "GuaranteeWork | None" = None  # the proofs still to run (build_runtime's defer_guarantee)
+    pending: list | None = None  # work for the engine thread after serving starts (GuaranteeWork, DraftWork)
     guarantee_seconds: float | None = None  # how long the proofs took, once they ran
     serving_after_s: float | None = None  # the phases before serving (the proofs' only when not deferred)
 
@@ -159,21 +160,24 @@ class Runtime:
                              **({"reason": self.state_refusal} if self.state_refusal else {})},
             "transform": self.transform,
             "draft_model": self.deployment.draft_name,
+            **({"draft_model_state": "loading"} if self.deployment.draft_loading else
+               {"draft_model_state": f"failed: {self.deployment.draft_problem}"} if self.deployment.draft_problem
+               else {}),
         }
 
 
 def _load_audited(spec: str, weights: str, quantize: str | None, bits, group,
-                  audit: str = "cached", phases: Phases | None = None) -> tuple:
+                  audit: str = "cached", phases: Phases | None = None, phase_prefix: str = "") -> tuple:
     from lockstep.kernels.audit import audit_and_patch, audit_verdict_cache
     from lockstep.models.load import load_model
     from lockstep.models.quantize import quantize_model_in_memory
 
     phases = Phases() if phases is None else phases
-    with phases.timed("load"):
+    with phases.timed(phase_prefix + "load"):
         loaded = load_model(spec, weights="float32" if quantize else weights)
     transform = f"weights={loaded.weights}"
     if quantize:
-        with phases.timed("quantize"):
+        with phases.timed(phase_prefix + "quantize"):
             result = quantize_model_in_memory(loaded.model, None, quantize, bits, group)
         transform = f"quantize={result.spec.label()}"
     report = None
@@ -181,7 +185,7 @@ def _load_audited(spec: str, weights: str, quantize: str | None, bits, group,
         log.warning("%s", AUDIT_OFF_WARNING)
         transform += ";audit=off"
     else:
-        with phases.timed("audit"):
+        with phases.timed(phase_prefix + "audit"):
             report = audit_and_patch(loaded.model, cache=audit_verdict_cache(),
                                      fresh=audit == "fresh")
     if report is not None and report.patched:
@@ -190,6 +194,30 @@ def _load_audited(spec: str, weights: str, quantize: str | None, bits, group,
     # the thread that made them, and the engine evaluates on its own worker thread.
     mx.eval(loaded.model.parameters())
     return loaded, report, transform
+
+
+def load_draft(options: Options, loaded, timings: Phases) -> tuple:
+    """(draft model, its name): loaded, quantized (`default-quantized`: a 4-bit copy of the
+    target) and audited like a served model. ValueError: it cannot draft for `loaded`."""
+    if options.draft_model == "default-quantized":
+        # a 4-bit copy of the target: cheap to make, and it agrees with it often
+        draft_loaded, _, _ = _load_audited(options.model, "auto", "affine", 4, 32, options.audit, timings,
+                                           phase_prefix="draft_")
+        draft_name = f"{loaded.name} (affine 4-bit g32 copy)"
+    else:
+        draft_loaded, _, _ = _load_audited(options.draft_model, "auto", None, None, None, options.audit, timings,
+                                           phase_prefix="draft_")
+        draft_name = draft_loaded.name
+        from lockstep.server.engine.speculative import draft_tokenizer_problem
+
+        problem = draft_tokenizer_problem(loaded.tokenizer, draft_loaded.tokenizer)
+        if problem:
+            raise ValueError(f"--draft-model {options.draft_model}: {problem}; use a draft "
+                             f"that shares {loaded.name}'s tokenizer")
+    if not rewindable(draft_loaded.model):
+        raise ValueError(f"--draft-model {options.draft_model}: its recurrent state cannot be rewound "
+                         f"past rejected drafts; use a draft with plain KV caches")
+    return draft_loaded.model, draft_name
 
 
 def rewindable(model) -> bool:
@@ -259,26 +287,9 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
         log.warning("speculative decoding is off%s and the prefix cache stores nothing for %s: %s",
                     " (--draft-model not loaded)" if options.draft_model else "", loaded.name, refusal)
     draft, draft_name = None, None
-    if options.draft_model and speculation:
-        if options.draft_model == "default-quantized":
-            # a 4-bit copy of the target: cheap to make, and it agrees with it often
-            draft_loaded, _, _ = _load_audited(options.model, "auto", "affine", 4, 32,
-                                               options.audit, timings)
-            draft_name = f"{loaded.name} (affine 4-bit g32 copy)"
-        else:
-            draft_loaded, _, _ = _load_audited(options.draft_model, "auto", None, None, None,
-                                               options.audit, timings)
-            draft_name = draft_loaded.name
-            from lockstep.server.engine.speculative import draft_tokenizer_problem
-
-            problem = draft_tokenizer_problem(loaded.tokenizer, draft_loaded.tokenizer)
-            if problem:
-                raise ValueError(f"--draft-model {options.draft_model}: {problem}; use a draft "
-                                 f"that shares {loaded.name}'s tokenizer")
-        draft = draft_loaded.model
-        if not rewindable(draft):
-            raise ValueError(f"--draft-model {options.draft_model}: its recurrent state cannot be rewound "
-                             f"past rejected drafts; use a draft with plain KV caches")
+    defer_draft = bool(options.draft_model and speculation and defer_guarantee)
+    if options.draft_model and speculation and not defer_draft:
+        draft, draft_name = load_draft(options, loaded, timings)
 
     with timings.timed("fingerprint"):  # reads every weight file once (cached per process)
         digest = weights_digest(str(loaded.path))
@@ -297,15 +308,16 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     limit = options.batch_invariant_limit
     settings = dict(limit=limit, speculation=speculation, speculative=options.speculative,
                     num_draft_tokens=options.num_draft_tokens, max_draft_tokens=options.max_draft_tokens,
-                    draft_model=draft, draft_name=draft_name, prefill_chunk=options.prefill_chunk,
-                    adaptive_draft_tokens=options.adaptive_speculation, kv_pool=kv_pool)
+                    draft_model=draft, draft_name=draft_name, draft_loading=defer_draft,
+                    prefill_chunk=options.prefill_chunk, adaptive_draft_tokens=options.adaptive_speculation,
+                    kv_pool=kv_pool)
     pending = InstalledInvariance(limit, "native" if not limit else PENDING_STRATEGY, str(mx.default_device()),
                                   False, "off (L = 0)" if not limit else "being proven")
     runtime = Runtime(loaded, Deployment(fingerprint=_fingerprint(loaded, transform, pending, options, kv_pool),
                                          **settings),
                       report, pending, transform, timings, options.audit, refusal,
                       guarantee=GuaranteeState(PROVING if limit else OFF))
-    work = GuaranteeWork(runtime, options, proofs, settings)
+    work = GuaranteeWork(runtime, options, proofs)
     if not (defer_guarantee and limit):
         work.run()
         work.settle()
@@ -322,9 +334,11 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     runtime.serving_after_s = sum(timings.values())
     log.info("startup: %s; total %.1fs%s%s", timings.line(), sum(timings.values()),
              " (self-test proof re-used from the cache)" if test and test.cached else "",
-             "; serving plain requests while the guarantee is proven" if not runtime.guarantee.settled else "")
-    if not runtime.guarantee.settled:
-        runtime.pending = work
+             "; the guarantee is proven after serving starts" if not runtime.guarantee.settled else "")
+    # the work left for the engine thread: the guarantee first (deterministic requests wait
+    # for it), then the draft model (until it is loaded, requests decode without its drafts)
+    pending = ([work] if not runtime.guarantee.settled else []) + ([DraftWork(runtime, options)] if defer_draft else [])
+    runtime.pending = pending or None
     return runtime
 
 
@@ -352,7 +366,6 @@ class GuaranteeWork:
     runtime: Runtime
     options: Options
     proofs: object  # kernels.invariance.selftest.ProofCache
-    settings: dict  # the Deployment's fields that do not depend on the proofs
 
     @property
     def reason(self) -> str:
@@ -363,7 +376,7 @@ class GuaranteeWork:
         from lockstep.server.engine.guarantee import decide_guarantee
 
         runtime, options, timings = self.runtime, self.options, self.runtime.timings
-        model, kv_pool = runtime.loaded.model, self.settings["kv_pool"]
+        model, kv_pool = runtime.loaded.model, runtime.deployment.kv_pool
         started = time.perf_counter()
         with timings.timed("self_test"):
             plan = set_batch_invariant_limit(model, options.batch_invariant_limit,
@@ -378,7 +391,7 @@ class GuaranteeWork:
             with timings.timed("build_kernels"):  # compiled now, not during the first passes
                 build_kernels(model, plan.limit)
         pass_costs = None
-        if options.adaptive_speculation and self.settings["speculation"]:
+        if options.adaptive_speculation and runtime.deployment.speculation:
             from lockstep.server.engine.model_runner import ModelRunner
             from lockstep.server.engine.speculative import measure_pass_costs
 
@@ -391,8 +404,8 @@ class GuaranteeWork:
         # the deployment's guarantee, decided here only (its ragged proof timed where one is made)
         with timings.timed("ragged_proof") if plan.guaranteed else contextlib.nullcontext():
             guarantee = decide_guarantee(model, plan, kv_pool, self.proofs, options.max_batch_rows)
-        deployment = Deployment(
-            **self.settings, guaranteed_rows=guarantee.rows, shared_passes=guarantee.shared_passes,
+        deployment = dataclasses.replace(
+            runtime.deployment, guaranteed_rows=guarantee.rows, shared_passes=guarantee.shared_passes,
             shared_pass_rows=guarantee.pass_rows, strategy=plan.strategy, pass_costs=pass_costs,
             fingerprint=_fingerprint(runtime.loaded, runtime.transform, plan, options, kv_pool))
         runtime.invariance, runtime.deployment = plan, deployment
@@ -402,6 +415,42 @@ class GuaranteeWork:
     def settle(self) -> None:
         """Say the proofs' outcome to whoever waits for it: once the deployment that carries it
         is the one requests are planned with."""
-        plan, deployment = self.runtime.invariance, self.runtime.deployment
+        plan, deployment, timings = self.runtime.invariance, self.runtime.deployment, self.runtime.timings
         self.runtime.guarantee.settle(IN_FORCE if deployment.guaranteed else REFUSED if plan.limit else OFF,
                                       "" if deployment.guaranteed else plan.reason)
+        if self.runtime.guarantee_seconds is not None:
+            proofs = Phases({k: v for k, v in timings.items() if k in PROOF_PHASES})
+            proofs.compile = {k: v for k, v in timings.compile.items() if k in PROOF_PHASES}
+            log.info("guarantee %s after %.1fs of proofs: %s", self.runtime.guarantee.state.replace("_", " "),
+                     self.runtime.guarantee_seconds, proofs.line())
+
+
+PROOF_PHASES = ("self_test", "build_kernels", "pass_costs", "ragged_proof")
+
+
+@dataclass
+class DraftWork:
+    """Loading the draft model (load, quantize, audit) after serving started: the engine runs it
+    after the guarantee's proofs, serving between the audit's configurations. Until it is done,
+    requests that would draft from it decode without drafts (the same tokens for deterministic
+    requests: drafts change the speed only)."""
+
+    runtime: Runtime
+    options: Options
+
+    def run(self) -> Deployment:
+        runtime = self.runtime
+        try:
+            draft, name = load_draft(self.options, runtime.loaded, runtime.timings)
+            deployment = dataclasses.replace(runtime.deployment, draft_model=draft, draft_name=name,
+                                             draft_loading=False)
+        except Exception as exc:  # a draft that cannot draft: serving goes on without one
+            log.error("--draft-model %s not loaded: %s", self.options.draft_model, exc)
+            deployment = dataclasses.replace(runtime.deployment, draft_loading=False,
+                                             draft_problem=f"{type(exc).__name__}: {exc}")
+        runtime.deployment = deployment
+        return deployment
+
+    def settle(self) -> None:
+        if self.runtime.deployment.draft_model is not None:
+            log.info("draft model %s loaded: requests draft from it", self.runtime.deployment.draft_name)

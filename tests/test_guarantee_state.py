@@ -98,7 +98,7 @@ def test_plain_requests_are_served_while_the_proof_is_held_and_deterministic_one
         return submit(requests, plan)
 
     engine.submit_group = spy
-    engine.start(proof)
+    engine.start([proof])
     deterministic = dict(model="default", messages=PROMPT, max_tokens=3, temperature=0,
                          extra_body={"deterministic": True})
     try:

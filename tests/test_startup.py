@@ -1,5 +1,6 @@
 """What a start costs and re-uses: startup phases, `--audit cached|fresh|off`, the CPU
 default (`--cpu-blas auto`, `--weights auto`). The verdict cache is a temporary dir."""
+import dataclasses
 import logging
 
 import pytest
@@ -146,3 +147,41 @@ def test_a_deferred_guarantee_is_proven_by_the_engine_after_serving_starts(align
     assert proven.guarantee.state == "in_force" and proven.pending is None
     assert proven.deployment.fingerprint == deferred.deployment.fingerprint
     assert proven.invariance.strategy == deferred.invariance.strategy != "pending"
+
+
+@pytest.fixture(scope="module")
+def float_dir(tmp_path_factory):
+    path = build_llama_dir(tmp_path_factory.mktemp("float32"))
+    write_tiny_tokenizer(path)
+    return path
+
+
+def test_a_deferred_draft_model_is_loaded_after_the_guarantee_and_drafts_wait_for_it(float_dir, verdicts):
+    from lockstep.server.engine import Engine
+    from lockstep.server.engine.decode_plan import RequestRejected, plan_request
+    from tests.http_server import wait_until
+
+    runtime = build_runtime(Options(model=str(float_dir), batch_invariant_limit=2, draft_model="default-quantized"),
+                            defer_guarantee=True)
+    assert [type(w).__name__ for w in runtime.pending] == ["GuaranteeWork", "DraftWork"]
+    assert runtime.deployment.draft_loading and runtime.deployment.draft_model is None
+    assert "draft_load" not in runtime.timings and runtime.model_info()["draft_model_state"] == "loading"
+    waiting = plan_request(runtime.deployment, deterministic=False, speculative="draft", num_draft_tokens=2)
+    assert waiting.method == "none" and "still being loaded" in waiting.note
+
+    engine = Engine(runtime.loaded, deployment=runtime.deployment, guarantee=runtime.guarantee)
+    engine.start(runtime.pending)
+    try:
+        wait_until(lambda: not engine.deployment.draft_loading, timeout=300, what="the draft model")
+    finally:
+        engine.stop()
+    deployment = engine.deployment
+    assert runtime.guarantee.state == "in_force" and deployment.guaranteed  # the proofs' result is kept
+    assert deployment.draft_model is not None and "draft_model_state" not in runtime.model_info()
+    assert {"draft_load", "draft_quantize", "draft_audit"} <= set(runtime.timings)
+    drafting = plan_request(deployment, deterministic=True, speculative="draft", num_draft_tokens=1)
+    assert drafting.method == "draft" and drafting.guaranteed
+
+    failed = dataclasses.replace(deployment, draft_model=None, draft_problem="ValueError: other tokenizer")
+    with pytest.raises(RequestRejected, match="could not be loaded: ValueError: other tokenizer"):
+        plan_request(failed, deterministic=False, speculative="draft", num_draft_tokens=2)

@@ -35,6 +35,7 @@ from .probes import describe, layer_kind, probe, probe_paths, reference_weight
 from .report import (OK, REFUSED, AuditReport, ConfigResult, LayerConfig, PathResult,
                      format_table, summary)
 from .slicing import backend_kind, full_size, sliced_layer, sliced_rows
+from ..proof_steps import step_done
 
 __all__ = ["audit_model", "apply_workarounds", "audit_and_patch", "format_table", "summary",
            "AuditReport"]
@@ -196,6 +197,7 @@ def audit_model(model: nn.Module, *, seed: int = 0, prompt_rows: int = DEFAULT_P
             result = _audit_config(cfg, layers, seed, prompt_rows)
             if cache is not None:
                 cache.put(key, result_to_json(result))
+            step_done()
         configs.append(result)
     report = AuditReport(backend=backend_name(), configs=configs,
                          seconds=time.perf_counter() - start, cached=cached)

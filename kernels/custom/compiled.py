@@ -178,7 +178,9 @@ def _unpack(data: bytes) -> bytes | None:
 
 
 def default_workers() -> int:
-    return max(1, min(32, os.cpu_count() or 1))
+    """One: NVRTC compiles in one process do not overlap (H200, 13 instances: 0.65 s on one
+    thread, 1.05 s on 16; docs/BENCHMARKS.md), and each of ours takes ~50 ms."""
+    return 1
 
 
 class CubinCache:

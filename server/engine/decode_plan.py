@@ -83,8 +83,15 @@ def plan_request(deployment: Deployment, *, deterministic: bool, speculative: st
             raise RequestRejected("speculative", "this model's recurrent state cannot be rewound past rejected "
                                                  "drafts, so this server decodes it without speculation")
         method = "none"  # the deployment's default does not apply to this model
+    note = ""
     if method == "draft" and deployment.draft_model is None:
-        raise RequestRejected("speculative", "this server has no draft model (start it with --draft-model)")
+        if not deployment.draft_loading:
+            why = (f"its draft model could not be loaded: {deployment.draft_problem}" if deployment.draft_problem
+                   else "start it with --draft-model")
+            raise RequestRejected("speculative", f"this server has no draft model ({why})")
+        # Drafts change the speed, never a deterministic answer; until the draft model is
+        # loaded (after serving started) such requests decode without them.
+        method, note = "none", "the draft model is still being loaded: decoded without drafts"
     if num_draft_tokens is not None and num_draft_tokens > deployment.max_draft_tokens:
         raise RequestRejected(
             "num_draft_tokens",
@@ -97,7 +104,7 @@ def plan_request(deployment: Deployment, *, deterministic: bool, speculative: st
 
     adaptive = deployment.adaptive_draft_tokens and method != "none"
     if not deterministic:
-        return DecodePlan("none", method, k, adaptive=adaptive)
+        return DecodePlan("none", method, k, adaptive=adaptive, note=note)
 
     if not deployment.guaranteed:
         why = ("the batch-invariant limit is 0" if deployment.limit == 0
@@ -115,4 +122,4 @@ def plan_request(deployment: Deployment, *, deterministic: bool, speculative: st
     if k < 1:
         method, k, adaptive = "none", 0, False
     determinism = "shared" if deployment.shared_passes else "alone"
-    return DecodePlan(determinism, method, k, guaranteed=True, adaptive=adaptive)
+    return DecodePlan(determinism, method, k, guaranteed=True, adaptive=adaptive, note=note)

@@ -33,6 +33,11 @@ class Deployment:
     max_draft_tokens: int = MAX_DRAFT_TOKENS  # the largest k any request may use
     draft_model: object | None = None
     draft_name: str | None = None
+    # The draft model is loaded after serving started (`serve`: server/runtime.py DraftWork);
+    # meanwhile requests that would draft from it decode without drafts. draft_problem: why
+    # it could not be loaded.
+    draft_loading: bool = False
+    draft_problem: str = ""
     # Adaptive speculation: k chosen per step from the request's own acceptance, up to the
     # plan's k (server/engine/speculative.py AdaptiveDraftLength). pass_costs[w - 1] is the
     # measured cost of a target pass of w rows (measure_pass_costs); None: linear in w.

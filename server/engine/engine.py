@@ -1,8 +1,8 @@
 """The engine: one worker thread owns MLX and runs the step loop.
 
-A deployment that proves its guarantee after serving started hands the proofs to `start`:
-the worker thread runs them first, and serves plain passes between their steps
-(kernels/proof_steps.py), then plans deterministic requests with the proven deployment.
+A deployment that proves its guarantee after serving started hands that work to `start`: the
+worker thread runs it first, serving plain passes between its steps (kernels/proof_steps.py),
+and installs the deployment it returns (deterministic requests are planned with the proven one).
 
     while requests are waiting or active:
         admit (scheduler)
@@ -49,11 +49,10 @@ class _Stopped(Exception):
     """The engine stopped while its proofs were running."""
 
 
-class Proofs:
-    """What `Engine.start` may run first (server/runtime.py GuaranteeWork): `run()` returns the
-    proven deployment, `settle()` then tells the requests waiting for it."""
-
-    reason: str = ""
+class Work:
+    """What `Engine.start` may run first, in order (server/runtime.py GuaranteeWork, DraftWork):
+    `run()` returns the deployment to serve with from then on, `settle()` then says so to
+    whoever waits for it."""
 
     def run(self) -> Deployment: ...
 
@@ -103,7 +102,7 @@ class Engine:
         self._wake = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._proofs: Proofs | None = None
+        self._work: list[Work] = []
 
     @property
     def max_active(self) -> int:
@@ -117,9 +116,10 @@ class Engine:
         """Batching settings, for /v1/models."""
         return self.scheduler.describe()
 
-    def start(self, proofs: Proofs | None = None) -> "Engine":
-        """Start the worker thread; it runs `proofs` first, serving plain requests between their steps."""
-        self._proofs = proofs
+    def start(self, work: list[Work] | None = None) -> "Engine":
+        """Start the worker thread; it runs `work` first (the deployment's proofs, then its draft
+        model), serving plain requests between their steps."""
+        self._work = list(work or [])
         self._thread = threading.Thread(target=self._run, name="lockstep-engine", daemon=True)
         self._thread.start()
         return self
@@ -198,8 +198,9 @@ class Engine:
 
     def _run(self) -> None:
         scheduler = self.scheduler
-        if self._proofs is not None:
-            self._prove(self._proofs)
+        for work in self._work:
+            if not self._run_work(work):
+                break
         while self._admit():
             self._iterate()
         for slot in scheduler.active:
@@ -218,20 +219,21 @@ class Engine:
         """Plan and run from now on with `deployment` (worker thread, between steps)."""
         self.deployment = self.scheduler.deployment = self.runner.deployment = deployment
 
-    def _prove(self, proofs: Proofs) -> None:
+    def _run_work(self, work: Work) -> bool:
+        """Run one piece of start-up work, serving requests between its steps. False: stop."""
         try:
             with between_steps(self._serve_between_proof_steps):
-                deployment = proofs.run()
+                deployment = work.run()
         except _Stopped:
-            return
+            return False
         except Exception as exc:  # the deployment then guarantees nothing; plain serving goes on
-            log.error("proving the guarantee failed; deterministic requests get no guarantee", exc_info=exc)
-            self.guarantee.settle(REFUSED, f"the proof failed: {type(exc).__name__}: {exc}")
-            return
+            log.error("start-up work failed: deterministic requests get no guarantee", exc_info=exc)
+            if not self.guarantee.settled:
+                self.guarantee.settle(REFUSED, f"the proof failed: {type(exc).__name__}: {exc}")
+            return True
         self.set_deployment(deployment)
-        proofs.settle()
-        log.info("guarantee %s%s", self.guarantee.state.replace("_", " "),
-                 f" ({self.guarantee.reason})" if self.guarantee.reason else "")
+        work.settle()
+        return True
 
     def _serve_between_proof_steps(self) -> None:
         """A proof finished a step: serve the requests there are, for a moment."""
