@@ -36,16 +36,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for_health(proc, base: str, log_path, timeout: float = 300.0) -> None:
-    """Wait until a `lockstep serve` subprocess answers /health; fails with its log if it exits."""
+def wait_for_health(proc, base: str, log_path, timeout: float = 300.0, guarantee: bool = True) -> None:
+    """Wait until a `lockstep serve` subprocess answers /health (and, with `guarantee`, has
+    settled its determinism guarantee, proven after serving starts); fails with its log if it exits."""
     import httpx2 as httpx
 
     def up():
         assert proc.poll() is None, Path(log_path).read_text()[-3000:]
         try:
-            return httpx.get(base + "/health").status_code == 200
+            response = httpx.get(base + "/health")
         except httpx.TransportError:
             return False
+        return response.status_code == 200 and not (guarantee and response.json().get("guarantee") == "proving")
 
     wait_until(up, timeout=timeout, what="lockstep serve to start")
 

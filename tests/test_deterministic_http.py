@@ -353,7 +353,8 @@ def test_a_restarted_server_gives_the_same_bits(server, answer, restarted):
                 log = Path(restarted.log).read_text()[-3000:]
                 pytest.fail(f"lockstep serve exited with {restarted.proc.returncode}:\n{log}")
             try:
-                if http.get("/health").status_code == 200:
+                health = http.get("/health")
+                if health.status_code == 200 and health.json()["guarantee"] != "proving":  # proven after it serves
                     break
             except httpx.TransportError:
                 pass
