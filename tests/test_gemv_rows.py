@@ -136,3 +136,33 @@ def test_a_kernel_in_mlxs_order_is_proven_and_one_that_is_not_is_refused(emulate
         plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
         assert not plan.guaranteed and "self-test failed" in plan.reason
         assert not self_test(model, 4, prefixes=(7,)).passed
+
+
+def test_a_pass_wider_than_l_runs_each_linear_as_one_launch_and_keeps_the_rows_bits(emulated, monkeypatch):
+    """Under calls_in_blocks (the engine's wide deterministic passes) a row-independent kernel
+    takes all of a call's rows at once; the rows' bits are those of L-row blocks. Where it
+    cannot, the call runs in blocks of at most L rows."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import lockstep.kernels.invariance.layers as layers
+    from lockstep.kernels.invariance.layers import calls_in_blocks
+
+    calls = emulated(_rows_alone)
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    with shape_variant_backend():
+        model = tiny_llama()
+        assert set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,)).guaranteed
+        calls.clear()
+        with calls_in_blocks():
+            wide = model(tokens, cache=make_prompt_cache(model))
+            mx.eval(wide)
+        assert calls and set(calls) == {10}  # every linear: one launch of all 10 rows
+
+        calls.clear()
+        monkeypatch.setattr(layers, "dense_rows_in_one_launch", lambda x, w, form: None)
+        with calls_in_blocks():
+            blocked = model(tokens, cache=make_prompt_cache(model))
+            mx.eval(blocked)
+        assert sorted(set(calls)) == [2, 4]  # 10 rows as 4 + 4 + 2
+        assert bits_equal(wide, blocked)
+        set_batch_invariant_limit(model, 0)

@@ -33,7 +33,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from .composed_attention import composed_attention, composed_serves
 from .cache_check import is_positional
 from .prefill_attention import blocked_causal, wants_blocks
-from .ops import (Strategy, attention_per_query, dense_rows, packed_kv, quantized_rows,
+from .ops import (Strategy, attention_per_query, dense_rows, dense_rows_in_one_launch, packed_kv, quantized_rows,
                   rows_of)
 
 
@@ -141,12 +141,17 @@ _embedding_as_linear = nn.Embedding.as_linear
 _quantized_embedding_as_linear = nn.QuantizedEmbedding.as_linear
 
 
-def _canonical(x, limit: int, call):
-    """`call(x)` for a call of at most `limit` rows; in blocks under `calls_in_blocks`; None:
-    the call is wider than L and runs natively (a prompt chunk)."""
+def _canonical(x, limit: int, call, one_launch=None):
+    """`call(x)` for a call of at most `limit` rows; under `calls_in_blocks` a wider call runs
+    as one launch where `one_launch(x)` takes it (a kernel whose rows do not depend on the
+    call's width), else in blocks of at most `limit` rows; None: the call is wider than L and
+    runs natively (a prompt chunk)."""
     if rows_of(x) <= limit:
         return call(x)
-    return _in_blocks(x, limit, call) if _local.blocks else None
+    if not _local.blocks:
+        return None
+    y = one_launch(x) if one_launch is not None else None
+    return _in_blocks(x, limit, call) if y is None else y
 
 
 class InvariantLinear(nn.Linear):
@@ -157,7 +162,9 @@ class InvariantLinear(nn.Linear):
         if x.size == x.shape[-1] and s.dense_row_plain:
             y = x @ self["weight"].T  # (not addmm: the bias is a separate add for every M)
         else:
-            y = _canonical(x, s.limit, lambda r: dense_rows(r, self["weight"], s.strategy.dense))
+            form = s.strategy.dense
+            y = _canonical(x, s.limit, lambda r: dense_rows(r, self["weight"], form),
+                           lambda r: dense_rows_in_one_launch(r, self["weight"], form))
             if y is None:
                 return _linear_call(self, x)
         return y + self["bias"] if "bias" in self else y
@@ -187,7 +194,9 @@ class InvariantEmbedding(nn.Embedding):
         s = _local.active
         if s is None or s.dense_native or (x.size == x.shape[-1] and s.dense_row_plain):
             return _embedding_as_linear(self, x)
-        y = _canonical(x, s.limit, lambda r: dense_rows(r, self["weight"], s.strategy.dense))
+        form = s.strategy.dense
+        y = _canonical(x, s.limit, lambda r: dense_rows(r, self["weight"], form),
+                       lambda r: dense_rows_in_one_launch(r, self["weight"], form))
         return _embedding_as_linear(self, x) if y is None else y
 
 

@@ -111,6 +111,25 @@ def rows_of(x: mx.array) -> int:
     return x.size // k if k else math.prod(x.shape[:-1])
 
 
+# Dense forms whose kernel computes each row in an order of its own (gemv_rows: MLX's
+# single-row GEMV; skinny: fixed by K), whatever the call's row count: a call of more than L
+# rows may run as one launch (up to the kernel's 64 rows) with each row's bits those of L-row
+# calls. The ragged proof covers every pass width the engine builds, these launches included.
+ROW_INDEPENDENT_DENSE = ("gemv_rows", "skinny")
+
+
+def dense_rows_in_one_launch(x: mx.array, weight: mx.array, form: str):
+    """dense_rows(x, weight, form) as one kernel launch for all of x's rows, where the form's
+    kernel takes them (its rows do not depend on the call's width); None otherwise."""
+    if form not in ROW_INDEPENDENT_DENSE:
+        return None
+    *lead, k = x.shape
+    rows = x.reshape(-1, k)
+    out = (custom.gemv_rows.try_matmul(rows, weight) if form == "gemv_rows"
+           else custom.try_dense_matmul(rows, weight))
+    return None if out is None else out.reshape(*lead, out.shape[-1])
+
+
 def dense_rows(x: mx.array, weight: mx.array, form: str) -> mx.array:
     """x @ weight.T (weight is (N, K), as nn.Linear stores it), each row in canonical `form`."""
     *lead, k = x.shape

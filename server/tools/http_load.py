@@ -185,7 +185,16 @@ HEADER = (f"{'server':<14} {'conc':>4} {'tok/s':>10} {'ttft p50':>9} {'ttft p99'
           f"from the same request alone)")
 
 
+def _proving(body: bytes) -> bool:
+    try:
+        return json.loads(body).get("guarantee") == "proving"
+    except (ValueError, AttributeError):
+        return False
+
+
 def wait_healthy(base_url: str, path: str, timeout: float, proc=None) -> None:
+    """Until `path` answers 200 (for lockstep's /health: with its guarantee settled too, since a
+    server proves it after serving starts and a measurement wants the deployment it describes)."""
     url = urllib.parse.urlparse(base_url)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -194,7 +203,9 @@ def wait_healthy(base_url: str, path: str, timeout: float, proc=None) -> None:
         try:
             conn = http.client.HTTPConnection(url.hostname, url.port, timeout=5)
             conn.request("GET", path)
-            if conn.getresponse().status == 200:
+            response = conn.getresponse()
+            body = response.read()
+            if response.status == 200 and not (path == "/health" and _proving(body)):
                 return
         except OSError:
             pass
