@@ -418,7 +418,7 @@ class GuaranteeWork:
         plan, deployment, timings = self.runtime.invariance, self.runtime.deployment, self.runtime.timings
         self.runtime.guarantee.settle(IN_FORCE if deployment.guaranteed else REFUSED if plan.limit else OFF,
                                       "" if deployment.guaranteed else plan.reason)
-        if self.runtime.guarantee_seconds is not None:
+        if self.runtime.guarantee_seconds is not None and plan.limit:
             proofs = Phases({k: v for k, v in timings.items() if k in PROOF_PHASES})
             proofs.compile = {k: v for k, v in timings.compile.items() if k in PROOF_PHASES}
             log.info("guarantee %s after %.1fs of proofs: %s", self.runtime.guarantee.state.replace("_", " "),

@@ -54,3 +54,22 @@ def test_each_concurrency_is_warmed_then_the_median_of_three_rounds_is_reported(
     assert calls == [16, 16, 16, 16]  # one unmeasured round, then at least three
     assert [r.tok_per_s for r in rounds] == [30.0, 10.0, 20.0]
     assert median.tok_per_s == 20.0
+
+
+def test_servers_side_by_side_are_warmed_then_measured_in_turn(monkeypatch):
+    """A machine whose speed drifts moves every side alike: every server gets its unmeasured
+    round first, then the measured rounds alternate A, B, A, B, ... and each side's median is its own."""
+    import lockstep.server.tools.http_load as http_load
+
+    rates = {"a": iter([1.0, 10.0, 30.0, 20.0]), "b": iter([2.0, 5.0, 7.0, 6.0])}
+    calls = []
+
+    def fake_round(base_url, model, concurrency, max_tokens, extra=None):
+        calls.append(base_url)
+        return RoundResult(concurrency, 1.0, int(next(rates[base_url])), [], [], 0, [])
+
+    monkeypatch.setattr(http_load, "run_round", fake_round)
+    (a, a_rounds), (b, b_rounds) = http_load.interleaved_rounds([("a", "m", {}), ("b", "m", {})], 16, 8, rounds=3)
+    assert calls == ["a", "b", "a", "b", "a", "b", "a", "b"]
+    assert [r.tok_per_s for r in a_rounds] == [10.0, 30.0, 20.0] and a.tok_per_s == 20.0
+    assert [r.tok_per_s for r in b_rounds] == [5.0, 7.0, 6.0] and b.tok_per_s == 6.0

@@ -45,7 +45,11 @@ def register(subparsers) -> None:
                       help="streaming clients per round, e.g. 1,4,16,32: starts `lockstep serve` and "
                            "prints aggregate tok/s and p50/p99 time to first token and inter-token latency")
     load.add_argument("--against-mlx-lm", action="store_true",
-                      help="also start mlx_lm.server on the same model directory and print the ratios")
+                      help="also start mlx_lm.server on the same model directory and print the ratios "
+                           "(every server is up at once and the rounds alternate between them)")
+    load.add_argument("--against-deterministic", default=None, metavar="L,L,...",
+                      help="also start one deterministic lockstep server per L (its clients send "
+                           "deterministic: true) and print deterministic / plain")
     load.add_argument("--deterministic", action="store_true", help="clients send deterministic: true")
     load.add_argument("--mixed", action="store_true",
                       help="even clients send deterministic: true, odd ones not; 'changed' counts the "
@@ -138,26 +142,28 @@ def _start(cmd: list[str], log_path: str | None) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 
 
-def _load_rounds(name: str, base_url: str, model: str, levels: list[int], args, extra) -> list:
-    """Each concurrency warmed with an unmeasured round, then the median of at least 3
-    measured rounds (tools/http_load.py `measured_rounds`). extra: one dict of request fields
-    for every client, or a function of the client index."""
-    from lockstep.server.tools.http_load import (changed_answers, extra_for, measured_rounds, solo_texts,
-                                                 summary_line)
+def _server_rounds(servers: list[dict], levels: list[int], args) -> dict:
+    """Each concurrency warmed with an unmeasured round on every server, then at least 3
+    measured rounds taken in turn across the servers (tools/http_load.py `interleaved_rounds`),
+    the median of each printed. A server: name, url, model and extra (request fields for every
+    client, or a function of the client index). Returns name -> the median rounds."""
+    from lockstep.server.tools.http_load import changed_answers, extra_for, interleaved_rounds, solo_texts, summary_line
 
-    results = []
-    solo = solo_texts(base_url, model, max(levels), args.max_tokens, extra)
+    solo = {s["name"]: solo_texts(s["url"], s["model"], max(levels), args.max_tokens, s["extra"]) for s in servers}
+    results = {s["name"]: [] for s in servers}
     for n in levels:
-        median, rounds = measured_rounds(base_url, model, n, args.max_tokens, extra, args.rounds)
-        # With mixed clients only the deterministic ones are promised their solo answer;
-        # answers are checked in every measured round.
-        watched = ({i for i in range(n) if extra_for(extra, i).get("deterministic")}
-                   if callable(extra) else None)
-        changed = sum(changed_answers(r, solo, watched) for r in rounds) if n > 1 else None
-        of = len(rounds) * (n if watched is None else len(watched))
-        print(summary_line(name, median, changed, of) + f"   (median of {len(rounds)}: "
-              + ", ".join(f"{r.tok_per_s:.1f}" for r in rounds) + ")", flush=True)
-        results.append(median)
+        both = interleaved_rounds([(s["url"], s["model"], s["extra"]) for s in servers], n, args.max_tokens, args.rounds)
+        for s, (median, rounds) in zip(servers, both):
+            extra = s["extra"]
+            # With mixed clients only the deterministic ones are promised their solo answer;
+            # answers are checked in every measured round.
+            watched = ({i for i in range(n) if extra_for(extra, i).get("deterministic")}
+                       if callable(extra) else None)
+            changed = sum(changed_answers(r, solo[s["name"]], watched) for r in rounds) if n > 1 else None
+            of = len(rounds) * (n if watched is None else len(watched))
+            print(summary_line(s["name"], median, changed, of) + f"   (median of {len(rounds)}: "
+                  + ", ".join(f"{r.tok_per_s:.1f}" for r in rounds) + ")", flush=True)
+            results[s["name"]].append(median)
     return results
 
 
@@ -170,41 +176,51 @@ def run_load(args: argparse.Namespace) -> int:
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     if not levels or min(levels) < 1:
         raise SystemExit("--concurrency takes positive integers, e.g. 1,4,16,32")
+    limits = [int(x) for x in (args.against_deterministic or "").split(",") if x.strip()]
+    if any(limit < 1 for limit in limits):
+        raise SystemExit("--against-deterministic takes limits L >= 1, e.g. 8,16")
     model_dir = resolve_model(args.model, args.weights)
-    lines = [f"lockstep bench --concurrency {args.concurrency}: model {model_dir}, {args.max_tokens} tokens "
-             f"per request, greedy, streamed" + (", deterministic" if args.deterministic else "")
-             + (", mixed (even clients deterministic; changed counts those)" if args.mixed else "")]
-    print(lines[0])
+    print(f"lockstep bench --concurrency {args.concurrency}: model {model_dir}, {args.max_tokens} tokens "
+          f"per request, greedy, streamed" + (", deterministic" if args.deterministic else "")
+          + (", mixed (even clients deterministic; changed counts those)" if args.mixed else "")
+          + (f"; beside deterministic servers L = {limits}" if limits else "")
+          + ("; beside mlx_lm.server" if args.against_mlx_lm else "") + "; rounds alternate between servers")
     print(HEADER, flush=True)
 
-    port = _free_port()
-    serve = [sys.executable, "-m", "lockstep.server.cli", "serve", "--model", str(model_dir), "--port", str(port),
-             "--max-active", str(max(levels)), "--max-queue", str(max(levels)), *args.serve_arg]
-    if args.batch_invariant_limit is not None and (args.deterministic or args.mixed):
-        serve += ["--batch-invariant-limit", str(args.batch_invariant_limit)]
-    extra = mixed_extra if args.mixed else {"deterministic": True} if args.deterministic else {}
-    rows = {}
-    proc = _start(serve, (args.out + ".lockstep.log") if args.out else None)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", "/health", 600, proc)
-        rows["lockstep"] = _load_rounds("lockstep", f"http://127.0.0.1:{port}/v1", "default", levels, args, extra)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    def lockstep_cmd(port: int, limit: int | None) -> list[str]:
+        cmd = [sys.executable, "-m", "lockstep.server.cli", "serve", "--model", str(model_dir), "--port", str(port),
+               "--max-active", str(max(levels)), "--max-queue", str(max(levels)), *args.serve_arg]
+        return cmd + (["--batch-invariant-limit", str(limit)] if limit is not None else [])
 
+    extra = mixed_extra if args.mixed else {"deterministic": True} if args.deterministic else {}
+    own_limit = args.batch_invariant_limit if (args.deterministic or args.mixed) else None
+    plans = [("lockstep", lockstep_cmd, own_limit, extra, "/health")]
+    plans += [(f"det L={limit}", lockstep_cmd, limit, {"deterministic": True}, "/health") for limit in limits]
     if args.against_mlx_lm:
-        port = _free_port()
-        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port)]
-        proc = _start(cmd, (args.out + ".mlx_lm.log") if args.out else None)
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}", "/v1/models", 600, proc)
-            rows["mlx_lm.server"] = _load_rounds("mlx_lm.server", f"http://127.0.0.1:{port}/v1", str(model_dir),
-                                                 levels, args, {})
-        finally:
+        plans.append(("mlx_lm.server", lambda port, _: [sys.executable, "-m", "mlx_lm.server", "--model",
+                                                         str(model_dir), "--port", str(port)], None, {}, "/v1/models"))
+    servers, procs = [], []
+    try:
+        for name, make, limit, server_extra, ready in plans:
+            port = _free_port()
+            log_path = f"{args.out}.{name.replace(' ', '_').replace('=', '')}.log" if args.out else None
+            procs.append(_start(make(port, limit), log_path))
+            servers.append({"name": name, "url": f"http://127.0.0.1:{port}", "ready": ready, "extra": server_extra,
+                            "model": str(model_dir) if name == "mlx_lm.server" else "default"})
+        for server, proc in zip(servers, procs):
+            wait_healthy(server["url"], server["ready"], 600, proc)
+            server["url"] += "/v1"
+        rows = _server_rounds(servers, levels, args)
+    finally:
+        for proc in procs:
             proc.terminate()
+        for proc in procs:
             proc.wait(timeout=60)
-        print("ratios lockstep / mlx_lm.server (aggregate tok/s):")
-        for ours, theirs in zip(rows["lockstep"], rows["mlx_lm.server"]):
-            ratio = ours.tok_per_s / theirs.tok_per_s if theirs.tok_per_s else float("nan")
+    for other in [s["name"] for s in servers[1:]]:
+        print(f"ratios {other} / lockstep (aggregate tok/s):" if other.startswith("det")
+              else f"ratios lockstep / {other} (aggregate tok/s):")
+        for ours, theirs in zip(rows["lockstep"], rows[other]):
+            a, b = (theirs, ours) if other.startswith("det") else (ours, theirs)
+            ratio = a.tok_per_s / b.tok_per_s if b.tok_per_s else float("nan")
             print(f"  concurrency {ours.concurrency:>3}: {ratio:.2f}x", flush=True)
     return 0

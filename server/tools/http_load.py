@@ -171,6 +171,24 @@ def measured_rounds(base_url: str, model: str, concurrency: int, max_tokens: int
     return ordered[(len(ordered) - 1) // 2], measured
 
 
+def interleaved_rounds(servers: list[tuple], concurrency: int, max_tokens: int,
+                       rounds: int = MEASURED_ROUNDS) -> list[tuple[RoundResult, list[RoundResult]]]:
+    """`measured_rounds` for several servers up at once, (base_url, model, extra) each: one
+    unmeasured round on each, then the measured rounds in turn (A, B, A, B, ...), so a machine
+    whose speed drifts over minutes moves every side alike. Returns (median, rounds) per server."""
+    for base_url, model, extra in servers:
+        run_round(base_url, model, concurrency, max_tokens, extra)
+    measured = [[] for _ in servers]
+    for _ in range(max(rounds, MEASURED_ROUNDS)):
+        for i, (base_url, model, extra) in enumerate(servers):
+            measured[i].append(run_round(base_url, model, concurrency, max_tokens, extra))
+    out = []
+    for results in measured:
+        ordered = sorted(results, key=lambda r: r.tok_per_s)
+        out.append((ordered[(len(ordered) - 1) // 2], results))
+    return out
+
+
 def summary_line(name: str, r: RoundResult, changed: int | None = None, of: int | None = None) -> str:
     """One table row; `changed` of `of` answers (default: of all clients)."""
     of = r.concurrency if of is None else of
