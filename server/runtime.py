@@ -311,11 +311,11 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
                     draft_model=draft, draft_name=draft_name, draft_loading=defer_draft,
                     prefill_chunk=options.prefill_chunk, adaptive_draft_tokens=options.adaptive_speculation,
                     kv_pool=kv_pool)
-    pending = InstalledInvariance(limit, "native" if not limit else PENDING_STRATEGY, str(mx.default_device()),
-                                  False, "off (L = 0)" if not limit else "being proven")
-    runtime = Runtime(loaded, Deployment(fingerprint=_fingerprint(loaded, transform, pending, options, kv_pool),
+    unproven = InstalledInvariance(limit, "native" if not limit else PENDING_STRATEGY, str(mx.default_device()),
+                                   False, "off (L = 0)" if not limit else "being proven")
+    runtime = Runtime(loaded, Deployment(fingerprint=_fingerprint(loaded, transform, unproven, options, kv_pool),
                                          **settings),
-                      report, pending, transform, timings, options.audit, refusal,
+                      report, unproven, transform, timings, options.audit, refusal,
                       guarantee=GuaranteeState(PROVING if limit else OFF))
     work = GuaranteeWork(runtime, options, proofs)
     if not (defer_guarantee and limit):
@@ -337,8 +337,8 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
              "; the guarantee is proven after serving starts" if not runtime.guarantee.settled else "")
     # the work left for the engine thread: the guarantee first (deterministic requests wait
     # for it), then the draft model (until it is loaded, requests decode without its drafts)
-    pending = ([work] if not runtime.guarantee.settled else []) + ([DraftWork(runtime, options)] if defer_draft else [])
-    runtime.pending = pending or None
+    work_left = ([work] if not runtime.guarantee.settled else []) + ([DraftWork(runtime, options)] if defer_draft else [])
+    runtime.pending = work_left or None
     return runtime
 
 

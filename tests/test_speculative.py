@@ -299,7 +299,7 @@ def test_build_runtime_refuses_a_draft_model_with_another_tokenizer(monkeypatch)
 
     model = tiny_llama(0, layers=1)
 
-    def fake_load(spec, *args):
+    def fake_load(spec, *args, **kwargs):
         vocab = draft_vocab if spec == "other-draft" else target_vocab
         return SimpleNamespace(name=spec, tokenizer=_Vocab(vocab), model=model, path=spec), None, None
 
