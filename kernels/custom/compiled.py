@@ -8,7 +8,8 @@ are int arguments), compiled by NVRTC through ctypes into a cubin kept under the
 cache root (`<root>/cubin/<sha256>.cubin`, keyed by the whole source, the NVRTC options,
 NVRTC's and MLX's versions and the device) and launched with
 `mx.fast.precompiled_cuda_kernel`. A restart reads the files and compiles nothing; a fresh
-start compiles the instances it is told about at once, on a thread pool (`precompile`).
+start compiles the instances it is told about at once (`precompile`; one thread by default:
+NVRTC compiles in one process do not overlap, docs/BENCHMARKS.md session 11).
 
 Where this cannot run (no NVRTC library, no CUDA headers, a compile that fails, a kernel
 that fails its smoke test on this path) one warning says why and the loaders keep today's
