@@ -175,3 +175,43 @@ def test_without_the_shim_cpu_kernel_is_skipped_with_the_reason():
     # native passed first, so cpu_kernel was never needed; ask for it by name instead
     from lockstep.kernels.invariance.ops import CPU_KERNEL
     assert "OpenBLAS shim" in CPU_KERNEL.unavailable_reason(4)
+
+
+def test_a_wide_deterministic_pass_gives_the_kernel_all_its_rows_and_keeps_their_bits(monkeypatch):
+    """In the engine's wide deterministic passes (calls_in_blocks with the model) the shim's
+    kernel takes a whole call of more than L rows, one call instead of blocks of L: its rows'
+    bits depend on K alone. Outside such a pass its limit is L again."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import lockstep.kernels.invariance.layers as layers
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+    from lockstep.kernels.invariance.selftest import bits_equal
+    from tiny_models import tiny_llama
+
+    if cpu_blas.kernel_isa() is None:
+        pytest.fail("this session runs on the OpenBLAS shim (tests/cpu_blas_session.py): it must be loaded")
+    model = tiny_llama(tied=True)
+    plan = set_batch_invariant_limit(model, 4, "cpu_kernel", prefixes=(7,))
+    try:
+        assert plan.guaranteed, plan.reason
+        assert cpu_blas.kernel_limit() == 4
+        one_launch, took = layers.dense_rows_in_one_launch, []
+        monkeypatch.setattr(layers, "dense_rows_in_one_launch",
+                            lambda x, w, form: took.append(one_launch(x, w, form) is not None) or one_launch(x, w, form))
+        tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+        with layers.calls_in_blocks(model):
+            assert cpu_blas.kernel_limit() == layers.WIDE_CALL_ROWS
+            wide = model(tokens, cache=make_prompt_cache(model))
+            mx.eval(wide)
+        assert cpu_blas.kernel_limit() == 4
+        assert took and all(took)  # every linear (the tied head too): one call of all 10 rows
+
+        monkeypatch.setattr(layers, "dense_rows_in_one_launch", lambda x, w, form: None)
+        with layers.calls_in_blocks(model):
+            blocked = model(tokens, cache=make_prompt_cache(model))  # blocks of at most L = 4 rows
+            mx.eval(blocked)
+        assert bits_equal(wide, blocked)
+    finally:
+        set_batch_invariant_limit(model, 0)
+    assert cpu_blas.kernel_limit() == 0
