@@ -14,7 +14,6 @@ Imports nothing heavy: the server calls this before mlx is loaded.
 from __future__ import annotations
 
 import ctypes
-from contextlib import contextmanager
 import hashlib
 import importlib.util
 import logging
@@ -229,27 +228,6 @@ def kernel_unavailable_reason() -> str | None:
 
 
 _logged_isa = False
-
-
-def kernel_limit() -> int:
-    """The shim's row limit for its invariant kernel now (0: off, or no shim)."""
-    lib = _shim_symbols()
-    return 0 if lib is None else ctypes.c_int.in_dll(lib, "lockstep_cpu_kernel_limit").value
-
-
-@contextmanager
-def kernel_limit_at_least(rows: int):
-    """The invariant kernel takes sgemm calls of up to `rows` rows for the enclosed work (its
-    rows' bits depend on K alone, never on M), then the limit is what it was."""
-    before = kernel_limit()
-    if _shim_symbols() is None or before >= rows or before == 0:
-        yield
-        return
-    set_kernel_limit(rows)
-    try:
-        yield
-    finally:
-        set_kernel_limit(before)
 
 
 def set_kernel_limit(limit: int) -> None:

@@ -20,7 +20,7 @@ Nothing in MLX or the mlx-lm model files is changed. Instead:
 import sys
 import threading
 import weakref
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import wraps
 import inspect
@@ -30,7 +30,6 @@ import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
-from .. import cpu_blas
 from .composed_attention import composed_attention, composed_serves
 from .cache_check import is_positional
 from .prefill_attention import blocked_causal, wants_blocks
@@ -95,26 +94,13 @@ def batch_invariant(setting: Setting | None):
     return _thread_value("setting", setting)
 
 
-@contextmanager
-def calls_in_blocks(model=None):
+def calls_in_blocks():
     """The enclosed calls of more than L rows run canonically, as blocks of at most L rows each
     (every row keeps the bits of its single-row call: the canonical forms are row-independent
-    within a call the self-test proved), or as one launch of a kernel whose rows never depend
-    on the call's width (`ops.dense_rows_in_one_launch`). For the engine's decode passes, whose
-    deterministic rows may outnumber L; a prompt chunk keeps its own shape (its native call:
-    chunks are aligned, so the same chunk has the same shape alone or after a cached prefix).
-    With `model`'s strategy `cpu_kernel`, the CPU shim's kernel takes calls of up to
-    WIDE_CALL_ROWS rows meanwhile: evaluate the pass inside, as its calls reach the shim then."""
-    setting = getattr(model, "_lockstep_setting", None)
-    wide = setting is not None and setting.strategy.dense == "cpu_kernel"
-    with _thread_value("blocks", True), (cpu_blas.kernel_limit_at_least(WIDE_CALL_ROWS) if wide
-                                         else nullcontext()):
-        yield
-
-
-# The most rows one call of a row-independent kernel takes in a wide pass (the custom kernels'
-# limit; the engine's passes hold at most --max-batch-rows, 32 by default).
-WIDE_CALL_ROWS = 64
+    within a call the self-test proved). For the engine's decode passes, whose deterministic
+    rows may outnumber L; a prompt chunk keeps its own shape (its native call: chunks are
+    aligned, so the same chunk has the same shape alone or after a cached prefix)."""
+    return _thread_value("blocks", True)
 
 
 def _in_blocks(x: mx.array, limit: int, call) -> mx.array:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .. import cpu_blas, custom
+from .. import custom
 
 DENSE_FORMS = ("native", "rowwise", "strided_gemv", "gemv_rows", "skinny", "cpu_kernel")
 QUANTIZED_FORMS = ("chunks", "skinny")
@@ -112,10 +112,10 @@ def rows_of(x: mx.array) -> int:
 
 
 # Dense forms whose kernel computes each row in an order of its own (gemv_rows: MLX's
-# single-row GEMV; skinny and the CPU shim's cpu_kernel: fixed by K), whatever the call's row count: a call of more than L
+# single-row GEMV; skinny: fixed by K), whatever the call's row count: a call of more than L
 # rows may run as one launch (up to the kernel's 64 rows) with each row's bits those of L-row
 # calls. The ragged proof covers every pass width the engine builds, these launches included.
-ROW_INDEPENDENT_DENSE = ("gemv_rows", "skinny", "cpu_kernel")
+ROW_INDEPENDENT_DENSE = ("gemv_rows", "skinny")
 
 
 def dense_rows_in_one_launch(x: mx.array, weight: mx.array, form: str):
@@ -125,8 +125,6 @@ def dense_rows_in_one_launch(x: mx.array, weight: mx.array, form: str):
         return None
     *lead, k = x.shape
     rows = x.reshape(-1, k)
-    if form == "cpu_kernel":  # the shim's kernel takes the call where its limit covers it (wide_calls)
-        return x @ weight.T if rows.shape[0] <= cpu_blas.kernel_limit() else None
     out = (custom.gemv_rows.try_matmul(rows, weight) if form == "gemv_rows"
            else custom.try_dense_matmul(rows, weight))
     return None if out is None else out.reshape(*lead, out.shape[-1])

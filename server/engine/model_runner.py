@@ -160,14 +160,14 @@ class ModelRunner:
         members = [(slot.state, rows) for slot, rows in decode_pass.members]
         # Canonical passes may hold more rows than L (the ragged proof covered their widths):
         # each call of more than L rows then runs in blocks of at most L.
-        with calls_in_blocks(self.model) if decode_pass.canonical else native_forms():
+        with calls_in_blocks() if decode_pass.canonical else native_forms():
             if self.batched:
                 logits = ragged_logits(self.model, [(state.cache, rows) for state, rows in members])
             else:
                 (state, rows), = members
                 logits = self.forward_rows(state.cache, rows)
-            argmax = mx.argmax(logits, axis=-1)  # greedy requests need nothing else
-            mx.eval(logits, argmax)  # inside: what the pass's calls reach is set for it
+        argmax = mx.argmax(logits, axis=-1)  # greedy requests need nothing else
+        mx.eval(logits, argmax)
         spans, end = [], 0
         for _, rows in members:
             spans.append((end, end + len(rows)))
