@@ -78,6 +78,35 @@ def environment() -> dict:
     }
 
 
+def read_file(path: Path, what: str) -> bytes | None:
+    """A cache file's bytes; None when missing or unreadable (`what` names it in the warning)."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("ignoring unreadable %s %s: %s", what, path, exc)
+        return None
+
+
+def write_file(path: Path, data: bytes, what: str) -> None:
+    """`data` to `path` atomically (a temporary file beside it, then a rename); a failure is a
+    warning naming `what`, never an error: a cache that cannot be written is only slower."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.stem[:32], suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as exc:
+        log.warning("could not write %s %s: %s", what, path, exc)
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 class VerdictCache:
     """JSON verdicts in `root/namespace/<digest of key>.json`."""
 
@@ -91,12 +120,8 @@ class VerdictCache:
     def get(self, key: dict) -> dict | None:
         """The stored value for `key`, or None (missing, unreadable or not this key)."""
         path, blob = self._file(key)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            log.warning("ignoring unreadable cache file %s: %s", path, exc)
+        data = read_file(path, "cache file")
+        if data is None:
             return None
         try:
             stored = json.loads(data.decode("utf-8"))
@@ -113,16 +138,4 @@ class VerdictCache:
     def put(self, key: dict, value: dict) -> None:
         path, blob = self._file(key)
         record = json.dumps({"key": json.loads(blob), "value": value}, indent=1, default=str)
-        tmp = None
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=path.stem, suffix=".tmp", dir=self.dir)
-            with os.fdopen(fd, "w") as f:
-                f.write(record)
-            os.replace(tmp, path)
-            tmp = None
-        except OSError as exc:
-            log.warning("could not write cache file %s: %s", path, exc)
-        finally:
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)
+        write_file(path, record.encode(), "cache file")

@@ -216,12 +216,17 @@ def run_mixed_load(url, cancel_one=True):
     threads += [threading.Thread(target=other, args=(i, s)) for i, s in enumerate(OTHERS)]
     if cancel_one:
         threads.append(threading.Thread(target=cancelled))
+    run_all(threads, errors)
+    return results
+
+
+def run_all(threads: list, errors: list) -> None:
+    """Start the clients together, wait for them (a hang guard of 300 s each), surface their errors."""
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
     assert not errors, errors
-    return results
 
 
 def solo_runs(url):
@@ -382,11 +387,7 @@ def wide_load(url) -> dict:
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(WIDE))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not errors, errors
+    run_all(threads, errors)
     return results
 
 

@@ -13,7 +13,7 @@ import time
 import mlx.core as mx
 import pytest
 
-from lockstep.kernels.custom import attention, compiled, gemv_rows, skinny, smoke_cache
+from lockstep.kernels.custom import attention, compiled, gemv_rows, nvrtc, skinny, smoke_cache
 from lockstep.kernels.custom.precompile import instances_for, linear_shapes, precompile_for
 from tiny_models import tiny_llama
 
@@ -36,7 +36,7 @@ class FakeCompiler:
         if self.sleep:
             time.sleep(self.sleep)
         if self.fail(source):
-            raise compiled.CompileError("NVRTC: error: identifier is undefined")
+            raise nvrtc.CompileError("NVRTC: error: identifier is undefined")
         return b"CUBIN " + _symbol(source).encode()
 
 
@@ -125,8 +125,8 @@ def test_a_failed_compile_is_reported_in_place_and_not_kept(tmp_path):
     cache = compiled.CubinCache(tmp_path, TOOLCHAIN, compiler)
     sources = ['extern "C" __global__ void good() {}', 'extern "C" __global__ void bad() {}']
     good, bad = cache.get_many(sources, return_exceptions=True)
-    assert good == b"CUBIN good" and isinstance(bad, compiled.CompileError)
-    with pytest.raises(compiled.CompileError):
+    assert good == b"CUBIN good" and isinstance(bad, nvrtc.CompileError)
+    with pytest.raises(nvrtc.CompileError):
         cache.get(sources[1])  # tried again, not remembered
     assert len(compiler.sources) == 3 and len(list(tmp_path.glob("*.cubin"))) == 1
 
@@ -155,10 +155,10 @@ def test_two_threads_asking_for_one_instance_compile_it_once(tmp_path):
 
 
 def test_the_architecture_flag_is_mlxs():
-    assert compiled.arch_option((13, 0), (9, 0)) == "--gpu-architecture=sm_90a"
-    assert compiled.arch_option((12, 4), (8, 9)) == "--gpu-architecture=sm_89"
-    assert compiled.arch_option((11, 4), (9, 0)) == "--gpu-architecture=compute_90a"  # no SASS: PTX
-    assert compiled.arch_option((11, 4), (8, 6)) == "--gpu-architecture=sm_86"
+    assert nvrtc.arch_option((13, 0), (9, 0)) == "--gpu-architecture=sm_90a"
+    assert nvrtc.arch_option((12, 4), (8, 9)) == "--gpu-architecture=sm_89"
+    assert nvrtc.arch_option((11, 4), (9, 0)) == "--gpu-architecture=compute_90a"  # no SASS: PTX
+    assert nvrtc.arch_option((11, 4), (8, 6)) == "--gpu-architecture=sm_86"
 
 
 # -- the wrappers against the sources and the launches --------------------------------------

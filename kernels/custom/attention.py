@@ -169,7 +169,7 @@ def _availability(which: str | None, dtype, dim: int) -> str | None:
     try:
         problem = compiled.smoke(f"pooled_attention {which} {dtype} D{dim}", "attention",
                                  lambda: _smoke_test(dtype, dim), __file__, SOURCE_DIR / "skinny.py",
-                                 compiled.SOURCE, *(SOURCE_DIR / name for name in SOURCE_FILES.values()))
+                                 *compiled.SOURCES, *(SOURCE_DIR / name for name in SOURCE_FILES.values()))
     except Exception as e:  # a compile or launch failure: the reference form is used
         return f"{which} pooled attention failed to build or run: {type(e).__name__}: {str(e)[:300]}"
     return f"{which} pooled attention: {problem}" if problem else None

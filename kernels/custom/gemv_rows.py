@@ -121,7 +121,7 @@ def _availability(which: str | None) -> str | None:
         return f"gemv_rows follows MLX's CUDA GEMV; not on {mx.default_device()}"
     try:
         problem = compiled.smoke("gemv_rows", "gemv_rows", _smoke_test, SOURCE, __file__, SKINNY_LOADER,
-                                 compiled.SOURCE)
+                                 *compiled.SOURCES)
     except Exception as e:  # a compile or launch failure: the kernel is not used
         return f"gemv_rows failed to build or run: {type(e).__name__}: {str(e)[:300]}"
     return f"gemv_rows: {problem}" if problem else None

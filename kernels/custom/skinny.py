@@ -304,7 +304,7 @@ def _availability(which: str | None) -> str | None:
     if which is None:
         return f"no custom-kernel API on {mx.default_device()}"
     try:
-        problem = compiled.smoke(f"skinny {which}", "skinny", _smoke_test, __file__, compiled.SOURCE,
+        problem = compiled.smoke(f"skinny {which}", "skinny", _smoke_test, __file__, *compiled.SOURCES,
                                  SOURCE_DIR / SHARED_CUDA_SOURCE,
                                  *(SOURCE_DIR / name for name in SOURCE_FILES.values()))
     except Exception as e:  # a compile or launch failure: the kernels are not used
