@@ -19,7 +19,7 @@ import mlx.core as mx
 from lockstep.server.engine.decode_plan import METHODS
 
 from lockstep.server.engine.deployment import MAX_DRAFT_TOKENS, Deployment
-from lockstep.server.engine.guarantee_state import IN_FORCE, OFF, PROVING, REFUSED, GuaranteeState
+from lockstep.server.engine.guarantee_state import OFF, PROVING, GuaranteeState, settled_state
 from lockstep.server.options import (AUDIT_MODES, DEFAULT_MAX_BATCH_ROWS, DEFAULT_NUM_DRAFT_TOKENS,
                                      DEFAULT_PREFILL_CHUNK)
 
@@ -367,10 +367,6 @@ class GuaranteeWork:
     options: Options
     proofs: object  # kernels.invariance.selftest.ProofCache
 
-    @property
-    def reason(self) -> str:
-        return self.runtime.invariance.reason
-
     def run(self) -> Deployment:
         from lockstep.kernels.invariance import set_batch_invariant_limit
         from lockstep.server.engine.guarantee import decide_guarantee
@@ -416,8 +412,7 @@ class GuaranteeWork:
         """Say the proofs' outcome to whoever waits for it: once the deployment that carries it
         is the one requests are planned with."""
         plan, deployment, timings = self.runtime.invariance, self.runtime.deployment, self.runtime.timings
-        self.runtime.guarantee.settle(IN_FORCE if deployment.guaranteed else REFUSED if plan.limit else OFF,
-                                      "" if deployment.guaranteed else plan.reason)
+        self.runtime.guarantee.settle(settled_state(deployment), "" if deployment.guaranteed else plan.reason)
         if self.runtime.guarantee_seconds is not None and plan.limit:
             proofs = Phases({k: v for k, v in timings.items() if k in PROOF_PHASES})
             proofs.compile = {k: v for k, v in timings.compile.items() if k in PROOF_PHASES}

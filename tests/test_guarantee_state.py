@@ -55,7 +55,6 @@ class HeldProof:
         self.loaded, self.limit = loaded, limit
         self.release = threading.Event()
         self.steps = 0
-        self.reason = ""
 
     def run(self):
         from lockstep.kernels.invariance import set_batch_invariant_limit

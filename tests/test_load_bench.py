@@ -50,7 +50,7 @@ def test_each_concurrency_is_warmed_then_the_median_of_three_rounds_is_reported(
         return RoundResult(concurrency, 1.0, int(next(rates)), [], [], 0, [])
 
     monkeypatch.setattr(http_load, "run_round", fake_round)
-    median, rounds = http_load.measured_rounds("u", "m", 16, 8, rounds=2)
+    (median, rounds), = http_load.interleaved_rounds([("u", "m", None)], 16, 8, rounds=2)
     assert calls == [16, 16, 16, 16]  # one unmeasured round, then at least three
     assert [r.tok_per_s for r in rounds] == [30.0, 10.0, 20.0]
     assert median.tok_per_s == 20.0

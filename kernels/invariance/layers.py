@@ -154,6 +154,13 @@ def _canonical(x, limit: int, call, one_launch=None):
     return _in_blocks(x, limit, call) if y is None else y
 
 
+def _dense_canonical(x, weight, s: Setting):
+    """_canonical for a dense weight (N, K) under `s`'s dense form."""
+    form = s.strategy.dense
+    return _canonical(x, s.limit, lambda r: dense_rows(r, weight, form),
+                      lambda r: dense_rows_in_one_launch(r, weight, form))
+
+
 class InvariantLinear(nn.Linear):
     def __call__(self, x):
         s = _local.active
@@ -162,9 +169,7 @@ class InvariantLinear(nn.Linear):
         if x.size == x.shape[-1] and s.dense_row_plain:
             y = x @ self["weight"].T  # (not addmm: the bias is a separate add for every M)
         else:
-            form = s.strategy.dense
-            y = _canonical(x, s.limit, lambda r: dense_rows(r, self["weight"], form),
-                           lambda r: dense_rows_in_one_launch(r, self["weight"], form))
+            y = _dense_canonical(x, self["weight"], s)
             if y is None:
                 return _linear_call(self, x)
         return y + self["bias"] if "bias" in self else y
@@ -194,9 +199,7 @@ class InvariantEmbedding(nn.Embedding):
         s = _local.active
         if s is None or s.dense_native or (x.size == x.shape[-1] and s.dense_row_plain):
             return _embedding_as_linear(self, x)
-        form = s.strategy.dense
-        y = _canonical(x, s.limit, lambda r: dense_rows(r, self["weight"], form),
-                       lambda r: dense_rows_in_one_launch(r, self["weight"], form))
+        y = _dense_canonical(x, self["weight"], s)
         return _embedding_as_linear(self, x) if y is None else y
 
 

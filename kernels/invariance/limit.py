@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from .. import cpu_blas, custom
+from ..custom.precompile import activation_dtype
 from ..proof_steps import step_done
 from .cache_check import cache_invariance_problem, cache_refusal, per_request_state  # noqa: F401 (re-exported)
 from .layers import EXPERT_BLOCKS, LAYER_SWAPS, Setting, install, model_module_names, uninstall
@@ -50,18 +50,9 @@ AUTO_CANDIDATES = ("native", "cpu_kernel", "gemv_rows", "strided_gemv", "skinny"
 CUDA_16BIT_AUTO_CANDIDATES = ("native", "cpu_kernel", "gemv_rows", "skinny", "strided_gemv", "rowwise")
 
 
-def activation_dtype(model):
-    """The dtype the model computes in: that of its first floating-point parameter."""
-    for _, value in tree_flatten(model.parameters()):
-        if value.dtype in (mx.float16, mx.bfloat16, mx.float32):
-            return value.dtype
-    return None
-
-
 def auto_candidates(model) -> tuple:
     """The order "auto" tries strategies in, for this model on the default device."""
-    dtype = activation_dtype(model)
-    if dtype is not None and custom.uses_mma(dtype):
+    if custom.uses_mma(activation_dtype(model)):
         return CUDA_16BIT_AUTO_CANDIDATES
     return AUTO_CANDIDATES
 

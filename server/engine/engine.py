@@ -26,7 +26,7 @@ from lockstep.server.engine.decode_plan import DecodePlan
 from lockstep.server.engine.deployment import Deployment
 from lockstep.kernels.proof_steps import between_steps
 from lockstep.server.engine.errors import GenerationError, QueueFull, ShuttingDown, TooLargeForMemory
-from lockstep.server.engine.guarantee_state import IN_FORCE, OFF, REFUSED, GuaranteeState
+from lockstep.server.engine.guarantee_state import REFUSED, GuaranteeState, settled_state
 from lockstep.server.engine.handle import RequestHandle, post_all
 from lockstep.server.engine.kv_budget import KVBudget
 from lockstep.server.engine.model_runner import ModelRunner
@@ -84,8 +84,7 @@ class Engine:
         self.loaded = loaded
         self.deployment = deployment or Deployment()
         # where the guarantee stands (proving while `start`'s proofs run); /health says it
-        self.guarantee = guarantee or GuaranteeState(
-            IN_FORCE if self.deployment.guaranteed else REFUSED if self.deployment.limit else OFF)
+        self.guarantee = guarantee or GuaranteeState(settled_state(self.deployment))
         if runner is None:
             pool_tokens = max_active * POOL_TOKENS_PER_SLOT
             if max_kv_tokens is not None:

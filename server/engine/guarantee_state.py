@@ -15,6 +15,11 @@ PROVING, IN_FORCE, REFUSED, OFF = "proving", "in_force", "refused", "off"
 STATES = (PROVING, IN_FORCE, REFUSED, OFF)
 
 
+def settled_state(deployment) -> str:
+    """The state a proven `deployment` (server/engine/deployment.py) settles in."""
+    return IN_FORCE if deployment.guaranteed else REFUSED if deployment.limit else OFF
+
+
 class GuaranteeState:
     """The state, settled once from any thread; awaited from event loops."""
 

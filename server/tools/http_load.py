@@ -159,23 +159,13 @@ def run_round(base_url: str, model: str, concurrency: int, max_tokens: int, extr
 MEASURED_ROUNDS = 3  # the fewest measured rounds a figure is the median of
 
 
-def measured_rounds(base_url: str, model: str, concurrency: int, max_tokens: int, extra=None,
-                    rounds: int = MEASURED_ROUNDS) -> tuple[RoundResult, list[RoundResult]]:
-    """Warm with warm: one unmeasured round at `concurrency` (a server compiles its batched
-    shapes on first use; that belongs to neither side's figure), then `rounds` (at least
-    MEASURED_ROUNDS) measured ones. Returns (the median round by aggregate tok/s, all of them)."""
-    run_round(base_url, model, concurrency, max_tokens, extra)
-    measured = [run_round(base_url, model, concurrency, max_tokens, extra)
-                for _ in range(max(rounds, MEASURED_ROUNDS))]
-    ordered = sorted(measured, key=lambda r: r.tok_per_s)
-    return ordered[(len(ordered) - 1) // 2], measured
-
-
 def interleaved_rounds(servers: list[tuple], concurrency: int, max_tokens: int,
                        rounds: int = MEASURED_ROUNDS) -> list[tuple[RoundResult, list[RoundResult]]]:
-    """`measured_rounds` for several servers up at once, (base_url, model, extra) each: one
-    unmeasured round on each, then the measured rounds in turn (A, B, A, B, ...), so a machine
-    whose speed drifts over minutes moves every side alike. Returns (median, rounds) per server."""
+    """Warm with warm, for servers up at once, (base_url, model, extra) each: one unmeasured
+    round at `concurrency` on each (a server compiles its batched shapes on first use; that
+    belongs to no side's figure), then `rounds` (at least MEASURED_ROUNDS) measured ones taken in
+    turn (A, B, A, B, ...), so a machine whose speed drifts over minutes moves every side alike.
+    Returns (the median round by aggregate tok/s, all of them) per server."""
     for base_url, model, extra in servers:
         run_round(base_url, model, concurrency, max_tokens, extra)
     measured = [[] for _ in servers]
