@@ -13,7 +13,9 @@ with the NumPy model of their loop order. Measures and prints; asserts nothing.
 
 --kv-pool: every strategy but native runs as lockstep's engine runs it (a ragged pass of one
 request over the KV pool: one KV write and one attention launch per layer, decode included);
-native stays the plain mlx-lm call, the stock baseline.
+native stays the plain mlx-lm call, the stock baseline; lockstep_native is lockstep's own
+plain step (no canonical forms) over the pool. gemv_rows runs quantized rows through
+qmv_rows (one row: MLX's own quantized GEMV).
 """
 import argparse
 import sys
@@ -36,7 +38,9 @@ from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 WEIGHTS = {"bf16": None, "nvfp4": ("nvfp4", 16, 4), "affine4": ("affine", 64, 4)}
-STRATEGIES = ("native", "strided_gemv", "gemv_rows", "skinny")
+# "native": mlx-lm's own step (its model call, its caches); "lockstep_native": lockstep's
+# plain step (no canonical forms) over the engine's KV pool, as non-deterministic passes run
+STRATEGIES = ("native", "lockstep_native", "strided_gemv", "gemv_rows", "skinny")
 
 
 def build(weights: str, layers: int, seed: int = 0, *, hidden: int = 4096, intermediate: int = 14336,
@@ -114,7 +118,7 @@ def rows_identical(run, cache, tokens) -> int:
 
 
 def install(model, strategy: str, rows: int):
-    if strategy == "native":
+    if strategy in ("native", "lockstep_native"):
         set_batch_invariant_limit(model, 0)
     else:
         set_batch_invariant_limit(model, rows, strategy, verify=False)

@@ -19,19 +19,22 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import attention, compiled, gemv_rows, skinny
+from . import attention, compiled, gemv_rows, qmv_rows, skinny
 from .gemv_order import MAX_ROWS as GEMV_MAX_ROWS
 from .loop_order import MAX_ROWS as SKINNY_MAX_ROWS
+from .qmv_order import weight_bits
 
 # A shape's kind: which kernel its layer's rows run. "gemv_rows": dense rows of 2..64 (one
 # row is MLX's own GEMV); "skinny": dense rows of 1..64; "affine" / "nvfp4": 4-bit weights
-# through the skinny kernel, 1..64 rows.
-KINDS = ("gemv_rows", "skinny", "affine", "nvfp4")
+# through the skinny kernel, 1..64 rows; "qmv_rows": quantized rows of 2..64 in the order of
+# MLX's quantized GEMV (the shape carries group, mode and bits).
+KINDS = ("gemv_rows", "skinny", "affine", "nvfp4", "qmv_rows")
 
 
 def instances_for(shapes: Iterable[tuple], widths: Iterable[int], *, attention_shapes=()) -> list:
-    """(family, template) of every launch: shapes (n, k, x dtype, kind[, affine group]) at
-    each width, and the pooled attention's (dtype, head size) pairs."""
+    """(family, template) of every launch: shapes (n, k, x dtype, kind[, group[, mode, bits]])
+    at each width, and the pooled attention's (dtype, head size) pairs. qmv_rows shapes build
+    the variant its smoke test proved (none where none is)."""
     widths = sorted(set(widths))
     out = []
     for shape in dict.fromkeys(tuple(s) for s in shapes):
@@ -39,6 +42,13 @@ def instances_for(shapes: Iterable[tuple], widths: Iterable[int], *, attention_s
         group = rest[0] if rest else 0
         if kind not in KINDS:
             raise ValueError(f"shape kind {kind!r} is not one of {KINDS}")
+        if kind == "qmv_rows":
+            mode, bits = rest[1], rest[2]
+            fused = qmv_rows.proven_variant(mode, weight_bits(mode, bits), dtype)
+            if fused is not None:
+                out += [i for m in widths if 2 <= m <= GEMV_MAX_ROWS
+                        for i in qmv_rows.instances(m, n, mode, bits, group, dtype, fused)]
+            continue
         for m in widths:
             if kind == "gemv_rows":
                 if 2 <= m <= GEMV_MAX_ROWS:
@@ -70,17 +80,23 @@ def activation_dtype(model):
 
 
 def linear_shapes(model, *, dense: str, quantized: str = "chunks", dtype=None) -> list[tuple]:
-    """(n, k, x dtype, kind, group) of the model's linears (embeddings too: a tied head
-    runs as one) whose rows the custom kernels take under these forms: dense "gemv_rows" /
-    "skinny" (else no dense shapes), quantized "skinny" (else none). dtype: the activations'
-    type for nvfp4 layers (default: the model's first float parameter's)."""
+    """(n, k, x dtype, kind, group[, mode, bits]) of the model's linears (embeddings too: a
+    tied head runs as one) whose rows the custom kernels take under these forms: dense
+    "gemv_rows" / "skinny" (else no dense shapes), quantized "skinny" / "qmv_rows" (else
+    none). dtype: the activations' type for float-format layers (default: the model's first
+    float parameter's)."""
     shapes = {}
     for _, module in model.named_modules():
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            bits, group, mode = module.bits, module.group_size, getattr(module, "mode", "affine")
+            if quantized == "qmv_rows" and qmv_rows.takes(mode, bits, group):
+                n, k = module.weight.shape[0], module.weight.shape[1] * 32 // weight_bits(mode, bits)
+                x_dtype = module.scales.dtype if mode == "affine" else (dtype or activation_dtype(model))
+                shapes[(n, k, x_dtype, "qmv_rows", group, mode, bits)] = None
+                continue
             if quantized != "skinny":
                 continue
-            bits, group = module.bits, module.group_size
-            kind = skinny.quantized_kind(getattr(module, "mode", "affine"), bits, group)
+            kind = skinny.quantized_kind(mode, bits, group)
             if kind is None:
                 continue
             n, k = module.weight.shape[0], module.weight.shape[1] * 32 // bits

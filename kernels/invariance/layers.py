@@ -34,7 +34,7 @@ from .composed_attention import composed_attention, composed_serves
 from .cache_check import is_positional
 from .prefill_attention import blocked_causal, wants_blocks
 from .ops import (Strategy, attention_per_query, dense_rows, dense_rows_in_one_launch, packed_kv, quantized_rows,
-                  rows_of)
+                  quantized_rows_in_one_launch, rows_of)
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Setting:
         object.__setattr__(self, "dense_native", st.dense == "native")
         object.__setattr__(self, "dense_row_plain", st.dense != "skinny")
         object.__setattr__(self, "quantized_native", st.quantized_rows == 0)
-        object.__setattr__(self, "quantized_row_plain", st.quantized_form != "skinny")
+        object.__setattr__(self, "quantized_row_plain", st.quantized_form != "skinny")  # qmv_rows: plain
 
 
 class _ThreadState(threading.local):
@@ -175,12 +175,12 @@ class InvariantLinear(nn.Linear):
         return y + self["bias"] if "bias" in self else y
 
 
-def _quantized_rows_of(layer, s: Setting):
-    return lambda r: quantized_rows(
-        r, layer["weight"], layer["scales"], layer.get("biases"),
-        group_size=layer.group_size, bits=layer.bits, mode=layer.mode,
-        rows_per_call=s.strategy.quantized_rows, form=s.strategy.quantized_form,
-    )
+def _quantized_canonical(x, layer, s: Setting):
+    """_canonical for a quantized layer under `s`'s quantized form."""
+    args = (layer["weight"], layer["scales"], layer.get("biases"))
+    kw = dict(group_size=layer.group_size, bits=layer.bits, mode=layer.mode, form=s.strategy.quantized_form)
+    return _canonical(x, s.limit, lambda r: quantized_rows(r, *args, rows_per_call=s.strategy.quantized_rows, **kw),
+                      lambda r: quantized_rows_in_one_launch(r, *args, **kw))
 
 
 class InvariantQuantizedLinear(nn.QuantizedLinear):
@@ -188,7 +188,7 @@ class InvariantQuantizedLinear(nn.QuantizedLinear):
         s = _local.active
         if s is None or s.quantized_native or (x.size == x.shape[-1] and s.quantized_row_plain):
             return _quantized_linear_call(self, x)
-        y = _canonical(x, s.limit, _quantized_rows_of(self, s))
+        y = _quantized_canonical(x, self, s)
         if y is None:
             return _quantized_linear_call(self, x)
         return y + self["bias"] if "bias" in self else y
@@ -208,7 +208,7 @@ class InvariantQuantizedEmbedding(nn.QuantizedEmbedding):
         s = _local.active
         if s is None or s.quantized_native or (x.size == x.shape[-1] and s.quantized_row_plain):
             return _quantized_embedding_as_linear(self, x)
-        y = _canonical(x, s.limit, _quantized_rows_of(self, s))
+        y = _quantized_canonical(x, self, s)
         return _quantized_embedding_as_linear(self, x) if y is None else y
 
 

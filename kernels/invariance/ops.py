@@ -18,7 +18,7 @@ import mlx.core as mx
 from .. import custom
 
 DENSE_FORMS = ("native", "rowwise", "strided_gemv", "gemv_rows", "skinny", "cpu_kernel")
-QUANTIZED_FORMS = ("chunks", "skinny")
+QUANTIZED_FORMS = ("chunks", "skinny", "qmv_rows")
 ATTENTION_FORMS = ("native", "per_query", "per_query_contiguous", "composed")
 
 
@@ -39,9 +39,11 @@ class Strategy:
         view of the KV cache than for a packed copy: docs/DETERMINISM.md, skinny kernels),
         "composed" (all rows in a few matmuls that the CPU shim's invariant kernel takes:
         kernels/invariance/composed_attention.py; per query where it cannot serve) or "native".
-    quantized_form: "chunks" (quantized_rows per call) or "skinny" (kernels/custom: one
+    quantized_form: "chunks" (quantized_rows per call), "skinny" (kernels/custom: one
         launch for all M <= 64 rows, M = 1 included, in a reduction order fixed by K; modes
-        the kernel lacks keep the chunks). dense "skinny" is the same kernel for dense
+        the kernel lacks keep the chunks) or "qmv_rows" (M = 1 the plain call; 2..64 rows one
+        launch of kernels/custom/qmv_rows.cu, each row in the order of MLX's single-row CUDA
+        quantized GEMV; cases it has not proven keep the chunks). dense "skinny" is the same kernel for dense
         weights (dtypes it lacks keep strided_gemv). dense "cpu_kernel" is the plain call:
         while it is installed the CPU BLAS shim runs float32 matmuls of M <= L rows, M = 1
         included, through its own kernel, in a reduction order fixed by K
@@ -66,7 +68,7 @@ class Strategy:
 
     @property
     def uses_custom_kernels(self) -> bool:
-        return self.dense in ("skinny", "gemv_rows") or self.quantized_form == "skinny"
+        return self.dense in ("skinny", "gemv_rows") or self.quantized_form in ("skinny", "qmv_rows")
 
     def unavailable_reason(self, limit: int) -> str | None:
         """Why this strategy cannot run here for L = limit (None: it can)."""
@@ -81,7 +83,7 @@ class Strategy:
         if limit > custom.MAX_ROWS:
             return f"custom kernels take at most {custom.MAX_ROWS} rows, L = {limit}"
         if self.dense == "gemv_rows":
-            # its quantized layers keep the chunks where the skinny kernel cannot run
+            # its quantized layers keep the chunks where qmv_rows is not proven
             return custom.gemv_rows.unavailable_reason()
         return custom.unavailable_reason()
 
@@ -93,10 +95,10 @@ class Strategy:
 NATIVE = Strategy("native", dense="native", quantized_rows=0, attention="native")
 STRIDED_GEMV = Strategy("strided_gemv", dense="strided_gemv", quantized_rows=7, attention="per_query_contiguous")
 ROWWISE = Strategy("rowwise", dense="rowwise", quantized_rows=1, attention="per_query_contiguous")
-# Decode keeps MLX's own single-row GEMV; blocks run a kernel that follows its order (CUDA).
-# Quantized layers take the skinny kernel (M = 1 included), as under SKINNY.
+# Decode keeps MLX's own single-row GEMV, dense or quantized; blocks run kernels that follow
+# their orders (CUDA).
 GEMV_ROWS = Strategy("gemv_rows", dense="gemv_rows", quantized_rows=7, attention="per_query_contiguous",
-                     quantized_form="skinny")
+                     quantized_form="qmv_rows")
 SKINNY = Strategy("skinny", dense="skinny", quantized_rows=7, attention="per_query_contiguous",
                   quantized_form="skinny")
 # Attention as matmuls the shim's kernel takes (one set of calls for all rows, decode
@@ -178,15 +180,15 @@ def quantized_rows(
     form: str = "chunks",
 ) -> mx.array:
     """mx.quantized_matmul(x, W.T) (any mode) with at most `rows_per_call` rows per call, or
-    (form "skinny") the custom kernel where it takes this mode, for all rows in one launch."""
+    (forms "skinny", "qmv_rows") a custom kernel where it takes this case, for all rows in
+    one launch (qmv_rows: from 2 rows; one row is the plain call)."""
     *lead, k = x.shape
     rows = x.reshape(-1, k)
     m = rows.shape[0]
-    if form == "skinny" and custom.available() and custom.quantized_serves(
-            rows, scales, group_size=group_size, bits=bits, mode=mode):
-        out = custom.quantized_matmul(rows, weight, scales, biases, group_size=group_size,
-                                      bits=bits, mode=mode)
-        return out.reshape(*lead, out.shape[-1])
+    if form == "skinny" or (form == "qmv_rows" and m > 1):
+        out = _quantized_kernel(rows, weight, scales, biases, group_size, bits, mode, form)
+        if out is not None:
+            return out.reshape(*lead, out.shape[-1])
 
     def call(r):
         return mx.quantized_matmul(
@@ -201,6 +203,31 @@ def quantized_rows(
             [call(rows[i : i + rows_per_call]) for i in range(0, m, rows_per_call)], axis=0
         )
     return out.reshape(*lead, out.shape[-1])
+
+
+# Quantized forms whose kernel computes each row in an order of its own (qmv_rows: MLX's
+# single-row quantized GEMV; skinny: fixed by K), whatever the call's row count.
+ROW_INDEPENDENT_QUANTIZED = ("skinny", "qmv_rows")
+
+
+def _quantized_kernel(rows, weight, scales, biases, group_size: int, bits: int, mode: str, form: str):
+    if form == "qmv_rows":
+        return custom.qmv_rows.try_matmul(rows, weight, scales, biases, group_size=group_size, bits=bits,
+                                          mode=mode)
+    if custom.available() and custom.quantized_serves(rows, scales, group_size=group_size, bits=bits, mode=mode):
+        return custom.quantized_matmul(rows, weight, scales, biases, group_size=group_size, bits=bits, mode=mode)
+    return None
+
+
+def quantized_rows_in_one_launch(x: mx.array, weight: mx.array, scales: mx.array, biases, *, group_size: int,
+                                 bits: int, mode: str, form: str):
+    """quantized_rows(...) as one kernel launch for all of x's rows, where the form's kernel
+    takes them (its rows do not depend on the call's width); None otherwise."""
+    if form not in ROW_INDEPENDENT_QUANTIZED:
+        return None
+    *lead, k = x.shape
+    out = _quantized_kernel(x.reshape(-1, k), weight, scales, biases, group_size, bits, mode, form)
+    return None if out is None else out.reshape(*lead, out.shape[-1])
 
 
 # MLX's CUDA attention hands one query to cuDNN instead of its vector kernel when the key

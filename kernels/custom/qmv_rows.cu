@@ -1,0 +1,190 @@
+// Quantized rows in the order of MLX's own quantized GEMV, for MLX's CUDA backend.
+//
+//   y[m, n] = sum_k x[m, k] * W[n, k]    x: (M, K) of T (float16, bfloat16); W: (N, K) codes
+//                                        packed in uint32 words, lowest bits first
+//
+// A plain decode step (M = 1) of a quantized linear runs MLX's qmv
+// (mlx/backend/cuda/quantized/qmm/qmv.cu; MLX takes it for fewer than 8 rows on sm80/sm90):
+// one warp per output column; lane l takes EPT consecutive elements at
+// idx = EPT * l + 32 * EPT * t, t = 0, 1, .., then a tail tile where K % (32 * EPT) != 0;
+// each weight is dequantized in T; with 4-bit weights EPT accumulators of type T take
+// fma(x, w, acc) (one rounding to T), with 8-bit weights float32 ones; then
+// s = 0 + acc[0] + .. + acc[EPT - 1] in float32 and the xor butterfly over the lanes
+// (cooperative_groups::reduce). This kernel computes every row of a block of M rows in
+// exactly that order, so each row has the bits of the single-row call, while a warp's weight
+// loads and dequantization serve MR rows. Index model: kernels/custom/qmv_order.py; the
+// startup self-test proves the bits on the running GPU.
+//
+// Template arguments (set by kernels/custom/qmv_rows.py): T; FMT: 0 affine (BITS-bit
+// unsigned codes, a T scale and bias per GROUP), 1 nvfp4 (e2m1 codes, an e4m3 scale per 16),
+// 2 mxfp4 (e2m1, a ue8m0 scale per 32), 3 mxfp8 (e4m3 codes, ue8m0 per 32); BITS; GROUP;
+// FUSED (affine: code * scale + bias rounded once, else after each step: MLX's build
+// decides, the loader's smoke test finds which); R output columns and MR rows per warp
+// (which warp computes an output, never the order of its sum).
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace lockstep_qmv {
+
+template <typename T> struct Pair;
+template <> struct Pair<__half> { using type = __half2; };
+template <> struct Pair<__nv_bfloat16> { using type = __nv_bfloat162; };
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+__device__ __forceinline__ __half2 make_pair(__half a, __half b) { return __halves2half2(a, b); }
+__device__ __forceinline__ __nv_bfloat162 make_pair(__nv_bfloat16 a, __nv_bfloat16 b) { return __halves2bfloat162(a, b); }
+__device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+
+// 2^(e - 127); e = 0 is a float32 subnormal.
+__device__ __forceinline__ float ue8m0_to_float(uint32_t e) {
+  return e == 0 ? 0x1p-127f : __uint_as_float(e << 23);
+}
+
+// A code's value, exact in T.
+template <int FMT>
+__device__ __forceinline__ float code_value(uint32_t q) {
+  if constexpr (FMT == 0) return (float)q;
+  else if constexpr (FMT == 3) return lockstep_fp::e4m3_to_float(q);
+  else return lockstep_fp::e2m1_to_float(q);
+}
+
+// A group's scale as T (MLX: T(scale); e4m3 is exact in T, ue8m0 rounds through float32).
+template <typename T, int FMT>
+__device__ __forceinline__ T scale_value(const T* scales_t, const uint8_t* scales_u8, int g) {
+  if constexpr (FMT == 0) return scales_t[g];
+  else if constexpr (FMT == 1) return from_float<T>(lockstep_fp::e4m3_to_float(scales_u8[g]));
+  else return from_float<T>(ue8m0_to_float(scales_u8[g]));
+}
+
+// Two adjacent weights in T. The _rn operations are never fused by the assembler.
+template <typename T, int FMT, int FUSED>
+__device__ __forceinline__ typename Pair<T>::type dequant2(uint32_t q0, uint32_t q1, T s, T b) {
+  const auto c = make_pair(from_float<T>(code_value<FMT>(q0)), from_float<T>(code_value<FMT>(q1)));
+  const auto s2 = make_pair(s, s);
+  if constexpr (FMT == 0) {
+    const auto b2 = make_pair(b, b);
+    if constexpr (FUSED) return __hfma2(c, s2, b2);
+    else return __hadd2_rn(__hmul2_rn(c, s2), b2);
+  } else {
+    return __hmul2_rn(c, s2);
+  }
+}
+
+template <typename T, int FMT, int BITS, int GROUP, int FUSED, int R, int MR>
+__device__ void qmv_rows(const T* x, const uint32_t* w, const T* scales_t, const uint8_t* scales_u8,
+                         const T* biases, T* y, int M, int N, int K) {
+  using T2 = typename Pair<T>::type;
+  constexpr int EPT = BITS <= 4 ? 16 : 8;  // MLX's elems_per_thread for 16-bit x
+  constexpr bool ACC_IN_T = BITS <= 4;     // else float32 accumulators
+  constexpr int PAIRS = EPT / 2;
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  const int lane = threadIdx.x & 31;
+  const int warp = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int n0 = warp * R;
+  const int m0 = blockIdx.y * MR;
+  if (n0 >= N) return;
+  const int words_per_row = K / (32 / BITS);
+  const int groups = K / GROUP;
+
+  int col[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) col[r] = min(n0 + r, N - 1);  // past N: never stored
+  const T* xrow[MR];
+#pragma unroll
+  for (int m = 0; m < MR; ++m) xrow[m] = x + (size_t)min(m0 + m, M - 1) * K;  // past M: never stored
+
+  T2 acc_t[MR][R][PAIRS];
+  float acc_f[MR][R][EPT];
+#pragma unroll
+  for (int m = 0; m < MR; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int j = 0; j < PAIRS; ++j) acc_t[m][r][j] = make_pair(from_float<T>(0.0f), from_float<T>(0.0f));
+#pragma unroll
+      for (int i = 0; i < EPT; ++i) acc_f[m][r][i] = 0.0f;
+    }
+
+  auto tile = [&](int idx) {
+    T2 wd[R][PAIRS];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      // EPT codes in two words (64 bits: 16 of 4 bits or 8 of 8 bits)
+      const uint2 packed = *reinterpret_cast<const uint2*>(w + (size_t)col[r] * words_per_row + idx / (32 / BITS));
+      const int g = col[r] * groups + idx / GROUP;
+      const T s = scale_value<T, FMT>(scales_t, scales_u8, g);
+      T b = from_float<T>(0.0f);
+      if constexpr (FMT == 0) b = biases[g];
+#pragma unroll
+      for (int j = 0; j < PAIRS; ++j) {
+        const int i0 = 2 * j, i1 = 2 * j + 1;
+        const uint32_t q0 = ((i0 * BITS < 32 ? packed.x : packed.y) >> ((i0 * BITS) % 32)) & MASK;
+        const uint32_t q1 = ((i1 * BITS < 32 ? packed.x : packed.y) >> ((i1 * BITS) % 32)) & MASK;
+        wd[r][j] = dequant2<T, FMT, FUSED>(q0, q1, s, b);
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < MR; ++m) {
+      T2 xv[PAIRS];
+      const uint4* src = reinterpret_cast<const uint4*>(xrow[m] + idx);
+#pragma unroll
+      for (int v = 0; v < PAIRS / 4; ++v) {
+        const uint4 raw = src[v];
+        xv[4 * v + 0] = *reinterpret_cast<const T2*>(&raw.x);
+        xv[4 * v + 1] = *reinterpret_cast<const T2*>(&raw.y);
+        xv[4 * v + 2] = *reinterpret_cast<const T2*>(&raw.z);
+        xv[4 * v + 3] = *reinterpret_cast<const T2*>(&raw.w);
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int j = 0; j < PAIRS; ++j) {
+          if constexpr (ACC_IN_T) {
+            acc_t[m][r][j] = __hfma2(xv[j], wd[r][j], acc_t[m][r][j]);
+          } else {
+            const float2 xf = to_float2(xv[j]), wf = to_float2(wd[r][j]);
+            acc_f[m][r][2 * j] = __fmaf_rn(xf.x, wf.x, acc_f[m][r][2 * j]);
+            acc_f[m][r][2 * j + 1] = __fmaf_rn(xf.y, wf.y, acc_f[m][r][2 * j + 1]);
+          }
+        }
+    }
+  };
+
+  constexpr int PER_WARP = 32 * EPT;
+  const int full = K / PER_WARP;
+#pragma unroll 1
+  for (int t = 0; t < full; ++t) tile(lane * EPT + t * PER_WARP);
+  const int rest = K % PER_WARP;
+  if (rest) {
+    const int idx = lane * EPT + K - rest;
+    if (idx < K) tile(idx);
+  }
+
+#pragma unroll
+  for (int m = 0; m < MR; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float s = 0.0f;
+      if constexpr (ACC_IN_T) {
+#pragma unroll
+        for (int j = 0; j < PAIRS; ++j) {
+          const float2 f = to_float2(acc_t[m][r][j]);
+          s += f.x;
+          s += f.y;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < EPT; ++i) s += acc_f[m][r][i];
+      }
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffffu, s, offset);
+      if (lane == 0 && m0 + m < M && n0 + r < N) y[(size_t)(m0 + m) * N + n0 + r] = from_float<T>(s);
+    }
+}
+
+}  // namespace lockstep_qmv

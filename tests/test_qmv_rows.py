@@ -1,0 +1,259 @@
+"""qmv_rows (kernels/custom/qmv_rows.cu) on a CPU, where it cannot run: the order it follows
+(MLX's single-row CUDA quantized GEMV, through the NumPy model qmv_order.py), the source
+against that model, which arrays it takes, the quantized form that uses it (decode the plain
+call, blocks the kernel), its proof and refusal, and the fallback where it is not proven.
+The GPU agreement (kernel rows equal to MLX's single-row call at every layer shape of the 8B
+and SmolLM2 models) is in bench/results/cuda/."""
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from lockstep.kernels.custom import gemv_rows, qmv_order, qmv_rows
+from lockstep.kernels.custom.precompile import instances_for, linear_shapes
+from lockstep.kernels.invariance import set_batch_invariant_limit
+from lockstep.kernels.invariance.ops import GEMV_ROWS, quantized_rows
+from lockstep.kernels.invariance.selftest import bits_equal
+from tests.doubles.shape_variant import shape_variant_backend
+from tiny_models import QUANT_MODES, tiny_llama
+
+
+def rand(*shape, seed=0, dtype=mx.float32):
+    return mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
+
+
+def quantized(n, k, mode, dtype=mx.bfloat16, seed=1):
+    group, bits = QUANT_MODES[mode]
+    w, scales, *rest = mx.quantize(rand(n, k, seed=seed, dtype=dtype), group, bits, mode=mode)
+    return w, scales, (rest[0] if rest else None), dict(group_size=group, bits=bits, mode=mode)
+
+
+def values(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32)).astype(np.float64)
+
+
+# -- the order ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k,ept", [(4096, 16), (576, 16), (384, 16), (14336, 16), (4096, 8), (576, 8), (200, 8)])
+def test_every_index_is_taken_once_by_mlxs_lanes_in_mlxs_order(k, ept):
+    tiles = qmv_order.lane_tiles(k, ept)
+    per_warp = 32 * ept
+    # transcribed from MLX's loop: r over full warp tiles, then the tail tile where idx < K
+    for lane in range(32):
+        expected = [lane * ept + r * per_warp for r in range(k // per_warp)]
+        if k % per_warp and lane * ept + k - k % per_warp < k:
+            expected.append(lane * ept + k - k % per_warp)
+        assert tiles[lane] == expected
+    covered = sorted(i for lane in tiles for start in lane for i in range(start, start + ept))
+    assert covered == list(range(k))
+
+
+def test_elements_per_lane_follow_mlxs_rule():
+    assert qmv_order.elems_per_thread(16, 4) == 16
+    assert qmv_order.elems_per_thread(16, 8) == 8
+    assert qmv_order.elems_per_thread(32, 4) == 8
+    assert [qmv_order.weight_bits(m, b) for m, (_, b) in sorted(QUANT_MODES.items())] == [4, 4, 8, 4]
+
+
+@pytest.mark.parametrize("dtype,np_type", [("float16", np.float16), ("float32", np.float32)])
+def test_rounding_matches_numpys_casts(dtype, np_type):
+    v = np.random.default_rng(0).normal(size=4000) * np.logspace(-9, 4, 4000)
+    v = np.concatenate([v, [0.0, 2.0**-24, 3 * 2.0**-25, 65504.0]]) if dtype == "float16" else v
+    assert np.array_equal(qmv_order.round_to(v, dtype), v.astype(np_type).astype(np.float64))
+
+
+def test_bfloat16_rounding_matches_mlxs_cast():
+    v = (np.random.default_rng(1).normal(size=4000) * np.logspace(-30, 30, 4000)).astype(np.float32)
+    mlx_cast = np.array(mx.array(v).astype(mx.bfloat16).astype(mx.float32)).astype(np.float64)
+    assert np.array_equal(qmv_order.round_to(v.astype(np.float64), "bfloat16"), mlx_cast)
+
+
+@pytest.mark.parametrize("mode", sorted(QUANT_MODES))
+def test_the_model_dequantizes_as_mlx_does(mode):
+    w, scales, biases, kw = quantized(24, 256, mode)
+    model = qmv_order.dequantize(np.array(w), np.array(scales.astype(mx.float32)) if mode == "affine"
+                                 else np.array(scales), None if biases is None else values(biases),
+                                 dtype="bfloat16", **kw)
+    reference = values(mx.dequantize(w, scales, biases, **kw))
+    if mode == "affine":  # one rounding or two: at most one bf16 step apart
+        np.testing.assert_allclose(model, reference, rtol=2**-7, atol=1e-6)
+    else:  # code * scale is exact in T
+        assert np.array_equal(model, reference)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("mode", sorted(QUANT_MODES))
+@pytest.mark.parametrize("k", [576, 384, 1024])
+def test_the_model_gives_each_row_its_own_bits_and_the_product(dtype, mode, k):
+    mx_dtype = getattr(mx, dtype)
+    w, scales, biases, kw = quantized(7, k, mode, mx_dtype)
+    wd = values(mx.dequantize(w, scales, biases, **kw).astype(mx_dtype))
+    x = values(rand(9, k, seed=2, dtype=mx_dtype))
+    w_bits = qmv_order.weight_bits(mode, kw["bits"])
+    block = qmv_order.qmv_rows(x, wd, w_bits=w_bits, dtype=dtype)
+    for i in range(9):  # f(a[i:i+1]) == f(a)[i:i+1]
+        assert np.array_equal(block[i], qmv_order.qmv_rows(x[i : i + 1], wd, w_bits=w_bits, dtype=dtype)[0])
+    exact = x @ wd.T
+    np.testing.assert_allclose(block, exact, rtol=0.05, atol=0.05 * np.abs(exact).max())
+
+
+def test_4_bit_weights_accumulate_in_xs_type_not_float32():
+    # two tiles of lane 0, element 0: 1 then 2^-9. A bf16 accumulator loses 2^-9 (8 bits),
+    # a float32 one (the 8-bit path) keeps it
+    k = 1024
+    x = np.zeros((1, k))
+    w = np.zeros((1, k))
+    x[0, 0], w[0, 0] = 1.0, 1.0
+    x[0, 512], w[0, 512] = 1.0, 2.0**-9
+    in_t = qmv_order.qmv_rows(x, w, w_bits=4, dtype="bfloat16")[0, 0]
+    in_f32 = qmv_order.qmv_rows(x, w, w_bits=8, dtype="float32")[0, 0]
+    assert in_t == 1.0 and in_f32 == 1.0 + 2.0**-9
+
+
+def test_the_order_is_not_a_plain_sum():
+    k = 512
+    x = np.ones((1, k))
+    w = np.full((1, k), 2.0**-24)  # lost one by one in a running sum, kept by the lanes
+    w[0, 0] = 1.0
+    plain = np.float32(0)
+    for v in (x[0] * w[0]).astype(np.float32):
+        plain = np.float32(plain + v)
+    assert qmv_order.qmv_rows(x, w, w_bits=8, dtype="float32")[0, 0] != plain
+
+
+# -- the source -----------------------------------------------------------------------------
+
+def test_the_source_follows_the_model():
+    text = qmv_rows.SOURCE.read_text()
+    assert "constexpr int EPT = BITS <= 4 ? 16 : 8;" in text
+    assert "for (int t = 0; t < full; ++t) tile(lane * EPT + t * PER_WARP);" in text
+    assert "const int idx = lane * EPT + K - rest;" in text and "if (idx < K) tile(idx);" in text
+    assert "acc_t[m][r][j] = __hfma2(xv[j], wd[r][j], acc_t[m][r][j]);" in text  # T accumulators, 4-bit
+    assert "__fmaf_rn(xf.x, wf.x, acc_f[m][r][2 * j])" in text  # float32, 8-bit
+    assert "if constexpr (FUSED) return __hfma2(c, s2, b2);" in text
+    assert "else return __hadd2_rn(__hmul2_rn(c, s2), b2);" in text
+    assert re.search(r"s \+= f\.x;\s*s \+= f\.y;", text)  # the accumulators in order, from 0
+    assert "for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync" in text
+    for body in qmv_rows._BODIES.values():
+        assert body.startswith("lockstep_qmv::qmv_rows<T, ")
+
+
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 8, 16, 33, 64])
+@pytest.mark.parametrize("n", [9, 576, 4096, 14336])
+def test_launches_cover_every_output(m, n):
+    plan = qmv_rows._launch_plan(m, n, "nvfp4", 4, 16, 0, mx.bfloat16)
+    rows = dict(plan["template"])["MR"]
+    assert rows == qmv_rows.warp_rows(m) and rows in (2, 4, 8)
+    assert plan["grid"][0] // 32 >= n and plan["grid"][1] * rows >= m
+    assert plan["threadgroup"] == (32 * qmv_rows.WARPS_PER_BLOCK, 1, 1)
+
+
+def test_which_cases_the_kernel_takes():
+    for mode, (group, bits) in QUANT_MODES.items():
+        assert qmv_rows.takes(mode, bits, group)
+    assert not qmv_rows.takes("affine", 3, 64) and not qmv_rows.takes("nvfp4", 4, 32)
+    w, scales, biases, kw = quantized(8, 256, "affine")
+    assert qmv_rows.serves(rand(3, 256, dtype=mx.bfloat16), w, scales, biases, **kw)
+    assert not qmv_rows.serves(rand(3, 256), w, scales, biases, **kw)  # float32 x
+    assert not qmv_rows.serves(rand(65, 256, dtype=mx.bfloat16), w, scales, biases, **kw)
+    assert not qmv_rows.serves(rand(3, 256, dtype=mx.float16), w, scales, biases, **kw)  # bf16 scales
+
+
+# -- the form -------------------------------------------------------------------------------
+
+def test_the_cpu_has_no_qmv_rows_and_blocks_keep_mlxs_chunks():
+    assert "follows MLX's CUDA quantized GEMV" in qmv_rows.unavailable_reason()
+    assert GEMV_ROWS.quantized_form == "qmv_rows"
+    w, scales, biases, kw = quantized(16, 256, "nvfp4")
+    x = rand(10, 256, seed=3, dtype=mx.bfloat16)
+    assert qmv_rows.try_matmul(x, w, scales, biases, **kw) is None
+    got = quantized_rows(x, w, scales, biases, rows_per_call=7, form="qmv_rows", **kw)
+    assert bits_equal(got, quantized_rows(x, w, scales, biases, rows_per_call=7, **kw))
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """qmv_rows (and gemv_rows for dense layers) as if proven here; the test gives the quantized
+    kernel's stand-in and sees the rows of each call."""
+    calls = []
+    monkeypatch.setattr(gemv_rows, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(gemv_rows, "try_matmul",
+                        lambda x, w: mx.concatenate([x[i : i + 1] @ w.T for i in range(x.shape[0])], axis=0))
+
+    def use(kernel):
+        monkeypatch.setattr(qmv_rows, "try_matmul",
+                            lambda x, *a, **kw: calls.append(x.shape[0]) or kernel(x, *a, **kw))
+        return calls
+    return use
+
+
+def _rows_alone(x, w, scales, biases, **kw):
+    """What a correct kernel gives: every row as the plain single-row call."""
+    return mx.concatenate([mx.quantized_matmul(x[i : i + 1], w, scales, biases, transpose=True, **kw)
+                           for i in range(x.shape[0])], axis=0)
+
+
+def _one_call(x, w, scales, biases, **kw):
+    return mx.quantized_matmul(x, w, scales, biases, transpose=True, **kw)
+
+
+def test_decode_keeps_the_plain_call_and_blocks_run_the_kernel(emulated):
+    calls = emulated(_rows_alone)
+    w, scales, biases, kw = quantized(16, 256, "affine")
+    x = rand(5, 256, seed=4, dtype=mx.bfloat16)
+    one = quantized_rows(x[:1], w, scales, biases, rows_per_call=7, form="qmv_rows", **kw)
+    assert bits_equal(one, _one_call(x[:1], w, scales, biases, **kw)) and calls == []
+    block = quantized_rows(x, w, scales, biases, rows_per_call=7, form="qmv_rows", **kw)
+    assert bits_equal(block, _rows_alone(x, w, scales, biases, **kw)) and calls == [5]
+
+
+@pytest.mark.parametrize("mode", ["nvfp4", "affine"])
+def test_a_kernel_in_mlxs_order_is_proven_and_one_that_is_not_is_refused(emulated, mode):
+    with shape_variant_backend(quantized_rows=2):  # a quantized call of 2+ rows varies here
+        emulated(_rows_alone)
+        model = tiny_llama(quant=mode, dtype=mx.bfloat16)
+        plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
+        assert plan.guaranteed and plan.strategy == "gemv_rows"
+        emulated(_one_call)  # a block call: not the single-row order
+        model = tiny_llama(quant=mode, dtype=mx.bfloat16)
+        plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
+        assert not plan.guaranteed and "self-test failed" in plan.reason
+
+
+def test_a_pass_wider_than_l_runs_each_quantized_linear_as_one_launch(emulated, monkeypatch):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import lockstep.kernels.invariance.layers as layers
+    from lockstep.kernels.invariance.layers import calls_in_blocks
+
+    calls = emulated(_rows_alone)
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    with shape_variant_backend(quantized_rows=2):
+        model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
+        assert set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,)).guaranteed
+        calls.clear()
+        with calls_in_blocks():
+            wide = model(tokens, cache=make_prompt_cache(model))
+            mx.eval(wide)
+        assert calls and set(calls) == {10}  # every quantized linear: one launch of all 10 rows
+
+        calls.clear()
+        monkeypatch.setattr(layers, "quantized_rows_in_one_launch", lambda *a, **kw: None)
+        with calls_in_blocks():
+            blocked = model(tokens, cache=make_prompt_cache(model))
+            mx.eval(blocked)
+        assert sorted(set(calls)) == [2, 4]  # 10 rows as 4 + 4 + 2
+        assert bits_equal(wide, blocked)
+        set_batch_invariant_limit(model, 0)
+
+
+def test_startup_lists_each_quantized_shape_and_builds_only_a_proven_variant(monkeypatch):
+    model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
+    shapes = linear_shapes(model, dense="gemv_rows", quantized="qmv_rows")
+    assert (256, 128, mx.bfloat16, "qmv_rows", 16, "nvfp4", 4) in shapes  # the MLP's gate / up
+    assert all(s[3] == "qmv_rows" for s in shapes)
+    assert instances_for(shapes, range(1, 5)) == []  # nothing proven on the CPU
+    monkeypatch.setattr(qmv_rows, "proven_variant", lambda mode, bits, dtype: 0)
+    built = instances_for(shapes, range(1, 5))
+    assert built and {dict(t)["MR"] for _, t in built} == {2, 4}  # widths 2..4; one row is MLX's
