@@ -96,7 +96,7 @@ def main():
             if qmv_rows.proven_variant(mode, weight_bits(mode, bits), dtype) is None:
                 continue
             cells = []
-            for name, n, k in shapes:
+            for name, n, k in (s for s in shapes if s[2] % group == 0):
                 wq, scales, biases = weights(n, k, mode, group, bits, dtype)
                 kw = dict(group_size=group, bits=bits, mode=mode)
                 kx, key = mx.random.split(key)
