@@ -39,6 +39,7 @@ FORMATS = [("nvfp4", "nvfp4", 16, 4, mx.bfloat16), ("affine4", "affine", 64, 4, 
            ("affine4 f16", "affine", 64, 4, mx.float16), ("affine4 g32", "affine", 32, 4, mx.bfloat16),
            ("affine4 g128", "affine", 128, 4, mx.bfloat16)]
 WIDTHS = (2, 3, 5, 8, 16, 32)
+ROWS_PER_WARP = (2, 4, 8)
 
 
 def weights(n, k, mode, group, bits, dtype, seed=0):
@@ -63,6 +64,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true", help="8B nvfp4 / affine4 timings only")
+    ap.add_argument("--skip-agreement", action="store_true")
     a = ap.parse_args()
     lines = []
 
@@ -89,6 +91,14 @@ def main():
                 log(f"{'':>15} variant {fused}: {diff}/{got.size} elements differ, max "
                     f"{mx.abs(got.astype(mx.float32) - alone.astype(mx.float32)).max().item():.3g}")
 
+    if not a.skip_agreement:
+        agreement(log)
+    timings(log, a.quick)
+    if a.out:
+        Path(a.out).write_text("\n".join(lines) + "\n")
+
+
+def agreement(log):
     log("\n## agreement: rows of M-row blocks != MLX's single-row call (M = " + ", ".join(map(str, WIDTHS)) + ")")
     key = mx.random.key(5)
     for model, shapes in SHAPES.items():
@@ -113,12 +123,15 @@ def main():
                 del wq, scales, biases
             log(f"{model:>8} {label:>13}: " + ", ".join(cells) + f"  (of {sum(WIDTHS)} rows each)")
 
+
+def timings(log, quick: bool):
     log("\n## µs per call (one eval of 16 calls / 16)")
-    log("| model | format | linear | MLX M=1 | M | MLX native | MLX chunks of 7 | skinny | qmv_rows |")
-    log("|---|---|---|---|---|---|---|---|---|")
-    formats = FORMATS[:2] if a.quick else FORMATS[:5]
+    log("| model | format | linear | MLX M=1 | M | MLX native | MLX chunks of 7 | skinny | qmv_rows | "
+        + " | ".join(f"qmv_rows {r} rows/warp" for r in ROWS_PER_WARP) + " |")
+    log("|---|---|---|---|---|---|---|---|---|" + "---|" * len(ROWS_PER_WARP))
+    formats = FORMATS[:2] if quick else FORMATS[:5]
     for model, shapes in SHAPES.items():
-        if a.quick and model != "8B":
+        if quick and model != "8B":
             continue
         for label, mode, group, bits, dtype in formats:
             for name, n, k in shapes:
@@ -140,11 +153,13 @@ def main():
                     qr = "-"
                     if qmv_rows.try_matmul(xs[0][:m], wq, scales, biases, **kw) is not None:
                         qr = f"{per_call_us(lambda x: qmv_rows.try_matmul(x[:m], wq, scales, biases, **kw), xs):.1f}"
-                    log(f"| {model} | {label} | {name} {n}x{k} | {one:.1f} | {m} | {native:.1f} | {chunks:.1f} | {sk} | {qr} |")
-                del wq, scales, biases, xs
+                    per_rows = []
+                    fused = qmv_rows.proven_variant(mode, weight_bits(mode, bits), dtype)
+                    for r in ROWS_PER_WARP:
+                        per_rows.append("-" if fused is None else f"{per_call_us(lambda x: qmv_rows.matmul(x[:m], wq, scales, biases, fused=fused, rows=r, **kw), xs):.1f}")
+                    log(f"| {model} | {label} | {name} {n}x{k} | {one:.1f} | {m} | {native:.1f} | {chunks:.1f} | {sk} | {qr} | "
+                        + " | ".join(per_rows) + " |")
                 mx.clear_cache()
-    if a.out:
-        Path(a.out).write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -127,11 +127,13 @@ def test_the_order_is_not_a_plain_sum():
 def test_the_source_follows_the_model():
     text = qmv_rows.SOURCE.read_text()
     assert "constexpr int EPT = BITS <= 4 ? 16 : 8;" in text
-    assert "for (int t = 0; t < full; ++t) tile(lane * EPT + t * PER_WARP);" in text
-    assert "const int idx = lane * EPT + K - rest;" in text and "if (idx < K) tile(idx);" in text
+    assert "for (int t = 0; t < full; ++t) {" in text
+    assert "compute(lane * EPT + t * PER_WARP, now);" in text  # tiles in order, lane-major
+    assert "const int idx = lane * EPT + K - rest;" in text and "if (idx < K) compute(idx, load(idx));" in text
     assert "acc_t[m][r][j] = __hfma2(xv[j], wd[r][j], acc_t[m][r][j]);" in text  # T accumulators, 4-bit
     assert "__fmaf_rn(xf.x, wf.x, acc_f[m][r][2 * j])" in text  # float32, 8-bit
     assert "if constexpr (FUSED) return __hfma2(c, s2, b2);" in text
+    assert "table[i] = make_pair(from_float<T>(code_value<FMT>(i & 15)), from_float<T>(code_value<FMT>(i >> 4)));" in text
     assert "else return __hadd2_rn(__hmul2_rn(c, s2), b2);" in text
     assert re.search(r"s \+= f\.x;\s*s \+= f\.y;", text)  # the accumulators in order, from 0
     assert "for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync" in text

@@ -38,6 +38,8 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 __device__ __forceinline__ __half2 make_pair(__half a, __half b) { return __halves2half2(a, b); }
 __device__ __forceinline__ __nv_bfloat162 make_pair(__nv_bfloat16 a, __nv_bfloat16 b) { return __halves2bfloat162(a, b); }
 __device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
+__device__ __forceinline__ __half low_half(__half2 v) { return __low2half(v); }
+__device__ __forceinline__ __nv_bfloat16 low_half(__nv_bfloat162 v) { return __low2bfloat16(v); }
 __device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
 
 // 2^(e - 127); e = 0 is a float32 subnormal.
@@ -61,10 +63,38 @@ __device__ __forceinline__ T scale_value(const T* scales_t, const uint8_t* scale
   else return from_float<T>(ue8m0_to_float(scales_u8[g]));
 }
 
-// Two adjacent weights in T. The _rn operations are never fused by the assembler.
+// Codes to T through a table in shared memory, filled once per block: a 4-bit table maps a
+// byte to its two codes' values (low nibble first), an 8-bit table a byte to one value. The
+// values are exact in T, so the table changes no bits, only the instructions per weight.
+template <typename T, int FMT, int BITS>
+__device__ __forceinline__ void fill_table(typename Pair<T>::type* table) {
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+    if constexpr (BITS == 4)
+      table[i] = make_pair(from_float<T>(code_value<FMT>(i & 15)), from_float<T>(code_value<FMT>(i >> 4)));
+    else
+      table[i] = make_pair(from_float<T>(code_value<FMT>(i)), from_float<T>(0.0f));
+  }
+  __syncthreads();
+}
+
+// Two adjacent weights j = 0 .. EPT / 2 - 1 of a tile's 64 packed bits, as codes in T.
+template <typename T, int BITS>
+__device__ __forceinline__ typename Pair<T>::type code_pair(const typename Pair<T>::type* table, uint2 packed,
+                                                            int j) {
+  if constexpr (BITS == 4) {
+    return table[((j < 4 ? packed.x : packed.y) >> (8 * (j & 3))) & 0xFFu];
+  } else {
+    const uint32_t word = j < 2 ? packed.x : packed.y;
+    const int shift = 16 * (j & 1);
+    return make_pair(low_half(table[(word >> shift) & 0xFFu]),
+                     low_half(table[(word >> (shift + 8)) & 0xFFu]));
+  }
+}
+
+// The scaled pair: code * scale (+ bias) in T. The _rn operations are never fused by the
+// assembler; FUSED rounds once.
 template <typename T, int FMT, int FUSED>
-__device__ __forceinline__ typename Pair<T>::type dequant2(uint32_t q0, uint32_t q1, T s, T b) {
-  const auto c = make_pair(from_float<T>(code_value<FMT>(q0)), from_float<T>(code_value<FMT>(q1)));
+__device__ __forceinline__ typename Pair<T>::type scaled(typename Pair<T>::type c, T s, T b) {
   const auto s2 = make_pair(s, s);
   if constexpr (FMT == 0) {
     const auto b2 = make_pair(b, b);
@@ -82,7 +112,9 @@ __device__ void qmv_rows(const T* x, const uint32_t* w, const T* scales_t, const
   constexpr int EPT = BITS <= 4 ? 16 : 8;  // MLX's elems_per_thread for 16-bit x
   constexpr bool ACC_IN_T = BITS <= 4;     // else float32 accumulators
   constexpr int PAIRS = EPT / 2;
-  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  __shared__ T2 table[256];
+  fill_table<T, FMT, BITS>(table);  // before any warp returns (a block barrier)
+
   const int lane = threadIdx.x & 31;
   const int warp = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int n0 = warp * R;
@@ -110,35 +142,38 @@ __device__ void qmv_rows(const T* x, const uint32_t* w, const T* scales_t, const
       for (int i = 0; i < EPT; ++i) acc_f[m][r][i] = 0.0f;
     }
 
-  auto tile = [&](int idx) {
-    T2 wd[R][PAIRS];
+  // A tile's weights: EPT codes in 64 bits, and their group's scale and bias.
+  struct Weights { uint2 packed[R]; T s[R]; T b[R]; };
+  auto load = [&](int idx) {
+    Weights v;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      // EPT codes in two words (64 bits: 16 of 4 bits or 8 of 8 bits)
-      const uint2 packed = *reinterpret_cast<const uint2*>(w + (size_t)col[r] * words_per_row + idx / (32 / BITS));
+      v.packed[r] = *reinterpret_cast<const uint2*>(w + (size_t)col[r] * words_per_row + idx / (32 / BITS));
       const int g = col[r] * groups + idx / GROUP;
-      const T s = scale_value<T, FMT>(scales_t, scales_u8, g);
-      T b = from_float<T>(0.0f);
-      if constexpr (FMT == 0) b = biases[g];
-#pragma unroll
-      for (int j = 0; j < PAIRS; ++j) {
-        const int i0 = 2 * j, i1 = 2 * j + 1;
-        const uint32_t q0 = ((i0 * BITS < 32 ? packed.x : packed.y) >> ((i0 * BITS) % 32)) & MASK;
-        const uint32_t q1 = ((i1 * BITS < 32 ? packed.x : packed.y) >> ((i1 * BITS) % 32)) & MASK;
-        wd[r][j] = dequant2<T, FMT, FUSED>(q0, q1, s, b);
-      }
+      v.s[r] = scale_value<T, FMT>(scales_t, scales_u8, g);
+      v.b[r] = from_float<T>(0.0f);
+      if constexpr (FMT == 0) v.b[r] = biases[g];
     }
+    return v;
+  };
+  auto compute = [&](int idx, const Weights& v) {
+    T2 wd[R][PAIRS];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int j = 0; j < PAIRS; ++j)
+        wd[r][j] = scaled<T, FMT, FUSED>(code_pair<T, BITS>(table, v.packed[r], j), v.s[r], v.b[r]);
 #pragma unroll
     for (int m = 0; m < MR; ++m) {
       T2 xv[PAIRS];
       const uint4* src = reinterpret_cast<const uint4*>(xrow[m] + idx);
 #pragma unroll
-      for (int v = 0; v < PAIRS / 4; ++v) {
-        const uint4 raw = src[v];
-        xv[4 * v + 0] = *reinterpret_cast<const T2*>(&raw.x);
-        xv[4 * v + 1] = *reinterpret_cast<const T2*>(&raw.y);
-        xv[4 * v + 2] = *reinterpret_cast<const T2*>(&raw.z);
-        xv[4 * v + 3] = *reinterpret_cast<const T2*>(&raw.w);
+      for (int u = 0; u < PAIRS / 4; ++u) {
+        const uint4 raw = src[u];
+        xv[4 * u + 0] = *reinterpret_cast<const T2*>(&raw.x);
+        xv[4 * u + 1] = *reinterpret_cast<const T2*>(&raw.y);
+        xv[4 * u + 2] = *reinterpret_cast<const T2*>(&raw.z);
+        xv[4 * u + 3] = *reinterpret_cast<const T2*>(&raw.w);
       }
 #pragma unroll
       for (int r = 0; r < R; ++r)
@@ -155,14 +190,23 @@ __device__ void qmv_rows(const T* x, const uint32_t* w, const T* scales_t, const
     }
   };
 
+  // Full warp tiles in order, the next tile's weights loaded before this one is computed;
+  // then the tail tile where K % (32 * EPT) != 0.
   constexpr int PER_WARP = 32 * EPT;
   const int full = K / PER_WARP;
+  if (full > 0) {
+    Weights next = load(lane * EPT);
 #pragma unroll 1
-  for (int t = 0; t < full; ++t) tile(lane * EPT + t * PER_WARP);
+    for (int t = 0; t < full; ++t) {
+      const Weights now = next;
+      if (t + 1 < full) next = load(lane * EPT + (t + 1) * PER_WARP);
+      compute(lane * EPT + t * PER_WARP, now);
+    }
+  }
   const int rest = K % PER_WARP;
   if (rest) {
     const int idx = lane * EPT + K - rest;
-    if (idx < K) tile(idx);
+    if (idx < K) compute(idx, load(idx));
   }
 
 #pragma unroll

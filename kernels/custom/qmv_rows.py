@@ -73,8 +73,8 @@ def warp_rows(m: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def _launch_plan(m: int, n: int, mode: str, bits: int, group: int, fused: int, dtype) -> dict:
-    rows = warp_rows(m)
+def _launch_plan(m: int, n: int, mode: str, bits: int, group: int, fused: int, dtype, rows: int | None = None) -> dict:
+    rows = rows or warp_rows(m)
     template = [("T", dtype)]
     if mode != "affine":
         template.append(("FMT", FORMAT_CODES[mode]))
@@ -92,9 +92,10 @@ def _launch_plan(m: int, n: int, mode: str, bits: int, group: int, fused: int, d
 
 
 @lru_cache(maxsize=4096)
-def _launcher(m: int, n: int, k: int, mode: str, bits: int, group: int, fused: int, dtype) -> tuple:
+def _launcher(m: int, n: int, k: int, mode: str, bits: int, group: int, fused: int, dtype,
+              rows: int | None = None) -> tuple:
     """(call, keyword arguments but inputs) of one launch shape, built once per shape."""
-    plan = _launch_plan(m, n, mode, bits, group, fused, dtype)
+    plan = _launch_plan(m, n, mode, bits, group, fused, dtype, rows)
     kind = _kind(mode)
     return compiled.launcher(family(kind), plan, dict(M=m, N=n, K=k), lambda: (_kernel(kind), plan))
 
@@ -122,20 +123,22 @@ def serves(x: mx.array, weight: mx.array, scales: mx.array, biases, *, group_siz
     return scales.dtype == mx.uint8
 
 
-def _launch(x, weight, scales, biases, group_size: int, bits: int, mode: str, fused: int) -> mx.array:
+def _launch(x, weight, scales, biases, group_size: int, bits: int, mode: str, fused: int,
+            rows: int | None = None) -> mx.array:
     m, k = x.shape
-    call, launch = _launcher(m, weight.shape[0], k, mode, bits, group_size, fused, x.dtype)
+    call, launch = _launcher(m, weight.shape[0], k, mode, bits, group_size, fused, x.dtype, rows)
     inputs = [x, weight, scales, biases] if mode == "affine" else [x, weight, scales]
     return call(inputs=inputs, **launch)[0]
 
 
-def matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str, fused: int = 0) -> mx.array:
+def matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str, fused: int = 0,
+           rows: int | None = None) -> mx.array:
     """mx.quantized_matmul(x, weight, transpose=True) with each row in the order of MLX's
-    single-row quantized GEMV (fused: the affine dequantization's rounding; the proven one is
-    try_matmul's)."""
+    single-row quantized GEMV (fused: the affine dequantization's rounding, the proven one is
+    try_matmul's; rows: rows per warp, for benchmarks, default warp_rows(M))."""
     if not serves(x, weight, scales, biases, group_size=group_size, bits=bits, mode=mode):
         raise ValueError(f"qmv_rows cannot take {mode} {bits}-bit g{group_size}, x {x.shape} {x.dtype}")
-    return _launch(x, weight, scales, biases, group_size, bits, mode, fused)
+    return _launch(x, weight, scales, biases, group_size, bits, mode, fused, rows)
 
 
 def try_matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str):
