@@ -127,8 +127,8 @@ def test_the_order_is_not_a_plain_sum():
 def test_the_source_follows_the_model():
     text = qmv_rows.SOURCE.read_text()
     assert "constexpr int EPT = BITS <= 4 ? 16 : 8;" in text
-    assert "for (int t = 0; t < full; ++t) {" in text
-    assert "compute(lane * EPT + t * PER_WARP, now);" in text  # tiles in order, lane-major
+    assert "for (int t0 = 0; t0 < full; t0 += TILES) {" in text
+    assert "if (t0 + u < full) compute(lane * EPT + (t0 + u) * PER_WARP, v[u]);" in text  # in order
     assert "const int idx = lane * EPT + K - rest;" in text and "if (idx < K) compute(idx, load(idx));" in text
     assert "acc_t[m][r][j] = __hfma2(xv[j], wd[r][j], acc_t[m][r][j]);" in text  # T accumulators, 4-bit
     assert "__fmaf_rn(xf.x, wf.x, acc_f[m][r][2 * j])" in text  # float32, 8-bit

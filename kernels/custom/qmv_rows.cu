@@ -190,18 +190,21 @@ __device__ void qmv_rows(const T* x, const uint32_t* w, const T* scales_t, const
     }
   };
 
-  // Full warp tiles in order, the next tile's weights loaded before this one is computed;
-  // then the tail tile where K % (32 * EPT) != 0.
+  // Full warp tiles in order, their weights loaded TILES at a time before any is computed
+  // (more bytes in flight per warp; loads may go in any order, the sums may not); then the
+  // tail tile where K % (32 * EPT) != 0.
   constexpr int PER_WARP = 32 * EPT;
+  constexpr int TILES = 8;
   const int full = K / PER_WARP;
-  if (full > 0) {
-    Weights next = load(lane * EPT);
 #pragma unroll 1
-    for (int t = 0; t < full; ++t) {
-      const Weights now = next;
-      if (t + 1 < full) next = load(lane * EPT + (t + 1) * PER_WARP);
-      compute(lane * EPT + t * PER_WARP, now);
-    }
+  for (int t0 = 0; t0 < full; t0 += TILES) {
+    Weights v[TILES];
+#pragma unroll
+    for (int u = 0; u < TILES; ++u)
+      if (t0 + u < full) v[u] = load(lane * EPT + (t0 + u) * PER_WARP);
+#pragma unroll
+    for (int u = 0; u < TILES; ++u)
+      if (t0 + u < full) compute(lane * EPT + (t0 + u) * PER_WARP, v[u]);
   }
   const int rest = K % PER_WARP;
   if (rest) {

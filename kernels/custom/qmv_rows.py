@@ -67,9 +67,10 @@ def takes(mode: str, bits: int, group_size: int) -> bool:
 
 
 def warp_rows(m: int) -> int:
-    """Rows per warp (MR): each weight load and dequantization serves MR rows; the
-    accumulators (EPT per row) keep MR at 8 or fewer. Never changes a row's order."""
-    return 2 if m <= 2 else 4 if m <= 4 else 8
+    """Rows per warp (MR): each weight load and dequantization serves MR rows; more rows
+    per warp cost registers, so fewer warps in flight (4 measured best at 8 and 16 rows on
+    the H200: docs/BENCHMARKS.md, session 12). Never changes a row's order."""
+    return 2 if m <= 2 else 4
 
 
 @lru_cache(maxsize=4096)
