@@ -40,6 +40,8 @@ FORMATS = [("nvfp4", "nvfp4", 16, 4, mx.bfloat16), ("affine4", "affine", 64, 4, 
            ("affine4 g128", "affine", 128, 4, mx.bfloat16)]
 WIDTHS = (2, 3, 5, 8, 16, 32)
 ROWS_PER_WARP = (2, 4, 8)
+# (output columns, rows) per warp tried by --shapes
+WARP_SHAPES = ((1, 4), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2))
 
 
 def weights(n, k, mode, group, bits, dtype, seed=0):
@@ -65,6 +67,7 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true", help="8B nvfp4 / affine4 timings only")
     ap.add_argument("--skip-agreement", action="store_true")
+    ap.add_argument("--shapes", action="store_true", help="only: qmv_rows per warp shape, 8B nvfp4 / affine4")
     a = ap.parse_args()
     lines = []
 
@@ -91,11 +94,39 @@ def main():
                 log(f"{'':>15} variant {fused}: {diff}/{got.size} elements differ, max "
                     f"{mx.abs(got.astype(mx.float32) - alone.astype(mx.float32)).max().item():.3g}")
 
+    if a.shapes:
+        warp_shapes(log)
+        if a.out:
+            Path(a.out).write_text("\n".join(lines) + "\n")
+        return
     if not a.skip_agreement:
         agreement(log)
     timings(log, a.quick)
     if a.out:
         Path(a.out).write_text("\n".join(lines) + "\n")
+
+
+def warp_shapes(log):
+    log("\n## qmv_rows µs per call by (columns, rows) per warp; rows != MLX's single-row call")
+    log("| format | linear | M | " + " | ".join(f"{c}x{r}" for c, r in WARP_SHAPES) + " |")
+    log("|---|---|---|" + "---|" * len(WARP_SHAPES))
+    for label, mode, group, bits, dtype in FORMATS[:2]:
+        fused = qmv_rows.proven_variant(mode, weight_bits(mode, bits), dtype)
+        for name, n, k in SHAPES["8B"]:
+            wq, scales, biases = weights(n, k, mode, group, bits, dtype)
+            kw = dict(group_size=group, bits=bits, mode=mode)
+            xs = [mx.random.normal((16, k), key=mx.random.key(20 + i)).astype(dtype) for i in range(16)]
+            alone = mx.concatenate([mx.quantized_matmul(xs[0][i:i + 1], wq, scales, biases, transpose=True, **kw)
+                                    for i in range(16)])
+            for m in (2, 8, 16):
+                cells = []
+                for c, r in WARP_SHAPES:
+                    def run(x):
+                        return qmv_rows.matmul(x[:m], wq, scales, biases, fused=fused, rows=r, columns=c, **kw)
+                    bad = (run(xs[0]) != alone[:m]).sum().item()
+                    cells.append(f"{per_call_us(run, xs):.1f}" + (f" ({bad} differ)" if bad else ""))
+                log(f"| {label} | {name} {n}x{k} | {m} | " + " | ".join(cells) + " |")
+            mx.clear_cache()
 
 
 def agreement(log):

@@ -74,7 +74,8 @@ def warp_rows(m: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def _launch_plan(m: int, n: int, mode: str, bits: int, group: int, fused: int, dtype, rows: int | None = None) -> dict:
+def _launch_plan(m: int, n: int, mode: str, bits: int, group: int, fused: int, dtype, rows: int | None = None,
+                 columns: int = 1) -> dict:
     rows = rows or warp_rows(m)
     template = [("T", dtype)]
     if mode != "affine":
@@ -82,10 +83,11 @@ def _launch_plan(m: int, n: int, mode: str, bits: int, group: int, fused: int, d
     template += [("BITS", weight_bits(mode, bits)), ("GROUP", group)]
     if mode == "affine":
         template.append(("FUSED", fused))
-    template += [("R", 1), ("MR", rows)]
+    template += [("R", columns), ("MR", rows)]
+    warps = -(-n // columns)
     return dict(
         template=template,
-        grid=(-(-n // WARPS_PER_BLOCK) * 32 * WARPS_PER_BLOCK, -(-m // rows), 1),
+        grid=(-(-warps // WARPS_PER_BLOCK) * 32 * WARPS_PER_BLOCK, -(-m // rows), 1),
         threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
         output_shapes=[(m, n)],
         output_dtypes=[dtype],
@@ -94,9 +96,9 @@ def _launch_plan(m: int, n: int, mode: str, bits: int, group: int, fused: int, d
 
 @lru_cache(maxsize=4096)
 def _launcher(m: int, n: int, k: int, mode: str, bits: int, group: int, fused: int, dtype,
-              rows: int | None = None) -> tuple:
+              rows: int | None = None, columns: int = 1) -> tuple:
     """(call, keyword arguments but inputs) of one launch shape, built once per shape."""
-    plan = _launch_plan(m, n, mode, bits, group, fused, dtype, rows)
+    plan = _launch_plan(m, n, mode, bits, group, fused, dtype, rows, columns)
     kind = _kind(mode)
     return compiled.launcher(family(kind), plan, dict(M=m, N=n, K=k), lambda: (_kernel(kind), plan))
 
@@ -125,21 +127,21 @@ def serves(x: mx.array, weight: mx.array, scales: mx.array, biases, *, group_siz
 
 
 def _launch(x, weight, scales, biases, group_size: int, bits: int, mode: str, fused: int,
-            rows: int | None = None) -> mx.array:
+            rows: int | None = None, columns: int = 1) -> mx.array:
     m, k = x.shape
-    call, launch = _launcher(m, weight.shape[0], k, mode, bits, group_size, fused, x.dtype, rows)
+    call, launch = _launcher(m, weight.shape[0], k, mode, bits, group_size, fused, x.dtype, rows, columns)
     inputs = [x, weight, scales, biases] if mode == "affine" else [x, weight, scales]
     return call(inputs=inputs, **launch)[0]
 
 
 def matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str, fused: int = 0,
-           rows: int | None = None) -> mx.array:
+           rows: int | None = None, columns: int = 1) -> mx.array:
     """mx.quantized_matmul(x, weight, transpose=True) with each row in the order of MLX's
     single-row quantized GEMV (fused: the affine dequantization's rounding, the proven one is
     try_matmul's; rows: rows per warp, for benchmarks, default warp_rows(M))."""
     if not serves(x, weight, scales, biases, group_size=group_size, bits=bits, mode=mode):
         raise ValueError(f"qmv_rows cannot take {mode} {bits}-bit g{group_size}, x {x.shape} {x.dtype}")
-    return _launch(x, weight, scales, biases, group_size, bits, mode, fused, rows)
+    return _launch(x, weight, scales, biases, group_size, bits, mode, fused, rows, columns)
 
 
 def try_matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str):
