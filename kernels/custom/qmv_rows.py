@@ -73,10 +73,18 @@ def warp_rows(m: int) -> int:
     return 2 if m <= 2 else 4
 
 
+def warp_columns(n: int) -> int:
+    """Output columns per warp (R): each x load serves R columns (x is read once per
+    column group, not once per column); narrow layers keep one column a warp for enough
+    warps in flight. Measured at the 8B shapes (docs/BENCHMARKS.md, session 12)."""
+    return 4 if n >= 4096 else 1
+
+
 @lru_cache(maxsize=4096)
 def _launch_plan(m: int, n: int, mode: str, bits: int, group: int, fused: int, dtype, rows: int | None = None,
-                 columns: int = 1) -> dict:
+                 columns: int | None = None) -> dict:
     rows = rows or warp_rows(m)
+    columns = columns or warp_columns(n)
     template = [("T", dtype)]
     if mode != "affine":
         template.append(("FMT", FORMAT_CODES[mode]))
@@ -96,7 +104,7 @@ def _launch_plan(m: int, n: int, mode: str, bits: int, group: int, fused: int, d
 
 @lru_cache(maxsize=4096)
 def _launcher(m: int, n: int, k: int, mode: str, bits: int, group: int, fused: int, dtype,
-              rows: int | None = None, columns: int = 1) -> tuple:
+              rows: int | None = None, columns: int | None = None) -> tuple:
     """(call, keyword arguments but inputs) of one launch shape, built once per shape."""
     plan = _launch_plan(m, n, mode, bits, group, fused, dtype, rows, columns)
     kind = _kind(mode)
@@ -127,7 +135,7 @@ def serves(x: mx.array, weight: mx.array, scales: mx.array, biases, *, group_siz
 
 
 def _launch(x, weight, scales, biases, group_size: int, bits: int, mode: str, fused: int,
-            rows: int | None = None, columns: int = 1) -> mx.array:
+            rows: int | None = None, columns: int | None = None) -> mx.array:
     m, k = x.shape
     call, launch = _launcher(m, weight.shape[0], k, mode, bits, group_size, fused, x.dtype, rows, columns)
     inputs = [x, weight, scales, biases] if mode == "affine" else [x, weight, scales]
@@ -135,7 +143,7 @@ def _launch(x, weight, scales, biases, group_size: int, bits: int, mode: str, fu
 
 
 def matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str, fused: int = 0,
-           rows: int | None = None, columns: int = 1) -> mx.array:
+           rows: int | None = None, columns: int | None = None) -> mx.array:
     """mx.quantized_matmul(x, weight, transpose=True) with each row in the order of MLX's
     single-row quantized GEMV (fused: the affine dequantization's rounding, the proven one is
     try_matmul's; rows: rows per warp, for benchmarks, default warp_rows(M))."""
