@@ -145,9 +145,12 @@ def test_the_source_follows_the_model():
 @pytest.mark.parametrize("n", [9, 576, 4096, 14336])
 def test_launches_cover_every_output(m, n):
     plan = qmv_rows._launch_plan(m, n, "nvfp4", 4, 16, 0, mx.bfloat16)
-    rows = dict(plan["template"])["MR"]
-    assert rows == qmv_rows.warp_rows(m) and rows in (2, 4, 8)
-    assert plan["grid"][0] // 32 >= n and plan["grid"][1] * rows >= m
+    template = dict(plan["template"])
+    rows, columns = template["MR"], template["R"]
+    assert rows == qmv_rows.warp_rows(m) and rows in (2, 4)
+    assert columns == qmv_rows.warp_columns(n) and columns in (1, 4)
+    assert rows * columns * 8 <= 128  # bf16x2 accumulators: 8 registers a (row, column)
+    assert (plan["grid"][0] // 32) * columns >= n and plan["grid"][1] * rows >= m
     assert plan["threadgroup"] == (32 * qmv_rows.WARPS_PER_BLOCK, 1, 1)
 
 

@@ -164,8 +164,9 @@ def try_matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: s
 
 
 # (M, N, K): K % 512 a tail for 4-bit codes (640, 384: lanes 0..7 / 0..23 take one more
-# tile; 384 has no full tile), N a partial last block, M a partial last row group.
-SMOKE_SHAPES = ((2, 33, 640), (5, 70, 384), (11, 9, 4096), (3, 1030, 1024))
+# tile; 384 has no full tile), N a partial last block, M a partial last row group, and
+# 4099 a partial last group of four columns.
+SMOKE_SHAPES = ((2, 33, 640), (5, 70, 384), (11, 9, 4096), (3, 1030, 1024), (6, 4099, 640))
 
 
 def _smoke_groups(mode: str) -> tuple:
