@@ -402,7 +402,8 @@ class GuaranteeWork:
             guarantee = decide_guarantee(model, plan, kv_pool, self.proofs, options.max_batch_rows)
         deployment = dataclasses.replace(
             runtime.deployment, guaranteed_rows=guarantee.rows, shared_passes=guarantee.shared_passes,
-            shared_pass_rows=guarantee.pass_rows, strategy=plan.strategy, pass_costs=pass_costs,
+            shared_pass_rows=guarantee.pass_rows, shared_prefill_rows=guarantee.shared_prefill_rows,
+            strategy=plan.strategy, pass_costs=pass_costs,
             fingerprint=_fingerprint(runtime.loaded, runtime.transform, plan, options, kv_pool))
         runtime.invariance, runtime.deployment = plan, deployment
         runtime.guarantee_seconds = time.perf_counter() - started

@@ -76,6 +76,9 @@ def test_deterministic_answers_survive_openblas_batching_and_native_ones_do_not(
     assert info["batch_invariance"]["guaranteed"] is True
     assert info["batch_invariance"]["strategy"] != "native"  # OpenBLAS fails the proof natively
     assert info["batching"]["deterministic_rows_shared"] is True
+    # the shared-prefill proof passed on OpenBLAS: deterministic prompt chunks (the chat
+    # prompts' single chunks, 16 rows and more) share prefill passes below
+    assert info["batching"]["deterministic_prefill_rows"] == 16
     client = OpenAI(base_url=openblas_server + "/v1", api_key="x", max_retries=0, timeout=600)
 
     solo_det = {i: chat(client, PROMPTS[p], True, m, k, s) for i, (p, m, k, s) in enumerate(DETERMINISTIC)}

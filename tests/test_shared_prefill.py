@@ -1,8 +1,9 @@
 """Prompt chunks of several requests in one prefill pass (issue 8: many arrivals start together).
 
 Chunks of requests with no determinism to keep share a ragged pass; a deterministic request's
-chunks always run alone, and KV from a shared pass never reaches the prefix cache (a later
-deterministic request may start from an entry). On this CPU's bundled BLAS a pass's rows do
+chunks run alone unless the deployment proved that chunks of more than L rows keep their KV in
+shared passes (tests/test_shared_prefill_proof.py), and KV from an unproven shared pass never
+reaches the prefix cache (a later deterministic request may start from an entry). On this CPU's bundled BLAS a pass's rows do
 not depend on their neighbours, so a request prefilled beside others must give exactly its
 solo answer: that checks the shared pass's positions and caches.
 """
@@ -39,18 +40,20 @@ class PrefillLog:
         self.shared.append((rows, requests))
 
 
-def run_together(requests, *, limit=0, kv_pool="off", double=False, prefix_cache=None, observers=()):
+def run_together(requests, *, limit=0, kv_pool="off", double=False, prefix_cache=None, observers=(),
+                 dense_rows=1):
     """Submit every (request, deterministic) before the engine starts, so all are admitted and
-    prefilled in the same iterations: ({index: (tokens, logprob bits)}, PrefillLog, engine)."""
+    prefilled in the same iterations: ({index: (tokens, logprob bits)}, PrefillLog, engine).
+    dense_rows: the double's dense calls change order above this many rows."""
     from lockstep.server.engine import Engine
 
     model = peaked_llama()
     plan = None
     if limit:
-        with shape_variant_backend():
+        with shape_variant_backend(dense_rows=dense_rows):
             plan = set_batch_invariant_limit(model, limit)
         assert plan.guaranteed
-    with shape_variant_backend():
+    with shape_variant_backend(dense_rows=dense_rows):
         deployment = proven_deployment(model, plan, prefill_chunk=64, kv_pool=kv_pool)
     log = PrefillLog()
 
@@ -73,7 +76,7 @@ def run_together(requests, *, limit=0, kv_pool="off", double=False, prefix_cache
             engine.stop()
 
     if double:
-        with shape_variant_backend():
+        with shape_variant_backend(dense_rows=dense_rows):
             out, engine = asyncio.run(main())
     else:
         out, engine = asyncio.run(main())
@@ -104,21 +107,24 @@ def test_requests_prefilled_in_one_shared_pass_give_their_solo_answers(kv_pool):
         assert together[i] == alone[0], f"request {i} changed when prefilled beside others"
 
 
-def test_deterministic_chunks_never_share_and_shared_kv_never_reaches_the_prefix_cache():
-    """Shape-variant double, L installed. The rule is asserted as it is (no deterministic
-    request in a shared pass, no shared KV in the prefix cache): wide native passes here may
-    happen to give the solo bits, so equal answers alone would not show it."""
+def test_unproven_deterministic_chunks_never_share_and_shared_kv_never_reaches_the_prefix_cache():
+    """Shape-variant double whose dense calls change order above 16 rows, L = 6 installed: the
+    shared-prefill proof fails there. The rule is asserted as it is (no deterministic request
+    in a shared pass, no shared KV in the prefix cache): wide native passes here may happen to
+    give the solo bits, so equal answers alone would not show it."""
+    narrow_wide = dict(limit=6, double=True, dense_rows=16)
     deterministic = [request(PROMPTS[0], deterministic=True), request(PROMPTS[2], deterministic=True, seed=5)]
-    solo = [run_together([r], limit=6, double=True)[0][0] for r in deterministic]
+    solo = [run_together([r], **narrow_wide)[0][0] for r in deterministic]
     cache = PrefixCache(8)
     others = [request(p) for p in PROMPTS] + [request(PROMPTS[0], seed=3)]
-    together, log, engine = run_together(others + deterministic, limit=6, double=True, prefix_cache=cache)
+    together, log, engine = run_together(others + deterministic, prefix_cache=cache, **narrow_wide)
+    assert engine.deployment.shared_prefill_rows == 0
     for j, expected in enumerate(solo):
         assert together[len(others) + j] == expected
     assert log.shared and all(n <= len(others) for _, n in log.shared)
     assert len(cache._store) == len(deterministic)  # only the solo-prefilled prompts were stored
     # Then a deterministic request starts from the stored prefix and still matches its solo run.
-    again, _, _ = run_together([deterministic[0]], limit=6, double=True, prefix_cache=cache)
+    again, _, _ = run_together([deterministic[0]], prefix_cache=cache, **narrow_wide)
     assert cache.hits >= 1 and again[0] == solo[0]
 
 

@@ -27,6 +27,9 @@ class Deployment:
     # The widest pass proven to hold several requests' deterministic rows (L bounds one
     # kernel call, not a pass: wider calls run in blocks of at most L rows); 0: L.
     shared_pass_rows: int = 0
+    # Deterministic requests' prompt chunks of at least this many rows may share a pass with
+    # other requests' chunks (the shared-prefill proof); 0: each runs in a pass of its own.
+    shared_prefill_rows: int = 0
     strategy: str = "native"  # canonical kernel strategy in use
     speculative: str = "none"  # default method for requests that do not choose
     num_draft_tokens: int = 4  # default k

@@ -4,7 +4,10 @@ Two facts, both from proofs made on the running backend:
 - the rows one forward pass may hold with every row bit-identical to its single-row call:
   L once the self-test (kernels/invariance/selftest.py) proved the installed forms, else 0;
 - whether rows of *different* requests may share such a pass: the ragged proof
-  (kernels/batching/ragged_selftest.py), made here only, over the KV layout the engine uses.
+  (kernels/batching/ragged_selftest.py), made here only, over the KV layout the engine uses;
+- whether deterministic requests' prompt chunks (of at least `shared_chunk_rows(L)` rows) may
+  share a pass: the shared-prefill proof (kernels/batching/shared_prefill_proof.py), made
+  after the ragged one.
 
 A model with per-request state (a recurrent, conv or sliding-window cache) is proven for one
 row per request (`InstalledInvariance.request_rows` = 1): its deterministic requests share
@@ -28,6 +31,7 @@ class Guarantee:
     shared_passes: bool  # requests' deterministic rows may share a pass
     reason: str = ""
     pass_rows: int = 0  # the widest pass proven to hold deterministic rows of several requests
+    shared_prefill_rows: int = 0  # deterministic prompt chunks of this many rows may share a pass (0: none)
 
 
 def decide_guarantee(model, plan, kv_pool: str = "off", proofs=None, pass_rows: int | None = None) -> Guarantee:
@@ -55,13 +59,33 @@ def decide_guarantee(model, plan, kv_pool: str = "off", proofs=None, pass_rows: 
                     widest, proof.reason, plan.limit)
         widest = plan.limit
         proof = prove_ragged_cached(model, plan.limit, proofs, kv_pool=kv_pool, pass_rows=widest)
-    if proof:
-        log.info("ragged passes of 1..%d rows proven bit-identical to solo passes (%.1f s)",
-                 widest, proof.seconds)
-    else:
+    if not proof:
         log.warning("ragged passes not proven (%s): deterministic requests get passes of their own",
                     proof.reason)
-    return Guarantee(plan.limit, bool(proof), proof.reason, widest if proof else 0)
+        return Guarantee(plan.limit, False, proof.reason, 0)
+    log.info("ragged passes of 1..%d rows proven bit-identical to solo passes (%.1f s)",
+             widest, proof.seconds)
+    return Guarantee(plan.limit, True, proof.reason, widest, _shared_prefill(model, plan.limit, kv_pool, proofs))
+
+
+def _shared_prefill(model, limit: int, kv_pool: str, proofs) -> int:
+    """The fewest rows a deterministic prompt chunk needs to share a prefill pass (0: none may;
+    always 0 for a model with per-request state, whose prompt chunks run alone)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from lockstep.kernels.batching.shared_prefill_proof import prove_shared_prefill_cached, shared_chunk_rows
+    from lockstep.kernels.invariance.cache_check import per_request_state
+
+    if per_request_state(make_prompt_cache(model)) is not None:
+        return 0
+    rows = shared_chunk_rows(limit)
+    proof = prove_shared_prefill_cached(model, limit, proofs, kv_pool=kv_pool)
+    if proof:
+        log.info("prompt chunks of %d rows or more proven to keep their KV in shared passes (%.1f s)",
+                 rows, proof.seconds)
+        return rows
+    log.info("deterministic prompt chunks are prefilled in passes of their own: %s", proof.reason)
+    return 0
 
 
 def proven_deployment(model, plan, *, kv_pool: str = "off", proofs=None, pass_rows: int | None = None,
@@ -79,4 +103,5 @@ def proven_deployment(model, plan, *, kv_pool: str = "off", proofs=None, pass_ro
         settings["speculation"] = False
     return Deployment(limit=plan.limit if plan is not None else 0, guaranteed_rows=guarantee.rows,
                       shared_passes=guarantee.shared_passes, shared_pass_rows=guarantee.pass_rows,
+                      shared_prefill_rows=guarantee.shared_prefill_rows,
                       strategy=plan.strategy if plan is not None else "native", kv_pool=kv_pool, **settings)

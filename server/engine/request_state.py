@@ -188,10 +188,17 @@ class RequestState:
 
     @property
     def shares_prefill(self) -> bool:
-        """Its next prompt chunk may share a pass with other requests' chunks: only a target
-        chunk of a request with no determinism to keep (such a pass's bits depend on its
-        neighbours) and no leader."""
-        return self._target_prefilling and self._leader is None and self.determinism == "none"
+        """Its next prompt chunk may share a pass with other requests' chunks: a target chunk
+        with no leader, of a request with no determinism to keep, or of a deterministic one
+        (rows shared with others) whose chunk is at least as wide as the deployment proved
+        keeps its KV in shared passes (a chunk of at most L rows runs canonical forms alone,
+        natively in a shared pass)."""
+        if not self._target_prefilling or self._leader is not None:
+            return False
+        if self.determinism == "none":
+            return True
+        rows = self.deployment.shared_prefill_rows if self.deployment is not None else 0
+        return self.determinism == "shared" and rows > 0 and self.next_chunk_tokens() >= rows
 
     def next_chunk(self) -> list[int]:
         """The next target prompt chunk's tokens."""
@@ -208,9 +215,10 @@ class RequestState:
         return PrefillStep("draft", self._drafter.cache, self.prompt[start:start + self._chunk])
 
     def chunk_written(self, tokens: int, *, alone: bool, model: str = "target") -> None:
-        """The next `tokens` prompt tokens are in the cache. Only KV prefilled in passes of
-        its own goes to the prefix cache: a shared pass's bits depend on its neighbours, and
-        a deterministic request may later start from the entry."""
+        """The next `tokens` prompt tokens are in the cache. Only KV prefilled alone, or in a
+        shared pass proven to keep it (`alone` then too), goes to the prefix cache: other
+        shared passes' bits depend on their neighbours, and a deterministic request may later
+        start from the entry."""
         if model == "draft":
             self._drafter.advance(self.prompt[self._drafter.prefilled:self._drafter.prefilled + tokens])
             return

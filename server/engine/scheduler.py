@@ -278,8 +278,11 @@ class Scheduler:
                 for slot in output.prefill_shared:
                     self._fail(slot, result.prefill_shared)
             else:
+                # A chunk as wide as the deployment proved keeps its KV in a shared pass
+                # (guarantee.py): as good as alone for the prefix cache.
+                rows = self.deployment.shared_prefill_rows
                 for slot, tokens in zip(output.prefill_shared, result.prefill_shared):
-                    slot.state.chunk_written(tokens, alone=False)
+                    slot.state.chunk_written(tokens, alone=0 < rows <= tokens)
         posts = []
         for decode_pass, done in zip(output.passes, result.passes):
             if isinstance(done, Exception):
@@ -305,6 +308,8 @@ class Scheduler:
                 "deterministic_call_rows": self.deployment.guaranteed_rows,
                 "max_kv_tokens": self.kv_budget.capacity,
                 "deterministic_rows_shared": self.deployment.shared_passes and self.runner.batched,
+                # deterministic prompt chunks of at least this many rows share prefill passes
+                "deterministic_prefill_rows": self.deployment.shared_prefill_rows if self.runner.batched else 0,
                 **self.runner.describe()}
 
 

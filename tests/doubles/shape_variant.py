@@ -39,8 +39,10 @@ def _dense_rows(a: mx.array, b: mx.array) -> int:
 
 
 @contextmanager
-def shape_variant_backend(quantized_rows: int = 8):
-    """Within this context, calls with several rows reduce in a different order."""
+def shape_variant_backend(quantized_rows: int = 8, dense_rows: int = 1):
+    """Within this context, calls with several rows reduce in a different order: dense calls
+    of more than `dense_rows` rows (1: every multi-row call; more: a backend whose rows also
+    change between a narrow and a wide GEMM), quantized calls from `quantized_rows` rows."""
     native_matmul = mx.matmul
     native_dunder = mx.array.__matmul__
     native_addmm = mx.addmm
@@ -51,7 +53,7 @@ def shape_variant_backend(quantized_rows: int = 8):
 
     def split_k_matmul(a, b):
         k = a.shape[-1]
-        if _dense_rows(a, b) <= 1 or k < 2 or b.ndim < 2:
+        if _dense_rows(a, b) <= dense_rows or k < 2 or b.ndim < 2:
             return native_matmul(a, b)
         h = k // 2
         return native_matmul(a[..., :h], b[..., :h, :]) + native_matmul(a[..., h:], b[..., h:, :])
@@ -63,7 +65,7 @@ def shape_variant_backend(quantized_rows: int = 8):
         return split_k_matmul(a, b) if isinstance(b, mx.array) else native_dunder(a, b)
 
     def addmm(c, a, b, alpha=1.0, beta=1.0, **kwargs):
-        if _dense_rows(a, b) <= 1 or kwargs:
+        if _dense_rows(a, b) <= dense_rows or kwargs:
             return native_addmm(c, a, b, alpha=alpha, beta=beta, **kwargs)
         return beta * c + alpha * split_k_matmul(a, b)
 
