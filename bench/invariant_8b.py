@@ -9,7 +9,10 @@ the startup self-test for the custom-kernel strategies at L = 32, and (--check) 
 with the NumPy model of their loop order. Measures and prints; asserts nothing.
 
     python bench/invariant_8b.py [--weights bf16,nvfp4,affine4] [--rows 1,8,16,32]
-                                 [--layers 32] [--check] [--kv-pool] [--out table.md]
+                                 [--layers 32] [--check] [--kv-pool] [--fuse] [--out table.md]
+
+--fuse: the model with q/k/v and gate/up fused (`serve --fuse-projections`) for every row of
+the table, native included; compare with a run without it.
 
 --kv-pool: every strategy but native runs as lockstep's engine runs it (a ragged pass of one
 request over the KV pool: one KV write and one attention launch per layer, decode included);
@@ -188,6 +191,7 @@ def main():
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="subset of " + ",".join(STRATEGIES))
     ap.add_argument("--kv-pool", action="store_true",
                     help="strategies over the engine's KV pool (one attention launch per layer); native stays on mlx-lm's caches")
+    ap.add_argument("--fuse", action="store_true", help="fuse q/k/v and gate/up (models/fused_projections.py)")
     ap.add_argument("--out")
     a = ap.parse_args()
     lines = []
@@ -207,6 +211,10 @@ def main():
     table = []
     for weights in a.weights.split(","):
         model = build(weights, a.layers)
+        if a.fuse:
+            from lockstep.models.fused_projections import fuse_projections
+
+            fuse_projections(model)
         nbytes = weight_bytes(model)
         floor_ms = 1e3 * nbytes / HBM_BYTES_PER_S
         cache = context(model, a.context)

@@ -8,7 +8,9 @@ A decode step of an 8B model is bound by how many ops MLX dispatches, not by wei
 (32 layers, 32/8 heads of 128) with small matrices; op counts do not depend on the sizes.
 Runs on any backend: the pool is the GPU kernel's on CUDA, the reference one elsewhere.
 
-    python bench/op_count.py [--layers 32] [--strategy auto] [--limit 8] [--weights bf16]
+    python bench/op_count.py [--layers 32] [--strategy auto] [--limit 8] [--weights bf16] [--fuse]
+
+--fuse: q/k/v and gate/up fused (models/fused_projections.py), as `serve --fuse-projections`.
 """
 import argparse
 import re
@@ -25,6 +27,7 @@ import mlx.core as mx  # noqa: E402
 from invariant_8b import build, context  # noqa: E402
 from lockstep.kernels import custom  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
+from lockstep.models.fused_projections import fuse_projections  # noqa: E402
 from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
 
 _NODE = re.compile(r'\[label ="([^"]+)", shape=rectangle\]')
@@ -44,10 +47,13 @@ def main():
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--fuse", action="store_true", help="fuse q/k/v and gate/up first")
     ap.add_argument("--out")
     a = ap.parse_args()
     pool = "kernel" if custom.backend() == "cuda" else "reference"
     model = build(a.weights, a.layers, hidden=256, intermediate=512, vocab=1024)
+    if a.fuse:
+        fuse_projections(model)
     token = [7]
 
     def step(run, cache):
@@ -68,7 +74,7 @@ def main():
         lambda: runner.forward_rows(pooled, token), pooled)
 
     lines = [f"backend {mx.default_device()}, MLX {mx.__version__}; {a.weights}, {a.layers} layers, "
-             f"context {a.context}, one token"]
+             f"context {a.context}, one token" + ("; q/k/v and gate/up fused" if a.fuse else "")]
     names = sorted(set().union(*counts.values()), key=lambda n: -max(c[n] for c in counts.values()))
     lines.append("| primitive | " + " | ".join(counts) + " |")
     lines.append("|---|" + "---|" * len(counts))

@@ -61,6 +61,8 @@ class Options:
     max_draft_tokens: int = MAX_DRAFT_TOKENS
     adaptive_speculation: bool = False  # k per step from each request's own acceptance
     draft_model: str | None = None  # a model spec, or "default-quantized"
+    # q/k/v and gate/up each as one matmul (models/fused_projections.py), before the audit
+    fuse_projections: bool = False
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     audit: str = "cached"  # one of AUDIT_MODES (server/options.py says what each does)
     # Applied to the loaded, audited model before batch invariance (distributed sharding,
@@ -167,7 +169,8 @@ class Runtime:
 
 
 def _load_audited(spec: str, weights: str, quantize: str | None, bits, group,
-                  audit: str = "cached", phases: Phases | None = None, phase_prefix: str = "") -> tuple:
+                  audit: str = "cached", phases: Phases | None = None, phase_prefix: str = "",
+                  fuse: bool = False) -> tuple:
     from lockstep.kernels.audit import audit_and_patch, audit_verdict_cache
     from lockstep.models.load import load_model
     from lockstep.models.quantize import quantize_model_in_memory
@@ -180,6 +183,12 @@ def _load_audited(spec: str, weights: str, quantize: str | None, bits, group,
         with phases.timed(phase_prefix + "quantize"):
             result = quantize_model_in_memory(loaded.model, None, quantize, bits, group)
         transform = f"quantize={result.spec.label()}"
+    if fuse:  # before the audit: the fused layers' shapes are what it must check
+        from lockstep.models.fused_projections import fuse_projections
+
+        fused = fuse_projections(loaded.model)
+        log.info("projections fused into %d layers", len(fused))
+        transform += ";fused_projections"
     report = None
     if audit == "off":
         log.warning("%s", AUDIT_OFF_WARNING)
@@ -272,9 +281,12 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     if options.audit not in AUDIT_MODES:
         raise ValueError(f"--audit must be one of {AUDIT_MODES}")
     timings = Phases({"import": seconds_since_process_start()})
+    if options.fuse_projections and options.prepare_model is not None:
+        raise ValueError("--fuse-projections does not combine with distributed serving (its sharding "
+                         "splits the separate projections)")
     loaded, report, transform = _load_audited(options.model, options.weights, options.quantize,
                                               options.q_bits, options.q_group_size,
-                                              options.audit, timings)
+                                              options.audit, timings, fuse=options.fuse_projections)
     if options.prepare_model is not None:
         transform += ";" + options.prepare_model(loaded.model)
 
@@ -399,7 +411,8 @@ class GuaranteeWork:
                                                       runner=ModelRunner.as_engine_runs(model, kv_pool)))
         # the deployment's guarantee, decided here only (its ragged proof timed where one is made)
         with timings.timed("ragged_proof") if plan.guaranteed else contextlib.nullcontext():
-            guarantee = decide_guarantee(model, plan, kv_pool, self.proofs, options.max_batch_rows)
+            guarantee = decide_guarantee(model, plan, kv_pool, self.proofs, options.max_batch_rows,
+                                         shared_prefill=options.prepare_model is None)
         deployment = dataclasses.replace(
             runtime.deployment, guaranteed_rows=guarantee.rows, shared_passes=guarantee.shared_passes,
             shared_pass_rows=guarantee.pass_rows, shared_prefill_rows=guarantee.shared_prefill_rows,

@@ -149,3 +149,19 @@ def test_without_the_proof_deterministic_chunks_run_alone_and_keep_their_bits(mo
     assert all(determinism != "shared" for determinism, _ in shared)
     for i in solo:
         assert together[i] == solo[i]
+
+
+@pytest.mark.reference_blas
+@pytest.mark.parametrize("dense_rows,stored", [(1, 3), (NARROW_WIDE, 0)])
+def test_kv_of_a_proven_shared_pass_reaches_the_prefix_cache_and_unproven_kv_never(dense_rows, stored):
+    """Three requests' prompts (chunks of 16, 20 and 24 rows) prefilled in one shared pass:
+    their KV is stored for later requests only where the proof said such chunks keep it."""
+    from lockstep.server.engine.prefix_cache import PrefixCache
+    from tests.test_shared_prefill import request, run_together
+
+    cache = PrefixCache(8)
+    requests = [request(PROMPTS[i]) for i in range(3)]
+    _, log, engine = run_together(requests, limit=L, double=True, prefix_cache=cache, dense_rows=dense_rows)
+    assert any(n == 3 for _, n in log.shared)  # the three prompts in one pass
+    assert (engine.deployment.shared_prefill_rows > 0) == (stored > 0)
+    assert len(cache._store) == stored

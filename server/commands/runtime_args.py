@@ -50,6 +50,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--q-bits", type=int, default=None)
     parser.add_argument("--q-group-size", type=int, default=None)
     add_cpu_blas_argument(parser)
+    parser.add_argument("--fuse-projections", action="store_true",
+                        help="run q/k/v and gate/up each as one matmul (fewer launches per decode "
+                             "step; the weights are concatenated, not copied)")
     parser.add_argument("--audit", choices=AUDIT_MODES, default=DEFAULT_AUDIT,
                         help="quantized-kernel audit and self-test proofs: re-use this machine's "
                              "verdicts (cached, default), redo them (fresh), or skip the audit (off: "
@@ -91,7 +94,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         invariant_strategy=args.invariant_strategy, speculative=args.speculative,
         num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
         adaptive_speculation=getattr(args, "adaptive_speculation", False),
-        draft_model=args.draft_model,
+        draft_model=args.draft_model, fuse_projections=getattr(args, "fuse_projections", False),
         prefill_chunk=args.prefill_chunk, audit=getattr(args, "audit", DEFAULT_AUDIT),
         kv_pool=getattr(args, "kv_pool", "off"),
         **({"max_batch_rows": args.max_batch_rows} if getattr(args, "max_batch_rows", None) else {}),

@@ -34,13 +34,16 @@ class Guarantee:
     shared_prefill_rows: int = 0  # deterministic prompt chunks of this many rows may share a pass (0: none)
 
 
-def decide_guarantee(model, plan, kv_pool: str = "off", proofs=None, pass_rows: int | None = None) -> Guarantee:
+def decide_guarantee(model, plan, kv_pool: str = "off", proofs=None, pass_rows: int | None = None,
+                     shared_prefill: bool = True) -> Guarantee:
     """The deployment's guarantee for `model` with the installed invariance `plan`
     (a kernels.invariance.limit.InstalledInvariance or None); `proofs` a ProofCache to re-use
     a ragged proof made earlier on this machine. `pass_rows`: the widest pass the engine will
     build (`--max-batch-rows`): L bounds one kernel call, not a pass, so the ragged proof covers
     every width up to it (calls of more than L rows run in blocks of at most L); if that fails,
-    passes of at most L rows are proven instead."""
+    passes of at most L rows are proven instead. `shared_prefill` False: no shared-prefill
+    proof, deterministic prompt chunks run alone (a distributed deployment: its pipeline
+    hands a prompt chunk on through a KV cache, which a ragged pass does not have)."""
     if plan is None or not plan.guaranteed:
         return Guarantee(0, False, plan.reason if plan is not None else "no batch-invariant limit")
     from lockstep.kernels.batching.ragged import enable_ragged, ragged_problem
@@ -65,7 +68,8 @@ def decide_guarantee(model, plan, kv_pool: str = "off", proofs=None, pass_rows: 
         return Guarantee(plan.limit, False, proof.reason, 0)
     log.info("ragged passes of 1..%d rows proven bit-identical to solo passes (%.1f s)",
              widest, proof.seconds)
-    return Guarantee(plan.limit, True, proof.reason, widest, _shared_prefill(model, plan.limit, kv_pool, proofs))
+    return Guarantee(plan.limit, True, proof.reason, widest,
+                     _shared_prefill(model, plan.limit, kv_pool, proofs) if shared_prefill else 0)
 
 
 def _shared_prefill(model, limit: int, kv_pool: str, proofs) -> int:

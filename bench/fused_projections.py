@@ -1,0 +1,85 @@
+"""One decode step with q/k/v and gate/up fused (models/fused_projections.py) beside the same
+model with separate layers, side by side: two copies loaded at once, steps alternating
+between them, the median of every round's ratio reported with each side's median.
+
+    python bench/fused_projections.py [--model default] [--weights float32] [--cpu-blas openblas]
+                                      [--quantize MODE] [--context 64] [--rounds 7] [--steps 16]
+
+Plain decode (no canonical forms): the model call on mlx-lm's own caches, one token a step.
+Measures and prints; asserts nothing.
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--weights", default="auto")
+    ap.add_argument("--quantize", default=None)
+    ap.add_argument("--cpu-blas", default="openblas", choices=("openblas", "reference"))
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=16, help="decode steps per round and side")
+    a = ap.parse_args()
+
+    from lockstep.kernels import cpu_blas
+
+    if a.cpu_blas == "openblas":
+        cpu_blas.ensure_preloaded(sys.argv, "openblas")
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from lockstep.models.fused_projections import fuse_projections
+    from lockstep.models.load import load_model
+    from lockstep.models.quantize import quantize_model_in_memory
+
+    def load():
+        loaded = load_model(a.model, weights="float32" if a.quantize else a.weights)
+        if a.quantize:
+            quantize_model_in_memory(loaded.model, None, a.quantize, None, None)
+        mx.eval(loaded.model.parameters())
+        return loaded
+
+    separate, fused = load().model, load().model
+    paths = fuse_projections(fused)
+    prompt = mx.array([[(17 * i) % 1000 + 10 for i in range(a.context)]])
+    caches = {}
+    for name, model in (("separate", separate), ("fused", fused)):
+        caches[name] = make_prompt_cache(model)
+        mx.eval(model(prompt, cache=caches[name]))
+
+    def steps(model, cache) -> float:
+        token = mx.array([[42]])
+        start = time.perf_counter()
+        for _ in range(a.steps):
+            token = mx.argmax(model(token, cache=cache)[:, -1:], axis=-1)
+            mx.eval(token)
+        elapsed = (time.perf_counter() - start) / a.steps
+        for c in cache:
+            c.trim(a.steps)
+        return 1e3 * elapsed
+
+    steps(separate, caches["separate"]), steps(fused, caches["fused"])  # warm both
+    rows = []
+    for r in range(a.rounds):
+        order = (("separate", separate), ("fused", fused)) if r % 2 == 0 else (("fused", fused), ("separate", separate))
+        got = {name: steps(model, caches[name]) for name, model in order}
+        rows.append(got)
+    sep = statistics.median(x["separate"] for x in rows)
+    fus = statistics.median(x["fused"] for x in rows)
+    ratio = statistics.median(x["fused"] / x["separate"] for x in rows)
+    print(f"backend {mx.default_device()}, MLX {mx.__version__}, BLAS {cpu_blas.describe()}; model {a.model} "
+          f"({a.quantize or a.weights}), {len(paths)} fused layers, context {a.context}, {a.steps} steps a round, "
+          f"{a.rounds} rounds alternating")
+    print(f"decode step ms, median: separate {sep:.2f}, fused {fus:.2f}; fused / separate per round, median: "
+          f"{ratio:.3f} (rounds: " + ", ".join(f"{x['fused'] / x['separate']:.3f}" for x in rows) + ")")
+
+
+if __name__ == "__main__":
+    main()
