@@ -38,6 +38,7 @@ class RingDeployment:
     def __init__(self, tmp: Path, parallel: str, ranks: int, *extra: str, port: int | None = None):
         self.port = port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
+        tmp.mkdir(parents=True, exist_ok=True)
         hostfile = tmp / "hostfile.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(ranks)]))
         command = [sys.executable, "-m", "lockstep.server.cli", "serve", "--parallel", parallel,
@@ -82,10 +83,25 @@ class RingDeployment:
                 proc.wait()
 
 
+# MLX's ring backend stops trying to reach the next rank after about 30 s ("Couldn't connect
+# (error: 111)"); on a loaded 2-core machine three ranks can take longer than that to start
+# (imports, the BLAS re-exec). That is the launch environment, not the deployment: its own
+# refusal of a missing peer is test_missing_peer_ends_with_a_clear_error_not_a_hang. So a
+# deployment whose rank gave up connecting is started once more, on fresh ports.
+RING_CONNECT_GAVE_UP = "Couldn't connect (error: 111)"
+
+
 def _running(tmp: Path, parallel: str, ranks: int):
-    deployment = RingDeployment(tmp, parallel, ranks)
+    for attempt in range(2):
+        deployment = RingDeployment(tmp / f"attempt{attempt}", parallel, ranks)
+        try:
+            deployment.wait_healthy()
+            break
+        except AssertionError:
+            deployment.stop()
+            if attempt or not any(RING_CONNECT_GAVE_UP in deployment.log(r) for r in range(ranks)):
+                raise
     try:
-        deployment.wait_healthy()
         yield deployment
     finally:
         deployment.stop()
