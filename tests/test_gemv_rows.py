@@ -142,27 +142,33 @@ def test_a_pass_wider_than_l_runs_each_linear_as_one_launch_and_keeps_the_rows_b
     """Under calls_in_blocks (the engine's wide deterministic passes) a row-independent kernel
     takes all of a call's rows at once; the rows' bits are those of L-row blocks. Where it
     cannot, the call runs in blocks of at most L rows."""
+    calls = emulated(_rows_alone)
+    with shape_variant_backend():
+        one_launch_then_blocks(tiny_llama(), calls, monkeypatch, "dense_rows_in_one_launch")
+
+
+def one_launch_then_blocks(model, calls: list, monkeypatch, one_launch: str) -> None:
+    """`model` at L = 4 (gemv_rows) fed 10 tokens under calls_in_blocks: every emulated kernel
+    call takes all 10 rows; with layers.`one_launch` switched off the calls are blocks of
+    4 + 4 + 2 rows; the logits are the same bits either way."""
     from mlx_lm.models.cache import make_prompt_cache
 
     import lockstep.kernels.invariance.layers as layers
     from lockstep.kernels.invariance.layers import calls_in_blocks
 
-    calls = emulated(_rows_alone)
     tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
-    with shape_variant_backend():
-        model = tiny_llama()
-        assert set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,)).guaranteed
-        calls.clear()
-        with calls_in_blocks():
-            wide = model(tokens, cache=make_prompt_cache(model))
-            mx.eval(wide)
-        assert calls and set(calls) == {10}  # every linear: one launch of all 10 rows
+    assert set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,)).guaranteed
+    calls.clear()
+    with calls_in_blocks():
+        wide = model(tokens, cache=make_prompt_cache(model))
+        mx.eval(wide)
+    assert calls and set(calls) == {10}  # every linear: one launch of all 10 rows
 
-        calls.clear()
-        monkeypatch.setattr(layers, "dense_rows_in_one_launch", lambda x, w, form: None)
-        with calls_in_blocks():
-            blocked = model(tokens, cache=make_prompt_cache(model))
-            mx.eval(blocked)
-        assert sorted(set(calls)) == [2, 4]  # 10 rows as 4 + 4 + 2
-        assert bits_equal(wide, blocked)
-        set_batch_invariant_limit(model, 0)
+    calls.clear()
+    monkeypatch.setattr(layers, one_launch, lambda *a, **kw: None)
+    with calls_in_blocks():
+        blocked = model(tokens, cache=make_prompt_cache(model))
+        mx.eval(blocked)
+    assert sorted(set(calls)) == [2, 4]  # 10 rows as 4 + 4 + 2
+    assert bits_equal(wide, blocked)
+    set_batch_invariant_limit(model, 0)

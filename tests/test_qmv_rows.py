@@ -15,6 +15,7 @@ from lockstep.kernels.custom.precompile import instances_for, linear_shapes
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.ops import GEMV_ROWS, quantized_rows
 from lockstep.kernels.invariance.selftest import bits_equal
+from tests.test_gemv_rows import one_launch_then_blocks
 from tests.doubles.shape_variant import shape_variant_backend
 from tiny_models import QUANT_MODES, tiny_llama
 
@@ -227,30 +228,10 @@ def test_a_kernel_in_mlxs_order_is_proven_and_one_that_is_not_is_refused(emulate
 
 
 def test_a_pass_wider_than_l_runs_each_quantized_linear_as_one_launch(emulated, monkeypatch):
-    from mlx_lm.models.cache import make_prompt_cache
-
-    import lockstep.kernels.invariance.layers as layers
-    from lockstep.kernels.invariance.layers import calls_in_blocks
-
     calls = emulated(_rows_alone)
-    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
     with shape_variant_backend(quantized_rows=2):
-        model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
-        assert set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,)).guaranteed
-        calls.clear()
-        with calls_in_blocks():
-            wide = model(tokens, cache=make_prompt_cache(model))
-            mx.eval(wide)
-        assert calls and set(calls) == {10}  # every quantized linear: one launch of all 10 rows
-
-        calls.clear()
-        monkeypatch.setattr(layers, "quantized_rows_in_one_launch", lambda *a, **kw: None)
-        with calls_in_blocks():
-            blocked = model(tokens, cache=make_prompt_cache(model))
-            mx.eval(blocked)
-        assert sorted(set(calls)) == [2, 4]  # 10 rows as 4 + 4 + 2
-        assert bits_equal(wide, blocked)
-        set_batch_invariant_limit(model, 0)
+        one_launch_then_blocks(tiny_llama(quant="nvfp4", dtype=mx.bfloat16), calls, monkeypatch,
+                               "quantized_rows_in_one_launch")
 
 
 def test_startup_lists_each_quantized_shape_and_builds_only_a_proven_variant(monkeypatch):

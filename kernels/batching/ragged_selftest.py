@@ -133,11 +133,11 @@ def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None,
             if not _same(outs[j], logits):
                 return RaggedProof(False, limit, widths, f"logits of a {pool[i][1]}-row request differ "
                                    f"in a ragged pass of {width} rows", time.perf_counter() - start)
-            for layer, (want, got) in enumerate(zip(kv, new_state(fresh[j], pool[i][0]))):
-                if len(want) != len(got) or not all(_same(a, b) for a, b in zip(want, got)):
-                    return RaggedProof(False, limit, widths, f"layer {layer} state of a {pool[i][1]}-row "
-                                       f"request differs in a ragged pass of {width} rows",
-                                       time.perf_counter() - start)
+            layer = differing_layer(kv, new_state(fresh[j], pool[i][0]))
+            if layer is not None:
+                return RaggedProof(False, limit, widths, f"layer {layer} state of a {pool[i][1]}-row "
+                                   f"request differs in a ragged pass of {width} rows",
+                                   time.perf_counter() - start)
         step_done()
     return RaggedProof(True, limit, widths, "", time.perf_counter() - start)
 
@@ -153,12 +153,26 @@ def prove_ragged_cached(model, limit: int, proof_cache=None, *, seed: int = 0,
     widths = tuple(range(1, max(limit, pass_rows or limit) + 1))
     key = {**proof_key(model, limit, widths, (), seed, True, proof_cache.model_identity),
            "what": "ragged pass proof", **({"kv_pool": kv_pool} if kv_pool != "off" else {})}
+    return cached_proof(proof_cache, key, limit, widths,
+                        lambda: prove_ragged(model, limit, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows))
+
+
+def cached_proof(proof_cache, key: dict, limit: int, widths: tuple, prove) -> RaggedProof:
+    """The proof kept under `key` in `proof_cache` (a ProofCache), else prove() and keep it."""
     value = None if proof_cache.fresh else proof_cache.store.get(key)
     if isinstance(value, dict) and isinstance(value.get("passed"), bool):
         return RaggedProof(value["passed"], limit, widths, str(value.get("reason", "")), 0.0, cached=True)
-    proof = prove_ragged(model, limit, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows)
+    proof = prove()
     proof_cache.store.put(key, {"passed": proof.passed, "reason": proof.reason, "seconds": proof.seconds})
     return proof
+
+
+def differing_layer(want: list, got: list) -> int | None:
+    """The first layer whose state arrays (new_state) differ as raw bits; None: all equal."""
+    for layer, (a, b) in enumerate(zip(want, got)):
+        if len(a) != len(b) or not all(_same(x, y) for x, y in zip(a, b)):
+            return layer
+    return None
 
 
 def _vocab_size(model) -> int:

@@ -24,7 +24,7 @@ from ..invariance.layers import call_without_head
 from ..invariance.selftest import new_state
 from ..proof_steps import step_done
 from .ragged import ragged_prompt_forward
-from .ragged_selftest import RaggedProof, _Caches, _same, _vocab_size
+from .ragged_selftest import RaggedProof, _Caches, _vocab_size, cached_proof, differing_layer
 
 
 # The narrowest chunk that may share a pass, whatever L: below it a prefill pass is cheap
@@ -78,12 +78,12 @@ def prove_shared_prefill(model, limit: int, *, seed: int = 0, kv_pool: str = "of
         for j, i in enumerate(group):
             got = new_state(fresh[j], pool[i][0])
             mx.eval(got)
-            for layer, (want, have) in enumerate(zip(alone[i], got)):
-                if len(want) != len(have) or not all(_same(a, b) for a, b in zip(want, have)):
-                    rows = sum(pool[k][1] for k in group)
-                    return RaggedProof(False, limit, groups, f"layer {layer} KV of a {pool[i][1]}-row prompt "
-                                       f"chunk differs in a shared pass of {rows} rows",
-                                       time.perf_counter() - start)
+            layer = differing_layer(alone[i], got)
+            if layer is not None:
+                rows = sum(pool[k][1] for k in group)
+                return RaggedProof(False, limit, groups, f"layer {layer} KV of a {pool[i][1]}-row prompt "
+                                   f"chunk differs in a shared pass of {rows} rows",
+                                   time.perf_counter() - start)
         step_done()
     return RaggedProof(True, limit, groups, "", time.perf_counter() - start)
 
@@ -99,9 +99,5 @@ def prove_shared_prefill_cached(model, limit: int, proof_cache=None, *, seed: in
     key = {**proof_key(model, limit, tuple(r for _, r in members(limit)), (), seed, True,
                        proof_cache.model_identity),
            "what": "shared prefill proof", **({"kv_pool": kv_pool} if kv_pool != "off" else {})}
-    value = None if proof_cache.fresh else proof_cache.store.get(key)
-    if isinstance(value, dict) and isinstance(value.get("passed"), bool):
-        return RaggedProof(value["passed"], limit, (), str(value.get("reason", "")), 0.0, cached=True)
-    proof = prove_shared_prefill(model, limit, seed=seed, kv_pool=kv_pool)
-    proof_cache.store.put(key, {"passed": proof.passed, "reason": proof.reason, "seconds": proof.seconds})
-    return proof
+    return cached_proof(proof_cache, key, limit, (), lambda: prove_shared_prefill(model, limit, seed=seed,
+                                                                                   kv_pool=kv_pool))
