@@ -4,6 +4,8 @@ between them, the median of every round's ratio reported with each side's median
 
     python bench/fused_projections.py [--model default] [--weights float32] [--cpu-blas openblas]
                                       [--quantize MODE] [--context 64] [--rounds 7] [--steps 16]
+    python bench/fused_projections.py --shape-8b bf16|nvfp4|affine4 [--layers 32]   (GPU: random
+        weights at the Llama-3-8B shape, bench/invariant_8b.py's model)
 
 Plain decode (no canonical forms): the model call on mlx-lm's own caches, one token a step.
 Measures and prints; asserts nothing.
@@ -26,7 +28,12 @@ def main():
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=16, help="decode steps per round and side")
+    ap.add_argument("--shape-8b", default=None, metavar="WEIGHTS",
+                    help="random weights at the 8B shape instead of --model: bf16, nvfp4 or affine4")
+    ap.add_argument("--layers", type=int, default=32, help="layers of the --shape-8b model")
     a = ap.parse_args()
+    if a.shape_8b:
+        a.cpu_blas = "reference"  # the 8B shape is for the GPU; no shim to preload
 
     from lockstep.kernels import cpu_blas
 
@@ -40,6 +47,13 @@ def main():
     from lockstep.models.quantize import quantize_model_in_memory
 
     def load():
+        if a.shape_8b:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from invariant_8b import build
+
+            class Built:
+                model = build(a.shape_8b, a.layers)
+            return Built
         loaded = load_model(a.model, weights="float32" if a.quantize else a.weights)
         if a.quantize:
             quantize_model_in_memory(loaded.model, None, a.quantize, None, None)
@@ -75,8 +89,8 @@ def main():
     fus = statistics.median(x["fused"] for x in rows)
     ratio = statistics.median(x["fused"] / x["separate"] for x in rows)
     print(f"backend {mx.default_device()}, MLX {mx.__version__}, BLAS {cpu_blas.describe()}; model {a.model} "
-          f"({a.quantize or a.weights}), {len(paths)} fused layers, context {a.context}, {a.steps} steps a round, "
-          f"{a.rounds} rounds alternating")
+          f"({a.shape_8b or a.quantize or a.weights}), {len(paths)} fused layers, context {a.context}, {a.steps} steps a round, "
+          f"{a.rounds} rounds alternating" + (f"; 8B shape, {a.layers} layers, random weights" if a.shape_8b else ""))
     print(f"decode step ms, median: separate {sep:.2f}, fused {fus:.2f}; fused / separate per round, median: "
           f"{ratio:.3f} (rounds: " + ", ".join(f"{x['fused'] / x['separate']:.3f}" for x in rows) + ")")
 

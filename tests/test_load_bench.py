@@ -73,3 +73,14 @@ def test_servers_side_by_side_are_warmed_then_measured_in_turn(monkeypatch):
     assert calls == ["a", "b", "a", "b", "a", "b", "a", "b"]
     assert [r.tok_per_s for r in a_rounds] == [10.0, 30.0, 20.0] and a.tok_per_s == 20.0
     assert [r.tok_per_s for r in b_rounds] == [5.0, 7.0, 6.0] and b.tok_per_s == 6.0
+
+
+def test_deterministic_servers_may_name_their_strategy():
+    from lockstep.server.commands.bench import _deterministic_servers
+
+    assert _deterministic_servers("8, 16,8:skinny") == [("det L=8", 8, None), ("det L=16", 16, None),
+                                                        ("det L=8 skinny", 8, "skinny")]
+    assert _deterministic_servers(None) == []
+    for bad in ("0", "x", ":skinny", "-4:gemv_rows"):
+        with pytest.raises(SystemExit):
+            _deterministic_servers(bad)

@@ -49,7 +49,8 @@ def register(subparsers) -> None:
                            "(every server is up at once and the rounds alternate between them)")
     load.add_argument("--against-deterministic", default=None, metavar="L,L,...",
                       help="also start one deterministic lockstep server per L (its clients send "
-                           "deterministic: true) and print deterministic / plain")
+                           "deterministic: true) and print deterministic / plain; L:STRATEGY serves it "
+                           "with --invariant-strategy STRATEGY, e.g. 8,8:skinny")
     load.add_argument("--deterministic", action="store_true", help="clients send deterministic: true")
     load.add_argument("--mixed", action="store_true",
                       help="even clients send deterministic: true, odd ones not; 'changed' counts the "
@@ -167,6 +168,23 @@ def _server_rounds(servers: list[dict], levels: list[int], args) -> dict:
     return results
 
 
+def _deterministic_servers(spec: str | None) -> list[tuple[str, int, str | None]]:
+    """--against-deterministic "8,16,8:skinny" -> [(server name, L, strategy or None), ...]."""
+    servers = []
+    for item in (spec or "").split(","):
+        if not item.strip():
+            continue
+        limit, _, strategy = item.strip().partition(":")
+        try:
+            value = int(limit)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise SystemExit("--against-deterministic takes limits L >= 1, each optionally L:STRATEGY, e.g. 8,16,8:skinny")
+        servers.append((f"det L={value}" + (f" {strategy}" if strategy else ""), value, strategy or None))
+    return servers
+
+
 def run_load(args: argparse.Namespace) -> int:
     from lockstep.models.resolve import resolve_model
     from lockstep.server.tools.http_load import HEADER, mixed_extra, wait_healthy
@@ -176,26 +194,26 @@ def run_load(args: argparse.Namespace) -> int:
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     if not levels or min(levels) < 1:
         raise SystemExit("--concurrency takes positive integers, e.g. 1,4,16,32")
-    limits = [int(x) for x in (args.against_deterministic or "").split(",") if x.strip()]
-    if any(limit < 1 for limit in limits):
-        raise SystemExit("--against-deterministic takes limits L >= 1, e.g. 8,16")
+    limits = _deterministic_servers(args.against_deterministic)
     model_dir = resolve_model(args.model, args.weights)
     print(f"lockstep bench --concurrency {args.concurrency}: model {model_dir}, {args.max_tokens} tokens "
           f"per request, greedy, streamed" + (", deterministic" if args.deterministic else "")
           + (", mixed (even clients deterministic; changed counts those)" if args.mixed else "")
-          + (f"; beside deterministic servers L = {limits}" if limits else "")
+          + (f"; beside deterministic servers {', '.join(name for name, _, _ in limits)}" if limits else "")
           + ("; beside mlx_lm.server" if args.against_mlx_lm else "") + "; rounds alternate between servers")
     print(HEADER, flush=True)
 
-    def lockstep_cmd(port: int, limit: int | None) -> list[str]:
+    def lockstep_cmd(port: int, limit: int | None, strategy: str | None = None) -> list[str]:
         cmd = [sys.executable, "-m", "lockstep.server.cli", "serve", "--model", str(model_dir), "--port", str(port),
                "--max-active", str(max(levels)), "--max-queue", str(max(levels)), *args.serve_arg]
+        cmd += ["--invariant-strategy", strategy] if strategy else []
         return cmd + (["--batch-invariant-limit", str(limit)] if limit is not None else [])
 
     extra = mixed_extra if args.mixed else {"deterministic": True} if args.deterministic else {}
     own_limit = args.batch_invariant_limit if (args.deterministic or args.mixed) else None
     plans = [("lockstep", lockstep_cmd, own_limit, extra, "/health")]
-    plans += [(f"det L={limit}", lockstep_cmd, limit, {"deterministic": True}, "/health") for limit in limits]
+    plans += [(name, lambda port, limit, strategy=strategy: lockstep_cmd(port, limit, strategy), limit,
+               {"deterministic": True}, "/health") for name, limit, strategy in limits]
     if args.against_mlx_lm:
         plans.append(("mlx_lm.server", lambda port, _: [sys.executable, "-m", "mlx_lm.server", "--model",
                                                          str(model_dir), "--port", str(port)], None, {}, "/v1/models"))
