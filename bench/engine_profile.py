@@ -71,7 +71,8 @@ def main() -> int:
     loaded = load_model(args.model, args.weights)
     plan = set_batch_invariant_limit(loaded.model, args.limit)
     mode = pool_mode(loaded.model, args.kv_pool)
-    deployment = proven_deployment(loaded.model, plan, kv_pool=mode)
+    # the ragged proof covers every pass width the engine below may build, as serve's does
+    deployment = proven_deployment(loaded.model, plan, kv_pool=mode, pass_rows=max(32, args.requests))
     engine = ProfiledEngine(loaded, max_active=args.requests, deployment=deployment,
                             max_batch_rows=max(32, args.requests), max_kv_tokens=None)
     mx.eval(loaded.model(mx.array([[1, 2, 3]])))

@@ -1,0 +1,139 @@
+"""Deterministic against plain requests through the engine, side by side, without HTTP: N
+requests decoded together in process, rounds alternating between plain and deterministic
+plans on one deployment (L installed, the ragged proof made for every width), and each decode
+pass split into host graph building, the rest of the pass (device wait, argmax, sampling)
+and the engine's time between passes.
+
+    python bench/engine_passes.py [--weights float16] [--limit 8] [--requests 32] [--tokens 128] [--rounds 3]
+
+Measures and prints; asserts nothing (issue 27: where a deterministic pass's extra time goes).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+
+from lockstep.kernels.batching.pool_mode import pool_mode  # noqa: E402
+from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
+from lockstep.models.load import load_model  # noqa: E402
+from lockstep.server.engine import Engine  # noqa: E402
+from lockstep.server.engine import model_runner  # noqa: E402
+from lockstep.server.engine.decode_plan import plan_request  # noqa: E402
+from lockstep.server.engine.guarantee import proven_deployment  # noqa: E402
+from lockstep.server.engine.request_state import GenerationRequest  # noqa: E402
+from lockstep.server.engine.sampling import SamplingParams  # noqa: E402
+
+RECORD: dict[str, list] = {"build": [], "decode": [], "start": [], "end": [], "rows": []}
+
+
+def instrument() -> None:
+    """Time each decode pass's graph building (ragged_logits) and the whole pass."""
+    build = model_runner.ragged_logits
+    decode = model_runner.ModelRunner.decode
+
+    def timed_build(*args, **kwargs):
+        t = time.perf_counter()
+        out = build(*args, **kwargs)
+        RECORD["build"].append(time.perf_counter() - t)
+        return out
+
+    def timed_decode(self, decode_pass):
+        t = time.perf_counter()
+        out = decode(self, decode_pass)
+        RECORD["start"].append(t)
+        RECORD["end"].append(time.perf_counter())
+        RECORD["rows"].append(sum(len(rows) for _, rows in decode_pass.members))
+        return out
+
+    model_runner.ragged_logits = timed_build
+    model_runner.ModelRunner.decode = timed_decode
+
+
+async def drive(engine: Engine, requests, plans) -> int:
+    handles = [engine.submit(r, plan) for r, plan in zip(requests, plans)]
+
+    async def consume(handle):
+        last = None
+        async for delta in handle:
+            last = delta
+        return last.completion_tokens
+
+    return sum(await asyncio.gather(*(consume(h) for h in handles)))
+
+
+def one_round(engine, requests, plans) -> dict:
+    for v in RECORD.values():
+        v.clear()
+    start = time.perf_counter()
+    tokens = asyncio.run(drive(engine, requests, plans))
+    wall = time.perf_counter() - start
+    wide = [i for i, r in enumerate(RECORD["rows"]) if r == len(requests)]  # passes holding every request
+    gaps = [RECORD["start"][i] - RECORD["end"][i - 1] for i in wide if i > 0 and i - 1 in wide]
+    ms = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
+    return dict(tok_s=tokens / wall, passes=len(RECORD["rows"]), wide=len(wide),
+                build=ms([RECORD["build"][i] for i in wide]),
+                decode=ms([RECORD["end"][i] - RECORD["start"][i] for i in wide]), gap=ms(gaps))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--weights", default="float16")
+    ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("--strategy", default="auto")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+
+    loaded = load_model(args.model, args.weights)
+    plan = set_batch_invariant_limit(loaded.model, args.limit, args.strategy)
+    mode = pool_mode(loaded.model, "auto")
+    deployment = proven_deployment(loaded.model, plan, kv_pool=mode, pass_rows=max(32, args.requests))
+    instrument()
+    engine = Engine(loaded, max_active=args.requests, deployment=deployment,
+                    max_batch_rows=max(32, args.requests), max_kv_tokens=None)
+    engine.start()
+    vocab = loaded.model.args.vocab_size
+    requests = [GenerationRequest(prompt_tokens=mx.random.randint(0, vocab, (40 + i,), key=mx.random.key(i)).tolist(),
+                                  max_tokens=args.tokens, sampling=SamplingParams(temperature=0.0, seed=i))
+                for i in range(args.requests)]
+    plans = {det: [plan_request(deployment, deterministic=det, speculative=None, num_draft_tokens=None)
+                   for _ in requests] for det in (False, True)}
+    print(f"{mx.default_device()}, MLX {mx.__version__}, {loaded.name} {args.weights}, L = {plan.limit} "
+          f"({plan.strategy}), kv pool {mode}, pass rows {deployment.shared_pass_rows}; {args.requests} requests x "
+          f"{args.tokens} tokens, rounds alternating (one unmeasured round each first)", flush=True)
+    for det in (False, True):
+        one_round(engine, requests, plans[det])
+    rows = {False: [], True: []}
+    for r in range(args.rounds):
+        for det in ((False, True) if r % 2 == 0 else (True, False)):
+            got = one_round(engine, requests, plans[det])
+            rows[det].append(got)
+            print(f"  {'deterministic' if det else 'plain':>13}: {got['tok_s']:.1f} tok/s, {got['passes']} passes "
+                  f"({got['wide']} of all {args.requests} requests): build {got['build']:.2f} ms, pass "
+                  f"{got['decode']:.2f} ms, between passes {got['gap']:.2f} ms", flush=True)
+    engine.stop()
+    print("\n| plans | tok/s | build ms | pass ms (build included) | between passes ms |")
+    print("|---|---|---|---|---|")
+    for det in (False, True):
+        med = lambda k: statistics.median(x[k] for x in rows[det])  # noqa: E731
+        print(f"| {'deterministic' if det else 'plain'} | {med('tok_s'):.1f} | {med('build'):.2f} | {med('decode'):.2f} "
+              f"| {med('gap'):.2f} |")
+    ratio = statistics.median(d["tok_s"] / p["tok_s"] for d, p in zip(rows[True], rows[False]))
+    print(f"deterministic / plain, median of per-round ratios: {ratio:.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    os._exit(code)  # MLX's teardown may abort after the engine thread ran the model
