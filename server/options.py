@@ -46,7 +46,6 @@ DEFAULT_PREFILL_CHUNK = PREFILL_CHUNK
 DEFAULT_PREFIX_CACHE_ENTRIES = 4
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
-DEFAULT_THREAD_SWITCH_MS = 20.0  # serve --thread-switch-ms (server/commands/serve.py says why)
 # verify and bench: L, and tokens decoded per prompt
 DEFAULT_MEASURE_LIMIT = 8
 DEFAULT_MEASURE_TOKENS = 64

@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import sys
 
 from lockstep.server.commands.runtime_args import (add_determinism_arguments, add_model_arguments,
                                                    apply_cpu_blas, options_from_args)
 from lockstep.server.options import (DEFAULT_HOST, DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, DEFAULT_PORT,
-                                     DEFAULT_PREFIX_CACHE_ENTRIES, DEFAULT_THREAD_SWITCH_MS)
+                                     DEFAULT_PREFIX_CACHE_ENTRIES)
 
 log = logging.getLogger("lockstep.serve")
 rank_log = logging.getLogger("lockstep.distributed")  # a rank's start-up, as the distributed layer logs
@@ -35,14 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "these finish, and other requests may go first, so one request never takes "
                              "every slot (default: three quarters of --max-active)")
     parser.add_argument("--max-batch-rows", type=int, default=DEFAULT_MAX_BATCH_ROWS,
-                        help=f"most rows in one decode pass (a pass with a deterministic row holds at most "
-                             f"as many as the startup's ragged proof covered, up to this) "
-                             f"(default {DEFAULT_MAX_BATCH_ROWS})")
-    parser.add_argument("--thread-switch-ms", type=float, default=DEFAULT_THREAD_SWITCH_MS, metavar="MS",
-                        help="how long a Python thread runs before another waiting thread may take the "
-                             "interpreter (sys.setswitchinterval): long enough that the engine builds a "
-                             "pass without the HTTP thread cutting in, which then works while the device "
-                             f"computes (default {DEFAULT_THREAD_SWITCH_MS:g}; Python's own is 5)")
+                        help=f"most rows in one decode pass of non-deterministic requests (passes with a "
+                             f"deterministic row hold at most L) (default {DEFAULT_MAX_BATCH_ROWS})")
     parser.add_argument("--max-kv-tokens", type=int, default=None,
                         help="KV cache budget in tokens: requests are admitted while their prompt + "
                              "max_tokens fit, the rest queue (default: half the memory MLX may still "
@@ -159,16 +152,6 @@ def build_app_from_args(args: argparse.Namespace):
     return build_app(args, runtime, engine), engine
 
 
-def set_thread_switch(ms: float) -> None:
-    """The interpreter's thread switch interval. The engine thread builds each pass's graph in
-    Python, then waits on the device with the interpreter released; the HTTP thread's work
-    fits in that wait. With Python's 5 ms a pass whose graph takes longer to build (a wide
-    deterministic one) is cut in the middle, and the device idles while the HTTP thread runs."""
-    if not ms > 0:
-        raise ValueError(f"--thread-switch-ms must be positive, got {ms:g}")
-    sys.setswitchinterval(ms / 1000)
-
-
 def run(args: argparse.Namespace) -> int:
     from lockstep.models.errors import ModelError
     from lockstep.server.api import shutdown
@@ -176,7 +159,6 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         grammar_sandbox.configure(timeout_s=args.grammar_timeout)
-        set_thread_switch(args.thread_switch_ms)
     except ValueError as exc:
         log.error("%s", exc)
         return 1
