@@ -5,7 +5,7 @@ against the strategy's one-launch canonical kernel), summed over the layers as a
 Also checks that every row of the canonical B-row pass equals that request's pass alone.
 
     python bench/decode_pass_parts.py [--weights float16] [--limit 8] [--strategies gemv_rows,skinny]
-                                      [--batches 1,8,16,32]
+                                      [--batches 1,8,16,32] [--cpu-blas openblas]
 
 Measures and prints; asserts nothing (issue 27: the deterministic 32-row step on the H200).
 """
@@ -19,6 +19,11 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lockstep.kernels import cpu_blas  # noqa: E402  (imports nothing heavy: before mlx)
+
+if "--cpu-blas" in sys.argv[:-1]:  # LD_PRELOAD acts at process start: re-exec before mlx loads
+    cpu_blas.ensure_preloaded([__file__, *sys.argv[1:]], sys.argv[sys.argv.index("--cpu-blas") + 1])
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
@@ -113,6 +118,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,16,32")
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--cpu-blas", choices=cpu_blas.CHOICES, default=None,
+                    help="MLX's CPU BLAS (the process re-executes itself under it; cpu_kernel needs openblas)")
     args = ap.parse_args()
 
     loaded = load_model(args.model, args.weights)

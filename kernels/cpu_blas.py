@@ -228,6 +228,17 @@ def kernel_unavailable_reason() -> str | None:
 
 
 _logged_isa = False
+_limit_cell: list = []  # the shim's lockstep_cpu_kernel_limit as a ctypes int (None: no shim), once
+
+
+def kernel_limit() -> int:
+    """The most rows a call may have for the shim's invariant kernel to take it now (0: none,
+    or the shim is not active). Read live, cheaply: forms consult it per call."""
+    if not _limit_cell:
+        lib = _shim_symbols()
+        _limit_cell.append(None if lib is None else ctypes.c_int.in_dll(lib, "lockstep_cpu_kernel_limit"))
+    cell = _limit_cell[0]
+    return 0 if cell is None else cell.value
 
 
 def set_kernel_limit(limit: int) -> None:

@@ -65,3 +65,36 @@ def test_block_rows_equal_single_rows_on_the_invariant_kernel_and_not_on_openbla
     assert on_kernel["same"] == 8, on_kernel
     on_openblas = _run(ROWS, {**_shim_env(), "COMPOSED_LIMIT": "0"})
     assert on_openblas["same"] < 8, f"OpenBLAS gave every row the single-row bits: {on_openblas}"
+
+
+# GQA folded into rows (group x T <= the kernel's limit) against repeated key/value heads (the
+# limit below group x T): both run every matmul on the invariant kernel, so the bits must agree;
+# a fold that mapped query heads to the wrong key head, or padding that moved a lane, fails here.
+FOLD = """
+    import json, mlx.core as mx, numpy as np
+    from lockstep.kernels import cpu_blas
+    from lockstep.kernels.invariance.composed_attention import composed_attention
+    out = {"equal": [], "max_err": 0.0}
+    keys = mx.random.split(mx.random.key(4), 3)
+    for t, s, folded, repeated in [(1, 45, 4, 2), (1, 8, 3, 1), (2, 37, 8, 2), (3, 130, 9, 4)]:
+        q = mx.random.normal((1, 9, t, 64), key=keys[0])
+        k = mx.random.normal((1, 3, s, 64), key=keys[1])
+        v = mx.random.normal((1, 3, s, 64), key=keys[2])
+        cpu_blas.set_kernel_limit(folded)  # read when the graph is built and when it runs
+        a = composed_attention(q, k, v, 0.125)
+        mx.eval(a)
+        cpu_blas.set_kernel_limit(repeated)
+        b = composed_attention(q, k, v, 0.125)
+        mx.eval(b)
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal" if t > 1 else None)
+        out["equal"].append(bool(mx.array_equal(a, b).item()))
+        out["max_err"] = max(out["max_err"], float(mx.abs(a - want).max().item()))
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD shim is Linux-only")
+def test_folded_query_heads_give_the_bits_of_repeated_key_heads():
+    r = _run(FOLD, _shim_env())
+    assert r["equal"] == [True] * 4, r
+    assert r["max_err"] < 1e-5, r

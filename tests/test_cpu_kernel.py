@@ -175,3 +175,54 @@ def test_without_the_shim_cpu_kernel_is_skipped_with_the_reason():
     # native passed first, so cpu_kernel was never needed; ask for it by name instead
     from lockstep.kernels.invariance.ops import CPU_KERNEL
     assert "OpenBLAS shim" in CPU_KERNEL.unavailable_reason(4)
+
+
+# Every row of an 8-row call against the same row called alone, through the shim's cblas_sgemm
+# with ctypes (no MLX in between): all the model's linear shapes (N x K, the tied head included)
+# plus odd N and K tails, x @ W.T ("nt") and x @ V ("nn", [v | 1] is 65 wide), on both paths.
+# A change to how the kernel schedules rows, columns or K panels that moved any bit fails here.
+WIDE_ROWS = """
+    import ctypes, json, numpy as np
+    from lockstep.kernels import cpu_blas
+    cpu_blas.set_kernel_limit(8)
+    lib = ctypes.CDLL(None)
+    portable = ctypes.c_int.in_dll(lib, "lockstep_cpu_kernel_portable")
+    f = lib.cblas_sgemm
+    P = ctypes.POINTER(ctypes.c_float)
+    f.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, P, ctypes.c_int, P, ctypes.c_int,
+                                       ctypes.c_float, P, ctypes.c_int]
+    ptr = lambda a: a.ctypes.data_as(P)
+    rng = np.random.default_rng(5)
+    shapes = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576), (581, 583), (7, 1543),
+              (65, 215), (65, 13)]
+    out = {"isa": cpu_blas.kernel_isa(), "differ": [], "checked": 0}
+    for n, k in shapes:
+        x = rng.standard_normal((8, k)).astype(np.float32)
+        for layout in ("nt", "nn"):
+            if layout == "nn" and n * k > 4e6:
+                continue
+            b = rng.standard_normal((n, k) if layout == "nt" else (k, n)).astype(np.float32)
+            tb, ldb = (112, k) if layout == "nt" else (111, n)
+            def call(rows):
+                c = np.zeros((rows.shape[0], n), np.float32)
+                f(101, 111, tb, rows.shape[0], n, k, 1.0, ptr(rows), k, ptr(b), ldb, 0.0, ptr(c), n)
+                return c
+            paths = (0, 1) if n * k < 4e6 else (0,)  # the head's 28M outputs: the vector path
+            for path in paths:
+                portable.value = path
+                wide = call(x)
+                alone = np.concatenate([call(np.ascontiguousarray(x[i:i + 1])) for i in range(8)])
+                four = np.concatenate([call(np.ascontiguousarray(x[i:i + 4])) for i in (0, 4)])
+                for name, got in (("8 rows", wide), ("2 x 4 rows", four)):
+                    out["checked"] += 1
+                    if (got.view(np.uint32) != alone.view(np.uint32)).any():
+                        out["differ"].append([n, k, layout, path, name])
+            portable.value = 0
+    print(json.dumps(out))
+"""
+
+
+def test_rows_of_wide_calls_have_their_single_row_bits_for_the_model_shapes():
+    r = _run(WIDE_ROWS, _shim_env())
+    assert r["isa"] in ("avx2+fma", "portable"), r
+    assert r["checked"] > 20 and r["differ"] == [], r

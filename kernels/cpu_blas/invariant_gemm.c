@@ -70,6 +70,9 @@ static void gemm_portable(int ta, int tb, int m, int n, int k, float alpha,
 
 #define AVX2 __attribute__((target("avx2,fma")))
 #define TILE AVX2 __attribute__((always_inline)) static inline
+/* How far ahead of its loads a multi-row tile prefetches weights (prefetch never faults, so
+ * past the matrix's end is harmless); loads only, the arithmetic is untouched. */
+#define PREFETCH_FLOATS 1024
 
 TILE float reduce8(__m256 v) {
   /* lanes i + (i+4), then + (i+2), then pair: the canonical tree */
@@ -97,6 +100,10 @@ TILE void tile_nt(int R, int C, int k, float alpha, const float *a, int lda,
       av[r] = _mm256_loadu_ps(a + (ptrdiff_t)r * lda + p);
 #pragma GCC unroll 8
     for (int j = 0; j < C; j++) {
+      /* Multi-row tiles read only C weight rows at a time, too few streams for the hardware
+       * prefetcher to keep ahead; one tile's rows ahead is still within the weights' next tile. */
+      if (R > 1)
+        _mm_prefetch((const char *)(b + (ptrdiff_t)j * ldb + p + PREFETCH_FLOATS), _MM_HINT_T0);
       __m256 bv = _mm256_loadu_ps(b + (ptrdiff_t)j * ldb + p);
 #pragma GCC unroll 8
       for (int r = 0; r < R; r++)

@@ -9,16 +9,22 @@ kernels/cpu_blas/invariant_gemm.c), whose order depends on K alone:
 - a row's keys past its own position are masked to -inf, so its max is exact and its
   exp weights there are exact zeros;
 - weights @ [v | 1] gives the weighted sum and the softmax denominator in one matmul over
-  the keys, padded with zero weights (and zero values) to a multiple of 8 keys, the
-  kernel's lanes: a row then differs from the same row alone only by zero weights appended
-  to each lane's chain (fma(0, v, acc) == acc), and the kernel's K tail is always empty.
+  the keys, padded with zero weights to a multiple of 8 keys, the kernel's lanes: a row
+  then differs from the same row alone only by zero weights appended to each lane's chain
+  (fma(+0, v, acc) == acc for the finite v padded in), and the kernel's K tail is always
+  empty. [v | 1] is padded with ones to a multiple of 8 columns in the same op, so every
+  column runs in the kernel's vector blocks (a column's bits depend on K alone).
 Decode (one row) runs the same code, so a row gives the same bits alone and in a block.
-GQA repeats the key/value heads instead of folding query heads into rows, which would make
-M = heads x rows. The self-test proves the whole on the running machine, as for every form.
+GQA folds a key head's query heads into the rows of one matmul where group x rows fits
+under the kernel's limit (the kernel's rows never depend on M: the bits of repeated keys,
+without copying them per query head), else repeats the key/value heads. The self-test
+proves the whole on the running machine, as for every form.
 """
 import mlx.core as mx
 
-LANES = 8  # the invariant kernel's K lanes
+from .. import cpu_blas
+
+LANES = 8  # the invariant kernel's K lanes, and its vector block of N columns
 
 
 def composed_serves(mask, sinks) -> bool:
@@ -30,20 +36,29 @@ def composed_attention(queries: mx.array, keys: mx.array, values: mx.array, scal
     """queries (B, H, T, D): the last T positions of keys/values (B, Hkv, S, D)."""
     b, heads, t, d = queries.shape
     kv_heads, s = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
     padded = -(-s // LANES) * LANES
-    ones = mx.ones((b, kv_heads, s, 1), dtype=values.dtype)
-    values = mx.concatenate([values, ones], axis=-1)  # last column: the denominator
-    if padded > s:
-        values = mx.pad(values, [(0, 0), (0, 0), (0, padded - s), (0, 0)])
-    if heads != kv_heads:
-        keys = mx.repeat(keys, heads // kv_heads, axis=1)
-        values = mx.repeat(values, heads // kv_heads, axis=1)
-    scores = (queries * scale) @ keys.swapaxes(-1, -2)  # (B, H, T, S)
+    # column d: the denominator; padded keys (weight +0) and the unread columns hold ones
+    columns = -(-(d + 1) // LANES) * LANES
+    values = mx.pad(values, [(0, 0), (0, 0), (0, padded - s), (0, columns - d)], constant_values=1)
+    q = queries * scale
+    fold = group * t <= cpu_blas.kernel_limit()  # else the folded rows would leave the kernel
+    if fold:
+        q = q.reshape(b, kv_heads, group * t, d)  # rows (query head of the group, position)
+    elif group > 1:
+        keys = mx.repeat(keys, group, axis=1)
+        values = mx.repeat(values, group, axis=1)
+    scores = q @ keys.swapaxes(-1, -2)  # (B, Hkv, group x T, S) folded, else (B, H, T, S)
     if t > 1:  # a row sees keys up to its own position (one row sees them all)
         visible = mx.arange(s)[None, :] <= mx.arange(s - t, s)[:, None]
+        if fold and group > 1:
+            visible = mx.tile(visible, (group, 1))
         scores = mx.where(visible, scores, mx.array(-float("inf"), dtype=scores.dtype))
     weights = mx.exp(scores - scores.max(axis=-1, keepdims=True))
-    if padded > s:  # zero weights for the zero keys that round S up to the kernel's lanes
+    if padded > s:  # zero weights for the keys that round S up to the kernel's lanes
         weights = mx.pad(weights, [(0, 0), (0, 0), (0, 0), (0, padded - s)])
-    summed = weights @ values  # (B, H, T, D + 1)
-    return (summed[..., :d] / summed[..., d:]).astype(queries.dtype)
+    summed = weights @ values
+    out = summed[..., :d] / summed[..., d:d + 1]
+    if fold:
+        out = out.reshape(b, heads, t, d)
+    return out if out.dtype == queries.dtype else out.astype(queries.dtype)

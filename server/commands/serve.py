@@ -34,8 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "these finish, and other requests may go first, so one request never takes "
                              "every slot (default: three quarters of --max-active)")
     parser.add_argument("--max-batch-rows", type=int, default=DEFAULT_MAX_BATCH_ROWS,
-                        help=f"most rows in one decode pass of non-deterministic requests (passes with a "
-                             f"deterministic row hold at most L) (default {DEFAULT_MAX_BATCH_ROWS})")
+                        help=f"most rows in one decode pass (a pass with a deterministic row holds at most "
+                             f"as many as the startup's ragged proof covered, up to this) "
+                             f"(default {DEFAULT_MAX_BATCH_ROWS})")
     parser.add_argument("--max-kv-tokens", type=int, default=None,
                         help="KV cache budget in tokens: requests are admitted while their prompt + "
                              "max_tokens fit, the rest queue (default: half the memory MLX may still "
