@@ -237,6 +237,18 @@ def test_pipeline_is_deterministic_alone_batched_and_rerun(pipeline2):
     check_deterministic(pipeline2, "pipeline", 2)
 
 
+def test_pipeline_serves_plain_prompts_arriving_together(pipeline2):
+    # Plain prompts admitted in one step share one prefill pass; every stage's hand-off must
+    # be in what each rank evaluates, or the next stage waits for it forever.
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(lambda p: ask(pipeline2.base, p, deterministic=False), PROMPTS))
+    assert all(a[0] for a in answers), answers
+    metrics = httpx.get(pipeline2.base + "/metrics").text
+    shared = [float(line.split()[-1]) for line in metrics.splitlines()
+              if line.startswith("lockstep_prefill_pass_requests_count")]
+    assert shared and shared[0] >= 1, "no prefill pass was shared"
+
+
 def test_pipeline_rank_killed_midway_ends_the_deployment(pipeline2):
     """SIGKILL the worker while a request runs: the client gets an error or a dropped
     connection, /health stops answering 200, and every rank exits non-zero within 30 s."""

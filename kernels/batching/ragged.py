@@ -257,12 +257,13 @@ def ragged_logits(model, requests: list[tuple[list, list[int]]]) -> mx.array:
     return model(tokens, cache=ragged)[0]
 
 
-def ragged_prompt_forward(model, requests: list[tuple[list, list[int]]]) -> None:
+def ragged_prompt_forward(model, requests: list[tuple[list, list[int]]]) -> mx.array:
     """Append each (cache, tokens) request's prompt chunk to its own cache in one pass, without
-    the output head (a prompt chunk's logits are never used)."""
+    the output head (a prompt chunk's logits are never used). Returns the body's output, to be
+    evaluated with the caches (`call_without_head`)."""
     from ..invariance.layers import call_without_head
 
-    call_without_head(model, *_ragged_inputs(requests))
+    return call_without_head(model, *_ragged_inputs(requests))
 
 
 def _ragged_inputs(requests: list[tuple[list, list[int]]]) -> tuple[mx.array, list[RaggedLayerCache]]:

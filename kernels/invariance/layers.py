@@ -118,16 +118,17 @@ def native_forms():
     return _thread_value("native", True)
 
 
-def call_without_head(model, inputs: mx.array, cache) -> None:
+def call_without_head(model, inputs: mx.array, cache) -> mx.array:
     """The model's body on `inputs` (1, T), writing `cache`, without the output head (for
     prompt chunks, whose logits are never used), under the model's batch-invariance setting
-    as in its own call. A model with no separate body runs whole."""
+    as in its own call. A model with no separate body runs whole. Returns the body's output:
+    evaluating it with the caches runs everything the pass needs (a pipeline stage's send to
+    the next is in its graph, not in the caches')."""
     body = getattr(model, "model", None)
     if not callable(body):
-        model(inputs, cache=cache)
-        return
+        return model(inputs, cache=cache)
     with batch_invariant(getattr(model, "_lockstep_setting", None)):
-        body(inputs, cache=cache)
+        return body(inputs, cache=cache)
 
 
 # The four layer classes below run on every linear of every token: one attribute read and

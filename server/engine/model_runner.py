@@ -150,8 +150,10 @@ class ModelRunner:
     def prefill_shared(self, states: list) -> list[int]:
         """Each request's next target prompt chunk, all in one ragged pass."""
         chunks = [state.next_chunk() for state in states]
-        ragged_prompt_forward(self.model, [(state.cache, chunk) for state, chunk in zip(states, chunks)])
-        mx.eval([layer.state for state in states for layer in state.cache])
+        # The pass's output too: a pipeline stage's hand-off hangs on it (a ragged pass's caches
+        # have no KV array of their own to carry it, as one request's do).
+        out = ragged_prompt_forward(self.model, [(state.cache, chunk) for state, chunk in zip(states, chunks)])
+        mx.eval(out, [layer.state for state in states for layer in state.cache])
         return [len(chunk) for chunk in chunks]
 
     def decode(self, decode_pass: DecodePass) -> PassResult:
