@@ -249,6 +249,22 @@ def test_pipeline_serves_plain_prompts_arriving_together(pipeline2):
     assert shared and shared[0] >= 1, "no prefill pass was shared"
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_idle_ranks_sleep_instead_of_waiting_inside_a_collective(pipeline2):
+    # Before: the non-root rank waited for rank 0's heartbeat inside the ring all_sum, a core busy.
+    time.sleep(1.0)  # whatever ran before has ended
+    before = [_cpu_seconds(p.pid) for p in pipeline2.procs]
+    time.sleep(4.0)
+    used = [_cpu_seconds(p.pid) - b for p, b in zip(pipeline2.procs, before)]
+    assert all(u < 2.0 for u in used), f"CPU seconds in 4 s idle, per rank: {used}"
+    assert ask(pipeline2.base, PROMPTS[1], deterministic=False)[0]  # and it still serves
+
+
 def test_pipeline_rank_killed_midway_ends_the_deployment(pipeline2):
     """SIGKILL the worker while a request runs: the client gets an error or a dropped
     connection, /health stops answering 200, and every rank exits non-zero within 30 s."""

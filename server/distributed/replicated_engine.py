@@ -13,8 +13,10 @@ broadcasts the events since the last one:
   which every other rank compares with its own: a divergence is a loud failure, never silent garbage.
 Requests live on every rank as `ReplicaHandle`s whose `cancelled` flag changes only at a
 boundary. On rank 0 a replica forwards its Deltas to the client's RequestHandle; elsewhere
-they only feed the digest. While idle, rank 0 sends an empty iteration every heartbeat so
-the others can tell idle from dead (server/distributed/watchdog.py).
+they only feed the digest. While no rank has work (every rank knows it from the last
+boundary), all ranks sleep and meet at the next boundary `idle_tick` later: an empty
+iteration, so the others can tell idle from dead (server/distributed/watchdog.py), without
+waiting inside the collective, which keeps a core busy on the ring backend.
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ from lockstep.server.engine.handle import RequestHandle
 
 log = logging.getLogger("lockstep.distributed")
 
-DEFAULT_HEARTBEAT_S = 1.0
+# Boundaries while idle: a request arriving then waits at most this long for the next one.
+IDLE_TICK_S = 0.05
 # How MLX's distributed backends start their error messages (e.g. "[ring] connection to a
 # peer was lost").
 TRANSPORT_ERRORS = ("[ring]", "[nccl]", "[jaccl]", "[mpi]")
@@ -80,11 +83,13 @@ def _describe(event) -> bytes:
 
 class ReplicatedEngine(Engine):
     def __init__(self, loaded, *, world: World, watchdog: Watchdog,
-                 heartbeat: float = DEFAULT_HEARTBEAT_S, **engine_options):
+                 idle_tick: float = IDLE_TICK_S, **engine_options):
         super().__init__(loaded, **engine_options)
         self.world = world
         self.watchdog = watchdog
-        self.heartbeat = heartbeat
+        self.idle_tick = idle_tick
+        self._idle = True  # the last boundary left no rank anything to do (the same on every rank)
+        self._last_boundary = time.monotonic()
         self.stopped_cleanly = False
         self._new: list[RequestHandle] = []  # rank 0: submitted, not yet broadcast
         self.scheduler.waiting = _Inbox(self._new)
@@ -153,28 +158,26 @@ class ReplicatedEngine(Engine):
 
     def _admit(self) -> bool:
         """One boundary: exchange the events, apply them on every rank, then admit as the base
-        does. An idle iteration (a heartbeat) admits nothing and runs nothing."""
+        does. An idle iteration (every rank slept to it) admits nothing and runs nothing."""
+        if self._idle:
+            time.sleep(max(0.0, self._last_boundary + self.idle_tick - time.monotonic()))
         payload = self._collect() if self.world.is_root else None
         data = broadcast_bytes(self.world.group, payload)
+        self._last_boundary = time.monotonic()
         self.watchdog.beat()
         events = pickle.loads(data)
         self._apply(events)
         if self._stopping:
             self.stopped_cleanly = True
             return False
-        if not self.scheduler.waiting and not self.scheduler.active:
+        self._idle = not self.scheduler.waiting and not self.scheduler.active
+        if self._idle:
             return True  # nothing to do on any rank; the base would block here
         return super()._admit()
 
     def _collect(self) -> bytes:
-        """Rank 0: wait (at most a heartbeat) for something to do, then take the events."""
-        deadline = time.monotonic() + self.heartbeat
+        """Rank 0: take the events since the last boundary."""
         with self._wake:
-            while not (self._new or self._stop_requested or self.scheduler.waiting or self.scheduler.active):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._wake.wait(left)
             new, self._new[:] = list(self._new), []
             cancels = [(h.rid, h.client.cut) for h in self._replicas()
                        if h.client is not None and h.client.cancelled and not h.cancelled]

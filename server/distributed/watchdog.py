@@ -1,8 +1,8 @@
 """Bounded failure for a distributed deployment: never a hang.
 
 A collective waits for every rank, so a rank that died or hangs stalls the others inside
-MLX. The engine `beat()`s after each collective it completes (every iteration, and rank 0
-sends an iteration at least every heartbeat while idle); a thread checks that the last beat
+MLX. The engine `beat()`s after each collective it completes (every iteration, and while
+idle an empty one every `idle_tick`); a thread checks that the last beat
 is younger than the timeout. `fail()` — from the checker, or from the engine when a
 collective raises (the ring backend reports a lost peer) — marks the process failed (the
 HTTP app then answers 503, /health included), runs the failure hooks (ending the client
