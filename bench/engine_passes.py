@@ -18,10 +18,12 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
+from engine_profile import drive  # noqa: E402
 from lockstep.kernels.batching.pool_mode import pool_mode  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from lockstep.models.load import load_model  # noqa: E402
@@ -56,18 +58,6 @@ def instrument() -> None:
 
     model_runner.ragged_logits = timed_build
     model_runner.ModelRunner.decode = timed_decode
-
-
-async def drive(engine: Engine, requests, plans) -> int:
-    handles = [engine.submit(r, plan) for r, plan in zip(requests, plans)]
-
-    async def consume(handle):
-        last = None
-        async for delta in handle:
-            last = delta
-        return last.completion_tokens
-
-    return sum(await asyncio.gather(*(consume(h) for h in handles)))
 
 
 def one_round(engine, requests, plans) -> dict:

@@ -231,13 +231,17 @@ _logged_isa = False
 _limit_cell: list = []  # the shim's lockstep_cpu_kernel_limit as a ctypes int (None: no shim), once
 
 
-def kernel_limit() -> int:
-    """The most rows a call may have for the shim's invariant kernel to take it now (0: none,
-    or the shim is not active). Read live, cheaply: forms consult it per call."""
+def _kernel_limit_cell():
     if not _limit_cell:
         lib = _shim_symbols()
         _limit_cell.append(None if lib is None else ctypes.c_int.in_dll(lib, "lockstep_cpu_kernel_limit"))
-    cell = _limit_cell[0]
+    return _limit_cell[0]
+
+
+def kernel_limit() -> int:
+    """The most rows a call may have for the shim's invariant kernel to take it now (0: none,
+    or the shim is not active). Read live, cheaply: forms consult it per call."""
+    cell = _kernel_limit_cell()
     return 0 if cell is None else cell.value
 
 
@@ -245,10 +249,10 @@ def set_kernel_limit(limit: int) -> None:
     """Route the shim's sgemm calls of M <= limit rows (decode's M = 1 included) to its
     invariant kernel; 0 = off. Process-wide; a no-op where the shim is not active."""
     global _logged_isa
-    lib = _shim_symbols()
-    if lib is None:
+    cell = _kernel_limit_cell()
+    if cell is None:
         return
-    ctypes.c_int.in_dll(lib, "lockstep_cpu_kernel_limit").value = max(0, int(limit))
+    cell.value = max(0, int(limit))
     if limit > 0 and not _logged_isa:
         _logged_isa = True
         isa = kernel_isa()

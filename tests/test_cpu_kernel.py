@@ -79,9 +79,9 @@ def test_kernel_rows_are_correct_invariant_and_path_independent():
     assert r["openblas_blocks_differ"] > 0, r
 
 
-# Argument combinations MLX does not pass today, through the shim's cblas_sgemm itself:
-# column-major order, both transposes, alpha and beta.
-DIRECT = """
+# The shim's cblas_sgemm through ctypes (no MLX in between), kernel limit 8: the head of the
+# scripts below.
+SGEMM = """
     import ctypes, json, numpy as np
     from lockstep.kernels import cpu_blas
     cpu_blas.set_kernel_limit(8)
@@ -91,6 +91,12 @@ DIRECT = """
     f.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, P, ctypes.c_int, P, ctypes.c_int,
                                        ctypes.c_float, P, ctypes.c_int]
     ptr = lambda a: a.ctypes.data_as(P)
+"""
+
+
+# Argument combinations MLX does not pass today, through the shim's cblas_sgemm itself:
+# column-major order, both transposes, alpha and beta.
+DIRECT = SGEMM + """
     rng = np.random.default_rng(3)
     m, n, k, alpha, beta = 5, 19, 37, 0.5, -2.0
     errors = {}
@@ -181,17 +187,8 @@ def test_without_the_shim_cpu_kernel_is_skipped_with_the_reason():
 # with ctypes (no MLX in between): all the model's linear shapes (N x K, the tied head included)
 # plus odd N and K tails, x @ W.T ("nt") and x @ V ("nn", [v | 1] is 65 wide), on both paths.
 # A change to how the kernel schedules rows, columns or K panels that moved any bit fails here.
-WIDE_ROWS = """
-    import ctypes, json, numpy as np
-    from lockstep.kernels import cpu_blas
-    cpu_blas.set_kernel_limit(8)
-    lib = ctypes.CDLL(None)
+WIDE_ROWS = SGEMM + """
     portable = ctypes.c_int.in_dll(lib, "lockstep_cpu_kernel_portable")
-    f = lib.cblas_sgemm
-    P = ctypes.POINTER(ctypes.c_float)
-    f.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, P, ctypes.c_int, P, ctypes.c_int,
-                                       ctypes.c_float, P, ctypes.c_int]
-    ptr = lambda a: a.ctypes.data_as(P)
     rng = np.random.default_rng(5)
     shapes = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576), (581, 583), (7, 1543),
               (65, 215), (65, 13)]
