@@ -55,6 +55,23 @@ def chain_us(step, x, length: int, repeats: int) -> float:
     return statistics.median(runs[1:])  # the first run loads modules
 
 
+def elf_sections(blob: bytes) -> list[tuple[str, int]]:
+    """(name, size) of a 64-bit little-endian ELF's sections (what a cubin is made of)."""
+    import struct
+
+    if blob[:4] != b"\x7fELF":
+        return []
+    shoff, = struct.unpack_from("<Q", blob, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", blob, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", blob, shoff + i * shentsize) for i in range(shnum)]
+    names_at = headers[shstrndx][4]
+    out = []
+    for h in headers:
+        name = blob[names_at + h[0]:blob.index(b"\0", names_at + h[0])].decode()
+        out.append((name, h[5]))
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=32)
@@ -69,8 +86,8 @@ def main() -> int:
     print(f"{mx.default_device()}, MLX {mx.__version__}, launch mode {compiled.mode('gemv_rows')}, "
           f"{args.rows} rows, float16")
     print("| weight N x K | cubin bytes | wrapper call µs | direct call µs | call, 1 KB / 100 KB stand-in µs "
-          "| x @ w.T call µs |")
-    print("|---|---|---|---|---|---|")
+          "| x @ w.T call µs | mx.compile'd call µs |")
+    print("|---|---|---|---|---|---|---|")
     dtype = mx.float16
     for dims in args.dims.split(","):
         n, k = (int(v) for v in dims.split("x"))
@@ -89,7 +106,14 @@ def main() -> int:
         small = per_call_us(lambda: direct(kb1), 2000) if blob else float("nan")
         large = per_call_us(lambda: direct(kb100), 2000) if blob else float("nan")
         native = per_call_us(lambda: x @ w.T, 2000)
-        print(f"| {n} x {k} | {len(blob)} | {wrapper:.2f} | {plain:.2f} | {small:.2f} / {large:.2f} | {native:.2f} |")
+        once = mx.compile(lambda a, b: call(inputs=[a, b], **launch)[0])
+        mx.eval(once(x, w))
+        traced = per_call_us(lambda: once(x, w), 2000)
+        print(f"| {n} x {k} | {len(blob)} | {wrapper:.2f} | {plain:.2f} | {small:.2f} / {large:.2f} | {native:.2f} "
+              f"| {traced:.2f} |")
+        sections = elf_sections(blob)
+
+    print("cubin sections (bytes): " + ", ".join(f"{name or '-'} {size}" for name, size in sections if size))
 
     # chains on a square weight: each launch takes the previous output
     k = 576
@@ -109,6 +133,9 @@ def main() -> int:
         print(f"; gemv_rows with 256 KB appended to its cubin {padded_us:.2f}")
     except Exception as exc:  # a loader that refuses trailing bytes
         print(f"; the padded cubin did not load: {type(exc).__name__}: {str(exc)[:200]}")
+    once = mx.compile(lambda a, b: call(inputs=[a, b], **launch)[0])
+    traced = chain_us(lambda y: once(y, w), x, args.chain, args.repeats)
+    print(f"  gemv_rows through mx.compile {traced:.2f}")
     build = per_call_us(lambda: call(inputs=[x, w], **launch)[0], 2000)
     print(f"  of which building one node: {build:.2f}")
     return 0

@@ -84,3 +84,13 @@ def test_deterministic_servers_may_name_their_strategy():
     for bad in ("0", "x", ":skinny", "-4:gemv_rows"):
         with pytest.raises(SystemExit):
             _deterministic_servers(bad)
+
+
+def test_other_configurations_are_named_servers_with_their_own_serve_arguments():
+    from lockstep.server.commands.bench import _config_servers
+
+    assert _config_servers(["graphs=--cuda-graphs=on", "pool = --kv-pool off --max-batch-rows 8"]) == [
+        ("graphs", ["--cuda-graphs=on"]), ("pool", ["--kv-pool", "off", "--max-batch-rows", "8"])]
+    for bad in (["--cuda-graphs=on"], ["=--x"], ["lockstep=--x"], ["det8=--x"]):
+        with pytest.raises(SystemExit):
+            _config_servers(bad)

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 from lockstep.server.commands.runtime_args import (add_kv_pool_argument, add_limit_argument, add_model_arguments,
-                                                   add_strategy_argument, apply_cpu_blas, options_from_args)
+                                                   add_strategy_argument, apply_cpu_blas, apply_cuda_graphs, options_from_args)
 from lockstep.server.options import DEFAULT_MEASURE_LIMIT, DEFAULT_MEASURE_TOKENS, DEFAULT_PREFILL_CHUNK
 
 
@@ -51,6 +51,9 @@ def register(subparsers) -> None:
                       help="also start one deterministic lockstep server per L (its clients send "
                            "deterministic: true) and print deterministic / plain; L:STRATEGY serves it "
                            "with --invariant-strategy STRATEGY, e.g. 8,8:skinny")
+    load.add_argument("--against-config", action="append", default=[], metavar="NAME=ARGS",
+                      help="also start a plain lockstep server with these extra serve arguments and print "
+                           "NAME / lockstep, e.g. graphs=--cuda-graphs=on (repeatable)")
     load.add_argument("--deterministic", action="store_true", help="clients send deterministic: true")
     load.add_argument("--mixed", action="store_true",
                       help="even clients send deterministic: true, odd ones not; 'changed' counts the "
@@ -66,6 +69,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.concurrency:
         return run_load(args)
+    apply_cuda_graphs(args)
     apply_cpu_blas(args)
     import mlx.core as mx
 
@@ -185,6 +189,21 @@ def _deterministic_servers(spec: str | None) -> list[tuple[str, int, str | None]
     return servers
 
 
+def _config_servers(specs: list[str]) -> list[tuple[str, list[str]]]:
+    """--against-config "graphs=--cuda-graphs=on" -> [(server name, extra serve arguments), ...]."""
+    import shlex
+
+    servers = []
+    for spec in specs:
+        name, sep, extra = spec.partition("=")
+        name = name.strip()
+        if not sep or not name or name[0] == "-" or name == "lockstep" or name.startswith("det") or " " in name:
+            raise SystemExit("--against-config takes NAME=ARGS (NAME not lockstep and not starting with det), "
+                             "e.g. graphs=--cuda-graphs=on")
+        servers.append((name, shlex.split(extra)))
+    return servers
+
+
 def run_load(args: argparse.Namespace) -> int:
     from lockstep.models.resolve import resolve_model
     from lockstep.server.tools.http_load import HEADER, mixed_extra, wait_healthy
@@ -195,17 +214,20 @@ def run_load(args: argparse.Namespace) -> int:
     if not levels or min(levels) < 1:
         raise SystemExit("--concurrency takes positive integers, e.g. 1,4,16,32")
     limits = _deterministic_servers(args.against_deterministic)
+    configs = _config_servers(args.against_config)
     model_dir = resolve_model(args.model, args.weights)
     print(f"lockstep bench --concurrency {args.concurrency}: model {model_dir}, {args.max_tokens} tokens "
           f"per request, greedy, streamed" + (", deterministic" if args.deterministic else "")
           + (", mixed (even clients deterministic; changed counts those)" if args.mixed else "")
           + (f"; beside deterministic servers {', '.join(name for name, _, _ in limits)}" if limits else "")
+          + "".join(f"; beside {name} ({' '.join(extra)})" for name, extra in configs)
           + ("; beside mlx_lm.server" if args.against_mlx_lm else "") + "; rounds alternate between servers")
     print(HEADER, flush=True)
 
-    def lockstep_cmd(port: int, limit: int | None, strategy: str | None = None) -> list[str]:
+    def lockstep_cmd(port: int, limit: int | None, strategy: str | None = None, extra: tuple = ()) -> list[str]:
         cmd = [sys.executable, "-m", "lockstep.server.cli", "serve", "--model", str(model_dir), "--port", str(port),
-               "--max-active", str(max(levels)), "--max-queue", str(max(levels)), *args.serve_arg]
+               "--max-active", str(max(levels)), "--max-queue", str(max(levels)), "--cuda-graphs", args.cuda_graphs,
+               *args.serve_arg, *extra]
         cmd += ["--invariant-strategy", strategy] if strategy else []
         return cmd + (["--batch-invariant-limit", str(limit)] if limit is not None else [])
 
@@ -214,6 +236,8 @@ def run_load(args: argparse.Namespace) -> int:
     plans = [("lockstep", lockstep_cmd, own_limit, extra, "/health")]
     plans += [(name, lambda port, limit, strategy=strategy: lockstep_cmd(port, limit, strategy), limit,
                {"deterministic": True}, "/health") for name, limit, strategy in limits]
+    plans += [(name, lambda port, _, extra=extra: lockstep_cmd(port, None, extra=tuple(extra)), None, {}, "/health")
+              for name, extra in configs]
     if args.against_mlx_lm:
         plans.append(("mlx_lm.server", lambda port, _: [sys.executable, "-m", "mlx_lm.server", "--model",
                                                          str(model_dir), "--port", str(port)], None, {}, "/v1/models"))
@@ -235,10 +259,11 @@ def run_load(args: argparse.Namespace) -> int:
         for proc in procs:
             proc.wait(timeout=60)
     for other in [s["name"] for s in servers[1:]]:
-        print(f"ratios {other} / lockstep (aggregate tok/s):" if other.startswith("det")
+        over_ours = other != "mlx_lm.server"  # deterministic and other configurations: theirs / lockstep
+        print(f"ratios {other} / lockstep (aggregate tok/s):" if over_ours
               else f"ratios lockstep / {other} (aggregate tok/s):")
         for ours, theirs in zip(rows["lockstep"], rows[other]):
-            a, b = (theirs, ours) if other.startswith("det") else (ours, theirs)
+            a, b = (theirs, ours) if over_ours else (ours, theirs)
             ratio = a.tok_per_s / b.tok_per_s if b.tok_per_s else float("nan")
             print(f"  concurrency {ours.concurrency:>3}: {ratio:.2f}x", flush=True)
     return 0

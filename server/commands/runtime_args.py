@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from lockstep.kernels import cuda_graphs
 from lockstep.server.options import (AUDIT_MODES, CPU_BLAS_CHOICES, DEFAULT_AUDIT, DEFAULT_CPU_BLAS,
                                      DEFAULT_KV_POOL, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MODEL,
                                      DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK, DEFAULT_SPECULATIVE,
@@ -50,6 +51,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--q-bits", type=int, default=None)
     parser.add_argument("--q-group-size", type=int, default=None)
     add_cpu_blas_argument(parser)
+    parser.add_argument("--cuda-graphs", choices=cuda_graphs.CHOICES, default=cuda_graphs.DEFAULT,
+                        help="MLX CUDA backend: record kernels into CUDA graphs (on) or launch each "
+                             f"directly (off; faster for decode passes of small models). auto: "
+                             f"{cuda_graphs.ENV} where it is set, else off. Default {cuda_graphs.DEFAULT}")
     parser.add_argument("--fuse-projections", action="store_true",
                         help="run q/k/v and gate/up each as one matmul (fewer launches per decode "
                              "step; the weights are concatenated, not copied)")
@@ -115,6 +120,11 @@ def auto_cpu_blas() -> str:
     import mlx.core as mx  # cheap next to a model load; the re-exec starts a fresh process anyway
 
     return "openblas" if mx.default_device().type == mx.DeviceType.cpu else "reference"
+
+
+def apply_cuda_graphs(args: argparse.Namespace) -> None:
+    """How MLX's CUDA backend launches kernels in this process (before MLX runs anything)."""
+    cuda_graphs.apply(getattr(args, "cuda_graphs", cuda_graphs.DEFAULT))
 
 
 def apply_cpu_blas(args: argparse.Namespace) -> None:

@@ -13,7 +13,7 @@ import contextlib
 import logging
 
 from lockstep.server.commands.runtime_args import (add_determinism_arguments, add_model_arguments,
-                                                   apply_cpu_blas, options_from_args)
+                                                   apply_cpu_blas, apply_cuda_graphs, options_from_args)
 from lockstep.server.options import (DEFAULT_HOST, DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, DEFAULT_PORT,
                                      DEFAULT_PREFIX_CACHE_ENTRIES)
 
@@ -165,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.parallel:  # one rank of an mlx.launch deployment
         return run_rank(args)
+    apply_cuda_graphs(args)
     apply_cpu_blas(args)
     try:  # a busy port is reported now, not after the model load
         sock = shutdown.bind(args.host, args.port)
@@ -192,6 +193,7 @@ def run_rank(args: argparse.Namespace) -> int:
     from lockstep.server.distributed.watchdog import Watchdog
     from lockstep.server.distributed.world import DistributedStartupError, join
 
+    apply_cuda_graphs(args)
     apply_cpu_blas(args)  # may re-exec this process (same pid, same launcher variables)
     try:
         check_engine_arguments(args)

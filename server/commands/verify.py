@@ -5,7 +5,7 @@ import argparse
 import logging
 
 from lockstep.server.commands.runtime_args import (add_cpu_blas_argument, add_limit_argument, add_model_argument,
-                                                   add_strategy_argument, apply_cpu_blas)
+                                                   add_strategy_argument, apply_cpu_blas, apply_cuda_graphs)
 from lockstep.server.options import DEFAULT_MEASURE_LIMIT, DEFAULT_MEASURE_TOKENS, QUANT_MODES, WEIGHT_CHOICES
 
 log = logging.getLogger("lockstep.verify")
@@ -43,6 +43,7 @@ def _options(args, variant: str, draft: bool):
 
 
 def run(args: argparse.Namespace) -> int:
+    apply_cuda_graphs(args)
     apply_cpu_blas(args)
     import mlx.core as mx
 

@@ -1,0 +1,47 @@
+"""Whether MLX's CUDA backend records kernels into CUDA graphs or launches each one directly.
+
+MLX records every ~100 ops into a CUDA graph, keys it by its node structure, and updates or
+instantiates an executable graph at each commit. A decode pass of a small model is hundreds of
+tiny kernels, and there building and updating those graphs costs the host more than launching
+each kernel does (docs/BENCHMARKS.md, session 14). MLX reads MLX_USE_CUDA_GRAPHS once, at its
+first GPU command: `apply` sets it before that. The same kernels run either way, in the same
+order on one stream, so a row's bits do not depend on the choice (and the startup proofs run
+under it). Elsewhere than CUDA the variable is never read.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Mapping
+
+ENV = "MLX_USE_CUDA_GRAPHS"
+CHOICES = ("auto", "on", "off")
+DEFAULT = "auto"
+
+
+def resolve(choice: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The value `choice` puts in ENV, or None to leave the process's own. auto: a value already in
+    the environment stands, else direct launches."""
+    if choice not in CHOICES:
+        raise ValueError(f"cuda graphs: {choice!r} is not one of {', '.join(CHOICES)}")
+    if choice == "on":
+        return "1"
+    if choice == "off":
+        return "0"
+    return None if ENV in environ else "0"
+
+
+def apply(choice: str) -> str | None:
+    """Set ENV for `choice` (call before MLX runs anything on the GPU); the value MLX will read."""
+    value = resolve(choice)
+    if value is not None:
+        os.environ[ENV] = value
+    return os.environ.get(ENV)
+
+
+def describe(environ: Mapping[str, str] = os.environ) -> str:
+    """'on' or 'off', as MLX will read ENV: C's atoi of its value, non-zero for on (default on)."""
+    if ENV not in environ:
+        return "on"
+    digits = re.match(r"\s*[+-]?\d+", environ[ENV])
+    return "on" if digits and int(digits.group()) != 0 else "off"
