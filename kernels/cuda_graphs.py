@@ -1,10 +1,10 @@
 """Whether MLX's CUDA backend records kernels into CUDA graphs or launches each one directly.
 
 MLX records every ~100 ops into a CUDA graph, keys it by its node structure, and updates or
-instantiates an executable graph at each commit. A decode pass of a small model is hundreds of
-tiny kernels, and there building and updating those graphs costs the host more than launching
-each kernel does (docs/BENCHMARKS.md, session 14). MLX reads MLX_USE_CUDA_GRAPHS once, at its
-first GPU command: `apply` sets it before that. The same kernels run either way, in the same
+instantiates an executable graph at each commit. Launching each kernel directly skips that host
+work and loses what graphs save at launch; which is faster depends on the model and the load
+(docs/BENCHMARKS.md, session 14), so `auto` keeps MLX's own default. MLX reads
+MLX_USE_CUDA_GRAPHS once, at its first GPU command: `apply` sets it before that. The same kernels run either way, in the same
 order on one stream, so a row's bits do not depend on the choice (and the startup proofs run
 under it). Elsewhere than CUDA the variable is never read.
 """
@@ -20,15 +20,15 @@ DEFAULT = "auto"
 
 
 def resolve(choice: str, environ: Mapping[str, str] = os.environ) -> str | None:
-    """The value `choice` puts in ENV, or None to leave the process's own. auto: a value already in
-    the environment stands, else direct launches."""
+    """The value `choice` puts in ENV, or None to leave the process's own (auto: the environment's
+    value, else MLX's default, graphs on)."""
     if choice not in CHOICES:
         raise ValueError(f"cuda graphs: {choice!r} is not one of {', '.join(CHOICES)}")
     if choice == "on":
         return "1"
     if choice == "off":
         return "0"
-    return None if ENV in environ else "0"
+    return None
 
 
 def apply(choice: str) -> str | None:

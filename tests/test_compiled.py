@@ -53,7 +53,8 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setattr(compiled, "_disabled", {})
 
     def clear():
-        for cached in (gemv_rows._launcher, skinny._launcher, skinny._launch_plan, attention._launcher):
+        for cached in (gemv_rows._launcher, gemv_rows._traced, skinny._launcher, skinny._launch_plan,
+                       skinny._traced, attention._launcher, attention._traced):
             cached.cache_clear()
 
     def use(compiler=None, directory=None):
@@ -293,13 +294,30 @@ def test_pooled_attention_launches_its_wrapper(recorded):
     assert calls[0]["grid"] == (6 * 3 * attention.THREADS, 1, 1)
 
 
-def test_a_launch_shape_is_planned_once(recorded):
+def test_a_launch_shape_is_planned_and_its_arguments_converted_once(recorded):
+    """Later launches of a shape replay the traced call: the kernel's arguments (its cubin
+    among them) reach MLX once per shape, not once per launch."""
     cache, calls = recorded
     x, w = mx.ones((4, 64), dtype=mx.float32), mx.ones((9, 64), dtype=mx.float32)
-    for _ in range(3):
-        gemv_rows.matmul(x, w)
+    outs = [gemv_rows.matmul(x * i, w) for i in range(3)]
     assert gemv_rows._launcher.cache_info().misses == 1 and cache.compiled == 1
-    assert calls[0]["compiled_source"] is calls[2]["compiled_source"]
+    assert len(calls) == 1 and all(o.shape == (4, 9) for o in outs)
+    gemv_rows.matmul(mx.ones((5, 64), dtype=mx.float32), w)  # another shape: traced anew
+    assert len(calls) == 2 and calls[1]["inputs"][0].shape == (5, 64)
+
+
+def test_a_traced_launch_computes_what_the_call_does_from_the_inputs_it_is_given():
+    seen = []
+
+    def call(inputs, scale):
+        seen.append(len(inputs))
+        return [inputs[0] @ inputs[1].T * scale]
+
+    run = compiled.traced(call, {"scale": 2.0})
+    for seed in range(3):
+        x, w = mx.random.normal((3, 8), key=mx.random.key(seed)), mx.random.normal((5, 8), key=mx.random.key(9))
+        assert mx.array_equal(run(x, w)[0], x @ w.T * 2.0).item()
+    assert seen == [2]  # traced once, replayed for the later inputs
 
 
 # -- the fallback ---------------------------------------------------------------------------

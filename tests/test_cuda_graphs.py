@@ -8,8 +8,8 @@ import pytest
 from lockstep.kernels import cuda_graphs
 
 
-def test_auto_keeps_a_value_the_user_set_and_otherwise_launches_directly():
-    assert cuda_graphs.resolve("auto", {}) == "0"
+def test_auto_keeps_the_environment_and_mlx_defaults():
+    assert cuda_graphs.resolve("auto", {}) is None
     assert cuda_graphs.resolve("auto", {cuda_graphs.ENV: "1"}) is None
     assert cuda_graphs.resolve("on", {cuda_graphs.ENV: "0"}) == "1"
     assert cuda_graphs.resolve("off", {}) == "0"
@@ -23,7 +23,8 @@ def test_describe_reads_the_variable_as_mlx_does():
         assert cuda_graphs.describe({cuda_graphs.ENV: value}) == mode, value
 
 
-@pytest.mark.parametrize("flag, preset, expected", [(None, None, "0"), (None, "1", "1"), ("on", "0", "1")])
+@pytest.mark.parametrize("flag, preset, expected", [(None, None, "None"), (None, "0", "0"),
+                                                        ("on", "0", "1"), ("off", None, "0")])
 def test_the_commands_set_the_variable_before_mlx_runs(flag, preset, expected):
     """What `serve`, `verify` and `bench` do first, in a fresh process: the variable MLX then reads."""
     code = ("import argparse, os\n"

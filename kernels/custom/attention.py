@@ -86,7 +86,22 @@ def _launcher(which: str, dtype, dim: int, heads: int, count: int, kv_heads: int
                              lambda: (_kernel(which), launch))
 
 
+@lru_cache(maxsize=4096)
+def _traced(*shape):
+    """A CUDA launch shape as one compiled call (compiled.traced); Metal keeps its direct call."""
+    if shape[0] != "cuda":
+        kernel, launch = _launcher(*shape)
+        return lambda *inputs: kernel(inputs=list(inputs), **launch)
+    return compiled.traced(*_launcher(*shape))
+
+
+@lru_cache(maxsize=64)
+def _scale(value: float) -> mx.array:
+    return mx.array([value], dtype=mx.float32)
+
+
 compiled.on_disable("attention", _launcher.cache_clear)
+compiled.on_disable("attention", _traced.cache_clear)
 
 
 def instances(dtype, dim: int) -> list:
@@ -112,8 +127,8 @@ def kernel_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows
     """All rows in one launch (the GPU kernel); queries (1, HQ, R, D) -> (1, HQ, R, D)."""
     _, heads, count, dim = queries.shape
     base, lens = rows.arrays()
-    call, launch = _launcher(backend(), queries.dtype, dim, heads, count, k_pool.shape[0], k_pool.shape[1])
-    out = call(inputs=[queries[0], k_pool, v_pool, base, lens, mx.array([scale], dtype=mx.float32)], **launch)[0]
+    run = _traced(backend(), queries.dtype, dim, heads, count, k_pool.shape[0], k_pool.shape[1])
+    out = run(queries[0], k_pool, v_pool, base, lens, _scale(float(scale)))[0]
     return out[None]
 
 

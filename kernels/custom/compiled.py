@@ -351,6 +351,14 @@ def launcher(family: Family, launch: dict, scalars: dict, fallback: Callable[[],
     )
 
 
+def traced(call, launch: dict) -> Callable[..., list]:
+    """One launch shape's `call(inputs=[...], **launch)` as an mx.compile'd function of its
+    inputs: MLX makes each later node from the traced primitive instead of converting every
+    argument again, the cubin's bytes among them (docs/BENCHMARKS.md, session 14). The same
+    kernel with the same arguments: the same bits."""
+    return mx.compile(lambda *inputs: call(inputs=list(inputs), **launch))
+
+
 def precompile(instances: Iterable[tuple[Family, tuple]], workers: int | None = None) -> int:
     """Compile (or read) every (family, template) instance at once, `workers` at a time
     (default_workers()). Returns how many are ready; 0 where the path is off. A failed

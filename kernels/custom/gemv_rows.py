@@ -60,7 +60,13 @@ def _launcher(m: int, n: int, k: int, dtype, shape: tuple | None) -> tuple:
     return compiled.launcher(family(), plan, dict(M=m, N=n, K=k), lambda: (_kernel(), plan))
 
 
+@lru_cache(maxsize=4096)
+def _traced(m: int, n: int, k: int, dtype, shape: tuple | None):
+    return compiled.traced(*_launcher(m, n, k, dtype, shape))
+
+
 compiled.on_disable("gemv_rows", _launcher.cache_clear)
+compiled.on_disable("gemv_rows", _traced.cache_clear)
 
 
 def instances(m: int, n: int, k: int, dtype, shape: tuple | None = None) -> list:
@@ -90,8 +96,7 @@ def try_matmul(x: mx.array, weight: mx.array):
 
 def _launch(x: mx.array, weight: mx.array, shape: tuple | None) -> mx.array:
     m, k = x.shape
-    call, launch = _launcher(m, weight.shape[0], k, x.dtype, shape)
-    return call(inputs=[x, weight], **launch)[0]
+    return _traced(m, weight.shape[0], k, x.dtype, shape)(x, weight)[0]
 
 
 # (M, N, K): K picks the lanes' step (4, 2 or 1 elements: K % 128, K % 64, else), N a

@@ -111,7 +111,13 @@ def _launcher(m: int, n: int, k: int, mode: str, bits: int, group: int, fused: i
     return compiled.launcher(family(kind), plan, dict(M=m, N=n, K=k), lambda: (_kernel(kind), plan))
 
 
+@lru_cache(maxsize=4096)
+def _traced(*shape) -> tuple:
+    return compiled.traced(*_launcher(*shape))
+
+
 compiled.on_disable("qmv_rows", _launcher.cache_clear)
+compiled.on_disable("qmv_rows", _traced.cache_clear)
 
 
 def instances(m: int, n: int, mode: str, bits: int, group: int, dtype, fused: int = 0) -> list:
@@ -137,9 +143,8 @@ def serves(x: mx.array, weight: mx.array, scales: mx.array, biases, *, group_siz
 def _launch(x, weight, scales, biases, group_size: int, bits: int, mode: str, fused: int,
             rows: int | None = None, columns: int | None = None) -> mx.array:
     m, k = x.shape
-    call, launch = _launcher(m, weight.shape[0], k, mode, bits, group_size, fused, x.dtype, rows, columns)
-    inputs = [x, weight, scales, biases] if mode == "affine" else [x, weight, scales]
-    return call(inputs=inputs, **launch)[0]
+    run = _traced(m, weight.shape[0], k, mode, bits, group_size, fused, x.dtype, rows, columns)
+    return (run(x, weight, scales, biases) if mode == "affine" else run(x, weight, scales))[0]
 
 
 def matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str, fused: int = 0,

@@ -198,7 +198,17 @@ def _launcher(which: str, kind: str, m: int, n: int, k: int, group: int, dtype) 
                              lambda: _launch_plan(which, kind, m, n, k, group, dtype))
 
 
+@lru_cache(maxsize=4096)
+def _traced(*shape):
+    """A CUDA launch shape as one compiled call (compiled.traced); Metal keeps its direct call."""
+    if shape[0] != "cuda":
+        kernel, launch = _launcher(*shape)
+        return lambda *inputs: kernel(inputs=list(inputs), **launch)
+    return compiled.traced(*_launcher(*shape))
+
+
 compiled.on_disable("skinny", _launcher.cache_clear)
+compiled.on_disable("skinny", _traced.cache_clear)
 
 
 def instances(kind: str, m: int, n: int, k: int, dtype, group: int = 0) -> list:
@@ -210,8 +220,7 @@ def instances(kind: str, m: int, n: int, k: int, dtype, group: int = 0) -> list:
 
 
 def _launch(kind: str, inputs: list, m: int, n: int, k: int, dtype, group: int = 0, which=None):
-    kernel, launch = _launcher(which or backend(), kind, m, n, k, group, dtype)
-    return kernel(inputs=inputs, **launch)[0]
+    return _traced(which or backend(), kind, m, n, k, group, dtype)(*inputs)[0]
 
 
 def dense_serves(x: mx.array, weight: mx.array) -> bool:

@@ -53,8 +53,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add_cpu_blas_argument(parser)
     parser.add_argument("--cuda-graphs", choices=cuda_graphs.CHOICES, default=cuda_graphs.DEFAULT,
                         help="MLX CUDA backend: record kernels into CUDA graphs (on) or launch each "
-                             f"directly (off; faster for decode passes of small models). auto: "
-                             f"{cuda_graphs.ENV} where it is set, else off. Default {cuda_graphs.DEFAULT}")
+                             f"directly (off). auto: {cuda_graphs.ENV} where it is set, else MLX's "
+                             f"default (on). Default {cuda_graphs.DEFAULT}")
     parser.add_argument("--fuse-projections", action="store_true",
                         help="run q/k/v and gate/up each as one matmul (fewer launches per decode "
                              "step; the weights are concatenated, not copied)")
