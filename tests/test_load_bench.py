@@ -94,3 +94,14 @@ def test_other_configurations_are_named_servers_with_their_own_serve_arguments()
     for bad in (["--cuda-graphs=on"], ["=--x"], ["lockstep=--x"], ["det8=--x"]):
         with pytest.raises(SystemExit):
             _config_servers(bad)
+
+
+def test_ratios_of_rounds_taken_one_after_the_other_and_their_median():
+    from types import SimpleNamespace as R
+
+    from lockstep.server.commands.bench import paired_ratios
+
+    pairs = [(R(tok_per_s=1258.0), R(tok_per_s=1126.7)), (R(tok_per_s=1256.7), R(tok_per_s=1307.0)),
+             (R(tok_per_s=1389.6), R(tok_per_s=1745.9))]
+    assert paired_ratios(pairs) == ", paired rounds 1.12 0.96 0.80, median 0.96"
+    assert paired_ratios([]) == ""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import statistics
 import subprocess
 import sys
 
@@ -151,7 +152,8 @@ def _server_rounds(servers: list[dict], levels: list[int], args) -> dict:
     """Each concurrency warmed with an unmeasured round on every server, then at least 3
     measured rounds taken in turn across the servers (tools/http_load.py `interleaved_rounds`),
     the median of each printed. A server: name, url, model and extra (request fields for every
-    client, or a function of the client index). Returns name -> the median rounds."""
+    client, or a function of the client index). Returns name -> (the median round, every
+    measured round in the order taken) per concurrency."""
     from lockstep.server.tools.http_load import changed_answers, extra_for, interleaved_rounds, solo_texts, summary_line
 
     solo = {s["name"]: solo_texts(s["url"], s["model"], max(levels), args.max_tokens, s["extra"]) for s in servers}
@@ -168,8 +170,22 @@ def _server_rounds(servers: list[dict], levels: list[int], args) -> dict:
             of = len(rounds) * (n if watched is None else len(watched))
             print(summary_line(s["name"], median, changed, of) + f"   (median of {len(rounds)}: "
                   + ", ".join(f"{r.tok_per_s:.1f}" for r in rounds) + ")", flush=True)
-            results[s["name"]].append(median)
+            results[s["name"]].append((median, rounds))
     return results
+
+
+def _ratio(a, b) -> float:
+    return a.tok_per_s / b.tok_per_s if b.tok_per_s else float("nan")
+
+
+def paired_ratios(pairs: list) -> str:
+    """The ratio of each pair of rounds taken one after the other (the machine's drift between
+    them is small), and their median: ', paired rounds 1.12 0.96 0.80, median 0.96'."""
+    ratios = [_ratio(a, b) for a, b in pairs]
+    if not ratios:
+        return ""
+    return (", paired rounds " + " ".join(f"{r:.2f}" for r in ratios)
+            + f", median {statistics.median(ratios):.2f}")
 
 
 def _deterministic_servers(spec: str | None) -> list[tuple[str, int, str | None]]:
@@ -262,8 +278,8 @@ def run_load(args: argparse.Namespace) -> int:
         over_ours = other != "mlx_lm.server"  # deterministic and other configurations: theirs / lockstep
         print(f"ratios {other} / lockstep (aggregate tok/s):" if over_ours
               else f"ratios lockstep / {other} (aggregate tok/s):")
-        for ours, theirs in zip(rows["lockstep"], rows[other]):
+        for (ours, our_rounds), (theirs, their_rounds) in zip(rows["lockstep"], rows[other]):
             a, b = (theirs, ours) if over_ours else (ours, theirs)
-            ratio = a.tok_per_s / b.tok_per_s if b.tok_per_s else float("nan")
-            print(f"  concurrency {ours.concurrency:>3}: {ratio:.2f}x", flush=True)
+            pairs = list(zip(their_rounds, our_rounds) if over_ours else zip(our_rounds, their_rounds))
+            print(f"  concurrency {ours.concurrency:>3}: {_ratio(a, b):.2f}x" + paired_ratios(pairs), flush=True)
     return 0
