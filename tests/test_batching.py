@@ -91,6 +91,39 @@ def test_a_ragged_pass_gives_each_request_its_solo_bits_on_the_embedded_model(em
         assert mx.allclose(alone, plain, atol=1e-4).item()  # the same model, computed per request
 
 
+@pytest.mark.parametrize("pooled", [False, True])
+def test_a_pass_evaluated_in_layer_chunks_gives_the_bits_of_one_built_whole(embedded_model, monkeypatch, pooled):
+    """ragged_logits(eval_every=N) hands the pass to the device every N layers while it is
+    built: the same ops, so every logit is the same bit for bit, and the hand-offs happen."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from lockstep.kernels.batching.kv_pool import KVPool
+    from lockstep.kernels.batching.ragged import ragged_logits
+
+    model = embedded_model.model
+    enable_ragged(model)
+    pool = KVPool(model, 256, use_kernel=False) if pooled else None
+    prompts, rows = [[1, 504, 2, 8], [5, 6, 7, 8, 9, 10, 11], [42]], [[100], [101, 102, 103], [104]]
+
+    def prefilled(i):
+        cache = pool.allocate(32) if pooled else make_prompt_cache(model)
+        ragged_logits(model, [(cache, prompts[i])])
+        mx.eval([c.state for c in cache])
+        return cache
+
+    whole = ragged_logits(model, [(prefilled(i), rows[i]) for i in range(3)])
+    mx.eval(whole)
+    handed = []
+    real_async_eval = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *arrays: (handed.append(len(arrays)), real_async_eval(*arrays)))
+    layers = len(model.layers)
+    for every in (4, 7):
+        handed.clear()
+        chunked = ragged_logits(model, [(prefilled(i), rows[i]) for i in range(3)], eval_every=every)
+        assert len(handed) == (layers - 1) // every  # at layers every, 2 * every, ...
+        assert mx.array_equal(chunked, whole).item()
+
+
 @pytest.mark.reference_blas
 def test_ragged_proof_passes_with_canonical_forms_and_fails_natively(tiny_model):
     assert prove_ragged(tiny_model, LIMIT)  # CPU: natively invariant

@@ -377,3 +377,17 @@ def test_draining_refuses_new_work_with_503(embedded_model, scripted):
                      type="server_error")
         health = client.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "draining"
+
+
+def test_async_eval_layers_reach_the_deployment_and_bad_values_are_refused():
+    from lockstep.server.commands.runtime_args import options_from_args
+    from lockstep.server.commands.serve import check_engine_arguments
+
+    assert options_from_args(_serve_args()).async_eval_layers == 0
+    args = _serve_args("--async-eval-layers", "6")
+    check_engine_arguments(args)
+    assert options_from_args(args).async_eval_layers == 6
+    with pytest.raises(ValueError, match="must be >= 0"):
+        check_engine_arguments(_serve_args("--async-eval-layers", "-1"))
+    with pytest.raises(ValueError, match="--parallel"):
+        check_engine_arguments(_serve_args("--async-eval-layers", "6", "--parallel", "pipeline"))

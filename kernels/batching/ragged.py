@@ -87,11 +87,12 @@ class RaggedLayerCache:
     """One layer's view of a ragged pass: the requests' own caches and their row counts."""
 
     def __init__(self, caches: list, rows: list[int], positions: RowPositions,
-                 pooled: PooledPass | None = None):
+                 pooled: PooledPass | None = None, start_eval: bool = False):
         self.caches = caches
         self.rows = rows
         self._positions = positions
         self.pooled = pooled
+        self.start_eval = start_eval  # hand the pass so far to the device here (ragged_logits)
         self.fetched: list[tuple[mx.array, mx.array]] = []
 
     @property
@@ -100,6 +101,10 @@ class RaggedLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append each request's rows to its own cache; the attention reads `fetched`."""
+        if self.start_eval:
+            # This layer's keys and values depend on every earlier layer: the device runs those
+            # while the host builds the rest of the pass. The same ops, so the same bits.
+            mx.async_eval(keys, values)
         if self.pooled is not None:
             self.pooled.pool.write_rows(self.caches[0].layer, self.pooled, keys[0], values[0])
             for cache, n in zip(self.caches, self.rows):
@@ -251,9 +256,13 @@ def ragged_forward(model, requests: list[tuple[list, list[int]]]) -> list[mx.arr
     return out
 
 
-def ragged_logits(model, requests: list[tuple[list, list[int]]]) -> mx.array:
-    """`ragged_forward`'s logits as one (rows, vocab) array, the requests' rows end to end."""
-    tokens, ragged = _ragged_inputs(requests)
+def ragged_logits(model, requests: list[tuple[list, list[int]]], eval_every: int = 0) -> mx.array:
+    """`ragged_forward`'s logits as one (rows, vocab) array, the requests' rows end to end.
+
+    eval_every N > 0: while the graph is built, every N layers the part built so far starts
+    evaluating (`mx.async_eval`), so the device works while the host builds the next layers
+    instead of waiting for the whole graph (MLX builds a graph, then evaluates it)."""
+    tokens, ragged = _ragged_inputs(requests, eval_every)
     return model(tokens, cache=ragged)[0]
 
 
@@ -266,8 +275,10 @@ def ragged_prompt_forward(model, requests: list[tuple[list, list[int]]]) -> mx.a
     return call_without_head(model, *_ragged_inputs(requests))
 
 
-def _ragged_inputs(requests: list[tuple[list, list[int]]]) -> tuple[mx.array, list[RaggedLayerCache]]:
-    """The pass's (1, rows) tokens and one RaggedLayerCache per layer."""
+def _ragged_inputs(requests: list[tuple[list, list[int]]],
+                   eval_every: int = 0) -> tuple[mx.array, list[RaggedLayerCache]]:
+    """The pass's (1, rows) tokens and one RaggedLayerCache per layer (every `eval_every`-th
+    one, from the `eval_every`-th on, starts evaluating what precedes it)."""
     rows = [len(tokens) for _, tokens in requests]
     if any(n < 1 for n in rows):
         raise ValueError("every request in a ragged pass needs at least one row")
@@ -278,7 +289,8 @@ def _ragged_inputs(requests: list[tuple[list, list[int]]]) -> tuple[mx.array, li
               and len({id(cache[0].pool) for cache, _ in requests}) == 1)
     # Every layer of a request shares its pool range and offset: one PooledPass serves all.
     where = PooledPass([cache[0] for cache, _ in requests], rows) if pooled else None
-    ragged = [RaggedLayerCache([cache[layer] for cache, _ in requests], rows, positions, where)
+    ragged = [RaggedLayerCache([cache[layer] for cache, _ in requests], rows, positions, where,
+                               start_eval=eval_every > 0 and layer > 0 and layer % eval_every == 0)
               for layer in range(layers)]
     return mx.array([t for _, ts in requests for t in ts])[None], ragged
 

@@ -103,6 +103,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         prefill_chunk=args.prefill_chunk, audit=getattr(args, "audit", DEFAULT_AUDIT),
         kv_pool=getattr(args, "kv_pool", "off"),
         **({"max_batch_rows": args.max_batch_rows} if getattr(args, "max_batch_rows", None) else {}),
+        async_eval_layers=getattr(args, "async_eval_layers", 0),
     )
 
 

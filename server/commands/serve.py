@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"most rows in one decode pass (a pass with a deterministic row holds at most "
                              f"as many as the startup's ragged proof covered, up to this) "
                              f"(default {DEFAULT_MAX_BATCH_ROWS})")
+    parser.add_argument("--async-eval-layers", type=int, default=0, metavar="N",
+                        help="decode passes start evaluating every N layers while the host builds the "
+                             "rest, so the device need not wait for the whole graph (same ops, same "
+                             "bits; 0 = off, the default; not with --parallel)")
     parser.add_argument("--max-kv-tokens", type=int, default=None,
                         help="KV cache budget in tokens: requests are admitted while their prompt + "
                              "max_tokens fit, the rest queue (default: half the memory MLX may still "
@@ -79,6 +83,11 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
         raise ValueError("--max-active-per-request must be in 1..--max-active")
     if not args.guarantee_timeout >= 0:
         raise ValueError("--guarantee-timeout must be >= 0")
+    if args.async_eval_layers < 0:
+        raise ValueError("--async-eval-layers must be >= 0")
+    if args.async_eval_layers and getattr(args, "parallel", None):
+        # every rank must meet its collectives in the same order as the others
+        raise ValueError("--async-eval-layers does not work with --parallel")
 
 
 def start_engine(args: argparse.Namespace, world=None, watchdog=None):

@@ -54,6 +54,9 @@ class Deployment:
     # (kernels/batching/kv_pool.py): "kernel" (the GPU kernel), "reference" (one MLX attention call per
     # row, where there is no kernel) or "off" (each request its own KVCache).
     kv_pool: str = "off"
+    # Decode passes start evaluating every this many layers while the rest is built
+    # (kernels/batching/ragged.py ragged_logits); 0: built whole, then evaluated.
+    async_eval_layers: int = 0
     fingerprint: str = ""
 
     @property

@@ -164,7 +164,8 @@ class ModelRunner:
         # each call of more than L rows then runs in blocks of at most L.
         with calls_in_blocks() if decode_pass.canonical else native_forms():
             if self.batched:
-                logits = ragged_logits(self.model, [(state.cache, rows) for state, rows in members])
+                logits = ragged_logits(self.model, [(state.cache, rows) for state, rows in members],
+                                       self.deployment.async_eval_layers)
             else:
                 (state, rows), = members
                 logits = self.forward_rows(state.cache, rows)
