@@ -433,3 +433,22 @@ def test_linear_shapes_lists_the_layers_the_forms_send_to_kernels():
     group = quantized.model.layers[0].mlp.up_proj.group_size
     assert (256, 128, mx.bfloat16, "affine", group) in shapes
     assert linear_shapes(quantized, dense="gemv_rows") == [s for s in shapes if s[3] == "gemv_rows"]
+
+
+def test_launches_are_traced_on_cuda_only():
+    """A Metal launch (never run here) keeps its direct call: one call of the kernel a launch."""
+    seen = []
+
+    def call(inputs, scale):
+        seen.append(scale)
+        return [inputs[0] * scale]
+
+    x = mx.ones((2, 3))
+    direct = compiled.traced_on("metal", call, {"scale": 3.0})
+    for _ in range(2):
+        assert mx.array_equal(direct(x)[0], x * 3.0).item()
+    assert seen == [3.0, 3.0]
+    cuda = compiled.traced_on("cuda", call, {"scale": 2.0})
+    for _ in range(2):
+        assert mx.array_equal(cuda(x)[0], x * 2.0).item()
+    assert seen == [3.0, 3.0, 2.0]

@@ -88,11 +88,7 @@ def _launcher(which: str, dtype, dim: int, heads: int, count: int, kv_heads: int
 
 @lru_cache(maxsize=4096)
 def _traced(*shape):
-    """A CUDA launch shape as one compiled call (compiled.traced); Metal keeps its direct call."""
-    if shape[0] != "cuda":
-        kernel, launch = _launcher(*shape)
-        return lambda *inputs: kernel(inputs=list(inputs), **launch)
-    return compiled.traced(*_launcher(*shape))
+    return compiled.traced_on(shape[0], *_launcher(*shape))
 
 
 @lru_cache(maxsize=64)

@@ -359,6 +359,14 @@ def traced(call, launch: dict) -> Callable[..., list]:
     return mx.compile(lambda *inputs: call(inputs=list(inputs), **launch))
 
 
+def traced_on(which: str, call, launch: dict) -> Callable[..., list]:
+    """`traced` for a CUDA launch; elsewhere (Metal's metal_kernel, never run here) the direct
+    call as a function of the inputs."""
+    if which == "cuda":
+        return traced(call, launch)
+    return lambda *inputs: call(inputs=list(inputs), **launch)
+
+
 def precompile(instances: Iterable[tuple[Family, tuple]], workers: int | None = None) -> int:
     """Compile (or read) every (family, template) instance at once, `workers` at a time
     (default_workers()). Returns how many are ready; 0 where the path is off. A failed

@@ -112,7 +112,7 @@ def _launcher(m: int, n: int, k: int, mode: str, bits: int, group: int, fused: i
 
 
 @lru_cache(maxsize=4096)
-def _traced(*shape) -> tuple:
+def _traced(*shape):
     return compiled.traced(*_launcher(*shape))
 
 

@@ -200,11 +200,7 @@ def _launcher(which: str, kind: str, m: int, n: int, k: int, group: int, dtype) 
 
 @lru_cache(maxsize=4096)
 def _traced(*shape):
-    """A CUDA launch shape as one compiled call (compiled.traced); Metal keeps its direct call."""
-    if shape[0] != "cuda":
-        kernel, launch = _launcher(*shape)
-        return lambda *inputs: kernel(inputs=list(inputs), **launch)
-    return compiled.traced(*_launcher(*shape))
+    return compiled.traced_on(shape[0], *_launcher(*shape))
 
 
 compiled.on_disable("skinny", _launcher.cache_clear)
