@@ -14,7 +14,8 @@ import subprocess
 import sys
 
 from lockstep.server.commands.runtime_args import (add_kv_pool_argument, add_limit_argument, add_model_arguments,
-                                                   add_strategy_argument, apply_cpu_blas, apply_cuda_graphs, options_from_args)
+                                                   add_strategy_argument, apply_cpu_blas, apply_cuda_graphs,
+                                                   options_from_args)
 from lockstep.server.options import DEFAULT_MEASURE_LIMIT, DEFAULT_MEASURE_TOKENS, DEFAULT_PREFILL_CHUNK
 
 
