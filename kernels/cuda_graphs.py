@@ -11,15 +11,13 @@ choice (and the startup proofs run under it). Elsewhere than CUDA the variable i
 from __future__ import annotations
 
 import os
-import re
-from typing import Mapping
 
 ENV = "MLX_USE_CUDA_GRAPHS"
 CHOICES = ("auto", "on", "off")
 DEFAULT = "auto"
 
 
-def resolve(choice: str, environ: Mapping[str, str] = os.environ) -> str | None:
+def resolve(choice: str) -> str | None:
     """The value `choice` puts in ENV, or None to leave the process's own (auto: the environment's
     value, else MLX's default, graphs on)."""
     if choice not in CHOICES:
@@ -31,17 +29,9 @@ def resolve(choice: str, environ: Mapping[str, str] = os.environ) -> str | None:
     return None
 
 
-def apply(choice: str) -> str | None:
-    """Set ENV for `choice` (call before MLX runs anything on the GPU); the value MLX will read."""
+def apply(choice: str) -> None:
+    """Set ENV for `choice` (call before MLX runs anything on the GPU)."""
     value = resolve(choice)
     if value is not None:
         os.environ[ENV] = value
-    return os.environ.get(ENV)
 
-
-def describe(environ: Mapping[str, str] = os.environ) -> str:
-    """'on' or 'off', as MLX will read ENV: C's atoi of its value, non-zero for on (default on)."""
-    if ENV not in environ:
-        return "on"
-    digits = re.match(r"\s*[+-]?\d+", environ[ENV])
-    return "on" if digits and int(digits.group()) != 0 else "off"

@@ -85,7 +85,7 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
         raise ValueError("--guarantee-timeout must be >= 0")
     if args.async_eval_layers < 0:
         raise ValueError("--async-eval-layers must be >= 0")
-    if args.async_eval_layers and getattr(args, "parallel", None):
+    if args.async_eval_layers and args.parallel:
         # every rank must meet its collectives in the same order as the others
         raise ValueError("--async-eval-layers does not work with --parallel")
 
