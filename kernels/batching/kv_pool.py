@@ -66,7 +66,7 @@ class PooledLayerCache:
         """Append (1, HKV, n, D) keys/values; returns views of all keys/values so far."""
         n = keys.shape[2]
         self.span.check_room(self.offset + n)
-        self.pool.write(self.layer, self.span.start + self.offset, keys[0], values[0])
+        self.pool.write(self.layer, self.span.start + self.offset, keys.squeeze(0), values.squeeze(0))
         self.offset += n
         return self.state
 

@@ -106,7 +106,7 @@ class RaggedLayerCache:
             # while the host builds the rest of the pass. The same ops, so the same bits.
             mx.async_eval(keys, values)
         if self.pooled is not None:
-            self.pooled.pool.write_rows(self.caches[0].layer, self.pooled, keys[0], values[0])
+            self.pooled.pool.write_rows(self.caches[0].layer, self.pooled, keys.squeeze(0), values.squeeze(0))
             for cache, n in zip(self.caches, self.rows):
                 cache.offset += n
             return keys, values
@@ -146,6 +146,8 @@ def _ragged_rope_class(cls: type) -> type:
 
         def __call__(self, x, offset=0, *args, **kwargs):
             if isinstance(offset, RowPositions):
+                if x.shape[2] == 1:  # one row is already one batch entry: the same call, two view ops fewer
+                    return cls.__call__(self, x, offset.positions, *args, **kwargs)
                 # (1, H, T, D) -> (T, H, 1, D): each row a batch entry at its own position.
                 y = cls.__call__(self, x.transpose(2, 1, 0, 3), offset.positions, *args, **kwargs)
                 return y.transpose(2, 1, 0, 3)
@@ -263,7 +265,7 @@ def ragged_logits(model, requests: list[tuple[list, list[int]]], eval_every: int
     evaluating (`mx.async_eval`), so the device works while the host builds the next layers
     instead of waiting for the whole graph (MLX builds a graph, then evaluates it)."""
     tokens, ragged = _ragged_inputs(requests, eval_every)
-    return model(tokens, cache=ragged)[0]
+    return model(tokens, cache=ragged).squeeze(0)
 
 
 def ragged_prompt_forward(model, requests: list[tuple[list, list[int]]]) -> mx.array:

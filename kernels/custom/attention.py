@@ -124,7 +124,7 @@ def kernel_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows
     _, heads, count, dim = queries.shape
     base, lens = rows.arrays()
     run = _traced(backend(), queries.dtype, dim, heads, count, k_pool.shape[0], k_pool.shape[1])
-    out = run(queries[0], k_pool, v_pool, base, lens, _scale(float(scale)))[0]
+    out = run(queries.squeeze(0), k_pool, v_pool, base, lens, _scale(float(scale)))[0]
     return out[None]
 
 

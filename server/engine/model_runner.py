@@ -33,7 +33,7 @@ SOLO = "one request per pass"  # the batching problem of a runner made for one r
 
 def forward(model, cache: list, tokens: list[int]) -> mx.array:
     """Logits for every position of `tokens`, appending them to `cache` (a plain model call)."""
-    return model(mx.array(tokens)[None], cache=cache)[0]
+    return model(mx.array(tokens)[None], cache=cache).squeeze(0)
 
 
 def prompt_forward(model, cache: list, tokens: list[int]) -> None:
