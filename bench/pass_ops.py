@@ -22,6 +22,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from op_count import ops  # noqa: E402
+from lockstep.kernels import custom  # noqa: E402
 from lockstep.kernels.batching.kv_pool import KVPool  # noqa: E402
 from lockstep.kernels.batching.pool_mode import pool_mode  # noqa: E402
 from lockstep.kernels.batching.ragged import enable_ragged, ragged_logits  # noqa: E402
@@ -35,7 +36,7 @@ def main() -> int:
     ap.add_argument("--model", default="default")
     ap.add_argument("--weights", default="float16")
     ap.add_argument("--limit", type=int, default=8)
-    ap.add_argument("--strategy", default="auto")
+    ap.add_argument("--strategy", default=None, help="default: gemv_rows on CUDA (what serve proves there), else auto")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--prompt-tokens", type=int, default=40)
     ap.add_argument("--out")
@@ -59,7 +60,8 @@ def main() -> int:
         c = pool.allocate(args.prompt_tokens + 64)
         mx.eval(model(prompt[None], cache=c))
         caches.append(c)
-    plan = set_batch_invariant_limit(model, args.limit, args.strategy, verify=False)
+    strategy = args.strategy or ("gemv_rows" if custom.backend() == "cuda" else "auto")
+    plan = set_batch_invariant_limit(model, args.limit, strategy, verify=False)
     def counted(rows: int) -> Counter:
         """The pass's ops; then it runs and its rows are trimmed, so the next count starts
         from evaluated state (an unevaluated pass would be part of the next one's graph)."""
