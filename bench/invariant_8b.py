@@ -14,9 +14,6 @@ with the NumPy model of their loop order. Measures and prints; asserts nothing.
 --fuse: the model with q/k/v and gate/up fused (`serve --fuse-projections`) for every row of
 the table, native included; compare with a run without it.
 
---one-row-kernels: lockstep_native and gemv_rows again with one row of every large 4-bit layer
-through lockstep's kernel (NAME+1row; `serve --one-row-kernels auto`).
-
 --kv-pool: every strategy but native runs as lockstep's engine runs it (a ragged pass of one
 request over the KV pool: one KV write and one attention launch per layer, decode included);
 native stays the plain mlx-lm call, the stock baseline; lockstep_native is lockstep's own
@@ -38,7 +35,6 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from lockstep.kernels import custom  # noqa: E402
 from lockstep.kernels.custom import loop_order, mma_order, skinny  # noqa: E402
-from lockstep.kernels.custom.one_row import remove_one_row_kernels, use_one_row_kernels  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from lockstep.kernels.invariance.selftest import bits_equal  # noqa: E402
 from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
@@ -125,15 +121,10 @@ def rows_identical(run, cache, tokens) -> int:
 
 
 def install(model, strategy: str, rows: int):
-    """The strategy's forms; NAME+1row: with one-row kernels (kernels/custom/one_row.py), swapped
-    in before the forms (which keep them)."""
-    base, _, one_row = strategy.partition("+")
-    set_batch_invariant_limit(model, 0)
-    remove_one_row_kernels(model)
-    if one_row and not use_one_row_kernels(model):
-        print(f"{strategy}: no layer takes a one-row kernel here", flush=True)
-    if base not in ("native", "lockstep_native"):
-        set_batch_invariant_limit(model, rows, base, verify=False)
+    if strategy in ("native", "lockstep_native"):
+        set_batch_invariant_limit(model, 0)
+    else:
+        set_batch_invariant_limit(model, rows, strategy, verify=False)
 
 
 def check_kernels(log) -> None:
@@ -201,8 +192,6 @@ def main():
     ap.add_argument("--kv-pool", action="store_true",
                     help="strategies over the engine's KV pool (one attention launch per layer); native stays on mlx-lm's caches")
     ap.add_argument("--fuse", action="store_true", help="fuse q/k/v and gate/up (models/fused_projections.py)")
-    ap.add_argument("--one-row-kernels", action="store_true",
-                    help="also lockstep_native and gemv_rows with one-row kernels (NAME+1row)")
     ap.add_argument("--out")
     a = ap.parse_args()
     lines = []
@@ -219,8 +208,6 @@ def main():
         check_kernels(log)
     rows = [int(r) for r in a.rows.split(",")]
     strategies = [s for s in STRATEGIES if s in a.strategies.split(",")]
-    if a.one_row_kernels:
-        strategies += [f"{s}+1row" for s in strategies if s in ("lockstep_native", "gemv_rows")]
     table = []
     for weights in a.weights.split(","):
         model = build(weights, a.layers)
@@ -248,7 +235,6 @@ def main():
                 table.append((weights, b, strategy, ms, floor_ms, same))
                 log(f"{weights:>8} B={b:<3} {strategy:>13}: {ms:8.2f} ms  {100 * floor_ms / ms:5.1f}% of floor"
                     f"  rows == single-row pass: {same}/{b}")
-        remove_one_row_kernels(model)
         for strategy in (s for s in strategies if s in ("gemv_rows", "skinny") and a.proof_limit):
             plan = set_batch_invariant_limit(model, a.proof_limit, strategy)
             log(f"self-test L={a.proof_limit} ({strategy}): guaranteed={plan.guaranteed}, widths "

@@ -30,9 +30,6 @@ CPU_BLAS_CHOICES = ("auto", *_BLAS_LIBRARIES)  # auto: OpenBLAS where MLX comput
 # "fresh" redoes and re-stores them, "off" skips the audit (self-test still cached).
 AUDIT_MODES = ("cached", "fresh", "off")
 PARALLEL_CHOICES = PARALLEL_MODES  # serve --parallel
-# One row of a large 4-bit layer through lockstep's kernel with MLX's bits (kernels/custom/one_row.py):
-# "auto" where its smoke test proved it on this GPU, "off" MLX's own call.
-ONE_ROW_KERNEL_CHOICES = ("auto", "off")
 DISTRIBUTED_BACKENDS = ("any", *BACKENDS)  # any: the one mlx.launch prepared
 
 # --- defaults ---
@@ -41,7 +38,6 @@ DEFAULT_WEIGHTS = "auto"
 DEFAULT_STRATEGY = "auto"
 DEFAULT_AUDIT = "cached"
 DEFAULT_KV_POOL = "auto"
-DEFAULT_ONE_ROW_KERNELS = "auto"
 DEFAULT_CPU_BLAS = "auto"
 DEFAULT_SPECULATIVE = "none"
 DEFAULT_NUM_DRAFT_TOKENS = 4

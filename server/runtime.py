@@ -63,8 +63,6 @@ class Options:
     draft_model: str | None = None  # a model spec, or "default-quantized"
     # q/k/v and gate/up each as one matmul (models/fused_projections.py), before the audit
     fuse_projections: bool = False
-    # One row of a large 4-bit layer through lockstep's kernel (kernels/custom/one_row.py): auto / off
-    one_row_kernels: str = "auto"
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     audit: str = "cached"  # one of AUDIT_MODES (server/options.py says what each does)
     # Applied to the loaded, audited model before batch invariance (distributed sharding,
@@ -174,7 +172,7 @@ class Runtime:
 
 def _load_audited(spec: str, weights: str, quantize: str | None, bits, group,
                   audit: str = "cached", phases: Phases | None = None, phase_prefix: str = "",
-                  fuse: bool = False, one_row: bool = False) -> tuple:
+                  fuse: bool = False) -> tuple:
     from lockstep.kernels.audit import audit_and_patch, audit_verdict_cache
     from lockstep.models.load import load_model
     from lockstep.models.quantize import quantize_model_in_memory
@@ -203,23 +201,10 @@ def _load_audited(spec: str, weights: str, quantize: str | None, bits, group,
                                      fresh=audit == "fresh")
     if report is not None and report.patched:
         transform += ";workarounds=" + ",".join(f"{c.config.label()}:{c.verdict}" for c in report.patched)
-    if one_row:  # after the audit: a layer it patched keeps the patch's own call
-        from lockstep.kernels.custom.one_row import use_one_row_kernels
-
-        with phases.timed(phase_prefix + "one_row_kernels"):
-            swapped = use_one_row_kernels(loaded.model)
-        if swapped:
-            log.info("one-row calls of %d quantized layers run lockstep's kernel (MLX's bits)", swapped)
     # Materialise everything quantization and workarounds left lazy: MLX streams belong to
     # the thread that made them, and the engine evaluates on its own worker thread.
     mx.eval(loaded.model.parameters())
     return loaded, report, transform
-
-
-def _one_row(options: Options) -> bool:
-    """Whether one-row calls of large 4-bit layers take lockstep's kernel: `--one-row-kernels
-    auto`, and no distributed sharding (it splits the layers as mlx-lm made them)."""
-    return options.one_row_kernels == "auto" and options.prepare_model is None
 
 
 def load_draft(options: Options, loaded, timings: Phases) -> tuple:
@@ -228,11 +213,11 @@ def load_draft(options: Options, loaded, timings: Phases) -> tuple:
     if options.draft_model == "default-quantized":
         # a 4-bit copy of the target: cheap to make, and it agrees with it often
         draft_loaded, _, _ = _load_audited(options.model, "auto", "affine", 4, 32, options.audit, timings,
-                                           phase_prefix="draft_", one_row=_one_row(options))
+                                           phase_prefix="draft_")
         draft_name = f"{loaded.name} (affine 4-bit g32 copy)"
     else:
         draft_loaded, _, _ = _load_audited(options.draft_model, "auto", None, None, None, options.audit, timings,
-                                           phase_prefix="draft_", one_row=_one_row(options))
+                                           phase_prefix="draft_")
         draft_name = draft_loaded.name
         from lockstep.server.engine.speculative import draft_tokenizer_problem
 
@@ -303,8 +288,7 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
                          "splits the separate projections)")
     loaded, report, transform = _load_audited(options.model, options.weights, options.quantize,
                                               options.q_bits, options.q_group_size,
-                                              options.audit, timings, fuse=options.fuse_projections,
-                                              one_row=_one_row(options))
+                                              options.audit, timings, fuse=options.fuse_projections)
     if options.prepare_model is not None:
         transform += ";" + options.prepare_model(loaded.model)
 

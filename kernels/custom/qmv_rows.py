@@ -3,12 +3,11 @@ GEMV (affine 4/8-bit, nvfp4, mxfp4, mxfp8; float16 and bfloat16 x), the weights 
 dequantized once per group of rows: each instance compiled once per machine (compiled.py)
 and launched with mx.fast.precompiled_cuda_kernel, else through mx.fast.cuda_kernel.
 
-A block of 2..64 rows runs this kernel, whose rows carry the single-row call's bits because
-they follow its order (index model: qmv_order.py); so does one row of a large 4-bit layer,
-where the kernel is the faster of the two (`one_row_columns`; kernels/custom/one_row.py).
-That order is MLX's build's, not ours: whether its affine dequantization rounds once or twice
-is found by the smoke test, which compares every row (one-row launches included) with the
-plain call bit for bit on this GPU; the startup self-test then proves the model. CUDA only.
+Decode (M = 1) keeps MLX's plain quantized_matmul; a block of 2..64 rows runs this kernel,
+whose rows carry the single-row call's bits because they follow its order (index model:
+qmv_order.py). That order is MLX's build's, not ours: whether its affine dequantization
+rounds once or twice is found by the smoke test, which compares every row with the plain
+call bit for bit on this GPU; the startup self-test then proves the model. CUDA only.
 """
 from functools import lru_cache
 from pathlib import Path
@@ -121,11 +120,9 @@ compiled.on_disable("qmv_rows", _launcher.cache_clear)
 compiled.on_disable("qmv_rows", _traced.cache_clear)
 
 
-def instances(m: int, n: int, mode: str, bits: int, group: int, dtype, fused: int = 0,
-              rows: int | None = None, columns: int | None = None) -> list:
+def instances(m: int, n: int, mode: str, bits: int, group: int, dtype, fused: int = 0) -> list:
     """The (family, template) instance a launch runs (compiled.precompile)."""
-    plan = _launch_plan(m, n, mode, bits, group, fused, dtype, rows, columns)
-    return [(family(_kind(mode)), tuple(plan["template"]))]
+    return [(family(_kind(mode)), tuple(_launch_plan(m, n, mode, bits, group, fused, dtype)["template"]))]
 
 
 def serves(x: mx.array, weight: mx.array, scales: mx.array, biases, *, group_size: int, bits: int,
@@ -171,30 +168,6 @@ def try_matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: s
     return _launch(x, weight, scales, biases, group_size, bits, mode, fused)
 
 
-# One row of a large 4-bit layer runs faster through this kernel than through MLX's own quantized
-# GEMV, with that call's bits (the same order): layers of at least this many weights (N * K),
-# measured at the Llama-3-8B shapes (docs/BENCHMARKS.md, session 15: gate, up, down and the head
-# faster, q/k/v/o and every 8-bit layer slower).
-ONE_ROW_MIN_WEIGHTS = 1 << 25
-
-
-def one_row_columns(mode: str, bits: int, n: int, k: int) -> int | None:
-    """Output columns a warp for one row of an (N, K) layer through this kernel, or None where
-    MLX's own call is the faster one (8-bit weights, layers under ONE_ROW_MIN_WEIGHTS)."""
-    if weight_bits(mode, bits) != 4 or n * k < ONE_ROW_MIN_WEIGHTS:
-        return None
-    return 2 if mode == "affine" else 1  # the faster of 1, 2, 4, 8 at the 8B shapes
-
-
-def one_row_matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str, fused: int,
-                   columns: int) -> mx.array:
-    """x (1, K) through this kernel as one row, `columns` output columns a warp: MLX's
-    single-row call's bits (the proven `fused` variant)."""
-    return _launch(x, weight, scales, biases, group_size, bits, mode, fused, 1, columns)
-
-
-# The one-row launches one_row_columns picks, proven beside the blocks.
-ONE_ROW_COLUMNS = (1, 2)
 # (M, N, K): K % 512 a tail for 4-bit codes (640, 384: lanes 0..7 / 0..23 take one more
 # tile; 384 has no full tile), N a partial last block, M a partial last row group, and
 # 4099 a partial last group of four columns.
@@ -207,10 +180,8 @@ def _smoke_groups(mode: str) -> tuple:
 
 def _smoke_test(mode: str, bits: int, dtype, fused: int) -> str | None:
     """Every row of the kernel against MLX's own single-row call, bit for bit; None: equal."""
-    compiled.precompile([i for group in _smoke_groups(mode) for m, n, _ in SMOKE_SHAPES
-                         for i in instances(m, n, mode, bits, group, dtype, fused)]
-                        + [i for group in _smoke_groups(mode) for _, n, _ in SMOKE_SHAPES for c in ONE_ROW_COLUMNS
-                           for i in instances(1, n, mode, bits, group, dtype, fused, 1, c)])
+    compiled.precompile(i for group in _smoke_groups(mode) for m, n, _ in SMOKE_SHAPES
+                        for i in instances(m, n, mode, bits, group, dtype, fused))
     key = mx.random.key(13)
     for group in _smoke_groups(mode):
         for m, n, k in SMOKE_SHAPES:
@@ -225,11 +196,6 @@ def _smoke_test(mode: str, bits: int, dtype, fused: int) -> str | None:
                                     for i in range(m)], axis=0)
             if not mx.array_equal(block, alone).item():
                 return f"{mode} {bits}-bit g{group} {dtype} {m}x{n}x{k}: rows differ from MLX's single-row GEMV"
-            for c in ONE_ROW_COLUMNS:
-                one = one_row_matmul(x[:1], wq, scales, biases, fused=fused, columns=c, **kw_)
-                if not mx.array_equal(one, alone[:1]).item():
-                    return (f"{mode} {bits}-bit g{group} {dtype} 1x{n}x{k}, {c} columns a warp: the row differs "
-                            f"from MLX's single-row GEMV")
     return None
 
 

@@ -30,8 +30,6 @@ import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
-from ..custom.one_row import OneRowQuantizedLinear, one_row_call
-from ..custom.qmv_rows import DTYPES as ONE_ROW_DTYPES
 from .composed_attention import composed_attention, composed_serves
 from .cache_check import is_positional
 from .prefill_attention import blocked_causal, wants_blocks
@@ -197,18 +195,6 @@ class InvariantQuantizedLinear(nn.QuantizedLinear):
         return y + self["bias"] if "bias" in self else y
 
 
-class InvariantOneRowQuantizedLinear(InvariantQuantizedLinear, OneRowQuantizedLinear):
-    """InvariantQuantizedLinear whose plain one-row call is the one-row kernel's
-    (kernels/custom/one_row.py: MLX's quantized GEMV's bits, proven by its smoke test)."""
-
-    def __call__(self, x):
-        s = _local.active
-        if (x.size == x.shape[-1] and x.dtype in ONE_ROW_DTYPES
-                and (s is None or s.quantized_native or s.quantized_row_plain)):
-            return one_row_call(self, x)
-        return InvariantQuantizedLinear.__call__(self, x)
-
-
 class InvariantEmbedding(nn.Embedding):
     def as_linear(self, x):
         s = _local.active
@@ -259,7 +245,6 @@ class InvariantSwitchMLP(SwitchMLP):
 LAYER_SWAPS = {
     nn.Linear: InvariantLinear,
     nn.QuantizedLinear: InvariantQuantizedLinear,
-    OneRowQuantizedLinear: InvariantOneRowQuantizedLinear,
     nn.Embedding: InvariantEmbedding,
     nn.QuantizedEmbedding: InvariantQuantizedEmbedding,
     SwitchGLU: InvariantSwitchGLU,

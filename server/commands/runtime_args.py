@@ -5,7 +5,6 @@ import argparse
 
 from lockstep.kernels import cuda_graphs
 from lockstep.server.options import (AUDIT_MODES, CPU_BLAS_CHOICES, DEFAULT_AUDIT, DEFAULT_CPU_BLAS,
-                                     DEFAULT_ONE_ROW_KERNELS, ONE_ROW_KERNEL_CHOICES,
                                      DEFAULT_KV_POOL, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MODEL,
                                      DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK, DEFAULT_SPECULATIVE,
                                      DEFAULT_STRATEGY, DEFAULT_WEIGHTS, INVARIANT_STRATEGIES, KV_POOL_MODES,
@@ -59,10 +58,6 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fuse-projections", action="store_true",
                         help="run q/k/v and gate/up each as one matmul (fewer launches per decode "
                              "step; the weights are concatenated, not copied)")
-    parser.add_argument("--one-row-kernels", choices=ONE_ROW_KERNEL_CHOICES, default=DEFAULT_ONE_ROW_KERNELS,
-                        help="one row (a decode step) of a large 4-bit layer through lockstep's kernel in "
-                             "the order of MLX's quantized GEMV: the same bits, faster (auto: where its "
-                             "smoke test proved it on this GPU; off: MLX's own call)")
     parser.add_argument("--audit", choices=AUDIT_MODES, default=DEFAULT_AUDIT,
                         help="quantized-kernel audit and self-test proofs: re-use this machine's "
                              "verdicts (cached, default), redo them (fresh), or skip the audit (off: "
@@ -105,7 +100,6 @@ def options_from_args(args: argparse.Namespace) -> Options:
         num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
         adaptive_speculation=getattr(args, "adaptive_speculation", False),
         draft_model=args.draft_model, fuse_projections=getattr(args, "fuse_projections", False),
-        one_row_kernels=getattr(args, "one_row_kernels", DEFAULT_ONE_ROW_KERNELS),
         prefill_chunk=args.prefill_chunk, audit=getattr(args, "audit", DEFAULT_AUDIT),
         kv_pool=getattr(args, "kv_pool", "off"),
         **({"max_batch_rows": args.max_batch_rows} if getattr(args, "max_batch_rows", None) else {}),
