@@ -6,8 +6,10 @@ at every linear of the Llama-3-8B shape, per format, MLX's call at M = 1 against
 at M = 1 with R output columns a warp, and whether every output equals MLX's bit for bit.
 
 Time per call: 64 calls (on 16 inputs) in one eval, / 64, median of 7: launch and host cost
-included, the calls running one after another on the stream as a decode step's do. Random
-weights. Measures and prints; asserts nothing.
+included, the calls running one after another on the stream as a decode step's do; the calls
+rotate over copies of the weight that together exceed the L2 cache (a first version used one
+copy: an 8B gate's 29 MB of nvfp4 stayed in the H200's 50 MB L2 and flattered the kernel).
+Random weights. Measures and prints; asserts nothing.
 
     python bench/one_row_gemv.py [--formats nvfp4,affine4,mxfp4,mxfp8,affine8,bf16] [--out t.md]
 """
@@ -32,6 +34,7 @@ FORMATS = {"nvfp4": ("nvfp4", 16, 4), "affine4": ("affine", 64, 4), "mxfp4": ("m
 COLUMNS = (1, 2, 4, 8)
 DENSE_SHAPES = ((1, 1), (2, 1), (4, 1))  # gemv_rows (columns, rows) per warp
 CALLS = 64
+ROTATION_BYTES = 200 << 20  # > the H200's 50 MB L2
 
 
 def per_call_us(make, n, repeats=7) -> float:
@@ -67,32 +70,38 @@ def main():
             kx, kw, key = mx.random.split(key, 3)
             xs = [(mx.random.normal((1, k), key=s)).astype(mx.bfloat16) for s in mx.random.split(kx, 16)]
             w = (mx.random.normal((n, k), key=kw) * 0.02).astype(mx.bfloat16)
+            # Calls rotate over copies of the weight whose bytes together exceed the L2 cache,
+            # so every call reads its weight from HBM, as a decode step does.
+            per_weight = n * k * (2 if spec is None else spec[2] / 8)
+            copies = max(1, int(-(-ROTATION_BYTES // per_weight)))
             if spec is None:
-                mx.eval(w, *xs)
-                mlx_call = lambda x: x @ w.T  # noqa: E731
-                variants = {f"{c}x{r}": (lambda x, s=(c, r): gemv_rows.matmul(x, w, shape=s)) for c, r in DENSE_SHAPES}
+                ws = [w + 0 for _ in range(copies)]
+                mx.eval(ws, *xs)
+                mlx_call = lambda x, j: x @ ws[j].T  # noqa: E731
+                variants = {f"{c}x{r}": (lambda x, j, s=(c, r): gemv_rows.matmul(x, ws[j], shape=s))
+                            for c, r in DENSE_SHAPES}
             else:
                 mode, group, bits = spec
-                wq, scales, *rest = mx.quantize(w, group, bits, mode=mode)
-                biases = rest[0] if rest else None
-                mx.eval(wq, scales, *rest, *xs)
+                qs = [mx.quantize(w + 0.001 * i, group, bits, mode=mode) for i in range(copies)]
+                qs = [(q[0], q[1], q[2] if len(q) > 2 else None) for q in qs]
+                mx.eval([a for q in qs for a in q if a is not None], *xs)
                 del w
                 kw_ = dict(group_size=group, bits=bits, mode=mode)
-                mlx_call = lambda x: mx.quantized_matmul(x, wq, scales, biases, transpose=True, **kw_)  # noqa: E731
+                mlx_call = lambda x, j: mx.quantized_matmul(x, *qs[j], transpose=True, **kw_)  # noqa: E731
                 fused = qmv_rows.proven_variant(mode, weight_bits(mode, bits), mx.bfloat16)
                 if fused is None:
                     log(f"| {label} | {name} | qmv_rows not proven here | | | |")
                     continue
-                variants = {f"R={c}": (lambda x, c=c: qmv_rows.matmul(x, wq, scales, biases, fused=fused, rows=1,
-                                                                     columns=c, **kw_)) for c in COLUMNS}
+                variants = {f"R={c}": (lambda x, j, c=c: qmv_rows.matmul(x, *qs[j], fused=fused, rows=1, columns=c,
+                                                                       **kw_)) for c in COLUMNS}
 
             def calls(fn):
-                return lambda count: [fn(xs[i % len(xs)]) for i in range(count)]
+                return lambda count: [fn(xs[i % len(xs)], i % copies) for i in range(count)]
 
             base = per_call_us(calls(mlx_call), CALLS)
-            reference = [mlx_call(x) for x in xs]
+            reference = [mlx_call(x, 0) for x in xs]
             for vname, fn in variants.items():
-                got = [fn(x) for x in xs]
+                got = [fn(x, 0) for x in xs]
                 differ = sum(int((g != r).sum().item()) for g, r in zip(got, reference))
                 t = per_call_us(calls(fn), CALLS)
                 log(f"| {label} | {name} {n}x{k} | {base:.1f} | {vname} | {t:.1f} | {t / base:.2f} | "
