@@ -462,3 +462,25 @@ def test_negative_control_wide_passes_without_blocks_change_answers(monkeypatch)
     solo, loaded, passes = wide_runs(monkeypatch, blocks=False)
     assert max(rows for rows, _ in passes) > WIDE_L
     assert any(loaded[i] != solo[i] for i in solo)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
+def test_a_rows_rope_is_the_same_alone_and_among_others(dtype):
+    """Ragged RoPE: each row at its own position. A row alone runs the model's RoPE on the row as
+    it is (one row is one batch entry); among others the rows become batch entries through two
+    transposes. Both give every row the same bits."""
+    import mlx.nn as nn
+
+    from lockstep.kernels.batching.ragged import RowPositions, _ragged_rope_class
+
+    rope = nn.RoPE(64, base=10000.0)
+    rope.__class__ = _ragged_rope_class(nn.RoPE)
+    x = mx.random.normal((1, 4, 3, 64), key=mx.random.key(3)).astype(dtype)
+    positions = [5, 37, 90]
+    together = rope(x, RowPositions(mx.array(positions)))
+    for r, p in enumerate(positions):
+        alone = rope(x[:, :, r:r + 1], RowPositions(mx.array([p])))
+        assert mx.array_equal(alone, together[:, :, r:r + 1]).item()
+        assert not mx.array_equal(alone, x[:, :, r:r + 1]).item()  # it rotated
+    through_transposes = nn.RoPE.__call__(rope, x[:, :, :1].transpose(2, 1, 0, 3), mx.array([5])).transpose(2, 1, 0, 3)
+    assert mx.array_equal(rope(x[:, :, :1], RowPositions(mx.array([5]))), through_transposes).item()
