@@ -108,8 +108,13 @@ def emulated(monkeypatch):
     monkeypatch.setattr(gemv_rows, "unavailable_reason", lambda: None)
 
     def use(kernel):
-        monkeypatch.setattr(gemv_rows, "try_matmul",
-                            lambda x, w: calls.append(x.shape[0]) or kernel(x, w))
+        def run(x, w):
+            calls.append(x.shape[0])
+            return kernel(x, w)
+
+        monkeypatch.setattr(gemv_rows, "try_matmul", run)
+        # a wide call's launch, as the canonical linear takes it (one decision per call shape)
+        monkeypatch.setattr(gemv_rows, "one_launch", lambda m, n, k, dtype: lambda x, w: [run(x, w)])
         return calls
     return use
 
@@ -136,6 +141,13 @@ def test_a_kernel_in_mlxs_order_is_proven_and_one_that_is_not_is_refused(emulate
         plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
         assert not plan.guaranteed and "self-test failed" in plan.reason
         assert not self_test(model, 4, prefixes=(7,)).passed
+
+
+def test_one_launch_is_decided_once_per_call_shape_and_not_off_cuda():
+    assert gemv_rows.one_launch(10, 64, 64, mx.float16) is None  # the CPU: no kernel
+    assert gemv_rows.one_launch.cache_info().currsize >= 1
+    assert gemv_rows.one_launch(10, 64, 64, mx.float16) is None
+    assert gemv_rows.one_launch.cache_info().hits >= 1
 
 
 def test_a_pass_wider_than_l_runs_each_linear_as_one_launch_and_keeps_the_rows_bits(emulated, monkeypatch):

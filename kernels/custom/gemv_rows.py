@@ -67,6 +67,7 @@ def _traced(m: int, n: int, k: int, dtype, shape: tuple | None):
 
 compiled.on_disable("gemv_rows", _launcher.cache_clear)
 compiled.on_disable("gemv_rows", _traced.cache_clear)
+compiled.on_disable("gemv_rows", lambda: one_launch.cache_clear())
 
 
 def instances(m: int, n: int, k: int, dtype, shape: tuple | None = None) -> list:
@@ -92,6 +93,16 @@ def try_matmul(x: mx.array, weight: mx.array):
     if unavailable_reason() is not None or not serves(x, weight):
         return None
     return _launch(x, weight, None)
+
+
+@lru_cache(maxsize=4096)
+def one_launch(m: int, n: int, k: int, dtype):
+    """The traced launch of an (m, k) @ (n, k).T call, both of `dtype`, where the kernel is
+    proven here and takes it, else None: try_matmul's decision, made once per call shape (a
+    canonical pass makes it for every linear, and each check costs host time)."""
+    if unavailable_reason() is not None or not (1 <= m <= MAX_ROWS and dtype in DTYPES):
+        return None
+    return _traced(m, n, k, dtype, None)
 
 
 def _launch(x: mx.array, weight: mx.array, shape: tuple | None) -> mx.array:

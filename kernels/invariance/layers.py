@@ -158,6 +158,10 @@ def _canonical(x, limit: int, call, one_launch=None):
 def _dense_canonical(x, weight, s: Setting):
     """_canonical for a dense weight (N, K) under `s`'s dense form."""
     form = s.strategy.dense
+    if _local.blocks and rows_of(x) > s.limit:  # a wide deterministic call: one launch where it can
+        y = dense_rows_in_one_launch(x, weight, form)
+        if y is not None:
+            return y
     return _canonical(x, s.limit, lambda r: dense_rows(r, weight, form),
                       lambda r: dense_rows_in_one_launch(r, weight, form))
 

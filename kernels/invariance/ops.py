@@ -123,12 +123,17 @@ ROW_INDEPENDENT_DENSE = ("gemv_rows", "skinny")
 def dense_rows_in_one_launch(x: mx.array, weight: mx.array, form: str):
     """dense_rows(x, weight, form) as one kernel launch for all of x's rows, where the form's
     kernel takes them (its rows do not depend on the call's width); None otherwise."""
-    if form not in ROW_INDEPENDENT_DENSE:
+    if form == "gemv_rows":
+        k = x.shape[-1]
+        m = x.size // k
+        n, weight_k = weight.shape
+        dtype = x.dtype
+        launch = custom.gemv_rows.one_launch(m, n, k, dtype) if weight_k == k and weight.dtype == dtype else None
+        return None if launch is None else launch(x.reshape(m, k), weight)[0].reshape(*x.shape[:-1], n)
+    if form != "skinny":
         return None
     *lead, k = x.shape
-    rows = x.reshape(-1, k)
-    out = (custom.gemv_rows.try_matmul(rows, weight) if form == "gemv_rows"
-           else custom.try_dense_matmul(rows, weight))
+    out = custom.try_dense_matmul(x.reshape(-1, k), weight)
     return None if out is None else out.reshape(*lead, out.shape[-1])
 
 
