@@ -143,11 +143,20 @@ def test_a_kernel_in_mlxs_order_is_proven_and_one_that_is_not_is_refused(emulate
         assert not self_test(model, 4, prefixes=(7,)).passed
 
 
-def test_one_launch_is_decided_once_per_call_shape_and_not_off_cuda():
-    assert gemv_rows.one_launch(10, 64, 64, mx.float16) is None  # the CPU: no kernel
-    assert gemv_rows.one_launch.cache_info().currsize >= 1
-    assert gemv_rows.one_launch(10, 64, 64, mx.float16) is None
-    assert gemv_rows.one_launch.cache_info().hits >= 1
+def test_one_launch_is_decided_once_per_call_shape(monkeypatch):
+    """The wide call's launch: the kernel's traced call where try_matmul would run the kernel,
+    None where it would not (unproven here, too many rows, a dtype it has no instance of)."""
+    gemv_rows.one_launch.cache_clear()
+    assert gemv_rows.one_launch(10, 64, 64, mx.float16) is None  # the CPU: not proven
+    monkeypatch.setattr(gemv_rows, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(gemv_rows, "_traced", lambda *shape: ("launch", shape))
+    gemv_rows.one_launch.cache_clear()
+    assert gemv_rows.one_launch(10, 64, 64, mx.float16) == ("launch", (10, 64, 64, mx.float16, None))
+    assert gemv_rows.one_launch(65, 64, 64, mx.float16) is None
+    assert gemv_rows.one_launch(10, 64, 64, mx.int32) is None
+    gemv_rows.one_launch(10, 64, 64, mx.float16)
+    assert gemv_rows.one_launch.cache_info().hits == 1
+    gemv_rows.one_launch.cache_clear()
 
 
 def test_a_pass_wider_than_l_runs_each_linear_as_one_launch_and_keeps_the_rows_bits(emulated, monkeypatch):

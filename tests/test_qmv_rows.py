@@ -188,8 +188,19 @@ def emulated(monkeypatch):
                         lambda x, w: mx.concatenate([x[i : i + 1] @ w.T for i in range(x.shape[0])], axis=0))
 
     def use(kernel):
-        monkeypatch.setattr(qmv_rows, "try_matmul",
-                            lambda x, *a, **kw: calls.append(x.shape[0]) or kernel(x, *a, **kw))
+        def run(x, *a, **kw):
+            calls.append(x.shape[0])
+            return kernel(x, *a, **kw)
+
+        monkeypatch.setattr(qmv_rows, "try_matmul", run)
+
+        def one_launch(m, n, k, mode, bits, group, *_):
+            # a wide call's launch, as the canonical linear takes it
+            def launch(x, w, scales, biases=None):
+                return [run(x, w, scales, biases, group_size=group, bits=bits, mode=mode)]
+            return launch
+
+        monkeypatch.setattr(qmv_rows, "one_launch", one_launch)
         return calls
     return use
 
@@ -225,6 +236,26 @@ def test_a_kernel_in_mlxs_order_is_proven_and_one_that_is_not_is_refused(emulate
         model = tiny_llama(quant=mode, dtype=mx.bfloat16)
         plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
         assert not plan.guaranteed and "self-test failed" in plan.reason
+
+
+def test_one_launch_takes_what_try_matmul_takes(monkeypatch):
+    """The launch decided once per call shape: the kernel's traced call where try_matmul would
+    run the kernel, None where it would not."""
+    monkeypatch.setattr(qmv_rows, "proven_variant", lambda mode, bits, dtype: 0)  # as if proven here
+    monkeypatch.setattr(qmv_rows, "_traced", lambda *shape: ("launch", shape))
+    qmv_rows.one_launch.cache_clear()
+    w, scales, biases, kw = quantized(16, 256, "affine")
+    x = rand(5, 256, dtype=mx.bfloat16)
+    assert qmv_rows.serves(x, w, scales, biases, **kw)
+    args = (5, 16, 256, "affine", 4, 64, mx.bfloat16, mx.uint32, w.shape[1])
+    assert qmv_rows.one_launch(*args, scales.dtype, biases.dtype)[0] == "launch"
+    assert qmv_rows.one_launch(*args, mx.float16, biases.dtype) is None  # scales of another dtype
+    assert qmv_rows.one_launch(*args[:4], 3, *args[5:], scales.dtype, biases.dtype) is None  # 3-bit
+    assert qmv_rows.one_launch(65, *args[1:], scales.dtype, biases.dtype) is None  # past 64 rows
+    wq, s8, _, _ = quantized(16, 256, "nvfp4")
+    assert qmv_rows.one_launch(5, 16, 256, "nvfp4", 4, 16, mx.bfloat16, mx.uint32, wq.shape[1], s8.dtype,
+                               None)[0] == "launch"
+    qmv_rows.one_launch.cache_clear()
 
 
 def test_a_pass_wider_than_l_runs_each_quantized_linear_as_one_launch(emulated, monkeypatch):

@@ -147,6 +147,29 @@ def _launch(x, weight, scales, biases, group_size: int, bits: int, mode: str, fu
     return (run(x, weight, scales, biases) if mode == "affine" else run(x, weight, scales))[0]
 
 
+@lru_cache(maxsize=4096)
+def one_launch(m: int, n: int, k: int, mode: str, bits: int, group: int, dtype, weight_dtype, packed: int,
+               scales_dtype, biases_dtype):
+    """The traced launch of an (m, k) call of an (n, packed) weight where the kernel is proven
+    here for this quantization and dtype and takes the arrays (their dtypes and shapes as
+    given), else None: try_matmul's decision, made once per call shape. Called with
+    (x, weight, scales, biases) for affine weights, (x, weight, scales) for the others."""
+    w_bits = weight_bits(mode, bits)
+    if (not takes(mode, bits, group) or dtype not in DTYPES or not 1 <= m <= MAX_ROWS
+            or k % elems_per_thread(16, w_bits) or k % group or weight_dtype != mx.uint32
+            or packed * (32 // w_bits) != k):
+        return None
+    if mode == "affine" and not (scales_dtype == dtype and biases_dtype == dtype):
+        return None
+    if mode != "affine" and scales_dtype != mx.uint8:
+        return None
+    fused = proven_variant(mode, w_bits, dtype)
+    return None if fused is None else _traced(m, n, k, mode, bits, group, fused, dtype, None, None)
+
+
+compiled.on_disable("qmv_rows", lambda: one_launch.cache_clear())
+
+
 def matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str, fused: int = 0,
            rows: int | None = None, columns: int | None = None) -> mx.array:
     """mx.quantized_matmul(x, weight, transpose=True) with each row in the order of MLX's

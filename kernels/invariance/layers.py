@@ -183,6 +183,11 @@ class InvariantLinear(nn.Linear):
 def _quantized_canonical(x, layer, s: Setting):
     """_canonical for a quantized layer under `s`'s quantized form."""
     args = (layer["weight"], layer["scales"], layer.get("biases"))
+    if _local.blocks and rows_of(x) > s.limit:  # a wide deterministic call: one launch where it can
+        y = quantized_rows_in_one_launch(x, *args, group_size=layer.group_size, bits=layer.bits, mode=layer.mode,
+                                         form=s.strategy.quantized_form)
+        if y is not None:
+            return y
     kw = dict(group_size=layer.group_size, bits=layer.bits, mode=layer.mode, form=s.strategy.quantized_form)
     return _canonical(x, s.limit, lambda r: quantized_rows(r, *args, rows_per_call=s.strategy.quantized_rows, **kw),
                       lambda r: quantized_rows_in_one_launch(r, *args, **kw))

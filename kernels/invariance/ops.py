@@ -228,6 +228,17 @@ def quantized_rows_in_one_launch(x: mx.array, weight: mx.array, scales: mx.array
                                  bits: int, mode: str, form: str):
     """quantized_rows(...) as one kernel launch for all of x's rows, where the form's kernel
     takes them (its rows do not depend on the call's width); None otherwise."""
+    if form == "qmv_rows":
+        k = x.shape[-1]
+        m = x.size // k
+        n, packed = weight.shape
+        launch = custom.qmv_rows.one_launch(m, n, k, mode, bits, group_size, x.dtype, weight.dtype, packed,
+                                            scales.dtype, None if biases is None else biases.dtype)
+        if launch is None:
+            return None
+        rows = x.reshape(m, k)
+        out = (launch(rows, weight, scales, biases) if mode == "affine" else launch(rows, weight, scales))[0]
+        return out.reshape(*x.shape[:-1], n)
     if form not in ROW_INDEPENDENT_QUANTIZED:
         return None
     *lead, k = x.shape
