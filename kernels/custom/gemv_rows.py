@@ -75,9 +75,14 @@ def instances(m: int, n: int, k: int, dtype, shape: tuple | None = None) -> list
     return [(family(), tuple(_launch_plan(m, n, k, dtype, shape)["template"]))]
 
 
+def _takes(m: int, dtype) -> bool:
+    """The rows and element type the kernel has instances for."""
+    return 1 <= m <= MAX_ROWS and dtype in DTYPES
+
+
 def serves(x: mx.array, weight: mx.array) -> bool:
-    return (x.ndim == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in DTYPES
-            and weight.dtype == x.dtype and weight.ndim == 2 and weight.shape[1] == x.shape[1])
+    return (x.ndim == 2 and weight.ndim == 2 and weight.dtype == x.dtype and weight.shape[1] == x.shape[1]
+            and _takes(x.shape[0], x.dtype))
 
 
 def matmul(x: mx.array, weight: mx.array, shape: tuple | None = None) -> mx.array:
@@ -90,9 +95,10 @@ def matmul(x: mx.array, weight: mx.array, shape: tuple | None = None) -> mx.arra
 
 def try_matmul(x: mx.array, weight: mx.array):
     """matmul(x, weight) where the kernel is proven here and takes these arrays, else None."""
-    if unavailable_reason() is not None or not serves(x, weight):
+    if not serves(x, weight):
         return None
-    return _launch(x, weight, None)
+    launch = one_launch(x.shape[0], weight.shape[0], x.shape[1], x.dtype)
+    return None if launch is None else launch(x, weight)[0]
 
 
 @lru_cache(maxsize=4096)
@@ -100,7 +106,7 @@ def one_launch(m: int, n: int, k: int, dtype):
     """The traced launch of an (m, k) @ (n, k).T call, both of `dtype`, where the kernel is
     proven here and takes it, else None: try_matmul's decision, made once per call shape (a
     canonical pass makes it for every linear, and each check costs host time)."""
-    if unavailable_reason() is not None or not (1 <= m <= MAX_ROWS and dtype in DTYPES):
+    if unavailable_reason() is not None or not _takes(m, dtype):
         return None
     return _traced(m, n, k, dtype, None)
 

@@ -125,26 +125,33 @@ def instances(m: int, n: int, mode: str, bits: int, group: int, dtype, fused: in
     return [(family(_kind(mode)), tuple(_launch_plan(m, n, mode, bits, group, fused, dtype)["template"]))]
 
 
-def serves(x: mx.array, weight: mx.array, scales: mx.array, biases, *, group_size: int, bits: int,
-           mode: str) -> bool:
-    if not takes(mode, bits, group_size) or x.ndim != 2 or x.dtype not in DTYPES:
+def _takes(m: int, k: int, mode: str, bits: int, group: int, dtype, weight_dtype, packed: int, scales_dtype,
+           biases_dtype) -> bool:
+    """Whether the kernel takes an (m, k) call of an (n, packed) weight with these dtypes."""
+    if not takes(mode, bits, group) or dtype not in DTYPES:
         return False
-    m, k = x.shape
     w_bits = weight_bits(mode, bits)
-    if not 1 <= m <= MAX_ROWS or k % elems_per_thread(16, w_bits) or k % group_size:
+    if not 1 <= m <= MAX_ROWS or k % elems_per_thread(16, w_bits) or k % group:
         return False
-    if weight.dtype != mx.uint32 or weight.ndim != 2 or weight.shape[1] * (32 // w_bits) != k:
+    if weight_dtype != mx.uint32 or packed * (32 // w_bits) != k:
         return False
     if mode == "affine":
-        return scales.dtype == x.dtype and getattr(biases, "dtype", None) == x.dtype
-    return scales.dtype == mx.uint8
+        return scales_dtype == dtype and biases_dtype == dtype
+    return scales_dtype == mx.uint8
+
+
+def serves(x: mx.array, weight: mx.array, scales: mx.array, biases, *, group_size: int, bits: int,
+           mode: str) -> bool:
+    return (x.ndim == 2 and weight.ndim == 2
+            and _takes(*x.shape, mode, bits, group_size, x.dtype, weight.dtype, weight.shape[1], scales.dtype,
+                       getattr(biases, "dtype", None)))
 
 
 def _launch(x, weight, scales, biases, group_size: int, bits: int, mode: str, fused: int,
             rows: int | None = None, columns: int | None = None) -> mx.array:
     m, k = x.shape
-    run = _traced(m, weight.shape[0], k, mode, bits, group_size, fused, x.dtype, rows, columns)
-    return (run(x, weight, scales, biases) if mode == "affine" else run(x, weight, scales))[0]
+    return run(_traced(m, weight.shape[0], k, mode, bits, group_size, fused, x.dtype, rows, columns), mode, x, weight,
+               scales, biases)
 
 
 @lru_cache(maxsize=4096)
@@ -152,19 +159,16 @@ def one_launch(m: int, n: int, k: int, mode: str, bits: int, group: int, dtype, 
                scales_dtype, biases_dtype):
     """The traced launch of an (m, k) call of an (n, packed) weight where the kernel is proven
     here for this quantization and dtype and takes the arrays (their dtypes and shapes as
-    given), else None: try_matmul's decision, made once per call shape. Called with
-    (x, weight, scales, biases) for affine weights, (x, weight, scales) for the others."""
-    w_bits = weight_bits(mode, bits)
-    if (not takes(mode, bits, group) or dtype not in DTYPES or not 1 <= m <= MAX_ROWS
-            or k % elems_per_thread(16, w_bits) or k % group or weight_dtype != mx.uint32
-            or packed * (32 // w_bits) != k):
+    given), else None: try_matmul's decision, made once per call shape. Run it with `run`."""
+    if not _takes(m, k, mode, bits, group, dtype, weight_dtype, packed, scales_dtype, biases_dtype):
         return None
-    if mode == "affine" and not (scales_dtype == dtype and biases_dtype == dtype):
-        return None
-    if mode != "affine" and scales_dtype != mx.uint8:
-        return None
-    fused = proven_variant(mode, w_bits, dtype)
+    fused = proven_variant(mode, weight_bits(mode, bits), dtype)
     return None if fused is None else _traced(m, n, k, mode, bits, group, fused, dtype, None, None)
+
+
+def run(launch, mode: str, x, weight, scales, biases) -> mx.array:
+    """A traced launch's output for these arrays (affine weights take their biases too)."""
+    return (launch(x, weight, scales, biases) if mode == "affine" else launch(x, weight, scales))[0]
 
 
 compiled.on_disable("qmv_rows", lambda: one_launch.cache_clear())
@@ -183,12 +187,11 @@ def matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str, 
 def try_matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str):
     """matmul(...) where the kernel is proven here for this quantization and x's dtype and
     takes the arrays, else None."""
-    if not serves(x, weight, scales, biases, group_size=group_size, bits=bits, mode=mode):
+    if x.ndim != 2 or weight.ndim != 2:
         return None
-    fused = proven_variant(mode, weight_bits(mode, bits), x.dtype)
-    if fused is None:
-        return None
-    return _launch(x, weight, scales, biases, group_size, bits, mode, fused)
+    launch = one_launch(x.shape[0], weight.shape[0], x.shape[1], mode, bits, group_size, x.dtype, weight.dtype,
+                        weight.shape[1], scales.dtype, getattr(biases, "dtype", None))
+    return None if launch is None else run(launch, mode, x, weight, scales, biases)
 
 
 # (M, N, K): K % 512 a tail for 4-bit codes (640, 384: lanes 0..7 / 0..23 take one more

@@ -142,17 +142,16 @@ _embedding_as_linear = nn.Embedding.as_linear
 _quantized_embedding_as_linear = nn.QuantizedEmbedding.as_linear
 
 
-def _canonical(x, limit: int, call, one_launch=None):
+def _canonical(x, limit: int, call):
     """`call(x)` for a call of at most `limit` rows; under `calls_in_blocks` a wider call runs
-    as one launch where `one_launch(x)` takes it (a kernel whose rows do not depend on the
-    call's width), else in blocks of at most `limit` rows; None: the call is wider than L and
-    runs natively (a prompt chunk)."""
+    in blocks of at most `limit` rows (its callers first try it as one launch of a kernel whose
+    rows do not depend on the call's width); None: the call is wider than L and runs natively
+    (a prompt chunk)."""
     if rows_of(x) <= limit:
         return call(x)
     if not _local.blocks:
         return None
-    y = one_launch(x) if one_launch is not None else None
-    return _in_blocks(x, limit, call) if y is None else y
+    return _in_blocks(x, limit, call)
 
 
 def _dense_canonical(x, weight, s: Setting):
@@ -162,8 +161,7 @@ def _dense_canonical(x, weight, s: Setting):
         y = dense_rows_in_one_launch(x, weight, form)
         if y is not None:
             return y
-    return _canonical(x, s.limit, lambda r: dense_rows(r, weight, form),
-                      lambda r: dense_rows_in_one_launch(r, weight, form))
+    return _canonical(x, s.limit, lambda r: dense_rows(r, weight, form))
 
 
 class InvariantLinear(nn.Linear):
@@ -189,8 +187,7 @@ def _quantized_canonical(x, layer, s: Setting):
         if y is not None:
             return y
     kw = dict(group_size=layer.group_size, bits=layer.bits, mode=layer.mode, form=s.strategy.quantized_form)
-    return _canonical(x, s.limit, lambda r: quantized_rows(r, *args, rows_per_call=s.strategy.quantized_rows, **kw),
-                      lambda r: quantized_rows_in_one_launch(r, *args, **kw))
+    return _canonical(x, s.limit, lambda r: quantized_rows(r, *args, rows_per_call=s.strategy.quantized_rows, **kw))
 
 
 class InvariantQuantizedLinear(nn.QuantizedLinear):

@@ -236,9 +236,7 @@ def quantized_rows_in_one_launch(x: mx.array, weight: mx.array, scales: mx.array
                                             scales.dtype, None if biases is None else biases.dtype)
         if launch is None:
             return None
-        rows = x.reshape(m, k)
-        out = (launch(rows, weight, scales, biases) if mode == "affine" else launch(rows, weight, scales))[0]
-        return out.reshape(*x.shape[:-1], n)
+        return custom.qmv_rows.run(launch, mode, x.reshape(m, k), weight, scales, biases).reshape(*x.shape[:-1], n)
     if form not in ROW_INDEPENDENT_QUANTIZED:
         return None
     *lead, k = x.shape
