@@ -92,16 +92,21 @@ def forward(model, cache, path):
     return lambda tokens: path.forward_rows(cache, tokens)
 
 
-def step_ms(run, cache, tokens, repeats: int) -> float:
-    """Median wall time of one forward step of `tokens` (the cache is rewound after each)."""
+def step_ms(run, cache, tokens, repeats: int, building: list | None = None) -> float:
+    """Median wall time of one forward step of `tokens` (the cache is rewound after each);
+    `building` gets the median of its Python graph building, the part before evaluation."""
     mx.eval(run(tokens))  # warm-up: kernel builds
     trim(cache, len(tokens))
-    times = []
+    times, builds = [], []
     for _ in range(repeats):
         t = time.perf_counter()
-        mx.eval(run(tokens))
+        out = run(tokens)
+        builds.append(time.perf_counter() - t)
+        mx.eval(out)
         times.append(time.perf_counter() - t)
         trim(cache, len(tokens))
+    if building is not None:
+        building.append(1e3 * float(np.median(builds)))
     return 1e3 * float(np.median(times))
 
 
@@ -230,11 +235,12 @@ def main():
                 on_pool = path is not None and strategy != "native"
                 kv = pooled if on_pool else cache
                 run = forward(model, kv, path if on_pool else None)
-                ms = step_ms(run, kv, tokens, a.repeats)
+                building = []
+                ms = step_ms(run, kv, tokens, a.repeats, building)
                 same = rows_identical(run, kv, tokens) if b > 1 else 1
                 table.append((weights, b, strategy, ms, floor_ms, same))
                 log(f"{weights:>8} B={b:<3} {strategy:>13}: {ms:8.2f} ms  {100 * floor_ms / ms:5.1f}% of floor"
-                    f"  rows == single-row pass: {same}/{b}")
+                    f"  (build {building[0]:.2f} ms)  rows == single-row pass: {same}/{b}")
         for strategy in (s for s in strategies if s in ("gemv_rows", "skinny") and a.proof_limit):
             plan = set_batch_invariant_limit(model, a.proof_limit, strategy)
             log(f"self-test L={a.proof_limit} ({strategy}): guaranteed={plan.guaranteed}, widths "
