@@ -1,0 +1,107 @@
+"""One row of a 4-bit linear through `qmv_split` (K split across a block, lockstep's order)
+against MLX's own quantized GEMV, at every linear of the Llama-3-8B shape, read from HBM.
+
+Per call: 64 calls (on 16 inputs) in one eval, / 64, median of 7, the calls rotating over
+copies of the weight that together exceed the H200's 50 MB L2 (bench/one_row_gemv.py's
+method). Beside each time, the share of the HBM floor (the weight's bytes, scales included,
+at 4.8 TB/s), each side's largest error against x @ dequantized W in float32 (relative to
+the largest output), and whether every row of a 4-row call equals its one-row call. Random
+weights. Measures and prints; asserts nothing. CUDA only.
+
+    python bench/qmv_split.py [--formats nvfp4,affine4,mxfp4] [--shapes 4x4,2x4,8x2] [--out t.md]
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from lockstep.kernels.custom import qmv_split  # noqa: E402
+
+SHAPES = [("q,o", 4096, 4096), ("k,v", 1024, 4096), ("gate,up", 14336, 4096), ("down", 4096, 14336),
+          ("head", 128256, 4096)]
+FORMATS = {"nvfp4": ("nvfp4", 16), "affine4": ("affine", 64), "mxfp4": ("mxfp4", 32)}
+CALLS = 64
+ROTATION_BYTES = 200 << 20  # > the H200's 50 MB L2
+HBM_BYTES_PER_S = 4.8e12
+
+
+def per_call_us(make, n, repeats=7) -> float:
+    """Median over `repeats` of one eval of n calls, / n."""
+    mx.eval(make(n))
+    times = []
+    for _ in range(repeats):
+        outs = make(n)
+        t = time.perf_counter()
+        mx.eval(outs)
+        times.append((time.perf_counter() - t) / n)
+    return 1e6 * float(np.median(times))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--shapes", default="4x4,4x1,8x1,8x2,16x1", help="C x U launch shapes of qmv_split")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    lines = []
+
+    def log(s=""):
+        print(s, flush=True)
+        lines.append(s)
+
+    launch_shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    log(f"backend {mx.default_device()}, MLX {mx.__version__}; x bfloat16, M = 1; qmv_split: "
+        f"{qmv_split.unavailable_reason('nvfp4') or 'smoke test passed'}")
+    log("| format | linear | MLX µs (% floor) | MLX error | C x U | split µs (% floor) | split ÷ MLX | split error "
+        "| 4 rows == alone |")
+    log("|---|---|---|---|---|---|---|---|---|")
+    key = mx.random.key(5)
+    for label in a.formats.split(","):
+        mode, group = FORMATS[label]
+        for name, n, k in SHAPES:
+            kx, kw, key = mx.random.split(key, 3)
+            xs = [(mx.random.normal((1, k), key=s)).astype(mx.bfloat16) for s in mx.random.split(kx, 16)]
+            w = (mx.random.normal((n, k), key=kw) * 0.02).astype(mx.bfloat16)
+            first = mx.quantize(w, group, 4, mode=mode)
+            nbytes = sum(v.nbytes for v in first)
+            copies = max(1, int(-(-ROTATION_BYTES // nbytes)))
+            qs = [first] + [mx.quantize(w + 0.001 * i, group, 4, mode=mode) for i in range(1, copies)]
+            qs = [(q[0], q[1], q[2] if len(q) > 2 else None) for q in qs]
+            mx.eval([v for q in qs for v in q if v is not None], *xs)
+            del w
+            kw_ = dict(group_size=group, bits=4, mode=mode)
+            floor_us = 1e6 * nbytes / HBM_BYTES_PER_S
+            exact = [x.astype(mx.float32) @ mx.dequantize(*qs[0], **kw_).astype(mx.float32).T for x in xs[:4]]
+            scale = max(mx.max(mx.abs(e)).item() for e in exact)
+
+            def error(fn):
+                return max(mx.max(mx.abs(fn(x, 0).astype(mx.float32) - e)).item() for x, e in zip(xs, exact)) / scale
+
+            def calls(fn):
+                return lambda count: [fn(xs[i % len(xs)], i % copies) for i in range(count)]
+
+            mlx_call = lambda x, j: mx.quantized_matmul(x, *qs[j], transpose=True, **kw_)  # noqa: E731
+            base = per_call_us(calls(mlx_call), CALLS)
+            base_error = error(mlx_call)
+            four = mx.concatenate(xs[:4], axis=0)
+            for c, u in launch_shapes:
+                fn = lambda x, j, c=c, u=u: qmv_split.matmul(x, *qs[j], columns=c, ahead=u, **kw_)  # noqa: E731
+                t = per_call_us(calls(fn), CALLS)
+                block = qmv_split.matmul(four, *qs[0], columns=c, ahead=u, **kw_)
+                alone = mx.concatenate([fn(x, 0) for x in xs[:4]], axis=0)
+                same = bool(mx.array_equal(block, alone).item())
+                log(f"| {label} | {name} {n}x{k} | {base:.1f} ({100 * floor_us / base:.0f} %) | {base_error:.2e} | "
+                    f"{c}x{u} | {t:.1f} ({100 * floor_us / t:.0f} %) | {t / base:.2f} | {error(fn):.2e} | {same} |")
+            del qs
+            mx.clear_cache()
+    if a.out:
+        Path(a.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Loads qmv_split.cu (beside this file): a few rows of x times a 4-bit quantized weight
+(affine-4, nvfp4, mxfp4; float16 and bfloat16 x) with K split across a block of 128 threads,
+lockstep's own order (index model: qmv_split_order.py), built to read the weights at HBM
+speed where MLX's quantized GEMV does not. Each instance compiled once per machine
+(compiled.py) and launched traced. CUDA only.
+
+A row's bits depend only on its own x row, the weight and K (never on how many rows the
+call has), so the kernel is batch-invariant by construction; its smoke test checks that on
+this GPU (every row of 2..8-row calls against the one-row call) and that the rows are close
+to the dequantized product.
+"""
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+
+from . import compiled
+from .skinny import SHARED_CUDA_SOURCE, backend, compact_source
+from .smoke_cache import smoke_verdict
+
+SOURCE = Path(__file__).resolve().parent / "qmv_split.cu"
+SHARED = Path(__file__).resolve().parent / SHARED_CUDA_SOURCE
+SKINNY_LOADER = Path(__file__).resolve().parent / "skinny.py"  # compact_source
+DTYPES = (mx.float16, mx.bfloat16)
+THREADS = 128
+MAX_ROWS = 8
+FORMAT_CODES = {"affine": 0, "nvfp4": 1, "mxfp4": 2}
+GROUPS = {"affine": (32, 64, 128), "nvfp4": (16,), "mxfp4": (32,)}
+_ARGS = "y, x_shape[0], w_shape[0], x_shape[1]);"
+_BODIES = {
+    "affine": "lockstep_qsplit::qmv_split<T, 0, GROUP, C, MR, U>(x, w, scales, nullptr, biases, " + _ARGS,
+    "fp": "lockstep_qsplit::qmv_split<T, FMT, GROUP, C, MR, U>(x, w, nullptr, scales, nullptr, " + _ARGS,
+}
+_INPUTS = {"affine": [("x", "T"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
+           "fp": [("x", "T"), ("w", "uint32_t"), ("scales", "uint8_t")]}
+_SCALARS = (("M", "x_shape[0]"), ("N", "w_shape[0]"), ("K", "x_shape[1]"))
+
+
+def _kind(mode: str) -> str:
+    return "affine" if mode == "affine" else "fp"
+
+
+def _header() -> str:
+    return compact_source(SHARED.read_text() + SOURCE.read_text())
+
+
+@lru_cache(maxsize=None)
+def _kernel(kind: str):
+    return mx.fast.cuda_kernel(name=f"lockstep_qmv_split_{kind}", input_names=[n for n, _ in _INPUTS[kind]],
+                               output_names=["y"], source=_BODIES[kind], header=_header())
+
+
+@lru_cache(maxsize=None)
+def family(kind: str) -> compiled.Family:
+    return compiled.Family(f"lockstep_qmv_split_{kind}", "qmv_split", _header(), _BODIES[kind],
+                           inputs=_INPUTS[kind], outputs=[("y", "T")], scalars=_SCALARS)
+
+
+def takes(mode: str, bits: int, group_size: int) -> bool:
+    return bits == 4 and group_size in GROUPS.get(mode, ())
+
+
+def block_columns(n: int) -> int:
+    """Outputs a block (C): which block computes an output, never the order of its sum."""
+    return 4 if n >= 2048 else 2
+
+
+def block_rows(m: int) -> int:
+    """Rows a block (MR): each weight load serves MR rows."""
+    return min(m, 4)
+
+
+LOADS_AHEAD = 4  # U: chunks a thread loads per output before it computes any
+
+
+@lru_cache(maxsize=4096)
+def _launch_plan(m: int, n: int, mode: str, group: int, dtype, columns: int | None = None,
+                 ahead: int | None = None) -> dict:
+    columns = columns or block_columns(n)
+    rows = block_rows(m)
+    template = [("T", dtype)]
+    if mode != "affine":
+        template.append(("FMT", FORMAT_CODES[mode]))
+    template += [("GROUP", group), ("C", columns), ("MR", rows), ("U", ahead or LOADS_AHEAD)]
+    return dict(
+        template=template,
+        grid=(-(-n // columns) * THREADS, -(-m // rows), 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(m, n)],
+        output_dtypes=[dtype],
+    )
+
+
+@lru_cache(maxsize=4096)
+def _launcher(m: int, n: int, k: int, mode: str, group: int, dtype, columns: int | None = None,
+              ahead: int | None = None) -> tuple:
+    plan = _launch_plan(m, n, mode, group, dtype, columns, ahead)
+    kind = _kind(mode)
+    return compiled.launcher(family(kind), plan, dict(M=m, N=n, K=k), lambda: (_kernel(kind), plan))
+
+
+@lru_cache(maxsize=4096)
+def _traced(*shape):
+    return compiled.traced(*_launcher(*shape))
+
+
+compiled.on_disable("qmv_split", _launcher.cache_clear)
+compiled.on_disable("qmv_split", _traced.cache_clear)
+
+
+def instances(m: int, n: int, mode: str, group: int, dtype) -> list:
+    """The (family, template) instance a launch runs (compiled.precompile)."""
+    return [(family(_kind(mode)), tuple(_launch_plan(m, n, mode, group, dtype)["template"]))]
+
+
+def _takes(m: int, k: int, mode: str, bits: int, group: int, dtype, weight_dtype, packed: int, scales_dtype,
+           biases_dtype) -> bool:
+    if not takes(mode, bits, group) or dtype not in DTYPES:
+        return False
+    if not 1 <= m <= MAX_ROWS or k % 32 or k % group:
+        return False
+    if weight_dtype != mx.uint32 or packed * 8 != k:
+        return False
+    if mode == "affine":
+        return scales_dtype == dtype and biases_dtype == dtype
+    return scales_dtype == mx.uint8
+
+
+def serves(x: mx.array, weight: mx.array, scales: mx.array, biases, *, group_size: int, bits: int,
+           mode: str) -> bool:
+    return (x.ndim == 2 and weight.ndim == 2
+            and _takes(*x.shape, mode, bits, group_size, x.dtype, weight.dtype, weight.shape[1], scales.dtype,
+                       getattr(biases, "dtype", None)))
+
+
+def run(launch, mode: str, x, weight, scales, biases) -> mx.array:
+    """A traced launch's output for these arrays (affine weights take their biases too)."""
+    return (launch(x, weight, scales, biases) if mode == "affine" else launch(x, weight, scales))[0]
+
+
+def matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str, columns: int | None = None,
+           ahead: int | None = None) -> mx.array:
+    """mx.quantized_matmul(x, weight, transpose=True) in this kernel's order (columns,
+    ahead: launch shape for benchmarks; they change no bits)."""
+    if not serves(x, weight, scales, biases, group_size=group_size, bits=bits, mode=mode):
+        raise ValueError(f"qmv_split cannot take {mode} {bits}-bit g{group_size}, x {x.shape} {x.dtype}")
+    m, k = x.shape
+    launch = _traced(m, weight.shape[0], k, mode, group_size, x.dtype, columns, ahead)
+    return run(launch, mode, x, weight, scales, biases)
+
+
+@lru_cache(maxsize=4096)
+def one_launch(m: int, n: int, k: int, mode: str, bits: int, group: int, dtype, weight_dtype, packed: int,
+               scales_dtype, biases_dtype):
+    """The traced launch of an (m, k) call where the kernel passed its smoke test here for
+    this quantization and dtype and takes the arrays, else None. Run it with `run`."""
+    if not _takes(m, k, mode, bits, group, dtype, weight_dtype, packed, scales_dtype, biases_dtype):
+        return None
+    if unavailable_reason(mode, dtype) is not None:
+        return None
+    return _traced(m, n, k, mode, group, dtype, None, None)
+
+
+compiled.on_disable("qmv_split", lambda: one_launch.cache_clear())
+
+
+def try_matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str):
+    """matmul(...) where the kernel is proven here and takes the arrays, else None."""
+    if x.ndim != 2 or weight.ndim != 2:
+        return None
+    launch = one_launch(x.shape[0], weight.shape[0], x.shape[1], mode, bits, group_size, x.dtype, weight.dtype,
+                        weight.shape[1], scales.dtype, getattr(biases, "dtype", None))
+    return None if launch is None else run(launch, mode, x, weight, scales, biases)
+
+
+# (M, N, K): K not a multiple of 128 chunks' worth (a partial last round: 1,056 = 33 chunks;
+# 4,640 = 145 chunks, threads 0..16 take a second chunk), N a partial last block, odd M.
+SMOKE_SHAPES = ((2, 33, 1056), (5, 70, 4640), (8, 9, 4096), (3, 1030, 512))
+
+
+def _smoke_test(mode: str, dtype) -> str | None:
+    """Every row of 2..8-row calls equals the one-row call bit for bit, and is close to the
+    product of x and the dequantized weight; None: both hold."""
+    compiled.precompile(i for group in GROUPS[mode] for m, n, _ in SMOKE_SHAPES
+                        for rows in {m, 1} for i in instances(rows, n, mode, group, dtype))
+    key = mx.random.key(17)
+    for group in GROUPS[mode]:
+        for m, n, k in SMOKE_SHAPES:
+            kx, kw, key = mx.random.split(key, 3)
+            x = mx.random.normal((m, k), key=kx).astype(dtype)
+            wq, scales, *rest = mx.quantize(mx.random.normal((n, k), key=kw).astype(dtype), group, 4, mode=mode)
+            biases = rest[0] if rest else None
+            kw_ = dict(group_size=group, bits=4, mode=mode)
+            block = matmul(x, wq, scales, biases, **kw_)
+            alone = mx.concatenate([matmul(x[i : i + 1], wq, scales, biases, **kw_) for i in range(m)], axis=0)
+            if not mx.array_equal(block, alone).item():
+                return f"{mode} g{group} {dtype} {m}x{n}x{k}: rows differ from the one-row call"
+            w = mx.dequantize(wq, scales, biases, group_size=group, bits=4, mode=mode).astype(mx.float32)
+            exact = x.astype(mx.float32) @ w.T
+            error = mx.max(mx.abs(block.astype(mx.float32) - exact)).item()
+            bound = 0.05 * mx.max(mx.abs(exact)).item() + 1e-3
+            if not error <= bound:
+                return f"{mode} g{group} {dtype} {m}x{n}x{k}: off the dequantized product by {error:.4g}"
+    return None
+
+
+@lru_cache(maxsize=None)
+def unavailable_reason(mode: str = "nvfp4", dtype=mx.bfloat16) -> str | None:
+    """None where the kernel passed its smoke test on this GPU for this format and dtype."""
+    if backend() != "cuda":
+        return f"qmv_split is a CUDA kernel; not on {mx.default_device()}"
+    if mode not in FORMAT_CODES:
+        return f"qmv_split has no {mode} kernel"
+    if dtype not in DTYPES:
+        return f"qmv_split takes float16 and bfloat16 x, not {dtype}"
+    name = f"qmv_split {mode} {dtype} {compiled.mode('qmv_split')}"
+    try:
+        problem = smoke_verdict(name, lambda: _smoke_test(mode, dtype), SOURCE, SHARED, __file__, SKINNY_LOADER,
+                                *compiled.SOURCES)
+    except Exception as exc:  # a compile or launch failure: the kernel is not used
+        problem = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return None if problem is None else f"qmv_split: {problem}"
