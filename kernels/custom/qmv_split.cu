@@ -6,9 +6,9 @@
 //
 // MLX's quantized GEMV gives each output a warp that walks K eight bytes a lane at a time;
 // a decode step's 4-bit linears read their weights at ~20 % of the H200's bandwidth that way.
-// Here a block of 128 threads takes C outputs: K is cut into chunks of 32 codes (16 bytes,
-// one load), thread t takes chunks t, t + 128, t + 256, ..., and loads U of them for each of
-// its C outputs before it computes any (bytes in flight).
+// Here a block of 128 threads takes C outputs at a time: K is cut into chunks of 32 codes (16
+// bytes, one load), thread t takes chunks t, t + 128, t + 256, ..., and loads U of them for
+// each of its C outputs before it computes any (bytes in flight).
 //
 // The order, for every output alike (index model: kernels/custom/qmv_split_order.py):
 // - a weight is code * scale in T (affine: code * scale, then + bias, each rounded to T);
@@ -56,11 +56,15 @@ __device__ __forceinline__ float code_value(uint32_t q) {
 }
 
 // A byte's two codes (low nibble first) as a T pair, through a table in shared memory: the
-// values are exact in T, so the table changes no bits.
+// values are exact in T, so the table changes no bits. Each of the 256 entries is stored
+// once per lane (entry e of lane l at e * 32 + l): a lane reads only its own bank, where one
+// shared copy had the warp's random bytes collide on banks.
 template <typename T, int FMT>
 __device__ __forceinline__ void fill_table(typename Pair<T>::type* table) {
-  for (int i = threadIdx.x; i < 256; i += blockDim.x)
-    table[i] = make_pair(from_float<T>(code_value<FMT>(i & 15)), from_float<T>(code_value<FMT>(i >> 4)));
+  for (int i = threadIdx.x; i < 256 * 32; i += blockDim.x) {
+    const int e = i >> 5;
+    table[i] = make_pair(from_float<T>(code_value<FMT>(e & 15)), from_float<T>(code_value<FMT>(e >> 4)));
+  }
   __syncthreads();
 }
 
@@ -78,116 +82,119 @@ __device__ void qmv_split(const T* x, const uint32_t* w, const T* scales_t, cons
   constexpr int THREADS = 128;
   constexpr int WARPS = THREADS / 32;
   constexpr int SCALES = GROUP == 16 ? 2 : 1;  // groups a 32-code chunk spans
-  __shared__ T2 table[256];
+  __shared__ T2 table[256 * 32];
   __shared__ float partial[WARPS][MR][C];
   fill_table<T, FMT>(table);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int n0 = blockIdx.x * C;
   const int m0 = blockIdx.y * MR;
   const int chunks = K >> 5;
   const int groups = K / GROUP;
-
-  const uint4* wrow[C];
-  int col[C];
-#pragma unroll
-  for (int c = 0; c < C; ++c) {
-    col[c] = min(n0 + c, N - 1);  // past N: never stored
-    wrow[c] = reinterpret_cast<const uint4*>(w + (size_t)col[c] * (K >> 3));
-  }
-  const T* xrow[MR];
-#pragma unroll
-  for (int m = 0; m < MR; ++m) xrow[m] = x + (size_t)min(m0 + m, M - 1) * K;  // past M: never stored
-
-  float acc[MR][C];
-#pragma unroll
-  for (int m = 0; m < MR; ++m)
-#pragma unroll
-    for (int c = 0; c < C; ++c) acc[m][c] = 0.0f;
-
+  // Blocks walk the column groups (the table is filled once per block, not once per group).
 #pragma unroll 1
-  for (int base = tid; base < chunks; base += THREADS * U) {
-    uint4 wv[U][C];
-    T sv[U][C][SCALES];
-    T bv[U][C];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int idx = base + u * THREADS;
-      if (idx < chunks) {
-#pragma unroll
-        for (int c = 0; c < C; ++c) {
-          wv[u][c] = __ldg(wrow[c] + idx);
-          const int g = col[c] * groups + idx * 32 / GROUP;
-#pragma unroll
-          for (int h = 0; h < SCALES; ++h) sv[u][c][h] = scale_value<T, FMT>(scales_t, scales_u8, g + h);
-          if constexpr (FMT == 0) bv[u][c] = biases[g];
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int idx = base + u * THREADS;
-      if (idx < chunks) {
-        T2 xv[MR][16];
-#pragma unroll
-        for (int m = 0; m < MR; ++m) {
-          const uint4* src = reinterpret_cast<const uint4*>(xrow[m] + idx * 32);
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const uint4 raw = src[q];
-            xv[m][4 * q + 0] = *reinterpret_cast<const T2*>(&raw.x);
-            xv[m][4 * q + 1] = *reinterpret_cast<const T2*>(&raw.y);
-            xv[m][4 * q + 2] = *reinterpret_cast<const T2*>(&raw.z);
-            xv[m][4 * q + 3] = *reinterpret_cast<const T2*>(&raw.w);
-          }
-        }
-#pragma unroll
-        for (int c = 0; c < C; ++c) {
-          const uint32_t words[4] = {wv[u][c].x, wv[u][c].y, wv[u][c].z, wv[u][c].w};
-          T2 wd[16];
-#pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            const T s = sv[u][c][SCALES == 2 ? j / 8 : 0];
-            const T2 code = table[(words[j >> 2] >> (8 * (j & 3))) & 0xFFu];
-            if constexpr (FMT == 0) wd[j] = __hadd2_rn(__hmul2_rn(code, make_pair(s, s)), make_pair(bv[u][c], bv[u][c]));
-            else wd[j] = __hmul2_rn(code, make_pair(s, s));
-          }
-#pragma unroll
-          for (int m = 0; m < MR; ++m) {
-            T2 a = make_pair(from_float<T>(0.0f), from_float<T>(0.0f)), b = a;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) a = __hfma2(xv[m][j], wd[j], a);
-#pragma unroll
-            for (int j = 8; j < 16; ++j) b = __hfma2(xv[m][j], wd[j], b);
-            const float2 fa = to_float2(a), fb = to_float2(b);
-            float s = acc[m][c];
-            s = __fadd_rn(s, fa.x);
-            s = __fadd_rn(s, fa.y);
-            s = __fadd_rn(s, fb.x);
-            s = __fadd_rn(s, fb.y);
-            acc[m][c] = s;
-          }
-        }
-      }
-    }
-  }
-
-#pragma unroll
-  for (int m = 0; m < MR; ++m)
+  for (int n0 = blockIdx.x * C; n0 < N; n0 += gridDim.x * C) {
+    const uint4* wrow[C];
+    int col[C];
 #pragma unroll
     for (int c = 0; c < C; ++c) {
-      float s = acc[m][c];
-#pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, offset));
-      if (lane == 0) partial[warp][m][c] = s;
+      col[c] = min(n0 + c, N - 1);  // past N: never stored
+      wrow[c] = reinterpret_cast<const uint4*>(w + (size_t)col[c] * (K >> 3));
     }
-  __syncthreads();
-  if (tid < MR * C) {
-    const int m = tid / C, c = tid % C;
-    float s = partial[0][m][c];
+    const T* xrow[MR];
 #pragma unroll
-    for (int v = 1; v < WARPS; ++v) s = __fadd_rn(s, partial[v][m][c]);
-    if (m0 + m < M && n0 + c < N) y[(size_t)(m0 + m) * N + n0 + c] = from_float<T>(s);
+    for (int m = 0; m < MR; ++m) xrow[m] = x + (size_t)min(m0 + m, M - 1) * K;  // past M: never stored
+
+    float acc[MR][C];
+#pragma unroll
+    for (int m = 0; m < MR; ++m)
+#pragma unroll
+      for (int c = 0; c < C; ++c) acc[m][c] = 0.0f;
+
+  #pragma unroll 1
+    for (int base = tid; base < chunks; base += THREADS * U) {
+      uint4 wv[U][C];
+      T sv[U][C][SCALES];
+      T bv[U][C];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int idx = base + u * THREADS;
+        if (idx < chunks) {
+#pragma unroll
+          for (int c = 0; c < C; ++c) {
+            wv[u][c] = __ldg(wrow[c] + idx);
+            const int g = col[c] * groups + idx * 32 / GROUP;
+#pragma unroll
+            for (int h = 0; h < SCALES; ++h) sv[u][c][h] = scale_value<T, FMT>(scales_t, scales_u8, g + h);
+            if constexpr (FMT == 0) bv[u][c] = biases[g];
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int idx = base + u * THREADS;
+        if (idx < chunks) {
+          T2 xv[MR][16];
+#pragma unroll
+          for (int m = 0; m < MR; ++m) {
+            const uint4* src = reinterpret_cast<const uint4*>(xrow[m] + idx * 32);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              const uint4 raw = src[q];
+              xv[m][4 * q + 0] = *reinterpret_cast<const T2*>(&raw.x);
+              xv[m][4 * q + 1] = *reinterpret_cast<const T2*>(&raw.y);
+              xv[m][4 * q + 2] = *reinterpret_cast<const T2*>(&raw.z);
+              xv[m][4 * q + 3] = *reinterpret_cast<const T2*>(&raw.w);
+            }
+          }
+#pragma unroll
+          for (int c = 0; c < C; ++c) {
+            const uint32_t words[4] = {wv[u][c].x, wv[u][c].y, wv[u][c].z, wv[u][c].w};
+            T2 wd[16];
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+              const T s = sv[u][c][SCALES == 2 ? j / 8 : 0];
+              const T2 code = table[(((words[j >> 2] >> (8 * (j & 3))) & 0xFFu) << 5) | lane];
+              if constexpr (FMT == 0) wd[j] = __hadd2_rn(__hmul2_rn(code, make_pair(s, s)), make_pair(bv[u][c], bv[u][c]));
+              else wd[j] = __hmul2_rn(code, make_pair(s, s));
+            }
+#pragma unroll
+            for (int m = 0; m < MR; ++m) {
+              T2 a = make_pair(from_float<T>(0.0f), from_float<T>(0.0f)), b = a;
+#pragma unroll
+              for (int j = 0; j < 8; ++j) a = __hfma2(xv[m][j], wd[j], a);
+#pragma unroll
+              for (int j = 8; j < 16; ++j) b = __hfma2(xv[m][j], wd[j], b);
+              const float2 fa = to_float2(a), fb = to_float2(b);
+              float s = acc[m][c];
+              s = __fadd_rn(s, fa.x);
+              s = __fadd_rn(s, fa.y);
+              s = __fadd_rn(s, fb.x);
+              s = __fadd_rn(s, fb.y);
+              acc[m][c] = s;
+            }
+          }
+        }
+      }
+    }
+
+#pragma unroll
+    for (int m = 0; m < MR; ++m)
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        float s = acc[m][c];
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, offset));
+        if (lane == 0) partial[warp][m][c] = s;
+      }
+    __syncthreads();
+    if (tid < MR * C) {
+      const int m = tid / C, c = tid % C;
+      float s = partial[0][m][c];
+#pragma unroll
+      for (int v = 1; v < WARPS; ++v) s = __fadd_rn(s, partial[v][m][c]);
+      if (m0 + m < M && n0 + c < N) y[(size_t)(m0 + m) * N + n0 + c] = from_float<T>(s);
+    }
+    __syncthreads();  // partial is read before the next group writes it
   }
 }
 
