@@ -45,8 +45,8 @@ def per_call_us(make, n, repeats=7) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default=",".join(FORMATS))
-    ap.add_argument("--shapes", default="8x1x660,8x1x1320,4x1x660,2x1x660,8x2x660",
-                    help="C x U x blocks launch shapes of qmv_split")
+    ap.add_argument("--shapes", default="8x660,4x660,4x1056,2x1056,4x100000",
+                    help="C x blocks launch shapes of qmv_split")
     ap.add_argument("--out")
     a = ap.parse_args()
     lines = []
@@ -58,7 +58,7 @@ def main():
     launch_shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     log(f"backend {mx.default_device()}, MLX {mx.__version__}; x bfloat16, M = 1; qmv_split: "
         f"{qmv_split.unavailable_reason('nvfp4') or 'smoke test passed'}")
-    log("| format | linear | MLX µs (% floor) | MLX error | C x U x blocks | split µs (% floor) | split ÷ MLX | split error "
+    log("| format | linear | MLX µs (% floor) | MLX error | C x blocks | split µs (% floor) | split ÷ MLX | split error "
         "| 4 rows == alone |")
     log("|---|---|---|---|---|---|---|---|---|")
     key = mx.random.key(5)
@@ -90,15 +90,14 @@ def main():
             base = per_call_us(calls(mlx_call), CALLS)
             base_error = error(mlx_call)
             four = mx.concatenate(xs[:4], axis=0)
-            for c, u, blocks in launch_shapes:
-                fn = lambda x, j, c=c, u=u, b=blocks: qmv_split.matmul(x, *qs[j], columns=c, ahead=u,  # noqa: E731
-                                                                       blocks=b, **kw_)
+            for c, blocks in launch_shapes:
+                fn = lambda x, j, c=c, b=blocks: qmv_split.matmul(x, *qs[j], columns=c, blocks=b, **kw_)  # noqa: E731
                 t = per_call_us(calls(fn), CALLS)
-                block = qmv_split.matmul(four, *qs[0], columns=c, ahead=u, blocks=blocks, **kw_)
+                block = qmv_split.matmul(four, *qs[0], columns=c, blocks=blocks, **kw_)
                 alone = mx.concatenate([fn(x, 0) for x in xs[:4]], axis=0)
                 same = bool(mx.array_equal(block, alone).item())
                 log(f"| {label} | {name} {n}x{k} | {base:.1f} ({100 * floor_us / base:.0f} %) | {base_error:.2e} | "
-                    f"{c}x{u}x{blocks} | {t:.1f} ({100 * floor_us / t:.0f} %) | {t / base:.2f} | {error(fn):.2e} | {same} |")
+                    f"{c}x{blocks} | {t:.1f} ({100 * floor_us / t:.0f} %) | {t / base:.2f} | {error(fn):.2e} | {same} |")
             del qs
             mx.clear_cache()
     if a.out:

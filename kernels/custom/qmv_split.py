@@ -28,8 +28,8 @@ FORMAT_CODES = {"affine": 0, "nvfp4": 1, "mxfp4": 2}
 GROUPS = {"affine": (32, 64, 128), "nvfp4": (16,), "mxfp4": (32,)}
 _ARGS = "y, x_shape[0], w_shape[0], x_shape[1]);"
 _BODIES = {
-    "affine": "lockstep_qsplit::qmv_split<T, 0, GROUP, C, MR, U>(x, w, scales, nullptr, biases, " + _ARGS,
-    "fp": "lockstep_qsplit::qmv_split<T, FMT, GROUP, C, MR, U>(x, w, nullptr, scales, nullptr, " + _ARGS,
+    "affine": "lockstep_qsplit::qmv_split<T, 0, GROUP, C, MR>(x, w, scales, nullptr, biases, " + _ARGS,
+    "fp": "lockstep_qsplit::qmv_split<T, FMT, GROUP, C, MR>(x, w, nullptr, scales, nullptr, " + _ARGS,
 }
 _INPUTS = {"affine": [("x", "T"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
            "fp": [("x", "T"), ("w", "uint32_t"), ("scales", "uint8_t")]}
@@ -63,7 +63,7 @@ def takes(mode: str, bits: int, group_size: int) -> bool:
 def block_columns(n: int) -> int:
     """Outputs a block takes at a time (C): which block computes an output, never the order
     of its sum. Narrow layers take fewer, for enough blocks."""
-    return 8 if n >= 4096 else 2
+    return 4 if n >= 4096 else 2
 
 
 def block_rows(m: int) -> int:
@@ -71,21 +71,20 @@ def block_rows(m: int) -> int:
     return min(m, 4)
 
 
-LOADS_AHEAD = 1  # U: chunks a thread loads per output before it computes any
 # Blocks of a launch at most (each fills its code table once, then walks the column groups):
-# as many as the H200's 132 multiprocessors hold at once (registers: 5 each at C = 8).
+# as many as the H200's 132 multiprocessors hold at once (registers: 5 each at C = 4).
 MAX_BLOCKS = 660
 
 
 @lru_cache(maxsize=4096)
 def _launch_plan(m: int, n: int, mode: str, group: int, dtype, columns: int | None = None,
-                 ahead: int | None = None, blocks: int | None = None) -> dict:
+                 blocks: int | None = None) -> dict:
     columns = columns or block_columns(n)
     rows = block_rows(m)
     template = [("T", dtype)]
     if mode != "affine":
         template.append(("FMT", FORMAT_CODES[mode]))
-    template += [("GROUP", group), ("C", columns), ("MR", rows), ("U", ahead or LOADS_AHEAD)]
+    template += [("GROUP", group), ("C", columns), ("MR", rows)]
     return dict(
         template=template,
         grid=(min(-(-n // columns), blocks or MAX_BLOCKS) * THREADS, -(-m // rows), 1),
@@ -97,8 +96,8 @@ def _launch_plan(m: int, n: int, mode: str, group: int, dtype, columns: int | No
 
 @lru_cache(maxsize=4096)
 def _launcher(m: int, n: int, k: int, mode: str, group: int, dtype, columns: int | None = None,
-              ahead: int | None = None, blocks: int | None = None) -> tuple:
-    plan = _launch_plan(m, n, mode, group, dtype, columns, ahead, blocks)
+              blocks: int | None = None) -> tuple:
+    plan = _launch_plan(m, n, mode, group, dtype, columns, blocks)
     kind = _kind(mode)
     return compiled.launcher(family(kind), plan, dict(M=m, N=n, K=k), lambda: (_kernel(kind), plan))
 
@@ -143,13 +142,13 @@ def run(launch, mode: str, x, weight, scales, biases) -> mx.array:
 
 
 def matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str, columns: int | None = None,
-           ahead: int | None = None, blocks: int | None = None) -> mx.array:
+           blocks: int | None = None) -> mx.array:
     """mx.quantized_matmul(x, weight, transpose=True) in this kernel's order (columns,
-    ahead, blocks: launch shape for benchmarks; they change no bits)."""
+    blocks: launch shape for benchmarks; they change no bits)."""
     if not serves(x, weight, scales, biases, group_size=group_size, bits=bits, mode=mode):
         raise ValueError(f"qmv_split cannot take {mode} {bits}-bit g{group_size}, x {x.shape} {x.dtype}")
     m, k = x.shape
-    launch = _traced(m, weight.shape[0], k, mode, group_size, x.dtype, columns, ahead, blocks)
+    launch = _traced(m, weight.shape[0], k, mode, group_size, x.dtype, columns, blocks)
     return run(launch, mode, x, weight, scales, biases)
 
 
@@ -162,7 +161,7 @@ def one_launch(m: int, n: int, k: int, mode: str, bits: int, group: int, dtype, 
         return None
     if unavailable_reason(mode, dtype) is not None:
         return None
-    return _traced(m, n, k, mode, group, dtype, None, None, None)
+    return _traced(m, n, k, mode, group, dtype, None, None)
 
 
 compiled.on_disable("qmv_split", lambda: one_launch.cache_clear())
