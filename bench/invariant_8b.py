@@ -36,6 +36,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from lockstep.kernels import custom  # noqa: E402
 from lockstep.kernels.custom import loop_order, mma_order, skinny  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
+from lockstep.kernels.invariance.layers import native_forms  # noqa: E402
 from lockstep.kernels.invariance.selftest import bits_equal  # noqa: E402
 from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
 
@@ -43,7 +44,9 @@ HBM_BYTES_PER_S = 4.8e12
 WEIGHTS = {"bf16": None, "nvfp4": ("nvfp4", 16, 4), "affine4": ("affine", 64, 4)}
 # "native": mlx-lm's own step (its model call, its caches); "lockstep_native": lockstep's
 # plain step (no canonical forms) over the engine's KV pool, as non-deterministic passes run
-STRATEGIES = ("native", "lockstep_native", "strided_gemv", "gemv_rows", "skinny")
+# with L = 0; "plain_installed": the same with gemv_rows installed (L = B) and the pass under
+# native_forms, as the engine runs non-deterministic passes of a deployment with L > 0
+STRATEGIES = ("native", "lockstep_native", "plain_installed", "strided_gemv", "gemv_rows", "skinny")
 
 
 def build(weights: str, layers: int, seed: int = 0, *, hidden: int = 4096, intermediate: int = 14336,
@@ -128,8 +131,17 @@ def rows_identical(run, cache, tokens) -> int:
 def install(model, strategy: str, rows: int):
     if strategy in ("native", "lockstep_native"):
         set_batch_invariant_limit(model, 0)
+    elif strategy == "plain_installed":
+        set_batch_invariant_limit(model, rows, "gemv_rows", verify=False)
     else:
         set_batch_invariant_limit(model, rows, strategy, verify=False)
+
+
+def under_native_forms(run):
+    def plain(tokens):
+        with native_forms():
+            return run(tokens)
+    return plain
 
 
 def check_kernels(log) -> None:
@@ -235,6 +247,8 @@ def main():
                 on_pool = path is not None and strategy != "native"
                 kv = pooled if on_pool else cache
                 run = forward(model, kv, path if on_pool else None)
+                if strategy == "plain_installed":
+                    run = under_native_forms(run)
                 building = []
                 ms = step_ms(run, kv, tokens, a.repeats, building)
                 same = rows_identical(run, kv, tokens) if b > 1 else 1

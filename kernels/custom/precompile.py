@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import attention, compiled, gemv_rows, qmv_rows, skinny
+from . import attention, compiled, gemv_rows, qmv_rows, qmv_split, skinny
 from .gemv_order import MAX_ROWS as GEMV_MAX_ROWS
 from .loop_order import MAX_ROWS as SKINNY_MAX_ROWS
 from .qmv_order import weight_bits
@@ -27,8 +27,9 @@ from .qmv_order import weight_bits
 # A shape's kind: which kernel its layer's rows run. "gemv_rows": dense rows of 2..64 (one
 # row is MLX's own GEMV); "skinny": dense rows of 1..64; "affine" / "nvfp4": 4-bit weights
 # through the skinny kernel, 1..64 rows; "qmv_rows": quantized rows of 2..64 in the order of
-# MLX's quantized GEMV (the shape carries group, mode and bits).
-KINDS = ("gemv_rows", "skinny", "affine", "nvfp4", "qmv_rows")
+# MLX's quantized GEMV (the shape carries group, mode and bits); "qmv_split": a large 4-bit
+# layer's rows of any count in lockstep's split order (group, mode and bits as qmv_rows).
+KINDS = ("gemv_rows", "skinny", "affine", "nvfp4", "qmv_rows", "qmv_split")
 
 
 def instances_for(shapes: Iterable[tuple], widths: Iterable[int], *, attention_shapes=()) -> list:
@@ -48,6 +49,11 @@ def instances_for(shapes: Iterable[tuple], widths: Iterable[int], *, attention_s
             if fused is not None:
                 out += [i for m in widths if 2 <= m <= GEMV_MAX_ROWS
                         for i in qmv_rows.instances(m, n, mode, bits, group, dtype, fused)]
+            continue
+        if kind == "qmv_split":
+            mode = rest[1]
+            if qmv_split.unavailable_reason(mode, dtype) is None:
+                out += [i for m in widths for i in qmv_split.instances(m, n, mode, group, dtype)]
             continue
         for m in widths:
             if kind == "gemv_rows":
@@ -82,16 +88,18 @@ def activation_dtype(model):
 def linear_shapes(model, *, dense: str, quantized: str = "chunks", dtype=None) -> list[tuple]:
     """(n, k, x dtype, kind, group[, mode, bits]) of the model's linears (embeddings too: a
     tied head runs as one) whose rows the custom kernels take under these forms: dense
-    "gemv_rows" / "skinny" (else no dense shapes), quantized "skinny" / "qmv_rows" (else
-    none). dtype: the activations' type for float-format layers (default: the model's first
+    "gemv_rows" / "skinny" (else no dense shapes), quantized "skinny" / "qmv_rows", and large
+    4-bit layers' "qmv_split" under any form. dtype: the activations' type for float-format layers (default: the model's first
     float parameter's)."""
     shapes = {}
     for _, module in model.named_modules():
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             bits, group, mode = module.bits, module.group_size, getattr(module, "mode", "affine")
+            n, k = module.weight.shape[0], module.weight.shape[1] * 32 // weight_bits(mode, bits)
+            x_dtype = module.scales.dtype if mode == "affine" else (dtype or activation_dtype(model))
+            if qmv_split.takes(mode, bits, group) and qmv_split.pays(n, k):  # any form (layers.py)
+                shapes[(n, k, x_dtype, "qmv_split", group, mode, bits)] = None
             if quantized == "qmv_rows" and qmv_rows.takes(mode, bits, group):
-                n, k = module.weight.shape[0], module.weight.shape[1] * 32 // weight_bits(mode, bits)
-                x_dtype = module.scales.dtype if mode == "affine" else (dtype or activation_dtype(model))
                 shapes[(n, k, x_dtype, "qmv_rows", group, mode, bits)] = None
                 continue
             if quantized != "skinny":

@@ -1,13 +1,15 @@
-"""Loads qmv_split.cu (beside this file): a few rows of x times a 4-bit quantized weight
-(affine-4, nvfp4, mxfp4; float16 and bfloat16 x) with K split across a block of 128 threads,
-lockstep's own order (index model: qmv_split_order.py), built to read the weights at HBM
-speed where MLX's quantized GEMV does not. Each instance compiled once per machine
-(compiled.py) and launched traced. CUDA only.
+"""Loads qmv_split.cu (beside this file): rows of x times a 4-bit quantized weight (affine-4,
+nvfp4, mxfp4; float16 and bfloat16 x) with K split across a block of 128 threads, lockstep's
+own order (index model: qmv_split_order.py), built to read the weights nearer HBM speed than
+MLX's quantized GEMV does. Each instance compiled once per machine (compiled.py) and launched
+traced. CUDA only.
 
-A row's bits depend only on its own x row, the weight and K (never on how many rows the
-call has), so the kernel is batch-invariant by construction; its smoke test checks that on
-this GPU (every row of 2..8-row calls against the one-row call) and that the rows are close
-to the dequantized product.
+A row's bits depend only on its own x row, the weight and K, never on how many rows the call
+has. Its smoke test checks that on this GPU (every row of 2..8-row calls against the one-row
+call), that the rows are close to the dequantized product, and that one shape's rows are the
+order model's bit for bit. Layers of at least MIN_ELEMENTS weights run their decode rows
+through it where that passed (kernels/invariance/layers.py: plain calls of a few rows, and
+every deterministic call whatever its width).
 """
 from functools import lru_cache
 from pathlib import Path
@@ -23,7 +25,11 @@ SHARED = Path(__file__).resolve().parent / SHARED_CUDA_SOURCE
 SKINNY_LOADER = Path(__file__).resolve().parent / "skinny.py"  # compact_source
 DTYPES = (mx.float16, mx.bfloat16)
 THREADS = 128
-MAX_ROWS = 8
+MAX_ROWS = 4 * 65535  # rows of MR = 4 a block row: the grid's y extent
+# Layers of at least this many weights (N * K) read faster through this kernel than through
+# MLX's quantized GEMV on the H200 (an 8B model's gate, up, down and head); smaller ones
+# (q, k, v, o) slower (docs/BENCHMARKS.md, session 16).
+MIN_ELEMENTS = 32 << 20
 FORMAT_CODES = {"affine": 0, "nvfp4": 1, "mxfp4": 2}
 GROUPS = {"affine": (32, 64, 128), "nvfp4": (16,), "mxfp4": (32,)}
 _ARGS = "y, x_shape[0], w_shape[0], x_shape[1]);"
@@ -58,6 +64,11 @@ def family(kind: str) -> compiled.Family:
 
 def takes(mode: str, bits: int, group_size: int) -> bool:
     return bits == 4 and group_size in GROUPS.get(mode, ())
+
+
+def pays(n: int, k: int) -> bool:
+    """Whether a layer of (N, K) weights is large enough to be faster through this kernel."""
+    return n * k >= MIN_ELEMENTS
 
 
 def block_columns(n: int) -> int:
@@ -176,14 +187,32 @@ def try_matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: s
     return None if launch is None else run(launch, mode, x, weight, scales, biases)
 
 
-# (M, N, K): K not a multiple of 128 chunks' worth (a partial last round: 1,056 = 33 chunks;
-# 4,640 = 145 chunks, threads 0..16 take a second chunk), N a partial last block, odd M.
-SMOKE_SHAPES = ((2, 33, 1056), (5, 70, 4640), (8, 9, 4096), (3, 1030, 512))
+# (M, N, K), K a multiple of every group size: 36 chunks (fewer than the block's threads),
+# 132 chunks (threads 0..3 take a second one), N a partial last block, odd M.
+SMOKE_SHAPES = ((2, 33, 1152), (5, 70, 4224), (8, 9, 4096), (3, 1030, 512))
+
+
+def _model_agrees(x, wq, scales, biases, got, mode: str, group: int, dtype) -> bool:
+    """Whether the kernel's rows are the NumPy order model's, bit for bit."""
+    import numpy as np
+
+    from .qmv_order import dequantize
+    from .qmv_split_order import qmv_split
+
+    name = str(dtype).rsplit(".", 1)[-1]
+
+    def f64(a):
+        return None if a is None else np.array(a.astype(mx.float32)) if a.dtype in DTYPES else np.array(a)
+
+    w = dequantize(np.array(wq), f64(scales), f64(biases), mode=mode, bits=4, group_size=group, dtype=name)
+    want = qmv_split(f64(x), w, dtype=name)
+    return bool(np.array_equal(want, np.array(got.astype(mx.float32)).astype(np.float64)))
 
 
 def _smoke_test(mode: str, dtype) -> str | None:
-    """Every row of 2..8-row calls equals the one-row call bit for bit, and is close to the
-    product of x and the dequantized weight; None: both hold."""
+    """Every row of 2..8-row calls equals the one-row call bit for bit and is close to the
+    product of x and the dequantized weight; the first shape's rows are the order model's,
+    bit for bit. None: all hold."""
     compiled.precompile(i for group in GROUPS[mode] for m, n, _ in SMOKE_SHAPES
                         for rows in {m, 1} for i in instances(rows, n, mode, group, dtype))
     key = mx.random.key(17)
@@ -198,6 +227,8 @@ def _smoke_test(mode: str, dtype) -> str | None:
             alone = mx.concatenate([matmul(x[i : i + 1], wq, scales, biases, **kw_) for i in range(m)], axis=0)
             if not mx.array_equal(block, alone).item():
                 return f"{mode} g{group} {dtype} {m}x{n}x{k}: rows differ from the one-row call"
+            if (m, n, k) == SMOKE_SHAPES[0] and not _model_agrees(x, wq, scales, biases, block, mode, group, dtype):
+                return f"{mode} g{group} {dtype} {m}x{n}x{k}: rows differ from the order model (qmv_split_order.py)"
             w = mx.dequantize(wq, scales, biases, group_size=group, bits=4, mode=mode).astype(mx.float32)
             exact = x.astype(mx.float32) @ w.T
             error = mx.max(mx.abs(block.astype(mx.float32) - exact)).item()

@@ -33,8 +33,8 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from .composed_attention import composed_attention, composed_serves
 from .cache_check import is_positional
 from .prefill_attention import blocked_causal, wants_blocks
-from .ops import (Strategy, attention_per_query, dense_rows, dense_rows_in_one_launch, packed_kv, quantized_rows,
-                  quantized_rows_in_one_launch, rows_of)
+from .ops import (SplitRows, Strategy, attention_per_query, dense_rows, dense_rows_in_one_launch, packed_kv,
+                  quantized_rows, quantized_rows_in_one_launch, rows_of)
 
 
 @dataclass(frozen=True)
@@ -190,9 +190,32 @@ def _quantized_canonical(x, layer, s: Setting):
     return _canonical(x, s.limit, lambda r: quantized_rows(r, *args, rows_per_call=s.strategy.quantized_rows, **kw))
 
 
+# Plain calls of at most this many rows of a large 4-bit layer go through qmv_split (faster
+# than MLX's quantized GEMV there); wider plain calls keep MLX's quantized matmul.
+SPLIT_PLAIN_ROWS = 4
+
+
+def _split(layer, x, s):
+    """A large 4-bit layer's rows through qmv_split (ops.SplitRows): plain calls of at most
+    SPLIT_PLAIN_ROWS rows, and every call a setting makes canonical (its rows at any width:
+    the kernel's rows never depend on it); None where it does not run them."""
+    if s is None:
+        if rows_of(x) > SPLIT_PLAIN_ROWS:
+            return None
+    elif s.quantized_native or (rows_of(x) > s.limit and not _local.blocks):
+        return None  # the model's own calls, or a prompt chunk (its native call)
+    return layer._split_rows(layer, x)
+
+
 class InvariantQuantizedLinear(nn.QuantizedLinear):
+    _split_rows = None  # SplitRows, set by install for large 4-bit layers
+
     def __call__(self, x):
         s = _local.active
+        if self._split_rows is not None:
+            y = _split(self, x, s)
+            if y is not None:
+                return y + self["bias"] if "bias" in self else y
         if s is None or s.quantized_native or (x.size == x.shape[-1] and s.quantized_row_plain):
             return _quantized_linear_call(self, x)
         y = _quantized_canonical(x, self, s)
@@ -211,8 +234,14 @@ class InvariantEmbedding(nn.Embedding):
 
 
 class InvariantQuantizedEmbedding(nn.QuantizedEmbedding):
+    _split_rows = None  # SplitRows, set by install for large 4-bit tables
+
     def as_linear(self, x):
         s = _local.active
+        if self._split_rows is not None:
+            y = _split(self, x, s)
+            if y is not None:
+                return y
         if s is None or s.quantized_native or (x.size == x.shape[-1] and s.quantized_row_plain):
             return _quantized_embedding_as_linear(self, x)
         y = _quantized_canonical(x, self, s)
@@ -383,6 +412,10 @@ def install(model, setting: Setting) -> dict:
         if swap is not None:
             m.__class__ = swap
             counts[swap.__name__] = counts.get(swap.__name__, 0) + 1
+            if swap in (InvariantQuantizedLinear, InvariantQuantizedEmbedding):
+                m._split_rows = SplitRows.for_layer(m)
+                if m._split_rows is not None:
+                    counts["split_rows"] = counts.get("split_rows", 0) + 1
     wrapped = _wrap_attention(model, id(model))
     counts["attention_modules"] = len(wrapped)
     # Plain attributes (not tuple/list/dict, which nn.Module would file as children).
@@ -399,6 +432,7 @@ def uninstall(model) -> None:
         original = _LAYER_RESTORES.get(type(m))
         if original is not None:
             m.__class__ = original
+            m.__dict__.pop("_split_rows", None)
     for name in model._lockstep_sdpa_modules:
         users = _sdpa_users.get(name)
         if users is not None:

@@ -244,6 +244,43 @@ def quantized_rows_in_one_launch(x: mx.array, weight: mx.array, scales: mx.array
     return None if out is None else out.reshape(*lead, out.shape[-1])
 
 
+class SplitRows:
+    """A large 4-bit layer's rows through qmv_split (custom/qmv_split.py): the launch for each
+    (row count, x dtype), decided once each; None where the kernel does not take the call.
+    Whether a row goes through it depends on its layer and x's dtype, never on the call's
+    width, so a layer's rows have one order at every width."""
+
+    def __init__(self, n: int, k: int, mode: str, bits: int, group_size: int):
+        self.n, self.k, self.mode, self.bits, self.group_size = n, k, mode, bits, group_size
+        self.launches = {}
+
+    @classmethod
+    def for_layer(cls, layer):
+        """The layer's SplitRows, or None where the kernel is not for it (format, size)."""
+        mode = getattr(layer, "mode", "affine")
+        weight = layer["weight"]
+        k = weight.shape[-1] * 32 // layer.bits if weight.ndim == 2 else 0
+        if not custom.qmv_split.takes(mode, layer.bits, layer.group_size) or not custom.qmv_split.pays(
+                weight.shape[0], k):
+            return None
+        return cls(weight.shape[0], k, mode, layer.bits, layer.group_size)
+
+    def __call__(self, layer, x: mx.array):
+        rows = x.size // x.shape[-1]
+        key = (rows, x.dtype)
+        launch = self.launches.get(key, False)
+        if launch is False:
+            weight, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
+            launch = self.launches[key] = custom.qmv_split.one_launch(
+                rows, self.n, x.shape[-1], self.mode, self.bits, self.group_size, x.dtype, weight.dtype,
+                weight.shape[1], scales.dtype, None if biases is None else biases.dtype)
+        if launch is None:
+            return None
+        out = custom.qmv_split.run(launch, self.mode, x.reshape(rows, self.k), layer["weight"], layer["scales"],
+                                   layer.get("biases"))
+        return out.reshape(*x.shape[:-1], self.n)
+
+
 # MLX's CUDA attention hands one query to cuDNN instead of its vector kernel when the key
 # buffer's row count (read from the strides) is a multiple of 256, mlx-lm's cache step, and
 # the keys are still in flight with a buffer of exactly their size: allocator and timing
