@@ -127,7 +127,7 @@ def test_which_cases_and_layers_the_kernel_takes():
 
 def test_the_cpu_has_no_qmv_split():
     assert "CUDA" in qmv_split.unavailable_reason("nvfp4", mx.bfloat16)
-    assert qmv_split.one_launch(1, 16, 256, "affine", 4, 64, mx.bfloat16, mx.uint32, 32, mx.bfloat16,
+    assert qmv_split.launch_for((1, 1), 16, 256, "affine", 4, 64, mx.bfloat16, mx.uint32, 32, mx.bfloat16,
                                 mx.bfloat16) is None
 
 
@@ -142,17 +142,18 @@ def split(monkeypatch):
     monkeypatch.setattr(gemv_rows, "unavailable_reason", lambda: None)  # the dense layers: rows alone
     monkeypatch.setattr(gemv_rows, "try_matmul",
                         lambda x, w: mx.concatenate([x[i : i + 1] @ w.T for i in range(x.shape[0])], axis=0))
-    original = qmv_split.one_launch
+    original = qmv_split.launch_for
     original.cache_clear()
 
     def use(kernel):
-        def one_launch(m, n, k, mode, bits, group, *_):
+        def launch_for(lead, n, k, mode, bits, group, *_):
             def launch(x, w, scales, biases=None):
-                calls.append(x.shape[0])
-                return [kernel(x, w, scales, biases, group_size=group, bits=bits, mode=mode)]
+                rows = x.reshape(-1, k)
+                calls.append(rows.shape[0])
+                return kernel(rows, w, scales, biases, group_size=group, bits=bits, mode=mode).reshape(*lead, n)
             return launch
 
-        monkeypatch.setattr(qmv_split, "one_launch", one_launch)
+        monkeypatch.setattr(qmv_split, "launch_for", launch_for)
         return calls
     yield use
     original.cache_clear()
@@ -207,7 +208,7 @@ def test_a_stand_in_whose_rows_depend_on_the_width_is_refused(split):
 
 
 def test_small_layers_keep_their_calls(monkeypatch):
-    qmv_split.one_launch.cache_clear()
+    qmv_split.launch_for.cache_clear()
     model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
     plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
     assert "split_rows" not in plan.layers  # below MIN_ELEMENTS: no layer goes through it

@@ -11,6 +11,7 @@ order model's bit for bit. Layers of at least MIN_ELEMENTS weights run their dec
 through it where that passed (kernels/invariance/layers.py: plain calls of a few rows, and
 every deterministic call whatever its width).
 """
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -147,11 +148,6 @@ def serves(x: mx.array, weight: mx.array, scales: mx.array, biases, *, group_siz
                        getattr(biases, "dtype", None)))
 
 
-def run(launch, mode: str, x, weight, scales, biases) -> mx.array:
-    """A traced launch's output for these arrays (affine weights take their biases too)."""
-    return (launch(x, weight, scales, biases) if mode == "affine" else launch(x, weight, scales))[0]
-
-
 def matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str, columns: int | None = None,
            blocks: int | None = None) -> mx.array:
     """mx.quantized_matmul(x, weight, transpose=True) in this kernel's order (columns,
@@ -160,29 +156,38 @@ def matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str, 
         raise ValueError(f"qmv_split cannot take {mode} {bits}-bit g{group_size}, x {x.shape} {x.dtype}")
     m, k = x.shape
     launch = _traced(m, weight.shape[0], k, mode, group_size, x.dtype, columns, blocks)
-    return run(launch, mode, x, weight, scales, biases)
+    return (launch(x, weight, scales, biases) if mode == "affine" else launch(x, weight, scales))[0]
 
 
 @lru_cache(maxsize=4096)
-def one_launch(m: int, n: int, k: int, mode: str, bits: int, group: int, dtype, weight_dtype, packed: int,
+def launch_for(lead: tuple, n: int, k: int, mode: str, bits: int, group: int, dtype, weight_dtype, packed: int,
                scales_dtype, biases_dtype):
-    """The traced launch of an (m, k) call where the kernel passed its smoke test here for
-    this quantization and dtype and takes the arrays, else None. Run it with `run`."""
+    """The traced launch of a call of x (lead + (k,)) giving lead + (n,), where the kernel
+    passed its smoke test here for this quantization and dtype and takes the arrays, else
+    None. Its reshapes are traced with the launch: a layer's call costs one compiled call on
+    the host. Run it with `run`."""
+    m = math.prod(lead)
     if not _takes(m, k, mode, bits, group, dtype, weight_dtype, packed, scales_dtype, biases_dtype):
         return None
     if unavailable_reason(mode, dtype) is not None:
         return None
-    return _traced(m, n, k, mode, group, dtype, None, None)
+    call, plan = _launcher(m, n, k, mode, group, dtype, None, None)
+    return mx.compile(lambda x, *weights: call(inputs=[x.reshape(m, k), *weights], **plan)[0].reshape(*lead, n))
 
 
-compiled.on_disable("qmv_split", lambda: one_launch.cache_clear())
+compiled.on_disable("qmv_split", lambda: launch_for.cache_clear())
+
+
+def run(launch, mode: str, x, weight, scales, biases) -> mx.array:
+    """A launch_for launch's output for these arrays (affine weights take their biases too)."""
+    return launch(x, weight, scales, biases) if mode == "affine" else launch(x, weight, scales)
 
 
 def try_matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str):
     """matmul(...) where the kernel is proven here and takes the arrays, else None."""
-    if x.ndim != 2 or weight.ndim != 2:
+    if weight.ndim != 2:
         return None
-    launch = one_launch(x.shape[0], weight.shape[0], x.shape[1], mode, bits, group_size, x.dtype, weight.dtype,
+    launch = launch_for(x.shape[:-1], weight.shape[0], x.shape[-1], mode, bits, group_size, x.dtype, weight.dtype,
                         weight.shape[1], scales.dtype, getattr(biases, "dtype", None))
     return None if launch is None else run(launch, mode, x, weight, scales, biases)
 

@@ -246,7 +246,7 @@ def quantized_rows_in_one_launch(x: mx.array, weight: mx.array, scales: mx.array
 
 class SplitRows:
     """A large 4-bit layer's rows through qmv_split (custom/qmv_split.py): the launch for each
-    (row count, x dtype), decided once each; None where the kernel does not take the call.
+    (x shape, x dtype), decided once each; None where the kernel does not take the call.
     Whether a row goes through it depends on its layer and x's dtype, never on the call's
     width, so a layer's rows have one order at every width."""
 
@@ -266,19 +266,18 @@ class SplitRows:
         return cls(weight.shape[0], k, mode, layer.bits, layer.group_size)
 
     def __call__(self, layer, x: mx.array):
-        rows = x.size // x.shape[-1]
-        key = (rows, x.dtype)
+        key = (x.shape, x.dtype)
         launch = self.launches.get(key, False)
         if launch is False:
             weight, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
-            launch = self.launches[key] = custom.qmv_split.one_launch(
-                rows, self.n, x.shape[-1], self.mode, self.bits, self.group_size, x.dtype, weight.dtype,
+            launch = self.launches[key] = custom.qmv_split.launch_for(
+                x.shape[:-1], self.n, self.k, self.mode, self.bits, self.group_size, x.dtype, weight.dtype,
                 weight.shape[1], scales.dtype, None if biases is None else biases.dtype)
         if launch is None:
             return None
-        out = custom.qmv_split.run(launch, self.mode, x.reshape(rows, self.k), layer["weight"], layer["scales"],
-                                   layer.get("biases"))
-        return out.reshape(*x.shape[:-1], self.n)
+        if self.mode == "affine":
+            return launch(x, layer["weight"], layer["scales"], layer["biases"])
+        return launch(x, layer["weight"], layer["scales"])
 
 
 # MLX's CUDA attention hands one query to cuDNN instead of its vector kernel when the key
