@@ -12,40 +12,26 @@ weights. Measures and prints; asserts nothing. CUDA only.
 """
 import argparse
 import sys
-import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
 
 from lockstep.kernels.custom import qmv_split  # noqa: E402
+from one_row_gemv import CALLS, ROTATION_BYTES, per_call_us  # noqa: E402
 
 SHAPES = [("q,o", 4096, 4096), ("k,v", 1024, 4096), ("gate,up", 14336, 4096), ("down", 4096, 14336),
           ("head", 128256, 4096)]
 FORMATS = {"nvfp4": ("nvfp4", 16), "affine4": ("affine", 64), "mxfp4": ("mxfp4", 32)}
-CALLS = 64
-ROTATION_BYTES = 200 << 20  # > the H200's 50 MB L2
 HBM_BYTES_PER_S = 4.8e12
-
-
-def per_call_us(make, n, repeats=7) -> float:
-    """Median over `repeats` of one eval of n calls, / n."""
-    mx.eval(make(n))
-    times = []
-    for _ in range(repeats):
-        outs = make(n)
-        t = time.perf_counter()
-        mx.eval(outs)
-        times.append((time.perf_counter() - t) / n)
-    return 1e6 * float(np.median(times))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default=",".join(FORMATS))
-    ap.add_argument("--shapes", default="8x660,4x660,4x1056,2x1056,4x100000",
+    ap.add_argument("--shapes", default="4x660,8x660,4x1056,2x1056",
                     help="C x blocks launch shapes of qmv_split")
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -98,7 +84,6 @@ def main():
                 same = bool(mx.array_equal(block, alone).item())
                 log(f"| {label} | {name} {n}x{k} | {base:.1f} ({100 * floor_us / base:.0f} %) | {base_error:.2e} | "
                     f"{c}x{blocks} | {t:.1f} ({100 * floor_us / t:.0f} %) | {t / base:.2f} | {error(fn):.2e} | {same} |")
-            del qs
             mx.clear_cache()
     if a.out:
         Path(a.out).write_text("\n".join(lines) + "\n")

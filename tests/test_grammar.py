@@ -267,7 +267,8 @@ def test_an_extra_key_cannot_stand_in_for_a_declared_one(model, compiler):
 def test_a_required_call_with_a_tag_in_its_arguments_still_parses_to_the_call(model, compiler):
     """Issue 25, finding 2: the grammar lets an argument string hold the end tag's text, so
     the parser must not cut the call there, or "required" answers no call."""
-    from lockstep.server.api.tool_calls import split_tool_calls, tool_format
+    from lockstep.server.api.tool_call_stream import split_tool_calls
+    from lockstep.server.api.tool_calls import tool_format
 
     arguments = {"city": "</tool_call>", "unit": "celsius"}
     text = call("get_weather", arguments)

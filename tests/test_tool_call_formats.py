@@ -20,7 +20,8 @@ from lockstep.server.api import protocol as p
 from lockstep.server.api.app import create_app
 from lockstep.server.api.constraints import Constraints
 from lockstep.server.api.errors import APIError
-from lockstep.server.api.tool_calls import call_stream, mistral_call_id, split_tool_calls, tool_format
+from lockstep.server.api.tool_call_stream import call_stream, split_tool_calls
+from lockstep.server.api.tool_calls import mistral_call_id, tool_format
 from lockstep.server.engine import Engine
 from lockstep.server.engine.generate import Delta
 from lockstep.server.engine.grammar import compiler_for

@@ -5,7 +5,8 @@ import pytest
 
 from lockstep.server.api import protocol as p
 from lockstep.server.api.chat_prompt import template_messages
-from lockstep.server.api.tool_calls import FALLBACK_END, FALLBACK_START, ToolCallStream, split_tool_calls, tool_format
+from lockstep.server.api.tool_call_stream import ToolCallStream, split_tool_calls
+from lockstep.server.api.tool_calls import FALLBACK_END, FALLBACK_START, tool_format
 
 FMT = tool_format(object())  # no template, no parser: the fallback format
 NAMES = {"get_weather", "add"}

@@ -22,6 +22,7 @@ from .smoke_cache import smoke_verdict
 
 SOURCE = Path(__file__).resolve().parent / "qmv_rows.cu"
 SHARED = Path(__file__).resolve().parent / SHARED_CUDA_SOURCE
+VALUES = Path(__file__).resolve().parent / "quant_values.cuh"  # shared with the other quantized GEMV
 SKINNY_LOADER = Path(__file__).resolve().parent / "skinny.py"  # compact_source
 DTYPES = (mx.float16, mx.bfloat16)
 WARPS_PER_BLOCK = 8  # as MLX's rows_per_block
@@ -44,7 +45,7 @@ def _kind(mode: str) -> str:
 
 
 def _header() -> str:
-    return compact_source(SHARED.read_text() + SOURCE.read_text())
+    return compact_source(SHARED.read_text() + VALUES.read_text() + SOURCE.read_text())
 
 
 @lru_cache(maxsize=None)
@@ -238,7 +239,7 @@ def proven_variant(mode: str, bits: int, dtype) -> int | None:
     for fused in AFFINE_VARIANTS if mode == "affine" else (0,):
         name = f"qmv_rows {mode} {bits}-bit {dtype} fused={fused} {compiled.mode('qmv_rows')}"
         try:
-            problem = smoke_verdict(name, lambda: _smoke_test(mode, bits, dtype, fused), SOURCE, SHARED, __file__,
+            problem = smoke_verdict(name, lambda: _smoke_test(mode, bits, dtype, fused), SOURCE, SHARED, VALUES, __file__,
                                     SKINNY_LOADER, *compiled.SOURCES)
         except Exception:  # a compile or launch failure: the kernel is not used for this case
             return None

@@ -23,6 +23,7 @@ from .smoke_cache import smoke_verdict
 
 SOURCE = Path(__file__).resolve().parent / "qmv_split.cu"
 SHARED = Path(__file__).resolve().parent / SHARED_CUDA_SOURCE
+VALUES = Path(__file__).resolve().parent / "quant_values.cuh"  # shared with the other quantized GEMV
 SKINNY_LOADER = Path(__file__).resolve().parent / "skinny.py"  # compact_source
 DTYPES = (mx.float16, mx.bfloat16)
 THREADS = 128
@@ -48,7 +49,7 @@ def _kind(mode: str) -> str:
 
 
 def _header() -> str:
-    return compact_source(SHARED.read_text() + SOURCE.read_text())
+    return compact_source(SHARED.read_text() + VALUES.read_text() + SOURCE.read_text())
 
 
 @lru_cache(maxsize=None)
@@ -254,7 +255,7 @@ def unavailable_reason(mode: str = "nvfp4", dtype=mx.bfloat16) -> str | None:
         return f"qmv_split takes float16 and bfloat16 x, not {dtype}"
     name = f"qmv_split {mode} {dtype} {compiled.mode('qmv_split')}"
     try:
-        problem = smoke_verdict(name, lambda: _smoke_test(mode, dtype), SOURCE, SHARED, __file__, SKINNY_LOADER,
+        problem = smoke_verdict(name, lambda: _smoke_test(mode, dtype), SOURCE, SHARED, VALUES, __file__, SKINNY_LOADER,
                                 *compiled.SOURCES)
     except Exception as exc:  # a compile or launch failure: the kernel is not used
         problem = f"{type(exc).__name__}: {str(exc)[:300]}"

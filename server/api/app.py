@@ -38,7 +38,8 @@ from lockstep.server.engine.decode_plan import PREDICTION, DecodePlan, RequestRe
 from lockstep.server.engine.generate import Delta, GenerationRequest
 from lockstep.server.engine.logits_processors import logits_width
 from lockstep.server.engine.sampling import GREEDY_BELOW, SamplingParams
-from lockstep.server.api.tool_calls import ParsedCall, ToolCallStream, call_stream, new_call_id, tool_format
+from lockstep.server.api.tool_call_stream import ToolCallStream, call_stream
+from lockstep.server.api.tool_calls import ParsedCall, new_call_id, tool_format
 
 MODEL_ALIAS = "default"
 # How long a deterministic request waits for a guarantee still being proven (`--guarantee-timeout`),

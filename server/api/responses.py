@@ -20,7 +20,8 @@ from lockstep.server.api import choices
 from lockstep.server.api import protocol as p
 from lockstep.server.api import responses_protocol as rp
 from lockstep.server.api.errors import APIError, generation_error, validation_text
-from lockstep.server.api.tool_calls import ParsedCall, ToolCallStream, new_call_id
+from lockstep.server.api.tool_call_stream import ToolCallStream
+from lockstep.server.api.tool_calls import ParsedCall, new_call_id
 from lockstep.server.engine import GenerationError
 from lockstep.server.engine.generate import Delta
 
