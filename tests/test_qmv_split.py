@@ -179,7 +179,8 @@ def test_large_layers_send_plain_rows_of_a_few_and_canonical_rows_of_any_width(s
     assert isinstance(layer._split_rows, layers.SplitRows)
     w, scales = layer["weight"], layer["scales"]
     kw = dict(group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
-    for rows, setting, through in ((1, None, True), (4, None, True), (5, None, False),
+    for rows, setting, through in ((1, None, True), (layers.SPLIT_PLAIN_ROWS, None, True),
+                                   (layers.SPLIT_PLAIN_ROWS + 1, None, False),
                                    (3, model._lockstep_setting, True), (9, model._lockstep_setting, False)):
         calls.clear()
         x = rand(rows, layer.weight.shape[1] * 8, seed=rows, dtype=mx.bfloat16)

@@ -190,9 +190,10 @@ def _quantized_canonical(x, layer, s: Setting):
     return _canonical(x, s.limit, lambda r: quantized_rows(r, *args, rows_per_call=s.strategy.quantized_rows, **kw))
 
 
-# Plain calls of at most this many rows of a large 4-bit layer go through qmv_split (faster
-# than MLX's quantized GEMV there); wider plain calls keep MLX's quantized matmul.
-SPLIT_PLAIN_ROWS = 4
+# Plain calls of at most this many rows of a large 4-bit layer go through qmv_split: at 1 and
+# 8 rows it was faster than MLX's quantized matmul (docs/BENCHMARKS.md, session 16); wider
+# plain calls keep MLX's (its tensor-core kernel from 8 rows up, not measured against this).
+SPLIT_PLAIN_ROWS = 8
 
 
 def _split(layer, x, s):
