@@ -8,6 +8,7 @@ its smoke test's, run at startup; its speed is in docs/BENCHMARKS.md, session 16
 import re
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -225,3 +226,35 @@ def test_startup_lists_large_4_bit_layers_under_every_form(monkeypatch):
         assert "qmv_split" in kinds
     monkeypatch.setattr(qmv_split, "MIN_ELEMENTS", 1 << 40)
     assert "qmv_split" not in {s[3] for s in linear_shapes(model, dense="gemv_rows", quantized="qmv_rows")}
+
+
+def test_with_invariance_off_large_layers_still_send_plain_rows_through_it(split, monkeypatch):
+    calls = split(rows_alone)
+    monkeypatch.setattr(qmv_split, "runs_here", lambda: True)  # as on CUDA
+    model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
+    plan = set_batch_invariant_limit(model, 0)
+    assert not plan.guaranteed and plan.layers.get("split_rows", 0) > 0
+    layer = model.model.layers[0].mlp.gate_proj
+    w, scales = layer["weight"], layer["scales"]
+    kw = dict(group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
+    k = w.shape[1] * 8
+    calls.clear()
+    x = rand(1, k, seed=5, dtype=mx.bfloat16)
+    assert bits_equal(layer(x), rows_alone(x, w, scales, None, **kw)) and calls == [1]
+    calls.clear()
+    wide = rand(layers.SPLIT_PLAIN_ROWS + 1, k, seed=6, dtype=mx.bfloat16)
+    assert bits_equal(layer(wide), mx.quantized_matmul(wide, w, scales, None, transpose=True, **kw))
+    assert calls == []
+    mx.eval(model(mx.array([[1, 2, 3]])))  # the whole model runs
+    assert set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,)).guaranteed  # L > 0 over it
+    set_batch_invariant_limit(model, 0)
+    layers.uninstall(model)
+    assert type(layer) is nn.QuantizedLinear and "_split_rows" not in layer.__dict__
+
+
+def test_with_invariance_off_a_backend_without_the_kernel_keeps_the_model_as_it_is(monkeypatch):
+    monkeypatch.setattr(qmv_split, "MIN_ELEMENTS", 0)
+    model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
+    plan = set_batch_invariant_limit(model, 0)
+    assert plan.layers == {} and type(model.model.layers[0].mlp.gate_proj) is nn.QuantizedLinear
+    assert not hasattr(model, "_lockstep_setting")

@@ -68,6 +68,11 @@ def takes(mode: str, bits: int, group_size: int) -> bool:
     return bits == 4 and group_size in GROUPS.get(mode, ())
 
 
+def runs_here() -> bool:
+    """Whether this backend has the kernel at all (its smoke test decides per format)."""
+    return backend() == "cuda"
+
+
 def pays(n: int, k: int) -> bool:
     """Whether a layer of (N, K) weights is large enough to be faster through this kernel."""
     return n * k >= MIN_ELEMENTS

@@ -425,6 +425,35 @@ def install(model, setting: Setting) -> dict:
     return counts
 
 
+def install_plain_kernels(model) -> dict:
+    """With batch invariance off (L = 0): the large 4-bit layers (ops.SplitRows) get their
+    Invariant class, so a plain call of at most SPLIT_PLAIN_ROWS rows runs qmv_split where it
+    runs (no setting is ever active: every call is plain); their kernels are built now, not
+    in the first passes. `uninstall` gives the classes back. Returns the swapped count."""
+    from ..custom import qmv_split
+
+    if hasattr(model, "_lockstep_setting"):
+        uninstall(model)
+    if not qmv_split.runs_here():
+        return {}
+    counts = {}
+    for _, m in model.named_modules():
+        swap = LAYER_SWAPS.get(type(m))
+        if swap in (InvariantQuantizedLinear, InvariantQuantizedEmbedding):
+            split = SplitRows.for_layer(m)
+            if split is not None:
+                m.__class__ = swap
+                m._split_rows = split
+                counts["split_rows"] = counts.get("split_rows", 0) + 1
+    if counts:
+        model._lockstep_setting = None  # installed, no setting: uninstall restores the layers
+        model._lockstep_sdpa_modules = frozenset()
+        from ..custom.precompile import linear_shapes, precompile_for
+
+        precompile_for(linear_shapes(model, dense="none"), range(1, SPLIT_PLAIN_ROWS + 1))
+    return counts
+
+
 def uninstall(model) -> None:
     """Give the model back its own classes and attention name (no-op if not installed)."""
     if not hasattr(model, "_lockstep_setting"):

@@ -29,7 +29,7 @@ from .. import cpu_blas, custom
 from ..custom.precompile import activation_dtype
 from ..proof_steps import step_done
 from .cache_check import cache_invariance_problem, cache_refusal, per_request_state  # noqa: F401 (re-exported)
-from .layers import EXPERT_BLOCKS, LAYER_SWAPS, Setting, install, model_module_names, uninstall
+from .layers import EXPERT_BLOCKS, LAYER_SWAPS, Setting, install, install_plain_kernels, model_module_names, uninstall
 from .ops import ROWWISE, STRATEGIES, Strategy
 from .warmup import precompile_kernels
 from .selftest import SelfTestResult, per_request_self_test, seconds_per_step, self_test
@@ -152,7 +152,7 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
     _uninstall(model)
     backend = str(mx.default_device())
     if limit <= 0:
-        plan = InstalledInvariance(0, "native", backend, False, "off (L = 0)")
+        plan = InstalledInvariance(0, "native", backend, False, "off (L = 0)", layers=install_plain_kernels(model))
         model._lockstep_plan = plan
         return plan
 
