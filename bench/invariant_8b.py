@@ -36,15 +36,15 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from lockstep.kernels import custom  # noqa: E402
 from lockstep.kernels.custom import loop_order, mma_order, skinny  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
-from lockstep.kernels.invariance.layers import native_forms  # noqa: E402
+from lockstep.kernels.invariance.layers import native_forms, uninstall  # noqa: E402
 from lockstep.kernels.invariance.selftest import bits_equal  # noqa: E402
 from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 WEIGHTS = {"bf16": None, "nvfp4": ("nvfp4", 16, 4), "affine4": ("affine", 64, 4)}
-# "native": mlx-lm's own step (its model call, its caches); "lockstep_native": lockstep's
-# plain step (no canonical forms) over the engine's KV pool, as non-deterministic passes run
-# with L = 0; "plain_installed": the same with gemv_rows installed (L = B) and the pass under
+# "native": mlx-lm's own step (its model call, its caches, MLX's calls); "lockstep_native":
+# lockstep's plain step (no canonical forms) over the engine's KV pool, as non-deterministic
+# passes run with L = 0 (large 4-bit layers through qmv_split on CUDA); "plain_installed": the same with gemv_rows installed (L = B) and the pass under
 # native_forms, as the engine runs non-deterministic passes of a deployment with L > 0
 STRATEGIES = ("native", "lockstep_native", "plain_installed", "strided_gemv", "gemv_rows", "skinny")
 
@@ -130,7 +130,9 @@ def rows_identical(run, cache, tokens) -> int:
 
 def install(model, strategy: str, rows: int):
     if strategy in ("native", "lockstep_native"):
-        set_batch_invariant_limit(model, 0)
+        set_batch_invariant_limit(model, 0)  # lockstep's plain layers at L = 0
+        if strategy == "native":
+            uninstall(model)  # mlx-lm's own classes: MLX's calls only
     elif strategy == "plain_installed":
         set_batch_invariant_limit(model, rows, "gemv_rows", verify=False)
     else:
