@@ -21,11 +21,8 @@ from lockstep.kernels.invariance import layers, set_batch_invariant_limit
 from lockstep.kernels.invariance.layers import batch_invariant, native_forms
 from lockstep.kernels.invariance.selftest import bits_equal
 from tests.doubles.shape_variant import shape_variant_backend
+from tests.test_qmv_rows import rand
 from tiny_models import QUANT_MODES, tiny_llama
-
-
-def rand(*shape, seed=0, dtype=mx.float32):
-    return mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
 
 
 def values(a) -> np.ndarray | None:

@@ -89,27 +89,23 @@ def linear_shapes(model, *, dense: str, quantized: str = "chunks", dtype=None) -
     """(n, k, x dtype, kind, group[, mode, bits]) of the model's linears (embeddings too: a
     tied head runs as one) whose rows the custom kernels take under these forms: dense
     "gemv_rows" / "skinny" (else no dense shapes), quantized "skinny" / "qmv_rows", and large
-    4-bit layers' "qmv_split" under any form. dtype: the activations' type for float-format layers (default: the model's first
-    float parameter's)."""
+    4-bit layers' "qmv_split" under any form. dtype: the activations' type for float-format
+    layers (default: the model's first float parameter's)."""
     shapes = {}
+    activations = dtype or activation_dtype(model)
     for _, module in model.named_modules():
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             bits, group, mode = module.bits, module.group_size, getattr(module, "mode", "affine")
             n, k = module.weight.shape[0], module.weight.shape[1] * 32 // weight_bits(mode, bits)
-            x_dtype = module.scales.dtype if mode == "affine" else (dtype or activation_dtype(model))
+            x_dtype = module.scales.dtype if mode == "affine" else activations
             if qmv_split.takes(mode, bits, group) and qmv_split.pays(n, k):  # any form (layers.py)
                 shapes[(n, k, x_dtype, "qmv_split", group, mode, bits)] = None
             if quantized == "qmv_rows" and qmv_rows.takes(mode, bits, group):
                 shapes[(n, k, x_dtype, "qmv_rows", group, mode, bits)] = None
                 continue
-            if quantized != "skinny":
-                continue
-            kind = skinny.quantized_kind(mode, bits, group)
-            if kind is None:
-                continue
-            n, k = module.weight.shape[0], module.weight.shape[1] * 32 // bits
-            x_dtype = module.scales.dtype if kind == "affine" else (dtype or activation_dtype(model))
-            shapes[(n, k, x_dtype, kind, group if kind == "affine" else 0)] = None
+            kind = skinny.quantized_kind(mode, bits, group) if quantized == "skinny" else None
+            if kind is not None:  # 4-bit affine or nvfp4: n, k and x_dtype as above
+                shapes[(n, k, x_dtype, kind, group if kind == "affine" else 0)] = None
         elif isinstance(module, (nn.Linear, nn.Embedding)) and dense in ("gemv_rows", "skinny"):
             n, k = module.weight.shape
             shapes[(n, k, module.weight.dtype, dense, 0)] = None

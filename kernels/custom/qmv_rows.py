@@ -35,12 +35,14 @@ _BODIES = {
     "affine": "lockstep_qmv::qmv_rows<T, 0, BITS, GROUP, FUSED, R, MR>(x, w, scales, nullptr, biases, " + _ARGS,
     "fp": "lockstep_qmv::qmv_rows<T, FMT, BITS, GROUP, 0, R, MR>(x, w, nullptr, scales, nullptr, " + _ARGS,
 }
-_INPUTS = {"affine": [("x", "T"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
+# Both quantized GEMV kernels take these arrays and shapes (qmv_split.py too).
+INPUTS = {"affine": [("x", "T"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
            "fp": [("x", "T"), ("w", "uint32_t"), ("scales", "uint8_t")]}
-_SCALARS = (("M", "x_shape[0]"), ("N", "w_shape[0]"), ("K", "x_shape[1]"))
+SCALARS = (("M", "x_shape[0]"), ("N", "w_shape[0]"), ("K", "x_shape[1]"))
 
 
-def _kind(mode: str) -> str:
+def kind(mode: str) -> str:
+    """Which of the two kernel bodies a mode runs: affine (scales and biases of T) or fp."""
     return "affine" if mode == "affine" else "fp"
 
 
@@ -50,14 +52,14 @@ def _header() -> str:
 
 @lru_cache(maxsize=None)
 def _kernel(kind: str):
-    return mx.fast.cuda_kernel(name=f"lockstep_qmv_rows_{kind}", input_names=[n for n, _ in _INPUTS[kind]],
+    return mx.fast.cuda_kernel(name=f"lockstep_qmv_rows_{kind}", input_names=[n for n, _ in INPUTS[kind]],
                                output_names=["y"], source=_BODIES[kind], header=_header())
 
 
 @lru_cache(maxsize=None)
 def family(kind: str) -> compiled.Family:
     return compiled.Family(f"lockstep_qmv_rows_{kind}", "qmv_rows", _header(), _BODIES[kind],
-                           inputs=_INPUTS[kind], outputs=[("y", "T")], scalars=_SCALARS)
+                           inputs=INPUTS[kind], outputs=[("y", "T")], scalars=SCALARS)
 
 
 def takes(mode: str, bits: int, group_size: int) -> bool:
@@ -108,8 +110,8 @@ def _launcher(m: int, n: int, k: int, mode: str, bits: int, group: int, fused: i
               rows: int | None = None, columns: int | None = None) -> tuple:
     """(call, keyword arguments but inputs) of one launch shape, built once per shape."""
     plan = _launch_plan(m, n, mode, bits, group, fused, dtype, rows, columns)
-    kind = _kind(mode)
-    return compiled.launcher(family(kind), plan, dict(M=m, N=n, K=k), lambda: (_kernel(kind), plan))
+    body = kind(mode)
+    return compiled.launcher(family(body), plan, dict(M=m, N=n, K=k), lambda: (_kernel(body), plan))
 
 
 @lru_cache(maxsize=4096)
@@ -123,7 +125,7 @@ compiled.on_disable("qmv_rows", _traced.cache_clear)
 
 def instances(m: int, n: int, mode: str, bits: int, group: int, dtype, fused: int = 0) -> list:
     """The (family, template) instance a launch runs (compiled.precompile)."""
-    return [(family(_kind(mode)), tuple(_launch_plan(m, n, mode, bits, group, fused, dtype)["template"]))]
+    return [(family(kind(mode)), tuple(_launch_plan(m, n, mode, bits, group, fused, dtype)["template"]))]
 
 
 def _takes(m: int, k: int, mode: str, bits: int, group: int, dtype, weight_dtype, packed: int, scales_dtype,
@@ -134,6 +136,12 @@ def _takes(m: int, k: int, mode: str, bits: int, group: int, dtype, weight_dtype
     w_bits = weight_bits(mode, bits)
     if not 1 <= m <= MAX_ROWS or k % elems_per_thread(16, w_bits) or k % group:
         return False
+    return arrays_fit(k, w_bits, mode, dtype, weight_dtype, packed, scales_dtype, biases_dtype)
+
+
+def arrays_fit(k: int, w_bits: int, mode: str, dtype, weight_dtype, packed: int, scales_dtype, biases_dtype) -> bool:
+    """Whether a weight of `packed` uint32 words a row holds K codes of w_bits, with the scales
+    (and biases) a quantized GEMV kernel reads for this mode and x dtype."""
     if weight_dtype != mx.uint32 or packed * (32 // w_bits) != k:
         return False
     if mode == "affine":

@@ -18,6 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import compiled
+from .qmv_rows import INPUTS, SCALARS, arrays_fit, kind
 from .skinny import SHARED_CUDA_SOURCE, backend, compact_source
 from .smoke_cache import smoke_verdict
 
@@ -39,13 +40,6 @@ _BODIES = {
     "affine": "lockstep_qsplit::qmv_split<T, 0, GROUP, C, MR>(x, w, scales, nullptr, biases, " + _ARGS,
     "fp": "lockstep_qsplit::qmv_split<T, FMT, GROUP, C, MR>(x, w, nullptr, scales, nullptr, " + _ARGS,
 }
-_INPUTS = {"affine": [("x", "T"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
-           "fp": [("x", "T"), ("w", "uint32_t"), ("scales", "uint8_t")]}
-_SCALARS = (("M", "x_shape[0]"), ("N", "w_shape[0]"), ("K", "x_shape[1]"))
-
-
-def _kind(mode: str) -> str:
-    return "affine" if mode == "affine" else "fp"
 
 
 def _header() -> str:
@@ -54,14 +48,14 @@ def _header() -> str:
 
 @lru_cache(maxsize=None)
 def _kernel(kind: str):
-    return mx.fast.cuda_kernel(name=f"lockstep_qmv_split_{kind}", input_names=[n for n, _ in _INPUTS[kind]],
+    return mx.fast.cuda_kernel(name=f"lockstep_qmv_split_{kind}", input_names=[n for n, _ in INPUTS[kind]],
                                output_names=["y"], source=_BODIES[kind], header=_header())
 
 
 @lru_cache(maxsize=None)
 def family(kind: str) -> compiled.Family:
     return compiled.Family(f"lockstep_qmv_split_{kind}", "qmv_split", _header(), _BODIES[kind],
-                           inputs=_INPUTS[kind], outputs=[("y", "T")], scalars=_SCALARS)
+                           inputs=INPUTS[kind], outputs=[("y", "T")], scalars=SCALARS)
 
 
 def takes(mode: str, bits: int, group_size: int) -> bool:
@@ -116,8 +110,8 @@ def _launch_plan(m: int, n: int, mode: str, group: int, dtype, columns: int | No
 def _launcher(m: int, n: int, k: int, mode: str, group: int, dtype, columns: int | None = None,
               blocks: int | None = None) -> tuple:
     plan = _launch_plan(m, n, mode, group, dtype, columns, blocks)
-    kind = _kind(mode)
-    return compiled.launcher(family(kind), plan, dict(M=m, N=n, K=k), lambda: (_kernel(kind), plan))
+    body = kind(mode)
+    return compiled.launcher(family(body), plan, dict(M=m, N=n, K=k), lambda: (_kernel(body), plan))
 
 
 @lru_cache(maxsize=4096)
@@ -131,7 +125,7 @@ compiled.on_disable("qmv_split", _traced.cache_clear)
 
 def instances(m: int, n: int, mode: str, group: int, dtype) -> list:
     """The (family, template) instance a launch runs (compiled.precompile)."""
-    return [(family(_kind(mode)), tuple(_launch_plan(m, n, mode, group, dtype)["template"]))]
+    return [(family(kind(mode)), tuple(_launch_plan(m, n, mode, group, dtype)["template"]))]
 
 
 def _takes(m: int, k: int, mode: str, bits: int, group: int, dtype, weight_dtype, packed: int, scales_dtype,
@@ -140,11 +134,7 @@ def _takes(m: int, k: int, mode: str, bits: int, group: int, dtype, weight_dtype
         return False
     if not 1 <= m <= MAX_ROWS or k % 32 or k % group:
         return False
-    if weight_dtype != mx.uint32 or packed * 8 != k:
-        return False
-    if mode == "affine":
-        return scales_dtype == dtype and biases_dtype == dtype
-    return scales_dtype == mx.uint8
+    return arrays_fit(k, 4, mode, dtype, weight_dtype, packed, scales_dtype, biases_dtype)
 
 
 def serves(x: mx.array, weight: mx.array, scales: mx.array, biases, *, group_size: int, bits: int,
@@ -171,7 +161,7 @@ def launch_for(lead: tuple, n: int, k: int, mode: str, bits: int, group: int, dt
     """The traced launch of a call of x (lead + (k,)) giving lead + (n,), where the kernel
     passed its smoke test here for this quantization and dtype and takes the arrays, else
     None. Its reshapes are traced with the launch: a layer's call costs one compiled call on
-    the host. Run it with `run`."""
+    the host. Call it with x, the weight and the scales (affine: and the biases)."""
     m = math.prod(lead)
     if not _takes(m, k, mode, bits, group, dtype, weight_dtype, packed, scales_dtype, biases_dtype):
         return None
@@ -182,20 +172,6 @@ def launch_for(lead: tuple, n: int, k: int, mode: str, bits: int, group: int, dt
 
 
 compiled.on_disable("qmv_split", lambda: launch_for.cache_clear())
-
-
-def run(launch, mode: str, x, weight, scales, biases) -> mx.array:
-    """A launch_for launch's output for these arrays (affine weights take their biases too)."""
-    return launch(x, weight, scales, biases) if mode == "affine" else launch(x, weight, scales)
-
-
-def try_matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str):
-    """matmul(...) where the kernel is proven here and takes the arrays, else None."""
-    if weight.ndim != 2:
-        return None
-    launch = launch_for(x.shape[:-1], weight.shape[0], x.shape[-1], mode, bits, group_size, x.dtype, weight.dtype,
-                        weight.shape[1], scales.dtype, getattr(biases, "dtype", None))
-    return None if launch is None else run(launch, mode, x, weight, scales, biases)
 
 
 # (M, N, K), K a multiple of every group size: 36 chunks (fewer than the block's threads),

@@ -286,6 +286,8 @@ LAYER_SWAPS = {
     SwitchGLU: InvariantSwitchGLU,
     SwitchMLP: InvariantSwitchMLP,
 }
+# The quantized layers, whose large 4-bit ones may run qmv_split (SplitRows).
+QUANTIZED_SWAPS = (InvariantQuantizedLinear, InvariantQuantizedEmbedding)
 # The MoE expert blocks: the SwitchLinear / QuantizedSwitchLinear experts they call are covered.
 EXPERT_BLOCKS = (SwitchGLU, SwitchMLP)
 _LAYER_RESTORES = {v: k for k, v in LAYER_SWAPS.items()}
@@ -413,7 +415,7 @@ def install(model, setting: Setting) -> dict:
         if swap is not None:
             m.__class__ = swap
             counts[swap.__name__] = counts.get(swap.__name__, 0) + 1
-            if swap in (InvariantQuantizedLinear, InvariantQuantizedEmbedding):
+            if swap in QUANTIZED_SWAPS:
                 m._split_rows = SplitRows.for_layer(m)
                 if m._split_rows is not None:
                     counts["split_rows"] = counts.get("split_rows", 0) + 1
@@ -439,7 +441,7 @@ def install_plain_kernels(model) -> dict:
     counts = {}
     for _, m in model.named_modules():
         swap = LAYER_SWAPS.get(type(m))
-        if swap in (InvariantQuantizedLinear, InvariantQuantizedEmbedding):
+        if swap in QUANTIZED_SWAPS:
             split = SplitRows.for_layer(m)
             if split is not None:
                 m.__class__ = swap
