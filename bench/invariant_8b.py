@@ -12,13 +12,15 @@ with the NumPy model of their loop order. Measures and prints; asserts nothing.
                                  [--layers 32] [--check] [--kv-pool] [--fuse] [--out table.md]
 
 --fuse: the model with q/k/v and gate/up fused (`serve --fuse-projections`) for every row of
-the table, native included; compare with a run without it.
+the table, native included; compare with a run without it. --fuse-lockstep: every strategy
+but native fused (native stays mlx-lm's own step, on an unfused copy of the same weights).
 
 --kv-pool: every strategy but native runs as lockstep's engine runs it (a ragged pass of one
 request over the KV pool: one KV write and one attention launch per layer, decode included);
 native stays the plain mlx-lm call, the stock baseline; lockstep_native is lockstep's own
-plain step (no canonical forms) over the pool. gemv_rows runs quantized rows through
-qmv_rows (one row: MLX's own quantized GEMV).
+plain step (no canonical forms) over the pool, lockstep_compiled the same pass compiled
+(kernels/batching/compiled_pass.py: one traced call a pass). gemv_rows runs quantized rows
+through qmv_rows (one row: MLX's own quantized GEMV).
 """
 import argparse
 import sys
@@ -34,6 +36,7 @@ from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from lockstep.kernels import custom  # noqa: E402
+from lockstep.kernels.batching.compiled_pass import CompiledPasses  # noqa: E402
 from lockstep.kernels.custom import loop_order, mma_order, skinny  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from lockstep.kernels.invariance.layers import native_forms, uninstall  # noqa: E402
@@ -44,9 +47,12 @@ HBM_BYTES_PER_S = 4.8e12
 WEIGHTS = {"bf16": None, "nvfp4": ("nvfp4", 16, 4), "affine4": ("affine", 64, 4)}
 # "native": mlx-lm's own step (its model call, its caches, MLX's calls); "lockstep_native":
 # lockstep's plain step (no canonical forms) over the engine's KV pool, as non-deterministic
-# passes run with L = 0 (large 4-bit layers through qmv_split on CUDA); "plain_installed": the same with gemv_rows installed (L = B) and the pass under
-# native_forms, as the engine runs non-deterministic passes of a deployment with L > 0
-STRATEGIES = ("native", "lockstep_native", "plain_installed", "strided_gemv", "gemv_rows", "skinny")
+# passes run with L = 0 (large 4-bit layers through qmv_split on CUDA); "lockstep_compiled": that
+# pass as one compiled call (CompiledPasses); "plain_installed": lockstep_native with gemv_rows
+# installed (L = B) and the pass under native_forms, as the engine runs non-deterministic passes
+# of a deployment with L > 0
+STRATEGIES = ("native", "lockstep_native", "lockstep_compiled", "plain_installed", "strided_gemv", "gemv_rows",
+              "skinny")
 
 
 def build(weights: str, layers: int, seed: int = 0, *, hidden: int = 4096, intermediate: int = 14336,
@@ -87,9 +93,12 @@ def trim(cache, n):
         c.trim(n)
 
 
-def forward(model, cache, path):
+def forward(model, cache, path, compiled=None):
     """tokens (list) -> logits (B, vocab): the plain model call on mlx-lm's caches, or
-    (path) a ragged pass over the engine's KV pool, as lockstep's engine runs it."""
+    (path) a ragged pass over the engine's KV pool, as lockstep's engine runs it, or
+    (compiled) that pass as one compiled call."""
+    if compiled is not None:
+        return lambda tokens: compiled.logits([(cache, tokens)])
     if path is None:
         return lambda tokens: model(mx.array([tokens]), cache=cache)[0]
     return lambda tokens: path.forward_rows(cache, tokens)
@@ -129,7 +138,7 @@ def rows_identical(run, cache, tokens) -> int:
 
 
 def install(model, strategy: str, rows: int):
-    if strategy in ("native", "lockstep_native"):
+    if strategy in ("native", "lockstep_native", "lockstep_compiled"):
         set_batch_invariant_limit(model, 0)  # lockstep's plain layers at L = 0
         if strategy == "native":
             uninstall(model)  # mlx-lm's own classes: MLX's calls only
@@ -211,6 +220,8 @@ def main():
     ap.add_argument("--kv-pool", action="store_true",
                     help="strategies over the engine's KV pool (one attention launch per layer); native stays on mlx-lm's caches")
     ap.add_argument("--fuse", action="store_true", help="fuse q/k/v and gate/up (models/fused_projections.py)")
+    ap.add_argument("--fuse-lockstep", action="store_true",
+                    help="fuse q/k/v and gate/up for every strategy but native (mlx-lm's own step, unfused)")
     ap.add_argument("--out")
     a = ap.parse_args()
     lines = []
@@ -230,25 +241,29 @@ def main():
     table = []
     for weights in a.weights.split(","):
         model = build(weights, a.layers)
-        if a.fuse:
+        # native: mlx-lm's own step; with --fuse-lockstep on an unfused copy of the same weights
+        base = build(weights, a.layers) if a.fuse_lockstep else model
+        if a.fuse or a.fuse_lockstep:
             from lockstep.models.fused_projections import fuse_projections
 
             fuse_projections(model)
         nbytes = weight_bytes(model)
         floor_ms = 1e3 * nbytes / HBM_BYTES_PER_S
-        cache = context(model, a.context)
-        path = pooled = None
+        cache = context(base, a.context)
+        path = pooled = compiled = None
         if a.kv_pool:  # the strategies run as the engine runs them: ragged passes over the pool
             path = ModelRunner.as_engine_runs(model, "kernel")
             pooled = context(model, a.context, path.new_cache(a.context + max(rows)))
+            compiled = CompiledPasses(model, path.kv_pool)
         log(f"\n## {weights}: {nbytes / 1e9:.2f} GB of weights, HBM floor {floor_ms:.2f} ms")
         for b in rows:
             tokens = mx.random.randint(0, model.args.vocab_size, (b,), key=mx.random.key(100 + b)).tolist()
             for strategy in strategies:
-                install(model, strategy, b)
+                install(base if strategy == "native" else model, strategy, b)
                 on_pool = path is not None and strategy != "native"
                 kv = pooled if on_pool else cache
-                run = forward(model, kv, path if on_pool else None)
+                run = forward(base if strategy == "native" else model, kv, path if on_pool else None,
+                              compiled if on_pool and strategy == "lockstep_compiled" else None)
                 if strategy == "plain_installed":
                     run = under_native_forms(run)
                 building = []
@@ -262,7 +277,7 @@ def main():
             log(f"self-test L={a.proof_limit} ({strategy}): guaranteed={plan.guaranteed}, widths "
                 f"{plan.self_test.widths if plan.self_test else ()}, {plan.reason}")
         set_batch_invariant_limit(model, 0)
-        del model, cache
+        del model, base, cache, path, pooled, compiled
         mx.clear_cache()
 
     # The step is synchronous (build, then evaluate); its build moves with the lent machine's
