@@ -55,6 +55,9 @@ def kinds(dtype) -> dict:
     buffer = mx.zeros((1, 8, 1024, 128), dtype=dtype)
     new_kv = mx.random.normal((1, 8, 1, 128), key=key).astype(dtype)
     swiglu = mx.compile(lambda a: nn.silu(a) * a)
+    add_mul = mx.compile(lambda a, b: (a + b) * b)  # two elementwise ops MLX fuses into one kernel
+    at = mx.array([5], dtype=mx.int32)
+    slots = mx.full((1, 8, 1, 128), 5, dtype=mx.int32)
 
     def write(buf):
         buf[:, :, 5:6, :] = new_kv
@@ -70,6 +73,11 @@ def kinds(dtype) -> dict:
         "rope": (lambda y: mx.fast.rope(y, 128, traditional=False, base=500000.0, scale=1.0, offset=7),
                  heads, 1),
         "slice_update (in place)": (write, buffer, 1),
+        "slice_update at an array start (in place)": (
+            lambda buf: mx.slice_update(buf, new_kv, at, axes=(2,)), buffer, 1),
+        "put_along_axis, one row (in place)": (
+            lambda buf: mx.put_along_axis(buf, slots, new_kv, axis=2), buffer, 1),
+        "compiled (x + a) * a, fused": (lambda y: add_mul(y, row), row, 1),
         "sdpa, 1 query, 512 keys": (lambda q: mx.fast.scaled_dot_product_attention(q, keys, keys, scale=0.08),
                                     heads, 1),
         "matmul 1 x 256 x 256": (lambda y: y @ small.T, x256, 1),
