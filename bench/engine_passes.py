@@ -2,7 +2,8 @@
 requests decoded together in process, rounds alternating between plain and deterministic
 plans on one deployment (L installed, the ragged proof made for every width), and each decode
 pass split into host graph building, the rest of the pass (device wait, argmax, sampling)
-and the engine's time between passes.
+and the engine's time between passes. Where the runner compiles plain passes
+(kernels/batching/compiled_pass.py), plain rounds run both ways: compiled, and built op by op.
 
     python bench/engine_passes.py [--weights float16] [--limit 8] [--requests 32] [--tokens 128] [--rounds 3]
 
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
 from engine_profile import drive  # noqa: E402
+from lockstep.kernels.batching import compiled_pass  # noqa: E402
 from lockstep.kernels.batching.pool_mode import pool_mode  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from lockstep.models.load import load_model  # noqa: E402
@@ -38,13 +40,20 @@ RECORD: dict[str, list] = {"build": [], "decode": [], "start": [], "end": [], "r
 
 
 def instrument() -> None:
-    """Time each decode pass's graph building (ragged_logits) and the whole pass."""
+    """Time each decode pass's graph building (ragged_logits, or the compiled call) and the whole pass."""
     build = model_runner.ragged_logits
+    compiled_build = compiled_pass.CompiledPasses.logits
     decode = model_runner.ModelRunner.decode
 
     def timed_build(*args, **kwargs):
         t = time.perf_counter()
         out = build(*args, **kwargs)
+        RECORD["build"].append(time.perf_counter() - t)
+        return out
+
+    def timed_compiled_build(*args, **kwargs):
+        t = time.perf_counter()
+        out = compiled_build(*args, **kwargs)
         RECORD["build"].append(time.perf_counter() - t)
         return out
 
@@ -57,10 +66,13 @@ def instrument() -> None:
         return out
 
     model_runner.ragged_logits = timed_build
+    compiled_pass.CompiledPasses.logits = timed_compiled_build
     model_runner.ModelRunner.decode = timed_decode
 
 
-def one_round(engine, requests, plans) -> dict:
+def one_round(engine, requests, plans, compiled) -> dict:
+    """One round; `compiled`: the runner's CompiledPasses for its plain passes, or None (op by op)."""
+    engine.runner.compiled = compiled
     for v in RECORD.values():
         v.clear()
     start = time.perf_counter()
@@ -102,25 +114,32 @@ def main() -> int:
     print(f"{mx.default_device()}, MLX {mx.__version__}, {loaded.name} {args.weights}, L = {plan.limit} "
           f"({plan.strategy}), kv pool {mode}, pass rows {deployment.shared_pass_rows}; {args.requests} requests x "
           f"{args.tokens} tokens, rounds alternating (one unmeasured round each first)", flush=True)
-    for det in (False, True):
-        one_round(engine, requests, plans[det])
-    rows = {False: [], True: []}
+    compiled = engine.runner.compiled
+    # (name, deterministic plans, the runner's compiled passes)
+    kinds = [("plain", False, compiled), ("deterministic", True, compiled)]
+    if compiled is not None:
+        kinds.insert(1, ("plain, op by op", False, None))
+    for _, det, passes in kinds:
+        one_round(engine, requests, plans[det], passes)
+    rows = {name: [] for name, _, _ in kinds}
     for r in range(args.rounds):
-        for det in ((False, True) if r % 2 == 0 else (True, False)):
-            got = one_round(engine, requests, plans[det])
-            rows[det].append(got)
-            print(f"  {'deterministic' if det else 'plain':>13}: {got['tok_s']:.1f} tok/s, {got['passes']} passes "
+        for name, det, passes in (kinds if r % 2 == 0 else kinds[::-1]):
+            got = one_round(engine, requests, plans[det], passes)
+            rows[name].append(got)
+            print(f"  {name:>15}: {got['tok_s']:.1f} tok/s, {got['passes']} passes "
                   f"({got['wide']} of all {args.requests} requests): build {got['build']:.2f} ms, pass "
                   f"{got['decode']:.2f} ms, between passes {got['gap']:.2f} ms", flush=True)
+    engine.runner.compiled = compiled
     engine.stop()
     print("\n| plans | tok/s | build ms | pass ms (build included) | between passes ms |")
     print("|---|---|---|---|---|")
-    for det in (False, True):
-        med = lambda k: statistics.median(x[k] for x in rows[det])  # noqa: E731
-        print(f"| {'deterministic' if det else 'plain'} | {med('tok_s'):.1f} | {med('build'):.2f} | {med('decode'):.2f} "
-              f"| {med('gap'):.2f} |")
-    ratio = statistics.median(d["tok_s"] / p["tok_s"] for d, p in zip(rows[True], rows[False]))
-    print(f"deterministic / plain, median of per-round ratios: {ratio:.2f}", flush=True)
+    for name in rows:
+        med = lambda k: statistics.median(x[k] for x in rows[name])  # noqa: E731
+        print(f"| {name} | {med('tok_s'):.1f} | {med('build'):.2f} | {med('decode'):.2f} | {med('gap'):.2f} |")
+    for a, b in (("deterministic", "plain"), ("plain", "plain, op by op"), ("deterministic", "plain, op by op")):
+        if a in rows and b in rows:
+            ratio = statistics.median(x["tok_s"] / y["tok_s"] for x, y in zip(rows[a], rows[b]))
+            print(f"{a} / {b}, median of per-round ratios: {ratio:.2f}", flush=True)
     return 0
 
 

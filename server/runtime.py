@@ -77,6 +77,8 @@ class Options:
     max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS
     # Decode passes start evaluating every this many layers while the rest is built; 0: off.
     async_eval_layers: int = 0
+    # Plain decode passes over the pool's kernel as one compiled call per row count.
+    compiled_passes: bool = True
 
 
 def seconds_since_process_start() -> float:
@@ -324,7 +326,9 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
                     num_draft_tokens=options.num_draft_tokens, max_draft_tokens=options.max_draft_tokens,
                     draft_model=draft, draft_name=draft_name, draft_loading=defer_draft,
                     prefill_chunk=options.prefill_chunk, adaptive_draft_tokens=options.adaptive_speculation,
-                    kv_pool=kv_pool, async_eval_layers=options.async_eval_layers)
+                    kv_pool=kv_pool, async_eval_layers=options.async_eval_layers,
+                    # a distributed model's passes hold its collectives: they are built op by op
+                    compiled_passes=options.compiled_passes and options.prepare_model is None)
     unproven = InstalledInvariance(limit, "native" if not limit else PENDING_STRATEGY, str(mx.default_device()),
                                    False, "off (L = 0)" if not limit else "being proven")
     runtime = Runtime(loaded, Deployment(fingerprint=_fingerprint(loaded, transform, unproven, options, kv_pool),

@@ -1,20 +1,22 @@
-"""Plain ragged passes over the KV pool, each pass shape traced once and replayed (mx.compile).
+"""Plain ragged passes over the KV pool, traced once per row count and replayed (mx.compile).
 
     passes = CompiledPasses(model, pool)
     logits = passes.logits([(cache_a, [t0]), (cache_b, [t1, d1])])   # as ragged_logits gives them
 
 A pass built op by op costs the host one Python call chain per op (mlx-lm's model code,
 lockstep's layer wrappers, MLX's bindings) before the device gets anything. Over the pool a
-pass's graph depends only on its row count and on whether its rows' slots follow on (one
-slice write a layer, or `put_along_axis`): where each row sits, what it sees and its
-position are arrays (slots, key base and count, positions), and the pool's keys and values
-go in and come back out. So each shape is traced once, and a later pass is one compiled
-call; MLX also fuses the pass's elementwise ops.
+pass's graph depends only on its row count: where each row's KV goes, the keys it sees and
+its position are arrays (slots, key base and count, positions), and the pool's keys and
+values go in and come back out. So each row count is traced once, and a later pass of it is
+one compiled call that rebuilds the same graph in MLX's C++.
 
-Only passes whose rows carry no guarantee run here (the engine's plain decode passes):
-fusion may round a plain row differently from its uncompiled call, and the deterministic
-forms are proven uncompiled. The pool's attention must be its kernel (the reference form
-slices by Python ints, which a trace would freeze).
+Every row's KV is written with `put_along_axis`, never a slice at an array start: MLX's CUDA
+backend runs that (DynamicSliceUpdate) as several launches (docs/BENCHMARKS.md, session 17).
+
+The traces are made and replayed under `native_forms`: only passes whose rows carry no
+guarantee run here (the engine's plain decode passes); the deterministic forms are proven on
+uncompiled passes. The pool's attention must be its kernel (the reference form slices by
+Python ints, which a trace would freeze).
 """
 from __future__ import annotations
 
@@ -22,17 +24,17 @@ import mlx.core as mx
 
 from ..custom import attention as pool_attention
 from ..custom.attention import PoolRows
+from ..invariance.layers import native_forms
 from .ragged import PooledPass, RaggedLayerCache, RowPositions
 
 
 class _PassSlots:
     """A traced pass's PooledPass: where its rows go (arrays, so a trace serves every pass of
-    its shape) and the pool it writes (the traced keys and values)."""
+    its row count) and the pool it writes (the traced keys and values)."""
 
-    def __init__(self, pool: "_TracedPool", slots: mx.array, base: mx.array, lens: mx.array, follow_on: bool):
+    def __init__(self, pool: "_TracedPool", slots: mx.array, base: mx.array, lens: mx.array):
         self.pool = pool
-        self.slots = slots  # follow_on: the first slot only
-        self.follow_on = follow_on
+        self.slots = slots
         self.rows = PoolRows([], [])
         self.rows._arrays = (base, lens)
 
@@ -47,10 +49,6 @@ class _TracedPool:
         self.keys, self.values = list(keys), list(values)
 
     def write_rows(self, layer: int, where: _PassSlots, keys: mx.array, values: mx.array) -> None:
-        if where.follow_on:  # one slice write at the first slot
-            self.keys[layer] = mx.slice_update(self.keys[layer], keys, where.slots, axes=(1,))
-            self.values[layer] = mx.slice_update(self.values[layer], values, where.slots, axes=(1,))
-            return
         self.keys[layer] = mx.put_along_axis(self.keys[layer], where.index(keys.shape), keys, axis=1)
         self.values[layer] = mx.put_along_axis(self.values[layer], where.index(values.shape), values, axis=1)
 
@@ -73,64 +71,55 @@ class NotCompilable(RuntimeError):
     """The pass cannot be traced (it would freeze a Python value); it runs op by op."""
 
 
-def unavailable_reason(model, pool) -> str | None:
-    """Why this model's pool passes cannot be compiled here (None: they can)."""
+def unavailable_reason(pool) -> str | None:
+    """Why passes over this pool cannot be compiled here (None: they can)."""
     if pool is None:
         return "no KV pool"
     if not pool.use_kernel:
-        return "the pool's attention is the reference form"
-    dtypes = {k.dtype for k in pool.keys}
-    dims = {k.shape[-1] for k in pool.keys}
-    for dtype in dtypes:
-        for dim in dims:
-            problem = pool_attention.kernel_unavailable_reason(dtype, dim)
-            if problem:
-                return problem
+        return "the pool's attention is its reference form"
+    for dtype, dim in {(k.dtype, k.shape[-1]) for k in pool.keys}:
+        problem = pool_attention.kernel_unavailable_reason(dtype, dim)
+        if problem:
+            return problem
     return None
 
 
 class CompiledPasses:
-    """A model's plain pool passes as compiled calls: one trace per (row count, slots follow
-    on), each traced on first use."""
+    """A model's plain pool passes as compiled calls: one trace per row count, made on first use."""
 
     def __init__(self, model, pool):
         self.model = model
         self.pool = pool
-        self._runs: dict[bool, object] = {}
-        self.traces = 0  # how many pass shapes were traced (each trace runs the model's Python once)
+        self.traces = 0  # how many row counts were traced (each trace runs the model's Python once)
+        self._run = mx.compile(self._pass)
 
-    def _run(self, follow_on: bool):
-        if follow_on not in self._runs:
-            model, layers = self.model, self.pool.layers
-
-            def run(tokens, positions, slots, base, lens, keys, values):
-                self.traces += 1
-                pool = _TracedPool(keys, values)
-                where = _PassSlots(pool, slots, base, lens, follow_on)
-                rows = RowPositions(positions)
-                count = tokens.shape[1]
-                caches = [RaggedLayerCache([_LayerRef(layer)], [count], rows, where) for layer in range(layers)]
-                logits = model(tokens, cache=caches).squeeze(0)
-                return logits, pool.keys, pool.values
-
-            self._runs[follow_on] = mx.compile(run)
-        return self._runs[follow_on]
+    def _pass(self, tokens, positions, slots, base, lens, keys, values):
+        """The traced pass: (logits, the pool's keys, its values) after writing this pass's KV."""
+        self.traces += 1
+        pool = _TracedPool(keys, values)
+        where = _PassSlots(pool, slots, base, lens)
+        rows = RowPositions(positions)
+        count = tokens.shape[1]
+        caches = [RaggedLayerCache([_LayerRef(layer)], [count], rows, where) for layer in range(self.pool.layers)]
+        logits = self.model(tokens, cache=caches).squeeze(0)
+        return logits, pool.keys, pool.values
 
     def logits(self, requests: list[tuple[list, list[int]]]) -> mx.array:
         """Logits (rows, vocab) of one ragged pass over pooled caches, the requests' rows end to
-        end; each request's caches advance, the pool holds the pass's keys and values."""
+        end, as `ragged_logits` gives them under `native_forms`; each request's caches advance
+        and the pool holds the pass's keys and values. Raises NotCompilable (nothing written)
+        where the pass cannot be traced."""
         rows = [len(tokens) for _, tokens in requests]
         if any(n < 1 for n in rows):
             raise ValueError("every request in a ragged pass needs at least one row")
-        where = PooledPass([cache[0] for cache, _ in requests], rows)
-        follow_on = where.first_slot is not None
-        slots = mx.array([where.first_slot], dtype=mx.int32) if follow_on else where.slots
+        where = PooledPass([cache[0] for cache, _ in requests], rows)  # checks each request's room
         base, lens = where.rows.arrays()
         positions = mx.array([cache[0].offset + i for (cache, _), n in zip(requests, rows) for i in range(n)],
                              dtype=mx.int32)
         tokens = mx.array([t for _, ts in requests for t in ts], dtype=mx.int32)[None]
-        logits, keys, values = self._run(follow_on)(tokens, positions, slots, base, lens,
-                                                    self.pool.keys, self.pool.values)
+        with native_forms():
+            logits, keys, values = self._run(tokens, positions, where.slots, base, lens,
+                                             self.pool.keys, self.pool.values)
         self.pool.keys[:], self.pool.values[:] = keys, values
         for (cache, _), n in zip(requests, rows):
             for layer in cache:

@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode passes start evaluating every N layers while the host builds the "
                              "rest, so the device need not wait for the whole graph (same ops, same "
                              "bits; 0 = off, the default; not with --parallel)")
+    parser.add_argument("--compiled-passes", choices=("on", "off"), default="on",
+                        help="plain decode passes over the KV pool's kernel run as one compiled call per "
+                             "row count instead of being built op by op (on, the default; off with "
+                             "--parallel or --async-eval-layers)")
     parser.add_argument("--max-kv-tokens", type=int, default=None,
                         help="KV cache budget in tokens: requests are admitted while their prompt + "
                              "max_tokens fit, the rest queue (default: half the memory MLX may still "

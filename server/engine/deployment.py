@@ -57,6 +57,9 @@ class Deployment:
     # Decode passes start evaluating every this many layers while the rest is built
     # (kernels/batching/ragged.py ragged_logits); 0: built whole, then evaluated.
     async_eval_layers: int = 0
+    # Plain decode passes over the pool's kernel as one compiled call per row count
+    # (kernels/batching/compiled_pass.py); `serve --compiled-passes off` builds them op by op.
+    compiled_passes: bool = True
     fingerprint: str = ""
 
     @property

@@ -18,6 +18,7 @@ import logging
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+from lockstep.kernels.batching.compiled_pass import CompiledPasses, NotCompilable, unavailable_reason
 from lockstep.kernels.batching.kv_pool import KVPool, is_pooled
 from lockstep.kernels.batching.ragged import enable_ragged, ragged_logits, ragged_problem, ragged_prompt_forward
 from lockstep.kernels.invariance.layers import call_without_head, calls_in_blocks, native_forms
@@ -55,6 +56,12 @@ class ModelRunner:
         self.kv_pool = None
         if self.deployment.kv_pool != "off" and self.batching_problem is None and pool_tokens:
             self.kv_pool = KVPool(self.model, pool_tokens, use_kernel=self.deployment.kv_pool == "kernel")
+        # Plain decode passes as compiled calls, where the pool runs its kernel and passes are
+        # built whole (async_eval_layers hands parts of a pass over while it is built).
+        self.compiled = None
+        if (self.deployment.compiled_passes and not self.deployment.async_eval_layers
+                and unavailable_reason(self.kv_pool) is None):
+            self.compiled = CompiledPasses(self.model, self.kv_pool)
 
     @classmethod
     def as_engine_runs(cls, model, kv_pool: str = "off", pool_tokens: int = 4096) -> "ModelRunner":
@@ -77,6 +84,7 @@ class ModelRunner:
 
     def describe(self) -> dict:
         return {"batched": self.batched, "kv_pool": self.deployment.kv_pool if self.kv_pool is not None else "off",
+                "compiled_passes": self.compiled is not None,
                 **({"not_batched_because": self.batching_problem}
                    if self.batching_problem not in (None, SOLO) else {})}
 
@@ -137,6 +145,17 @@ class ModelRunner:
                 result.passes.append(exc)
         return result
 
+    def _compiled_logits(self, requests: list) -> mx.array | None:
+        """A plain pass's logits as one compiled call; None where it is built op by op."""
+        if self.compiled is None:
+            return None
+        try:
+            return self.compiled.logits(requests)
+        except NotCompilable as exc:  # from now on every pass is built op by op
+            log.warning("plain decode passes are not compiled: %s", exc)
+            self.compiled = None
+            return None
+
     def prefill(self, state) -> PrefillResult:
         """A request's next prompt chunk, in a pass of its own (target or draft model)."""
         step = state.next_prefill()
@@ -164,8 +183,10 @@ class ModelRunner:
         # each call of more than L rows then runs in blocks of at most L.
         with calls_in_blocks() if decode_pass.canonical else native_forms():
             if self.batched:
-                logits = ragged_logits(self.model, [(state.cache, rows) for state, rows in members],
-                                       self.deployment.async_eval_layers)
+                requests = [(state.cache, rows) for state, rows in members]
+                logits = None if decode_pass.canonical else self._compiled_logits(requests)
+                if logits is None:
+                    logits = ragged_logits(self.model, requests, self.deployment.async_eval_layers)
             else:
                 (state, rows), = members
                 logits = self.forward_rows(state.cache, rows)
