@@ -6,6 +6,11 @@ and the engine's time between passes. Where the runner compiles plain passes
 (kernels/batching/compiled_pass.py), plain rounds run both ways: compiled, and built op by op.
 
     python bench/engine_passes.py [--weights float16] [--limit 8] [--requests 32] [--tokens 128] [--rounds 3]
+                                  [--check-solo]
+
+--check-solo: afterwards each request runs alone (deterministic plan), and the last
+deterministic round's answers are compared with those solo answers (and the last plain
+round's, which carry no guarantee, for contrast).
 
 Measures and prints; asserts nothing (issue 27: where a deterministic pass's extra time goes).
 """
@@ -24,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from engine_profile import drive  # noqa: E402
 from lockstep.kernels.batching import compiled_pass  # noqa: E402
 from lockstep.kernels.batching.pool_mode import pool_mode  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
@@ -37,6 +41,17 @@ from lockstep.server.engine.request_state import GenerationRequest  # noqa: E402
 from lockstep.server.engine.sampling import SamplingParams  # noqa: E402
 
 RECORD: dict[str, list] = {"build": [], "decode": [], "start": [], "end": [], "rows": []}
+
+
+async def answers(engine, requests, plans) -> list[tuple[str, int]]:
+    """Each request's (answer text, completion tokens), all submitted at once."""
+    handles = [engine.submit(r, plan) for r, plan in zip(requests, plans)]
+
+    async def consume(handle):
+        deltas = [delta async for delta in handle]
+        return "".join(d.text for d in deltas), deltas[-1].completion_tokens
+
+    return list(await asyncio.gather(*(consume(h) for h in handles)))
 
 
 def instrument() -> None:
@@ -76,12 +91,13 @@ def one_round(engine, requests, plans, compiled) -> dict:
     for v in RECORD.values():
         v.clear()
     start = time.perf_counter()
-    tokens = asyncio.run(drive(engine, requests, plans))
+    got = asyncio.run(answers(engine, requests, plans))
     wall = time.perf_counter() - start
+    texts, tokens = [text for text, _ in got], sum(n for _, n in got)
     wide = [i for i, r in enumerate(RECORD["rows"]) if r == len(requests)]  # passes holding every request
     gaps = [RECORD["start"][i] - RECORD["end"][i - 1] for i in wide if i > 0 and i - 1 in wide]
     ms = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
-    return dict(tok_s=tokens / wall, passes=len(RECORD["rows"]), wide=len(wide),
+    return dict(tok_s=tokens / wall, passes=len(RECORD["rows"]), wide=len(wide), texts=texts,
                 build=ms([RECORD["build"][i] for i in wide]),
                 decode=ms([RECORD["end"][i] - RECORD["start"][i] for i in wide]), gap=ms(gaps))
 
@@ -95,6 +111,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--check-solo", action="store_true")
     args = ap.parse_args()
 
     loaded = load_model(args.model, args.weights)
@@ -112,7 +129,9 @@ def main() -> int:
     plans = {det: [plan_request(deployment, deterministic=det, speculative=None, num_draft_tokens=None)
                    for _ in requests] for det in (False, True)}
     print(f"{mx.default_device()}, MLX {mx.__version__}, {loaded.name} {args.weights}, L = {plan.limit} "
-          f"({plan.strategy}), kv pool {mode}, pass rows {deployment.shared_pass_rows}; {args.requests} requests x "
+          f"({plan.strategy}), kv pool {mode}, pass rows {deployment.shared_pass_rows}, compiled passes: plain "
+          f"{engine.runner.compiled is not None}, deterministic {deployment.compiled_canonical_passes}; "
+          f"{args.requests} requests x "
           f"{args.tokens} tokens, rounds alternating (one unmeasured round each first)", flush=True)
     compiled = engine.runner.compiled
     # (name, deterministic plans, the runner's compiled passes)
@@ -130,6 +149,12 @@ def main() -> int:
                   f"({got['wide']} of all {args.requests} requests): build {got['build']:.2f} ms, pass "
                   f"{got['decode']:.2f} ms, between passes {got['gap']:.2f} ms", flush=True)
     engine.runner.compiled = compiled
+    if args.check_solo:
+        solo = [asyncio.run(answers(engine, [r], [plans[True][0]]))[0][0] for r in requests]
+        for name in ("deterministic", "plain"):
+            same = sum(a == b for a, b in zip(rows[name][-1]["texts"], solo))
+            print(f"{name} answers of the last round equal to each request's solo deterministic answer: "
+                  f"{same}/{len(solo)}", flush=True)
     engine.stop()
     print("\n| plans | tok/s | build ms | pass ms (build included) | between passes ms |")
     print("|---|---|---|---|---|")

@@ -50,9 +50,10 @@ WEIGHTS = {"bf16": None, "nvfp4": ("nvfp4", 16, 4), "affine4": ("affine", 64, 4)
 # passes run with L = 0 (large 4-bit layers through qmv_split on CUDA); "lockstep_compiled": that
 # pass as one compiled call (CompiledPasses); "plain_installed": lockstep_native with gemv_rows
 # installed (L = B) and the pass under native_forms, as the engine runs non-deterministic passes
-# of a deployment with L > 0
+# of a deployment with L > 0; "gemv_rows_compiled": gemv_rows's pass compiled as the engine
+# compiles deterministic passes where the ragged proof held for them
 STRATEGIES = ("native", "lockstep_native", "lockstep_compiled", "plain_installed", "strided_gemv", "gemv_rows",
-              "skinny")
+              "gemv_rows_compiled", "skinny")
 
 
 def build(weights: str, layers: int, seed: int = 0, *, hidden: int = 4096, intermediate: int = 14336,
@@ -93,12 +94,12 @@ def trim(cache, n):
         c.trim(n)
 
 
-def forward(model, cache, path, compiled=None):
+def forward(model, cache, path, compiled=None, canonical=False):
     """tokens (list) -> logits (B, vocab): the plain model call on mlx-lm's caches, or
     (path) a ragged pass over the engine's KV pool, as lockstep's engine runs it, or
-    (compiled) that pass as one compiled call."""
+    (compiled) that pass as one compiled call (canonical: a deterministic pass)."""
     if compiled is not None:
-        return lambda tokens: compiled.logits([(cache, tokens)])
+        return lambda tokens: compiled.logits([(cache, tokens)], canonical=canonical)
     if path is None:
         return lambda tokens: model(mx.array([tokens]), cache=cache)[0]
     return lambda tokens: path.forward_rows(cache, tokens)
@@ -122,15 +123,16 @@ def step_ms(run, cache, tokens, repeats: int, building: list | None = None) -> f
     return 1e3 * float(np.median(times))
 
 
-def rows_identical(run, cache, tokens) -> int:
-    """How many rows of the B-row step equal, bitwise, the same token fed alone in order."""
+def rows_identical(run, cache, tokens, alone=None) -> int:
+    """How many rows of the B-row step equal, bitwise, the same token fed alone in order
+    (by `alone`, default `run`)."""
     b = len(tokens)
     block = run(tokens)
     mx.eval(block)
     trim(cache, b)
     same = 0
     for i in range(b):
-        one = run(tokens[i : i + 1])
+        one = (alone or run)(tokens[i : i + 1])
         mx.eval(one)
         same += bits_equal(block[i], one[0])
     trim(cache, b)
@@ -142,7 +144,7 @@ def install(model, strategy: str, rows: int):
         set_batch_invariant_limit(model, 0)  # lockstep's plain layers at L = 0
         if strategy == "native":
             uninstall(model)  # mlx-lm's own classes: MLX's calls only
-    elif strategy == "plain_installed":
+    elif strategy in ("plain_installed", "gemv_rows_compiled"):
         set_batch_invariant_limit(model, rows, "gemv_rows", verify=False)
     else:
         set_batch_invariant_limit(model, rows, strategy, verify=False)
@@ -260,15 +262,20 @@ def main():
             tokens = mx.random.randint(0, model.args.vocab_size, (b,), key=mx.random.key(100 + b)).tolist()
             for strategy in strategies:
                 install(base if strategy == "native" else model, strategy, b)
+                if compiled is not None:
+                    compiled.forget()  # traces follow the forms just installed
                 on_pool = path is not None and strategy != "native"
                 kv = pooled if on_pool else cache
                 run = forward(base if strategy == "native" else model, kv, path if on_pool else None,
-                              compiled if on_pool and strategy == "lockstep_compiled" else None)
+                              compiled if on_pool and strategy.endswith("compiled") else None,
+                              canonical=strategy == "gemv_rows_compiled")
                 if strategy == "plain_installed":
                     run = under_native_forms(run)
                 building = []
                 ms = step_ms(run, kv, tokens, a.repeats, building)
-                same = rows_identical(run, kv, tokens) if b > 1 else 1
+                # a compiled deterministic pass's rows against the solo pass built op by op
+                alone = forward(model, kv, path) if strategy == "gemv_rows_compiled" else None
+                same = rows_identical(run, kv, tokens, alone) if b > 1 else 1
                 table.append((weights, b, strategy, ms, floor_ms, same, ms - building[0]))
                 log(f"{weights:>8} B={b:<3} {strategy:>13}: {ms:8.2f} ms  {100 * floor_ms / ms:5.1f}% of floor"
                     f"  (build {building[0]:.2f} ms)  rows == single-row pass: {same}/{b}")

@@ -418,11 +418,12 @@ class GuaranteeWork:
         # the deployment's guarantee, decided here only (its ragged proof timed where one is made)
         with timings.timed("ragged_proof") if plan.guaranteed else contextlib.nullcontext():
             guarantee = decide_guarantee(model, plan, kv_pool, self.proofs, options.max_batch_rows,
-                                         shared_prefill=options.prepare_model is None)
+                                         shared_prefill=options.prepare_model is None,
+                                         compiled=runtime.deployment.compiled_passes)
         deployment = dataclasses.replace(
             runtime.deployment, guaranteed_rows=guarantee.rows, shared_passes=guarantee.shared_passes,
             shared_pass_rows=guarantee.pass_rows, shared_prefill_rows=guarantee.shared_prefill_rows,
-            strategy=plan.strategy, pass_costs=pass_costs,
+            compiled_canonical_passes=guarantee.compiled_passes, strategy=plan.strategy, pass_costs=pass_costs,
             fingerprint=_fingerprint(runtime.loaded, runtime.transform, plan, options, kv_pool))
         runtime.invariance, runtime.deployment = plan, deployment
         runtime.guarantee_seconds = time.perf_counter() - started

@@ -145,3 +145,72 @@ def test_serve_compiled_passes_reach_the_options():
     add_arguments(parser)
     assert options_from_args(parser.parse_args([])).compiled_passes is True
     assert options_from_args(parser.parse_args(["--compiled-passes", "off"])).compiled_passes is False
+
+
+# ------------------------------------------------------------- deterministic passes compiled
+
+LIMIT = 4
+
+
+@pytest.fixture
+def deterministic_model():
+    from tests.test_deterministic_double import peaked_llama
+
+    m = peaked_llama()
+    enable_ragged(m)
+    yield m
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+
+    set_batch_invariant_limit(m, 0)
+
+
+def test_the_ragged_proof_of_compiled_passes_holds_with_canonical_forms_and_fails_natively(deterministic_model):
+    from lockstep.kernels.batching.ragged_selftest import prove_ragged
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+    from tests.doubles.shape_variant import shape_variant_backend
+
+    model = deterministic_model
+    with shape_variant_backend():
+        native = prove_ragged(model, LIMIT, kv_pool="kernel", compiled=True)
+        assert not native and "differ" in native.reason  # negative control: the double varies with width
+        assert set_batch_invariant_limit(model, LIMIT).guaranteed
+        assert prove_ragged(model, LIMIT, kv_pool="kernel", compiled=True, pass_rows=6)
+    refused = prove_ragged(model, LIMIT, kv_pool="reference", compiled=True)
+    assert not refused and "pool's kernel" in refused.reason
+
+
+def test_a_compiled_pass_whose_rows_move_with_the_width_fails_the_proof(deterministic_model, monkeypatch):
+    from lockstep.kernels.batching.ragged_selftest import prove_ragged
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+
+    model = deterministic_model
+    assert set_batch_invariant_limit(model, LIMIT).guaranteed
+    logits = CompiledPasses.logits
+
+    def shifted(self, requests, **kwargs):  # a row's bits change once it shares the pass
+        out = logits(self, requests, **kwargs)
+        return out * (1 + 2 ** -10) if len(requests) > 1 else out
+
+    monkeypatch.setattr(CompiledPasses, "logits", shifted)
+    proof = prove_ragged(model, LIMIT, kv_pool="kernel", compiled=True)
+    assert not proof and "differ" in proof.reason
+
+
+def test_deterministic_passes_run_compiled_where_the_guarantee_proved_them(deterministic_model):
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+    from lockstep.server.engine.guarantee import proven_deployment
+
+    model = deterministic_model
+    plan = set_batch_invariant_limit(model, LIMIT)
+    deployment = proven_deployment(model, plan, kv_pool="kernel", pass_rows=LIMIT)
+    assert deployment.guaranteed and deployment.compiled_canonical_passes
+    off = proven_deployment(model, plan, kv_pool="kernel", pass_rows=LIMIT, compiled_passes=False)
+    assert off.guaranteed and not off.compiled_canonical_passes
+    runner = ModelRunner(model, deployment, pool_tokens=128)
+    caches = prefilled(model, runner.kv_pool)
+    det = _Pass([(_Slot(caches[0], "greedy"), [11]), (_Slot(caches[1], "greedy"), [12])], True)
+    runner.decode(det)
+    assert runner.compiled.traces == 1  # the canonical pass, compiled
+    runner.set_deployment(off)
+    runner.decode(det)
+    assert runner.compiled.traces == 1  # op by op now

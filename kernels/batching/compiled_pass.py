@@ -13,10 +13,13 @@ one compiled call that rebuilds the same graph in MLX's C++.
 Every row's KV is written with `put_along_axis`, never a slice at an array start: MLX's CUDA
 backend runs that (DynamicSliceUpdate) as several launches (docs/BENCHMARKS.md, session 17).
 
-The traces are made and replayed under `native_forms`: only passes whose rows carry no
-guarantee run here (the engine's plain decode passes); the deterministic forms are proven on
-uncompiled passes. The pool's attention must be its kernel (the reference form slices by
-Python ints, which a trace would freeze).
+A pass is traced under the forms it runs with, and each kind keeps its own traces: plain
+(`native_forms`, the engine's passes of non-deterministic rows) or canonical
+(`calls_in_blocks` under the model's installed setting, the engine's deterministic passes).
+Canonical passes run here only where the ragged proof ran them compiled and found every row
+equal to its solo pass (kernels/batching/ragged_selftest.py, server/engine/guarantee.py). The
+pool's attention must be its kernel (the reference form slices by Python ints, which a trace
+would freeze).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import mlx.core as mx
 
 from ..custom import attention as pool_attention
 from ..custom.attention import PoolRows
-from ..invariance.layers import native_forms
+from ..invariance.layers import calls_in_blocks, native_forms
 from .ragged import PooledPass, RaggedLayerCache, RowPositions
 
 
@@ -85,13 +88,25 @@ def unavailable_reason(pool) -> str | None:
 
 
 class CompiledPasses:
-    """A model's plain pool passes as compiled calls: one trace per row count, made on first use."""
+    """A model's pool passes as compiled calls: one trace per (kind, row count), made on first use."""
 
     def __init__(self, model, pool):
         self.model = model
         self.pool = pool
-        self.traces = 0  # how many row counts were traced (each trace runs the model's Python once)
-        self._run = mx.compile(self._pass)
+        self.traces = 0  # how many passes were traced (each trace runs the model's Python once)
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop every trace (the model's installed forms changed): the next passes trace afresh."""
+        self._runs = {False: mx.compile(self._plain_pass), True: mx.compile(self._canonical_pass)}
+
+    def _plain_pass(self, *arrays):
+        with native_forms():
+            return self._pass(*arrays)
+
+    def _canonical_pass(self, *arrays):
+        with calls_in_blocks():
+            return self._pass(*arrays)
 
     def _pass(self, tokens, positions, slots, base, lens, keys, values):
         """The traced pass: (logits, the pool's keys, its values) after writing this pass's KV."""
@@ -104,11 +119,11 @@ class CompiledPasses:
         logits = self.model(tokens, cache=caches).squeeze(0)
         return logits, pool.keys, pool.values
 
-    def logits(self, requests: list[tuple[list, list[int]]]) -> mx.array:
+    def logits(self, requests: list[tuple[list, list[int]]], *, canonical: bool = False) -> mx.array:
         """Logits (rows, vocab) of one ragged pass over pooled caches, the requests' rows end to
-        end, as `ragged_logits` gives them under `native_forms`; each request's caches advance
-        and the pool holds the pass's keys and values. Raises NotCompilable (nothing written)
-        where the pass cannot be traced."""
+        end, as `ragged_logits` gives them under `native_forms` (canonical: under
+        `calls_in_blocks`); each request's caches advance and the pool holds the pass's keys and
+        values. Raises NotCompilable (nothing written) where the pass cannot be traced."""
         rows = [len(tokens) for _, tokens in requests]
         if any(n < 1 for n in rows):
             raise ValueError("every request in a ragged pass needs at least one row")
@@ -117,9 +132,8 @@ class CompiledPasses:
         positions = mx.array([cache[0].offset + i for (cache, _), n in zip(requests, rows) for i in range(n)],
                              dtype=mx.int32)
         tokens = mx.array([t for _, ts in requests for t in ts], dtype=mx.int32)[None]
-        with native_forms():
-            logits, keys, values = self._run(tokens, positions, where.slots, base, lens,
-                                             self.pool.keys, self.pool.values)
+        logits, keys, values = self._runs[canonical](tokens, positions, where.slots, base, lens,
+                                                     self.pool.keys, self.pool.values)
         self.pool.keys[:], self.pool.values[:] = keys, values
         for (cache, _), n in zip(requests, rows):
             for layer in cache:

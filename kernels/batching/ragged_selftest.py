@@ -11,6 +11,10 @@ logits and new KV rows (for recurrent, conv or sliding-window state: its whole s
 compared as raw bits with its solo pass. Costs the pool's solo passes plus one pass per width.
 A multi-row member is compared with the same rows alone, so the proof holds for models with
 per-request state too (their layers run per request either way).
+
+`compiled`: the passes of every width run as the engine's compiled canonical passes
+(kernels/batching/compiled_pass.py) over the pool's kernel, each row still compared with its
+solo pass built op by op (as a request alone, the solo paths and prompt chunks run).
 """
 from __future__ import annotations
 
@@ -90,15 +94,18 @@ class _Caches:
 
 
 def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None,
-                 kv_pool: str = "off", pass_rows: int | None = None) -> RaggedProof:
+                 kv_pool: str = "off", pass_rows: int | None = None, compiled: bool = False) -> RaggedProof:
     """Prove ragged passes of 1..max(limit, pass_rows) rows bit-identical to solo passes on
     this model (`kv_pool`: the requests' caches as the engine makes them, see
-    server/engine/deployment.py)."""
+    server/engine/deployment.py; `compiled`: the passes compiled, over the pool's kernel)."""
     from ..invariance.layers import calls_in_blocks
+    from .compiled_pass import CompiledPasses, NotCompilable
 
     start = time.perf_counter()
     if limit < 1:
         return RaggedProof(False, limit, (), "the limit is 0")
+    if compiled and kv_pool != "kernel":
+        return RaggedProof(False, limit, (), "compiled passes run over the pool's kernel only")
     widest = max(limit, pass_rows or limit)
     vocab = vocab or _vocab_size(model)
     key = mx.random.key(seed)
@@ -122,11 +129,23 @@ def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None,
         solo.append((logits, kv))
 
     widths = tuple(range(1, widest + 1))
+    passes = CompiledPasses(model, made.pool) if compiled else None
     for width in widths:
         members = _members_for(width, pool)
         fresh = [made.copy(caches[i]) for i in members]
-        with calls_in_blocks():
-            outs = ragged_forward(model, [(fresh[j], prompts[i]) for j, i in enumerate(members)])
+        requests = [(fresh[j], prompts[i]) for j, i in enumerate(members)]
+        if passes is not None:
+            try:
+                logits = passes.logits(requests, canonical=True)
+            except NotCompilable as exc:
+                return RaggedProof(False, limit, widths, f"compiled passes: {exc}", time.perf_counter() - start)
+            outs, at = [], 0
+            for _, rows in requests:
+                outs.append(logits[at:at + len(rows)])
+                at += len(rows)
+        else:
+            with calls_in_blocks():
+                outs = ragged_forward(model, requests)
         mx.eval(outs)
         for j, i in enumerate(members):
             logits, kv = solo[i]
@@ -143,18 +162,20 @@ def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None,
 
 
 def prove_ragged_cached(model, limit: int, proof_cache=None, *, seed: int = 0,
-                        kv_pool: str = "off", pass_rows: int | None = None) -> RaggedProof:
+                        kv_pool: str = "off", pass_rows: int | None = None, compiled: bool = False) -> RaggedProof:
     """`prove_ragged`, re-using a result proven earlier on this machine (a
     kernels.invariance.selftest.ProofCache: same model, strategy, L, widths, code, MLX and device)."""
     if proof_cache is None:
-        return prove_ragged(model, limit, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows)
+        return prove_ragged(model, limit, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows, compiled=compiled)
     from ..invariance.selftest import proof_key
 
     widths = tuple(range(1, max(limit, pass_rows or limit) + 1))
     key = {**proof_key(model, limit, widths, (), seed, True, proof_cache.model_identity),
-           "what": "ragged pass proof", **({"kv_pool": kv_pool} if kv_pool != "off" else {})}
+           "what": "ragged pass proof", **({"kv_pool": kv_pool} if kv_pool != "off" else {}),
+           **({"compiled": True} if compiled else {})}
     return cached_proof(proof_cache, key, limit, widths,
-                        lambda: prove_ragged(model, limit, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows))
+                        lambda: prove_ragged(model, limit, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows,
+                                             compiled=compiled))
 
 
 def cached_proof(proof_cache, key: dict, limit: int, widths: tuple, prove) -> RaggedProof:

@@ -60,6 +60,8 @@ class Deployment:
     # Plain decode passes over the pool's kernel as one compiled call per row count
     # (kernels/batching/compiled_pass.py); `serve --compiled-passes off` builds them op by op.
     compiled_passes: bool = True
+    # Deterministic decode passes compiled too: decided with the guarantee (server/engine/guarantee.py).
+    compiled_canonical_passes: bool = False
     fingerprint: str = ""
 
     @property

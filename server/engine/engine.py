@@ -216,7 +216,8 @@ class Engine:
 
     def set_deployment(self, deployment: Deployment) -> None:
         """Plan and run from now on with `deployment` (worker thread, between steps)."""
-        self.deployment = self.scheduler.deployment = self.runner.deployment = deployment
+        self.deployment = self.scheduler.deployment = deployment
+        self.runner.set_deployment(deployment)
 
     def _run_work(self, work: Work) -> bool:
         """Run one piece of start-up work, serving requests between its steps. False: stop."""

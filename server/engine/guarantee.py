@@ -7,7 +7,9 @@ Two facts, both from proofs made on the running backend:
   (kernels/batching/ragged_selftest.py), made here only, over the KV layout the engine uses;
 - whether deterministic requests' prompt chunks (of at least `shared_chunk_rows(L)` rows) may
   share a pass: the shared-prefill proof (kernels/batching/shared_prefill_proof.py), made
-  after the ragged one.
+  after the ragged one;
+- whether deterministic decode passes may run compiled (kernels/batching/compiled_pass.py):
+  the ragged proof once more, its passes compiled, where the deployment compiles passes.
 
 A model with per-request state (a recurrent, conv or sliding-window cache) is proven for one
 row per request (`InstalledInvariance.request_rows` = 1): its deterministic requests share
@@ -32,10 +34,11 @@ class Guarantee:
     reason: str = ""
     pass_rows: int = 0  # the widest pass proven to hold deterministic rows of several requests
     shared_prefill_rows: int = 0  # deterministic prompt chunks of this many rows may share a pass (0: none)
+    compiled_passes: bool = False  # deterministic decode passes may run compiled
 
 
 def decide_guarantee(model, plan, kv_pool: str = "off", proofs=None, pass_rows: int | None = None,
-                     shared_prefill: bool = True) -> Guarantee:
+                     shared_prefill: bool = True, compiled: bool = False) -> Guarantee:
     """The deployment's guarantee for `model` with the installed invariance `plan`
     (a kernels.invariance.limit.InstalledInvariance or None); `proofs` a ProofCache to re-use
     a ragged proof made earlier on this machine. `pass_rows`: the widest pass the engine will
@@ -43,7 +46,9 @@ def decide_guarantee(model, plan, kv_pool: str = "off", proofs=None, pass_rows: 
     every width up to it (calls of more than L rows run in blocks of at most L); if that fails,
     passes of at most L rows are proven instead. `shared_prefill` False: no shared-prefill
     proof, deterministic prompt chunks run alone (a distributed deployment: its pipeline
-    hands a prompt chunk on through a KV cache, which a ragged pass does not have)."""
+    hands a prompt chunk on through a KV cache, which a ragged pass does not have). `compiled`:
+    the deployment compiles its plain passes over the pool's kernel; deterministic ones then
+    too where the ragged proof holds for compiled passes of every width proven."""
     if plan is None or not plan.guaranteed:
         return Guarantee(0, False, plan.reason if plan is not None else "no batch-invariant limit")
     from lockstep.kernels.batching.ragged import enable_ragged, ragged_problem
@@ -69,7 +74,20 @@ def decide_guarantee(model, plan, kv_pool: str = "off", proofs=None, pass_rows: 
     log.info("ragged passes of 1..%d rows proven bit-identical to solo passes (%.1f s)",
              widest, proof.seconds)
     return Guarantee(plan.limit, True, proof.reason, widest,
-                     _shared_prefill(model, plan.limit, kv_pool, proofs) if shared_prefill else 0)
+                     _shared_prefill(model, plan.limit, kv_pool, proofs) if shared_prefill else 0,
+                     compiled and kv_pool == "kernel" and _compiled(model, plan.limit, proofs, widest))
+
+
+def _compiled(model, limit: int, proofs, widest: int) -> bool:
+    """Whether compiled passes of 1..widest rows give every row its solo pass's bits."""
+    from lockstep.kernels.batching.ragged_selftest import prove_ragged_cached
+
+    proof = prove_ragged_cached(model, limit, proofs, kv_pool="kernel", pass_rows=widest, compiled=True)
+    if proof:
+        log.info("compiled passes of 1..%d rows proven bit-identical to solo passes (%.1f s)", widest, proof.seconds)
+    else:
+        log.warning("deterministic decode passes are built op by op: %s", proof.reason)
+    return proof.passed
 
 
 def _shared_prefill(model, limit: int, kv_pool: str, proofs) -> int:
@@ -102,10 +120,12 @@ def proven_deployment(model, plan, *, kv_pool: str = "off", proofs=None, pass_ro
     from lockstep.kernels.invariance.cache_check import per_request_state
     from lockstep.server.engine.deployment import Deployment
 
-    guarantee = decide_guarantee(model, plan, kv_pool, proofs, pass_rows)
+    guarantee = decide_guarantee(model, plan, kv_pool, proofs, pass_rows,
+                                 compiled=settings.get("compiled_passes", Deployment.compiled_passes))
     if per_request_state(make_prompt_cache(model)) is not None:
         settings["speculation"] = False
     return Deployment(limit=plan.limit if plan is not None else 0, guaranteed_rows=guarantee.rows,
                       shared_passes=guarantee.shared_passes, shared_pass_rows=guarantee.pass_rows,
                       shared_prefill_rows=guarantee.shared_prefill_rows,
+                      compiled_canonical_passes=guarantee.compiled_passes,
                       strategy=plan.strategy if plan is not None else "native", kv_pool=kv_pool, **settings)

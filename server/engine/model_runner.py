@@ -145,14 +145,22 @@ class ModelRunner:
                 result.passes.append(exc)
         return result
 
-    def _compiled_logits(self, requests: list) -> mx.array | None:
-        """A plain pass's logits as one compiled call; None where it is built op by op."""
-        if self.compiled is None:
+    def set_deployment(self, deployment: Deployment) -> None:
+        """Run with `deployment` from now on; passes traced under the model's forms before are
+        traced afresh (the guarantee's proofs installed the forms it serves with)."""
+        self.deployment = deployment
+        if self.compiled is not None:
+            self.compiled.forget()
+
+    def _compiled_logits(self, requests: list, canonical: bool) -> mx.array | None:
+        """A pass's logits as one compiled call (a canonical one only where the guarantee proved
+        compiled passes); None where it is built op by op."""
+        if self.compiled is None or (canonical and not self.deployment.compiled_canonical_passes):
             return None
         try:
-            return self.compiled.logits(requests)
+            return self.compiled.logits(requests, canonical=canonical)
         except NotCompilable as exc:  # from now on every pass is built op by op
-            log.warning("plain decode passes are not compiled: %s", exc)
+            log.warning("decode passes are not compiled: %s", exc)
             self.compiled = None
             return None
 
@@ -184,7 +192,7 @@ class ModelRunner:
         with calls_in_blocks() if decode_pass.canonical else native_forms():
             if self.batched:
                 requests = [(state.cache, rows) for state, rows in members]
-                logits = None if decode_pass.canonical else self._compiled_logits(requests)
+                logits = self._compiled_logits(requests, decode_pass.canonical)
                 if logits is None:
                     logits = ragged_logits(self.model, requests, self.deployment.async_eval_layers)
             else:

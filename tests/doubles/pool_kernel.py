@@ -4,9 +4,10 @@ The CPU has no custom-kernel API, so the pool attends by its reference form ther
 slices the pool by Python ints and cannot be traced (kernels/batching/compiled_pass.py).
 Inside `pool_kernel_double()` the pool's kernel path (`kernel_attention`) is this: every
 row against exactly its own keys, from the same (base, count) arrays the kernel reads, in
-MLX ops on the whole pool (a mask, then a float32 softmax). Close to the reference form,
-not bitwise; uncompiled and compiled passes both go through it, so those two can be
-compared bit for bit.
+MLX ops on the whole pool (a mask, then a float32 softmax), by elementwise products and sums
+rather than matmuls, so a row's bits never depend on the pass's other rows (also under
+tests/doubles/shape_variant.py). Close to the reference form, not bitwise; uncompiled and
+compiled passes both go through it, so those two can be compared bit for bit.
 """
 from contextlib import contextmanager
 
@@ -20,11 +21,11 @@ def masked_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows
     heads, kv_heads, slots = queries.shape[1], k_pool.shape[0], k_pool.shape[1]
     keys = mx.repeat(k_pool, heads // kv_heads, axis=0)
     values = mx.repeat(v_pool, heads // kv_heads, axis=0)
-    scores = (queries[0] @ keys.transpose(0, 2, 1)).astype(mx.float32) * scale
+    scores = (queries[0][:, :, None, :] * keys[:, None]).astype(mx.float32).sum(-1) * scale  # (HQ, R, S)
     at = mx.arange(slots)[None]
     own = (at >= base[:, None]) & (at < (base + lens)[:, None])
     weights = mx.softmax(mx.where(own[None], scores, -mx.inf), axis=-1).astype(queries.dtype)
-    return (weights @ values)[None]
+    return (weights[..., None] * values[:, None]).sum(-2)[None]
 
 
 @contextmanager
