@@ -108,7 +108,8 @@ class _Pass:
 
 def test_the_runner_compiles_plain_decode_passes_only(model):
     runner = _runner(model)
-    assert runner.compiled is not None and runner.describe()["compiled_passes"] is True
+    assert runner.compiled is not None
+    assert runner.describe()["compiled_passes"] == {"plain": True, "deterministic": False}
     caches = prefilled(model, runner.kv_pool)
     result = runner.decode(_Pass([(_Slot(caches[0], "none"), [11]), (_Slot(caches[1], "none"), [12])], False))
     assert runner.compiled.traces == 1 and len(result.argmax) == 2
@@ -204,6 +205,7 @@ def test_deterministic_passes_run_compiled_where_the_guarantee_proved_them(deter
     plan = set_batch_invariant_limit(model, LIMIT)
     deployment = proven_deployment(model, plan, kv_pool="kernel", pass_rows=LIMIT)
     assert deployment.guaranteed and deployment.compiled_canonical_passes
+    assert ModelRunner(model, deployment, pool_tokens=16).describe()["compiled_passes"]["deterministic"] is True
     off = proven_deployment(model, plan, kv_pool="kernel", pass_rows=LIMIT, compiled_passes=False)
     assert off.guaranteed and not off.compiled_canonical_passes
     runner = ModelRunner(model, deployment, pool_tokens=128)

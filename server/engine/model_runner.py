@@ -84,7 +84,9 @@ class ModelRunner:
 
     def describe(self) -> dict:
         return {"batched": self.batched, "kv_pool": self.deployment.kv_pool if self.kv_pool is not None else "off",
-                "compiled_passes": self.compiled is not None,
+                "compiled_passes": {"plain": self.compiled is not None,
+                                    "deterministic": self.compiled is not None
+                                    and self.deployment.compiled_canonical_passes},
                 **({"not_batched_because": self.batching_problem}
                    if self.batching_problem not in (None, SOLO) else {})}
 
