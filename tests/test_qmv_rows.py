@@ -274,3 +274,18 @@ def test_startup_lists_each_quantized_shape_and_builds_only_a_proven_variant(mon
     monkeypatch.setattr(qmv_rows, "proven_variant", lambda mode, bits, dtype: 0)
     built = instances_for(shapes, range(1, 5))
     assert built and {dict(t)["MR"] for _, t in built} == {2, 4}  # widths 2..4; one row is MLX's
+
+
+def test_no_float32_variant_is_compiled_or_smoke_tested(monkeypatch):
+    """The kernel pairs values of x's type (half2 / bfloat162): a float32 x is not its case. A
+    float32 smoke test would fail to compile on the GPU and switch every qmv_rows kernel off."""
+    qmv_rows.proven_variant.cache_clear()
+    monkeypatch.setattr(qmv_rows, "backend", lambda: "cuda")
+    asked = []
+    monkeypatch.setattr(qmv_rows, "smoke_verdict", lambda name, *args: asked.append(name) or None)
+    try:
+        assert qmv_rows.proven_variant("affine", 4, mx.float32) is None
+        assert asked == []
+        assert qmv_rows.proven_variant("affine", 4, mx.float16) == 0 and asked  # the double's verdict: a pass
+    finally:
+        qmv_rows.proven_variant.cache_clear()

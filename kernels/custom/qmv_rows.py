@@ -242,7 +242,7 @@ AFFINE_VARIANTS = (0, 1)
 def proven_variant(mode: str, bits: int, dtype) -> int | None:
     """The kernel variant whose rows equal MLX's single-row call for this quantization and
     dtype on this GPU (affine: 0 two roundings, 1 one), or None: none does, or no CUDA."""
-    if backend() != "cuda":
+    if backend() != "cuda" or dtype not in DTYPES:  # the kernel has no float32 x (no value pairs)
         return None
     for fused in AFFINE_VARIANTS if mode == "affine" else (0,):
         name = f"qmv_rows {mode} {bits}-bit {dtype} fused={fused} {compiled.mode('qmv_rows')}"
