@@ -38,8 +38,7 @@ class _PassSlots:
     def __init__(self, pool: "_TracedPool", slots: mx.array, base: mx.array, lens: mx.array):
         self.pool = pool
         self.slots = slots
-        self.rows = PoolRows([], [])
-        self.rows._arrays = (base, lens)
+        self.rows = PoolRows([], [], (base, lens))  # the kernel reads the arrays only
 
     def index(self, shape: tuple) -> mx.array:
         return mx.broadcast_to(self.slots[None, :, None], shape)
