@@ -75,6 +75,20 @@ def test_each_row_count_is_traced_once(model):
     assert passes.traces == 3
 
 
+def test_a_pool_grown_between_passes_is_traced_at_its_new_size(model):
+    built, traced = KVPool(model, 64), KVPool(model, 64)
+    by_ops, compiled = prefilled(model, built), prefilled(model, traced)
+    passes = CompiledPasses(model, traced)
+    mx.eval(passes.logits([(compiled[0], [11])]), ragged_logits(model, [(by_ops[0], [11])]))
+    grown = [pool.allocate(100) for pool in (built, traced)]  # beyond 64 slots: both pools double
+    assert traced.capacity == built.capacity > 64
+    for pool, cache in zip((built, traced), grown):
+        mx.eval(ragged_logits(model, [(cache, [7, 8, 9])]))
+    want = ragged_logits(model, [(by_ops[0], [12]), (grown[0], [13])])
+    got = passes.logits([(compiled[0], [12]), (grown[1], [13])])
+    assert bits(got) == bits(want) and passes.traces == 2
+
+
 def test_a_pass_beyond_a_requests_reservation_writes_nothing(model):
     pool = KVPool(model, 64)
     cache = pool.allocate(6)

@@ -53,8 +53,10 @@ def test_mode_loads_audits_and_generates(float_model, mode, bits):
     report = audit_and_patch(model)
     assert report.ok
 
+    bounds = BOUNDS.get((result.spec.mode, result.spec.bits))
+    # modes with bounds are held to them on every prompt; the others are measured on the first
     agreement, mean_err, max_err = [], [], 0.0
-    for prompt, ref in zip(prompts, ref_logits):
+    for prompt, ref in list(zip(prompts, ref_logits))[:None if bounds else 1]:
         logits = model(prompt)
         agreement.append((mx.argmax(logits, -1) == mx.argmax(ref, -1)).mean().item())
         diff = mx.abs(logits - ref)
@@ -63,7 +65,6 @@ def test_mode_loads_audits_and_generates(float_model, mode, bits):
     print(f"{mode}{bits or ''}: agreement {agreement} mean |err| {mean_err} max {max_err:.2f}")
     tokens = greedy(model, prompts[0], 3)
     assert len(tokens) == 3 and all(0 <= t < 49152 for t in tokens)
-    bounds = BOUNDS.get((result.spec.mode, result.spec.bits))
     if bounds is not None:
         assert min(agreement) >= bounds[0]
         assert max(mean_err) <= bounds[1]
