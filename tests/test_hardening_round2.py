@@ -289,6 +289,30 @@ def test_a_busy_port_is_reported_before_the_model_loads():
     assert "serving" not in done.stderr and "loaded" not in done.stderr.lower()
 
 
+def test_a_port_taken_while_the_model_loaded_is_said_in_one_line(embedded_model, endless, caplog):
+    """Two servers started together both bind (SO_REUSEADDR, neither listening yet); the one
+    that listens second must say so plainly and exit 1, not raise uvicorn's traceback."""
+    import argparse
+
+    from lockstep.server.api import shutdown
+    from lockstep.server.api.app import create_app
+    from lockstep.server.commands.serve import _serve_http
+
+    sock = shutdown.bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    other = shutdown.bind("127.0.0.1", port)  # the other server, bound during this one's load
+    other.listen()
+    engine = ScriptedEngine(embedded_model, endless)  # never started
+    args = argparse.Namespace(host="127.0.0.1", port=port, drain_timeout=1.0)
+    try:
+        with caplog.at_level("ERROR", logger="lockstep.serve"):
+            assert _serve_http(args, create_app(engine), engine, sock) is False
+    finally:
+        other.close()
+        sock.close()
+    assert f"cannot listen on 127.0.0.1:{port}" in caplog.text and "choose another --port" in caplog.text
+
+
 # ----------------------------------------------------------- 8. error messages
 
 @pytest.mark.parametrize("path, body, param, words", [

@@ -193,8 +193,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     log.info("serving %s on http://%s:%d/v1 (model id %r or \"default\")",
              engine.loaded.path, args.host, args.port, engine.loaded.name)
-    _serve_http(args, app, engine, sock)
-    shutdown.exit_without_finalizing(0)  # MLX teardown after worker-thread use can abort
+    served = _serve_http(args, app, engine, sock)
+    shutdown.exit_without_finalizing(0 if served else 1)  # MLX teardown after worker-thread use can abort
     return 0
 
 
@@ -240,18 +240,29 @@ def run_rank(args: argparse.Namespace) -> int:
     app = build_app(args, runtime, engine, world, watchdog)
     rank_log.info("serving %s %s on http://%s:%d/v1 (model id %r or \"default\")", engine.loaded.path,
                   world.describe(), args.host, args.port, engine.loaded.name)
-    _serve_http(args, app, engine, sock)
-    shutdown.exit_without_finalizing(exit_code())
+    served = _serve_http(args, app, engine, sock)
+    shutdown.exit_without_finalizing(exit_code() if served else 1)
     return 0
 
 
-def _serve_http(args: argparse.Namespace, app, engine, sock) -> None:
-    """uvicorn on the socket bound at start, until SIGTERM/SIGINT and the drain; then the engine stops."""
+def _serve_http(args: argparse.Namespace, app, engine, sock) -> bool:
+    """uvicorn on the socket bound at start, until SIGTERM/SIGINT and the drain; then the engine
+    stops. False: the port was taken while the model loaded (another server bound it too and
+    listened first), said in one line."""
+    import errno
+
     from lockstep.server.api import access_log, shutdown
 
     try:
         access_log.send_to_stderr()  # bare JSON lines replace uvicorn's access log
         shutdown.serve(app, args.host, args.port, drain_timeout=args.drain_timeout, sock=sock,
                        log_level=logging.getLogger().level, access_log=False)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        log.error("cannot listen on %s:%d: %s (another server took the port while this one loaded; "
+                  "choose another --port)", args.host, args.port, exc.strerror)
+        return False
     finally:
         engine.stop()
+    return True
