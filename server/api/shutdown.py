@@ -69,6 +69,9 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+BACKLOG = 2048  # uvicorn's own default
+
+
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before the model loads so a busy port fails in a second.
 
@@ -93,6 +96,7 @@ def serve(app, host: str, port: int, drain_timeout: float = DEFAULT_DRAIN_TIMEOU
     `sock`: an already bound socket (from `bind`) to serve on instead of binding here.
     """
     config.setdefault("timeout_graceful_shutdown", AFTER_DRAIN_GRACE_S)
+    config.setdefault("backlog", BACKLOG)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, **config), app.state.drain, drain_timeout)
     server.run(sockets=[sock] if sock is not None else None)
 

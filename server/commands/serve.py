@@ -254,15 +254,18 @@ def _serve_http(args: argparse.Namespace, app, engine, sock) -> bool:
     from lockstep.server.api import access_log, shutdown
 
     try:
+        if sock is not None:
+            try:  # listen here, before uvicorn starts, so a port taken meanwhile is one line
+                sock.listen(shutdown.BACKLOG)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                log.error("cannot listen on %s:%d: %s (another server took the port while this one "
+                          "loaded; choose another --port)", args.host, args.port, exc.strerror)
+                return False
         access_log.send_to_stderr()  # bare JSON lines replace uvicorn's access log
         shutdown.serve(app, args.host, args.port, drain_timeout=args.drain_timeout, sock=sock,
                        log_level=logging.getLogger().level, access_log=False)
-    except OSError as exc:
-        if exc.errno != errno.EADDRINUSE:
-            raise
-        log.error("cannot listen on %s:%d: %s (another server took the port while this one loaded; "
-                  "choose another --port)", args.host, args.port, exc.strerror)
-        return False
     finally:
         engine.stop()
     return True
