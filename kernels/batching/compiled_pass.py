@@ -28,7 +28,7 @@ import mlx.core as mx
 from ..custom import attention as pool_attention
 from ..custom.attention import PoolRows
 from ..invariance.layers import calls_in_blocks, native_forms
-from .ragged import PooledPass, RaggedLayerCache, RowPositions
+from .ragged import PooledPass, RaggedLayerCache, RowPositions, pass_inputs
 
 
 class _PassSlots:
@@ -123,14 +123,9 @@ class CompiledPasses:
         end, as `ragged_logits` gives them under `native_forms` (canonical: under
         `calls_in_blocks`); each request's caches advance and the pool holds the pass's keys and
         values. Raises NotCompilable (nothing written) where the pass cannot be traced."""
-        rows = [len(tokens) for _, tokens in requests]
-        if any(n < 1 for n in rows):
-            raise ValueError("every request in a ragged pass needs at least one row")
+        rows, tokens, positions = pass_inputs(requests)
         where = PooledPass([cache[0] for cache, _ in requests], rows)  # checks each request's room
         base, lens = where.rows.arrays()
-        positions = mx.array([cache[0].offset + i for (cache, _), n in zip(requests, rows) for i in range(n)],
-                             dtype=mx.int32)
-        tokens = mx.array([t for _, ts in requests for t in ts], dtype=mx.int32)[None]
         logits, keys, values = self._runs[canonical](tokens, positions, where.slots, base, lens,
                                                      self.pool.keys, self.pool.values)
         self.pool.keys[:], self.pool.values[:] = keys, values

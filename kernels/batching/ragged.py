@@ -251,7 +251,12 @@ def ragged_forward(model, requests: list[tuple[list, list[int]]]) -> list[mx.arr
     Each request's rows are appended to its own cache. The model must have had
     `enable_ragged` applied.
     """
-    logits, out, start = ragged_logits(model, requests), [], 0
+    return per_request(ragged_logits(model, requests), requests)
+
+
+def per_request(logits: mx.array, requests: list[tuple[list, list[int]]]) -> list[mx.array]:
+    """A pass's (rows, vocab) logits cut into each request's own rows, in order."""
+    out, start = [], 0
     for _, tokens in requests:
         out.append(logits[start:start + len(tokens)])
         start += len(tokens)
@@ -281,11 +286,8 @@ def _ragged_inputs(requests: list[tuple[list, list[int]]],
                    eval_every: int = 0) -> tuple[mx.array, list[RaggedLayerCache]]:
     """The pass's (1, rows) tokens and one RaggedLayerCache per layer (every `eval_every`-th
     one, from the `eval_every`-th on, starts evaluating what precedes it)."""
-    rows = [len(tokens) for _, tokens in requests]
-    if any(n < 1 for n in rows):
-        raise ValueError("every request in a ragged pass needs at least one row")
-    positions = RowPositions(mx.array([_position(cache) + i for (cache, _), n in zip(requests, rows)
-                                       for i in range(n)], dtype=mx.int32))
+    rows, tokens, at = pass_inputs(requests)
+    positions = RowPositions(at)
     layers = len(requests[0][0])
     pooled = (all(is_pooled(cache) for cache, _ in requests)
               and len({id(cache[0].pool) for cache, _ in requests}) == 1)
@@ -294,7 +296,17 @@ def _ragged_inputs(requests: list[tuple[list, list[int]]],
     ragged = [RaggedLayerCache([cache[layer] for cache, _ in requests], rows, positions, where,
                                start_eval=eval_every > 0 and layer > 0 and layer % eval_every == 0)
               for layer in range(layers)]
-    return mx.array([t for _, ts in requests for t in ts])[None], ragged
+    return tokens, ragged
+
+
+def pass_inputs(requests: list[tuple[list, list[int]]]) -> tuple[list[int], mx.array, mx.array]:
+    """(rows per request, the pass's (1, rows) tokens, every row's absolute position)."""
+    rows = [len(tokens) for _, tokens in requests]
+    if any(n < 1 for n in rows):
+        raise ValueError("every request in a ragged pass needs at least one row")
+    positions = mx.array([_position(cache) + i for (cache, _), n in zip(requests, rows) for i in range(n)],
+                         dtype=mx.int32)
+    return rows, mx.array([t for _, ts in requests for t in ts], dtype=mx.int32)[None], positions
 
 
 def _position(cache: list) -> int:

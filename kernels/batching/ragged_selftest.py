@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..proof_steps import step_done
-from .ragged import ragged_forward
+from .ragged import per_request, ragged_forward
 from ..invariance.selftest import UINT_OF_SIZE, new_state
 
 
@@ -136,13 +136,9 @@ def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None,
         requests = [(fresh[j], prompts[i]) for j, i in enumerate(members)]
         if passes is not None:
             try:
-                logits = passes.logits(requests, canonical=True)
+                outs = per_request(passes.logits(requests, canonical=True), requests)
             except NotCompilable as exc:
                 return RaggedProof(False, limit, widths, f"compiled passes: {exc}", time.perf_counter() - start)
-            outs, at = [], 0
-            for _, rows in requests:
-                outs.append(logits[at:at + len(rows)])
-                at += len(rows)
         else:
             with calls_in_blocks():
                 outs = ragged_forward(model, requests)
