@@ -1,0 +1,180 @@
+// Rows of x times a 4-bit quantized weight on tensor cores, K split across a block's warps,
+// for MLX's CUDA backend: lockstep's own order, made so that one row and sixteen rows cost
+// about the same (each weight is loaded and dequantized once for all of a block's rows).
+//
+//   y[m, n] = sum_k x[m, k] * W[n, k]    x: (M, K) of T (float16, bfloat16); W: (N, K) 4-bit
+//                                        codes packed in uint32 words, lowest bits first
+//
+// The order, for every output alike (index model: kernels/custom/qmv_mma_order.py):
+// - a weight is code * scale in T (affine: code * scale, then + bias, each rounded to T);
+// - K is cut into chunks of 128 codes; chunk c is run by warp c % WARPS of the block, in
+//   increasing c; in a chunk, lane group q = lane % 4 holds codes q * 32 .. q * 32 + 31 of
+//   column lane / 4 (one 16-byte load) and the same elements of x's rows lane / 4 and
+//   lane / 4 + 8 of the tile;
+// - MMA j (0..7) of a chunk puts elements q * 32 + 4j + (0, 1) in its k slots 2q, 2q + 1
+//   and q * 32 + 4j + (2, 3) in slots 2q + 8, 2q + 9, in A (x) and B (W) alike: a 16-term
+//   dot product added to the warp's float32 accumulator (m16n8k16, the tensor core's own
+//   rounding);
+// - the warps' sums are added in warp order 0, 1, .., WARPS - 1 and rounded to T.
+// An MMA's row m depends on that row of A alone, so a row's bits are a function of its own
+// x row, the weight, K and WARPS (a function of the layer's shape), never of M or of where
+// the row sits in its tile (the smoke test and the startup self-test prove it on the GPU).
+//
+// Template arguments (set by kernels/custom/qmv_mma.py): T; FMT: 0 affine (a T scale and
+// bias per GROUP of 32, 64 or 128), 1 nvfp4 (e2m1 codes, an e4m3 scale per 16), 2 mxfp4
+// (e2m1, a ue8m0 scale per 32); GROUP; WARPS (the K split: order); NT column tiles of 8 a
+// block, ROWS rows a block (8, 16 or 32) and DEPTH chunks loaded ahead (none of the three
+// changes an output's order).
+
+namespace lockstep_qmma {
+
+using namespace lockstep_quant;
+
+template <typename T> struct is_half { static constexpr bool value = false; };
+template <> struct is_half<__half> { static constexpr bool value = true; };
+
+// d += A (16 x 16, row) * B (16 x 8, col), float32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                   uint32_t b0, uint32_t b1) {
+  if constexpr (is_half<T>::value) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+template <typename T2>
+__device__ __forceinline__ uint32_t bits_of(T2 v) {
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+template <typename T, int FMT, int GROUP, int WARPS, int NT, int ROWS, int DEPTH>
+__device__ void qmv_mma(const T* x, const uint32_t* w, const T* scales_t, const uint8_t* scales_u8,
+                        const T* biases, T* y, int M, int N, int K) {
+  using T2 = typename Pair<T>::type;
+  constexpr int CHUNK = 128;              // codes of a column a warp takes at a time
+  constexpr int MT = (ROWS + 15) / 16;    // 16-row tiles
+  constexpr int HALVES = ROWS >= 16 ? 2 : 1;  // rows g and g + 8 of a tile (8 rows: g only)
+  constexpr int SCALES = GROUP == 16 ? 2 : 1;  // groups a lane's 32 codes span
+  __shared__ T2 table[256];
+  __shared__ float partial[WARPS][MT * NT * 128];
+
+  // A byte's two codes (low nibble first) as a T pair: exact in T, so the table changes no bits.
+  for (int e = threadIdx.x; e < 256; e += blockDim.x)
+    table[e] = make_pair(from_float<T>(code_value<FMT>(e & 15)), from_float<T>(code_value<FMT>(e >> 4)));
+  __syncthreads();
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, q = lane & 3;
+  const int n0 = blockIdx.x * 8 * NT;
+  const int m0 = blockIdx.y * ROWS;
+  const int chunks = K / CHUNK;
+  const int groups = K / GROUP;
+  const int words = K >> 3;
+
+  int col[NT];
+#pragma unroll
+  for (int c = 0; c < NT; ++c) col[c] = min(n0 + 8 * c + g, N - 1);  // past N: never stored
+  const T* xrow[MT][HALVES];
+  bool live[MT][HALVES];
+#pragma unroll
+  for (int t = 0; t < MT; ++t)
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h) {
+      const int m = m0 + 16 * t + 8 * h + g;
+      live[t][h] = 16 * t + 8 * h < ROWS && m < M;
+      xrow[t][h] = x + (size_t)min(m, M - 1) * K;
+    }
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int t = 0; t < MT; ++t)
+#pragma unroll
+    for (int c = 0; c < NT; ++c)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[t][c][i] = 0.0f;
+
+#pragma unroll 1
+  for (int c0 = warp; c0 < chunks; c0 += WARPS * DEPTH) {
+    uint4 codes[DEPTH][NT];
+    T scale[DEPTH][NT][SCALES];
+    T bias[DEPTH][NT];
+    uint4 xv[DEPTH][MT][HALVES][4];
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      const int ch = c0 + d * WARPS;
+      if (ch >= chunks) break;
+      const int k = ch * CHUNK + q * 32;
+#pragma unroll
+      for (int c = 0; c < NT; ++c) {
+        codes[d][c] = __ldg(reinterpret_cast<const uint4*>(w + (size_t)col[c] * words + (k >> 3)));
+        const int gi = col[c] * groups + k / GROUP;
+#pragma unroll
+        for (int s = 0; s < SCALES; ++s) scale[d][c][s] = scale_value<T, FMT>(scales_t, scales_u8, gi + s);
+        if constexpr (FMT == 0) bias[d][c] = biases[gi];
+      }
+#pragma unroll
+      for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int h = 0; h < HALVES; ++h)
+#pragma unroll
+          for (int v = 0; v < 4; ++v)
+            xv[d][t][h][v] = live[t][h] ? __ldg(reinterpret_cast<const uint4*>(xrow[t][h] + k) + v)
+                                        : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      if (c0 + d * WARPS >= chunks) break;
+#pragma unroll
+      for (int c = 0; c < NT; ++c) {
+        // the lane's 16 bytes as 16 T pairs: byte i holds elements 2i, 2i + 1 of its 32
+        const uint32_t wd[4] = {codes[d][c].x, codes[d][c].y, codes[d][c].z, codes[d][c].w};
+        uint32_t b[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const T s = scale[d][c][SCALES == 2 ? i / 8 : 0];
+          T2 v = __hmul2_rn(table[(wd[i >> 2] >> (8 * (i & 3))) & 0xFFu], make_pair(s, s));
+          if constexpr (FMT == 0) v = __hadd2_rn(v, make_pair(bias[d][c], bias[d][c]));
+          b[i] = bits_of(v);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int t = 0; t < MT; ++t) {
+            const uint32_t* lo = reinterpret_cast<const uint32_t*>(&xv[d][t][0][0]);
+            const uint32_t* hi = reinterpret_cast<const uint32_t*>(&xv[d][t][HALVES - 1][0]);
+            mma<T>(acc[t][c], lo[2 * j], HALVES == 2 ? hi[2 * j] : 0u, lo[2 * j + 1],
+                   HALVES == 2 ? hi[2 * j + 1] : 0u, b[2 * j], b[2 * j + 1]);
+          }
+      }
+    }
+  }
+
+  // The warps' sums in warp order; every thread adds up some of the block's outputs.
+#pragma unroll
+  for (int t = 0; t < MT; ++t)
+#pragma unroll
+    for (int c = 0; c < NT; ++c)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) partial[warp][((t * NT + c) * 32 + lane) * 4 + i] = acc[t][c][i];
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < MT * NT * 128; idx += WARPS * 32) {
+    float s = partial[0][idx];
+#pragma unroll
+    for (int v = 1; v < WARPS; ++v) s = __fadd_rn(s, partial[v][idx]);
+    const int i = idx & 3, l = (idx >> 2) & 31, tc = idx >> 7;
+    const int t = tc / NT, c = tc % NT;
+    const int row = 16 * t + (l >> 2) + (i >= 2 ? 8 : 0);
+    const int m = m0 + row, n = n0 + 8 * c + 2 * (l & 3) + (i & 1);
+    if (row < ROWS && m < M && n < N) y[(size_t)m * N + n] = from_float<T>(s);
+  }
+}
+
+}  // namespace lockstep_qmma

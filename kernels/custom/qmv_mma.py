@@ -1,0 +1,252 @@
+"""Loads qmv_mma.cu (beside this file): rows of x times a 4-bit quantized weight (affine-4,
+nvfp4, mxfp4; float16 and bfloat16 x) on tensor cores, K split across a block's warps,
+lockstep's own order (index model: qmv_mma_order.py). Each weight is loaded and dequantized
+once for all of a block's rows (8, 16 or 32), so sixteen rows cost about what one does. Each
+instance compiled once per machine (compiled.py) and launched traced. CUDA only.
+
+A row's bits depend only on its own x row, the weight, K and the warps a block splits K
+across (a function of the layer's shape), never on how many rows the call has or where a row
+sits in its tile. Its smoke test checks that on this GPU (every row of 2..40-row calls against
+the one-row call), that the rows are close to the dequantized product, and close to the order
+model (which sums each MMA exactly: the tensor core's own rounding is the hardware's).
+"""
+import math
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+
+from . import compiled
+from .qmv_rows import INPUTS, SCALARS, arrays_fit, kind
+from .skinny import SHARED_CUDA_SOURCE, backend, compact_source
+from .smoke_cache import smoke_verdict
+
+SOURCE = Path(__file__).resolve().parent / "qmv_mma.cu"
+SHARED = Path(__file__).resolve().parent / SHARED_CUDA_SOURCE
+VALUES = Path(__file__).resolve().parent / "quant_values.cuh"
+SKINNY_LOADER = Path(__file__).resolve().parent / "skinny.py"  # compact_source
+DTYPES = (mx.float16, mx.bfloat16)
+CHUNK = 128  # codes of a column a warp takes at a time
+FORMAT_CODES = {"affine": 0, "nvfp4": 1, "mxfp4": 2}
+GROUPS = {"affine": (32, 64, 128), "nvfp4": (16,), "mxfp4": (32,)}
+MAX_GRID_Y = 65535
+_ARGS = "y, x_shape[0], w_shape[0], x_shape[1]);"
+_TEMPLATE = "<T, {fmt}, GROUP, WARPS, NT, ROWS, DEPTH>"
+_BODIES = {
+    "affine": "lockstep_qmma::qmv_mma" + _TEMPLATE.format(fmt="0") + "(x, w, scales, nullptr, biases, " + _ARGS,
+    "fp": "lockstep_qmma::qmv_mma" + _TEMPLATE.format(fmt="FMT") + "(x, w, nullptr, scales, nullptr, " + _ARGS,
+}
+
+
+def _header() -> str:
+    return compact_source(SHARED.read_text() + VALUES.read_text() + SOURCE.read_text())
+
+
+@lru_cache(maxsize=None)
+def _kernel(kind: str):
+    return mx.fast.cuda_kernel(name=f"lockstep_qmv_mma_{kind}", input_names=[n for n, _ in INPUTS[kind]],
+                               output_names=["y"], source=_BODIES[kind], header=_header())
+
+
+@lru_cache(maxsize=None)
+def family(kind: str) -> compiled.Family:
+    return compiled.Family(f"lockstep_qmv_mma_{kind}", "qmv_mma", _header(), _BODIES[kind],
+                           inputs=INPUTS[kind], outputs=[("y", "T")], scalars=SCALARS)
+
+
+def takes(mode: str, bits: int, group_size: int) -> bool:
+    return bits == 4 and group_size in GROUPS.get(mode, ())
+
+
+def runs_here() -> bool:
+    """Whether this backend has the kernel at all (its smoke test decides per format)."""
+    return backend() == "cuda"
+
+
+def block_warps(n: int, k: int) -> int:
+    """Warps a block splits K across: part of a row's order, so a function of the layer's
+    shape alone. Narrow layers split K further, for enough warps in flight."""
+    return 8 if n < 8192 else 4
+
+
+def block_tiles(n: int, m: int) -> int:
+    """Column tiles of 8 a block takes (NT): which block computes an output, never its order."""
+    return 2 if n >= 8192 else 1
+
+
+def block_rows(m: int) -> int:
+    """Rows a block (ROWS): each weight load and dequantization serves them all."""
+    return 8 if m <= 8 else 16 if m <= 16 else 32
+
+
+def depth(rows: int) -> int:
+    """Chunks a warp loads ahead of its MMAs (latency, never order), fewer where registers
+    run short."""
+    return 4 if rows <= 8 else 2 if rows <= 16 else 1
+
+
+def max_rows() -> int:
+    return MAX_GRID_Y * 32
+
+
+@lru_cache(maxsize=4096)
+def _launch_plan(m: int, n: int, k: int, mode: str, group: int, dtype, tiles: int | None = None,
+                 ahead: int | None = None) -> dict:
+    warps = block_warps(n, k)
+    tiles = tiles or block_tiles(n, m)
+    rows = block_rows(m)
+    template = [("T", dtype)]
+    if mode != "affine":
+        template.append(("FMT", FORMAT_CODES[mode]))
+    template += [("GROUP", group), ("WARPS", warps), ("NT", tiles), ("ROWS", rows), ("DEPTH", ahead or depth(rows))]
+    return dict(
+        template=template,
+        grid=(-(-n // (8 * tiles)) * 32 * warps, -(-m // rows), 1),
+        threadgroup=(32 * warps, 1, 1),
+        output_shapes=[(m, n)],
+        output_dtypes=[dtype],
+    )
+
+
+@lru_cache(maxsize=4096)
+def _launcher(m: int, n: int, k: int, mode: str, group: int, dtype, tiles: int | None = None,
+              ahead: int | None = None) -> tuple:
+    plan = _launch_plan(m, n, k, mode, group, dtype, tiles, ahead)
+    body = kind(mode)
+    return compiled.launcher(family(body), plan, dict(M=m, N=n, K=k), lambda: (_kernel(body), plan))
+
+
+@lru_cache(maxsize=4096)
+def _traced(*shape):
+    return compiled.traced(*_launcher(*shape))
+
+
+compiled.on_disable("qmv_mma", _launcher.cache_clear)
+compiled.on_disable("qmv_mma", _traced.cache_clear)
+
+
+def instances(m: int, n: int, k: int, mode: str, group: int, dtype) -> list:
+    """The (family, template) instance a launch runs (compiled.precompile)."""
+    return [(family(kind(mode)), tuple(_launch_plan(m, n, k, mode, group, dtype)["template"]))]
+
+
+def _takes(m: int, k: int, mode: str, bits: int, group: int, dtype, weight_dtype, packed: int, scales_dtype,
+           biases_dtype) -> bool:
+    if not takes(mode, bits, group) or dtype not in DTYPES:
+        return False
+    if not 1 <= m <= max_rows() or k % CHUNK or k % group:
+        return False
+    return arrays_fit(k, 4, mode, dtype, weight_dtype, packed, scales_dtype, biases_dtype)
+
+
+def serves(x: mx.array, weight: mx.array, scales: mx.array, biases, *, group_size: int, bits: int,
+           mode: str) -> bool:
+    return (x.ndim == 2 and weight.ndim == 2
+            and _takes(*x.shape, mode, bits, group_size, x.dtype, weight.dtype, weight.shape[1], scales.dtype,
+                       getattr(biases, "dtype", None)))
+
+
+def matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str, tiles: int | None = None,
+           ahead: int | None = None) -> mx.array:
+    """mx.quantized_matmul(x, weight, transpose=True) in this kernel's order (tiles, ahead:
+    launch shape for benchmarks; they change no bits)."""
+    if not serves(x, weight, scales, biases, group_size=group_size, bits=bits, mode=mode):
+        raise ValueError(f"qmv_mma cannot take {mode} {bits}-bit g{group_size}, x {x.shape} {x.dtype}")
+    m, k = x.shape
+    launch = _traced(m, weight.shape[0], k, mode, group_size, x.dtype, tiles, ahead)
+    return (launch(x, weight, scales, biases) if mode == "affine" else launch(x, weight, scales))[0]
+
+
+@lru_cache(maxsize=4096)
+def launch_for(lead: tuple, n: int, k: int, mode: str, bits: int, group: int, dtype, weight_dtype, packed: int,
+               scales_dtype, biases_dtype):
+    """The traced launch of a call of x (lead + (k,)) giving lead + (n,), where the kernel
+    passed its smoke test here for this quantization and dtype and takes the arrays, else
+    None. Its reshapes are traced with the launch. Call it with x, the weight and the scales
+    (affine: and the biases)."""
+    m = math.prod(lead)
+    if not _takes(m, k, mode, bits, group, dtype, weight_dtype, packed, scales_dtype, biases_dtype):
+        return None
+    if unavailable_reason(mode, dtype) is not None:
+        return None
+    call, plan = _launcher(m, n, k, mode, group, dtype, None, None)
+    return mx.compile(lambda x, *weights: call(inputs=[x.reshape(m, k), *weights], **plan)[0].reshape(*lead, n))
+
+
+compiled.on_disable("qmv_mma", lambda: launch_for.cache_clear())
+
+
+# (M, N, K), K a multiple of 128: 9 chunks (fewer than 2 a warp), 33 (a partial round), N a
+# partial last tile, a wide layer (4 warps, 2 tiles); M across 8-, 16- and 32-row blocks.
+SMOKE_SHAPES = ((2, 33, 1152), (5, 70, 4224), (16, 9, 4096), (20, 8200, 512), (40, 24, 640))
+
+
+def _model_gap(x, wq, scales, biases, got, mode: str, group: int, dtype) -> float:
+    """How far the kernel's rows are from the order model's, in units of T's epsilon at each
+    output (plus a thousandth of the largest): below 2 where only the MMA's own rounding
+    differs."""
+    import numpy as np
+
+    from .qmv_order import dequantize
+    from .qmv_mma_order import qmv_mma
+
+    name = str(dtype).rsplit(".", 1)[-1]
+
+    def f64(a):
+        return None if a is None else np.array(a.astype(mx.float32)) if a.dtype in DTYPES else np.array(a)
+
+    w = dequantize(np.array(wq), f64(scales), f64(biases), mode=mode, bits=4, group_size=group, dtype=name)
+    want = qmv_mma(f64(x), w, dtype=name, warps=block_warps(w.shape[0], w.shape[1]))
+    have = np.array(got.astype(mx.float32)).astype(np.float64)
+    eps = 2.0 ** (-7 if name == "bfloat16" else -10)
+    scale = eps * (np.abs(want) + 1e-3 * np.max(np.abs(want)))
+    return float(np.max(np.abs(have - want) / scale))
+
+
+def _smoke_test(mode: str, dtype) -> str | None:
+    """Every row of 2..40-row calls equals the one-row call bit for bit and is close to the
+    product of x and the dequantized weight; the first shapes' rows are within two of T's
+    epsilon of the order model. None: all hold."""
+    compiled.precompile(i for group in GROUPS[mode] for m, n, k in SMOKE_SHAPES
+                        for rows in {m, 1} for i in instances(rows, n, k, mode, group, dtype))
+    key = mx.random.key(19)
+    for group in GROUPS[mode]:
+        for m, n, k in SMOKE_SHAPES:
+            kx, kw, key = mx.random.split(key, 3)
+            x = mx.random.normal((m, k), key=kx).astype(dtype)
+            wq, scales, *rest = mx.quantize(mx.random.normal((n, k), key=kw).astype(dtype), group, 4, mode=mode)
+            biases = rest[0] if rest else None
+            kw_ = dict(group_size=group, bits=4, mode=mode)
+            block = matmul(x, wq, scales, biases, **kw_)
+            alone = mx.concatenate([matmul(x[i : i + 1], wq, scales, biases, **kw_) for i in range(m)], axis=0)
+            if not mx.array_equal(block, alone).item():
+                return f"{mode} g{group} {dtype} {m}x{n}x{k}: rows differ from the one-row call"
+            if n * k <= 70 * 4224:
+                gap = _model_gap(x, wq, scales, biases, block, mode, group, dtype)
+                if not gap <= 2.0:
+                    return f"{mode} g{group} {dtype} {m}x{n}x{k}: {gap:.3g} epsilons off the order model"
+            w = mx.dequantize(wq, scales, biases, group_size=group, bits=4, mode=mode).astype(mx.float32)
+            exact = x.astype(mx.float32) @ w.T
+            error = mx.max(mx.abs(block.astype(mx.float32) - exact)).item()
+            bound = 0.05 * mx.max(mx.abs(exact)).item() + 1e-3
+            if not error <= bound:
+                return f"{mode} g{group} {dtype} {m}x{n}x{k}: off the dequantized product by {error:.4g}"
+    return None
+
+
+@lru_cache(maxsize=None)
+def unavailable_reason(mode: str = "nvfp4", dtype=mx.bfloat16) -> str | None:
+    """None where the kernel passed its smoke test on this GPU for this format and dtype."""
+    if backend() != "cuda":
+        return f"qmv_mma is a CUDA kernel; not on {mx.default_device()}"
+    if mode not in FORMAT_CODES:
+        return f"qmv_mma has no {mode} kernel"
+    if dtype not in DTYPES:
+        return f"qmv_mma takes float16 and bfloat16 x, not {dtype}"
+    name = f"qmv_mma {mode} {dtype} {compiled.mode('qmv_mma')}"
+    try:
+        problem = smoke_verdict(name, lambda: _smoke_test(mode, dtype), SOURCE, SHARED, VALUES, __file__, SKINNY_LOADER,
+                                *compiled.SOURCES)
+    except Exception as exc:  # a compile or launch failure: the kernel is not used
+        problem = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return None if problem is None else f"qmv_mma: {problem}"

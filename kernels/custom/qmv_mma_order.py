@@ -1,0 +1,60 @@
+"""Index model of qmv_mma.cu (lockstep's own order, on tensor cores): rows of x times a 4-bit
+quantized weight, K split across a block's warps.
+
+- K is cut into chunks of 128 codes; chunk c is run by warp c % WARPS, in increasing c;
+- in a chunk, lane group q (lane % 4) holds elements q * 32 .. q * 32 + 31; MMA j (0..7) puts
+  elements q * 32 + 4j + (0, 1) in its k slots 2q, 2q + 1 and q * 32 + 4j + (2, 3) in slots
+  2q + 8, 2q + 9, for x and the weight alike, and adds that 16-term dot product to the warp's
+  float32 accumulator;
+- a weight is dequantized in x's type T (qmv_order.dequantize: code * scale, affine + bias,
+  each step rounded to T);
+- the warps' sums are added in warp order and rounded to T.
+
+The tensor core's own rounding inside one MMA is the hardware's, not modelled bit for bit:
+`qmv_mma` sums each MMA's 16 products exactly and rounds once to float32, so it matches the
+kernel closely (its smoke test bounds the gap), not bitwise. Nothing here depends on M.
+"""
+import numpy as np
+
+from .qmv_order import round_to
+
+CHUNK = 128
+LANE_GROUPS = 4
+RUN = CHUNK // LANE_GROUPS  # a lane group's elements of a chunk: one 16-byte load of codes
+MMAS = RUN // 4  # MMAs a chunk
+SLOTS = 16
+
+
+def warp_chunks(k: int, warps: int) -> list:
+    """For each warp, the chunks it runs, in order."""
+    if k % CHUNK:
+        raise ValueError(f"K = {k} is not a multiple of {CHUNK}")
+    return [list(range(w, k // CHUNK, warps)) for w in range(warps)]
+
+
+def mma_elements(chunk: int, j: int) -> np.ndarray:
+    """The K index in each of MMA j's 16 slots (slot order 0..15) in this chunk."""
+    slots = np.arange(SLOTS)
+    q, t, high = (slots % 8) // 2, slots % 2, slots // 8
+    return chunk * CHUNK + q * RUN + 4 * j + 2 * high + t
+
+
+def schedule(k: int, warps: int) -> list:
+    """For each warp, its MMAs in order, each as the 16 K indices of its slots."""
+    return [[mma_elements(c, j) for c in chunks for j in range(MMAS)] for chunks in warp_chunks(k, warps)]
+
+
+def qmv_mma(x: np.ndarray, w: np.ndarray, *, dtype: str, warps: int) -> np.ndarray:
+    """Each row of x (M, K) @ w (N, K).T, w already dequantized in T, in qmv_mma's order (each
+    MMA's 16 products summed exactly, rounded once to float32), as float64 values of T."""
+    x = np.asarray(x, np.float64)
+    w = np.asarray(w, np.float64)
+    m, k = x.shape
+    n = w.shape[0]
+    total = None
+    for mmas in schedule(k, warps):
+        acc = np.zeros((m, n))
+        for idx in mmas:
+            acc = round_to(acc + x[:, idx] @ w[:, idx].T, "float32")
+        total = acc if total is None else round_to(total + acc, "float32")
+    return round_to(total, dtype)
