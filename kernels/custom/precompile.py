@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import attention, compiled, gemv_rows, qmv_rows, qmv_split, skinny
+from . import attention, compiled, gemv_rows, qmv_mma, qmv_rows, qmv_split, skinny
 from .gemv_order import MAX_ROWS as GEMV_MAX_ROWS
 from .loop_order import MAX_ROWS as SKINNY_MAX_ROWS
 from .qmv_order import weight_bits
@@ -28,7 +28,8 @@ from .qmv_order import weight_bits
 # row is MLX's own GEMV); "skinny": dense rows of 1..64; "affine" / "nvfp4": 4-bit weights
 # through the skinny kernel, 1..64 rows; "qmv_rows": quantized rows of 2..64 in the order of
 # MLX's quantized GEMV (the shape carries group, mode and bits); "qmv_split": a large 4-bit
-# layer's rows of any count in lockstep's split order (group, mode and bits as qmv_rows).
+# layer's rows of any count in lockstep's own order (group, mode and bits as qmv_rows):
+# qmv_mma's where it runs here (qmv_split's for one plain row), else qmv_split's.
 KINDS = ("gemv_rows", "skinny", "affine", "nvfp4", "qmv_rows", "qmv_split")
 
 
@@ -52,8 +53,11 @@ def instances_for(shapes: Iterable[tuple], widths: Iterable[int], *, attention_s
             continue
         if kind == "qmv_split":
             mode = rest[1]
+            mma = k % qmv_mma.CHUNK == 0 and qmv_mma.unavailable_reason(mode, dtype) is None
+            if mma:
+                out += [i for m in widths for i in qmv_mma.instances(m, n, k, mode, group, dtype)]
             if qmv_split.unavailable_reason(mode, dtype) is None:
-                out += [i for m in widths for i in qmv_split.instances(m, n, mode, group, dtype)]
+                out += [i for m in widths if m == 1 or not mma for i in qmv_split.instances(m, n, mode, group, dtype)]
             continue
         for m in widths:
             if kind == "gemv_rows":

@@ -69,9 +69,11 @@ def block_warps(n: int, k: int) -> int:
     return 8 if n < 8192 else 4
 
 
-def block_tiles(n: int, m: int) -> int:
-    """Column tiles of 8 a block takes (NT): which block computes an output, never its order."""
-    return 2 if n >= 8192 else 1
+def block_tiles(n: int, k: int, m: int) -> int:
+    """Column tiles of 8 a block takes (NT): which block computes an output, never its order.
+    Wide layers, and large ones at more than 8 rows, read faster with more a block
+    (docs/BENCHMARKS.md, session 18)."""
+    return 4 if n >= 8192 or (m > 8 and n * k >= 32 << 20) else 2
 
 
 def block_rows(m: int) -> int:
@@ -82,7 +84,7 @@ def block_rows(m: int) -> int:
 def depth(rows: int) -> int:
     """Chunks a warp loads ahead of its MMAs (latency, never order), fewer where registers
     run short."""
-    return 4 if rows <= 8 else 2 if rows <= 16 else 1
+    return 2 if rows <= 16 else 1
 
 
 def max_rows() -> int:
@@ -93,7 +95,7 @@ def max_rows() -> int:
 def _launch_plan(m: int, n: int, k: int, mode: str, group: int, dtype, tiles: int | None = None,
                  ahead: int | None = None) -> dict:
     warps = block_warps(n, k)
-    tiles = tiles or block_tiles(n, m)
+    tiles = tiles or block_tiles(n, k, m)
     rows = block_rows(m)
     template = [("T", dtype)]
     if mode != "affine":

@@ -190,22 +190,22 @@ def _quantized_canonical(x, layer, s: Setting):
     return _canonical(x, s.limit, lambda r: quantized_rows(r, *args, rows_per_call=s.strategy.quantized_rows, **kw))
 
 
-# Plain calls of at most this many rows of a large 4-bit layer go through qmv_split: at 1 and
-# 8 rows it was faster than MLX's quantized matmul (docs/BENCHMARKS.md, session 16); wider
-# plain calls keep MLX's (its tensor-core kernel from 8 rows up, not measured against this).
+# Plain calls of at most this many rows of a large 4-bit layer go through lockstep's kernels
+# (qmv_split alone, qmv_mma from two rows): at 1 and 8 rows they were faster than MLX's
+# quantized matmul (docs/BENCHMARKS.md, sessions 16 and 18); wider plain calls keep MLX's.
 SPLIT_PLAIN_ROWS = 8
 
 
 def _split(layer, x, s):
-    """A large 4-bit layer's rows through qmv_split (ops.SplitRows): plain calls of at most
-    SPLIT_PLAIN_ROWS rows, and every call a setting makes canonical (its rows at any width:
-    the kernel's rows never depend on it); None where it does not run them."""
+    """A large 4-bit layer's rows through lockstep's kernels (ops.SplitRows): plain calls of
+    at most SPLIT_PLAIN_ROWS rows, and every call a setting makes canonical (its rows at any
+    width: the kernel's rows never depend on it); None where they do not run them."""
     if s is None:
         if rows_of(x) > SPLIT_PLAIN_ROWS:
             return None
     elif s.quantized_native or (rows_of(x) > s.limit and not _local.blocks):
         return None  # the model's own calls, or a prompt chunk (its native call)
-    return layer._split_rows(layer, x)
+    return layer._split_rows(layer, x, canonical=s is not None)
 
 
 class InvariantQuantizedLinear(nn.QuantizedLinear):

@@ -245,10 +245,13 @@ def quantized_rows_in_one_launch(x: mx.array, weight: mx.array, scales: mx.array
 
 
 class SplitRows:
-    """A large 4-bit layer's rows through qmv_split (custom/qmv_split.py): the launch for each
-    (x shape, x dtype), decided once each; None where the kernel does not take the call.
-    Whether a row goes through it depends on its layer and x's dtype, never on the call's
-    width, so a layer's rows have one order at every width."""
+    """A large 4-bit layer's rows through lockstep's own kernels, the launch for each (x shape,
+    x dtype, canonical or plain), decided once each; None where the kernel does not take the
+    call. Canonical rows (every call a setting makes canonical, one row included) run
+    `qmv_mma` where its smoke test passed here for the format and x's dtype, else
+    `qmv_split`: one kernel a layer and dtype, so a layer's rows have one order at every
+    width. Plain calls take whichever is faster at their width: `qmv_split` alone, `qmv_mma`
+    from two rows (custom/qmv_mma.py; docs/BENCHMARKS.md, session 18)."""
 
     def __init__(self, n: int, k: int, mode: str, bits: int, group_size: int):
         self.n, self.k, self.mode, self.bits, self.group_size = n, k, mode, bits, group_size
@@ -256,7 +259,7 @@ class SplitRows:
 
     @classmethod
     def for_layer(cls, layer):
-        """The layer's SplitRows, or None where the kernel is not for it (format, size)."""
+        """The layer's SplitRows, or None where the kernels are not for it (format, size)."""
         mode = getattr(layer, "mode", "affine")
         weight = layer["weight"]
         k = weight.shape[-1] * 32 // layer.bits if weight.ndim == 2 else 0
@@ -265,12 +268,22 @@ class SplitRows:
             return None
         return cls(weight.shape[0], k, mode, layer.bits, layer.group_size)
 
-    def __call__(self, layer, x: mx.array):
-        key = (x.shape, x.dtype)
+    def kernel(self, dtype, rows: int, canonical: bool):
+        """The module (qmv_mma or qmv_split) a call of `rows` rows of x of this dtype runs."""
+        mma = custom.qmv_mma
+        mma_here = self.k % mma.CHUNK == 0 and mma.takes(self.mode, self.bits, self.group_size) and (
+            mma.unavailable_reason(self.mode, dtype) is None)
+        if not mma_here or (rows == 1 and not canonical):
+            return custom.qmv_split
+        return mma
+
+    def __call__(self, layer, x: mx.array, canonical: bool = False):
+        key = (x.shape, x.dtype, canonical)
         launch = self.launches.get(key, False)
         if launch is False:
             weight, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
-            launch = self.launches[key] = custom.qmv_split.launch_for(
+            kernel = self.kernel(x.dtype, math.prod(x.shape[:-1]), canonical)
+            launch = self.launches[key] = kernel.launch_for(
                 x.shape[:-1], self.n, self.k, self.mode, self.bits, self.group_size, x.dtype, weight.dtype,
                 weight.shape[1], scales.dtype, None if biases is None else biases.dtype)
         if launch is None:

@@ -1,0 +1,214 @@
+"""qmv_mma (kernels/custom/qmv_mma.cu) on a CPU, where it cannot run: the order it follows
+(lockstep's own, on tensor cores, through the index model qmv_mma_order.py), the source against
+that model, its launches, and which kernel a large 4-bit layer's rows take (a stand-in for the
+kernels): canonical rows through qmv_mma at every width, one plain row through qmv_split, and
+the self-test refusing a stand-in whose rows depend on the width. The GPU agreement (rows alone
+and among others, closeness to the model) is its smoke test's, run at startup; its speed is in
+docs/BENCHMARKS.md, session 18."""
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from lockstep.kernels.custom import qmv_mma, qmv_split
+from lockstep.kernels.custom.precompile import instances_for
+from lockstep.kernels.custom.qmv_mma_order import CHUNK, MMAS, mma_elements, schedule, warp_chunks
+from lockstep.kernels.custom.qmv_mma_order import qmv_mma as order_model
+from lockstep.kernels.custom.qmv_order import round_to
+from lockstep.kernels.invariance import layers, set_batch_invariant_limit
+from lockstep.kernels.invariance.layers import batch_invariant, native_forms
+from lockstep.kernels.invariance.selftest import bits_equal
+from tests.doubles.shape_variant import shape_variant_backend
+from tests.test_qmv_rows import rand
+from tests.test_qmv_split import model_case, one_call, rows_alone, split  # noqa: F401 (a fixture)
+from tiny_models import tiny_llama
+
+# -- the order ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [128, 640, 4096, 14336])
+@pytest.mark.parametrize("warps", [4, 8])
+def test_every_element_is_taken_once_by_its_warp_in_chunk_order(k, warps):
+    per_warp = warp_chunks(k, warps)
+    assert sorted(c for chunks in per_warp for c in chunks) == list(range(k // CHUNK))
+    for w, chunks in enumerate(per_warp):
+        assert chunks == sorted(chunks) and all(c % warps == w for c in chunks)
+    taken = np.concatenate([idx for mmas in schedule(k, warps) for idx in mmas])
+    assert sorted(taken.tolist()) == list(range(k))
+
+
+def test_an_mmas_slots_are_what_the_fragment_layout_gives_the_kernels_lanes():
+    """m16n8k16: lane (g, q) holds k slots 2q, 2q + 1 in its first A / B register and 2q + 8,
+    2q + 9 in the second; the kernel's lane group q holds elements q * 32 .. + 31 of the chunk
+    as byte pairs (byte i: elements 2i, 2i + 1) and gives MMA j bytes 2j and 2j + 1."""
+    for chunk in (0, 3):
+        for j in range(MMAS):
+            want = np.zeros(16, int)
+            for q in range(4):
+                for t in range(2):
+                    want[2 * q + t] = chunk * CHUNK + q * 32 + 2 * (2 * j) + t
+                    want[2 * q + 8 + t] = chunk * CHUNK + q * 32 + 2 * (2 * j + 1) + t
+            assert mma_elements(chunk, j).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("mode", ["nvfp4", "affine"])
+def test_the_model_gives_each_row_its_own_bits_and_the_product(dtype, mode):
+    x, w = model_case(5, 7, 1152, mode, dtype)
+    block = order_model(x, w, dtype=dtype, warps=4)
+    for i in range(5):
+        assert np.array_equal(block[i : i + 1], order_model(x[i : i + 1], w, dtype=dtype, warps=4))
+    exact = x @ w.T
+    assert np.max(np.abs(block - exact)) <= 0.02 * np.max(np.abs(exact))
+
+
+def test_the_warps_are_part_of_the_order():
+    """Four and eight warps split K differently, and on these values give other float32 sums:
+    the warps a block has must be a function of the layer's shape alone."""
+    x, w = model_case(8, 64, 4096, "nvfp4", "float16", seed=3)
+    four, eight = order_model(x, w, dtype="float32", warps=4), order_model(x, w, dtype="float32", warps=8)
+    assert not np.array_equal(four, eight)
+    assert not np.array_equal(four, round_to(x @ w.T, "float32"))  # nor the exact sum rounded once
+
+
+# -- the source -----------------------------------------------------------------------------
+
+def test_the_source_follows_the_model():
+    text = qmv_mma.SOURCE.read_text()
+    assert "constexpr int CHUNK = 128;" in text and CHUNK == qmv_mma.CHUNK == 128
+    assert "for (int c0 = warp; c0 < chunks; c0 += WARPS * DEPTH)" in text  # chunk c: warp c % WARPS
+    assert "const int ch = c0 + d * WARPS;" in text
+    assert "const int k = ch * CHUNK + q * 32;" in text  # lane group q: elements q * 32 ..
+    assert "table[(wd[i >> 2] >> (8 * (i & 3))) & 0xFFu]" in text  # byte i: elements 2i, 2i + 1
+    assert re.search(r"mma<T>\(acc\[t\]\[c\], lo\[2 \* j\], HALVES == 2 \? hi\[2 \* j\] : 0u, lo\[2 \* j \+ 1\],"
+                     r"\s*HALVES == 2 \? hi\[2 \* j \+ 1\] : 0u, b\[2 \* j\], b\[2 \* j \+ 1\]\);", text)
+    assert "for (int v = 1; v < WARPS; ++v) s = __fadd_rn(s, partial[v][idx]);" in text
+    assert "v = __hadd2_rn(v, make_pair(bias[d][c], bias[d][c]));" in text  # affine: then + bias
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
+    for body in qmv_mma._BODIES.values():
+        assert body.startswith("lockstep_qmma::qmv_mma<T, ")
+
+
+@pytest.mark.parametrize("n, k", [(1024, 4096), (4096, 14336), (14336, 4096), (128256, 4096), (33, 1152)])
+def test_launches_cover_every_output_and_keep_the_order_at_every_width(n, k):
+    warps = set()
+    for m in (1, 2, 7, 8, 9, 16, 17, 32, 33, 100):
+        plan = qmv_mma._launch_plan(m, n, k, "nvfp4", 16, mx.bfloat16)
+        t = dict(plan["template"])
+        warps.add(t["WARPS"])
+        assert plan["threadgroup"] == (32 * t["WARPS"], 1, 1)
+        assert (plan["grid"][0] // (32 * t["WARPS"])) * 8 * t["NT"] >= n
+        assert plan["grid"][1] * t["ROWS"] >= m and t["ROWS"] in (8, 16, 32)
+    assert warps == {qmv_mma.block_warps(n, k)}  # the order's only launch parameter: never the width
+
+
+def test_which_cases_the_kernel_takes():
+    assert qmv_mma.takes("nvfp4", 4, 16) and qmv_mma.takes("mxfp4", 4, 32)
+    assert all(qmv_mma.takes("affine", 4, g) for g in (32, 64, 128))
+    assert not qmv_mma.takes("affine", 8, 64) and not qmv_mma.takes("mxfp8", 8, 32)
+    w, scales, *rest = mx.quantize(rand(16, 256, dtype=mx.bfloat16), 64, 4)
+    kw = dict(group_size=64, bits=4, mode="affine")
+    assert qmv_mma.serves(rand(3, 256, dtype=mx.bfloat16), w, scales, rest[0], **kw)
+    assert not qmv_mma.serves(rand(3, 256, dtype=mx.float32), w, scales, rest[0], **kw)
+    w2, scales2, *rest2 = mx.quantize(rand(16, 192, dtype=mx.bfloat16), 64, 4)  # K not a multiple of 128
+    assert not qmv_mma.serves(rand(3, 192, dtype=mx.bfloat16), w2, scales2, rest2[0], **kw)
+
+
+def test_the_cpu_has_no_qmv_mma():
+    assert "CUDA" in qmv_mma.unavailable_reason("nvfp4", mx.bfloat16)
+    assert qmv_mma.launch_for((1, 1), 16, 256, "affine", 4, 64, mx.bfloat16, mx.uint32, 32, mx.bfloat16,
+                              mx.bfloat16) is None
+
+
+def test_startup_compiles_the_kernel_each_width_runs(monkeypatch):
+    monkeypatch.setattr(qmv_split, "unavailable_reason", lambda *a: None)
+    shape = (14336, 4096, mx.bfloat16, "qmv_split", 16, "nvfp4", 4)
+    monkeypatch.setattr(qmv_mma, "unavailable_reason", lambda *a: None)
+    names = [family.name for family, _ in instances_for([shape], range(1, 9))]
+    assert names.count("lockstep_qmv_mma_fp") == 8 and names.count("lockstep_qmv_split_fp") == 1
+    monkeypatch.setattr(qmv_mma, "unavailable_reason", lambda *a: "not here")
+    names = [family.name for family, _ in instances_for([shape], range(1, 9))]
+    assert names.count("lockstep_qmv_split_fp") == 8 and "lockstep_qmv_mma_fp" not in names
+
+
+# -- which kernel a large layer's rows take (stand-ins for both kernels) ----------------------
+
+@pytest.fixture
+def kernels(monkeypatch, split):
+    """qmv_split's stand-in (test_qmv_split.split) and one for qmv_mma, which counts as proven
+    here; each records the rows of the calls it runs."""
+    mma_calls = []
+    monkeypatch.setattr(qmv_mma, "unavailable_reason", lambda *a: None)
+    original = qmv_mma.launch_for
+    original.cache_clear()
+
+    def use(split_kernel, mma_kernel):
+        split_calls = split(split_kernel)
+
+        def launch_for(lead, n, k, mode, bits, group, *_):
+            def launch(x, w, scales, biases=None):
+                rows = x.reshape(-1, k)
+                mma_calls.append(rows.shape[0])
+                return mma_kernel(rows, w, scales, biases, group_size=group, bits=bits, mode=mode).reshape(*lead, n)
+            return launch
+
+        monkeypatch.setattr(qmv_mma, "launch_for", launch_for)
+        return split_calls, mma_calls
+    yield use
+    original.cache_clear()
+
+
+def rows_alone_quarter(x, w, scales, biases, **kw):
+    """Rows alone, then quartered: told apart from qmv_split's stand-in and MLX's call."""
+    return rows_alone(x, w, scales, biases, **kw) * 0.5
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
+
+
+def test_canonical_rows_take_qmv_mma_at_every_width_and_one_plain_row_qmv_split(kernels, model):
+    split_calls, mma_calls = kernels(rows_alone, rows_alone_quarter)
+    plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
+    assert plan.guaranteed and plan.layers.get("split_rows", 0) > 0 and mma_calls
+    layer = model.model.layers[0].mlp.gate_proj
+    w, scales = layer["weight"], layer["scales"]
+    kw = dict(group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
+    setting = model._lockstep_setting
+    # (rows, setting, kernel): canonical 1 and 3 rows, plain 1, 2 and SPLIT_PLAIN_ROWS, a wide plain call
+    for rows, s, kernel in ((1, setting, "mma"), (3, setting, "mma"), (1, None, "split"), (2, None, "mma"),
+                            (layers.SPLIT_PLAIN_ROWS, None, "mma"), (layers.SPLIT_PLAIN_ROWS + 1, None, "mlx")):
+        split_calls.clear()
+        mma_calls.clear()
+        x = rand(rows, layer.weight.shape[1] * 8, seed=rows, dtype=mx.bfloat16)
+        with native_forms() if s is None else batch_invariant(s):
+            got = layer(x)
+        assert (mma_calls, split_calls) == {"mma": ([rows], []), "split": ([], [rows]), "mlx": ([], [])}[kernel]
+        want = {"mma": rows_alone_quarter, "split": rows_alone, "mlx": lambda *a, **k: mx.quantized_matmul(
+            *a, transpose=True, **k)}[kernel](x, w, scales, None, **kw)
+        assert bits_equal(got, want), (rows, kernel)
+    set_batch_invariant_limit(model, 0)
+
+
+def test_without_qmv_mma_here_canonical_rows_keep_qmv_split(kernels, model, monkeypatch):
+    split_calls, mma_calls = kernels(rows_alone, rows_alone_quarter)
+    monkeypatch.setattr(qmv_mma, "unavailable_reason", lambda *a: "its smoke test failed")
+    assert set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,)).guaranteed
+    layer = model.model.layers[0].mlp.gate_proj
+    for rows in (1, 3):
+        split_calls.clear()
+        with batch_invariant(model._lockstep_setting):
+            mx.eval(layer(rand(rows, layer.weight.shape[1] * 8, seed=rows, dtype=mx.bfloat16)))
+        assert split_calls == [rows]
+    assert mma_calls == []
+    set_batch_invariant_limit(model, 0)
+
+
+def test_a_qmv_mma_stand_in_whose_rows_depend_on_the_width_is_refused(kernels):
+    with shape_variant_backend(quantized_rows=2):  # a quantized call of 2+ rows varies here
+        kernels(rows_alone, one_call)  # qmv_mma's stand-in: all rows in one call
+        model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
+        plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
+        assert not plan.guaranteed and "self-test failed" in plan.reason
