@@ -137,8 +137,10 @@ def test_startup_compiles_the_kernel_each_width_runs(monkeypatch):
 @pytest.fixture
 def kernels(monkeypatch, split):
     """qmv_split's stand-in (test_qmv_split.split) and one for qmv_mma, which counts as proven
-    here; each records the rows of the calls it runs."""
+    here; every 4-bit layer of a tiny model counts as large for both; each records the rows of
+    the calls it runs."""
     mma_calls = []
+    monkeypatch.setattr(qmv_mma, "MIN_ELEMENTS", 0)
     monkeypatch.setattr(qmv_mma, "unavailable_reason", lambda *a: None)
     original = qmv_mma.launch_for
     original.cache_clear()
@@ -189,6 +191,33 @@ def test_canonical_rows_take_qmv_mma_at_every_width_and_one_plain_row_qmv_split(
         want = {"mma": rows_alone_quarter, "split": rows_alone, "mlx": lambda *a, **k: mx.quantized_matmul(
             *a, transpose=True, **k)}[kernel](x, w, scales, None, **kw)
         assert bits_equal(got, want), (rows, kernel)
+    set_batch_invariant_limit(model, 0)
+
+
+def test_a_middling_layer_takes_qmv_mma_for_canonical_rows_and_one_plain_row(kernels, monkeypatch):
+    """Below qmv_split's size (an 8B's q and o): canonical rows and a plain row through qmv_mma,
+    wider plain calls MLX's; without qmv_mma here, the layer's own forms."""
+    split_calls, mma_calls = kernels(rows_alone, rows_alone_quarter)
+    monkeypatch.setattr(qmv_split, "MIN_ELEMENTS", 1 << 40)
+    monkeypatch.setattr(qmv_mma, "MIN_ELEMENTS", 0)
+    model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
+    assert set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,)).guaranteed
+    layer = model.model.layers[0].self_attn.q_proj
+    k = layer.weight.shape[1] * 8
+    for rows, s, through in ((1, model._lockstep_setting, True), (3, model._lockstep_setting, True),
+                             (1, None, True), (2, None, False)):
+        mma_calls.clear()
+        with native_forms() if s is None else batch_invariant(s):
+            mx.eval(layer(rand(rows, k, seed=rows, dtype=mx.bfloat16)))
+        assert mma_calls == ([rows] if through else []) and split_calls == [], (rows, s)
+    set_batch_invariant_limit(model, 0)
+    monkeypatch.setattr(qmv_mma, "unavailable_reason", lambda *a: "its smoke test failed")
+    model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
+    assert set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,)).guaranteed
+    mma_calls.clear()
+    with batch_invariant(model._lockstep_setting):
+        mx.eval(model.model.layers[0].self_attn.q_proj(rand(3, k, seed=3, dtype=mx.bfloat16)))
+    assert mma_calls == [] and split_calls == []
     set_batch_invariant_limit(model, 0)
 
 

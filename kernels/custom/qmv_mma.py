@@ -30,6 +30,10 @@ CHUNK = 128  # codes of a column a warp takes at a time
 FORMAT_CODES = {"affine": 0, "nvfp4": 1, "mxfp4": 2}
 GROUPS = {"affine": (32, 64, 128), "nvfp4": (16,), "mxfp4": (32,)}
 MAX_GRID_Y = 65535
+# Layers of at least this many weights (N * K) read faster through this kernel than through
+# MLX's quantized GEMV at one row on the H200 (an 8B model's q and o, gate, up, down, head);
+# smaller ones (k, v) slower (docs/BENCHMARKS.md, session 18).
+MIN_ELEMENTS = 16 << 20
 _ARGS = "y, x_shape[0], w_shape[0], x_shape[1]);"
 _TEMPLATE = "<T, {fmt}, GROUP, WARPS, NT, ROWS, DEPTH>"
 _BODIES = {
@@ -61,6 +65,11 @@ def takes(mode: str, bits: int, group_size: int) -> bool:
 def runs_here() -> bool:
     """Whether this backend has the kernel at all (its smoke test decides per format)."""
     return backend() == "cuda"
+
+
+def pays(n: int, k: int) -> bool:
+    """Whether a layer of (N, K) weights is large enough to be faster through this kernel."""
+    return n * k >= MIN_ELEMENTS
 
 
 def block_warps(n: int, k: int) -> int:
