@@ -191,9 +191,9 @@ def _quantized_canonical(x, layer, s: Setting):
 
 
 # Plain calls of at most this many rows of a large 4-bit layer go through lockstep's kernels
-# (ops.SplitRows.kernel): at 1 to 32 rows they were faster than MLX's quantized matmul in the
+# (ops.SplitRows.kernel): at 1 to 16 rows they were faster than MLX's quantized matmul in the
 # 8B step (docs/BENCHMARKS.md, sessions 16 and 18); wider plain calls keep MLX's.
-SPLIT_PLAIN_ROWS = 32
+SPLIT_PLAIN_ROWS = 16
 
 
 def _split(layer, x, s):
