@@ -16,19 +16,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import compiled
-from .qmv_rows import INPUTS, SCALARS, arrays_fit, kind
-from .skinny import SHARED_CUDA_SOURCE, backend, compact_source
-from .smoke_cache import smoke_verdict
+from . import compiled, quant_rows
+from .qmv_rows import INPUTS, SCALARS, kind
+from .quant_rows import FORMAT_CODES, GROUPS, takes  # noqa: F401 (takes: part of this API)
+from .skinny import backend
 
 SOURCE = Path(__file__).resolve().parent / "qmv_mma.cu"
-SHARED = Path(__file__).resolve().parent / SHARED_CUDA_SOURCE
-VALUES = Path(__file__).resolve().parent / "quant_values.cuh"
-SKINNY_LOADER = Path(__file__).resolve().parent / "skinny.py"  # compact_source
-DTYPES = (mx.float16, mx.bfloat16)
 CHUNK = 128  # codes of a column a warp takes at a time
-FORMAT_CODES = {"affine": 0, "nvfp4": 1, "mxfp4": 2}
-GROUPS = {"affine": (32, 64, 128), "nvfp4": (16,), "mxfp4": (32,)}
 MAX_GRID_Y = 65535
 # Layers of at least this many weights (N * K) read faster through this kernel than through
 # MLX's quantized GEMV at one row on the H200 (an 8B model's q and o, gate, up, down, head);
@@ -43,7 +37,7 @@ _BODIES = {
 
 
 def _header() -> str:
-    return compact_source(SHARED.read_text() + VALUES.read_text() + SOURCE.read_text())
+    return quant_rows.header(SOURCE)
 
 
 @lru_cache(maxsize=None)
@@ -56,10 +50,6 @@ def _kernel(kind: str):
 def family(kind: str) -> compiled.Family:
     return compiled.Family(f"lockstep_qmv_mma_{kind}", "qmv_mma", _header(), _BODIES[kind],
                            inputs=INPUTS[kind], outputs=[("y", "T")], scalars=SCALARS)
-
-
-def takes(mode: str, bits: int, group_size: int) -> bool:
-    return bits == 4 and group_size in GROUPS.get(mode, ())
 
 
 def runs_here() -> bool:
@@ -143,11 +133,8 @@ def instances(m: int, n: int, k: int, mode: str, group: int, dtype) -> list:
 
 def _takes(m: int, k: int, mode: str, bits: int, group: int, dtype, weight_dtype, packed: int, scales_dtype,
            biases_dtype) -> bool:
-    if not takes(mode, bits, group) or dtype not in DTYPES:
-        return False
-    if not 1 <= m <= max_rows() or k % CHUNK or k % group:
-        return False
-    return arrays_fit(k, 4, mode, dtype, weight_dtype, packed, scales_dtype, biases_dtype)
+    return quant_rows.fits(m, k, mode, bits, group, dtype, weight_dtype, packed, scales_dtype, biases_dtype,
+                           max_rows=max_rows(), k_multiple=CHUNK)
 
 
 def serves(x: mx.array, weight: mx.array, scales: mx.array, biases, *, group_size: int, bits: int,
@@ -198,16 +185,10 @@ def _model_gap(x, wq, scales, biases, got, mode: str, group: int, dtype) -> floa
     differs."""
     import numpy as np
 
-    from .qmv_order import dequantize
     from .qmv_mma_order import qmv_mma
 
-    name = str(dtype).rsplit(".", 1)[-1]
-
-    def f64(a):
-        return None if a is None else np.array(a.astype(mx.float32)) if a.dtype in DTYPES else np.array(a)
-
-    w = dequantize(np.array(wq), f64(scales), f64(biases), mode=mode, bits=4, group_size=group, dtype=name)
-    want = qmv_mma(f64(x), w, dtype=name, warps=block_warps(w.shape[0], w.shape[1]))
+    x64, w, name = quant_rows.model_inputs(x, wq, scales, biases, mode, group, dtype)
+    want = qmv_mma(x64, w, dtype=name, warps=block_warps(w.shape[0], w.shape[1]))
     have = np.array(got.astype(mx.float32)).astype(np.float64)
     eps = 2.0 ** (-7 if name == "bfloat16" else -10)
     scale = eps * (np.abs(want) + 1e-3 * np.max(np.abs(want)))
@@ -216,48 +197,23 @@ def _model_gap(x, wq, scales, biases, got, mode: str, group: int, dtype) -> floa
 
 def _smoke_test(mode: str, dtype) -> str | None:
     """Every row of 2..40-row calls equals the one-row call bit for bit and is close to the
-    product of x and the dequantized weight; the first shapes' rows are within two of T's
+    product of x and the dequantized weight; the small shapes' rows are within two of T's
     epsilon of the order model. None: all hold."""
     compiled.precompile(i for group in GROUPS[mode] for m, n, k in SMOKE_SHAPES
                         for rows in {m, 1} for i in instances(rows, n, k, mode, group, dtype))
-    key = mx.random.key(19)
-    for group in GROUPS[mode]:
-        for m, n, k in SMOKE_SHAPES:
-            kx, kw, key = mx.random.split(key, 3)
-            x = mx.random.normal((m, k), key=kx).astype(dtype)
-            wq, scales, *rest = mx.quantize(mx.random.normal((n, k), key=kw).astype(dtype), group, 4, mode=mode)
-            biases = rest[0] if rest else None
-            kw_ = dict(group_size=group, bits=4, mode=mode)
-            block = matmul(x, wq, scales, biases, **kw_)
-            alone = mx.concatenate([matmul(x[i : i + 1], wq, scales, biases, **kw_) for i in range(m)], axis=0)
-            if not mx.array_equal(block, alone).item():
-                return f"{mode} g{group} {dtype} {m}x{n}x{k}: rows differ from the one-row call"
-            if n * k <= 70 * 4224:
-                gap = _model_gap(x, wq, scales, biases, block, mode, group, dtype)
-                if not gap <= 2.0:
-                    return f"{mode} g{group} {dtype} {m}x{n}x{k}: {gap:.3g} epsilons off the order model"
-            w = mx.dequantize(wq, scales, biases, group_size=group, bits=4, mode=mode).astype(mx.float32)
-            exact = x.astype(mx.float32) @ w.T
-            error = mx.max(mx.abs(block.astype(mx.float32) - exact)).item()
-            bound = 0.05 * mx.max(mx.abs(exact)).item() + 1e-3
-            if not error <= bound:
-                return f"{mode} g{group} {dtype} {m}x{n}x{k}: off the dequantized product by {error:.4g}"
-    return None
+
+    def check(shape, x, wq, scales, biases, block, group):
+        _, n, k = shape
+        if n * k <= 70 * 4224:
+            gap = _model_gap(x, wq, scales, biases, block, mode, group, dtype)
+            if not gap <= 2.0:
+                return f"{gap:.3g} epsilons off the order model"
+        return None
+
+    return quant_rows.smoke_rows(matmul, mode, dtype, SMOKE_SHAPES, 19, check)
 
 
 @lru_cache(maxsize=None)
 def unavailable_reason(mode: str = "nvfp4", dtype=mx.bfloat16) -> str | None:
     """None where the kernel passed its smoke test on this GPU for this format and dtype."""
-    if backend() != "cuda":
-        return f"qmv_mma is a CUDA kernel; not on {mx.default_device()}"
-    if mode not in FORMAT_CODES:
-        return f"qmv_mma has no {mode} kernel"
-    if dtype not in DTYPES:
-        return f"qmv_mma takes float16 and bfloat16 x, not {dtype}"
-    name = f"qmv_mma {mode} {dtype} {compiled.mode('qmv_mma')}"
-    try:
-        problem = smoke_verdict(name, lambda: _smoke_test(mode, dtype), SOURCE, SHARED, VALUES, __file__, SKINNY_LOADER,
-                                *compiled.SOURCES)
-    except Exception as exc:  # a compile or launch failure: the kernel is not used
-        problem = f"{type(exc).__name__}: {str(exc)[:300]}"
-    return None if problem is None else f"qmv_mma: {problem}"
+    return quant_rows.verdict("qmv_mma", mode, dtype, lambda: _smoke_test(mode, dtype), SOURCE, __file__)

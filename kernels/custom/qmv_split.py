@@ -17,24 +17,18 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import compiled
-from .qmv_rows import INPUTS, SCALARS, arrays_fit, kind
-from .skinny import SHARED_CUDA_SOURCE, backend, compact_source
-from .smoke_cache import smoke_verdict
+from . import compiled, quant_rows
+from .qmv_rows import INPUTS, SCALARS, kind
+from .quant_rows import FORMAT_CODES, GROUPS, takes  # noqa: F401 (takes: part of this API)
+from .skinny import backend
 
 SOURCE = Path(__file__).resolve().parent / "qmv_split.cu"
-SHARED = Path(__file__).resolve().parent / SHARED_CUDA_SOURCE
-VALUES = Path(__file__).resolve().parent / "quant_values.cuh"  # shared with the other quantized GEMV
-SKINNY_LOADER = Path(__file__).resolve().parent / "skinny.py"  # compact_source
-DTYPES = (mx.float16, mx.bfloat16)
 THREADS = 128
 MAX_ROWS = 4 * 65535  # rows of MR = 4 a block row: the grid's y extent
 # Layers of at least this many weights (N * K) read faster through this kernel than through
 # MLX's quantized GEMV on the H200 (an 8B model's gate, up, down and head); smaller ones
 # (q, k, v, o) slower (docs/BENCHMARKS.md, session 16).
 MIN_ELEMENTS = 32 << 20
-FORMAT_CODES = {"affine": 0, "nvfp4": 1, "mxfp4": 2}
-GROUPS = {"affine": (32, 64, 128), "nvfp4": (16,), "mxfp4": (32,)}
 _ARGS = "y, x_shape[0], w_shape[0], x_shape[1]);"
 _BODIES = {
     "affine": "lockstep_qsplit::qmv_split<T, 0, GROUP, C, MR>(x, w, scales, nullptr, biases, " + _ARGS,
@@ -43,7 +37,7 @@ _BODIES = {
 
 
 def _header() -> str:
-    return compact_source(SHARED.read_text() + VALUES.read_text() + SOURCE.read_text())
+    return quant_rows.header(SOURCE)
 
 
 @lru_cache(maxsize=None)
@@ -56,10 +50,6 @@ def _kernel(kind: str):
 def family(kind: str) -> compiled.Family:
     return compiled.Family(f"lockstep_qmv_split_{kind}", "qmv_split", _header(), _BODIES[kind],
                            inputs=INPUTS[kind], outputs=[("y", "T")], scalars=SCALARS)
-
-
-def takes(mode: str, bits: int, group_size: int) -> bool:
-    return bits == 4 and group_size in GROUPS.get(mode, ())
 
 
 def runs_here() -> bool:
@@ -130,11 +120,8 @@ def instances(m: int, n: int, mode: str, group: int, dtype) -> list:
 
 def _takes(m: int, k: int, mode: str, bits: int, group: int, dtype, weight_dtype, packed: int, scales_dtype,
            biases_dtype) -> bool:
-    if not takes(mode, bits, group) or dtype not in DTYPES:
-        return False
-    if not 1 <= m <= MAX_ROWS or k % 32 or k % group:
-        return False
-    return arrays_fit(k, 4, mode, dtype, weight_dtype, packed, scales_dtype, biases_dtype)
+    return quant_rows.fits(m, k, mode, bits, group, dtype, weight_dtype, packed, scales_dtype, biases_dtype,
+                           max_rows=MAX_ROWS, k_multiple=32)
 
 
 def serves(x: mx.array, weight: mx.array, scales: mx.array, biases, *, group_size: int, bits: int,
@@ -183,17 +170,10 @@ def _model_agrees(x, wq, scales, biases, got, mode: str, group: int, dtype) -> b
     """Whether the kernel's rows are the NumPy order model's, bit for bit."""
     import numpy as np
 
-    from .qmv_order import dequantize
     from .qmv_split_order import qmv_split
 
-    name = str(dtype).rsplit(".", 1)[-1]
-
-    def f64(a):
-        return None if a is None else np.array(a.astype(mx.float32)) if a.dtype in DTYPES else np.array(a)
-
-    w = dequantize(np.array(wq), f64(scales), f64(biases), mode=mode, bits=4, group_size=group, dtype=name)
-    want = qmv_split(f64(x), w, dtype=name)
-    return bool(np.array_equal(want, np.array(got.astype(mx.float32)).astype(np.float64)))
+    x64, w, name = quant_rows.model_inputs(x, wq, scales, biases, mode, group, dtype)
+    return bool(np.array_equal(qmv_split(x64, w, dtype=name), np.array(got.astype(mx.float32)).astype(np.float64)))
 
 
 def _smoke_test(mode: str, dtype) -> str | None:
@@ -202,42 +182,16 @@ def _smoke_test(mode: str, dtype) -> str | None:
     bit for bit. None: all hold."""
     compiled.precompile(i for group in GROUPS[mode] for m, n, _ in SMOKE_SHAPES
                         for rows in {m, 1} for i in instances(rows, n, mode, group, dtype))
-    key = mx.random.key(17)
-    for group in GROUPS[mode]:
-        for m, n, k in SMOKE_SHAPES:
-            kx, kw, key = mx.random.split(key, 3)
-            x = mx.random.normal((m, k), key=kx).astype(dtype)
-            wq, scales, *rest = mx.quantize(mx.random.normal((n, k), key=kw).astype(dtype), group, 4, mode=mode)
-            biases = rest[0] if rest else None
-            kw_ = dict(group_size=group, bits=4, mode=mode)
-            block = matmul(x, wq, scales, biases, **kw_)
-            alone = mx.concatenate([matmul(x[i : i + 1], wq, scales, biases, **kw_) for i in range(m)], axis=0)
-            if not mx.array_equal(block, alone).item():
-                return f"{mode} g{group} {dtype} {m}x{n}x{k}: rows differ from the one-row call"
-            if (m, n, k) == SMOKE_SHAPES[0] and not _model_agrees(x, wq, scales, biases, block, mode, group, dtype):
-                return f"{mode} g{group} {dtype} {m}x{n}x{k}: rows differ from the order model (qmv_split_order.py)"
-            w = mx.dequantize(wq, scales, biases, group_size=group, bits=4, mode=mode).astype(mx.float32)
-            exact = x.astype(mx.float32) @ w.T
-            error = mx.max(mx.abs(block.astype(mx.float32) - exact)).item()
-            bound = 0.05 * mx.max(mx.abs(exact)).item() + 1e-3
-            if not error <= bound:
-                return f"{mode} g{group} {dtype} {m}x{n}x{k}: off the dequantized product by {error:.4g}"
-    return None
+
+    def check(shape, x, wq, scales, biases, block, group):
+        if shape == SMOKE_SHAPES[0] and not _model_agrees(x, wq, scales, biases, block, mode, group, dtype):
+            return "rows differ from the order model (qmv_split_order.py)"
+        return None
+
+    return quant_rows.smoke_rows(matmul, mode, dtype, SMOKE_SHAPES, 17, check)
 
 
 @lru_cache(maxsize=None)
 def unavailable_reason(mode: str = "nvfp4", dtype=mx.bfloat16) -> str | None:
     """None where the kernel passed its smoke test on this GPU for this format and dtype."""
-    if backend() != "cuda":
-        return f"qmv_split is a CUDA kernel; not on {mx.default_device()}"
-    if mode not in FORMAT_CODES:
-        return f"qmv_split has no {mode} kernel"
-    if dtype not in DTYPES:
-        return f"qmv_split takes float16 and bfloat16 x, not {dtype}"
-    name = f"qmv_split {mode} {dtype} {compiled.mode('qmv_split')}"
-    try:
-        problem = smoke_verdict(name, lambda: _smoke_test(mode, dtype), SOURCE, SHARED, VALUES, __file__, SKINNY_LOADER,
-                                *compiled.SOURCES)
-    except Exception as exc:  # a compile or launch failure: the kernel is not used
-        problem = f"{type(exc).__name__}: {str(exc)[:300]}"
-    return None if problem is None else f"qmv_split: {problem}"
+    return quant_rows.verdict("qmv_split", mode, dtype, lambda: _smoke_test(mode, dtype), SOURCE, __file__)
