@@ -191,15 +191,16 @@ def _quantized_canonical(x, layer, s: Setting):
 
 
 # Plain calls of at most this many rows of a large 4-bit layer go through lockstep's kernels
-# (ops.SplitRows.kernel): at 1 to 16 rows they were faster than MLX's quantized matmul in the
-# 8B step (docs/BENCHMARKS.md, sessions 16 and 18); wider plain calls keep MLX's.
+# (ops.SplitRows.kernel): per nvfp4 linear they were faster than MLX's quantized matmul at 1
+# to 16 rows, and in the 8B step MLX's 16-row call cost far more than per linear
+# (docs/BENCHMARKS.md, sessions 16 and 18); wider plain calls keep MLX's.
 SPLIT_PLAIN_ROWS = 16
 
 
 def _split(layer, x, s):
-    """A large 4-bit layer's rows through lockstep's kernels (ops.SplitRows): plain calls of
-    at most SPLIT_PLAIN_ROWS rows, and every call a setting makes canonical (its rows at any
-    width: the kernel's rows never depend on it); None where they do not run them."""
+    """A 4-bit layer's rows through lockstep's kernels (ops.SplitRows): plain calls of at most
+    SPLIT_PLAIN_ROWS rows, and every call a setting makes canonical (its rows at any width:
+    the kernel's rows never depend on it); None where they do not run them."""
     if s is None:
         if rows_of(x) > SPLIT_PLAIN_ROWS:
             return None
