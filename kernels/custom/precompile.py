@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import attention, compiled, gemv_rows, qmv_mma, qmv_rows, qmv_split, skinny
+from . import attention, compiled, gemv_rows, qmv_mma, qmv_rows, qmv_split, skinny, split_rows
 from .gemv_order import MAX_ROWS as GEMV_MAX_ROWS
 from .loop_order import MAX_ROWS as SKINNY_MAX_ROWS
 from .qmv_order import weight_bits
@@ -29,8 +29,7 @@ from .qmv_order import weight_bits
 # through the skinny kernel, 1..64 rows; "qmv_rows": quantized rows of 2..64 in the order of
 # MLX's quantized GEMV (the shape carries group, mode and bits); "qmv_split": a large 4-bit
 # or middling 4-bit layer's rows of any count in lockstep's own kernels (group, mode and bits
-# as qmv_rows): qmv_mma where it runs here (qmv_split for a large layer's one plain row),
-# else qmv_split for large layers.
+# as qmv_rows), the kernel split_rows.kernel_for picks at each width.
 KINDS = ("gemv_rows", "skinny", "affine", "nvfp4", "qmv_rows", "qmv_split")
 
 
@@ -52,14 +51,14 @@ def instances_for(shapes: Iterable[tuple], widths: Iterable[int], *, attention_s
                 out += [i for m in widths if 2 <= m <= GEMV_MAX_ROWS
                         for i in qmv_rows.instances(m, n, mode, bits, group, dtype, fused)]
             continue
-        if kind == "qmv_split":  # ops.SplitRows.kernel: which kernel each width runs
+        if kind == "qmv_split":  # split_rows.kernel_for: which kernel each width runs
             mode = rest[1]
-            large = qmv_split.pays(n, k)
-            mma = qmv_mma.pays(n, k) and k % qmv_mma.CHUNK == 0 and qmv_mma.unavailable_reason(mode, dtype) is None
-            if mma:
-                out += [i for m in widths for i in qmv_mma.instances(m, n, k, mode, group, dtype)]
-            if large and qmv_split.unavailable_reason(mode, dtype) is None:
-                out += [i for m in widths if m == 1 or not mma for i in qmv_split.instances(m, n, mode, group, dtype)]
+            for m in widths:
+                for kernel in {split_rows.kernel_for(n, k, mode, dtype, m, canonical) for canonical in (True, False)}:
+                    if kernel is qmv_mma:
+                        out += qmv_mma.instances(m, n, k, mode, group, dtype)
+                    elif kernel is qmv_split and qmv_split.unavailable_reason(mode, dtype) is None:
+                        out += qmv_split.instances(m, n, mode, group, dtype)
             continue
         for m in widths:
             if kind == "gemv_rows":
@@ -104,7 +103,7 @@ def linear_shapes(model, *, dense: str, quantized: str = "chunks", dtype=None) -
             bits, group, mode = module.bits, module.group_size, getattr(module, "mode", "affine")
             n, k = module.weight.shape[0], module.weight.shape[1] * 32 // weight_bits(mode, bits)
             x_dtype = module.scales.dtype if mode == "affine" else activations
-            if qmv_split.takes(mode, bits, group) and (qmv_split.pays(n, k) or qmv_mma.pays(n, k)):  # any form
+            if split_rows.takes_layer(n, k, mode, bits, group):  # any form
                 shapes[(n, k, x_dtype, "qmv_split", group, mode, bits)] = None
             if quantized == "qmv_rows" and qmv_rows.takes(mode, bits, group):
                 shapes[(n, k, x_dtype, "qmv_rows", group, mode, bits)] = None

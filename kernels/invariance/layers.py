@@ -191,7 +191,7 @@ def _quantized_canonical(x, layer, s: Setting):
 
 
 # Plain calls of at most this many rows of a large 4-bit layer go through lockstep's kernels
-# (ops.SplitRows.kernel): per nvfp4 linear they were faster than MLX's quantized matmul at 1
+# (custom/split_rows.py): per nvfp4 linear they were faster than MLX's quantized matmul at 1
 # to 16 rows, and in the 8B step MLX's 16-row call cost far more than per linear
 # (docs/BENCHMARKS.md, sessions 16 and 18); wider plain calls keep MLX's.
 SPLIT_PLAIN_ROWS = 16

@@ -246,19 +246,11 @@ def quantized_rows_in_one_launch(x: mx.array, weight: mx.array, scales: mx.array
 
 class SplitRows:
     """A 4-bit layer's rows through lockstep's own kernels, the launch for each (x shape, x
-    dtype, canonical or plain), decided once each; None where no kernel of lockstep's takes
-    the call (the layer's own path then runs it). Which kernel (`kernel`), from the layer's
-    size, the format and x's dtype:
-    - canonical rows (every call a setting makes canonical, one row included): `qmv_mma`
-      where its smoke test passed here, else `qmv_split` for large layers; one kernel a layer
-      and dtype, so a layer's rows have one order at every width;
-    - plain calls: one row through `qmv_split` (large layers) or `qmv_mma`; more rows of a
-      large layer through `qmv_mma` (of a smaller one, MLX's call is faster);
-    each where it was fastest on the H200 (docs/BENCHMARKS.md, sessions 16 and 18)."""
+    dtype, canonical or plain), decided once each by custom/split_rows.py (which kernel);
+    None where no kernel of lockstep's takes the call (the layer's own path then runs it)."""
 
     def __init__(self, n: int, k: int, mode: str, bits: int, group_size: int):
         self.n, self.k, self.mode, self.bits, self.group_size = n, k, mode, bits, group_size
-        self.large = custom.qmv_split.pays(n, k)
         self.launches = {}
 
     @classmethod
@@ -268,30 +260,17 @@ class SplitRows:
         weight = layer["weight"]
         k = weight.shape[-1] * 32 // layer.bits if weight.ndim == 2 else 0
         n = weight.shape[0]
-        if not custom.qmv_split.takes(mode, layer.bits, layer.group_size) or not (
-                custom.qmv_split.pays(n, k) or custom.qmv_mma.pays(n, k)):
+        if not custom.split_rows.takes_layer(n, k, mode, layer.bits, layer.group_size):
             return None
         return cls(n, k, mode, layer.bits, layer.group_size)
-
-    def kernel(self, dtype, rows: int, canonical: bool):
-        """The module (qmv_mma or qmv_split) a call of `rows` rows of x of this dtype runs,
-        or None: the layer's own path."""
-        mma, split = custom.qmv_mma, custom.qmv_split
-        mma_here = (mma.pays(self.n, self.k) and self.k % mma.CHUNK == 0
-                    and mma.takes(self.mode, self.bits, self.group_size)
-                    and mma.unavailable_reason(self.mode, dtype) is None)
-        if canonical:
-            return mma if mma_here else split if self.large else None
-        if rows == 1:
-            return split if self.large else mma if mma_here else None
-        return (mma if mma_here else split) if self.large else None
 
     def __call__(self, layer, x: mx.array, canonical: bool = False):
         key = (x.shape, x.dtype, canonical)
         launch = self.launches.get(key, False)
         if launch is False:
             weight, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
-            kernel = self.kernel(x.dtype, math.prod(x.shape[:-1]), canonical)
+            kernel = custom.split_rows.kernel_for(self.n, self.k, self.mode, x.dtype, math.prod(x.shape[:-1]),
+                                                  canonical)
             launch = self.launches[key] = None if kernel is None else kernel.launch_for(
                 x.shape[:-1], self.n, self.k, self.mode, self.bits, self.group_size, x.dtype, weight.dtype,
                 weight.shape[1], scales.dtype, None if biases is None else biases.dtype)
