@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
@@ -50,10 +51,12 @@ WEIGHTS = {"bf16": None, "nvfp4": ("nvfp4", 16, 4), "affine4": ("affine", 64, 4)
 # passes run with L = 0 (large 4-bit layers through qmv_split on CUDA); "lockstep_compiled": that
 # pass as one compiled call (CompiledPasses); "plain_installed": lockstep_native with gemv_rows
 # installed (L = B) and the pass under native_forms, as the engine runs non-deterministic passes
-# of a deployment with L > 0; "gemv_rows_compiled": gemv_rows's pass compiled as the engine
-# compiles deterministic passes where the ragged proof held for them
-STRATEGIES = ("native", "lockstep_native", "lockstep_compiled", "plain_installed", "strided_gemv", "gemv_rows",
-              "gemv_rows_compiled", "skinny")
+# of a deployment with L > 0; "gemv_rows_compiled": gemv_rows's
+# installed pass compiled as the engine compiles deterministic passes where the ragged proof
+# held for them; "..._separate": the same with each sibling layer (q/k/v, gate/up) in its own
+# launch, as before sibling groups (kernels/invariance/sibling_rows.py)
+STRATEGIES = ("native", "lockstep_native", "lockstep_compiled", "lockstep_compiled_separate", "plain_installed",
+              "strided_gemv", "gemv_rows", "gemv_rows_compiled", "gemv_rows_compiled_separate", "skinny")
 
 
 def build(weights: str, layers: int, seed: int = 0, *, hidden: int = 4096, intermediate: int = 14336,
@@ -123,6 +126,17 @@ def step_ms(run, cache, tokens, repeats: int, building: list | None = None) -> f
     return 1e3 * float(np.median(times))
 
 
+def step_nodes(run, cache, tokens) -> int:
+    """Nodes MLX evaluates for one step (its graph as built, compiled parts included)."""
+    from op_count import ops
+
+    out = run(tokens)
+    count = sum(ops(out).values())
+    mx.eval(out)
+    trim(cache, len(tokens))
+    return count
+
+
 def rows_identical(run, cache, tokens, alone=None) -> int:
     """How many rows of the B-row step equal, bitwise, the same token fed alone in order
     (by `alone`, default `run`)."""
@@ -140,6 +154,11 @@ def rows_identical(run, cache, tokens, alone=None) -> int:
 
 
 def install(model, strategy: str, rows: int):
+    if strategy.endswith("_separate"):
+        install(model, strategy.removesuffix("_separate"), rows)
+        for _, m in model.named_modules():
+            m.__dict__.pop("_siblings", None)  # each layer its own launch again
+        return
     if strategy in ("native", "lockstep_native", "lockstep_compiled"):
         set_batch_invariant_limit(model, 0)  # lockstep's plain layers at L = 0
         if strategy == "native":
@@ -267,19 +286,21 @@ def main():
                 on_pool = path is not None and strategy != "native"
                 kv = pooled if on_pool else cache
                 run = forward(base if strategy == "native" else model, kv, path if on_pool else None,
-                              compiled if on_pool and strategy.endswith("compiled") else None,
-                              canonical=strategy == "gemv_rows_compiled")
+                              compiled if on_pool and "_compiled" in strategy else None,
+                              canonical=strategy.startswith("gemv_rows_compiled"))
                 if strategy == "plain_installed":
                     run = under_native_forms(run)
                 building = []
                 ms = step_ms(run, kv, tokens, a.repeats, building)
                 # a compiled deterministic pass's rows against the solo pass built op by op
-                alone = forward(model, kv, path) if strategy == "gemv_rows_compiled" else None
+                alone = forward(model, kv, path) if strategy.startswith("gemv_rows_compiled") else None
                 same = rows_identical(run, kv, tokens, alone) if b > 1 else 1
+                nodes = step_nodes(run, kv, tokens)
                 table.append((weights, b, strategy, ms, floor_ms, same, ms - building[0]))
                 log(f"{weights:>8} B={b:<3} {strategy:>13}: {ms:8.2f} ms  {100 * floor_ms / ms:5.1f}% of floor"
-                    f"  (build {building[0]:.2f} ms)  rows == single-row pass: {same}/{b}")
-        for strategy in (s for s in strategies if s in ("gemv_rows", "skinny") and a.proof_limit):
+                    f"  (build {building[0]:.2f} ms)  rows == single-row pass: {same}/{b}  nodes: {nodes}")
+        proven = dict.fromkeys(s.split("_compiled")[0] for s in strategies)  # a compiled pass: its strategy's
+        for strategy in (s for s in proven if s in ("gemv_rows", "skinny") and a.proof_limit):
             plan = set_batch_invariant_limit(model, a.proof_limit, strategy)
             log(f"self-test L={a.proof_limit} ({strategy}): guaranteed={plan.guaranteed}, widths "
                 f"{plan.self_test.widths if plan.self_test else ()}, {plan.reason}")

@@ -55,9 +55,11 @@ __device__ __forceinline__ uint32_t bits_of(T2 v) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Column tile `tile` (8 * NT columns) of the block's ROWS rows.
 template <typename T, int FMT, int GROUP, int WARPS, int NT, int ROWS, int DEPTH>
-__device__ void qmv_mma(const T* x, const uint32_t* w, const T* scales_t, const uint8_t* scales_u8,
-                        const T* biases, T* y, int M, int N, int K) {
+__device__ __forceinline__ void qmv_mma_tile(const T* x, const uint32_t* w, const T* scales_t,
+                                             const uint8_t* scales_u8, const T* biases, T* y, int M, int N,
+                                             int K, int tile) {
   using T2 = typename Pair<T>::type;
   constexpr int CHUNK = 128;              // codes of a column a warp takes at a time
   constexpr int MT = (ROWS + 15) / 16;    // 16-row tiles
@@ -73,7 +75,7 @@ __device__ void qmv_mma(const T* x, const uint32_t* w, const T* scales_t, const 
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, q = lane & 3;
-  const int n0 = blockIdx.x * 8 * NT;
+  const int n0 = tile * 8 * NT;
   const int m0 = blockIdx.y * ROWS;
   const int chunks = K / CHUNK;
   const int groups = K / GROUP;
@@ -175,6 +177,32 @@ __device__ void qmv_mma(const T* x, const uint32_t* w, const T* scales_t, const 
     const int m = m0 + row, n = n0 + 8 * c + 2 * (l & 3) + (i & 1);
     if (row < ROWS && m < M && n < N) y[(size_t)m * N + n] = from_float<T>(s);
   }
+}
+
+template <typename T, int FMT, int GROUP, int WARPS, int NT, int ROWS, int DEPTH>
+__device__ void qmv_mma(const T* x, const uint32_t* w, const T* scales_t, const uint8_t* scales_u8,
+                        const T* biases, T* y, int M, int N, int K) {
+  qmv_mma_tile<T, FMT, GROUP, WARPS, NT, ROWS, DEPTH>(x, w, scales_t, scales_u8, biases, y, M, N, K, blockIdx.x);
+}
+
+// Up to three layers that read the same x (an attention block's q, k and v; an MLP's gate and
+// up) in one launch: the column tiles of part 0, then part 1's, then part 2's (N2 = 0: two
+// parts). Each part's outputs are computed exactly as its own qmv_mma call computes them (the
+// same WARPS: kernels/custom/qmv_mma_parts.py launches only parts that share it).
+template <typename T, int FMT, int GROUP, int WARPS, int NT, int ROWS, int DEPTH>
+__device__ void qmv_mma_parts(const T* x, int M, int K,
+                              const uint32_t* w0, const T* st0, const uint8_t* su0, const T* b0, T* y0, int N0,
+                              const uint32_t* w1, const T* st1, const uint8_t* su1, const T* b1, T* y1, int N1,
+                              const uint32_t* w2, const T* st2, const uint8_t* su2, const T* b2, T* y2, int N2) {
+  constexpr int COLS = 8 * NT;
+  const int t0 = (N0 + COLS - 1) / COLS, t1 = (N1 + COLS - 1) / COLS;
+  const int tile = blockIdx.x;
+  if (tile < t0)
+    qmv_mma_tile<T, FMT, GROUP, WARPS, NT, ROWS, DEPTH>(x, w0, st0, su0, b0, y0, M, N0, K, tile);
+  else if (tile < t0 + t1)
+    qmv_mma_tile<T, FMT, GROUP, WARPS, NT, ROWS, DEPTH>(x, w1, st1, su1, b1, y1, M, N1, K, tile - t0);
+  else if (N2 > 0)
+    qmv_mma_tile<T, FMT, GROUP, WARPS, NT, ROWS, DEPTH>(x, w2, st2, su2, b2, y2, M, N2, K, tile - t0 - t1);
 }
 
 }  // namespace lockstep_qmma

@@ -8,8 +8,18 @@ rows and whether they are canonical. The one place that decides: the layers
   a layer's rows have one order at every width;
 - plain calls: one row through `qmv_split` (large layers) or `qmv_mma`; more rows of a large
   layer through `qmv_mma` (of a smaller one, MLX's call is faster);
-each where it was fastest on the H200 (docs/BENCHMARKS.md, sessions 16 and 18)."""
-from . import qmv_mma, qmv_split
+each where it was fastest on the H200 (docs/BENCHMARKS.md, sessions 16 and 18).
+
+Sibling layers (an attention block's q, k and v; an MLP's gate and up: they read the same x)
+run as parts of one `qmv_mma_parts` launch wherever that launch takes them, canonical and
+plain calls alike: each part's bits are its own qmv_mma call's, and the step dispatches one
+node for the group."""
+import mlx.nn as nn
+
+from . import qmv_mma, qmv_mma_parts, qmv_split
+
+# Layers of one parent that read the same x, in the order the parent calls them.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def takes_layer(n: int, k: int, mode: str, bits: int, group: int) -> bool:
@@ -27,3 +37,39 @@ def kernel_for(n: int, k: int, mode: str, dtype, rows: int, canonical: bool):
     if rows == 1:
         return qmv_split if large else qmv_mma if mma_here else None
     return (qmv_mma if mma_here else qmv_split) if large else None
+
+
+def _signature(layer) -> tuple | None:
+    if not isinstance(layer, nn.QuantizedLinear) or layer.weight.ndim != 2:
+        return None
+    return (layer.bits, layer.group_size, getattr(layer, "mode", "affine"), layer.weight.shape[1],
+            layer.weight.dtype, layer.scales.dtype, "biases" in layer)
+
+
+def sibling_groups(model) -> list[tuple]:
+    """Each group of the model's quantized sibling layers that one launch could take: the
+    layers (q, k, v or gate, up) of one parent, quantized alike, with one K."""
+    groups = []
+    for _, parent in model.named_modules():
+        for names in SIBLINGS:
+            layers = [parent.get(name) if isinstance(parent, dict) else None for name in names]
+            signatures = {_signature(layer) for layer in layers}
+            if len(signatures) == 1 and None not in signatures:
+                groups.append(tuple(layers))
+    return groups
+
+
+def layer_shape(layer) -> tuple:
+    """(n, k, mode, bits, group) of a 4-bit quantized layer."""
+    mode = getattr(layer, "mode", "affine")
+    return layer.weight.shape[0], layer.weight.shape[1] * 32 // layer.bits, mode, layer.bits, layer.group_size
+
+
+def parts_kernel_for(ns: tuple, k: int, mode: str, bits: int, group: int, dtype):
+    """qmv_mma_parts where layers of widths ns (one K, one quantization) run as one launch
+    for rows of this dtype, at every width (its rows have the parts' own bits); else None.
+    Groups smaller than qmv_mma's size are left to their layers' own calls."""
+    if not (qmv_split.takes(mode, bits, group) and qmv_mma_parts.shares_order(ns, k)
+            and k % qmv_mma.CHUNK == 0 and qmv_mma.pays(sum(ns), k)):
+        return None
+    return qmv_mma_parts if qmv_mma_parts.unavailable_reason(mode, dtype) is None else None

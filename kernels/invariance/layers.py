@@ -33,6 +33,8 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from .composed_attention import composed_attention, composed_serves
 from .cache_check import is_positional
 from .prefill_attention import blocked_causal, wants_blocks
+from .. import custom
+from .sibling_rows import SiblingRows
 from .ops import (SplitRows, Strategy, attention_per_query, dense_rows, dense_rows_in_one_launch, packed_kv,
                   quantized_rows, quantized_rows_in_one_launch, rows_of)
 
@@ -198,23 +200,31 @@ SPLIT_PLAIN_ROWS = 16
 
 
 def _split(layer, x, s):
-    """A 4-bit layer's rows through lockstep's kernels (ops.SplitRows): plain calls of at most
-    SPLIT_PLAIN_ROWS rows, and every call a setting makes canonical (its rows at any width:
-    the kernel's rows never depend on it); None where they do not run them."""
+    """A 4-bit layer's rows through lockstep's kernels: plain calls of at most SPLIT_PLAIN_ROWS
+    rows, and every call a setting makes canonical (its rows at any width: the kernels' rows
+    never depend on it); None where they do not run them. A sibling group's launch
+    (sibling_rows.py) first, else the layer's own (ops.SplitRows)."""
     if s is None:
         if rows_of(x) > SPLIT_PLAIN_ROWS:
             return None
     elif s.quantized_native or (rows_of(x) > s.limit and not _local.blocks):
         return None  # the model's own calls, or a prompt chunk (its native call)
+    if layer._siblings is not None:
+        y = layer._siblings(layer, x)
+        if y is not None:
+            return y
+    if layer._split_rows is None:
+        return None
     return layer._split_rows(layer, x, canonical=s is not None)
 
 
 class InvariantQuantizedLinear(nn.QuantizedLinear):
     _split_rows = None  # SplitRows, set by install for large 4-bit layers
+    _siblings = None  # SiblingRows, set by install for q/k/v and gate/up groups one launch takes
 
     def __call__(self, x):
         s = _local.active
-        if self._split_rows is not None:
+        if self._split_rows is not None or self._siblings is not None:
             y = _split(self, x, s)
             if y is not None:
                 return y + self["bias"] if "bias" in self else y
@@ -237,6 +247,7 @@ class InvariantEmbedding(nn.Embedding):
 
 class InvariantQuantizedEmbedding(nn.QuantizedEmbedding):
     _split_rows = None  # SplitRows, set by install for large 4-bit tables
+    _siblings = None  # (never set: an embedding has no siblings)
 
     def as_linear(self, x):
         s = _local.active
@@ -420,6 +431,9 @@ def install(model, setting: Setting) -> dict:
                 m._split_rows = SplitRows.for_layer(m)
                 if m._split_rows is not None:
                     counts["split_rows"] = counts.get("split_rows", 0) + 1
+    siblings = _attach_siblings(model)
+    if siblings:
+        counts["sibling_groups"] = siblings
     wrapped = _wrap_attention(model, id(model))
     counts["attention_modules"] = len(wrapped)
     # Plain attributes (not tuple/list/dict, which nn.Module would file as children).
@@ -428,11 +442,29 @@ def install(model, setting: Setting) -> dict:
     return counts
 
 
+def _attach_siblings(model) -> int:
+    """Give each sibling group (q/k/v, gate/up) that one launch takes its SiblingRows, its
+    layers the Invariant class; returns how many groups got one."""
+    count = 0
+    for layers in custom.split_rows.sibling_groups(model):
+        if not all(type(layer) in (nn.QuantizedLinear, InvariantQuantizedLinear) for layer in layers):
+            continue
+        group = SiblingRows.for_group(layers)
+        if group is None:
+            continue
+        for layer in layers:
+            layer.__class__ = InvariantQuantizedLinear
+            layer._siblings = group
+        count += 1
+    return count
+
+
 def install_plain_kernels(model) -> dict:
     """With batch invariance off (L = 0): the large 4-bit layers (ops.SplitRows) get their
     Invariant class, so a plain call of at most SPLIT_PLAIN_ROWS rows runs qmv_split where it
-    runs (no setting is ever active: every call is plain); their kernels are built now, not
-    in the first passes. `uninstall` gives the classes back. Returns the swapped count."""
+    runs (no setting is ever active: every call is plain), and sibling groups one launch takes
+    theirs; their kernels are built now, not in the first passes. `uninstall` gives the
+    classes back. Returns the swapped counts."""
     from ..custom import qmv_split
 
     if hasattr(model, "_lockstep_setting"):
@@ -448,6 +480,9 @@ def install_plain_kernels(model) -> dict:
                 m.__class__ = swap
                 m._split_rows = split
                 counts["split_rows"] = counts.get("split_rows", 0) + 1
+    siblings = _attach_siblings(model)
+    if siblings:
+        counts["sibling_groups"] = siblings
     if counts:
         model._lockstep_setting = None  # installed, no setting: uninstall restores the layers
         model._lockstep_sdpa_modules = frozenset()
@@ -466,6 +501,7 @@ def uninstall(model) -> None:
         if original is not None:
             m.__class__ = original
             m.__dict__.pop("_split_rows", None)
+            m.__dict__.pop("_siblings", None)
     for name in model._lockstep_sdpa_modules:
         users = _sdpa_users.get(name)
         if users is not None:
