@@ -1,8 +1,8 @@
 """kernels/invariance/sibling_rows.py on a CPU, with a stand-in for the group launch
 (custom/qmv_mma_parts.py runs on CUDA only): which layers form groups, that the first sibling
 called runs one launch for its group and each sibling gets its own part of it, which calls
-keep the layers' own paths, that the startup self-test proves (or refuses) the groups like any
-other form, and that uninstalling gives the layers back. The launch's GPU agreement (each
+keep the layers' own paths (one row, wide plain calls, every canonical call: the proof never
+rests on the group launch), and that uninstalling gives the layers back. The launch's GPU agreement (each
 part equal to its layer's own qmv_mma call, bit for bit) is its smoke test's."""
 import mlx.core as mx
 import mlx.nn as nn
@@ -69,99 +69,98 @@ def own(layer, x):
     return y + layer["bias"] if "bias" in layer else y
 
 
+@pytest.fixture
+def plain_kernels(monkeypatch):
+    monkeypatch.setattr(qmv_split, "runs_here", lambda: True)  # as on CUDA: plain kernels installed at L = 0
+
+
 @pytest.mark.parametrize("quant", ["nvfp4", "affine"])
-def test_siblings_share_one_launch_and_each_gets_its_own_part(group_launch, quant):
+def test_siblings_share_one_launch_and_each_gets_its_own_part(group_launch, plain_kernels, quant):
     calls = group_launch(rows_alone)
     model = tiny_llama(quant=quant, dtype=mx.bfloat16, bias=True)
-    plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
-    assert plan.guaranteed and plan.layers["sibling_groups"] == 2 * len(model.model.layers)
+    plan = set_batch_invariant_limit(model, 0)
+    assert plan.layers["sibling_groups"] == 2 * len(model.model.layers)
     qkv, gate_up = parts(model)
     assert isinstance(qkv[0]._siblings, SiblingRows) and all(p._siblings is qkv[0]._siblings for p in qkv)
     assert all(p._siblings is gate_up[0]._siblings for p in gate_up) and qkv[0]._siblings is not gate_up[0]._siblings
     x = rand(3, 128, seed=3, dtype=mx.bfloat16)
     for group in (qkv, gate_up):
         calls.clear()
-        with batch_invariant(model._lockstep_setting):
-            got = [layer(x) for layer in group]
+        got = [layer(x) for layer in group]
         assert calls == [(3, tuple(layer.weight.shape[0] for layer in group))]  # one launch, all parts
         for layer, y in zip(group, got):
             assert bits_equal(y, own(layer, x))
     calls.clear()
-    mx.eval(model(mx.array([[5]]), cache=None))
+    mx.eval(model(mx.array([[5, 6]]), cache=None))
     assert len(calls) == 2 * len(model.model.layers)  # one launch an attention block, one an MLP
     set_batch_invariant_limit(model, 0)
 
 
-def test_a_part_taken_twice_or_a_new_x_runs_the_launch_again(group_launch):
+def test_a_part_taken_twice_or_a_new_x_runs_the_launch_again(group_launch, plain_kernels):
     calls = group_launch(rows_alone)
     model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
-    set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
+    set_batch_invariant_limit(model, 0)
     (q, k, v), _ = parts(model)
     x, other = rand(2, 128, seed=4, dtype=mx.bfloat16), rand(2, 128, seed=5, dtype=mx.bfloat16)
-    with batch_invariant(model._lockstep_setting):
-        calls.clear()
-        q(x), q(x)
-        assert len(calls) == 2
-        calls.clear()
-        q(x), k(x), k(x)  # k's part is handed out once
-        assert len(calls) == 2
-        calls.clear()
-        first = q(other)
-        second = k(x)  # another x: its own launch, not q's x's part
-        assert len(calls) == 2 and bits_equal(second, own(k, x)) and bits_equal(first, own(q, other))
+    calls.clear()
+    q(x), q(x)
+    assert len(calls) == 2
+    calls.clear()
+    q(x), k(x), k(x)  # k's part is handed out once
+    assert len(calls) == 2
+    calls.clear()
+    first = q(other)
+    second = k(x)  # another x: its own launch, not q's x's part
+    assert len(calls) == 2 and bits_equal(second, own(k, x)) and bits_equal(first, own(q, other))
     set_batch_invariant_limit(model, 0)
 
 
-def test_wide_plain_calls_and_prompt_chunks_keep_the_layers_own_calls(group_launch, monkeypatch):
+def test_one_row_wide_plain_calls_and_canonical_calls_keep_the_layers_own_calls(group_launch, plain_kernels):
     calls = group_launch(rows_alone)
-    monkeypatch.setattr(qmv_split, "runs_here", lambda: True)  # as on CUDA: plain kernels installed at L = 0
     model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
-    plan = set_batch_invariant_limit(model, 0)
-    assert plan.layers["sibling_groups"] == 2 * len(model.model.layers)
+    set_batch_invariant_limit(model, 0)
     (q, k, v), _ = parts(model)
     kw = dict(group_size=q.group_size, bits=q.bits, mode=q.mode)
+
+    def mlx(layer, x):
+        return mx.quantized_matmul(x, layer["weight"], layer["scales"], None, transpose=True, **kw)
+
     few = rand(layers.SPLIT_PLAIN_ROWS, 128, seed=6, dtype=mx.bfloat16)
     calls.clear()
     assert bits_equal(k(few), own(k, few)) and len(calls) == 1  # plain rows of a few: the group's launch
-    wide = rand(layers.SPLIT_PLAIN_ROWS + 1, 128, seed=7, dtype=mx.bfloat16)
-    calls.clear()
-    assert bits_equal(k(wide), mx.quantized_matmul(wide, k["weight"], k["scales"], None, transpose=True, **kw))
-    assert calls == []
+    for rows in (1, layers.SPLIT_PLAIN_ROWS + 1):
+        x = rand(rows, 128, seed=rows, dtype=mx.bfloat16)
+        calls.clear()
+        assert bits_equal(k(x), mlx(k, x)) and calls == []
     set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
-    chunk = rand(9, 128, seed=8, dtype=mx.bfloat16)  # more rows than L outside blocks: a prompt chunk
-    calls.clear()
-    with batch_invariant(model._lockstep_setting):
-        y = v(chunk)
-    assert calls == [] and bits_equal(y, mx.quantized_matmul(chunk, v["weight"], v["scales"], None, transpose=True,
-                                                              **kw))
-    with native_forms():  # a plain pass of a deployment with L > 0: plain rows of a few, as at L = 0
-        x = rand(1, 128, seed=9, dtype=mx.bfloat16)
-        assert bits_equal(q(x), own(q, x)) and len(calls) == 1
+    with native_forms():  # a plain pass of a deployment with L > 0: as at L = 0
+        calls.clear()
+        assert bits_equal(v(few[:2]), own(v, few[:2])) and len(calls) == 1
+    for rows in (1, 3, 9):  # canonical rows (any width, one included), and a prompt chunk
+        calls.clear()
+        with batch_invariant(model._lockstep_setting):
+            mx.eval(q(rand(rows, 128, seed=rows, dtype=mx.bfloat16)))
+        assert calls == []
     set_batch_invariant_limit(model, 0)
     layers.uninstall(model)
     assert type(q) is nn.QuantizedLinear and "_siblings" not in q.__dict__
 
 
-def test_a_group_launch_whose_rows_depend_on_the_width_is_refused(group_launch, split):
+def test_the_proof_never_rests_on_a_group_launch(group_launch, split):
     with shape_variant_backend(quantized_rows=2):  # a quantized call of 2+ rows varies here
-        split(rows_alone)  # the other 4-bit layers (down, head): rows alone
-        group_launch(rows_alone)
-        model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
-        plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
-        assert plan.guaranteed, plan.reason
+        split(rows_alone)  # the 4-bit layers' own kernels: rows alone
         group_launch(one_call)  # all rows in one call: their bits depend on the width
         model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
         plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
-        assert not plan.guaranteed and "self-test failed" in plan.reason
+        assert plan.guaranteed, plan.reason  # canonical rows never run it
 
 
-def test_without_a_launch_the_layers_stay_on_their_own(group_launch, monkeypatch):
+def test_without_a_launch_the_layers_stay_on_their_own(group_launch, plain_kernels, monkeypatch):
     group_launch(rows_alone)
     monkeypatch.setattr(split_rows, "parts_kernel_for", lambda *_: None)  # as on the CPU
-    model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)  # the CPU: no qmv_mma_parts
-    plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
-    assert "sibling_groups" not in plan.layers and parts(model)[0][0]._siblings is None
-    set_batch_invariant_limit(model, 0)
+    model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
+    plan = set_batch_invariant_limit(model, 0)
+    assert "sibling_groups" not in plan.layers and type(parts(model)[0][0]) is nn.QuantizedLinear
 
 
 def test_groups_are_layers_of_one_parent_quantized_alike():

@@ -30,7 +30,7 @@ from .qmv_order import weight_bits
 # MLX's quantized GEMV (the shape carries group, mode and bits); "qmv_split": a large 4-bit
 # or middling 4-bit layer's rows of any count in lockstep's own kernels (group, mode and bits
 # as qmv_rows), the kernel split_rows.kernel_for picks at each width; "qmv_mma_parts": a sibling
-# group's one launch (n: the parts' widths), any count of rows.
+# group's one launch (n: the parts' widths) at the widths split_rows.parts_take gives it.
 KINDS = ("gemv_rows", "skinny", "affine", "nvfp4", "qmv_rows", "qmv_split", "qmv_mma_parts")
 
 
@@ -55,7 +55,8 @@ def instances_for(shapes: Iterable[tuple], widths: Iterable[int], *, attention_s
         if kind == "qmv_mma_parts":
             mode, bits = rest[1], rest[2]
             if split_rows.parts_kernel_for(n, k, mode, bits, group, dtype) is not None:
-                out += [i for m in widths for i in qmv_mma_parts.instances(m, n, k, mode, group, dtype)]
+                out += [i for m in widths if split_rows.parts_take(m, canonical=False)
+                        for i in qmv_mma_parts.instances(m, n, k, mode, group, dtype)]
             continue
         if kind == "qmv_split":  # split_rows.kernel_for: which kernel each width runs
             mode = rest[1]

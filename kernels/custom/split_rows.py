@@ -11,9 +11,10 @@ rows and whether they are canonical. The one place that decides: the layers
 each where it was fastest on the H200 (docs/BENCHMARKS.md, sessions 16 and 18).
 
 Sibling layers (an attention block's q, k and v; an MLP's gate and up: they read the same x)
-run as parts of one `qmv_mma_parts` launch wherever that launch takes them, canonical and
-plain calls alike: each part's bits are its own qmv_mma call's, and the step dispatches one
-node for the group."""
+run as parts of one `qmv_mma_parts` launch in plain calls of two rows or more, where that
+launch takes them: the step dispatches one node for the group. At one row the layers' own
+launches were faster in the 8B step, and canonical rows must have one order at every width
+(one row included), so those keep the layers' own kernels (docs/BENCHMARKS.md, session 19)."""
 import mlx.nn as nn
 
 from . import qmv_mma, qmv_mma_parts, qmv_split
@@ -65,9 +66,15 @@ def layer_shape(layer) -> tuple:
     return layer.weight.shape[0], layer.weight.shape[1] * 32 // layer.bits, mode, layer.bits, layer.group_size
 
 
+def parts_take(rows: int, canonical: bool) -> bool:
+    """Whether a call of this many rows runs its sibling group's launch (where one takes the
+    group): plain calls of two rows or more."""
+    return not canonical and rows >= 2
+
+
 def parts_kernel_for(ns: tuple, k: int, mode: str, bits: int, group: int, dtype):
-    """qmv_mma_parts where layers of widths ns (one K, one quantization) run as one launch
-    for rows of this dtype, at every width (its rows have the parts' own bits); else None.
+    """qmv_mma_parts where layers of widths ns (one K, one quantization) can run as one
+    launch for rows of this dtype (each part has its layer's own qmv_mma bits); else None.
     Groups smaller than qmv_mma's size are left to their layers' own calls."""
     if not (qmv_split.takes(mode, bits, group) and qmv_mma_parts.shares_order(ns, k)
             and k % qmv_mma.CHUNK == 0 and qmv_mma.pays(sum(ns), k)):

@@ -210,7 +210,7 @@ def _split(layer, x, s):
     elif s.quantized_native or (rows_of(x) > s.limit and not _local.blocks):
         return None  # the model's own calls, or a prompt chunk (its native call)
     if layer._siblings is not None:
-        y = layer._siblings(layer, x)
+        y = layer._siblings(layer, x, canonical=s is not None)
         if y is not None:
             return y
     if layer._split_rows is None:

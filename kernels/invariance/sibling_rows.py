@@ -8,6 +8,7 @@ its layer's own qmv_mma call's at every width, so canonical and plain calls may 
 """
 from __future__ import annotations
 
+import math
 import threading
 
 import mlx.core as mx
@@ -50,9 +51,12 @@ class SiblingRows:
                 first.weight.shape[1], first.scales.dtype, None if biases is None else biases.dtype)
         return launch
 
-    def __call__(self, layer, x: mx.array):
+    def __call__(self, layer, x: mx.array, canonical: bool):
         """`layer`'s rows of x (without its bias) from the group's launch, or None where the
-        launch does not take x (the layer's own path then runs it)."""
+        launch does not take the call (split_rows.parts_take; the layer's own path then runs
+        it)."""
+        if not custom.split_rows.parts_take(math.prod(x.shape[:-1]), canonical):
+            return None
         index = next(i for i, part in enumerate(self.layers) if part is layer)
         entry = getattr(self._local, "entry", None)
         if entry is not None and entry[0] is x and entry[1][index] is not None:
