@@ -54,9 +54,13 @@ WEIGHTS = {"bf16": None, "nvfp4": ("nvfp4", 16, 4), "affine4": ("affine", 64, 4)
 # of a deployment with L > 0; "gemv_rows_compiled": gemv_rows's
 # installed pass compiled as the engine compiles deterministic passes where the ragged proof
 # held for them; "..._separate": the same with each sibling layer (q/k/v, gate/up) in its own
-# launch, as before sibling groups (kernels/invariance/sibling_rows.py)
-STRATEGIES = ("native", "lockstep_native", "lockstep_compiled", "lockstep_compiled_separate", "plain_installed",
-              "strided_gemv", "gemv_rows", "gemv_rows_compiled", "gemv_rows_compiled_separate", "skinny")
+# launch, as before sibling groups (kernels/invariance/sibling_rows.py); "..._grouped": sibling
+# groups at every width, one row and canonical rows included (split_rows.parts_take gives them
+# plain calls of 2+ rows only)
+STRATEGIES = ("native", "lockstep_native", "lockstep_compiled", "lockstep_compiled_separate",
+              "lockstep_compiled_grouped", "plain_installed", "strided_gemv", "gemv_rows", "gemv_rows_compiled",
+              "gemv_rows_compiled_separate", "gemv_rows_compiled_grouped", "skinny")
+_PARTS_TAKE = custom.split_rows.parts_take
 
 
 def build(weights: str, layers: int, seed: int = 0, *, hidden: int = 4096, intermediate: int = 14336,
@@ -154,6 +158,10 @@ def rows_identical(run, cache, tokens, alone=None) -> int:
 
 
 def install(model, strategy: str, rows: int):
+    custom.split_rows.parts_take = (lambda rows, canonical: True) if strategy.endswith("_grouped") else _PARTS_TAKE
+    if strategy.endswith("_grouped"):
+        install(model, strategy.removesuffix("_grouped"), rows)
+        return
     if strategy.endswith("_separate"):
         install(model, strategy.removesuffix("_separate"), rows)
         for _, m in model.named_modules():
@@ -237,7 +245,8 @@ def main():
     ap.add_argument("--proof-limit", type=int, default=32)
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--require-kernels", action="store_true", help="stop if the kernels cannot run")
-    ap.add_argument("--strategies", default=",".join(STRATEGIES), help="subset of " + ",".join(STRATEGIES))
+    ap.add_argument("--strategies", default=",".join(STRATEGIES),
+                    help="of " + ",".join(STRATEGIES) + ", measured in the order given (a repeat measures again)")
     ap.add_argument("--kv-pool", action="store_true",
                     help="strategies over the engine's KV pool (one attention launch per layer); native stays on mlx-lm's caches")
     ap.add_argument("--fuse", action="store_true", help="fuse q/k/v and gate/up (models/fused_projections.py)")
@@ -258,7 +267,7 @@ def main():
     if a.check and custom.available():
         check_kernels(log)
     rows = [int(r) for r in a.rows.split(",")]
-    strategies = [s for s in STRATEGIES if s in a.strategies.split(",")]
+    strategies = [s for s in a.strategies.split(",") if s in STRATEGIES]  # in the order given, repeats too
     table = []
     for weights in a.weights.split(","):
         model = build(weights, a.layers)
@@ -299,6 +308,7 @@ def main():
                 table.append((weights, b, strategy, ms, floor_ms, same, ms - building[0]))
                 log(f"{weights:>8} B={b:<3} {strategy:>13}: {ms:8.2f} ms  {100 * floor_ms / ms:5.1f}% of floor"
                     f"  (build {building[0]:.2f} ms)  rows == single-row pass: {same}/{b}  nodes: {nodes}")
+        custom.split_rows.parts_take = _PARTS_TAKE
         proven = dict.fromkeys(s.split("_compiled")[0] for s in strategies)  # a compiled pass: its strategy's
         for strategy in (s for s in proven if s in ("gemv_rows", "skinny") and a.proof_limit):
             plan = set_batch_invariant_limit(model, a.proof_limit, strategy)
@@ -310,6 +320,7 @@ def main():
 
     # The step is synchronous (build, then evaluate); its build moves with the lent machine's
     # host more than its evaluation does, so each ratio is given for both.
+    strategies = list(dict.fromkeys(strategies))  # the table: each strategy's last measurement
     others = [s for s in strategies if s != "native"]
     log("\n| weights | B | native ms (evaluation) | " + " | ".join(f"{s} ms (x native; evaluation x native)" for s in others)
         + " | % of floor | rows bit-identical " + " / ".join(strategies) + " |")

@@ -70,16 +70,17 @@ def shares_order(ns, k: int) -> bool:
 
 
 @lru_cache(maxsize=4096)
-def _launch_plan(m: int, ns: tuple, k: int, mode: str, group: int, dtype) -> dict:
+def _launch_plan(m: int, ns: tuple, k: int, mode: str, group: int, dtype, tiles: int | None = None,
+                 ahead: int | None = None) -> dict:
     warps = qmv_mma.block_warps(ns[0], k)
     if any(qmv_mma.block_warps(n, k) != warps for n in ns):
         raise ValueError(f"qmv_mma parts {ns} x {k} split K across different warps")
-    tiles = qmv_mma.block_tiles(sum(ns), k, m)
+    tiles = tiles or qmv_mma.block_tiles(sum(ns), k, m)
     rows = qmv_mma.block_rows(m)
     template = [("T", dtype)]
     if mode != "affine":
         template.append(("FMT", quant_rows.FORMAT_CODES[mode]))
-    template += [("GROUP", group), ("WARPS", warps), ("NT", tiles), ("ROWS", rows), ("DEPTH", qmv_mma.depth(rows))]
+    template += [("GROUP", group), ("WARPS", warps), ("NT", tiles), ("ROWS", rows), ("DEPTH", ahead or qmv_mma.depth(rows))]
     return dict(
         template=template,
         grid=(sum(-(-n // (8 * tiles)) for n in ns) * 32 * warps, -(-m // rows), 1),
@@ -90,8 +91,9 @@ def _launch_plan(m: int, ns: tuple, k: int, mode: str, group: int, dtype) -> dic
 
 
 @lru_cache(maxsize=4096)
-def _launcher(m: int, ns: tuple, k: int, mode: str, group: int, dtype) -> tuple:
-    plan = _launch_plan(m, ns, k, mode, group, dtype)
+def _launcher(m: int, ns: tuple, k: int, mode: str, group: int, dtype, tiles: int | None = None,
+              ahead: int | None = None) -> tuple:
+    plan = _launch_plan(m, ns, k, mode, group, dtype, tiles, ahead)
     body = kind(mode)
     scalars = dict(M=m, K=k, **{f"N{i}": n for i, n in enumerate(ns)})
     return compiled.launcher(family(body, len(ns)), plan, scalars, lambda: (_kernel(body, len(ns)), plan))
@@ -111,15 +113,17 @@ def instances(m: int, ns: tuple, k: int, mode: str, group: int, dtype) -> list:
     return [(family(kind(mode), len(ns)), tuple(_launch_plan(m, tuple(ns), k, mode, group, dtype)["template"]))]
 
 
-def matmuls(x, layers, *, group_size: int, bits: int, mode: str) -> list:
+def matmuls(x, layers, *, group_size: int, bits: int, mode: str, tiles: int | None = None,
+            ahead: int | None = None) -> list:
     """[mx.quantized_matmul(x, w, transpose=True) for each layer], each in its own qmv_mma
-    call's order; layers: (weight, scales, biases) of each part (biases None but affine)."""
+    call's order; layers: (weight, scales, biases) of each part (biases None but affine);
+    tiles, ahead: launch shape for benchmarks (they change no bits)."""
     m, k = x.shape
     ns = tuple(w.shape[0] for w, _, _ in layers)
     if not (shares_order(ns, k) and all(qmv_mma.serves(x, *part, group_size=group_size, bits=bits, mode=mode)
                                         for part in layers)):
         raise ValueError(f"qmv_mma parts cannot take {mode} {bits}-bit g{group_size} {ns}, x {x.shape} {x.dtype}")
-    launch = _traced(m, ns, k, mode, group_size, x.dtype)
+    launch = _traced(m, ns, k, mode, group_size, x.dtype, tiles, ahead)
     arrays = [a for part in layers for a in (part if mode == "affine" else part[:2])]
     return launch(x, *arrays)
 
