@@ -55,8 +55,7 @@ WEIGHTS = {"bf16": None, "nvfp4": ("nvfp4", 16, 4), "affine4": ("affine", 64, 4)
 # installed pass compiled as the engine compiles deterministic passes where the ragged proof
 # held for them; "..._separate": the same with each sibling layer (q/k/v, gate/up) in its own
 # launch, as before sibling groups (kernels/invariance/sibling_rows.py); "..._grouped": sibling
-# groups at every width, one row and canonical rows included (split_rows.parts_take gives them
-# plain calls of 2+ rows only)
+# groups at every width, one plain row included (split_rows.parts_take)
 STRATEGIES = ("native", "lockstep_native", "lockstep_compiled", "lockstep_compiled_separate",
               "lockstep_compiled_grouped", "plain_installed", "strided_gemv", "gemv_rows", "gemv_rows_compiled",
               "gemv_rows_compiled_separate", "gemv_rows_compiled_grouped", "skinny")
@@ -158,15 +157,15 @@ def rows_identical(run, cache, tokens, alone=None) -> int:
 
 
 def install(model, strategy: str, rows: int):
+    base = strategy.removesuffix("_grouped").removesuffix("_separate")
+    _install(model, base, rows)
     custom.split_rows.parts_take = (lambda rows, canonical: True) if strategy.endswith("_grouped") else _PARTS_TAKE
-    if strategy.endswith("_grouped"):
-        install(model, strategy.removesuffix("_grouped"), rows)
-        return
     if strategy.endswith("_separate"):
-        install(model, strategy.removesuffix("_separate"), rows)
         for _, m in model.named_modules():
             m.__dict__.pop("_siblings", None)  # each layer its own launch again
-        return
+
+
+def _install(model, strategy: str, rows: int):
     if strategy in ("native", "lockstep_native", "lockstep_compiled"):
         set_batch_invariant_limit(model, 0)  # lockstep's plain layers at L = 0
         if strategy == "native":

@@ -1,14 +1,15 @@
 """kernels/invariance/sibling_rows.py on a CPU, with a stand-in for the group launch
 (custom/qmv_mma_parts.py runs on CUDA only): which layers form groups, that the first sibling
-called runs one launch for its group and each sibling gets its own part of it, which calls
-keep the layers' own paths (one row, wide plain calls, every canonical call: the proof never
-rests on the group launch), and that uninstalling gives the layers back. The launch's GPU agreement (each
+called runs one launch for its group and each sibling gets its own part of it, which groups
+and calls take the launch (canonical calls at every width, plain calls of a few rows), that the
+startup self-test proves (or refuses) the launch like any other form, and that uninstalling
+gives the layers back. The launch's GPU agreement (each
 part equal to its layer's own qmv_mma call, bit for bit) is its smoke test's."""
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from lockstep.kernels.custom import gemv_rows, qmv_split, split_rows
+from lockstep.kernels.custom import gemv_rows, qmv_mma_parts, qmv_split, split_rows
 from lockstep.kernels.custom.precompile import linear_shapes
 from lockstep.kernels.invariance import layers, set_batch_invariant_limit
 from lockstep.kernels.invariance.layers import batch_invariant, native_forms
@@ -115,7 +116,7 @@ def test_a_part_taken_twice_or_a_new_x_runs_the_launch_again(group_launch, plain
     set_batch_invariant_limit(model, 0)
 
 
-def test_one_row_wide_plain_calls_and_canonical_calls_keep_the_layers_own_calls(group_launch, plain_kernels):
+def test_canonical_calls_of_any_width_and_plain_calls_of_a_few_take_the_launch(group_launch, plain_kernels):
     calls = group_launch(rows_alone)
     model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
     set_batch_invariant_limit(model, 0)
@@ -128,7 +129,7 @@ def test_one_row_wide_plain_calls_and_canonical_calls_keep_the_layers_own_calls(
     few = rand(layers.SPLIT_PLAIN_ROWS, 128, seed=6, dtype=mx.bfloat16)
     calls.clear()
     assert bits_equal(k(few), own(k, few)) and len(calls) == 1  # plain rows of a few: the group's launch
-    for rows in (1, layers.SPLIT_PLAIN_ROWS + 1):
+    for rows in (1, layers.SPLIT_PLAIN_ROWS + 1):  # one plain row, a wide plain call: the layer's own
         x = rand(rows, 128, seed=rows, dtype=mx.bfloat16)
         calls.clear()
         assert bits_equal(k(x), mlx(k, x)) and calls == []
@@ -136,23 +137,42 @@ def test_one_row_wide_plain_calls_and_canonical_calls_keep_the_layers_own_calls(
     with native_forms():  # a plain pass of a deployment with L > 0: as at L = 0
         calls.clear()
         assert bits_equal(v(few[:2]), own(v, few[:2])) and len(calls) == 1
-    for rows in (1, 3, 9):  # canonical rows (any width, one included), and a prompt chunk
+    for rows, through in ((1, True), (3, True), (9, False)):  # canonical rows, and a prompt chunk
+        x = rand(rows, 128, seed=rows, dtype=mx.bfloat16)
         calls.clear()
         with batch_invariant(model._lockstep_setting):
-            mx.eval(q(rand(rows, 128, seed=rows, dtype=mx.bfloat16)))
-        assert calls == []
+            y = q(x)
+        assert (calls == [(rows, (128, 64, 64))]) == through, (rows, calls)
+        assert bits_equal(y, own(q, x) if through else mlx(q, x))
     set_batch_invariant_limit(model, 0)
     layers.uninstall(model)
     assert type(q) is nn.QuantizedLinear and "_siblings" not in q.__dict__
 
 
-def test_the_proof_never_rests_on_a_group_launch(group_launch, split):
+def test_a_group_launch_whose_rows_depend_on_the_width_is_refused(group_launch, split):
     with shape_variant_backend(quantized_rows=2):  # a quantized call of 2+ rows varies here
-        split(rows_alone)  # the 4-bit layers' own kernels: rows alone
+        split(rows_alone)  # the other 4-bit layers (down, head): rows alone
+        group_launch(rows_alone)
+        model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
+        plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
+        assert plan.guaranteed, plan.reason
         group_launch(one_call)  # all rows in one call: their bits depend on the width
         model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
         plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
-        assert plan.guaranteed, plan.reason  # canonical rows never run it
+        assert not plan.guaranteed and "self-test failed" in plan.reason
+
+
+def test_groups_take_the_launch_only_where_every_part_runs_qmv_mma_alone(monkeypatch):
+    monkeypatch.setattr(qmv_mma_parts, "unavailable_reason", lambda *_: None)  # as where its smoke test passed
+    take = split_rows.parts_kernel_for
+    assert take((14336, 14336), 4096, "nvfp4", 4, 16, mx.bfloat16) is qmv_mma_parts  # an 8B's gate and up
+    assert take((4096, 1024, 1024), 4096, "nvfp4", 4, 16, mx.bfloat16) is None  # its k and v are small
+    assert take((4096, 4096, 4096), 4096, "affine", 4, 64, mx.float16) is qmv_mma_parts
+    assert take((14336, 14336), 4096, "mxfp8", 8, 32, mx.bfloat16) is None  # not 4-bit
+    assert take((14336, 14336), 4000, "nvfp4", 4, 16, mx.bfloat16) is None  # K not in chunks of 128
+    assert take((4096, 14336), 4096, "nvfp4", 4, 16, mx.bfloat16) is None  # K split across 8 and 4 warps
+    monkeypatch.setattr(qmv_mma_parts, "unavailable_reason", lambda *_: "its smoke test failed")
+    assert take((14336, 14336), 4096, "nvfp4", 4, 16, mx.bfloat16) is None
 
 
 def test_without_a_launch_the_layers_stay_on_their_own(group_launch, plain_kernels, monkeypatch):

@@ -11,10 +11,11 @@ rows and whether they are canonical. The one place that decides: the layers
 each where it was fastest on the H200 (docs/BENCHMARKS.md, sessions 16 and 18).
 
 Sibling layers (an attention block's q, k and v; an MLP's gate and up: they read the same x)
-run as parts of one `qmv_mma_parts` launch in plain calls of two rows or more, where that
-launch takes them: the step dispatches one node for the group. At one row the layers' own
-launches were faster in the 8B step, and canonical rows must have one order at every width
-(one row included), so those keep the layers' own kernels (docs/BENCHMARKS.md, session 19)."""
+run as parts of one `qmv_mma_parts` launch where each part is large enough to run `qmv_mma` on
+its own (an 8B's gate and up, not its k and v): a part's bits are then its own call's, so
+canonical rows take the launch at every width, and plain calls of two rows or more do. Per
+call it was as fast as the separate launches on the H200, while a q/k/v launch (k and v in it)
+was slower than q's own launch beside MLX's calls for k and v (docs/BENCHMARKS.md, session 19)."""
 import mlx.nn as nn
 
 from . import qmv_mma, qmv_mma_parts, qmv_split
@@ -68,15 +69,16 @@ def layer_shape(layer) -> tuple:
 
 def parts_take(rows: int, canonical: bool) -> bool:
     """Whether a call of this many rows runs its sibling group's launch (where one takes the
-    group): plain calls of two rows or more."""
-    return not canonical and rows >= 2
+    group): canonical calls at every width (their parts' own kernel is qmv_mma), plain calls
+    of two rows or more (one plain row of a large layer runs qmv_split)."""
+    return canonical or rows >= 2
 
 
 def parts_kernel_for(ns: tuple, k: int, mode: str, bits: int, group: int, dtype):
     """qmv_mma_parts where layers of widths ns (one K, one quantization) can run as one
-    launch for rows of this dtype (each part has its layer's own qmv_mma bits); else None.
-    Groups smaller than qmv_mma's size are left to their layers' own calls."""
+    launch for rows of this dtype: each part large enough for qmv_mma on its own (so its rows
+    have that call's bits, which canonical rows run anyway); else None."""
     if not (qmv_split.takes(mode, bits, group) and qmv_mma_parts.shares_order(ns, k)
-            and k % qmv_mma.CHUNK == 0 and qmv_mma.pays(sum(ns), k)):
+            and k % qmv_mma.CHUNK == 0 and all(qmv_mma.pays(n, k) for n in ns)):
         return None
     return qmv_mma_parts if qmv_mma_parts.unavailable_reason(mode, dtype) is None else None

@@ -4,7 +4,8 @@ mlx-lm's model files call the siblings in turn with the same x. The first one ca
 the group's launch (custom/qmv_mma_parts.py, chosen by custom/split_rows.py) and gets its
 own part; the others, called next with the same x (the same array object), take theirs from
 that launch. The model files stay as they are, and no weight is held twice. A part's bits are
-its layer's own qmv_mma call's at every width, so canonical and plain calls may both use it.
+its layer's own qmv_mma call's at every width, so canonical and plain calls may both use it;
+custom/split_rows.py decides which groups and calls do.
 """
 from __future__ import annotations
 
