@@ -10,7 +10,7 @@ import mlx.nn as nn
 import pytest
 
 from lockstep.kernels.custom import gemv_rows, qmv_mma_parts, qmv_split, split_rows
-from lockstep.kernels.custom.precompile import linear_shapes
+from lockstep.kernels.custom.precompile import instances_for, linear_shapes
 from lockstep.kernels.invariance import layers, set_batch_invariant_limit
 from lockstep.kernels.invariance.layers import batch_invariant, native_forms
 from lockstep.kernels.invariance.selftest import bits_equal
@@ -97,11 +97,16 @@ def test_siblings_share_one_launch_and_each_gets_its_own_part(group_launch, plai
     set_batch_invariant_limit(model, 0)
 
 
-def test_a_part_taken_twice_or_a_new_x_runs_the_launch_again(group_launch, plain_kernels):
-    calls = group_launch(rows_alone)
+def plain_model():
+    """A tiny nvfp4 model as L = 0 installs it, and its first attention block's q, k and v."""
     model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
     set_batch_invariant_limit(model, 0)
-    (q, k, v), _ = parts(model)
+    return model, parts(model)[0]
+
+
+def test_a_part_taken_twice_or_a_new_x_runs_the_launch_again(group_launch, plain_kernels):
+    calls = group_launch(rows_alone)
+    _, (q, k, v) = plain_model()
     x, other = rand(2, 128, seed=4, dtype=mx.bfloat16), rand(2, 128, seed=5, dtype=mx.bfloat16)
     calls.clear()
     q(x), q(x)
@@ -113,14 +118,11 @@ def test_a_part_taken_twice_or_a_new_x_runs_the_launch_again(group_launch, plain
     first = q(other)
     second = k(x)  # another x: its own launch, not q's x's part
     assert len(calls) == 2 and bits_equal(second, own(k, x)) and bits_equal(first, own(q, other))
-    set_batch_invariant_limit(model, 0)
 
 
 def test_canonical_calls_of_any_width_and_plain_calls_of_a_few_take_the_launch(group_launch, plain_kernels):
     calls = group_launch(rows_alone)
-    model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
-    set_batch_invariant_limit(model, 0)
-    (q, k, v), _ = parts(model)
+    model, (q, k, v) = plain_model()
     kw = dict(group_size=q.group_size, bits=q.bits, mode=q.mode)
 
     def mlx(layer, x):
@@ -205,3 +207,7 @@ def test_startup_lists_each_group_launch(group_launch, monkeypatch):
     assert (widths, 128, mx.bfloat16, "qmv_mma_parts", 16, "nvfp4", 4) in shapes and len(shapes) == 2
     monkeypatch.setattr(split_rows, "parts_kernel_for", lambda *_: None)
     assert not [s for s in linear_shapes(model, dense="none") if s[3] == "qmv_mma_parts"]
+    monkeypatch.setattr(split_rows, "parts_kernel_for", lambda *_: qmv_mma_parts)
+    monkeypatch.setattr(qmv_mma_parts, "instances", lambda m, ns, *_: [("parts", m, ns)])
+    compiled = instances_for([(widths, 128, mx.bfloat16, "qmv_mma_parts", 16, "nvfp4", 4)], range(1, 5))
+    assert compiled == [("parts", m, widths) for m in (1, 2, 3, 4)]  # one row too: canonical rows take it

@@ -55,7 +55,7 @@ def instances_for(shapes: Iterable[tuple], widths: Iterable[int], *, attention_s
         if kind == "qmv_mma_parts":
             mode, bits = rest[1], rest[2]
             if split_rows.parts_kernel_for(n, k, mode, bits, group, dtype) is not None:
-                out += [i for m in widths if split_rows.parts_take(m, canonical=False)
+                out += [i for m in widths if any(split_rows.parts_take(m, canonical) for canonical in (True, False))
                         for i in qmv_mma_parts.instances(m, n, k, mode, group, dtype)]
             continue
         if kind == "qmv_split":  # split_rows.kernel_for: which kernel each width runs
