@@ -123,10 +123,8 @@ def linear_shapes(model, *, dense: str, quantized: str = "chunks", dtype=None) -
             n, k = module.weight.shape
             shapes[(n, k, module.weight.dtype, dense, 0)] = None
     for layers in split_rows.sibling_groups(model):  # any form: their groups' launches
-        parts = [split_rows.layer_shape(layer) for layer in layers]
-        _, k, mode, bits, group = parts[0]
+        ns, k, mode, bits, group = split_rows.group_shape(layers)
         x_dtype = layers[0].scales.dtype if mode == "affine" else activations
-        ns = tuple(n for n, *_ in parts)
         if split_rows.parts_kernel_for(ns, k, mode, bits, group, x_dtype) is not None:
             shapes[(ns, k, x_dtype, "qmv_mma_parts", group, mode, bits)] = None
     return list(shapes)

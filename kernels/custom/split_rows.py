@@ -67,6 +67,12 @@ def layer_shape(layer) -> tuple:
     return layer.weight.shape[0], layer.weight.shape[1] * 32 // layer.bits, mode, layer.bits, layer.group_size
 
 
+def group_shape(layers) -> tuple:
+    """(ns, k, mode, bits, group) of a sibling group: its parts' widths, then what they share."""
+    shapes = [layer_shape(layer) for layer in layers]
+    return (tuple(n for n, *_ in shapes),) + shapes[0][1:]
+
+
 def parts_take(rows: int, canonical: bool) -> bool:
     """Whether a call of this many rows runs its sibling group's launch (where one takes the
     group): canonical calls at every width (their parts' own kernel is qmv_mma), plain calls

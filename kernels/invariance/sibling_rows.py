@@ -30,9 +30,7 @@ class SiblingRows:
     @classmethod
     def for_group(cls, layers: tuple):
         """The group's SiblingRows, or None where no launch is for it (format, sizes, GPU)."""
-        shapes = [custom.split_rows.layer_shape(layer) for layer in layers]
-        n0, k, mode, bits, group = shapes[0]
-        ns = tuple(n for n, *_ in shapes)
+        ns, k, mode, bits, group = custom.split_rows.group_shape(layers)
         scales_dtype = layers[0].scales.dtype
         dtypes = (scales_dtype,) if mode == "affine" else (mx.float16, mx.bfloat16)
         if all(custom.split_rows.parts_kernel_for(ns, k, mode, bits, group, d) is None for d in dtypes):
