@@ -55,3 +55,43 @@ def test_off_cuda_no_kernel_is_proven():
     asked = []
     reason = quant_rows.verdict("qmv_mma", "nvfp4", mx.bfloat16, lambda: asked.append(1), quant_rows.VALUES, __file__)
     assert "CUDA" in reason and asked == []
+
+
+def test_every_finite_e4m3_scale_is_exact_in_float16_and_in_either_x_type():
+    # quant_values.cuh converts nvfp4's two scales of a chunk by the hardware's e4m3 -> float16
+    # pair conversion, then to T: the same values as the one-by-one path only where each step
+    # is exact.
+    import numpy as np
+
+    from lockstep.kernels.custom.loop_order import e4m3
+
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
+    values = np.asarray(e4m3(codes), np.float32)
+    assert np.isfinite(values).all() and values.max() == 448 and values.min() == -448
+    assert np.array_equal(values.astype(np.float16).astype(np.float32), values)
+    for dtype in (mx.float16, mx.bfloat16):
+        assert np.array_equal(np.array(mx.array(values).astype(dtype).astype(mx.float32)), values)
+
+
+def test_mlx_quantize_never_writes_an_e4m3_nan_scale():
+    # The two codes the hardware conversion reads otherwise (NaN) never occur in nvfp4 weights,
+    # not even for huge or infinite weights: MLX saturates the scale at 448 (0x7E).
+    import numpy as np
+
+    for scale in (1.0, 1e4, 1e30, float("inf")):
+        w = mx.random.normal((8, 256), key=mx.random.key(1)).astype(mx.bfloat16) * scale
+        _, scales = mx.quantize(w, 16, 4, mode="nvfp4")
+        codes = np.array(scales).astype(np.uint8)
+        assert not ((codes & 0x7F) == 0x7F).any()
+    assert ((codes & 0x7F) == 0x7E).any()  # the infinite weights' scales saturate
+
+
+def test_both_tensor_and_split_kernels_take_scales_by_pairs():
+    from lockstep.kernels.custom import qmv_mma, qmv_split
+
+    values = quant_rows.VALUES.read_text()
+    assert "if constexpr (FMT == 1 && SCALES == 2 && kE4M3Pairs)" in values
+    assert 'asm("cvt.rn.f16x2.e4m3x2 %0, %1;"' in values and "__CUDA_ARCH__ >= 890" in values
+    for kernel in (qmv_split, qmv_mma):
+        source = kernel.SOURCE.read_text()
+        assert "scale_values<T, FMT, SCALES>(" in source and "scale_value<T, FMT>(" not in source

@@ -118,8 +118,7 @@ __device__ __forceinline__ void qmv_mma_tile(const T* x, const uint32_t* w, cons
       for (int c = 0; c < NT; ++c) {
         codes[d][c] = __ldg(reinterpret_cast<const uint4*>(w + (size_t)col[c] * words + (k >> 3)));
         const int gi = col[c] * groups + k / GROUP;
-#pragma unroll
-        for (int s = 0; s < SCALES; ++s) scale[d][c][s] = scale_value<T, FMT>(scales_t, scales_u8, gi + s);
+        scale_values<T, FMT, SCALES>(scale[d][c], scales_t, scales_u8, gi);
         if constexpr (FMT == 0) bias[d][c] = biases[gi];
       }
 #pragma unroll

@@ -86,8 +86,7 @@ __device__ void qmv_split(const T* x, const uint32_t* w, const T* scales_t, cons
         const int col = min(n0 + c, N - 1);  // past N: never stored
         v.codes[c] = __ldg(reinterpret_cast<const uint4*>(w + (size_t)col * (K >> 3)) + idx);
         const int g = col * groups + idx * 32 / GROUP;
-#pragma unroll
-        for (int h = 0; h < SCALES; ++h) v.scale[c][h] = scale_value<T, FMT>(scales_t, scales_u8, g + h);
+        scale_values<T, FMT, SCALES>(v.scale[c], scales_t, scales_u8, g);
         if constexpr (FMT == 0) v.bias[c] = biases[g];
       }
     }

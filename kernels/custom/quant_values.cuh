@@ -1,6 +1,7 @@
-// The values both quantized GEMV kernels work with (qmv_rows.cu, qmv_split.cu; their loaders
-// put fp_formats.cuh, then this file, before the kernel): pairs of T, conversions, and a
-// code's or a group scale's value by format (FMT: 0 affine, 1 nvfp4, 2 mxfp4, 3 mxfp8).
+// The values lockstep's quantized row kernels work with (qmv_rows.cu, qmv_split.cu, qmv_mma.cu;
+// their loaders put fp_formats.cuh, then this file, before the kernel): pairs of T,
+// conversions, and a code's or a group scale's value by format (FMT: 0 affine, 1 nvfp4,
+// 2 mxfp4, 3 mxfp8).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -41,6 +42,31 @@ __device__ __forceinline__ T scale_value(const T* scales_t, const uint8_t* scale
   if constexpr (FMT == 0) return scales_t[g];
   else if constexpr (FMT == 1) return from_float<T>(lockstep_fp::e4m3_to_float(scales_u8[g]));
   else return from_float<T>(ue8m0_to_float(scales_u8[g]));
+}
+
+// The SCALES (1 or 2) group scales from g on as T. nvfp4's two scales of a 32-code chunk (g
+// even) are one 16-bit load and, from compute capability 8.9 on, one conversion by the
+// hardware (e4m3 pair to float16 pair: exact for every finite code, as scale_value is; the
+// two e4m3 NaN codes, which MLX's quantize never writes, are the only ones it reads otherwise).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+constexpr bool kE4M3Pairs = true;  // cvt.rn.f16x2.e4m3x2
+#else
+constexpr bool kE4M3Pairs = false;
+#endif
+
+template <typename T, int FMT, int SCALES>
+__device__ __forceinline__ void scale_values(T (&out)[SCALES], const T* scales_t, const uint8_t* scales_u8, int g) {
+  if constexpr (FMT == 1 && SCALES == 2 && kE4M3Pairs) {
+    const unsigned short two = *reinterpret_cast<const unsigned short*>(scales_u8 + g);
+    uint32_t h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(two));
+    const __half2 h = *reinterpret_cast<const __half2*>(&h2);
+    out[0] = from_float<T>(__low2float(h));
+    out[1] = from_float<T>(__high2float(h));
+  } else {
+#pragma unroll
+    for (int s = 0; s < SCALES; ++s) out[s] = scale_value<T, FMT>(scales_t, scales_u8, g + s);
+  }
 }
 
 }  // namespace lockstep_quant
