@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from lockstep.kernels.custom import qmv_mma, qmv_split
+from lockstep.kernels.custom import qmv_mma, qmv_split, split_rows
 from lockstep.kernels.custom.precompile import instances_for
 from lockstep.kernels.custom.qmv_mma_order import CHUNK, MMAS, mma_elements, schedule, warp_chunks
 from lockstep.kernels.custom.qmv_mma_order import qmv_mma as order_model
@@ -179,9 +179,10 @@ def test_canonical_rows_take_qmv_mma_at_every_width_and_one_plain_row_qmv_split(
     w, scales = layer["weight"], layer["scales"]
     kw = dict(group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
     setting = model._lockstep_setting
-    # (rows, setting, kernel): canonical 1 and 3 rows, plain 1, 2 and SPLIT_PLAIN_ROWS, a wide plain call
+    # (rows, setting, kernel): canonical 1 and 3 rows, plain 1, 2, 16, 17 and 32, a wide plain call
     for rows, s, kernel in ((1, setting, "mma"), (3, setting, "mma"), (1, None, "split"), (2, None, "mma"),
-                            (layers.SPLIT_PLAIN_ROWS, None, "mma"), (layers.SPLIT_PLAIN_ROWS + 1, None, "mlx")):
+                            (split_rows.SPLIT_PLAIN_ROWS, None, "mma"), (split_rows.SPLIT_PLAIN_ROWS + 1, None, "mma"),
+                            (split_rows.PLAIN_ROWS, None, "mma"), (split_rows.PLAIN_ROWS + 1, None, "mlx")):
         split_calls.clear()
         mma_calls.clear()
         x = rand(rows, layer.weight.shape[1] * 8, seed=rows, dtype=mx.bfloat16)

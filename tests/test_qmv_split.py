@@ -12,7 +12,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from lockstep.kernels.custom import gemv_rows, qmv_split
+from lockstep.kernels.custom import gemv_rows, qmv_split, split_rows
 from lockstep.kernels.custom.precompile import linear_shapes
 from lockstep.kernels.custom.qmv_order import dequantize, round_to
 from lockstep.kernels.custom.qmv_split_order import CHUNK, THREADS, thread_chunks
@@ -177,8 +177,8 @@ def test_large_layers_send_plain_rows_of_a_few_and_canonical_rows_of_any_width(s
     assert isinstance(layer._split_rows, layers.SplitRows)
     w, scales = layer["weight"], layer["scales"]
     kw = dict(group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
-    for rows, setting, through in ((1, None, True), (layers.SPLIT_PLAIN_ROWS, None, True),
-                                   (layers.SPLIT_PLAIN_ROWS + 1, None, False),
+    for rows, setting, through in ((1, None, True), (split_rows.SPLIT_PLAIN_ROWS, None, True),
+                                   (split_rows.SPLIT_PLAIN_ROWS + 1, None, False),
                                    (3, model._lockstep_setting, True), (9, model._lockstep_setting, False)):
         calls.clear()
         x = rand(rows, layer.weight.shape[1] * 8, seed=rows, dtype=mx.bfloat16)
@@ -239,7 +239,7 @@ def test_with_invariance_off_large_layers_still_send_plain_rows_through_it(split
     x = rand(1, k, seed=5, dtype=mx.bfloat16)
     assert bits_equal(layer(x), rows_alone(x, w, scales, None, **kw)) and calls == [1]
     calls.clear()
-    wide = rand(layers.SPLIT_PLAIN_ROWS + 1, k, seed=6, dtype=mx.bfloat16)
+    wide = rand(split_rows.SPLIT_PLAIN_ROWS + 1, k, seed=6, dtype=mx.bfloat16)
     assert bits_equal(layer(wide), mx.quantized_matmul(wide, w, scales, None, transpose=True, **kw))
     assert calls == []
     mx.eval(model(mx.array([[1, 2, 3]])))  # the whole model runs

@@ -128,10 +128,10 @@ def test_canonical_calls_of_any_width_and_plain_calls_of_a_few_take_the_launch(g
     def mlx(layer, x):
         return mx.quantized_matmul(x, layer["weight"], layer["scales"], None, transpose=True, **kw)
 
-    few = rand(layers.SPLIT_PLAIN_ROWS, 128, seed=6, dtype=mx.bfloat16)
+    few = rand(split_rows.PLAIN_ROWS, 128, seed=6, dtype=mx.bfloat16)
     calls.clear()
     assert bits_equal(k(few), own(k, few)) and len(calls) == 1  # plain rows of a few: the group's launch
-    for rows in (1, layers.SPLIT_PLAIN_ROWS + 1):  # one plain row, a wide plain call: the layer's own
+    for rows in (1, split_rows.PLAIN_ROWS + 1):  # one plain row, a wide plain call: the layer's own
         x = rand(rows, 128, seed=rows, dtype=mx.bfloat16)
         calls.clear()
         assert bits_equal(k(x), mlx(k, x)) and calls == []

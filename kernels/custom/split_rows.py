@@ -6,8 +6,9 @@ rows and whether they are canonical. The one place that decides: the layers
 - canonical rows (every call a setting makes canonical, one row included): `qmv_mma` where its
   smoke test passed here, else `qmv_split` for large layers; one kernel a layer and dtype, so
   a layer's rows have one order at every width;
-- plain calls: one row through `qmv_split` (large layers) or `qmv_mma`; more rows of a large
-  layer through `qmv_mma` (of a smaller one, MLX's call is faster);
+- plain calls: one row through `qmv_split` (large layers) or `qmv_mma`; 2..16 rows of a large
+  layer through `qmv_mma` (of a smaller one, MLX's call is faster); 17..32 rows of every layer
+  `qmv_mma` takes through it; wider calls (prompt chunks) MLX's;
 each where it was fastest on the H200 (docs/BENCHMARKS.md, sessions 16 and 18).
 
 Sibling layers (an attention block's q, k and v; an MLP's gate and up: they read the same x)
@@ -29,6 +30,13 @@ def takes_layer(n: int, k: int, mode: str, bits: int, group: int) -> bool:
     return qmv_split.takes(mode, bits, group) and (qmv_split.pays(n, k) or qmv_mma.pays(n, k))
 
 
+# Plain calls of at most PLAIN_ROWS rows go through these kernels (wider ones, prompt chunks,
+# keep MLX's); qmv_split takes plain calls of at most SPLIT_PLAIN_ROWS (it reads the weights
+# once for every 4 rows), qmv_mma the wider ones.
+PLAIN_ROWS = 32
+SPLIT_PLAIN_ROWS = 16
+
+
 def kernel_for(n: int, k: int, mode: str, dtype, rows: int, canonical: bool):
     """The module (qmv_mma or qmv_split) such a call runs, or None: the layer's own path."""
     large = qmv_split.pays(n, k)
@@ -36,8 +44,12 @@ def kernel_for(n: int, k: int, mode: str, dtype, rows: int, canonical: bool):
                 and qmv_mma.unavailable_reason(mode, dtype) is None)
     if canonical:
         return qmv_mma if mma_here else qmv_split if large else None
+    if rows > PLAIN_ROWS:
+        return None
     if rows == 1:
         return qmv_split if large else qmv_mma if mma_here else None
+    if rows > SPLIT_PLAIN_ROWS:
+        return qmv_mma if mma_here else None
     return (qmv_mma if mma_here else qmv_split) if large else None
 
 
@@ -76,8 +88,8 @@ def group_shape(layers) -> tuple:
 def parts_take(rows: int, canonical: bool) -> bool:
     """Whether a call of this many rows runs its sibling group's launch (where one takes the
     group): canonical calls at every width (their parts' own kernel is qmv_mma), plain calls
-    of two rows or more (one plain row of a large layer runs qmv_split)."""
-    return canonical or rows >= 2
+    of 2..PLAIN_ROWS rows (one plain row of a large layer runs qmv_split)."""
+    return canonical or 2 <= rows <= PLAIN_ROWS
 
 
 def parts_kernel_for(ns: tuple, k: int, mode: str, bits: int, group: int, dtype):

@@ -192,20 +192,13 @@ def _quantized_canonical(x, layer, s: Setting):
     return _canonical(x, s.limit, lambda r: quantized_rows(r, *args, rows_per_call=s.strategy.quantized_rows, **kw))
 
 
-# Plain calls of at most this many rows of a large 4-bit layer go through lockstep's kernels
-# (custom/split_rows.py): per nvfp4 linear they were faster than MLX's quantized matmul at 1
-# to 16 rows, and in the 8B step MLX's 16-row call cost far more than per linear
-# (docs/BENCHMARKS.md, sessions 16 and 18); wider plain calls keep MLX's.
-SPLIT_PLAIN_ROWS = 16
-
-
 def _split(layer, x, s):
-    """A 4-bit layer's rows through lockstep's kernels: plain calls of at most SPLIT_PLAIN_ROWS
-    rows, and every call a setting makes canonical (its rows at any width: the kernels' rows
+    """A 4-bit layer's rows through lockstep's kernels: plain calls of at most
+    split_rows.PLAIN_ROWS rows, and every call a setting makes canonical (its rows at any width: the kernels' rows
     never depend on it); None where they do not run them. A sibling group's launch
     (sibling_rows.py) first, else the layer's own (ops.SplitRows)."""
     if s is None:
-        if rows_of(x) > SPLIT_PLAIN_ROWS:
+        if rows_of(x) > custom.split_rows.PLAIN_ROWS:
             return None
     elif s.quantized_native or (rows_of(x) > s.limit and not _local.blocks):
         return None  # the model's own calls, or a prompt chunk (its native call)
@@ -461,9 +454,9 @@ def _attach_siblings(model) -> int:
 
 def install_plain_kernels(model) -> dict:
     """With batch invariance off (L = 0): the large 4-bit layers (ops.SplitRows) get their
-    Invariant class, so a plain call of at most SPLIT_PLAIN_ROWS rows runs qmv_split where it
-    runs (no setting is ever active: every call is plain), and sibling groups one launch takes
-    theirs; their kernels are built now, not in the first passes. `uninstall` gives the
+    Invariant class, so a plain call of at most split_rows.PLAIN_ROWS rows runs lockstep's
+    kernels where they run (no setting is ever active: every call is plain), and sibling groups
+    one launch takes theirs; their kernels are built now, not in the first passes. `uninstall` gives the
     classes back. Returns the swapped counts."""
     from ..custom import qmv_split
 
@@ -488,7 +481,7 @@ def install_plain_kernels(model) -> dict:
         model._lockstep_sdpa_modules = frozenset()
         from ..custom.precompile import linear_shapes, precompile_for
 
-        precompile_for(linear_shapes(model, dense="none"), range(1, SPLIT_PLAIN_ROWS + 1))
+        precompile_for(linear_shapes(model, dense="none"), range(1, custom.split_rows.PLAIN_ROWS + 1))
     return counts
 
 
