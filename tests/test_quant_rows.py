@@ -3,6 +3,7 @@ smoke test's common part run on stand-ins for a kernel (it passes rows that neve
 the call, and names the fault of one whose rows do, one off the product, and one its own check
 refuses), which calls a kernel takes, and the verdict off CUDA."""
 import mlx.core as mx
+import numpy as np
 
 from lockstep.kernels.custom import quant_rows
 
@@ -61,8 +62,6 @@ def test_every_finite_e4m3_scale_is_exact_in_float16_and_in_either_x_type():
     # quant_values.cuh converts nvfp4's two scales of a chunk by the hardware's e4m3 -> float16
     # pair conversion, then to T: the same values as the one-by-one path only where each step
     # is exact.
-    import numpy as np
-
     from lockstep.kernels.custom.loop_order import e4m3
 
     codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
@@ -76,8 +75,6 @@ def test_every_finite_e4m3_scale_is_exact_in_float16_and_in_either_x_type():
 def test_mlx_quantize_never_writes_an_e4m3_nan_scale():
     # The two codes the hardware conversion reads otherwise (NaN) never occur in nvfp4 weights,
     # not even for huge or infinite weights: MLX saturates the scale at 448 (0x7E).
-    import numpy as np
-
     for scale in (1.0, 1e4, 1e30, float("inf")):
         w = mx.random.normal((8, 256), key=mx.random.key(1)).astype(mx.bfloat16) * scale
         _, scales = mx.quantize(w, 16, 4, mode="nvfp4")

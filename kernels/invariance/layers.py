@@ -193,14 +193,11 @@ def _quantized_canonical(x, layer, s: Setting):
 
 
 def _split(layer, x, s):
-    """A 4-bit layer's rows through lockstep's kernels: plain calls of at most
-    split_rows.PLAIN_ROWS rows, and every call a setting makes canonical (its rows at any width: the kernels' rows
-    never depend on it); None where they do not run them. A sibling group's launch
-    (sibling_rows.py) first, else the layer's own (ops.SplitRows)."""
-    if s is None:
-        if rows_of(x) > custom.split_rows.PLAIN_ROWS:
-            return None
-    elif s.quantized_native or (rows_of(x) > s.limit and not _local.blocks):
+    """A 4-bit layer's rows through lockstep's kernels: plain calls of a few rows, and every
+    call a setting makes canonical (its rows at any width: the kernels' rows never depend on
+    it); None where they do not run them. A sibling group's launch (sibling_rows.py) first,
+    else the layer's own (ops.SplitRows); custom/split_rows.py decides which plain calls."""
+    if s is not None and (s.quantized_native or (rows_of(x) > s.limit and not _local.blocks)):
         return None  # the model's own calls, or a prompt chunk (its native call)
     if layer._siblings is not None:
         y = layer._siblings(layer, x, canonical=s is not None)
@@ -455,9 +452,9 @@ def _attach_siblings(model) -> int:
 def install_plain_kernels(model) -> dict:
     """With batch invariance off (L = 0): the large 4-bit layers (ops.SplitRows) get their
     Invariant class, so a plain call of at most split_rows.PLAIN_ROWS rows runs lockstep's
-    kernels where they run (no setting is ever active: every call is plain), and sibling groups
-    one launch takes theirs; their kernels are built now, not in the first passes. `uninstall` gives the
-    classes back. Returns the swapped counts."""
+    kernels where they run (no setting is ever active: every call is plain), and sibling
+    groups one launch takes theirs; their kernels are built now, not in the first passes.
+    `uninstall` gives the classes back. Returns the swapped counts."""
     from ..custom import qmv_split
 
     if hasattr(model, "_lockstep_setting"):
