@@ -141,6 +141,7 @@ def kernels(monkeypatch, split):
     the calls it runs."""
     mma_calls = []
     monkeypatch.setattr(qmv_mma, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(qmv_mma, "CANONICAL_MIN_ELEMENTS", 0)
     monkeypatch.setattr(qmv_mma, "unavailable_reason", lambda *a: None)
     original = qmv_mma.launch_for
     original.cache_clear()
@@ -195,18 +196,19 @@ def test_canonical_rows_take_qmv_mma_at_every_width_and_one_plain_row_qmv_split(
     set_batch_invariant_limit(model, 0)
 
 
-def test_a_middling_layer_takes_qmv_mma_for_canonical_rows_and_one_plain_row(kernels, monkeypatch):
-    """Below qmv_split's size (an 8B's q and o): canonical rows and a plain row through qmv_mma,
-    wider plain calls MLX's; without qmv_mma here, the layer's own forms."""
+def test_a_middling_layer_takes_qmv_mma_for_canonical_rows_only(kernels, monkeypatch):
+    """Below qmv_split's size (an 8B's q and o): canonical rows through qmv_mma, plain calls of
+    one or two rows MLX's; without qmv_mma here, the layer's own forms."""
     split_calls, mma_calls = kernels(rows_alone, rows_alone_quarter)
     monkeypatch.setattr(qmv_split, "MIN_ELEMENTS", 1 << 40)
     monkeypatch.setattr(qmv_mma, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(qmv_mma, "CANONICAL_MIN_ELEMENTS", 0)
     model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
     assert set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,)).guaranteed
     layer = model.model.layers[0].self_attn.q_proj
     k = layer.weight.shape[1] * 8
     for rows, s, through in ((1, model._lockstep_setting, True), (3, model._lockstep_setting, True),
-                             (1, None, True), (2, None, False)):
+                             (1, None, False), (2, None, False)):
         mma_calls.clear()
         with native_forms() if s is None else batch_invariant(s):
             mx.eval(layer(rand(rows, k, seed=rows, dtype=mx.bfloat16)))
@@ -220,6 +222,33 @@ def test_a_middling_layer_takes_qmv_mma_for_canonical_rows_and_one_plain_row(ker
         mx.eval(model.model.layers[0].self_attn.q_proj(rand(3, k, seed=3, dtype=mx.bfloat16)))
     assert mma_calls == [] and split_calls == []
     set_batch_invariant_limit(model, 0)
+
+
+def test_a_small_layer_takes_qmv_mma_for_canonical_rows_only(kernels, monkeypatch):
+    """From CANONICAL_MIN_ELEMENTS on (an 8B's k and v), canonical rows run qmv_mma while
+    plain calls keep MLX's; below it, canonical rows keep the layer's own form."""
+    split_calls, mma_calls = kernels(rows_alone, rows_alone_quarter)
+    monkeypatch.setattr(qmv_split, "MIN_ELEMENTS", 1 << 40)
+    probe = tiny_llama(quant="nvfp4", dtype=mx.bfloat16).model.layers[0].self_attn.k_proj
+    size = probe.weight.shape[0] * probe.weight.shape[1] * 8
+    monkeypatch.setattr(qmv_mma, "MIN_ELEMENTS", 4 * size)
+    for canonical_min, through in ((size, True), (size + 1, False)):
+        monkeypatch.setattr(qmv_mma, "CANONICAL_MIN_ELEMENTS", canonical_min)
+        model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
+        assert set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,)).guaranteed
+        layer = model.model.layers[0].self_attn.k_proj
+        for rows, s, want in ((1, model._lockstep_setting, through), (3, model._lockstep_setting, through),
+                              (1, None, False), (2, None, False)):
+            mma_calls.clear()
+            x = rand(rows, layer.weight.shape[1] * 8, seed=rows, dtype=mx.bfloat16)
+            with native_forms() if s is None else batch_invariant(s):
+                got = layer(x)
+            assert mma_calls == ([rows] if want else []) and split_calls == [], (canonical_min, rows, s)
+            if want:
+                assert bits_equal(got, rows_alone_quarter(x, layer["weight"], layer["scales"], None,
+                                                          group_size=layer.group_size, bits=layer.bits,
+                                                          mode=layer.mode))
+        set_batch_invariant_limit(model, 0)
 
 
 def test_without_qmv_mma_here_canonical_rows_keep_qmv_split(kernels, model, monkeypatch):

@@ -28,6 +28,10 @@ MAX_GRID_Y = 65535
 # MLX's quantized GEMV at one row on the H200 (an 8B model's q and o, gate, up, down, head);
 # smaller ones (k, v) slower (docs/BENCHMARKS.md, session 18).
 MIN_ELEMENTS = 16 << 20
+# Canonical rows of smaller layers would otherwise run qmv_rows blocks in MLX's GEMV order,
+# which take 2-3 times this kernel's time at 16 and 32 rows from layers of 4 M weights on (an
+# 8B's k and v; docs/BENCHMARKS.md, sessions 20 and 21).
+CANONICAL_MIN_ELEMENTS = MIN_ELEMENTS // 4
 _ARGS = "y, x_shape[0], w_shape[0], x_shape[1]);"
 _TEMPLATE = "<T, {fmt}, GROUP, WARPS, NT, ROWS, DEPTH>"
 _BODIES = {
@@ -57,9 +61,10 @@ def runs_here() -> bool:
     return backend() == "cuda"
 
 
-def pays(n: int, k: int) -> bool:
-    """Whether a layer of (N, K) weights is large enough to be faster through this kernel."""
-    return n * k >= MIN_ELEMENTS
+def pays(n: int, k: int, canonical: bool = False) -> bool:
+    """Whether a layer of (N, K) weights is large enough to be faster through this kernel
+    (canonical: for canonical rows, against the layer's other canonical form)."""
+    return n * k >= (CANONICAL_MIN_ELEMENTS if canonical else MIN_ELEMENTS)
 
 
 def block_warps(n: int, k: int) -> int:

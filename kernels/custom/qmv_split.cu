@@ -46,6 +46,17 @@ __device__ __forceinline__ void fill_table(typename Pair<T>::type* table) {
   __syncthreads();
 }
 
+// The pair of byte j of `word`, from this lane's copy: lane_base is the 32-bit shared address
+// of the lane's word of entry 0 (entries are 128 bytes apart), so a pair's address is a byte
+// permute and one shifted add, where a generic pointer cost two instructions more. Volatile:
+// the load must stay after the fill's barrier.
+template <typename T2>
+__device__ __forceinline__ T2 table_pair(uint32_t lane_base, uint32_t word, int j) {
+  uint32_t bits;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(bits) : "r"(lane_base + (__byte_perm(word, 0, 0x4440 | j) << 7)));
+  return *reinterpret_cast<const T2*>(&bits);
+}
+
 // One thread's chunk of each of C outputs: its codes, scales and biases.
 template <typename T, int C, int SCALES>
 struct Chunk {
@@ -66,6 +77,7 @@ __device__ void qmv_split(const T* x, const uint32_t* w, const T* scales_t, cons
   fill_table<T, FMT>(table);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const uint32_t lane_base = (uint32_t)__cvta_generic_to_shared(table) + 4 * lane;
   const int m0 = blockIdx.y * MR;
   const int chunks = K >> 5;
   const int rounds = (chunks + THREADS - 1) / THREADS;  // chunk rounds of one output
@@ -128,7 +140,7 @@ __device__ void qmv_split(const T* x, const uint32_t* w, const T* scales_t, cons
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
           const T s = now.scale[c][SCALES == 2 ? j / 8 : 0];
-          const T2 code = table[(((words[j >> 2] >> (8 * (j & 3))) & 0xFFu) << 5) | lane];
+          const T2 code = table_pair<T2>(lane_base, words[j >> 2], j & 3);
           if constexpr (FMT == 0) wd[j] = __hadd2_rn(__hmul2_rn(code, make_pair(s, s)), make_pair(now.bias[c], now.bias[c]));
           else wd[j] = __hmul2_rn(code, make_pair(s, s));
         }

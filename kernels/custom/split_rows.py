@@ -4,12 +4,14 @@ rows and whether they are canonical. The one place that decides: the layers
 (invariance/ops.SplitRows) and the startup compile (precompile.py) both ask it.
 
 - canonical rows (every call a setting makes canonical, one row included): `qmv_mma` where its
-  smoke test passed here, else `qmv_split` for large layers; one kernel a layer and dtype, so
-  a layer's rows have one order at every width;
-- plain calls: one row through `qmv_split` (large layers) or `qmv_mma`; 2..16 rows of a large
-  layer through `qmv_mma` (of a smaller one, MLX's call is faster); 17..32 rows of every layer
-  `qmv_mma` takes through it; wider calls (prompt chunks) MLX's;
-each where it was fastest on the H200 (docs/BENCHMARKS.md, sessions 16, 18 and 20).
+  smoke test passed here, for layers from a quarter of the size its plain calls need (an 8B's
+  k and v too), else `qmv_split` for large layers; one kernel a layer and dtype, so a layer's
+  rows have one order at every width;
+- plain calls: one row of a large layer through `qmv_split` (of a smaller one MLX's GEMV,
+  faster there than `qmv_mma`); 2..16 rows of a large layer through `qmv_mma` (of a smaller
+  one, MLX's call is faster); 17..32 rows of every layer `qmv_mma` takes through it; wider
+  calls (prompt chunks) MLX's;
+each where it was fastest on the H200 (docs/BENCHMARKS.md, sessions 16, 18, 20 and 21).
 
 Sibling layers (an attention block's q, k and v; an MLP's gate and up: they read the same x)
 run as parts of one `qmv_mma_parts` launch where each part is large enough to run `qmv_mma` on
@@ -27,7 +29,7 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 def takes_layer(n: int, k: int, mode: str, bits: int, group: int) -> bool:
     """Whether any of the kernels is for a layer of (N, K) weights of this quantization."""
-    return qmv_split.takes(mode, bits, group) and (qmv_split.pays(n, k) or qmv_mma.pays(n, k))
+    return qmv_split.takes(mode, bits, group) and (qmv_split.pays(n, k) or qmv_mma.pays(n, k, canonical=True))
 
 
 # Plain calls of at most PLAIN_ROWS rows go through these kernels (wider ones, prompt chunks,
@@ -40,14 +42,14 @@ SPLIT_PLAIN_ROWS = 16
 def kernel_for(n: int, k: int, mode: str, dtype, rows: int, canonical: bool):
     """The module (qmv_mma or qmv_split) such a call runs, or None: the layer's own path."""
     large = qmv_split.pays(n, k)
-    mma_here = (qmv_mma.pays(n, k) and k % qmv_mma.CHUNK == 0
+    mma_here = (qmv_mma.pays(n, k, canonical) and k % qmv_mma.CHUNK == 0
                 and qmv_mma.unavailable_reason(mode, dtype) is None)
     if canonical:
         return qmv_mma if mma_here else qmv_split if large else None
     if rows > PLAIN_ROWS:
         return None
     if rows == 1:
-        return qmv_split if large else qmv_mma if mma_here else None
+        return qmv_split if large else None
     if rows > SPLIT_PLAIN_ROWS:
         return qmv_mma if mma_here else None
     return (qmv_mma if mma_here else qmv_split) if large else None
