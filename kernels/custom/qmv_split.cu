@@ -113,6 +113,8 @@ __device__ void qmv_split(const T* x, const uint32_t* w, const T* scales_t, cons
 
   int n0 = blockIdx.x * C, r = 0;
   Chunk<T, C, SCALES> now = load(n0, r);
+  T2 xv[MR][16];  // x's chunk of this step, kept in registers across steps of one round
+  bool x_ready = false;
 #pragma unroll 1
   while (n0 < N) {
     const bool last = r + 1 == rounds;
@@ -120,17 +122,19 @@ __device__ void qmv_split(const T* x, const uint32_t* w, const T* scales_t, cons
     const Chunk<T, C, SCALES> next = load(n1, r1);
     const int idx = r * THREADS + tid;
     if (idx < chunks) {
-      T2 xv[MR][16];
+      if (rounds > 1 || !x_ready) {  // one round (K <= 4096): the same chunk of x every step
+        x_ready = true;
 #pragma unroll
-      for (int m = 0; m < MR; ++m) {
-        const uint4* src = reinterpret_cast<const uint4*>(xrow[m] + idx * 32);
+        for (int m = 0; m < MR; ++m) {
+          const uint4* src = reinterpret_cast<const uint4*>(xrow[m] + idx * 32);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const uint4 raw = src[q];
-          xv[m][4 * q + 0] = *reinterpret_cast<const T2*>(&raw.x);
-          xv[m][4 * q + 1] = *reinterpret_cast<const T2*>(&raw.y);
-          xv[m][4 * q + 2] = *reinterpret_cast<const T2*>(&raw.z);
-          xv[m][4 * q + 3] = *reinterpret_cast<const T2*>(&raw.w);
+          for (int q = 0; q < 4; ++q) {
+            const uint4 raw = src[q];
+            xv[m][4 * q + 0] = *reinterpret_cast<const T2*>(&raw.x);
+            xv[m][4 * q + 1] = *reinterpret_cast<const T2*>(&raw.y);
+            xv[m][4 * q + 2] = *reinterpret_cast<const T2*>(&raw.z);
+            xv[m][4 * q + 3] = *reinterpret_cast<const T2*>(&raw.w);
+          }
         }
       }
 #pragma unroll
