@@ -8,6 +8,7 @@ docs/BENCHMARKS.md, session 18."""
 import re
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -249,6 +250,16 @@ def test_a_small_layer_takes_qmv_mma_for_canonical_rows_only(kernels, monkeypatc
                                                           group_size=layer.group_size, bits=layer.bits,
                                                           mode=layer.mode))
         set_batch_invariant_limit(model, 0)
+    # with invariance off only layers whose plain calls run a kernel are swapped: not k and v
+    monkeypatch.setattr(qmv_split, "runs_here", lambda: True)  # as on CUDA
+    monkeypatch.setattr(qmv_mma, "MIN_ELEMENTS", size + 1)
+    monkeypatch.setattr(qmv_mma, "CANONICAL_MIN_ELEMENTS", size)  # k and v: canonical rows only
+    model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
+    plan = set_batch_invariant_limit(model, 0)
+    attention = model.model.layers[0].self_attn
+    assert plan.layers.get("split_rows", 0) > 0 and "_split_rows" in attention.q_proj.__dict__
+    assert type(attention.k_proj) is nn.QuantizedLinear and type(attention.v_proj) is nn.QuantizedLinear
+    layers.uninstall(model)
 
 
 def test_without_qmv_mma_here_canonical_rows_keep_qmv_split(kernels, model, monkeypatch):

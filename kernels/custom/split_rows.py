@@ -27,9 +27,10 @@ from . import qmv_mma, qmv_mma_parts, qmv_split
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def takes_layer(n: int, k: int, mode: str, bits: int, group: int) -> bool:
-    """Whether any of the kernels is for a layer of (N, K) weights of this quantization."""
-    return qmv_split.takes(mode, bits, group) and (qmv_split.pays(n, k) or qmv_mma.pays(n, k, canonical=True))
+def takes_layer(n: int, k: int, mode: str, bits: int, group: int, canonical: bool = True) -> bool:
+    """Whether any of the kernels is for a layer of (N, K) weights of this quantization
+    (canonical False: for its plain calls alone, as with batch invariance off)."""
+    return qmv_split.takes(mode, bits, group) and (qmv_split.pays(n, k) or qmv_mma.pays(n, k, canonical))
 
 
 # Plain calls of at most PLAIN_ROWS rows go through these kernels (wider ones, prompt chunks,

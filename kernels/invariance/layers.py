@@ -465,7 +465,7 @@ def install_plain_kernels(model) -> dict:
     for _, m in model.named_modules():
         swap = LAYER_SWAPS.get(type(m))
         if swap in QUANTIZED_SWAPS:
-            split = SplitRows.for_layer(m)
+            split = SplitRows.for_layer(m, canonical=False)  # only layers whose plain calls run a kernel
             if split is not None:
                 m.__class__ = swap
                 m._split_rows = split

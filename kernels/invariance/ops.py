@@ -254,13 +254,14 @@ class SplitRows:
         self.launches = {}
 
     @classmethod
-    def for_layer(cls, layer):
-        """The layer's SplitRows, or None where the kernels are not for it (format, size)."""
+    def for_layer(cls, layer, canonical: bool = True):
+        """The layer's SplitRows, or None where the kernels are not for it (format, size;
+        canonical False: where none is for its plain calls)."""
         mode = getattr(layer, "mode", "affine")
         weight = layer["weight"]
         k = weight.shape[-1] * 32 // layer.bits if weight.ndim == 2 else 0
         n = weight.shape[0]
-        if not custom.split_rows.takes_layer(n, k, mode, layer.bits, layer.group_size):
+        if not custom.split_rows.takes_layer(n, k, mode, layer.bits, layer.group_size, canonical):
             return None
         return cls(n, k, mode, layer.bits, layer.group_size)
 
