@@ -38,7 +38,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from lockstep.kernels import custom  # noqa: E402
 from lockstep.kernels.batching.compiled_pass import CompiledPasses  # noqa: E402
-from lockstep.kernels.custom import loop_order, mma_order, skinny  # noqa: E402
+from lockstep.kernels.custom import loop_order, mma_order, skinny, split_attention  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from lockstep.kernels.invariance.layers import native_forms, uninstall  # noqa: E402
 from lockstep.kernels.invariance.selftest import bits_equal  # noqa: E402
@@ -55,8 +55,9 @@ WEIGHTS = {"bf16": None, "nvfp4": ("nvfp4", 16, 4), "affine4": ("affine", 64, 4)
 # installed pass compiled as the engine compiles deterministic passes where the ragged proof
 # held for them; "..._separate": the same with each sibling layer (q/k/v, gate/up) in its own
 # launch, as before sibling groups (kernels/invariance/sibling_rows.py); "..._grouped": sibling
-# groups at every width, one plain row included (split_rows.parts_take)
-STRATEGIES = ("native", "lockstep_native", "lockstep_compiled", "lockstep_compiled_separate",
+# groups at every width, one plain row included (split_rows.parts_take); "..._pooled": plain
+# passes with the pooled attention instead of the split kernel (kv_pool.pass_attention)
+STRATEGIES = ("native", "lockstep_native", "lockstep_compiled", "lockstep_compiled_pooled", "lockstep_compiled_separate",
               "lockstep_compiled_grouped", "plain_installed", "strided_gemv", "gemv_rows", "gemv_rows_compiled",
               "gemv_rows_compiled_separate", "gemv_rows_compiled_grouped", "skinny")
 _PARTS_TAKE = custom.split_rows.parts_take
@@ -157,7 +158,7 @@ def rows_identical(run, cache, tokens, alone=None) -> int:
 
 
 def install(model, strategy: str, rows: int):
-    base = strategy.removesuffix("_grouped").removesuffix("_separate")
+    base = strategy.removesuffix("_grouped").removesuffix("_separate").removesuffix("_pooled")
     _install(model, base, rows)
     custom.split_rows.parts_take = (lambda rows, canonical: True) if strategy.endswith("_grouped") else _PARTS_TAKE
     if strategy.endswith("_separate"):
@@ -284,6 +285,9 @@ def main():
             path = ModelRunner.as_engine_runs(model, "kernel")
             pooled = context(model, a.context, path.new_cache(a.context + max(rows)))
             compiled = CompiledPasses(model, path.kv_pool)
+            split_kernel = path.kv_pool.split_kernel
+            log(f"plain passes' attention: {'split kernel' if split_kernel else 'pooled'} "
+                f"({split_attention.kernel_unavailable_reason(mx.bfloat16, 128) or 'available'})")
         log(f"\n## {weights}: {nbytes / 1e9:.2f} GB of weights, HBM floor {floor_ms:.2f} ms")
         for b in rows:
             tokens = mx.random.randint(0, model.args.vocab_size, (b,), key=mx.random.key(100 + b)).tolist()
@@ -291,6 +295,7 @@ def main():
                 install(base if strategy == "native" else model, strategy, b)
                 if compiled is not None:
                     compiled.forget()  # traces follow the forms just installed
+                    path.kv_pool.split_kernel = split_kernel and not strategy.endswith("_pooled")
                 on_pool = path is not None and strategy != "native"
                 kv = pooled if on_pool else cache
                 run = forward(base if strategy == "native" else model, kv, path if on_pool else None,

@@ -28,6 +28,7 @@ import mlx.core as mx
 from ..custom import attention as pool_attention
 from ..custom.attention import PoolRows
 from ..invariance.layers import calls_in_blocks, native_forms
+from .kv_pool import pass_attention
 from .ragged import PooledPass, RaggedLayerCache, RowPositions, pass_inputs
 
 
@@ -47,7 +48,8 @@ class _PassSlots:
 class _TracedPool:
     """The pool's keys and values inside a trace: writes make new arrays, the call returns them."""
 
-    def __init__(self, keys: list, values: list):
+    def __init__(self, pool, keys: list, values: list):
+        self.pool = pool  # the KVPool: which kernels its passes may take
         self.keys, self.values = list(keys), list(values)
 
     def write_rows(self, layer: int, where: _PassSlots, keys: mx.array, values: mx.array) -> None:
@@ -58,7 +60,7 @@ class _TracedPool:
         k_pool, v_pool = self.keys[layer], self.values[layer]
         if sinks is not None or not pool_attention.kernel_serves(queries, k_pool):
             raise NotCompilable("the pool's attention kernel does not take this layer")
-        return pool_attention.kernel_attention(queries, k_pool, v_pool, rows, scale)
+        return pass_attention(self.pool, queries, k_pool, v_pool, rows, scale)
 
 
 class _LayerRef:
@@ -110,7 +112,7 @@ class CompiledPasses:
     def _pass(self, tokens, positions, slots, base, lens, keys, values):
         """The traced pass: (logits, the pool's keys, its values) after writing this pass's KV."""
         self.traces += 1
-        pool = _TracedPool(keys, values)
+        pool = _TracedPool(self.pool, keys, values)
         where = _PassSlots(pool, slots, base, lens)
         rows = RowPositions(positions)
         count = tokens.shape[1]

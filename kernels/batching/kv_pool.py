@@ -8,7 +8,8 @@
 With each request's KV in its own caches, a pass over the rows of many requests needs a KV
 write and an attention call per request per layer, and on a GPU those launches cost more
 than the arithmetic. In the pool, a pass (kernels/batching/ragged.py) writes every row's KV with one
-write per layer and runs one attention launch for all rows (kernels/custom/attention.py).
+write per layer and runs one attention launch for all rows (kernels/custom/attention.py; a
+plain pass, where the GPU has it, kernels/custom/split_attention.py: `pass_attention`).
 
 A request holds one contiguous range of slots for its whole life, sized by its KV
 reservation (prompt + max_tokens + drafts, server/engine/kv_budget.py), so it never grows
@@ -24,7 +25,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask, make_prompt_cache
 
+from ..custom import split_attention
 from ..custom.attention import PoolRows, pooled_attention
+from ..invariance.layers import active_setting
 
 DEFAULT_CAPACITY = 4096
 
@@ -127,6 +130,9 @@ class KVPool:
     def __init__(self, model, capacity: int = DEFAULT_CAPACITY, *, use_kernel: bool = True):
         self.use_kernel = use_kernel
         self._layouts = kv_layouts(model)
+        # Plain passes may take the split kernel where it serves every layer's KV here.
+        self.split_kernel = use_kernel and all(split_attention.kernel_unavailable_reason(dtype, k[1]) is None
+                                               for k, _, dtype in self._layouts)
         self.capacity = 0
         self.keys: list[mx.array] = []
         self.values: list[mx.array] = []
@@ -210,8 +216,7 @@ class KVPool:
 
     def attention(self, layer: int, queries: mx.array, rows: PoolRows, scale: float, sinks=None) -> mx.array:
         """queries (1, HQ, R, D), row r against its keys in this layer (`rows`)."""
-        return pooled_attention(queries, self.keys[layer], self.values[layer], rows, scale, sinks=sinks,
-                                use_kernel=self.use_kernel)
+        return pass_attention(self, queries, self.keys[layer], self.values[layer], rows, scale, sinks)
 
     def _first_fit(self, tokens: int) -> int | None:
         for i, (start, length) in enumerate(self._free):
@@ -236,6 +241,18 @@ class KVPool:
         self._free = merged
 
 
+
+
+def pass_attention(pool: KVPool, queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows: PoolRows,
+                   scale: float, sinks=None) -> mx.array:
+    """One layer's attention for a pass over `pool` (k_pool / v_pool: that layer's keys and
+    values). The one place that picks the kernel: a pass with no row under the guarantee (no
+    active setting: `native_forms`, or L = 0) takes the split kernel where the pool has it;
+    every other pass the pooled attention, whose order the self-tests prove."""
+    if (pool.split_kernel and sinks is None and active_setting() is None
+            and split_attention.kernel_serves(queries, k_pool)):
+        return split_attention.kernel_attention(queries, k_pool, v_pool, rows, scale)
+    return pooled_attention(queries, k_pool, v_pool, rows, scale, sinks=sinks, use_kernel=pool.use_kernel)
 
 
 def kv_layouts(model) -> list[tuple[tuple[int, int], tuple[int, int], object]]:

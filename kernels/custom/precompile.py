@@ -19,7 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import attention, compiled, gemv_rows, qmv_mma, qmv_mma_parts, qmv_rows, qmv_split, skinny, split_rows
+from . import (attention, compiled, gemv_rows, qmv_mma, qmv_mma_parts, qmv_rows, qmv_split, skinny, split_attention,
+               split_rows)
 from .gemv_order import MAX_ROWS as GEMV_MAX_ROWS
 from .loop_order import MAX_ROWS as SKINNY_MAX_ROWS
 from .qmv_order import weight_bits
@@ -76,6 +77,8 @@ def instances_for(shapes: Iterable[tuple], widths: Iterable[int], *, attention_s
     for dtype, dim in attention_shapes:
         if attention.kernel_takes(dtype, dim):
             out += attention.instances(dtype, dim)
+        if split_attention.kernel_takes(dtype, dim):  # plain passes' attention
+            out += split_attention.instances(dtype, dim)
     return out
 
 

@@ -1,0 +1,147 @@
+"""Loads the plain passes' pool attention (split_attention.cu, beside this file) through MLX's
+CUDA custom-kernel API.
+
+    out = kernel_attention(queries, k_pool, v_pool, rows, scale)   # as attention.kernel_attention
+
+The pooled attention (attention.py) keeps one order on CUDA and Metal, which the self-tests
+prove for deterministic rows; at one row it runs a block of 8 warps per head, each lane a key's
+whole dot product. A plain pass promises no bits, so it may take this kernel instead: a
+(head, row)'s keys over 16 warps at once, each key read by contiguous lanes (the header of
+split_attention.cu; its order's NumPy model is split_attention_order.py). CUDA only: on
+Metal and the CPU plain passes keep the pooled attention or its reference form.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from . import compiled
+from .attention import PoolRows, reference_attention
+from .skinny import FLOAT_DTYPES, SOURCE_DIR, backend, compact_source
+
+WARPS = 16  # split_attention.cu's SPLIT_WARPS
+THREADS = 32 * WARPS
+SOURCE_FILE = "split_attention.cu"
+
+_BODY = ("lockstep::split_attention<T, D>(q, k, v, row_base, row_len, scale, out,"
+         " q_shape[0], q_shape[1], k_shape[0], k_shape[1]);")
+_INPUTS = ["q", "k", "v", "row_base", "row_len", "scale"]
+_INPUT_TYPES = ["T", "T", "T", "int", "int", "float"]
+_SCALARS = (("heads", "q_shape[0]"), ("rows", "q_shape[1]"), ("kv_heads", "k_shape[0]"), ("slots", "k_shape[1]"))
+
+
+def _header() -> str:
+    return compact_source((SOURCE_DIR / SOURCE_FILE).read_text())
+
+
+@lru_cache(maxsize=None)
+def _kernel():
+    return mx.fast.cuda_kernel(name="lockstep_split_attention", input_names=_INPUTS, output_names=["out"],
+                               source=_BODY, header=_header())
+
+
+@lru_cache(maxsize=None)
+def family() -> compiled.Family:
+    return compiled.Family("lockstep_split_attention", "attention", _header(), _BODY,
+                           inputs=list(zip(_INPUTS, _INPUT_TYPES)), outputs=[("out", "T")], scalars=_SCALARS)
+
+
+@lru_cache(maxsize=4096)
+def _launcher(dtype, dim: int, heads: int, count: int, kv_heads: int, slots: int) -> tuple:
+    """(call, keyword arguments but inputs) of one launch shape, built once per shape."""
+    launch = dict(
+        template=[("T", dtype), ("D", dim)],
+        grid=(heads * count * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(heads, count, dim)],
+        output_dtypes=[dtype],
+    )
+    return compiled.launcher(family(), launch, dict(heads=heads, rows=count, kv_heads=kv_heads, slots=slots),
+                             lambda: (_kernel(), launch))
+
+
+@lru_cache(maxsize=4096)
+def _traced(*shape):
+    return compiled.traced_on("cuda", *_launcher(*shape))
+
+
+@lru_cache(maxsize=64)
+def _scale(value: float) -> mx.array:
+    return mx.array([value], dtype=mx.float32)
+
+
+compiled.on_disable("attention", _launcher.cache_clear)
+compiled.on_disable("attention", _traced.cache_clear)
+
+
+def instances(dtype, dim: int) -> list:
+    """The (family, template) instance of this element type and head size (compiled.precompile)."""
+    return [(family(), (("T", dtype), ("D", dim)))]
+
+
+def kernel_takes(dtype, dim: int) -> bool:
+    """Element types and head sizes the kernel is written for: a key of 64, 128, 256 or 512
+    bytes (16 bytes a lane; a warp's lanes hold whole keys)."""
+    return dtype in FLOAT_DTYPES and dim * dtype.size in (64, 128, 256, 512)
+
+
+def kernel_serves(queries: mx.array, k_pool: mx.array) -> bool:
+    """The kernel's shapes: one batch entry, a head size it takes, GQA."""
+    _, heads, _, dim = queries.shape
+    kv_heads, _, kdim = k_pool.shape
+    return (queries.shape[0] == 1 and dim == kdim and kernel_takes(queries.dtype, dim)
+            and heads % kv_heads == 0 and k_pool.dtype == queries.dtype)
+
+
+def kernel_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows: PoolRows,
+                     scale: float) -> mx.array:
+    """All rows in one launch; queries (1, HQ, R, D) -> (1, HQ, R, D)."""
+    _, heads, count, dim = queries.shape
+    base, lens = rows.arrays()
+    run = _traced(queries.dtype, dim, heads, count, k_pool.shape[0], k_pool.shape[1])
+    return run(queries.squeeze(0), k_pool, v_pool, base, lens, _scale(float(scale)))[0][None]
+
+
+def _smoke_test(dtype, dim: int) -> str | None:
+    """Compile and run the kernel for one element type and head size on awkward lengths (pass
+    tails, one key, several passes a warp) with grouped heads, against the reference form;
+    None when they agree."""
+    compiled.precompile(instances(dtype, dim))
+    lens = [1, 15, 16, 17, 300, 1100]
+    base = [0, 5, 40, 80, 400, 900]
+    kq, kk, kv = mx.random.split(mx.random.key(12), 3)
+    q = mx.random.normal((1, 6, len(lens), dim), key=kq).astype(dtype)
+    kp = mx.random.normal((2, 2100, dim), key=kk).astype(dtype)
+    vp = mx.random.normal((2, 2100, dim), key=kv).astype(dtype)
+    rows = PoolRows(base, lens)
+    got = kernel_attention(q, kp, vp, rows, dim ** -0.5).astype(mx.float32)
+    want = reference_attention(q.astype(mx.float32), kp.astype(mx.float32), vp.astype(mx.float32),
+                               rows, dim ** -0.5)
+    if not mx.allclose(got, want, rtol=2e-2, atol=2e-2).item():
+        return f"{dtype} head size {dim} disagrees with the reference attention"
+    alone = kernel_attention(q[:, :, 4:5], kp, vp, PoolRows(base[4:5], lens[4:5]), dim ** -0.5)
+    if not mx.array_equal(alone.astype(mx.float32), got[:, :, 4:5]).item():
+        return f"{dtype} head size {dim}: a row alone differs from the same row beside others"
+    return None
+
+
+@lru_cache(maxsize=None)
+def _availability(which: str | None, dtype, dim: int) -> str | None:
+    if which != "cuda":
+        return f"the split attention kernel is CUDA's (here: {which or mx.default_device()})"
+    if not kernel_takes(dtype, dim):
+        return f"head size {dim} ({dtype}): the split kernel takes keys of 64, 128, 256 or 512 bytes"
+    try:
+        problem = compiled.smoke(f"split_attention {dtype} D{dim}", "attention",
+                                 lambda: _smoke_test(dtype, dim), __file__, SOURCE_DIR / "skinny.py",
+                                 SOURCE_DIR / "attention.py", *compiled.SOURCES, SOURCE_DIR / SOURCE_FILE)
+    except Exception as e:  # a compile or launch failure: plain passes keep the pooled kernel
+        return f"split attention failed to build or run: {type(e).__name__}: {str(e)[:300]}"
+    return f"split attention: {problem}" if problem else None
+
+
+def kernel_unavailable_reason(dtype=mx.float16, dim: int = 64) -> str | None:
+    """None when the kernel for this element type and head size compiled and passed its smoke
+    test on the default device (checked once per combination, on first use)."""
+    return _availability(backend(), dtype, dim)
