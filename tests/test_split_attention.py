@@ -102,3 +102,26 @@ def test_only_a_pass_with_no_row_under_the_guarantee_takes_the_split_kernel(mode
         assert len(calls) == 2
     finally:
         set_batch_invariant_limit(model, 0)
+
+
+def test_the_smoke_test_fails_a_kernel_off_the_reference_or_whose_rows_meet(monkeypatch):
+    """Its verdict decides whether plain passes take the kernel: it must pass a correct
+    row-independent kernel (here the CPU stand-in) and fail a wrong one and one whose row
+    depends on the rows beside it."""
+    from tests.doubles.pool_kernel import masked_attention
+
+    monkeypatch.setattr(split_attention, "kernel_attention", masked_attention)
+    assert split_attention._smoke_test(mx.float32, 32) is None
+
+    def off(queries, k_pool, v_pool, rows, scale):
+        return masked_attention(queries, k_pool, v_pool, rows, scale) * 1.1
+
+    monkeypatch.setattr(split_attention, "kernel_attention", off)
+    assert "disagrees" in split_attention._smoke_test(mx.float32, 32)
+
+    def meeting(queries, k_pool, v_pool, rows, scale):
+        out = masked_attention(queries, k_pool, v_pool, rows, scale)
+        return out + 1e-3 * (queries.shape[2] - 1)  # close to the reference, other bits with company
+
+    monkeypatch.setattr(split_attention, "kernel_attention", meeting)
+    assert "alone differs" in split_attention._smoke_test(mx.float32, 32)

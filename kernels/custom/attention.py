@@ -92,7 +92,8 @@ def _traced(*shape):
 
 
 @lru_cache(maxsize=64)
-def _scale(value: float) -> mx.array:
+def scale_array(value: float) -> mx.array:
+    """The softmax scale as the kernels read it (one float32), made once per value."""
     return mx.array([value], dtype=mx.float32)
 
 
@@ -110,12 +111,17 @@ def kernel_takes(dtype, dim: int) -> bool:
     return dim % 32 == 0 and dim <= 256 and dtype in FLOAT_DTYPES
 
 
-def kernel_serves(queries: mx.array, k_pool: mx.array) -> bool:
-    """The kernel's shapes: one batch entry, a head size it takes, GQA."""
+def pool_shapes_fit(queries: mx.array, k_pool: mx.array, takes) -> bool:
+    """A pool kernel's shapes: one batch entry, a (dtype, head size) `takes` accepts, GQA."""
     _, heads, _, dim = queries.shape
     kv_heads, _, kdim = k_pool.shape
-    return (queries.shape[0] == 1 and dim == kdim and kernel_takes(queries.dtype, dim)
+    return (queries.shape[0] == 1 and dim == kdim and takes(queries.dtype, dim)
             and heads % kv_heads == 0 and k_pool.dtype == queries.dtype)
+
+
+def kernel_serves(queries: mx.array, k_pool: mx.array) -> bool:
+    """The kernel's shapes: one batch entry, a head size it takes, GQA."""
+    return pool_shapes_fit(queries, k_pool, kernel_takes)
 
 
 def kernel_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows: PoolRows,
@@ -124,7 +130,7 @@ def kernel_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows
     _, heads, count, dim = queries.shape
     base, lens = rows.arrays()
     run = _traced(backend(), queries.dtype, dim, heads, count, k_pool.shape[0], k_pool.shape[1])
-    out = run(queries.squeeze(0), k_pool, v_pool, base, lens, _scale(float(scale)))[0]
+    out = run(queries.squeeze(0), k_pool, v_pool, base, lens, scale_array(float(scale)))[0]
     return out[None]
 
 
@@ -153,6 +159,26 @@ def pooled_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows
     return reference_attention(queries, k_pool, v_pool, rows, scale, sinks=sinks)
 
 
+def smoke_inputs(dtype, dim: int, rows: int, slots: int, seed: int) -> tuple:
+    """(queries (1, 6, rows, dim), key pool, value pool (2, slots, dim)) of a pool kernel's
+    smoke test: random, three query heads a key head."""
+    kq, kk, kv = mx.random.split(mx.random.key(seed), 3)
+    return (mx.random.normal((1, 6, rows, dim), key=kq).astype(dtype),
+            mx.random.normal((2, slots, dim), key=kk).astype(dtype),
+            mx.random.normal((2, slots, dim), key=kv).astype(dtype))
+
+
+def reference_problem(kernel, queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows: PoolRows) -> str | None:
+    """Where `kernel` (as kernel_attention) is not close to the reference form in float32, why."""
+    dim = queries.shape[-1]
+    got = kernel(queries, k_pool, v_pool, rows, dim ** -0.5).astype(mx.float32)
+    want = reference_attention(queries.astype(mx.float32), k_pool.astype(mx.float32), v_pool.astype(mx.float32),
+                               rows, dim ** -0.5)
+    if not mx.allclose(got, want, rtol=2e-2, atol=2e-2).item():
+        return f"{queries.dtype} head size {dim} disagrees with the reference attention"
+    return None
+
+
 def _smoke_test(dtype, dim: int) -> str | None:
     """Compile and run the kernel for one element type and head size on awkward lengths
     (tile tails, one key) with grouped heads, against the reference form; None when they agree."""
@@ -160,17 +186,7 @@ def _smoke_test(dtype, dim: int) -> str | None:
         compiled.precompile(instances(dtype, dim))
     lens = [1, 31, 32, 33, 129, 7]
     base = [0, 5, 40, 80, 120, 260]
-    kq, kk, kv = mx.random.split(mx.random.key(11), 3)
-    q = mx.random.normal((1, 6, len(lens), dim), key=kq).astype(dtype)
-    kp = mx.random.normal((2, 300, dim), key=kk).astype(dtype)
-    vp = mx.random.normal((2, 300, dim), key=kv).astype(dtype)
-    rows = PoolRows(base, lens)
-    got = kernel_attention(q, kp, vp, rows, dim ** -0.5).astype(mx.float32)
-    want = reference_attention(q.astype(mx.float32), kp.astype(mx.float32), vp.astype(mx.float32),
-                               rows, dim ** -0.5)
-    if not mx.allclose(got, want, rtol=2e-2, atol=2e-2).item():
-        return f"{dtype} head size {dim} disagrees with the reference attention"
-    return None
+    return reference_problem(kernel_attention, *smoke_inputs(dtype, dim, len(lens), 300, 11), PoolRows(base, lens))
 
 
 @lru_cache(maxsize=None)

@@ -17,7 +17,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from . import compiled
-from .attention import PoolRows, reference_attention
+from .attention import PoolRows, pool_shapes_fit, reference_problem, scale_array, smoke_inputs
 from .skinny import FLOAT_DTYPES, SOURCE_DIR, backend, compact_source
 
 WARPS = 16  # split_attention.cu's SPLIT_WARPS
@@ -66,11 +66,6 @@ def _traced(*shape):
     return compiled.traced_on("cuda", *_launcher(*shape))
 
 
-@lru_cache(maxsize=64)
-def _scale(value: float) -> mx.array:
-    return mx.array([value], dtype=mx.float32)
-
-
 compiled.on_disable("attention", _launcher.cache_clear)
 compiled.on_disable("attention", _traced.cache_clear)
 
@@ -88,10 +83,7 @@ def kernel_takes(dtype, dim: int) -> bool:
 
 def kernel_serves(queries: mx.array, k_pool: mx.array) -> bool:
     """The kernel's shapes: one batch entry, a head size it takes, GQA."""
-    _, heads, _, dim = queries.shape
-    kv_heads, _, kdim = k_pool.shape
-    return (queries.shape[0] == 1 and dim == kdim and kernel_takes(queries.dtype, dim)
-            and heads % kv_heads == 0 and k_pool.dtype == queries.dtype)
+    return pool_shapes_fit(queries, k_pool, kernel_takes)
 
 
 def kernel_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows: PoolRows,
@@ -100,7 +92,7 @@ def kernel_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows
     _, heads, count, dim = queries.shape
     base, lens = rows.arrays()
     run = _traced(queries.dtype, dim, heads, count, k_pool.shape[0], k_pool.shape[1])
-    return run(queries.squeeze(0), k_pool, v_pool, base, lens, _scale(float(scale)))[0][None]
+    return run(queries.squeeze(0), k_pool, v_pool, base, lens, scale_array(float(scale)))[0][None]
 
 
 def _smoke_test(dtype, dim: int) -> str | None:
@@ -110,18 +102,13 @@ def _smoke_test(dtype, dim: int) -> str | None:
     compiled.precompile(instances(dtype, dim))
     lens = [1, 15, 16, 17, 300, 1100]
     base = [0, 5, 40, 80, 400, 900]
-    kq, kk, kv = mx.random.split(mx.random.key(12), 3)
-    q = mx.random.normal((1, 6, len(lens), dim), key=kq).astype(dtype)
-    kp = mx.random.normal((2, 2100, dim), key=kk).astype(dtype)
-    vp = mx.random.normal((2, 2100, dim), key=kv).astype(dtype)
-    rows = PoolRows(base, lens)
-    got = kernel_attention(q, kp, vp, rows, dim ** -0.5).astype(mx.float32)
-    want = reference_attention(q.astype(mx.float32), kp.astype(mx.float32), vp.astype(mx.float32),
-                               rows, dim ** -0.5)
-    if not mx.allclose(got, want, rtol=2e-2, atol=2e-2).item():
-        return f"{dtype} head size {dim} disagrees with the reference attention"
+    q, kp, vp = smoke_inputs(dtype, dim, len(lens), 2100, 12)
+    problem = reference_problem(kernel_attention, q, kp, vp, PoolRows(base, lens))
+    if problem:
+        return problem
+    beside = kernel_attention(q, kp, vp, PoolRows(base, lens), dim ** -0.5)[:, :, 4:5]
     alone = kernel_attention(q[:, :, 4:5], kp, vp, PoolRows(base[4:5], lens[4:5]), dim ** -0.5)
-    if not mx.array_equal(alone.astype(mx.float32), got[:, :, 4:5]).item():
+    if not mx.array_equal(alone, beside).item():
         return f"{dtype} head size {dim}: a row alone differs from the same row beside others"
     return None
 
