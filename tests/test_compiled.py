@@ -6,6 +6,7 @@ these tests cover the cache (its key, its files, its concurrency), the generated
 against the kernel sources, and each loader's launch against its wrapper. The NVRTC call,
 the driver's load and the kernels' bits are checked on the GPU (docs/DESIGN.md)."""
 import logging
+import math
 import re
 import threading
 import time
@@ -242,9 +243,10 @@ def recorded(fresh, monkeypatch):
     return cache, calls
 
 
-def _check_launch(call, family, template, cache):
+def _check_launch(call, family, template, cache, planned=None):
     """What the loader passed matches the wrapper: the cubin of that instance, one array per
-    pointer of the right type, and scalars equal to the shapes cuda_kernel passed."""
+    pointer of the right type, and scalars equal to the shapes cuda_kernel passed (planned:
+    inputs the precompiled launch takes in another shape of the same size, by name)."""
     assert call["name"] == family.symbol(template)
     assert call["compiled_source"] == cache.get(family.source(template))
     params = family.parameters(template)
@@ -253,7 +255,11 @@ def _check_launch(call, family, template, cache):
     outputs = [f"{C_TYPES[d]}*" for d in call["output_dtypes"]]
     assert outputs == [t for t, _ in params[len(inputs):len(inputs) + len(outputs)]]
     names = [n for n, _ in family.inputs]
-    shapes = {f"{n}_shape[{i}]": a.shape[i] for n, a in zip(names, inputs) for i in range(a.ndim)}
+    planned = planned or {}
+    for n, a in zip(names, inputs):
+        assert a.size == math.prod(planned.get(n, a.shape))
+    shapes = {f"{n}_shape[{i}]": shape[i] for n, a in zip(names, inputs)
+              for shape in [planned.get(n, a.shape)] for i in range(len(shape))}
     assert call["scalars"] == [shapes[expr] for _, expr in family.scalars]
     assert all(type(v) is int for v in call["scalars"]) and call["ensure_row_contiguous"] is True
 
@@ -290,8 +296,10 @@ def test_pooled_attention_launches_its_wrapper(recorded):
     k = v = mx.ones((2, 300, 64), dtype=mx.float16)
     assert attention.kernel_attention(q, k, v, attention.PoolRows([0, 5, 40], [1, 31, 33]), 0.125).shape == (1, 6, 3, 64)
     family, template = attention.instances(mx.float16, 64)[0]
-    _check_launch(calls[0], family, template, cache)
+    _check_launch(calls[0], family, template, cache, planned={"q": (6, 3, 64)})
     assert calls[0]["grid"] == (6 * 3 * attention.THREADS, 1, 1)
+    # the queries go in and the output comes out in the layer's shape: no view nodes around it
+    assert calls[0]["inputs"][0].shape == (1, 6, 3, 64) and calls[0]["output_shapes"] == [(1, 6, 3, 64)]
 
 
 def test_a_launch_shape_is_planned_and_its_arguments_converted_once(recorded):
@@ -452,3 +460,24 @@ def test_launches_are_traced_on_cuda_only():
     for _ in range(2):
         assert mx.array_equal(cuda(x)[0], x * 2.0).item()
     assert seen == [3.0, 3.0, 2.0]
+
+
+@pytest.mark.parametrize("precompiled", [True, False])
+def test_a_shaped_launch_reshapes_only_for_cuda_kernel(monkeypatch, precompiled):
+    seen = []
+
+    def call(inputs, output_shapes, output_dtypes, **_):
+        seen.append(([a.shape for a in inputs], list(output_shapes)))
+        x = inputs[0].reshape(-1, inputs[0].shape[-1])
+        return [mx.full(shape, x.sum(), dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+
+    monkeypatch.setattr(compiled, "sizes_are_scalars", lambda c: precompiled and c is call)
+    plan = dict(output_shapes=[(3, 5), (3, 2)], output_dtypes=[mx.float32, mx.float32])
+    launch = compiled.shaped_launch(call, plan, (3, 4), [(1, 3, 5), (1, 3, 2)])
+    x = mx.ones((1, 3, 4))
+    ys = launch(x, mx.zeros((2,)))
+    assert [y.shape for y in ys] == [(1, 3, 5), (1, 3, 2)] and all(mx.all(y == 12).item() for y in ys)
+    # the precompiled launch takes x as it is and writes the layer's shapes: no reshape nodes
+    assert seen[-1] == (([(1, 3, 4), (2,)], [(1, 3, 5), (1, 3, 2)]) if precompiled
+                        else ([(3, 4), (2,)], [(3, 5), (3, 2)]))
+    assert plan["output_shapes"] == [(3, 5), (3, 2)]  # the cached plan is left as it was

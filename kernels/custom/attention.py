@@ -87,8 +87,13 @@ def _launcher(which: str, dtype, dim: int, heads: int, count: int, kv_heads: int
 
 
 @lru_cache(maxsize=4096)
-def _traced(*shape):
-    return compiled.traced_on(shape[0], *_launcher(*shape))
+def _traced(which: str, dtype, dim: int, heads: int, count: int, kv_heads: int, slots: int):
+    """The launch of queries (1, HQ, R, D) giving (1, HQ, R, D): on CUDA compiled, with no view
+    nodes around it where it is precompiled (compiled.shaped_launch); elsewhere the direct call."""
+    call, launch = _launcher(which, dtype, dim, heads, count, kv_heads, slots)
+    if which == "cuda":
+        return compiled.shaped_launch(call, launch, (heads, count, dim), [(1, heads, count, dim)])
+    return lambda q, *rest: [call(inputs=[q.squeeze(0), *rest], **launch)[0][None]]
 
 
 @lru_cache(maxsize=64)
@@ -130,8 +135,7 @@ def kernel_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows
     _, heads, count, dim = queries.shape
     base, lens = rows.arrays()
     run = _traced(backend(), queries.dtype, dim, heads, count, k_pool.shape[0], k_pool.shape[1])
-    out = run(queries.squeeze(0), k_pool, v_pool, base, lens, scale_array(float(scale)))[0]
-    return out[None]
+    return run(queries, k_pool, v_pool, base, lens, scale_array(float(scale)))[0]
 
 
 def reference_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows: PoolRows,

@@ -351,6 +351,27 @@ def launcher(family: Family, launch: dict, scalars: dict, fallback: Callable[[],
     )
 
 
+def sizes_are_scalars(call) -> bool:
+    """Whether `call` (from `launcher`) is the precompiled launch, whose array sizes are its
+    scalar arguments: it takes x of any shape of the planned size (its rows made contiguous)
+    and gives outputs of whatever shapes the launch names, so a layer's call needs no reshape
+    nodes around it. cuda_kernel's bodies read the inputs' shapes instead."""
+    return call is mx.fast.precompiled_cuda_kernel
+
+
+def shaped_launch(call, plan: dict, x_shape: tuple, shapes: list) -> Callable[..., list]:
+    """A compiled launch of x and further inputs giving outputs of `shapes` (each the size of
+    the plan's output): the precompiled launch takes x as it is and writes those shapes itself;
+    cuda_kernel's gets x as the plan's `x_shape` and its outputs reshaped. Either way the same
+    kernel, the same bits."""
+    shapes = [tuple(shape) for shape in shapes]
+    if sizes_are_scalars(call):
+        direct = dict(plan, output_shapes=shapes)
+        return mx.compile(lambda x, *rest: call(inputs=[x, *rest], **direct))
+    return mx.compile(lambda x, *rest: [y.reshape(shape) for y, shape in zip(
+        call(inputs=[x.reshape(x_shape), *rest], **plan), shapes)])
+
+
 def traced(call, launch: dict) -> Callable[..., list]:
     """One launch shape's `call(inputs=[...], **launch)` as an mx.compile'd function of its
     inputs: MLX makes each later node from the traced primitive instead of converting every

@@ -143,8 +143,7 @@ def launch_for(lead: tuple, ns: tuple, k: int, mode: str, bits: int, group: int,
     if unavailable_reason(mode, dtype) is not None:
         return None
     call, plan = _launcher(m, ns, k, mode, group, dtype)
-    return mx.compile(lambda x, *weights: [y.reshape(*lead, n) for y, n in zip(
-        call(inputs=[x.reshape(m, k), *weights], **plan), ns)])
+    return compiled.shaped_launch(call, plan, (m, k), [(*lead, n) for n in ns])
 
 
 compiled.on_disable("qmv_mma", lambda: launch_for.cache_clear())

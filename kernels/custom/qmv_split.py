@@ -147,15 +147,17 @@ def launch_for(lead: tuple, n: int, k: int, mode: str, bits: int, group: int, dt
                scales_dtype, biases_dtype):
     """The traced launch of a call of x (lead + (k,)) giving lead + (n,), where the kernel
     passed its smoke test here for this quantization and dtype and takes the arrays, else
-    None. Its reshapes are traced with the launch: a layer's call costs one compiled call on
-    the host. Call it with x, the weight and the scales (affine: and the biases)."""
+    None. A layer's call costs one compiled call on the host, and no reshape nodes where the
+    launch is precompiled (compiled.shaped_launch). Call it with x, the weight and the scales
+    (affine: and the biases)."""
     m = math.prod(lead)
     if not _takes(m, k, mode, bits, group, dtype, weight_dtype, packed, scales_dtype, biases_dtype):
         return None
     if unavailable_reason(mode, dtype) is not None:
         return None
     call, plan = _launcher(m, n, k, mode, group, dtype, None, None)
-    return mx.compile(lambda x, *weights: call(inputs=[x.reshape(m, k), *weights], **plan)[0].reshape(*lead, n))
+    launch = compiled.shaped_launch(call, plan, (m, k), [(*lead, n)])
+    return lambda x, *weights: launch(x, *weights)[0]
 
 
 compiled.on_disable("qmv_split", lambda: launch_for.cache_clear())

@@ -62,8 +62,11 @@ def _launcher(dtype, dim: int, heads: int, count: int, kv_heads: int, slots: int
 
 
 @lru_cache(maxsize=4096)
-def _traced(*shape):
-    return compiled.traced_on("cuda", *_launcher(*shape))
+def _traced(dtype, dim: int, heads: int, count: int, kv_heads: int, slots: int):
+    """The launch of queries (1, HQ, R, D) giving (1, HQ, R, D), no view nodes around it where
+    it is precompiled (compiled.shaped_launch)."""
+    call, launch = _launcher(dtype, dim, heads, count, kv_heads, slots)
+    return compiled.shaped_launch(call, launch, (heads, count, dim), [(1, heads, count, dim)])
 
 
 compiled.on_disable("attention", _launcher.cache_clear)
@@ -92,7 +95,7 @@ def kernel_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows
     _, heads, count, dim = queries.shape
     base, lens = rows.arrays()
     run = _traced(queries.dtype, dim, heads, count, k_pool.shape[0], k_pool.shape[1])
-    return run(queries.squeeze(0), k_pool, v_pool, base, lens, scale_array(float(scale)))[0][None]
+    return run(queries, k_pool, v_pool, base, lens, scale_array(float(scale)))[0]
 
 
 def _smoke_test(dtype, dim: int) -> str | None:

@@ -1,0 +1,119 @@
+"""One-row plain steps of the 8B shape (bench/invariant_8b.py's model, KV pool, compiled passes)
+under several launch layouts, timed interleaved in one process: round after round, each layout
+one step in turn (the order rotating), so the lent machine's drift reaches every layout alike.
+Reports each layout's median step, its median ratio to mlx-lm's own step taken in the same
+rounds, and the graph's nodes.
+
+Layouts (each traced once while it is set up, then replayed):
+- `parts`: what the engine runs (sibling groups' one-row launches, kernels/custom/qmv_split_parts.py;
+  launches with no view nodes around them, compiled.shaped_launch);
+- `separate`: each sibling layer its own call (q, k, v through MLX's GEMV, gate and up each
+  through qmv_split);
+- `parts_views` / `separate_views`: the same with reshape and squeeze nodes around every
+  lockstep launch, as before session 23.
+
+    python bench/step_layouts.py [--weights nvfp4,bf16] [--rounds 40] [--layouts parts,separate]
+
+Measures and prints; asserts nothing.
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+
+from invariant_8b import HBM_BYTES_PER_S, build, context, trim, weight_bytes  # noqa: E402
+from op_count import ops  # noqa: E402
+from lockstep.kernels.batching.compiled_pass import CompiledPasses  # noqa: E402
+from lockstep.kernels.custom import attention, compiled, qmv_mma, qmv_mma_parts, qmv_split  # noqa: E402
+from lockstep.kernels.custom import qmv_split_parts, split_attention  # noqa: E402
+from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
+from lockstep.kernels.invariance.layers import uninstall  # noqa: E402
+from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
+
+LAYOUTS = ("parts", "separate", "parts_views", "separate_views")
+_SIZES_ARE_SCALARS = compiled.sizes_are_scalars
+
+
+def _forget_launches() -> None:
+    for cached in (qmv_split.launch_for, qmv_split_parts.launch_for, qmv_mma.launch_for, qmv_mma_parts.launch_for,
+                   split_attention._traced, attention._traced):
+        cached.cache_clear()
+
+
+def set_up(model, layout: str) -> None:
+    """Install lockstep's plain layers (L = 0) as `layout` has them."""
+    views = layout.endswith("_views")
+    compiled.sizes_are_scalars = (lambda call: False) if views else _SIZES_ARE_SCALARS
+    _forget_launches()
+    set_batch_invariant_limit(model, 0)
+    if layout.startswith("separate"):
+        for _, m in model.named_modules():
+            m.__dict__.pop("_siblings", None)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--weights", default="nvfp4,bf16")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--context", type=int, default=512)
+    a = ap.parse_args()
+    layouts = [s for s in a.layouts.split(",") if s in LAYOUTS]
+    print(f"backend {mx.default_device()}, MLX {mx.__version__}; one row, context {a.context}, "
+          f"{a.rounds} interleaved rounds")
+    for weights in a.weights.split(","):
+        model = build(weights, a.layers)
+        floor_ms = 1e3 * weight_bytes(model) / HBM_BYTES_PER_S
+        native_cache = context(model, a.context)
+        path = ModelRunner.as_engine_runs(model, "kernel")
+        pooled = context(model, a.context, path.new_cache(a.context + 1))
+        token = [11]
+        runs, nodes = {}, {}
+        for layout in layouts:
+            set_up(model, layout)
+            passes = CompiledPasses(model, path.kv_pool)
+            runs[layout] = (lambda p: lambda: p.logits([(pooled, token)]))(passes)
+            out = runs[layout]()  # traced now, under this layout
+            nodes[layout] = sum(ops(out).values())
+            mx.eval(out)
+            trim(pooled, 1)
+        compiled.sizes_are_scalars = _SIZES_ARE_SCALARS
+        _forget_launches()
+        uninstall(model)  # mlx-lm's own step: its classes, its caches (the traces above are kept)
+        runs["mlx-lm"] = lambda: model(mx.array([token]), cache=native_cache)[0]
+        caches = {name: pooled for name in layouts} | {"mlx-lm": native_cache}
+        out = runs["mlx-lm"]()
+        nodes["mlx-lm"] = sum(ops(out).values())
+        mx.eval(out)
+        trim(native_cache, 1)
+        names = ["mlx-lm"] + layouts
+        times = {name: [] for name in names}
+        for r in range(a.rounds + 1):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                start = time.perf_counter()
+                mx.eval(runs[name]())
+                elapsed = 1e3 * (time.perf_counter() - start)
+                trim(caches[name], 1)
+                if r:  # round 0 is a warm-up
+                    times[name].append(elapsed)
+        print(f"\n## {weights}: HBM floor {floor_ms:.2f} ms")
+        print("| layout | nodes | median ms | % of floor | median ÷ mlx-lm (paired rounds) |")
+        print("|---|---|---|---|---|")
+        for name in names:
+            ratio = statistics.median(t / n for t, n in zip(times[name], times["mlx-lm"]))
+            ms = statistics.median(times[name])
+            print(f"| {name} | {nodes[name]} | {ms:.2f} | {100 * floor_ms / ms:.1f} | {ratio:.3f} |")
+        del model, runs, native_cache, pooled, path
+        mx.clear_cache()
+
+
+if __name__ == "__main__":
+    main()
