@@ -1,18 +1,18 @@
 """One-row plain steps of the 8B shape (bench/invariant_8b.py's model, KV pool, compiled passes)
-under several launch layouts, timed interleaved in one process: round after round, each layout
-one step in turn (the order rotating), so the lent machine's drift reaches every layout alike.
-Reports each layout's median step, its median ratio to mlx-lm's own step taken in the same
-rounds, and the graph's nodes.
+under launch layouts, timed interleaved in one process: round after round, each layout one step
+in turn (the order rotating), so the lent machine's drift reaches every layout alike. Reports
+each layout's median step, its median ratio to mlx-lm's own step taken in the same rounds, the
+graph's nodes, and whether its logits equal the first layout's bit for bit.
 
 Layouts (each traced once while it is set up, then replayed):
-- `parts`: what the engine runs (sibling groups' one-row launches, kernels/custom/qmv_split_parts.py;
-  launches with no view nodes around them, compiled.shaped_launch);
-- `separate`: each sibling layer its own call (q, k, v through MLX's GEMV, gate and up each
-  through qmv_split);
-- `parts_views` / `separate_views`: the same with reshape and squeeze nodes around every
-  lockstep launch, as before session 23.
+- `lockstep`: what the engine runs (lockstep's launches with no view nodes around them,
+  compiled.shaped_launch);
+- `lockstep_views`: the same kernels with reshape and squeeze nodes around every lockstep
+  launch, as before session 23 (the same bits).
+Session 23 also measured one-row sibling launches (q/k/v and gate/up each as one qmv_split
+launch) this way: docs/BENCHMARKS.md.
 
-    python bench/step_layouts.py [--weights nvfp4,bf16] [--rounds 40] [--layouts parts,separate]
+    python bench/step_layouts.py [--weights nvfp4,bf16] [--rounds 40]
 
 Measures and prints; asserts nothing.
 """
@@ -30,19 +30,18 @@ import mlx.core as mx  # noqa: E402
 from invariant_8b import HBM_BYTES_PER_S, build, context, trim, weight_bytes  # noqa: E402
 from op_count import ops  # noqa: E402
 from lockstep.kernels.batching.compiled_pass import CompiledPasses  # noqa: E402
-from lockstep.kernels.custom import attention, compiled, qmv_mma, qmv_mma_parts, qmv_split  # noqa: E402
-from lockstep.kernels.custom import qmv_split_parts, split_attention  # noqa: E402
+from lockstep.kernels.custom import attention, compiled, qmv_mma, qmv_mma_parts, qmv_split, split_attention  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from lockstep.kernels.invariance.layers import uninstall  # noqa: E402
 from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
 
-LAYOUTS = ("parts", "separate", "parts_views", "separate_views")
+LAYOUTS = ("lockstep", "lockstep_views")
 _SIZES_ARE_SCALARS = compiled.sizes_are_scalars
 
 
 def _forget_launches() -> None:
-    for cached in (qmv_split.launch_for, qmv_split_parts.launch_for, qmv_mma.launch_for, qmv_mma_parts.launch_for,
-                   split_attention._traced, attention._traced):
+    for cached in (qmv_split.launch_for, qmv_mma.launch_for, qmv_mma_parts.launch_for, split_attention._traced,
+                   attention._traced):
         cached.cache_clear()
 
 
@@ -52,9 +51,6 @@ def set_up(model, layout: str) -> None:
     compiled.sizes_are_scalars = (lambda call: False) if views else _SIZES_ARE_SCALARS
     _forget_launches()
     set_batch_invariant_limit(model, 0)
-    if layout.startswith("separate"):
-        for _, m in model.named_modules():
-            m.__dict__.pop("_siblings", None)
 
 
 def main():
@@ -75,7 +71,8 @@ def main():
         path = ModelRunner.as_engine_runs(model, "kernel")
         pooled = context(model, a.context, path.new_cache(a.context + 1))
         token = [11]
-        runs, nodes = {}, {}
+        runs, nodes, same = {}, {}, {}
+        first = None
         for layout in layouts:
             set_up(model, layout)
             passes = CompiledPasses(model, path.kv_pool)
@@ -83,6 +80,8 @@ def main():
             out = runs[layout]()  # traced now, under this layout
             nodes[layout] = sum(ops(out).values())
             mx.eval(out)
+            first = out if first is None else first
+            same[layout] = mx.array_equal(out, first).item()
             trim(pooled, 1)
         compiled.sizes_are_scalars = _SIZES_ARE_SCALARS
         _forget_launches()
@@ -105,12 +104,12 @@ def main():
                 if r:  # round 0 is a warm-up
                     times[name].append(elapsed)
         print(f"\n## {weights}: HBM floor {floor_ms:.2f} ms")
-        print("| layout | nodes | median ms | % of floor | median ÷ mlx-lm (paired rounds) |")
-        print("|---|---|---|---|---|")
+        print(f"| layout | nodes | median ms | % of floor | median ÷ mlx-lm (paired rounds) | logits == {layouts[0]}'s |")
+        print("|---|---|---|---|---|---|")
         for name in names:
             ratio = statistics.median(t / n for t, n in zip(times[name], times["mlx-lm"]))
             ms = statistics.median(times[name])
-            print(f"| {name} | {nodes[name]} | {ms:.2f} | {100 * floor_ms / ms:.1f} | {ratio:.3f} |")
+            print(f"| {name} | {nodes[name]} | {ms:.2f} | {100 * floor_ms / ms:.1f} | {ratio:.3f} | {same.get(name, '')} |")
         del model, runs, native_cache, pooled, path
         mx.clear_cache()
 

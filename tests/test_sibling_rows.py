@@ -1,16 +1,15 @@
 """kernels/invariance/sibling_rows.py on a CPU, with a stand-in for the group launch
-(custom/qmv_mma_parts.py and qmv_split_parts.py run on CUDA only): which layers form groups,
-that the first sibling
+(custom/qmv_mma_parts.py runs on CUDA only): which layers form groups, that the first sibling
 called runs one launch for its group and each sibling gets its own part of it, which groups
-and calls take which launch (canonical calls at every width, plain calls of 1..32 rows), that the
+and calls take the launch (canonical calls at every width, plain calls of a few rows), that the
 startup self-test proves (or refuses) the launch like any other form, and that uninstalling
 gives the layers back. The launch's GPU agreement (each
-part equal to its layer's own call, bit for bit) is its smoke tests'."""
+part equal to its layer's own qmv_mma call, bit for bit) is its smoke test's."""
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from lockstep.kernels.custom import gemv_rows, qmv_mma_parts, qmv_split, qmv_split_parts, split_rows
+from lockstep.kernels.custom import gemv_rows, qmv_mma_parts, qmv_split, split_rows
 from lockstep.kernels.custom.precompile import instances_for, linear_shapes
 from lockstep.kernels.invariance import layers, set_batch_invariant_limit
 from lockstep.kernels.invariance.layers import batch_invariant, native_forms
@@ -130,12 +129,12 @@ def test_canonical_calls_of_any_width_and_plain_calls_of_a_few_take_the_launch(g
         return mx.quantized_matmul(x, layer["weight"], layer["scales"], None, transpose=True, **kw)
 
     few = rand(split_rows.PLAIN_ROWS, 128, seed=6, dtype=mx.bfloat16)
-    for x in (few, few[:1]):  # plain rows of a few, one plain row: the group's launch
-        calls.clear()
-        assert bits_equal(k(x), own(k, x)) and len(calls) == 1
-    wide = rand(split_rows.PLAIN_ROWS + 1, 128, seed=7, dtype=mx.bfloat16)
     calls.clear()
-    assert bits_equal(k(wide), mlx(k, wide)) and calls == []  # a wide plain call (a prompt chunk): the layer's own
+    assert bits_equal(k(few), own(k, few)) and len(calls) == 1  # plain rows of a few: the group's launch
+    for rows in (1, split_rows.PLAIN_ROWS + 1):  # one plain row, a wide plain call: the layer's own
+        x = rand(rows, 128, seed=rows, dtype=mx.bfloat16)
+        calls.clear()
+        assert bits_equal(k(x), mlx(k, x)) and calls == []
     set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
     with native_forms():  # a plain pass of a deployment with L > 0: as at L = 0
         calls.clear()
@@ -167,36 +166,15 @@ def test_a_group_launch_whose_rows_depend_on_the_width_is_refused(group_launch, 
 
 def test_groups_take_the_launch_only_where_every_part_runs_qmv_mma_alone(monkeypatch):
     monkeypatch.setattr(qmv_mma_parts, "unavailable_reason", lambda *_: None)  # as where its smoke test passed
-    for rows, canonical in ((2, False), (32, False), (1, True), (64, True)):
-        def take(ns, k, mode="nvfp4", bits=4, group=16, dtype=mx.bfloat16):
-            return split_rows.parts_kernel_for(ns, k, mode, bits, group, dtype, rows, canonical)
-        assert take((14336, 14336), 4096) is qmv_mma_parts  # an 8B's gate and up
-        assert take((4096, 1024, 1024), 4096) is None  # its k and v are small
-        assert take((4096, 4096, 4096), 4096, "affine", 4, 64, mx.float16) is qmv_mma_parts
-        assert take((14336, 14336), 4096, "mxfp8", 8, 32) is None  # not 4-bit
-        assert take((14336, 14336), 4000) is None  # K not in chunks of 128
-        assert take((4096, 14336), 4096) is None  # K split across 8 and 4 warps
+    take = split_rows.parts_kernel_for
+    assert take((14336, 14336), 4096, "nvfp4", 4, 16, mx.bfloat16) is qmv_mma_parts  # an 8B's gate and up
+    assert take((4096, 1024, 1024), 4096, "nvfp4", 4, 16, mx.bfloat16) is None  # its k and v are small
+    assert take((4096, 4096, 4096), 4096, "affine", 4, 64, mx.float16) is qmv_mma_parts
+    assert take((14336, 14336), 4096, "mxfp8", 8, 32, mx.bfloat16) is None  # not 4-bit
+    assert take((14336, 14336), 4000, "nvfp4", 4, 16, mx.bfloat16) is None  # K not in chunks of 128
+    assert take((4096, 14336), 4096, "nvfp4", 4, 16, mx.bfloat16) is None  # K split across 8 and 4 warps
     monkeypatch.setattr(qmv_mma_parts, "unavailable_reason", lambda *_: "its smoke test failed")
-    assert split_rows.parts_kernel_for((14336, 14336), 4096, "nvfp4", 4, 16, mx.bfloat16, 2, False) is None
-
-
-def test_one_plain_row_takes_a_qmv_split_launch_for_any_group_it_takes(monkeypatch):
-    monkeypatch.setattr(qmv_split_parts, "unavailable_reason", lambda *_: None)  # as where its smoke test passed
-    monkeypatch.setattr(qmv_mma_parts, "unavailable_reason", lambda *_: None)
-
-    def take(ns, k=4096, mode="nvfp4", bits=4, group=16, rows=1, canonical=False):
-        return split_rows.parts_kernel_for(ns, k, mode, bits, group, mx.bfloat16, rows, canonical)
-    assert take((4096, 1024, 1024)) is qmv_split_parts and take((14336, 14336)) is qmv_split_parts
-    assert take((576, 192, 192), 576, "affine", 4, 64) is qmv_split_parts  # small layers too
-    assert take((14336, 14336), canonical=True) is qmv_mma_parts  # canonical rows: qmv_mma's bits
-    assert take((4096, 1024, 1024), mode="mxfp8", bits=8, group=32) is None
-    assert take((4096, 1024, 1024), k=4100) is None  # K not in chunks of 32
-    assert split_rows.group_kernels((4096, 1024, 1024), 4096, "nvfp4", 4, 16, mx.bfloat16) == {qmv_split_parts}
-    assert split_rows.group_kernels((14336, 14336), 4096, "nvfp4", 4, 16, mx.bfloat16) == {qmv_split_parts,
-                                                                                            qmv_mma_parts}
-    monkeypatch.setattr(qmv_split_parts, "unavailable_reason", lambda *_: "its smoke test failed")
-    assert take((4096, 1024, 1024)) is None
-    assert not split_rows.group_kernels((4096, 1024, 1024), 4096, "nvfp4", 4, 16, mx.bfloat16)
+    assert take((14336, 14336), 4096, "nvfp4", 4, 16, mx.bfloat16) is None
 
 
 def test_without_a_launch_the_layers_stay_on_their_own(group_launch, plain_kernels, monkeypatch):
@@ -223,13 +201,13 @@ def test_groups_are_layers_of_one_parent_quantized_alike():
 def test_startup_lists_each_group_launch(group_launch, monkeypatch):
     group_launch(rows_alone)
     model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
-    shapes = [s for s in linear_shapes(model, dense="none") if s[3] == "sibling_parts"]
+    shapes = [s for s in linear_shapes(model, dense="none") if s[3] == "qmv_mma_parts"]
     attention = model.model.layers[0].self_attn
     widths = tuple(layer.weight.shape[0] for layer in (attention.q_proj, attention.k_proj, attention.v_proj))
-    assert (widths, 128, mx.bfloat16, "sibling_parts", 16, "nvfp4", 4) in shapes and len(shapes) == 2
+    assert (widths, 128, mx.bfloat16, "qmv_mma_parts", 16, "nvfp4", 4) in shapes and len(shapes) == 2
     monkeypatch.setattr(split_rows, "parts_kernel_for", lambda *_: None)
-    assert not [s for s in linear_shapes(model, dense="none") if s[3] == "sibling_parts"]
+    assert not [s for s in linear_shapes(model, dense="none") if s[3] == "qmv_mma_parts"]
     monkeypatch.setattr(split_rows, "parts_kernel_for", lambda *_: qmv_mma_parts)
     monkeypatch.setattr(qmv_mma_parts, "instances", lambda m, ns, *_: [("parts", m, ns)])
-    compiled = instances_for([(widths, 128, mx.bfloat16, "sibling_parts", 16, "nvfp4", 4)], range(1, 5))
+    compiled = instances_for([(widths, 128, mx.bfloat16, "qmv_mma_parts", 16, "nvfp4", 4)], range(1, 5))
     assert compiled == [("parts", m, widths) for m in (1, 2, 3, 4)]  # one row too: canonical rows take it

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import (attention, compiled, gemv_rows, qmv_mma, qmv_rows, qmv_split, skinny, split_attention,
+from . import (attention, compiled, gemv_rows, qmv_mma, qmv_mma_parts, qmv_rows, qmv_split, skinny, split_attention,
                split_rows)
 from .gemv_order import MAX_ROWS as GEMV_MAX_ROWS
 from .loop_order import MAX_ROWS as SKINNY_MAX_ROWS
@@ -30,10 +30,9 @@ from .qmv_order import weight_bits
 # through the skinny kernel, 1..64 rows; "qmv_rows": quantized rows of 2..64 in the order of
 # MLX's quantized GEMV (the shape carries group, mode and bits); "qmv_split": a large 4-bit
 # or middling 4-bit layer's rows of any count in lockstep's own kernels (group, mode and bits
-# as qmv_rows), the kernel split_rows.kernel_for picks at each width; "sibling_parts": a sibling
-# group's one launch (n: the parts' widths) at the widths split_rows.parts_take gives it, in
-# the kernel split_rows.parts_kernel_for picks at each.
-KINDS = ("gemv_rows", "skinny", "affine", "nvfp4", "qmv_rows", "qmv_split", "sibling_parts")
+# as qmv_rows), the kernel split_rows.kernel_for picks at each width; "qmv_mma_parts": a sibling
+# group's one launch (n: the parts' widths) at the widths split_rows.parts_take gives it.
+KINDS = ("gemv_rows", "skinny", "affine", "nvfp4", "qmv_rows", "qmv_split", "qmv_mma_parts")
 
 
 def instances_for(shapes: Iterable[tuple], widths: Iterable[int], *, attention_shapes=()) -> list:
@@ -54,12 +53,11 @@ def instances_for(shapes: Iterable[tuple], widths: Iterable[int], *, attention_s
                 out += [i for m in widths if 2 <= m <= GEMV_MAX_ROWS
                         for i in qmv_rows.instances(m, n, mode, bits, group, dtype, fused)]
             continue
-        if kind == "sibling_parts":
+        if kind == "qmv_mma_parts":
             mode, bits = rest[1], rest[2]
-            for m in widths:
-                for kernel in {split_rows.parts_kernel_for(n, k, mode, bits, group, dtype, m, canonical)
-                               for canonical in (True, False) if split_rows.parts_take(m, canonical)} - {None}:
-                    out += kernel.instances(m, n, k, mode, group, dtype)
+            if split_rows.parts_kernel_for(n, k, mode, bits, group, dtype) is not None:
+                out += [i for m in widths if any(split_rows.parts_take(m, canonical) for canonical in (True, False))
+                        for i in qmv_mma_parts.instances(m, n, k, mode, group, dtype)]
             continue
         if kind == "qmv_split":  # split_rows.kernel_for: which kernel each width runs
             mode = rest[1]
@@ -106,7 +104,7 @@ def linear_shapes(model, *, dense: str, quantized: str = "chunks", dtype=None) -
     """(n, k, x dtype, kind, group[, mode, bits]) of the model's linears (embeddings too: a
     tied head runs as one) whose rows the custom kernels take under these forms: dense
     "gemv_rows" / "skinny" (else no dense shapes), quantized "skinny" / "qmv_rows", and under
-    any form large 4-bit layers' "qmv_split" and sibling groups' "sibling_parts" (n: the
+    any form large 4-bit layers' "qmv_split" and sibling groups' "qmv_mma_parts" (n: the
     parts' widths). dtype: the activations' type for float-format layers (default: the
     model's first float parameter's)."""
     shapes = {}
@@ -130,6 +128,6 @@ def linear_shapes(model, *, dense: str, quantized: str = "chunks", dtype=None) -
     for layers in split_rows.sibling_groups(model):  # any form: their groups' launches
         ns, k, mode, bits, group = split_rows.group_shape(layers)
         x_dtype = layers[0].scales.dtype if mode == "affine" else activations
-        if split_rows.group_kernels(ns, k, mode, bits, group, x_dtype):
-            shapes[(ns, k, x_dtype, "sibling_parts", group, mode, bits)] = None
+        if split_rows.parts_kernel_for(ns, k, mode, bits, group, x_dtype) is not None:
+            shapes[(ns, k, x_dtype, "qmv_mma_parts", group, mode, bits)] = None
     return list(shapes)

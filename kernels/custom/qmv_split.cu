@@ -65,11 +65,9 @@ struct Chunk {
   T bias[C];
 };
 
-// The block's share of one layer: it is block `block` of `blocks` that take the layer's column
-// groups in turn (a whole launch for one layer; a share of one for a part of qmv_split_parts).
 template <typename T, int FMT, int GROUP, int C, int MR>
-__device__ void qmv_split_share(const T* x, const uint32_t* w, const T* scales_t, const uint8_t* scales_u8,
-                                const T* biases, T* y, int M, int N, int K, int block, int blocks) {
+__device__ void qmv_split(const T* x, const uint32_t* w, const T* scales_t, const uint8_t* scales_u8,
+                          const T* biases, T* y, int M, int N, int K) {
   using T2 = typename Pair<T>::type;
   constexpr int THREADS = 128;
   constexpr int WARPS = THREADS / 32;
@@ -84,12 +82,12 @@ __device__ void qmv_split_share(const T* x, const uint32_t* w, const T* scales_t
   const int chunks = K >> 5;
   const int rounds = (chunks + THREADS - 1) / THREADS;  // chunk rounds of one output
   const int groups = K / GROUP;
-  const int stride = blocks * C;
+  const int stride = gridDim.x * C;
   const T* xrow[MR];
 #pragma unroll
   for (int m = 0; m < MR; ++m) xrow[m] = x + (size_t)min(m0 + m, M - 1) * K;  // past M: never stored
 
-  // Steps (n0, r): the block's column groups n0 = block * C, + stride, ..., each in
+  // Steps (n0, r): the block's column groups n0 = blockIdx.x * C, + stride, ..., each in
   // rounds r of chunks; the next step's weights are loaded before this one's are used.
   auto load = [&](int n0, int r) {
     Chunk<T, C, SCALES> v;
@@ -113,7 +111,7 @@ __device__ void qmv_split_share(const T* x, const uint32_t* w, const T* scales_t
 #pragma unroll
     for (int c = 0; c < C; ++c) acc[m][c] = 0.0f;
 
-  int n0 = block * C, r = 0;
+  int n0 = blockIdx.x * C, r = 0;
   Chunk<T, C, SCALES> now = load(n0, r);
   T2 xv[MR][16];  // x's chunk of this step, kept in registers across steps of one round
   bool x_ready = false;
@@ -192,41 +190,6 @@ __device__ void qmv_split_share(const T* x, const uint32_t* w, const T* scales_t
     n0 = n1;
     r = r1;
   }
-}
-
-template <typename T, int FMT, int GROUP, int C, int MR>
-__device__ void qmv_split(const T* x, const uint32_t* w, const T* scales_t, const uint8_t* scales_u8,
-                          const T* biases, T* y, int M, int N, int K) {
-  qmv_split_share<T, FMT, GROUP, C, MR>(x, w, scales_t, scales_u8, biases, y, M, N, K, blockIdx.x, gridDim.x);
-}
-
-// Two or three layers of one K that read the same x (q, k, v; gate, up) in one launch, one
-// output each. The grid's blocks are dealt to the parts in proportion to their column groups
-// (at least one a part), and a block runs its part exactly as that layer's own launch would:
-// a column's order does not depend on which block computes it, so every part has its own
-// call's bits. N2 = 0: two parts.
-template <typename T, int FMT, int GROUP, int C, int MR>
-__device__ void qmv_split_parts(const T* x, int M, int K,
-                                const uint32_t* w0, const T* st0, const uint8_t* su0, const T* b0, T* y0, int N0,
-                                const uint32_t* w1, const T* st1, const uint8_t* su1, const T* b1, T* y1, int N1,
-                                const uint32_t* w2, const T* st2, const uint8_t* su2, const T* b2, T* y2, int N2) {
-  const int g0 = (N0 + C - 1) / C, g1 = (N1 + C - 1) / C, g2 = (N2 + C - 1) / C;
-  const int all = g0 + g1 + g2, grid = gridDim.x;
-  const int blocks2 = g2 > 0 ? max(1, (int)((long long)grid * g2 / all)) : 0;
-  const int blocks1 = max(1, (int)((long long)grid * g1 / all));
-  const int blocks0 = grid - blocks1 - blocks2;  // the launch has at least one block a part
-  // The part's arrays picked first, so that the block runs one inlined copy of the body.
-  int block = blockIdx.x, blocks = blocks0, N = N0;
-  const uint32_t* w = w0;
-  const T *st = st0, *b = b0;
-  const uint8_t* su = su0;
-  T* y = y0;
-  if (block >= blocks0 + blocks1) {
-    block -= blocks0 + blocks1, blocks = blocks2, N = N2, w = w2, st = st2, su = su2, b = b2, y = y2;
-  } else if (block >= blocks0) {
-    block -= blocks0, blocks = blocks1, N = N1, w = w1, st = st1, su = su1, b = b1, y = y1;
-  }
-  qmv_split_share<T, FMT, GROUP, C, MR>(x, w, st, su, b, y, M, N, K, block, blocks);
 }
 
 }  // namespace lockstep_qsplit

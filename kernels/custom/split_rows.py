@@ -14,17 +14,14 @@ rows and whether they are canonical. The one place that decides: the layers
 each where it was fastest on the H200 (docs/BENCHMARKS.md, sessions 16, 18, 20 and 21).
 
 Sibling layers (an attention block's q, k and v; an MLP's gate and up: they read the same x)
-run as parts of one launch:
-- `qmv_mma_parts` where each part is large enough to run `qmv_mma` on its own (an 8B's gate and
-  up, not its k and v): a part's bits are then its own call's, so canonical rows take the launch
-  at every width, and plain calls of 2..PLAIN_ROWS rows do. Per call it was as fast as the
-  separate launches on the H200, while a q/k/v launch (k and v in it) was slower than q's own
-  launch beside MLX's calls for k and v (docs/BENCHMARKS.md, session 19);
-- `qmv_split_parts` for one plain row of any group qmv_split takes (q, k and v included): one
-  launch where the step ran two or three (docs/BENCHMARKS.md, session 23)."""
+run as parts of one `qmv_mma_parts` launch where each part is large enough to run `qmv_mma` on
+its own (an 8B's gate and up, not its k and v): a part's bits are then its own call's, so
+canonical rows take the launch at every width, and plain calls of 2..PLAIN_ROWS rows do. Per
+call it was as fast as the separate launches on the H200, while a q/k/v launch (k and v in it)
+was slower than q's own launch beside MLX's calls for k and v (docs/BENCHMARKS.md, session 19)."""
 import mlx.nn as nn
 
-from . import qmv_mma, qmv_mma_parts, qmv_split, qmv_split_parts
+from . import qmv_mma, qmv_mma_parts, qmv_split
 
 # Layers of one parent that read the same x, in the order the parent calls them.
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -93,29 +90,16 @@ def group_shape(layers) -> tuple:
 
 def parts_take(rows: int, canonical: bool) -> bool:
     """Whether a call of this many rows runs its sibling group's launch (where one takes the
-    group, parts_kernel_for): canonical calls at every width (their parts' own kernel is
-    qmv_mma), plain calls of 1..PLAIN_ROWS rows (wider ones are prompt chunks: MLX's calls)."""
-    return canonical or 1 <= rows <= PLAIN_ROWS
+    group): canonical calls at every width (their parts' own kernel is qmv_mma), plain calls
+    of 2..PLAIN_ROWS rows (one plain row of a large layer runs qmv_split)."""
+    return canonical or 2 <= rows <= PLAIN_ROWS
 
 
-def parts_kernel_for(ns: tuple, k: int, mode: str, bits: int, group: int, dtype, rows: int, canonical: bool):
-    """The module whose one launch a call of `rows` rows of layers of widths ns (one K, one
-    quantization) runs, x of this dtype, or None (each layer its own path):
-    - one plain row: qmv_split_parts, where qmv_split takes the layers;
-    - else qmv_mma_parts where each part is large enough for qmv_mma on its own (so its rows
-      have that call's bits, which canonical rows run anyway)."""
-    if not qmv_split.takes(mode, bits, group):
-        return None
-    if rows == 1 and not canonical:
-        here = qmv_split_parts.takes_parts(ns) and k % 32 == 0
-        return qmv_split_parts if here and qmv_split_parts.unavailable_reason(mode, dtype) is None else None
-    if not (qmv_mma_parts.shares_order(ns, k) and k % qmv_mma.CHUNK == 0 and all(qmv_mma.pays(n, k) for n in ns)):
+def parts_kernel_for(ns: tuple, k: int, mode: str, bits: int, group: int, dtype):
+    """qmv_mma_parts where layers of widths ns (one K, one quantization) can run as one
+    launch for rows of this dtype: each part large enough for qmv_mma on its own (so its rows
+    have that call's bits, which canonical rows run anyway); else None."""
+    if not (qmv_split.takes(mode, bits, group) and qmv_mma_parts.shares_order(ns, k)
+            and k % qmv_mma.CHUNK == 0 and all(qmv_mma.pays(n, k) for n in ns)):
         return None
     return qmv_mma_parts if qmv_mma_parts.unavailable_reason(mode, dtype) is None else None
-
-
-def group_kernels(ns: tuple, k: int, mode: str, bits: int, group: int, dtype) -> set:
-    """Every module whose launch some call of the group runs (one plain row, a few plain rows,
-    canonical rows): empty where the group's layers always run alone."""
-    calls = ((1, False), (2, False), (1, True))
-    return {parts_kernel_for(ns, k, mode, bits, group, dtype, m, c) for m, c in calls} - {None}

@@ -1,13 +1,11 @@
 """Sibling 4-bit layers (an attention block's q, k and v; an MLP's gate and up) in one launch.
 
 mlx-lm's model files call the siblings in turn with the same x. The first one called runs
-the group's launch (custom/qmv_mma_parts.py or qmv_split_parts.py, chosen by
-custom/split_rows.py for the call's rows) and gets its
+the group's launch (custom/qmv_mma_parts.py, chosen by custom/split_rows.py) and gets its
 own part; the others, called next with the same x (the same array object), take theirs from
 that launch. The model files stay as they are, and no weight is held twice. A part's bits are
-its layer's own call's in that kernel (qmv_mma at every width; qmv_split for one plain row),
-so canonical and plain calls may both use it; custom/split_rows.py decides which groups and
-calls do.
+its layer's own qmv_mma call's at every width, so canonical and plain calls may both use it;
+custom/split_rows.py decides which groups and calls do.
 """
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ from .. import custom
 
 
 class SiblingRows:
-    """The launch shared by sibling layers, one per (x shape, x dtype, canonical); its parts handed out
+    """The launch shared by sibling layers, one per (x shape, x dtype); its parts handed out
     once each per x."""
 
     def __init__(self, layers: tuple, ns: tuple, k: int, mode: str, bits: int, group_size: int):
@@ -35,16 +33,16 @@ class SiblingRows:
         ns, k, mode, bits, group = custom.split_rows.group_shape(layers)
         scales_dtype = layers[0].scales.dtype
         dtypes = (scales_dtype,) if mode == "affine" else (mx.float16, mx.bfloat16)
-        if not any(custom.split_rows.group_kernels(ns, k, mode, bits, group, d) for d in dtypes):
+        if all(custom.split_rows.parts_kernel_for(ns, k, mode, bits, group, d) is None for d in dtypes):
             return None
         return cls(tuple(layers), ns, k, mode, bits, group)
 
-    def _launch(self, x: mx.array, canonical: bool):
-        key = (x.shape, x.dtype, canonical)
+    def _launch(self, x: mx.array):
+        key = (x.shape, x.dtype)
         launch = self.launches.get(key, False)
         if launch is False:
             kernel = custom.split_rows.parts_kernel_for(self.ns, self.k, self.mode, self.bits, self.group_size,
-                                                        x.dtype, math.prod(x.shape[:-1]), canonical)
+                                                        x.dtype)
             first = self.layers[0]
             biases = first.get("biases")
             launch = self.launches[key] = None if kernel is None else kernel.launch_for(
@@ -65,7 +63,7 @@ class SiblingRows:
             if all(part is None for part in entry[1]):
                 self._local.entry = None
             return y
-        launch = self._launch(x, canonical)
+        launch = self._launch(x)
         if launch is None:
             return None
         arrays = []
