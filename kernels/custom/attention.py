@@ -14,7 +14,7 @@ self-tests prove on the CPU). Either way a row's result does not depend on the o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import mlx.core as mx
 
@@ -129,13 +129,20 @@ def kernel_serves(queries: mx.array, k_pool: mx.array) -> bool:
     return pool_shapes_fit(queries, k_pool, kernel_takes)
 
 
+def run_on_pool(traced, queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows: PoolRows,
+                scale: float) -> mx.array:
+    """One launch of a pool attention kernel over all rows: `traced(dtype, dim, heads, rows,
+    kv_heads, slots)` gives the launch of its shape; queries (1, HQ, R, D) -> (1, HQ, R, D)."""
+    _, heads, count, dim = queries.shape
+    base, lens = rows.arrays()
+    run = traced(queries.dtype, dim, heads, count, k_pool.shape[0], k_pool.shape[1])
+    return run(queries, k_pool, v_pool, base, lens, scale_array(float(scale)))[0]
+
+
 def kernel_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows: PoolRows,
                      scale: float) -> mx.array:
     """All rows in one launch (the GPU kernel); queries (1, HQ, R, D) -> (1, HQ, R, D)."""
-    _, heads, count, dim = queries.shape
-    base, lens = rows.arrays()
-    run = _traced(backend(), queries.dtype, dim, heads, count, k_pool.shape[0], k_pool.shape[1])
-    return run(queries, k_pool, v_pool, base, lens, scale_array(float(scale)))[0]
+    return run_on_pool(partial(_traced, backend()), queries, k_pool, v_pool, rows, scale)
 
 
 def reference_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows: PoolRows,

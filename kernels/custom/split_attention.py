@@ -17,7 +17,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from . import compiled
-from .attention import PoolRows, pool_shapes_fit, reference_problem, scale_array, smoke_inputs
+from .attention import PoolRows, pool_shapes_fit, reference_problem, run_on_pool, smoke_inputs
 from .skinny import FLOAT_DTYPES, SOURCE_DIR, backend, compact_source
 
 WARPS = 16  # split_attention.cu's SPLIT_WARPS
@@ -92,10 +92,7 @@ def kernel_serves(queries: mx.array, k_pool: mx.array) -> bool:
 def kernel_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows: PoolRows,
                      scale: float) -> mx.array:
     """All rows in one launch; queries (1, HQ, R, D) -> (1, HQ, R, D)."""
-    _, heads, count, dim = queries.shape
-    base, lens = rows.arrays()
-    run = _traced(queries.dtype, dim, heads, count, k_pool.shape[0], k_pool.shape[1])
-    return run(queries, k_pool, v_pool, base, lens, scale_array(float(scale)))[0]
+    return run_on_pool(_traced, queries, k_pool, v_pool, rows, scale)
 
 
 def _smoke_test(dtype, dim: int) -> str | None:
