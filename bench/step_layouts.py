@@ -4,15 +4,29 @@ in turn (the order rotating), so the lent machine's drift reaches every layout a
 each layout's median step, its median ratio to mlx-lm's own step taken in the same rounds, the
 graph's nodes, and whether its logits equal the first layout's bit for bit.
 
+Each step is timed in three phases: build (the Python call that makes the graph), submit
+(`mx.async_eval`: MLX encodes every node into CUDA graphs and launches them; it returns once all
+are launched) and wait (until the device finishes). A wait near zero says the host is the
+bound: the device finished the last graph while the host was still encoding. --nodes prints
+each graph's nodes by primitive.
+
 Layouts (each traced once while it is set up, then replayed):
 - `lockstep`: what the engine runs (lockstep's launches with no view nodes around them,
-  compiled.shaped_launch);
+  compiled.shaped_launch; the pass handed to the device in parts, compiled_pass.handover_layers);
+- `lockstep_whole`: the same pass handed to the device whole (the engine before session 24);
 - `lockstep_views`: the same kernels with reshape and squeeze nodes around every lockstep
-  launch, as before session 23 (the same bits).
+  launch, as before session 23 (the same bits);
+- `lockstep_commits`: the pass handed over after the KV of each layer in --commit-at;
+- `lockstep_busy`: lockstep's step submitted while the device still runs ~10 ms of matmuls
+  enqueued just before (does the host encode slower while the device runs?).
 Session 23 also measured one-row sibling launches (q/k/v and gate/up each as one qmv_split
 launch) this way: docs/BENCHMARKS.md.
 
-    python bench/step_layouts.py [--weights nvfp4,bf16] [--rounds 40]
+--requests N: a pass of N requests of one row each (the engine's decode pass for N streams),
+each after its own context; mlx-lm's own step is only timed for one request, so wider passes
+give ratios to the first layout.
+
+    python bench/step_layouts.py [--weights nvfp4,bf16] [--rounds 40] [--requests 1]
 
 Measures and prints; asserts nothing.
 """
@@ -35,7 +49,7 @@ from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from lockstep.kernels.invariance.layers import uninstall  # noqa: E402
 from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
 
-LAYOUTS = ("lockstep", "lockstep_views")
+LAYOUTS = ("lockstep", "lockstep_whole", "lockstep_views", "lockstep_commits", "lockstep_busy")
 _SIZES_ARE_SCALARS = compiled.sizes_are_scalars
 
 
@@ -60,6 +74,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--nodes", action="store_true", help="print each graph's nodes by primitive")
+    ap.add_argument("--commit-at", default="28,30,31", help="lockstep_commits: layers whose KV is handed over first")
+    ap.add_argument("--requests", type=int, default=1)
     a = ap.parse_args()
     layouts = [s for s in a.layouts.split(",") if s in LAYOUTS]
     print(f"backend {mx.default_device()}, MLX {mx.__version__}; one row, context {a.context}, "
@@ -69,47 +86,77 @@ def main():
         floor_ms = 1e3 * weight_bytes(model) / HBM_BYTES_PER_S
         native_cache = context(model, a.context)
         path = ModelRunner.as_engine_runs(model, "kernel")
-        pooled = context(model, a.context, path.new_cache(a.context + 1))
+        pooled = [context(model, a.context, path.new_cache(a.context + 1), seed=1 + i) for i in range(a.requests)]
         token = [11]
         runs, nodes, same = {}, {}, {}
+        handover = {"lockstep_whole": (), "lockstep_commits": tuple(int(i) for i in a.commit_at.split(",") if i)}
+        big = mx.random.normal((8192, 8192)).astype(mx.bfloat16)
+        mx.eval(big)
+
+        def busy():
+            y = big
+            for _ in range(8):
+                y = y @ big
+            mx.async_eval(y)
+
+        before = {"lockstep_busy": busy}
         first = None
         for layout in layouts:
             set_up(model, layout)
             passes = CompiledPasses(model, path.kv_pool)
-            runs[layout] = (lambda p: lambda: p.logits([(pooled, token)]))(passes)
+            passes.handover_layers = handover.get(layout, passes.handover_layers)
+            runs[layout] = (lambda p: lambda: p.logits([(cache, token) for cache in pooled]))(passes)
             out = runs[layout]()  # traced now, under this layout
-            nodes[layout] = sum(ops(out).values())
+            kinds = ops(out)
+            nodes[layout] = sum(kinds.values())
+            if a.nodes:
+                print(f"{weights} {layout} nodes: {dict(kinds.most_common())}")
             mx.eval(out)
             first = out if first is None else first
             same[layout] = mx.array_equal(out, first).item()
-            trim(pooled, 1)
+            for cache in pooled:
+                trim(cache, 1)
         compiled.sizes_are_scalars = _SIZES_ARE_SCALARS
         _forget_launches()
         uninstall(model)  # mlx-lm's own step: its classes, its caches (the traces above are kept)
         runs["mlx-lm"] = lambda: model(mx.array([token]), cache=native_cache)[0]
-        caches = {name: pooled for name in layouts} | {"mlx-lm": native_cache}
+        caches = {name: pooled for name in layouts} | {"mlx-lm": [native_cache]}
         out = runs["mlx-lm"]()
-        nodes["mlx-lm"] = sum(ops(out).values())
+        kinds = ops(out)
+        nodes["mlx-lm"] = sum(kinds.values())
+        if a.nodes:
+            print(f"{weights} mlx-lm nodes: {dict(kinds.most_common())}")
         mx.eval(out)
         trim(native_cache, 1)
-        names = ["mlx-lm"] + layouts
+        names = (["mlx-lm"] if a.requests == 1 else []) + layouts
         times = {name: [] for name in names}
+        phases = {name: [] for name in names}
         for r in range(a.rounds + 1):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
+                before.get(name, lambda: None)()
                 start = time.perf_counter()
-                mx.eval(runs[name]())
-                elapsed = 1e3 * (time.perf_counter() - start)
-                trim(caches[name], 1)
+                out = runs[name]()
+                built = time.perf_counter()
+                mx.async_eval(out)
+                submitted = time.perf_counter()
+                mx.eval(out)
+                done = time.perf_counter()
+                for cache in caches[name]:
+                    trim(cache, 1)
                 if r:  # round 0 is a warm-up
-                    times[name].append(elapsed)
+                    times[name].append(1e3 * (done - start))
+                    phases[name].append((1e3 * (built - start), 1e3 * (submitted - built), 1e3 * (done - submitted)))
         print(f"\n## {weights}: HBM floor {floor_ms:.2f} ms")
-        print(f"| layout | nodes | median ms | % of floor | median ÷ mlx-lm (paired rounds) | logits == {layouts[0]}'s |")
-        print("|---|---|---|---|---|---|")
+        print(f"| layout | nodes | median ms | build / submit / wait ms (medians) | % of floor "
+              f"| median ÷ {names[0]} (paired rounds) | logits == {layouts[0]}'s |")
+        print("|---|---|---|---|---|---|---|")
         for name in names:
-            ratio = statistics.median(t / n for t, n in zip(times[name], times["mlx-lm"]))
+            ratio = statistics.median(t / n for t, n in zip(times[name], times[names[0]]))
             ms = statistics.median(times[name])
-            print(f"| {name} | {nodes[name]} | {ms:.2f} | {100 * floor_ms / ms:.1f} | {ratio:.3f} | {same.get(name, '')} |")
+            split = " / ".join(f"{statistics.median(p[i] for p in phases[name]):.2f}" for i in range(3))
+            print(f"| {name} | {nodes[name]} | {ms:.2f} | {split} | {100 * floor_ms / ms:.1f} | {ratio:.3f} "
+                  f"| {same.get(name, '')} |")
         del model, runs, native_cache, pooled, path
         mx.clear_cache()
 
