@@ -10,23 +10,30 @@ are launched) and wait (until the device finishes). A wait near zero says the ho
 bound: the device finished the last graph while the host was still encoding. --nodes prints
 each graph's nodes by primitive.
 
+--pipelined K: each sample is K steps in a row, each built and submitted before the one before
+it is waited for (as mlx-lm's generate loop runs its steps: `mx.async_eval` of the next step,
+then the current token), reported per step. The host's building then overlaps the device's
+work, so a step costs the larger of the two.
+
 Layouts (each traced once while it is set up, then replayed):
 - `lockstep`: what the engine runs (lockstep's launches with no view nodes around them,
-  compiled.shaped_launch; the pass handed to the device in parts, compiled_pass.handover_layers);
-- `lockstep_whole`: the same pass handed to the device whole (the engine before session 24);
+  compiled.shaped_launch);
 - `lockstep_views`: the same kernels with reshape and squeeze nodes around every lockstep
   launch, as before session 23 (the same bits);
-- `lockstep_commits`: the pass handed over after the KV of each layer in --commit-at;
+- `lockstep_commits`: lockstep's pass handed to the device in parts: `mx.async_eval` of the
+  pool's keys and values of each layer in --commit-at, then of the logits (each ends a CUDA
+  graph, so the graph left after the host's last launch is short);
 - `lockstep_busy`: lockstep's step submitted while the device still runs ~10 ms of matmuls
   enqueued just before (does the host encode slower while the device runs?).
 Session 23 also measured one-row sibling launches (q/k/v and gate/up each as one qmv_split
-launch) this way: docs/BENCHMARKS.md.
+launch) this way, session 24 the hand-over in parts inside the engine's compiled pass (commit
+a1383b3): docs/BENCHMARKS.md.
 
 --requests N: a pass of N requests of one row each (the engine's decode pass for N streams),
 each after its own context; mlx-lm's own step is only timed for one request, so wider passes
 give ratios to the first layout.
 
-    python bench/step_layouts.py [--weights nvfp4,bf16] [--rounds 40] [--requests 1]
+    python bench/step_layouts.py [--weights nvfp4,bf16] [--rounds 40] [--requests 1] [--pipelined 1]
 
 Measures and prints; asserts nothing.
 """
@@ -49,7 +56,7 @@ from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from lockstep.kernels.invariance.layers import uninstall  # noqa: E402
 from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
 
-LAYOUTS = ("lockstep", "lockstep_whole", "lockstep_views", "lockstep_commits", "lockstep_busy")
+LAYOUTS = ("lockstep", "lockstep_views", "lockstep_commits", "lockstep_busy")
 _SIZES_ARE_SCALARS = compiled.sizes_are_scalars
 
 
@@ -75,21 +82,27 @@ def main():
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--nodes", action="store_true", help="print each graph's nodes by primitive")
-    ap.add_argument("--commit-at", default="28,30,31", help="lockstep_commits: layers whose KV is handed over first")
+    ap.add_argument("--commit-at", default="24,28,30", help="lockstep_commits: layers whose KV is handed over first")
     ap.add_argument("--requests", type=int, default=1)
+    ap.add_argument("--pipelined", default="1", metavar="K[,K...]", help="steps a sample, each submitted before "
+                    "the previous one is waited for (a table for each K)")
     a = ap.parse_args()
     layouts = [s for s in a.layouts.split(",") if s in LAYOUTS]
-    print(f"backend {mx.default_device()}, MLX {mx.__version__}; one row, context {a.context}, "
-          f"{a.rounds} interleaved rounds")
+    ks = [int(k) for k in a.pipelined.split(",")]
+    print(f"backend {mx.default_device()}, MLX {mx.__version__}; {a.requests} request(s) of one row, context "
+          f"{a.context}, {a.rounds} interleaved rounds")
     for weights in a.weights.split(","):
         model = build(weights, a.layers)
         floor_ms = 1e3 * weight_bytes(model) / HBM_BYTES_PER_S
         native_cache = context(model, a.context)
         path = ModelRunner.as_engine_runs(model, "kernel")
-        pooled = [context(model, a.context, path.new_cache(a.context + 1), seed=1 + i) for i in range(a.requests)]
+        pooled = [context(model, a.context, path.new_cache(a.context + max(ks)), seed=1 + i) for i in range(a.requests)]
         token = [11]
         runs, nodes, same = {}, {}, {}
-        handover = {"lockstep_whole": (), "lockstep_commits": tuple(int(i) for i in a.commit_at.split(",") if i)}
+        pool = path.kv_pool
+        commit_at = [int(i) for i in a.commit_at.split(",") if i]
+        submit = {"lockstep_commits": lambda out: [mx.async_eval(pool.keys[i], pool.values[i]) for i in commit_at]
+                  + [mx.async_eval(out)]}
         big = mx.random.normal((8192, 8192)).astype(mx.bfloat16)
         mx.eval(big)
 
@@ -104,7 +117,6 @@ def main():
         for layout in layouts:
             set_up(model, layout)
             passes = CompiledPasses(model, path.kv_pool)
-            passes.handover_layers = handover.get(layout, passes.handover_layers)
             runs[layout] = (lambda p: lambda: p.logits([(cache, token) for cache in pooled]))(passes)
             out = runs[layout]()  # traced now, under this layout
             kinds = ops(out)
@@ -129,34 +141,44 @@ def main():
         mx.eval(out)
         trim(native_cache, 1)
         names = (["mlx-lm"] if a.requests == 1 else []) + layouts
-        times = {name: [] for name in names}
-        phases = {name: [] for name in names}
-        for r in range(a.rounds + 1):
-            order = names[r % len(names):] + names[:r % len(names)]
-            for name in order:
-                before.get(name, lambda: None)()
-                start = time.perf_counter()
-                out = runs[name]()
-                built = time.perf_counter()
-                mx.async_eval(out)
-                submitted = time.perf_counter()
-                mx.eval(out)
-                done = time.perf_counter()
-                for cache in caches[name]:
-                    trim(cache, 1)
-                if r:  # round 0 is a warm-up
-                    times[name].append(1e3 * (done - start))
-                    phases[name].append((1e3 * (built - start), 1e3 * (submitted - built), 1e3 * (done - submitted)))
-        print(f"\n## {weights}: HBM floor {floor_ms:.2f} ms")
-        print(f"| layout | nodes | median ms | build / submit / wait ms (medians) | % of floor "
-              f"| median ÷ {names[0]} (paired rounds) | logits == {layouts[0]}'s |")
-        print("|---|---|---|---|---|---|---|")
-        for name in names:
-            ratio = statistics.median(t / n for t, n in zip(times[name], times[names[0]]))
-            ms = statistics.median(times[name])
-            split = " / ".join(f"{statistics.median(p[i] for p in phases[name]):.2f}" for i in range(3))
-            print(f"| {name} | {nodes[name]} | {ms:.2f} | {split} | {100 * floor_ms / ms:.1f} | {ratio:.3f} "
-                  f"| {same.get(name, '')} |")
+        for k in ks:
+            times = {name: [] for name in names}
+            phases = {name: [] for name in names}
+            for r in range(a.rounds + 1):
+                order = names[r % len(names):] + names[:r % len(names)]
+                for name in order:
+                    before.get(name, lambda: None)()
+                    building = submitting = 0.0
+                    start = time.perf_counter()
+                    previous = None
+                    for _ in range(k):
+                        t0 = time.perf_counter()
+                        out = runs[name]()
+                        t1 = time.perf_counter()
+                        submit.get(name, mx.async_eval)(out)
+                        t2 = time.perf_counter()
+                        building, submitting = building + t1 - t0, submitting + t2 - t1
+                        if previous is not None:
+                            mx.eval(previous)
+                        previous = out
+                    mx.eval(previous)
+                    total = time.perf_counter() - start
+                    for cache in caches[name]:
+                        trim(cache, k)
+                    if r:  # round 0 is a warm-up
+                        times[name].append(1e3 * total / k)
+                        waiting = total - building - submitting
+                        phases[name].append(tuple(1e3 * t / k for t in (building, submitting, waiting)))
+            print(f"\n## {weights}: HBM floor {floor_ms:.2f} ms" + (f"; {k} steps pipelined a sample" if k > 1 else ""))
+            print(f"| layout | nodes | median ms a step | build / submit / wait ms (medians) | % of floor "
+                  f"| median ÷ {names[0]} (paired rounds) | logits == {layouts[0]}'s |")
+            print("|---|---|---|---|---|---|---|")
+            for name in names:
+                ratio = statistics.median(t / n for t, n in zip(times[name], times[names[0]]))
+                ms = statistics.median(times[name])
+                split = " / ".join(f"{statistics.median(p[i] for p in phases[name]):.2f}" for i in range(3))
+                print(f"| {name} | {nodes[name]} | {ms:.2f} | {split} | {100 * floor_ms / ms:.1f} | {ratio:.3f} "
+                      f"| {same.get(name, '')} |")
         del model, runs, native_cache, pooled, path
         mx.clear_cache()
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from lockstep.kernels.batching import compiled_pass
-from lockstep.kernels.batching.compiled_pass import CompiledPasses, NotCompilable, handover_layers, unavailable_reason
+from lockstep.kernels.batching.compiled_pass import CompiledPasses, NotCompilable, unavailable_reason
 from lockstep.kernels.batching.kv_pool import KVPool
 from lockstep.kernels.batching.ragged import enable_ragged, ragged_logits
 from lockstep.server.engine.deployment import Deployment
@@ -73,33 +73,6 @@ def test_each_row_count_is_traced_once(model):
         mx.eval(passes.logits([(caches[i], rows) for i, rows in members]))
     # row counts 1, 5, 1, 2: the third pass replays the first one's trace
     assert passes.traces == 3
-
-
-def test_handover_layers_end_graphs_late_in_the_pass():
-    assert handover_layers(32) == (24, 28, 30)
-    assert handover_layers(30) == (22, 26, 28)
-    assert handover_layers(2) == (1,)
-    assert handover_layers(1) == ()
-
-
-def test_a_pass_hands_its_late_layers_kv_to_the_device_before_returning_its_logits(model, monkeypatch):
-    pool = KVPool(model, 128)
-    caches = prefilled(model, pool)
-    passes = CompiledPasses(model, pool)
-    assert passes.handover_layers == handover_layers(pool.layers) == (1,)
-    started, async_eval = [], mx.async_eval
-
-    def spy(*arrays):
-        started.append(arrays)
-        async_eval(*arrays)
-
-    monkeypatch.setattr(compiled_pass.mx, "async_eval", spy)
-    logits = passes.logits([(caches[0], [11]), (caches[1], [12])])
-    # the pass's own KV of that layer (the arrays the pool now holds), before anything else
-    assert len(started) == 1 and started[0][0] is pool.keys[1] and started[0][1] is pool.values[1]
-    passes.handover_layers = ()
-    mx.eval(logits, passes.logits([(caches[0], [13])]))
-    assert len(started) == 1
 
 
 def test_a_pool_grown_between_passes_is_traced_at_its_new_size(model):

@@ -13,13 +13,6 @@ one compiled call that rebuilds the same graph in MLX's C++.
 Every row's KV is written with `put_along_axis`, never a slice at an array start: MLX's CUDA
 backend runs that (DynamicSliceUpdate) as several launches (docs/BENCHMARKS.md, session 17).
 
-A pass reaches the device in parts (`handover_layers`): MLX encodes a graph's nodes on the host
-and launches them as CUDA graphs of a fixed number of nodes (MLX_MAX_OPS_PER_BUFFER), and a
-pass of one decode row is bound by that host work, not by the device. The device then finishes each graph before the host has encoded
-the next, and what is left after the host's last launch is the last graph's work: a few layers
-and the head. Handing the KV of a few late layers to the device first (`mx.async_eval`) ends a
-CUDA graph there, so the last graph is short. The ops are the same, so are the bits.
-
 A pass is traced under the forms it runs with, and each kind keeps its own traces: plain
 (`native_forms`, the engine's passes of non-deterministic rows) or canonical
 (`calls_in_blocks` under the model's installed setting, the engine's deterministic passes).
@@ -82,12 +75,6 @@ class NotCompilable(RuntimeError):
     """The pass cannot be traced (it would freeze a Python value); it runs op by op."""
 
 
-def handover_layers(layers: int) -> tuple[int, ...]:
-    """The layers whose KV a pass of a `layers`-deep model hands to the device before its logits:
-    at 3/4, 7/8 and 15/16 of the depth (24, 28, 30 of 32)."""
-    return tuple(sorted({layers * f // 16 for f in (12, 14, 15)} - {0}))
-
-
 def unavailable_reason(pool) -> str | None:
     """Why passes over this pool cannot be compiled here (None: they can)."""
     if pool is None:
@@ -108,7 +95,6 @@ class CompiledPasses:
         self.model = model
         self.pool = pool
         self.traces = 0  # how many passes were traced (each trace runs the model's Python once)
-        self.handover_layers = handover_layers(pool.layers)
         self.forget()
 
     def forget(self) -> None:
@@ -138,16 +124,13 @@ class CompiledPasses:
         """Logits (rows, vocab) of one ragged pass over pooled caches, the requests' rows end to
         end, as `ragged_logits` gives them under `native_forms` (canonical: under
         `calls_in_blocks`); each request's caches advance and the pool holds the pass's keys and
-        values. The device has started on the pass up to its `handover_layers`' KV writes.
-        Raises NotCompilable (nothing written) where the pass cannot be traced."""
+        values. Raises NotCompilable (nothing written) where the pass cannot be traced."""
         rows, tokens, positions = pass_inputs(requests)
         where = PooledPass([cache[0] for cache, _ in requests], rows)  # checks each request's room
         base, lens = where.rows.arrays()
         logits, keys, values = self._runs[canonical](tokens, positions, where.slots, base, lens,
                                                      self.pool.keys, self.pool.values)
         self.pool.keys[:], self.pool.values[:] = keys, values
-        for layer in self.handover_layers:
-            mx.async_eval(keys[layer], values[layer])
         for (cache, _), n in zip(requests, rows):
             for layer in cache:
                 layer.offset += n
