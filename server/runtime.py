@@ -79,6 +79,8 @@ class Options:
     async_eval_layers: int = 0
     # Plain decode passes over the pool's kernel as one compiled call per row count.
     compiled_passes: bool = True
+    # The next compiled decode pass built while the device runs this one (model_runner.py).
+    decode_ahead: bool = True
 
 
 def seconds_since_process_start() -> float:
@@ -328,7 +330,8 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
                     prefill_chunk=options.prefill_chunk, adaptive_draft_tokens=options.adaptive_speculation,
                     kv_pool=kv_pool, async_eval_layers=options.async_eval_layers,
                     # a distributed model's passes hold its collectives: they are built op by op
-                    compiled_passes=options.compiled_passes and options.prepare_model is None)
+                    compiled_passes=options.compiled_passes and options.prepare_model is None,
+                    decode_ahead=options.decode_ahead)
     unproven = InstalledInvariance(limit, "native" if not limit else PENDING_STRATEGY, str(mx.default_device()),
                                    False, "off (L = 0)" if not limit else "being proven")
     runtime = Runtime(loaded, Deployment(fingerprint=_fingerprint(loaded, transform, unproven, options, kv_pool),

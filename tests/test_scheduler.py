@@ -247,10 +247,10 @@ def test_on_l0_a_deterministic_request_runs_in_passes_of_its_own_beside_others(t
     mixed = []
     original = ModelRunner.decode
 
-    def recording(self, decode_pass):
+    def recording(self, decode_pass, **kwargs):
         kinds = [slot.state.determinism for slot, _ in decode_pass.members]
         mixed.append("alone" in kinds and len(kinds) > 1)
-        return original(self, decode_pass)
+        return original(self, decode_pass, **kwargs)
 
     monkeypatch.setattr(ModelRunner, "decode", recording)
     seeded = SamplingParams(temperature=0.8, seed=5, top_logprobs=2)

@@ -120,12 +120,20 @@ class CompiledPasses:
         logits = self.model(tokens, cache=caches).squeeze(0)
         return logits, pool.keys, pool.values
 
-    def logits(self, requests: list[tuple[list, list[int]]], *, canonical: bool = False) -> mx.array:
+    def logits(self, requests: list[tuple[list, list[int]]], *, canonical: bool = False,
+               tokens: mx.array | None = None) -> mx.array:
         """Logits (rows, vocab) of one ragged pass over pooled caches, the requests' rows end to
         end, as `ragged_logits` gives them under `native_forms` (canonical: under
         `calls_in_blocks`); each request's caches advance and the pool holds the pass's keys and
-        values. Raises NotCompilable (nothing written) where the pass cannot be traced."""
-        rows, tokens, positions = pass_inputs(requests)
+        values. `tokens`: the pass's (1, rows) int32 tokens as an array (still on the device),
+        in place of the requests' own (then only their counts are read). Raises NotCompilable
+        (nothing written) where the pass cannot be traced."""
+        rows, given, positions = pass_inputs(requests)
+        if tokens is None:
+            tokens = given
+        elif tokens.shape != given.shape or tokens.dtype != mx.int32:
+            raise ValueError(f"a pass of {given.shape[1]} rows takes (1, {given.shape[1]}) int32 tokens, "
+                             f"got {tokens.shape} {tokens.dtype}")
         where = PooledPass([cache[0] for cache, _ in requests], rows)  # checks each request's room
         base, lens = where.rows.arrays()
         logits, keys, values = self._runs[canonical](tokens, positions, where.slots, base, lens,

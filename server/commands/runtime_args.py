@@ -105,6 +105,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         **({"max_batch_rows": args.max_batch_rows} if getattr(args, "max_batch_rows", None) else {}),
         async_eval_layers=getattr(args, "async_eval_layers", 0),
         compiled_passes=getattr(args, "compiled_passes", "on") == "on",
+        decode_ahead=getattr(args, "decode_ahead", "on") == "on",
     )
 
 

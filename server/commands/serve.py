@@ -45,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plain decode passes over the KV pool's kernel run as one compiled call per "
                              "row count instead of being built op by op (on, the default; off with "
                              "--parallel or --async-eval-layers)")
+    parser.add_argument("--decode-ahead", choices=("on", "off"), default="on",
+                        help="while the device runs a compiled decode pass, build the next one on its "
+                             "tokens still on the device, where every request's next row is known "
+                             "there (no drafts, no logits processors): the same passes, the same bits "
+                             "(on, the default)")
     parser.add_argument("--max-kv-tokens", type=int, default=None,
                         help="KV cache budget in tokens: requests are admitted while their prompt + "
                              "max_tokens fit, the rest queue (default: half the memory MLX may still "

@@ -32,7 +32,7 @@ from lockstep.server.engine.prefix_cache import PrefixCache, copy_prefix
 from lockstep.server.engine.sampling import SamplingParams
 from lockstep.server.engine.stops import IncrementalDecoder, StopTextStream
 from lockstep.server.engine.speculative import never
-from lockstep.server.engine.token_steps import SpeculationStats, make_source
+from lockstep.server.engine.token_steps import PlainSource, SpeculationStats, make_source
 
 
 @dataclass(frozen=True)
@@ -234,11 +234,26 @@ class RequestState:
         `room` of them when the engine says the pass is nearly full."""
         return self.source.rows(room)
 
-    def presample(self, logits: mx.array):
+    def presample(self, logits: mx.array, ahead: int = 0):
         """Sampling for the pass's rows built lazily, for the engine to compute together with
-        other requests' (a server.engine.sampling.PendingSample), or None."""
+        other requests' (a server.engine.sampling.PendingSample), or None. `ahead`: for the
+        row after the next one (`decodes_ahead`)."""
         presample = getattr(self.source, "presample", None)
-        return presample(logits) if presample is not None else None
+        return presample(logits, ahead) if presample is not None else None
+
+    def decodes_ahead(self) -> bool:
+        """Whether this request's next row may run before the token of the pass now running
+        reaches the host (server/engine/model_runner.py): one token a pass, chosen on the device."""
+        return isinstance(self.source, PlainSource) and self.source.chooses_on_device and not self.finished
+
+    @property
+    def at_last_token(self) -> bool:
+        """The pass now running chooses this request's last token (max_tokens): no row follows."""
+        return self.generated + 1 >= self.max_new_tokens
+
+    def next_input(self, argmax: mx.array, pending) -> mx.array:
+        """The token this pass chooses, as a (1,) array: the next row's input (`decodes_ahead`)."""
+        return self.source.chosen(argmax, pending)
 
     def take(self, logits: mx.array, argmax: list[int] | None = None, sampled=None) -> list[Delta]:
         """The pass's logits rows for rows() -> Deltas to send (the last one may finish);

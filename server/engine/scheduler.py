@@ -261,7 +261,11 @@ class Scheduler:
             groups = compose_passes(demands, self.shared_rows, self.max_batch_rows)
         else:
             groups = [[d] for d in demands]
-        return SchedulerOutput(passes=[DecodePass([d.owner for d in group]) for group in groups])
+        # The same requests decode in one pass next step unless one joins: nothing prefills, and no
+        # waiting request gets the room of one finishing at its last token now.
+        steady = (len(groups) == 1 and not any(s.state.prefilling for s in self.active)
+                  and not (self.waiting and any(getattr(s.state, "at_last_token", False) for s in decoding)))
+        return SchedulerOutput(passes=[DecodePass([d.owner for d in group]) for group in groups], decode_ahead=steady)
 
     # ----------------------------------------------------------------------- update
 

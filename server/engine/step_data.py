@@ -33,6 +33,9 @@ class SchedulerOutput:
     prefill_alone: list = field(default_factory=list)  # slots whose next prompt chunk runs in a pass of its own
     prefill_shared: list = field(default_factory=list)  # slots whose next target chunks share one pass
     passes: list[DecodePass] = field(default_factory=list)
+    # The scheduler expects the same requests to decode in one pass next step (nothing waits
+    # or prefills to join them): the runner may build that pass ahead (model_runner.py).
+    decode_ahead: bool = False
 
     @property
     def empty(self) -> bool:

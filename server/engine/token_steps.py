@@ -78,12 +78,25 @@ class PlainSource:
     def rows(self, room: int | None = None) -> list[int]:
         return [self.context[-1]]
 
-    def presample(self, logits: mx.array) -> PendingSample | None:
+    def presample(self, logits: mx.array, ahead: int = 0) -> PendingSample | None:
         """The sampling `take` would do for `logits`, built lazily so the engine can compute
-        it together with other requests' (None: nothing to build: greedy, or processors)."""
+        it together with other requests' (None: nothing to build: greedy, or processors).
+        `ahead`: for a row that many tokens past the one `take` chooses next."""
         if fast_argmax(self.params) or self.processors is not None:
             return None
-        return sample_pending(logits, [len(self.context)], self.params)
+        return sample_pending(logits, [len(self.context) + ahead], self.params)
+
+    @property
+    def chooses_on_device(self) -> bool:
+        """Whether `take` chooses from arrays alone (the pass's argmax, or `presample`'s),
+        so the token is known on the device before it reaches the host."""
+        return self.processors is None
+
+    @staticmethod
+    def chosen(argmax: mx.array, pending: PendingSample | None) -> mx.array:
+        """The token `take(logits, argmax, pending)` chooses, as a (1,) array (a
+        `chooses_on_device` source): `argmax` is the row's argmax."""
+        return argmax if pending is None else pending.tokens
 
     def take(self, logits: mx.array, argmax: list[int] | None = None,
              pending: PendingSample | None = None) -> list[Step]:

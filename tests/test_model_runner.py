@@ -1,0 +1,155 @@
+"""The model runner's decoding ahead (server/engine/model_runner.py): the next compiled decode
+pass built on the tokens of the one still running, taken over when exactly its requests
+decode next. Driven through the real engine on the tiny random llama, over the KV pool with
+the CPU stand-in for its attention kernel (tests/doubles/pool_kernel.py), against the same
+requests decoded one pass at a time.
+"""
+import asyncio
+import struct
+from dataclasses import replace
+
+import pytest
+
+from lockstep.server.engine import Engine
+from lockstep.server.engine.decode_plan import plan_request
+from lockstep.server.engine.deployment import Deployment
+from lockstep.server.engine.request_state import GenerationRequest
+from lockstep.server.engine.sampling import SamplingParams
+from tests.deterministic_fixtures import TinyLoaded
+from tests.doubles.pool_kernel import pool_kernel_double
+from tests.tiny_models import tiny_llama
+
+# Finishing after 3, 9 and 14 tokens: the pass taken over loses a request twice on the way.
+REQUESTS = {
+    "greedy": GenerationRequest([3, 4, 5, 6], 14, SamplingParams(temperature=0.0)),
+    "sampled": GenerationRequest([7, 8, 9], 9, SamplingParams(temperature=1.0, seed=11, top_logprobs=2)),
+    "short": GenerationRequest([5, 5], 3, SamplingParams(temperature=1.0, seed=3)),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    with pool_kernel_double():
+        yield TinyLoaded(tiny_llama())
+
+
+def decode(tiny, ahead: bool, requests=REQUESTS, deployment=None, deterministic=False) -> tuple[dict, object]:
+    """Every request's (token ids, logprob bits), all queued before the engine starts (so both
+    runs schedule the same passes), and the engine's model runner."""
+    deployment = replace(deployment or Deployment(kv_pool="kernel", prefill_chunk=8), decode_ahead=ahead)
+    engine = Engine(tiny, max_active=8, deployment=deployment)
+    plan = plan_request(deployment, deterministic=deterministic, speculative=None, num_draft_tokens=None)
+    out = {}
+
+    async def main():
+        handles = {name: engine.submit(request, plan) for name, request in requests.items()}
+        engine.start()
+
+        async def consume(name, handle):
+            text, bits = "", []
+            async for delta in handle:
+                text += delta.text
+                bits += [struct.pack(">d", v) for lp in delta.logprobs for v in [lp.logprob] + [v for _, v in lp.top]]
+            out[name] = ([ord(ch) - 0x4E00 for ch in text], bits)
+
+        await asyncio.gather(*(consume(n, h) for n, h in handles.items()))
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+    return out, engine.runner
+
+
+def test_decoding_ahead_gives_every_request_the_tokens_and_logprobs_of_one_pass_at_a_time(tiny):
+    want, one_at_a_time = decode(tiny, ahead=False)
+    got, ahead = decode(tiny, ahead=True)
+    assert [len(want[name][0]) for name in REQUESTS] == [14, 9, 3]
+    assert len(want["sampled"][1]) == 9 * 3  # the chosen token's logprob and two alternatives
+    assert got == want
+    assert one_at_a_time.ahead_built == one_at_a_time.ahead_taken == one_at_a_time.ahead_dropped == 0
+    assert not one_at_a_time.describe()["decode_ahead"] and ahead.describe()["decode_ahead"]
+    # 14 decode passes: each one after the first was built ahead and taken over, with the
+    # requests that had not finished; none was built past a request's last token
+    assert (ahead.ahead_built, ahead.ahead_taken, ahead.ahead_dropped) == (13, 13, 0)
+
+
+def test_a_pass_ahead_sampling_at_the_wrong_position_diverges(tiny, monkeypatch):
+    """Negative control: the comparison above sees a pass built ahead with its sampling keyed
+    to the position of the pass before it."""
+    from lockstep.server.engine import model_runner
+
+    presample = model_runner.ModelRunner._presample
+    monkeypatch.setattr(model_runner.ModelRunner, "_presample",
+                        staticmethod(lambda members, logits, spans, ahead=0: presample(members, logits, spans)))
+    got, ahead = decode(tiny, ahead=True)
+    want, _ = decode(tiny, ahead=False)
+    assert ahead.ahead_taken == 13
+    assert got["greedy"] == want["greedy"] and got["sampled"] != want["sampled"]
+
+
+def test_a_pass_built_ahead_is_dropped_when_its_requests_are_not_the_next_pass(tiny, monkeypatch):
+    from lockstep.server.engine import model_runner
+
+    rows_for = model_runner._Ahead.rows_for
+    monkeypatch.setattr(model_runner._Ahead, "rows_for", lambda self, members, canonical: None)
+    got, ahead = decode(tiny, ahead=True)
+    monkeypatch.setattr(model_runner._Ahead, "rows_for", rows_for)
+    want, _ = decode(tiny, ahead=False)
+    assert got == want  # every pass built again, over rows the dropped passes also wrote
+    assert ahead.ahead_taken == 0 and ahead.ahead_built == ahead.ahead_dropped == 13
+
+
+def test_no_pass_is_built_ahead_of_a_request_at_its_last_token(tiny):
+    one = {"short": REQUESTS["short"]}
+    got, ahead = decode(tiny, ahead=True, requests=one)
+    want, _ = decode(tiny, ahead=False, requests=one)
+    assert got == want
+    # 3 tokens, 3 decode passes: the first builds the second ahead, the second the third; the
+    # third, at the last token, builds none (a fourth would be past max_tokens)
+    assert (ahead.ahead_built, ahead.ahead_taken, ahead.ahead_dropped) == (2, 2, 0)
+
+
+def test_deterministic_requests_decoded_ahead_keep_their_solo_bits():
+    """Deterministic requests share canonical passes built ahead, under a backend whose native
+    matmul bits change with the pass's width (tests/doubles/shape_variant.py): each answer
+    equals that request decoded alone, one pass at a time, bit for bit; the same requests with
+    plain plans do not (the negative control)."""
+    from lockstep.kernels.batching.ragged import enable_ragged
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+    from lockstep.server.engine.guarantee import proven_deployment
+    from tests.doubles.shape_variant import shape_variant_backend
+    from tests.test_deterministic_double import peaked_llama
+
+    model = peaked_llama()
+    enable_ragged(model)
+    loaded = TinyLoaded(model)
+    requests = {name: GenerationRequest(prompt, tokens, SamplingParams(temperature=0.9, seed=seed, top_logprobs=2))
+                for name, prompt, tokens, seed in (("a", [3, 4, 5], 10, 1), ("b", [6, 7], 7, 2), ("c", [8], 4, 3))}
+    with pool_kernel_double(), shape_variant_backend():
+        deployment = replace(proven_deployment(model, set_batch_invariant_limit(model, 4), kv_pool="kernel",
+                                               pass_rows=4), prefill_chunk=8)
+        assert deployment.guaranteed and deployment.shared_passes and deployment.compiled_canonical_passes
+        solo, plain_solo = {}, {}
+        for name, request in requests.items():
+            solo.update(decode(loaded, False, {name: request}, deployment, deterministic=True)[0])
+            plain_solo.update(decode(loaded, False, {name: request}, deployment)[0])
+        together, ahead = decode(loaded, True, requests, deployment, deterministic=True)
+        plain, _ = decode(loaded, True, requests, deployment)
+    set_batch_invariant_limit(model, 0)
+    assert together == solo
+    assert ahead.ahead_taken == 9  # 10 decode passes, every one after the first built ahead
+    assert plain != plain_solo
+
+
+def test_serve_decode_ahead_reaches_the_deployment():
+    import argparse
+
+    from lockstep.server.commands.runtime_args import options_from_args
+    from lockstep.server.commands.serve import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert options_from_args(parser.parse_args([])).decode_ahead is True
+    assert options_from_args(parser.parse_args(["--decode-ahead", "off"])).decode_ahead is False
+    assert Deployment().decode_ahead is True
