@@ -1,4 +1,4 @@
-"""Decoding ahead (server/engine/model_runner.py) through the engine, without HTTP, on the 8B
+"""Decoding ahead (server/engine/decode_ahead.py) through the engine, without HTTP, on the 8B
 shape (bench/invariant_8b.py's model, random weights): N streams decoded together, the engine
 with decode ahead on and off, and (one stream) mlx-lm's own generate loop (`generate_step`,
 which overlaps its steps the same way), rounds rotating in one process after one unmeasured

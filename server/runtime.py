@@ -79,7 +79,7 @@ class Options:
     async_eval_layers: int = 0
     # Plain decode passes over the pool's kernel as one compiled call per row count.
     compiled_passes: bool = True
-    # The next compiled decode pass built while the device runs this one (model_runner.py).
+    # The next compiled decode pass built while the device runs this one (server/engine/decode_ahead.py).
     decode_ahead: bool = True
 
 

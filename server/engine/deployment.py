@@ -63,7 +63,7 @@ class Deployment:
     # Deterministic decode passes compiled too: decided with the guarantee (server/engine/guarantee.py).
     compiled_canonical_passes: bool = False
     # A compiled decode pass is followed at once by the next one, built on its tokens while the
-    # device runs it, where every member's next row is known there (server/engine/model_runner.py);
+    # device runs it, where every member's next row is known there (server/engine/decode_ahead.py);
     # `serve --decode-ahead off` runs one pass at a time.
     decode_ahead: bool = True
     fingerprint: str = ""

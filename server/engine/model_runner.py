@@ -8,14 +8,9 @@ chunks and decode passes; every device round trip of a pass (logits, every row's
 every sampled request's sampling) happens here. Nothing here decides who runs (the
 scheduler) or what a token means (the request's state).
 
-Decoding ahead (`Deployment.decode_ahead`): a pass of one row per request, every request
-choosing its token on the device (`RequestState.decodes_ahead`), is followed at once by the
-next one, built on those tokens while the device still runs it (as mlx-lm's generate loop
-does): the host's building of pass N + 1 then overlaps the device's work on pass N. The
-requests' caches look as if nothing ran ahead (their offsets are put back) until the next
-`decode` finds exactly that pass scheduled (the same requests, rows and kind) and takes it over;
-otherwise it is dropped, and its KV rows, past every offset, are written over later. The pass
-taken over is the one `decode` would have built, so it has the same bits.
+Decoding ahead (`Deployment.decode_ahead`, server/engine/decode_ahead.py): after a compiled
+decode pass the runner may build the next one on its tokens while the device still runs it,
+and take that pass over in the next step.
 
 One request run alone is this runner with one request: the solo paths (generate.py,
 token_steps.drive, the bench and verify) use `forward_rows`, `new_cache` and
@@ -32,6 +27,8 @@ from lockstep.kernels.batching.kv_pool import KVPool, is_pooled
 from lockstep.kernels.batching.ragged import enable_ragged, ragged_logits, ragged_problem, ragged_prompt_forward
 from lockstep.kernels.invariance.layers import call_without_head, calls_in_blocks, native_forms
 from lockstep.kernels.invariance.prefill import chunk_end, resume_at
+from lockstep.server.engine import decode_ahead
+from lockstep.server.engine.decode_ahead import AheadPass
 from lockstep.server.engine.deployment import Deployment
 from lockstep.server.engine.step_data import (DecodePass, ModelRunnerOutput, PassResult, PrefillResult,
                                               SchedulerOutput)
@@ -39,43 +36,6 @@ from lockstep.server.engine.step_data import (DecodePass, ModelRunnerOutput, Pas
 log = logging.getLogger(__name__)
 
 SOLO = "one request per pass"  # the batching problem of a runner made for one request
-
-
-class _Ahead:
-    """A decode pass built and submitted before the tokens of the pass before it reached the
-    host: its requests (one row each), the cache offset each resumes at, each row's input
-    token (an array), and its logits, argmax and sampling, in flight."""
-
-    def __init__(self, states: list, canonical: bool, offsets: list[int], inputs: list[mx.array],
-                 logits: mx.array, argmax: mx.array, sampled: list):
-        self.states, self.canonical, self.offsets, self.inputs = states, canonical, offsets, inputs
-        self.logits, self.argmax, self.sampled = logits, argmax, sampled
-
-    def rows_for(self, members: list, canonical: bool) -> list[int] | None:
-        """Each member's row in this pass, where `members` ((state, rows) of the pass now
-        scheduled) are some of its requests, each at the offset and with the input it ran with
-        (a request that finished meanwhile leaves its row unused); else None. A deterministic
-        row needs a canonical pass; its bits do not depend on the rows beside it."""
-        if canonical and not self.canonical:
-            return None
-        at = {id(state): i for i, state in enumerate(self.states)}
-        rows = []
-        for state, tokens in members:
-            i = at.get(id(state))
-            if i is None or _offset(state.cache) != self.offsets[i] or tokens != self.inputs[i].tolist():
-                return None
-            rows.append(i)
-        return rows
-
-
-def _offset(cache: list) -> int:
-    return next(c.offset for c in cache if isinstance(getattr(c, "offset", None), int))
-
-
-def _advance(caches: list, rows: int) -> None:
-    for cache in caches:
-        for layer in cache:
-            layer.offset += rows
 
 
 def forward(model, cache: list, tokens: list[int]) -> mx.array:
@@ -108,7 +68,7 @@ class ModelRunner:
         if (self.deployment.compiled_passes and not self.deployment.async_eval_layers
                 and unavailable_reason(self.kv_pool) is None):
             self.compiled = CompiledPasses(self.model, self.kv_pool)
-        self._ahead: _Ahead | None = None
+        self._ahead: AheadPass | None = None
         self.ahead_built = self.ahead_taken = self.ahead_dropped = 0  # passes decoded ahead; taken over; dropped
 
     @classmethod
@@ -246,7 +206,7 @@ class ModelRunner:
         taken = ahead.rows_for(members, canonical) if ahead is not None else None
         if taken is not None:
             self.ahead_taken += 1
-            _advance([state.cache for state, _ in members], 1)
+            decode_ahead.advance([state.cache for state, _ in members], 1)
             logits, argmax, compiled = ahead.logits, ahead.argmax, True
             spans = [(i, i + 1) for i in taken]
             sampled = [ahead.sampled[i] for i in taken]
@@ -275,9 +235,10 @@ class ModelRunner:
         following = self._following(members, spans) if look_ahead and compiled else None
         if following:
             if sampled is None:
-                sampled = self._presample(members, logits, spans)
+                sampled = decode_ahead.presample(members, logits, spans)
             if sampled is not None:
-                self._ahead = self._decode_ahead(following, canonical, argmax, sampled)
+                self._ahead = decode_ahead.submit_next(self.compiled, following, canonical, argmax, sampled)
+                self.ahead_built += self._ahead is not None
         mx.eval(logits, argmax)
         try:
             if sampled is None:
@@ -288,60 +249,14 @@ class ModelRunner:
             sampled = [None] * len(members)
         return PassResult(logits, argmax.tolist(), sampled, spans)
 
-    @staticmethod
-    def _presample(members: list, logits: mx.array, spans: list, ahead: int = 0) -> list | None:
-        """Each member's sampling of its rows, built lazily (`ahead`: for the row after its
-        next one); None where building it fails (the pass then samples as without looking ahead)."""
-        try:
-            return [state.presample(logits[b:e], ahead) for (state, _), (b, e) in zip(members, spans)]
-        except Exception:
-            return None
-
     def _following(self, members: list, spans: list) -> list | None:
-        """The (member index, state, span) of every request whose next row may be built now,
-        before this pass's tokens reach the host; None where a request would be in the next
-        pass but its row cannot be built yet (drafts, logits processors), or where no request
-        follows. A request at its last token has no next row."""
+        """`decode_ahead.following`, where this deployment decodes ahead: compiled passes, a
+        canonical pass only where the guarantee proved them compiled."""
         if not (self.deployment.decode_ahead and self.compiled is not None
                 and (not any(state.determinism != "none" for state, _ in members)
                      or self.deployment.compiled_canonical_passes)):
             return None
-        following = []
-        for i, ((state, rows), span) in enumerate(zip(members, spans)):
-            if len(rows) != 1 or not hasattr(state, "decodes_ahead"):
-                return None
-            if state.at_last_token:
-                continue
-            if not state.decodes_ahead():
-                return None
-            following.append((i, state, span))
-        return following or None
-
-    def _decode_ahead(self, following: list, canonical: bool, argmax: mx.array, sampled: list) -> _Ahead | None:
-        """Submit this pass, then build and submit the next one for the `following` requests on
-        this pass's tokens (still on the device); their caches' offsets are put back. None
-        where the next pass cannot be built."""
-        mx.async_eval(argmax, [x for s in sampled if s is not None for x in s.arrays])
-        states = [state for _, state, _ in following]
-        inputs = [state.next_input(argmax[b:e], sampled[i]) for i, state, (b, e) in following]
-        offsets = [_offset(state.cache) for state in states]
-        tokens = mx.concatenate(inputs).astype(mx.int32)[None]
-        try:
-            with calls_in_blocks() if canonical else native_forms():
-                logits = self.compiled.logits([(state.cache, [0]) for state in states], canonical=canonical,
-                                              tokens=tokens)
-        except Exception as exc:  # no room left in a request's range, or not traceable: no pass ahead
-            log.debug("no pass decoded ahead: %s", exc)
-            return None
-        _advance([state.cache for state in states], -1)
-        argmax_next = mx.argmax(logits, axis=-1)
-        members = [(state, [0]) for state in states]
-        sampled_next = self._presample(members, logits, [(j, j + 1) for j in range(len(states))], ahead=1)
-        if sampled_next is None:
-            return None
-        mx.async_eval(logits, argmax_next, [x for s in sampled_next if s is not None for x in s.arrays])
-        self.ahead_built += 1
-        return _Ahead(states, canonical, offsets, inputs, logits, argmax_next, sampled_next)
+        return decode_ahead.following(members, spans)
 
     def _drop_ahead(self) -> None:
         if self._ahead is not None:

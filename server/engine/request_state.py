@@ -243,7 +243,7 @@ class RequestState:
 
     def decodes_ahead(self) -> bool:
         """Whether this request's next row may run before the token of the pass now running
-        reaches the host (server/engine/model_runner.py): one token a pass, chosen on the device."""
+        reaches the host (server/engine/decode_ahead.py): one token a pass, chosen on the device."""
         return isinstance(self.source, PlainSource) and self.source.chooses_on_device and not self.finished
 
     @property

@@ -34,7 +34,7 @@ class SchedulerOutput:
     prefill_shared: list = field(default_factory=list)  # slots whose next target chunks share one pass
     passes: list[DecodePass] = field(default_factory=list)
     # The scheduler expects the same requests to decode in one pass next step (nothing waits
-    # or prefills to join them): the runner may build that pass ahead (model_runner.py).
+    # or prefills to join them): the runner may build that pass ahead (decode_ahead.py).
     decode_ahead: bool = False
 
     @property

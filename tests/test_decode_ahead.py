@@ -1,6 +1,6 @@
-"""The model runner's decoding ahead (server/engine/model_runner.py): the next compiled decode
-pass built on the tokens of the one still running, taken over when exactly its requests
-decode next. Driven through the real engine on the tiny random llama, over the KV pool with
+"""Decoding ahead (server/engine/decode_ahead.py, held by the model runner): the next compiled
+decode pass built on the tokens of the one still running, taken over when its requests decode
+next. Driven through the real engine on the tiny random llama, over the KV pool with
 the CPU stand-in for its attention kernel (tests/doubles/pool_kernel.py), against the same
 requests decoded one pass at a time.
 """
@@ -77,11 +77,11 @@ def test_decoding_ahead_gives_every_request_the_tokens_and_logprobs_of_one_pass_
 def test_a_pass_ahead_sampling_at_the_wrong_position_diverges(tiny, monkeypatch):
     """Negative control: the comparison above sees a pass built ahead with its sampling keyed
     to the position of the pass before it."""
-    from lockstep.server.engine import model_runner
+    from lockstep.server.engine import decode_ahead
 
-    presample = model_runner.ModelRunner._presample
-    monkeypatch.setattr(model_runner.ModelRunner, "_presample",
-                        staticmethod(lambda members, logits, spans, ahead=0: presample(members, logits, spans)))
+    presample = decode_ahead.presample
+    monkeypatch.setattr(decode_ahead, "presample",
+                        lambda members, logits, spans, ahead=0: presample(members, logits, spans))
     got, ahead = decode(tiny, ahead=True)
     want, _ = decode(tiny, ahead=False)
     assert ahead.ahead_taken == 13
@@ -89,12 +89,12 @@ def test_a_pass_ahead_sampling_at_the_wrong_position_diverges(tiny, monkeypatch)
 
 
 def test_a_pass_built_ahead_is_dropped_when_its_requests_are_not_the_next_pass(tiny, monkeypatch):
-    from lockstep.server.engine import model_runner
+    from lockstep.server.engine.decode_ahead import AheadPass
 
-    rows_for = model_runner._Ahead.rows_for
-    monkeypatch.setattr(model_runner._Ahead, "rows_for", lambda self, members, canonical: None)
+    rows_for = AheadPass.rows_for
+    monkeypatch.setattr(AheadPass, "rows_for", lambda self, members, canonical: None)
     got, ahead = decode(tiny, ahead=True)
-    monkeypatch.setattr(model_runner._Ahead, "rows_for", rows_for)
+    monkeypatch.setattr(AheadPass, "rows_for", rows_for)
     want, _ = decode(tiny, ahead=False)
     assert got == want  # every pass built again, over rows the dropped passes also wrote
     assert ahead.ahead_taken == 0 and ahead.ahead_built == ahead.ahead_dropped == 13
