@@ -8,10 +8,12 @@ its first token to its last.
     python bench/decode_ahead.py [--weights nvfp4,bf16] [--streams 1,8] [--tokens 64] [--rounds 5]
                                  [--temperature 0]
 
-Reports the median ms a token (one stream: its decode time ÷ tokens after the first; N
-streams: the slowest stream's), % of the HBM floor, ratios within rounds, and whether the
-engine's answers with and without decoding ahead are the same tokens. Measures and prints;
-asserts nothing.
+Reports two figures a round, each the median over rounds: ms a token from first to last (one
+stream: its decode time ÷ tokens after the first; N streams: the slowest stream's, which also
+holds the steps where other streams' prompts were prefilled), and the gap between a stream's
+tokens (each stream's median gap, then the median over streams: the steady decode step); % of
+the HBM floor, ratios within rounds (of the first figure), and whether the engine's answers
+with and without decoding ahead are the same tokens. Measures and prints; asserts nothing.
 """
 from __future__ import annotations
 
@@ -58,8 +60,14 @@ class Loaded:
     weights: str = ""
 
 
-def engine_round(engine, requests) -> tuple[float, list[list[int]]]:
-    """The slowest stream's ms a token after its first, and every stream's token ids."""
+def _gaps(times: list[float]) -> float:
+    """ms of the median gap between consecutive tokens."""
+    return 1e3 * statistics.median(b - a for a, b in zip(times, times[1:]))
+
+
+def engine_round(engine, requests) -> tuple[tuple[float, float], list[list[int]]]:
+    """(the slowest stream's ms a token after its first, the median stream's median gap), and
+    every stream's token ids."""
     plan = plan_request(engine.deployment, deterministic=False, speculative=None, num_draft_tokens=None)
 
     async def main():
@@ -77,18 +85,18 @@ def engine_round(engine, requests) -> tuple[float, list[list[int]]]:
 
     streams = asyncio.run(main())
     per_token = max((t[-1] - t[0]) / (len(ids) - 1) for t, ids in streams)
-    return 1e3 * per_token, [ids for _, ids in streams]
+    return (1e3 * per_token, statistics.median(_gaps(t) for t, _ in streams)), [ids for _, ids in streams]
 
 
-def mlx_lm_round(model, prompt: list[int], tokens: int, temperature: float) -> float:
-    """mlx-lm's generate loop, one stream: ms a token after the first."""
+def mlx_lm_round(model, prompt: list[int], tokens: int, temperature: float) -> tuple[float, float]:
+    """mlx-lm's generate loop, one stream: ms a token after the first, and its median gap."""
     sampler = None
     if temperature > 0:
         sampler = lambda logits: mx.random.categorical(logits * (1 / temperature))  # noqa: E731
     times = []
     for _token, _ in generate_step(mx.array(prompt), model, max_tokens=tokens, sampler=sampler):
         times.append(time.perf_counter())
-    return 1e3 * (times[-1] - times[0]) / (len(times) - 1)
+    return 1e3 * (times[-1] - times[0]) / (len(times) - 1), _gaps(times)
 
 
 def main():
@@ -134,12 +142,14 @@ def main():
                         if r:
                             times[name].append(ms)
                 print(f"\n## {weights}, {streams} stream(s): HBM floor {floor_ms:.2f} ms")
-                print(f"| loop | median ms a token | % of floor | median ÷ {names[1]} (paired rounds) |")
-                print("|---|---|---|---|")
+                print(f"| loop | median ms a token | % of floor | median ÷ {names[1]} (paired rounds) "
+                      f"| median gap ms |")
+                print("|---|---|---|---|---|")
                 for name in names:
-                    ms = statistics.median(times[name])
-                    ratio = statistics.median(t / n for t, n in zip(times[name], times[names[1]]))
-                    print(f"| {name} | {ms:.2f} | {100 * floor_ms / ms:.1f} | {ratio:.3f} |")
+                    ms = statistics.median(t for t, _ in times[name])
+                    gap = statistics.median(g for _, g in times[name])
+                    ratio = statistics.median(t[0] / n[0] for t, n in zip(times[name], times[names[1]]))
+                    print(f"| {name} | {ms:.2f} | {100 * floor_ms / ms:.1f} | {ratio:.3f} | {gap:.2f} |")
                 same = answers["ahead"] == answers["one at a time"]
                 counts = {n: (e.runner.ahead_built, e.runner.ahead_taken, e.runner.ahead_dropped)
                           for n, e in engines.items()}
