@@ -304,12 +304,12 @@ def pass_inputs(requests: list[tuple[list, list[int]]]) -> tuple[list[int], mx.a
     rows = [len(tokens) for _, tokens in requests]
     if any(n < 1 for n in rows):
         raise ValueError("every request in a ragged pass needs at least one row")
-    positions = mx.array([_position(cache) + i for (cache, _), n in zip(requests, rows) for i in range(n)],
+    positions = mx.array([cache_position(cache) + i for (cache, _), n in zip(requests, rows) for i in range(n)],
                          dtype=mx.int32)
     return rows, mx.array([t for _, ts in requests for t in ts], dtype=mx.int32)[None], positions
 
 
-def _position(cache: list) -> int:
+def cache_position(cache: list) -> int:
     """Tokens a request's caches hold: the offset of its first positional cache (recurrent
     state keeps no count)."""
     return next(c.offset for c in cache if isinstance(getattr(c, "offset", None), int))

@@ -20,6 +20,7 @@ import logging
 
 import mlx.core as mx
 
+from lockstep.kernels.batching.ragged import cache_position
 from lockstep.kernels.invariance.layers import calls_in_blocks, native_forms
 
 log = logging.getLogger(__name__)
@@ -46,15 +47,10 @@ class AheadPass:
         rows = []
         for state, tokens in members:
             i = at.get(id(state))
-            if i is None or offset(state.cache) != self.offsets[i] or tokens != self.inputs[i].tolist():
+            if i is None or cache_position(state.cache) != self.offsets[i] or tokens != self.inputs[i].tolist():
                 return None
             rows.append(i)
         return rows
-
-
-def offset(cache: list) -> int:
-    """Tokens a request's cache holds (its first positional layer's offset)."""
-    return next(c.offset for c in cache if isinstance(getattr(c, "offset", None), int))
 
 
 def advance(caches: list, rows: int) -> None:
@@ -97,7 +93,7 @@ def submit_next(compiled, rows: list, canonical: bool, argmax: mx.array, sampled
     mx.async_eval(argmax, [x for s in sampled if s is not None for x in s.arrays])
     states = [state for _, state, _ in rows]
     inputs = [state.next_input(argmax[b:e], sampled[i]) for i, state, (b, e) in rows]
-    offsets = [offset(state.cache) for state in states]
+    offsets = [cache_position(state.cache) for state in states]
     tokens = mx.concatenate(inputs).astype(mx.int32)[None]
     try:
         with calls_in_blocks() if canonical else native_forms():

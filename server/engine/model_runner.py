@@ -232,7 +232,10 @@ class ModelRunner:
                 spans.append((end, end + len(rows)))
                 end += len(rows)
             sampled = None
-        following = self._following(members, spans) if look_ahead and compiled else None
+        # `compiled`: this pass ran compiled, which a canonical pass does only where the guarantee
+        # proved compiled passes (and a pass taken over was built so).
+        following = (decode_ahead.following(members, spans)
+                     if look_ahead and compiled and self.deployment.decode_ahead else None)
         if following:
             if sampled is None:
                 sampled = decode_ahead.presample(members, logits, spans)
@@ -248,15 +251,6 @@ class ModelRunner:
             log.exception("batched sampling failed")
             sampled = [None] * len(members)
         return PassResult(logits, argmax.tolist(), sampled, spans)
-
-    def _following(self, members: list, spans: list) -> list | None:
-        """`decode_ahead.following`, where this deployment decodes ahead: compiled passes, a
-        canonical pass only where the guarantee proved them compiled."""
-        if not (self.deployment.decode_ahead and self.compiled is not None
-                and (not any(state.determinism != "none" for state, _ in members)
-                     or self.deployment.compiled_canonical_passes)):
-            return None
-        return decode_ahead.following(members, spans)
 
     def _drop_ahead(self) -> None:
         if self._ahead is not None:
