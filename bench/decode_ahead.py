@@ -6,14 +6,21 @@ round each. Each stream's prompt is --context random tokens; a stream's decode t
 its first token to its last.
 
     python bench/decode_ahead.py [--weights nvfp4,bf16] [--streams 1,8] [--tokens 64] [--rounds 5]
-                                 [--temperature 0]
+                                 [--temperature 0] [--limit 0]
 
 Reports two figures a round, each the median over rounds: ms a token from first to last (one
 stream: its decode time ÷ tokens after the first; N streams: the slowest stream's, which also
 holds the steps where other streams' prompts were prefilled), and the gap between a stream's
 tokens (each stream's median gap, then the median over streams: the steady decode step); % of
 the HBM floor, ratios within rounds (of the first figure), and whether the engine's answers
-with and without decoding ahead are the same tokens. Measures and prints; asserts nothing.
+with and without decoding ahead are the same tokens.
+
+With --limit L > 0 the requests are deterministic, on a deployment whose guarantee the startup
+proofs decided (guarantee.proven_deployment, L installed as `serve` does): the loops are the
+engine with and without decoding ahead and the same requests as plain ones beside them (no
+mlx-lm loop: its layers are not the ones proven). After the rounds, each stream decoded alone
+is compared, token for token, with the same stream decoded beside the others: deterministic
+answers must be equal, plain ones are the control. Measures and prints; asserts nothing.
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ import asyncio
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,12 +39,14 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
 from invariant_8b import HBM_BYTES_PER_S, build, weight_bytes  # noqa: E402
+from lockstep.kernels.batching.pool_mode import pool_mode  # noqa: E402
 from lockstep.kernels.batching.ragged import enable_ragged  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from lockstep.kernels.invariance.layers import uninstall  # noqa: E402
 from lockstep.server.engine import Engine  # noqa: E402
 from lockstep.server.engine.decode_plan import plan_request  # noqa: E402
 from lockstep.server.engine.deployment import Deployment  # noqa: E402
+from lockstep.server.engine.guarantee import proven_deployment  # noqa: E402
 from lockstep.server.engine.request_state import GenerationRequest  # noqa: E402
 from lockstep.server.engine.sampling import SamplingParams  # noqa: E402
 
@@ -65,10 +74,10 @@ def _gaps(times: list[float]) -> float:
     return 1e3 * statistics.median(b - a for a, b in zip(times, times[1:]))
 
 
-def engine_round(engine, requests) -> tuple[tuple[float, float], list[list[int]]]:
+def engine_round(engine, requests, deterministic: bool = False) -> tuple[tuple[float, float], list[list[int]]]:
     """(the slowest stream's ms a token after its first, the median stream's median gap), and
     every stream's token ids."""
-    plan = plan_request(engine.deployment, deterministic=False, speculative=None, num_draft_tokens=None)
+    plan = plan_request(engine.deployment, deterministic=deterministic, speculative=None, num_draft_tokens=None)
 
     async def main():
         handles = [engine.submit(r, plan) for r in requests]
@@ -108,15 +117,27 @@ def main():
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--limit", type=int, default=0, help="L > 0: deterministic requests (see above)")
     a = ap.parse_args()
     print(f"backend {mx.default_device()}, MLX {mx.__version__}; {a.tokens} tokens a stream after a "
-          f"{a.context}-token prompt, temperature {a.temperature}, {a.rounds} rounds after one unmeasured")
+          f"{a.context}-token prompt, temperature {a.temperature}, {a.rounds} rounds after one unmeasured, "
+          f"L = {a.limit}")
+    deterministic = a.limit > 0
     for weights in a.weights.split(","):
         model = build(weights, a.layers)
         floor_ms = 1e3 * weight_bytes(model) / HBM_BYTES_PER_S
-        set_batch_invariant_limit(model, 0)  # lockstep's plain layers, as `serve` at L = 0
+        # lockstep's layers as `serve` installs them: plain at L = 0, else L with its proofs
+        plan = set_batch_invariant_limit(model, a.limit)
+        enable_ragged(model)
+        kv_pool = pool_mode(model, "on")  # "kernel" on the GPU; the CPU runs it as a smoke test
+        deployment = Deployment(kv_pool=kv_pool)
+        if deterministic:
+            deployment = proven_deployment(model, plan, kv_pool=kv_pool)
+            print(f"{weights}: strategy {plan.strategy}, guaranteed rows {deployment.guaranteed_rows}, shared "
+                  f"passes {deployment.shared_passes}, compiled canonical passes "
+                  f"{deployment.compiled_canonical_passes}")
         loaded = Loaded(model, weights=weights)
-        engines = {name: Engine(loaded, max_active=8, deployment=Deployment(kv_pool="kernel", decode_ahead=on))
+        engines = {name: Engine(loaded, max_active=8, deployment=replace(deployment, decode_ahead=on))
                    for name, on in (("ahead", True), ("one at a time", False))}
         for engine in engines.values():
             engine.start()
@@ -126,7 +147,7 @@ def main():
                            for i in range(streams)]  # noqa: E501
                 requests = [GenerationRequest(p, a.tokens, SamplingParams(temperature=a.temperature, seed=5 + i))
                             for i, p in enumerate(prompts)]
-                names = list(engines) + (["mlx-lm"] if streams == 1 else [])
+                names = list(engines) + (["plain ahead"] if deterministic else ["mlx-lm"] if streams == 1 else [])
                 times = {name: [] for name in names}
                 answers = {}
                 for r in range(a.rounds + 1):
@@ -137,8 +158,10 @@ def main():
                             ms = mlx_lm_round(model, prompts[0], a.tokens, a.temperature)
                             set_batch_invariant_limit(model, 0)
                             enable_ragged(model)
+                        elif name == "plain ahead":
+                            ms, answers[name] = engine_round(engines["ahead"], requests)
                         else:
-                            ms, answers[name] = engine_round(engines[name], requests)
+                            ms, answers[name] = engine_round(engines[name], requests, deterministic)
                         if r:
                             times[name].append(ms)
                 print(f"\n## {weights}, {streams} stream(s): HBM floor {floor_ms:.2f} ms")
@@ -155,6 +178,13 @@ def main():
                           for n, e in engines.items()}
                 print(f"passes decoded ahead (built, taken over, dropped) so far: {counts}")
                 print(f"same tokens with and without decoding ahead: {same}")
+                if deterministic and streams > 1:
+                    for kind, det in (("deterministic", True), ("plain (control)", False)):
+                        alone = [engine_round(engines["ahead"], [r], det)[1][0] for r in requests]
+                        beside = answers["ahead" if det else "plain ahead"]
+                        equal = sum(x == y for x, y in zip(alone, beside))
+                        print(f"{kind}: {equal} of {streams} streams decoded beside the others equal "
+                              f"the stream decoded alone")
         finally:
             for engine in engines.values():
                 engine.stop()

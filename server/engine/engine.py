@@ -35,6 +35,7 @@ from lockstep.server.engine.prefix_cache import PrefixCache
 from lockstep.server.engine.request_state import GenerationRequest
 from lockstep.server.engine.scheduler import Scheduler
 from lockstep.server.engine.step_data import SchedulerOutput
+from lockstep.server.engine import worker_thread
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class Engine:
         self.observers: list[EngineObserver] = []
         self._wake = threading.Condition()
         self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._thread: worker_thread.Job | None = None
         self._work: list[Work] = []
 
     @property
@@ -119,8 +120,7 @@ class Engine:
         """Start the worker thread; it runs `work` first (the deployment's proofs, then its draft
         model), serving plain requests between their steps."""
         self._work = list(work or [])
-        self._thread = threading.Thread(target=self._run, name="lockstep-engine", daemon=True)
-        self._thread.start()
+        self._thread = worker_thread.start(self._run, name="lockstep-engine")
         return self
 
     def stop(self) -> None:
