@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 
-log = logging.getLogger("lockstep.engine")
+log = logging.getLogger(__name__)
 
 _idle: list[queue.SimpleQueue] = []  # inboxes of threads waiting for a job
 _lock = threading.Lock()
@@ -30,12 +30,9 @@ class Job:
         self.name = name
         self._done = threading.Event()
 
-    def join(self, timeout: float | None = None) -> bool:
-        """Wait until the function returned (or raised); False on timeout."""
-        return self._done.wait(timeout)
-
-    def is_alive(self) -> bool:
-        return not self._done.is_set()
+    def join(self) -> None:
+        """Wait until the function returned (or raised)."""
+        self._done.wait()
 
 
 def start(fn, name: str) -> Job:
