@@ -138,3 +138,16 @@ def test_bad_logit_bias_is_a_400_naming_it(server, bias, error):
     with pytest.raises(BadRequestError) as err:
         chat(server, logit_bias=bias)
     assert err.value.body["param"] == "logit_bias" and error in err.value.body["message"]
+
+
+# ------------------------------------------------------------------- cached prompt tokens
+
+def test_usage_reports_the_prompt_tokens_a_prefix_cache_hit_reused(server):
+    messages = [{"role": "user", "content": "Name three rivers in Europe, and say which is longest."}]
+    cold = chat(server, messages, max_tokens=2, temperature=0, logprobs=True, extra_body={"deterministic": True})
+    warm = chat(server, messages, max_tokens=2, temperature=0, logprobs=True, extra_body={"deterministic": True})
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    reused = warm.usage.prompt_tokens_details.cached_tokens
+    # a hit resumes at a chunk boundary below the prompt's last token (prefill_chunk = 4)
+    assert 0 < reused < warm.usage.prompt_tokens and reused % 4 == 0
+    assert tokens_of(warm.choices[0]) == tokens_of(cold.choices[0])

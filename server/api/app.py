@@ -27,6 +27,7 @@ from lockstep.server.api.auth import APIKeyAuth
 from lockstep.server.api.disconnect import unless_disconnected
 from lockstep.server.api.drain import Drain, DrainMiddleware
 from lockstep.server.engine import Engine, GenerationError, QueueFull, TooLargeForMemory
+from lockstep.server.api.messages import MessagesRoute
 from lockstep.server.api.limits import BodySizeLimit, Limits, max_tokens_too_large, prompt_too_long, queue_full
 from lockstep.server.api.metrics import Metrics
 from lockstep.server.api.request_record import RecordRequests, current, track
@@ -422,6 +423,16 @@ def create_app(
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
         return await responses.create(body, request.receive)
+
+    messages = MessagesRoute(routes)
+
+    @app.post("/v1/messages")  # Anthropic's Messages API (server/api/messages.py)
+    async def create_message(request: Request):
+        return await messages.create(await request.body(), request.receive)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(request: Request):
+        return await messages.count_tokens(await request.body())
 
     @app.get("/v1/models")
     async def list_models():

@@ -59,14 +59,15 @@ def _unauthorized(message: str, code: str | None):
     return response
 
 
-def _bearer_token(scope) -> bytes | None:
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            scheme, _, token = value.partition(b" ")
-            if scheme.lower() == b"bearer" and token.strip():
-                return token.strip()
-            return None
-    return None
+def _presented_key(scope) -> bytes | None:
+    """The key a request presents: OpenAI clients send `Authorization: Bearer KEY`, Anthropic's
+    send `x-api-key: KEY`; a Bearer header wins when both are there."""
+    headers = dict(scope["headers"])
+    if b"authorization" in headers:
+        scheme, _, token = headers[b"authorization"].partition(b" ")
+        return token.strip() if scheme.lower() == b"bearer" and token.strip() else None
+    key = headers.get(b"x-api-key", b"").strip()
+    return key or None
 
 
 class APIKeyAuth:
@@ -85,7 +86,7 @@ class APIKeyAuth:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not self.keys or not scope["path"].startswith(PROTECTED_PREFIXES):
             return await self.app(scope, receive, send)
-        token = _bearer_token(scope)
+        token = _presented_key(scope)
         if token is None:
             return await _unauthorized(MISSING_KEY, None)(scope, receive, send)
         if not self._valid(token):

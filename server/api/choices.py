@@ -37,6 +37,8 @@ def merge(deltas: list[Delta]) -> Delta:
         text_offsets=[o for d in deltas for o in d.text_offsets],
         finish_reason=last.finish_reason,
         extension=last.extension,
+        stop_sequence=last.stop_sequence,
+        cached_tokens=last.cached_tokens,
     )
 
 
@@ -58,6 +60,7 @@ def usage(finals: list[Delta]) -> p.Usage:
     details = p.CompletionTokensDetails(accepted_prediction_tokens=sum(a for a, _ in counts),
                                         rejected_prediction_tokens=sum(r for _, r in counts))
     return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=p.PromptTokensDetails(cached_tokens=finals[0].cached_tokens),
                    completion_tokens_details=details)
 
 

@@ -840,10 +840,18 @@ class CompletionTokensDetails(Response):
     audio_tokens: int = 0
 
 
+class PromptTokensDetails(Response):
+    """As OpenAI reports them: prompt tokens whose KV came from the prefix cache."""
+
+    cached_tokens: int = 0
+    audio_tokens: int = 0
+
+
 class Usage(Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = Field(default=None, exclude_if=_omit_if_none)
     completion_tokens_details: CompletionTokensDetails | None = Field(default=None, exclude_if=_omit_if_none)
 
 

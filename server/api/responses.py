@@ -237,7 +237,8 @@ class ResponsesRoute:
     def _finished(response: rp.ResponseObject, items: OutputItems, final: Delta) -> rp.ResponseObject:
         status = ResponsesRoute._status(final)
         usage = rp.ResponseUsage(input_tokens=final.prompt_tokens, output_tokens=final.completion_tokens,
-                                 total_tokens=final.prompt_tokens + final.completion_tokens)
+                                 total_tokens=final.prompt_tokens + final.completion_tokens,
+                                 input_tokens_details=rp.InputTokensDetails(cached_tokens=final.cached_tokens))
         return response.model_copy(update={
             "status": status, "completed_at": int(time.time()), "output": list(items.items), "usage": usage,
             "incomplete_details": rp.IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,

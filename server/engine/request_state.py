@@ -70,6 +70,8 @@ class Delta:
     text_offsets: list[int] = field(default_factory=list)  # start of each token in the output
     finish_reason: str | None = None
     extension: dict | None = None  # the `lockstep` response object, on the final Delta
+    stop_sequence: str | None = None  # the stop string that ended the output, on the final Delta
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class _TokenTexts:
@@ -136,6 +138,7 @@ class RequestState:
         self._prefill_pos = resume_at(model, done, self._chunk)
         if self._prefill_pos < done:
             trim_prompt_cache(self.cache, done - self._prefill_pos)
+        self.cached_tokens = self._prefill_pos if found else 0
 
         self._texts = _TokenTexts(loaded.tokenizer)
         self._stream = StopTextStream(IncrementalDecoder(loaded.tokenizer, self.prompt), list(request.stop))
@@ -307,4 +310,6 @@ class RequestState:
             text_offsets=release.offsets if self._wants_logprobs else [],
             finish_reason=finish_reason,
             extension=ext,
+            stop_sequence=self._stream.matched if finish_reason is not None else None,
+            cached_tokens=self.cached_tokens,
         )

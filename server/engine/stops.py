@@ -106,6 +106,7 @@ class StopTextStream:
         self._text = ""  # full text decoded so far
         self._pending_items: list[tuple[int, Any]] = []  # (text offset, item)
         self.stopped = False
+        self.matched: str | None = None  # the stop string found, once one is
 
     @property
     def text(self) -> str:
@@ -151,6 +152,8 @@ class StopTextStream:
     def _find_stop(self) -> int | None:
         # A stop string can only start in unreleased text, since any prefix of one is held.
         pending = self._text[self._released :]
-        hits = [pending.find(stop) for stop in self._stops]
-        hits = [h for h in hits if h >= 0]
-        return self._released + min(hits) if hits else None
+        hits = [(at, stop) for stop in self._stops if (at := pending.find(stop)) >= 0]
+        if not hits:
+            return None
+        at, self.matched = min(hits, key=lambda hit: hit[0])
+        return self._released + at
