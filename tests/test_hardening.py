@@ -12,6 +12,7 @@ import httpx2 as httpx
 import pytest
 from openai import AuthenticationError, OpenAI
 
+from lockstep.server.api.errors import RETRY_AFTER_S
 from lockstep.server.engine.generate import Delta
 from tests.doubles.scripted_engine import ScriptedEngine
 from tests.http_server import running, wait_until
@@ -156,14 +157,17 @@ def test_limit_flags_reach_the_settings(monkeypatch):
 
     monkeypatch.setenv("LOCKSTEP_API_KEYS", "from-env")
     args = _serve_args("--api-key", "k1", "--api-key", "k2", "--max-body-bytes", "100", "--max-tokens-limit", "7",
-                       "--max-prompt-tokens", "50", "--max-queue", "0", "--log-prompts", "--drain-timeout", "5")
+                       "--max-prompt-tokens", "50", "--max-queue", "0", "--log-prompts", "--drain-timeout", "5",
+                       "--grammar-workers", "3", "--grammar-queue", "0")
     settings = http_settings_from_args(args)
     assert settings["api_keys"] == ["k1", "k2", "from-env"] and settings["log_prompts"] is True
     limits = settings["limits"]
     assert (limits.max_body_bytes, limits.max_tokens, limits.max_prompt_tokens, limits.max_queue) == (100, 7, 50, 0)
+    assert (limits.grammar_workers, limits.grammar_queue) == (3, 0)
     assert args.drain_timeout == 5.0
-    with pytest.raises(SystemExit):
-        _serve_args("--max-tokens-limit", "0")
+    for refused in (("--max-tokens-limit", "0"), ("--grammar-workers", "0"), ("--grammar-queue", "-1")):
+        with pytest.raises(SystemExit):
+            _serve_args(*refused)
 
 
 # ----------------------------------------------------------------------------- limits
@@ -247,6 +251,7 @@ def test_a_full_queue_is_429_and_the_queue_recovers(hardened, http, scripted):
             wait_until(lambda: http.get("/health").json()[state] == 1, what=f"a {state} request")
         refused = http.post("/v1/completions", json={"model": "default", "prompt": "hi"}, headers=GOOD)
         assert_error(refused, 429, code="rate_limit_exceeded", type="requests")
+        assert refused.headers["retry-after"] == str(RETRY_AFTER_S)  # else the openai SDK backs off blindly
         gauge = http.get("/metrics", headers=GOOD).text
         assert "lockstep_queue_depth 1.0" in gauge and "lockstep_active_requests 1.0" in gauge
     finally:
@@ -373,10 +378,28 @@ def test_draining_refuses_new_work_with_503(embedded_model, scripted):
     app = create_app(engine)
     app.state.drain.start()
     with TestClient(app) as client:
-        assert_error(client.post("/v1/chat/completions", json=CHAT), 503, code="server_shutting_down",
-                     type="server_error")
+        refused = client.post("/v1/chat/completions", json=CHAT)
+        assert_error(refused, 503, code="server_shutting_down", type="server_error")
         health = client.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "draining"
+        assert refused.headers["retry-after"] == health.headers["retry-after"] == str(RETRY_AFTER_S)
+
+
+def test_a_failed_deployment_503_carries_retry_after(embedded_model, scripted):
+    """The distributed gate answers outside the app's middleware: it must add Retry-After itself."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from lockstep.server.api.app import create_app
+    from lockstep.server.distributed.startup import gate_on_health
+
+    app = create_app(ScriptedEngine(embedded_model, scripted))  # not started: refused before it matters
+    gate_on_health(app, SimpleNamespace(failed="rank 1 exited"))
+    with TestClient(app) as client:
+        for response in (client.get("/health"), client.post("/v1/chat/completions", json=CHAT)):
+            assert_error(response, 503, code="deployment_failed", type="server_error")
+            assert response.headers["retry-after"] == str(RETRY_AFTER_S)
 
 
 def test_async_eval_layers_reach_the_deployment_and_bad_values_are_refused():

@@ -23,6 +23,7 @@ from lockstep.server.api import protocol as p
 from lockstep.server.api.access_log import AccessLog
 from lockstep.server.api.chat_prompt import chat_prompt_tokens
 from lockstep.server.api.constraints import Constraints
+from lockstep.server.api.grammar_checks import GrammarChecks
 from lockstep.server.api.auth import APIKeyAuth
 from lockstep.server.api.disconnect import unless_disconnected
 from lockstep.server.api.drain import Drain, DrainMiddleware
@@ -33,8 +34,8 @@ from lockstep.server.api.metrics import Metrics
 from lockstep.server.api.request_record import RecordRequests, current, track
 from lockstep.server.api.responses import ResponsesRoute
 from lockstep.server.api.responses_protocol import ResponsesRequest
-from lockstep.server.api.errors import (APIError, context_length_exceeded, generation_error, install_error_handlers,
-                               model_not_found)
+from lockstep.server.api.errors import (APIError, RetryAfter, context_length_exceeded, generation_error,
+                               install_error_handlers, model_not_found)
 from lockstep.server.engine.decode_plan import PREDICTION, DecodePlan, RequestRejected, plan_request
 from lockstep.server.engine.generate import Delta, GenerationRequest
 from lockstep.server.engine.logits_processors import logits_width
@@ -115,6 +116,7 @@ class Routes:
         self.created = int(time.time())
         self.tool_format = tool_format(self.loaded.tokenizer) if self.loaded is not None else None
         self.constraints = Constraints(self.loaded, self.tool_format)
+        self.grammar_checks = GrammarChecks(limits.grammar_workers, limits.grammar_queue)
 
     @property
     def fingerprint(self) -> str:
@@ -142,10 +144,19 @@ class Routes:
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         return list(prompt)
 
-    def _prepare(self, body: p.SamplingRequest, tokenize: Callable) -> tuple[list[int], object, tuple[int, ...]]:
-        """Prompt tokens, the output grammar and the prediction's tokens (CPU work, run off the
-        event loop)."""
-        return tokenize(body), self.constraints.grammar_for(body), self._prediction_tokens(body)
+    def _prepare(self, body: p.SamplingRequest, tokenize: Callable) -> tuple[list[int], tuple[int, ...]]:
+        """Prompt tokens and the prediction's tokens, the offered tools checked (CPU work, run off
+        the event loop)."""
+        prompt = tokenize(body)
+        self.constraints.check_tools(body)
+        return prompt, self._prediction_tokens(body)
+
+    async def _grammar(self, body: p.SamplingRequest):
+        """The output grammar, or None. Checked and compiled on the grammar checks' own threads
+        (a 429 when their queue is full), so a plain request never waits behind them."""
+        if not self.constraints.needs_grammar(body):
+            return None
+        return await self.grammar_checks.run(self.constraints.grammar_for, body)
 
     def _prediction_tokens(self, body: p.SamplingRequest) -> tuple[int, ...]:
         """Predicted Outputs: the predicted answer as the tokens the model would write it in."""
@@ -158,7 +169,8 @@ class Routes:
         """Submit `body`'s n choices; returns their engine handles."""
         self._check_model(body.model)
         try:
-            prompt, grammar, prediction = await asyncio.to_thread(self._prepare, body, tokenize)
+            prompt, prediction = await asyncio.to_thread(self._prepare, body, tokenize)
+            grammar = await self._grammar(body)
         except APIError:
             raise
         except Exception as exc:  # e.g. the chat template rejects the message sequence
@@ -404,11 +416,12 @@ def create_app(
     engine.max_waiting = limits.max_queue
     app.state.drain.on_cut.append(lambda: engine.cut_off(SHUTTING_DOWN))
     install_error_handlers(app)
-    # Added innermost first: record (log, metrics) -> drain -> auth -> body size -> routes.
+    # Added innermost first: Retry-After -> record (log, metrics) -> drain -> auth -> body size -> routes.
     app.add_middleware(BodySizeLimit, limit=limits.max_body_bytes)
     app.add_middleware(APIKeyAuth, keys=list(api_keys))
     app.add_middleware(DrainMiddleware, drain=app.state.drain)
     app.add_middleware(RecordRequests, sinks=[AccessLog(log_prompts), metrics])
+    app.add_middleware(RetryAfter)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):

@@ -27,14 +27,22 @@ class Constraints:
 
         return compiler_for(self.loaded)
 
-    def grammar_for(self, body: p.SamplingRequest):
-        """The compiled grammar `body` asks for, or None. Runs off the event loop (compiling
-        takes milliseconds to seconds); an unsupported schema is a 400 naming the problem."""
+    @staticmethod
+    def needs_grammar(body: p.SamplingRequest) -> bool:
+        """Whether `body`'s output is constrained: a forced tool call or a JSON response_format."""
         mode = body.tool_mode() if isinstance(body, p.ChatCompletionRequest) else "none"
-        self._check_tools(getattr(body, "tools", None))
         response_format = getattr(body, "response_format", None)
-        if mode not in ("required", "named") and (response_format is None or response_format.type == "text"):
+        return mode in ("required", "named") or (response_format is not None and response_format.type != "text")
+
+    def grammar_for(self, body: p.SamplingRequest):
+        """The compiled grammar `body` asks for, or None. Runs off the event loop, on the grammar
+        checks' threads (server/api/grammar_checks.py: checking and compiling take milliseconds
+        to seconds); an unsupported schema is a 400 naming the problem."""
+        self.check_tools(body)
+        if not self.needs_grammar(body):
             return None  # unconstrained: the grammar engine is not even imported
+        mode = body.tool_mode() if isinstance(body, p.ChatCompletionRequest) else "none"
+        response_format = getattr(body, "response_format", None)
         from lockstep.server.engine.grammar import GrammarCheckerUnavailable, GrammarError
 
         param = "tools" if mode in ("required", "named") else "response_format"
@@ -62,12 +70,12 @@ class Constraints:
             raise APIError(503, str(exc), type="server_error") from exc
 
     @staticmethod
-    def _check_tools(tools) -> None:
+    def check_tools(body: p.SamplingRequest) -> None:
         """Every tool's parameters are an object schema (OpenAI's rule), whatever tool_choice:
         a tool whose arguments could not be a JSON object could never be called."""
         from lockstep.server.engine.grammar_limits import parameters_problem
 
-        for tool in tools or []:
+        for tool in getattr(body, "tools", None) or []:
             problem = parameters_problem(tool.function.name, tool.function.parameters)
             if problem:
                 raise APIError(400, f"tools: {problem}", param="tools")

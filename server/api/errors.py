@@ -2,6 +2,7 @@
 
 Every failure, including malformed JSON, unknown routes and unexpected exceptions,
 answers `{"error": {"message", "type", "param", "code"}}` so clients parse one shape.
+Every 429 and 503 also says when to come back (`RetryAfter`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lockstep.server.api.protocol import ErrorBody, ErrorResponse
 
 log = logging.getLogger(__name__)
+
+# The Retry-After of a 429 or 503 that names no wait of its own: without one, clients (the
+# openai SDK among them) retry on a backoff of their own choosing.
+RETRY_AFTER_S = 1
+RETRY_STATUSES = (429, 503)
 
 
 class APIError(Exception):
@@ -182,3 +188,24 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_unexpected_error)
+
+
+class RetryAfter:
+    """ASGI middleware: every 429 and 503 response carries Retry-After (RETRY_AFTER_S unless
+    the response set its own), whichever part of the app answered it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_retry_after(message):
+            if message["type"] == "http.response.start" and message["status"] in RETRY_STATUSES:
+                headers = list(message.get("headers", []))
+                if not any(name.lower() == b"retry-after" for name, _ in headers):
+                    message = {**message, "headers": headers + [(b"retry-after", str(RETRY_AFTER_S).encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_retry_after)

@@ -1,4 +1,4 @@
-"""Request limits: body size (middleware), generation and prompt caps, queue depth.
+"""Request limits: body size (middleware), generation and prompt caps, queue depth, grammar checks.
 
 The body limit is enforced before the app sees the request: a declared Content-Length
 over the limit is refused unread, and a chunked body is counted while it streams in, so
@@ -13,6 +13,10 @@ from lockstep.server.api.errors import APIError
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a full 8k-token prompt as JSON is well under this
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_MAX_QUEUE = 64
+# Grammar checks (server/api/grammar_checks.py): the checker process takes one grammar at a
+# time, so a second worker only overlaps one request's in-server compile with the next's check.
+DEFAULT_GRAMMAR_WORKERS = 2
+DEFAULT_GRAMMAR_QUEUE = 16
 # On MLX's CPU backend a prompt of the full 8192-token context holds a slot for minutes
 # (q4 prefills ~9 tok/s on 2 cores; float32 on OpenBLAS ~250), so the CPU gets a default cap.
 # Set --max-prompt-tokens to raise it.
@@ -32,6 +36,8 @@ class Limits:
     max_tokens: int = DEFAULT_MAX_TOKENS  # per-request generation cap (max_tokens above it: 400)
     max_prompt_tokens: int | None = None  # None: only the model's context length applies
     max_queue: int | None = DEFAULT_MAX_QUEUE  # waiting requests before new ones get 429
+    grammar_workers: int = DEFAULT_GRAMMAR_WORKERS  # grammar checks running at once
+    grammar_queue: int = DEFAULT_GRAMMAR_QUEUE  # grammar checks waiting before new ones get 429
 
 
 def body_too_large(limit: int) -> APIError:
@@ -48,9 +54,15 @@ def prompt_too_long(prompt_tokens: int, limit: int, param: str) -> APIError:
 
 
 def queue_full(limit: int) -> APIError:
-    # OpenAI's own 429s use type "requests" / code "rate_limit_exceeded"; clients retry on 429.
+    # OpenAI's own 429s use type "requests" / code "rate_limit_exceeded"; clients retry a 429
+    # after its Retry-After (errors.RetryAfter).
     return APIError(429, f"The server is busy: {limit} requests are already waiting; retry shortly",
                     type="requests", code="rate_limit_exceeded")
+
+
+def grammar_checks_full(workers: int, queue: int) -> APIError:
+    return APIError(429, f"The server is busy checking other requests' output grammars ({workers} running, "
+                         f"{queue} waiting); retry shortly", type="requests", code="rate_limit_exceeded")
 
 
 class _BodyTooLarge(Exception):

@@ -4,8 +4,9 @@ from __future__ import annotations
 import argparse
 
 from lockstep.server.api.auth import KEYS_ENV, api_keys, warn_if_exposed
-from lockstep.server.api.limits import (DEFAULT_CPU_MAX_PROMPT_TOKENS, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE,
-                           DEFAULT_MAX_TOKENS, Limits, default_max_prompt_tokens)
+from lockstep.server.api.limits import (DEFAULT_CPU_MAX_PROMPT_TOKENS, DEFAULT_GRAMMAR_QUEUE, DEFAULT_GRAMMAR_WORKERS,
+                           DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS, Limits,
+                           default_max_prompt_tokens)
 from lockstep.server.api.shutdown import DEFAULT_DRAIN_TIMEOUT
 
 
@@ -37,6 +38,13 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{DEFAULT_CPU_MAX_PROMPT_TOKENS} on the CPU backend, else the model's context)")
     parser.add_argument("--max-queue", type=_non_negative_int, default=DEFAULT_MAX_QUEUE,
                         help=f"requests waiting for a slot before new ones get 429 (default {DEFAULT_MAX_QUEUE})")
+    parser.add_argument("--grammar-workers", type=_positive_int, default=DEFAULT_GRAMMAR_WORKERS,
+                        help="threads that check and compile requests' output grammars (response_format "
+                             "schemas, forced tool calls), apart from the threads that tokenize "
+                             f"(default {DEFAULT_GRAMMAR_WORKERS})")
+    parser.add_argument("--grammar-queue", type=_non_negative_int, default=DEFAULT_GRAMMAR_QUEUE,
+                        help="grammar checks waiting for a thread before new ones get 429 "
+                             f"(default {DEFAULT_GRAMMAR_QUEUE})")
     parser.add_argument("--log-prompts", action="store_true",
                         help="include prompts in the JSON access log (off: prompts are user data)")
     parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT,
@@ -52,5 +60,6 @@ def http_settings_from_args(args: argparse.Namespace) -> dict:
     if max_prompt_tokens is None:
         max_prompt_tokens = default_max_prompt_tokens()
     limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit,
-                    max_prompt_tokens=max_prompt_tokens, max_queue=args.max_queue)
+                    max_prompt_tokens=max_prompt_tokens, max_queue=args.max_queue,
+                    grammar_workers=args.grammar_workers, grammar_queue=args.grammar_queue)
     return {"api_keys": keys, "limits": limits, "log_prompts": args.log_prompts}

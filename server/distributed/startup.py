@@ -111,10 +111,12 @@ def gate_on_health(app, watchdog) -> None:
     """Every route (/health included) answers 503 once the deployment has failed."""
     from fastapi.responses import JSONResponse
 
+    from lockstep.server.api.errors import RETRY_AFTER_S
+
     @app.middleware("http")
     async def deployment_failed(request, call_next):
-        if watchdog.failed is not None:
-            return JSONResponse(status_code=503, content={"error": {
+        if watchdog.failed is not None:  # outside the app's RetryAfter middleware: it says its own
+            return JSONResponse(status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)}, content={"error": {
                 "message": f"the distributed deployment failed: {watchdog.failed}",
                 "type": "server_error", "param": None, "code": "deployment_failed"}})
         return await call_next(request)

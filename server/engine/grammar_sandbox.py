@@ -14,8 +14,10 @@ token mask and one step past a few of the allowed tokens, where some engine limi
 - under an address-space limit (GRAMMAR_MEMORY_BYTES, where the OS enforces RLIMIT_AS);
 - within a time limit (`--grammar-timeout`), after which the child is killed; the next check
   starts a fresh one.
-A child that dies is a refusal of that grammar (an HTTP 400), and verdicts are cached by the
-source's digest, so a repeated schema costs nothing.
+A child that dies or runs out of time is a refusal of that grammar (an HTTP 400). Verdicts the
+engine itself returned are cached by the source's digest, so a repeated schema costs nothing; a
+death or a timeout is not cached (the OS may have killed, stopped or starved the child for
+reasons of its own), so the grammar is checked again when next asked.
 
 The child is a fresh interpreter running this file as a script (`python -P`): never a fork of
 the server, whose MLX threads a fork would copy half-way; no `lockstep` package import either,
@@ -90,10 +92,11 @@ class GrammarSandbox:
             if key in self._verdicts:
                 self._verdicts.move_to_end(key)
                 return self._verdicts[key]
-            verdict = self._run(source)
-            self._verdicts[key] = verdict
-            while len(self._verdicts) > VERDICTS:
-                self._verdicts.popitem(last=False)
+            verdict, returned = self._run(source)
+            if returned:
+                self._verdicts[key] = verdict
+                while len(self._verdicts) > VERDICTS:
+                    self._verdicts.popitem(last=False)
             return verdict
 
     def close(self) -> None:
@@ -105,7 +108,8 @@ class GrammarSandbox:
         """The child's process id while one runs (tests)."""
         return self._child[0][0].pid if self._child else None
 
-    def _run(self, source: str) -> Refusal | None:
+    def _run(self, source: str) -> tuple[Refusal | None, bool]:
+        """The verdict, and whether the engine returned it (False: the child died or timed out)."""
         process, conn = self._started()
         timeout = _settings["timeout_s"]
         try:
@@ -113,13 +117,13 @@ class GrammarSandbox:
             if not conn.poll(timeout):
                 _stop(self._child)
                 return Refusal(f"compiling the grammar took longer than the grammar timeout of {timeout:g} s "
-                               "(lockstep serve --grammar-timeout)", limit=True)
+                               "(lockstep serve --grammar-timeout)", limit=True), False
             result = json.loads(conn.recv_bytes())
         except (EOFError, OSError):
-            return self._died(process)
+            return self._died(process), False
         if "error" not in result:
-            return None
-        return _refusal(result["stage"], result["error"][:ERROR_CHARS])
+            return None, True
+        return _refusal(result["stage"], result["error"][:ERROR_CHARS]), True
 
     def _died(self, process: subprocess.Popen) -> Refusal:
         _stop(self._child)
