@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from lockstep.server.engine.decode_plan import METHODS
 
-from lockstep.server.engine.deployment import MAX_DRAFT_TOKENS, Deployment
+from lockstep.server.engine.deployment import MAX_DRAFT_TOKENS, Deployment, rewind_refusal
 from lockstep.server.engine.guarantee_state import OFF, PROVING, GuaranteeState, settled_state
 from lockstep.server.options import (AUDIT_MODES, DEFAULT_MAX_BATCH_ROWS, DEFAULT_NUM_DRAFT_TOKENS,
                                      DEFAULT_PREFILL_CHUNK)
@@ -162,8 +162,7 @@ class Runtime:
                 "guaranteed": self.invariance.guaranteed, "reason": self.invariance.reason,
                 "request_rows": self.invariance.request_rows,
             },
-            "speculation": {"available": self.deployment.speculation,
-                            **({"reason": self.state_refusal} if self.state_refusal else {})},
+            "speculation": self._speculation(),
             "prefix_cache": {"stores_prompts": self.state_refusal is None,
                              **({"reason": self.state_refusal} if self.state_refusal else {})},
             "transform": self.transform,
@@ -172,6 +171,16 @@ class Runtime:
                {"draft_model_state": f"failed: {self.deployment.draft_problem}"} if self.deployment.draft_problem
                else {}),
         }
+
+
+    def _speculation(self) -> dict:
+        """Whether requests may speculate; where not, why (worded for the model's kind of state)
+        and what a request that asks for it gets (server/engine/decode_plan.py)."""
+        if self.deployment.speculation:
+            return {"available": True}
+        return {"available": False, "reason": self.deployment.speculation_refusal or self.state_refusal,
+                "requested": "deterministic requests are decoded without drafts (their lockstep.note says so); "
+                             "other requests that name a method get a 400"}
 
 
 def _load_audited(spec: str, weights: str, quantize: str | None, bits, group,
@@ -324,7 +333,9 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     if options.kv_pool != "off":
         log.info("KV pool: %s", kv_pool)
     limit = options.batch_invariant_limit
-    settings = dict(limit=limit, speculation=speculation, speculative=options.speculative,
+    settings = dict(limit=limit, speculation=speculation,
+                    speculation_refusal=rewind_refusal(make_prompt_cache(loaded.model)) or "",
+                    speculative=options.speculative,
                     num_draft_tokens=options.num_draft_tokens, max_draft_tokens=options.max_draft_tokens,
                     draft_model=draft, draft_name=draft_name, draft_loading=defer_draft,
                     prefill_chunk=options.prefill_chunk, adaptive_draft_tokens=options.adaptive_speculation,

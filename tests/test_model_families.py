@@ -20,7 +20,7 @@ from lockstep.kernels.batching.ragged import ragged_problem
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.server.engine import Engine
 from lockstep.server.engine.decode_plan import RequestRejected, plan_request
-from lockstep.server.engine.deployment import Deployment
+from lockstep.server.engine.deployment import Deployment, rewind_refusal
 from lockstep.server.engine.generate import generate
 from lockstep.server.engine.guarantee import proven_deployment
 from lockstep.server.engine.prefix_cache import PrefixCache
@@ -93,15 +93,42 @@ def test_every_family_is_served_batched_with_its_solo_answers(family):
     assert together == alone
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "gemma3_text"])
+# Each family whose state cannot be rewound, and the words its refusal of speculation uses.
+UNREWINDABLE = {"gemma3_text": "sliding-window attention", "gpt_oss": "sliding-window attention",
+                "qwen3_next": "hybrid model's recurrent or conv layers",
+                "granitemoehybrid": "hybrid model's recurrent or conv layers",
+                "lfm2": "hybrid model's recurrent or conv layers"}
+
+
+@pytest.mark.parametrize("family", sorted(UNREWINDABLE))
 def test_state_that_cannot_be_rewound_turns_speculation_off_by_name(family):
+    """Issue 49, finding 14c: the reason is worded for the family's kind of state (a sliding
+    window was blamed on "recurrent state"); a deterministic request that asks for drafts is
+    decoded without them (its answer is the same by contract) and its note says why."""
+    from mlx_lm.models.cache import make_prompt_cache
+
     model = tiny_family(family)
     assert not rewindable(model)
-    deployment = Deployment(speculation=False, speculative="prompt_lookup")
+    why = rewind_refusal(make_prompt_cache(model))
+    assert UNREWINDABLE[family] in why and ("recurrent" in why) is (family not in ("gemma3_text", "gpt_oss"))
+    deployment = Deployment(speculation=False, speculation_refusal=why, speculative="prompt_lookup", limit=4,
+                            guaranteed_rows=4)
     assert plan_request(deployment, deterministic=False, speculative=None, num_draft_tokens=None).method == "none"
     with pytest.raises(RequestRejected) as info:
         plan_request(deployment, deterministic=False, speculative="prompt_lookup", num_draft_tokens=3)
-    assert info.value.param == "speculative" and "cannot be rewound" in str(info.value)
+    assert info.value.param == "speculative" and why in str(info.value)
+    for method in ("prompt_lookup", "draft"):
+        plan = plan_request(deployment, deterministic=True, speculative=method, num_draft_tokens=3)
+        assert (plan.method, plan.num_draft_tokens, plan.guaranteed) == ("none", 0, True)
+        assert plan.note == f"decoded without drafts ({method} asked for): {why}"
+
+
+def test_a_recurrent_model_is_named_as_one():
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    assert "this recurrent model's state (ArraysCache)" in rewind_refusal([ArraysCache(2), ArraysCache(2)])
+    assert rewind_refusal([KVCache(), KVCache()]) is None
+    assert "sliding-window" in rewind_refusal([RotatingKVCache(max_size=8), KVCache()])
 
 
 def test_plain_kv_families_keep_speculation():
@@ -115,8 +142,9 @@ def test_plain_kv_families_keep_speculation():
 # decided as at startup (guarantee.py: the ragged proof). Deterministic answers are compared
 # as token ids and logprob bits: alone (cold), alone after a prefix-cache hit, batched beside
 # plain requests, and with prompt lookup. Families with per-request state (sliding window,
-# recurrent or conv state) are proven for one row per request: no speculation (prompt lookup
-# is refused by name) and no prefix-cache hits (their state is never stored).
+# recurrent or conv state) are proven for one row per request: no speculation (prompt lookup,
+# asked for, is left out and the plan's note says so) and no prefix-cache hits (their state
+# is never stored).
 
 LIMIT = 4
 DET_TOKENS = 6
@@ -210,19 +238,20 @@ def test_every_family_is_deterministic_alone_batched_after_a_prefix_hit_and_with
                 assert all(plan.method == "prompt_lookup" and plan.num_draft_tokens == 3 for _, plan in lookup)
                 looked_up_alone = [run_jobs(engine, [job])[0] for job in lookup]
                 looked_up_together = run_jobs(engine, lookup + other_jobs(engine))[:len(jobs)]
-            else:
-                with pytest.raises(RequestRejected) as refused:
-                    det_job(engine, 0, "prompt_lookup")
-                assert refused.value.param == "speculative" and "cannot be rewound" in str(refused.value)
+            else:  # asked for, prompt lookup is left out: the same answers, said in the note
+                lookup = [det_job(engine, i, "prompt_lookup") for i in range(len(jobs))]
+                assert all(plan.method == "none" and "decoded without drafts" in plan.note for _, plan in lookup)
+                looked_up_alone = [run_jobs(engine, [job])[0] for job in lookup]
+                looked_up_together = run_jobs(engine, lookup + other_jobs(engine))[:len(jobs)]
     finally:
         engine.stop()
     assert all(len(answer[0]) == DET_TOKENS for answer in cold)
     assert hit == cold
     assert together == cold
     assert batched_widest >= 3  # deterministic and plain requests really shared passes
+    assert looked_up_alone == cold and looked_up_together == cold
     if kv_only:
         assert hits_alone >= len(jobs)  # the second runs started from cached prompt KV
-        assert looked_up_alone == cold and looked_up_together == cold
     else:
         assert engine.prefix_cache.hits == 0  # per-request state is never stored: no hit, said at startup
 
@@ -273,3 +302,46 @@ def test_models_that_keep_no_plain_kv_say_why_they_neither_speculate_nor_hit_the
                    state_refusal=state_refusal(tiny_family("lfm2"))).model_info()
     assert info["prefix_cache"] == {"stores_prompts": False, "reason": state_refusal(tiny_family("lfm2"))}
     assert info["speculation"]["available"] is False and info["batch_invariance"]["request_rows"] == 1
+
+
+@pytest.mark.parametrize("family", sorted(UNREWINDABLE))
+def test_a_deterministic_request_for_drafts_is_served_without_them_and_v1_models_says_so(family):
+    """Issue 49, finding 14c, over HTTP with the official client: the deterministic request
+    that asks for prompt lookup was a 400; it is served, with the answer it gets without
+    asking, and `lockstep.note` says why. /v1/models says the same for every such family."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from openai import OpenAI
+
+    from lockstep.server.api.app import create_app
+    from lockstep.server.runtime import Runtime, state_refusal
+    from tests.http_server import running
+
+    model = tiny_family(family)
+    why = rewind_refusal(make_prompt_cache(model))
+    plan = set_batch_invariant_limit(model, LIMIT)
+    try:
+        deployment = proven_deployment(model, plan, prefill_chunk=8)
+        loaded = TinyLoaded(model)
+        runtime = Runtime(loaded, deployment, None, plan, "weights=float32", state_refusal=state_refusal(model))
+        engine = Engine(loaded, max_active=4, deployment=deployment).start()
+        try:
+            with running(create_app(engine, model_extras=runtime.model_info)) as url:
+                client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+
+                def complete(**extra):
+                    return client.completions.create(model="tiny", prompt=DET_PROMPTS[0], max_tokens=4,
+                                                     temperature=0, extra_body={"deterministic": True, **extra})
+
+                asked, plain = complete(speculative="prompt_lookup", num_draft_tokens=3), complete()
+                card = client.models.retrieve("tiny").model_extra["lockstep"]
+        finally:
+            engine.stop()
+    finally:
+        set_batch_invariant_limit(model, 0)
+    extension = asked.model_extra["lockstep"]
+    assert extension["note"] == f"decoded without drafts (prompt_lookup asked for): {why}"
+    assert (extension["speculative"], extension["guaranteed"]) == ("none", True)
+    assert asked.choices[0].text == plain.choices[0].text and "note" not in plain.model_extra["lockstep"]
+    assert card["speculation"]["available"] is False and card["speculation"]["reason"] == why
+    assert "decoded without drafts" in card["speculation"]["requested"]
+    assert card["batch_invariance"]["guaranteed"] is True and card["batch_invariance"]["request_rows"] == 1

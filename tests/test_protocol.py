@@ -205,6 +205,36 @@ def test_history_as_the_client_dumps_it_is_accepted():
     assert body.messages[3].tool_calls[0].function.name == "weather" and body.messages[4].tool_call_id == "call_1"
 
 
+def test_a_parsed_answer_and_a_named_tool_result_are_accepted_and_ignored():
+    """Issue 49, finding 13: the openai SDK's `parse()` message as its model_dump gives it
+    (`parsed`, each call's `parsed_arguments`, and `refusal`, `audio`, `annotations`,
+    `function_call` as null) and a tool result with its function's `name` were 400s."""
+    from openai.types.chat import ParsedChatCompletionMessage, ParsedFunction, ParsedFunctionToolCall
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        city: str
+
+    arguments = '{"city": "Paris"}'
+    parsed = ParsedChatCompletionMessage[City](
+        role="assistant", content=arguments, parsed=City(city="Paris"), tool_calls=[ParsedFunctionToolCall(
+            id="call_1", type="function", function=ParsedFunction(name="weather", arguments=arguments,
+                                                                  parsed_arguments=City(city="Paris")))])
+    dumped = parsed.model_dump()
+    assert {"parsed", "refusal", "audio", "annotations", "function_call"} <= set(dumped)
+    assert "parsed_arguments" in dumped["tool_calls"][0]["function"]
+    body = p.ChatCompletionRequest.model_validate({**CHAT, "tools": [TOOL], "messages": [
+        {"role": "user", "content": "weather?"}, dumped,
+        {"role": "tool", "tool_call_id": "call_1", "name": "weather", "content": "sunny"}]})
+    assert [m.text() for m in body.messages] == ["weather?", arguments, "sunny"]
+    assert body.messages[1].tool_calls[0].function.arguments == arguments
+    # only what the SDK sends back is accepted: other unknown fields still name themselves
+    for message, field in [({**dumped, "parsed_output": None}, "parsed_output"),
+                           ({"role": "tool", "tool_call_id": "call_1", "content": "x", "title": "t"}, "title")]:
+        with pytest.raises(ValueError, match=field):
+            p.ChatCompletionRequest.model_validate({**CHAT, "messages": [message]})
+
+
 def test_nulls_are_the_defaults():
     body = p.ChatCompletionRequest.model_validate({**CHAT, **dict.fromkeys(
         ["temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "logprobs", "audio",
@@ -277,8 +307,8 @@ FUNCTION_CALL = {"id": "c", "type": "function", "function": {"name": "f", "argum
      "Unrecognized request argument supplied: messages.0.refusal"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "system", "content": "x", "tool_calls": [
         FUNCTION_CALL]}]}, "messages", "only assistant messages carry tool_calls"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{**REPLAYED, "parsed": None}]}, "messages",
-     "Unrecognized request argument supplied: messages.0.parsed"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{**REPLAYED, "tool_call_id": "c"}]}, "messages",
+     "Unrecognized request argument supplied: messages.0.tool_call_id"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages",
      "needs a role"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "function", "content": "x"}]}, "messages",

@@ -210,3 +210,14 @@ def test_unsupported_fields_are_400s_naming_the_param(client, extra, param):
 
 def test_store_false_is_accepted(client):
     assert respond(client, ARITHMETIC, store=False, max_output_tokens=1).status == "incomplete"
+
+
+def test_a_max_output_tokens_above_the_servers_cap_is_named_in_the_message_too(client):
+    """Issue 49, finding 12: the 400 named max_output_tokens as its param but its message
+    named the chat field it is translated to (max_completion_tokens)."""
+    with pytest.raises(BadRequestError) as caught:
+        client.responses.create(model="default", input="Hi", max_output_tokens=10**9)
+    error = caught.value.body
+    assert caught.value.param == "max_output_tokens"
+    assert error["message"].startswith("max_output_tokens is 1000000000, but this server allows at most ")
+    assert "max_completion_tokens" not in error["message"]

@@ -292,8 +292,9 @@ class Routes:
         stream = self.tool_calls_stream(body)
         content, calls = (d.text, []) if stream is None else stream.split(d.text)
         legacy = body.legacy_functions()  # deprecated functions: the call as message.function_call
+        cut_off = stream is not None and stream.cut_off
         message = p.AssistantMessage(
-            content=(content or None) if calls else content,
+            content=(content or None) if calls or cut_off else content,  # null, not "", beside a call
             tool_calls=None if legacy else _response_calls(calls) or None,
             function_call=p.ResponseFunctionCall(name=calls[0].name, arguments=calls[0].arguments)
             if legacy and calls else None)

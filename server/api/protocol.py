@@ -24,7 +24,7 @@ import json
 import re
 import time
 import uuid
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator,
                       model_validator)
@@ -316,10 +316,17 @@ class FunctionCall(Request):
     arguments: str  # JSON text, as OpenAI sends it
 
 
+class ReplayedFunctionCall(FunctionCall):
+    """An earlier call sent back in an assistant message: the openai SDK's `parse()` adds
+    `parsed_arguments` (the arguments as its model), which OpenAI accepts and ignores."""
+
+    parsed_arguments: Any = None
+
+
 class ToolCall(Request):
     id: str
     type: Literal["function"] = "function"
-    function: FunctionCall
+    function: ReplayedFunctionCall
     index: int | None = None  # what a streamed call was assembled from: not needed here
 
 
@@ -494,6 +501,9 @@ class AssistantMessageParam(_Message):
     function_call: FunctionCall | None = None
     tool_calls: list[AnyToolCall] | None = None
     annotations: list[Annotation] | None = None
+    # The openai SDK's `parse()` answer as the SDK dumps it: `parsed` is the content as the
+    # client's model, which OpenAI accepts and ignores.
+    parsed: Any = None
 
     # An earlier answer's audio is referred to by id: lockstep made none to refer to.
     _no_audio = _refused("audio", "lockstep writes no audio, so there is no earlier audio to refer to")
@@ -523,7 +533,8 @@ class AssistantMessageParam(_Message):
         """A legacy `function_call` as the one tool call it is."""
         if self.function_call is None or self.tool_calls:
             return self
-        call = ToolCall(id=legacy_call_id(self.function_call.name), function=self.function_call)
+        call = ToolCall(id=legacy_call_id(self.function_call.name),
+                        function=ReplayedFunctionCall(**self.function_call.model_dump()))
         return self.model_copy(update={"tool_calls": [call], "function_call": None})
 
     @model_validator(mode="after")
@@ -536,6 +547,7 @@ class AssistantMessageParam(_Message):
 class ToolMessage(_TextMessage):
     role: Literal["tool"]
     tool_call_id: str = Field(min_length=1)
+    name: str | None = None  # the called function (instructor's, litellm's tool results): not rendered
 
     @model_validator(mode="before")
     @classmethod

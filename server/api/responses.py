@@ -10,6 +10,7 @@ in `response.incomplete`, as OpenAI's does; every other stream ends in `response
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import AsyncIterator
 
@@ -50,6 +51,19 @@ def _chat_messages(body: rp.ResponsesRequest) -> list[dict]:
         else:
             messages.append({"role": "tool", "content": item.text(), "tool_call_id": item.call_id})
     return messages
+
+
+def _rename_param(exc: APIError) -> None:
+    """An error of the shared submission path, told in the Responses request's words: its
+    `param`, and the field's name where the message names it (`max_completion_tokens is 9999,
+    but ...`)."""
+    chat_field = exc.body.param
+    field = PARAMS.get(chat_field)
+    if field is None:
+        return
+    exc.body.param = field
+    if "_" in chat_field:  # a field name, never a word of the message's prose ("messages")
+        exc.body.message = re.sub(rf"\b{chat_field}\b", field, exc.body.message)
 
 
 def _response_format(text: rp.TextConfig | None) -> dict | None:
@@ -205,7 +219,7 @@ class ResponsesRoute:
         try:
             handles = await self.routes.submit_chat(chat)
         except APIError as exc:
-            exc.body.param = PARAMS.get(exc.body.param, exc.body.param)
+            _rename_param(exc)
             raise
         response = self._response(body, chat)
         items = OutputItems(self.routes.tool_calls_stream(chat))

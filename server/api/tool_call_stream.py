@@ -41,6 +41,7 @@ class ToolCallStream:
         self._opened: str | None = None  # the text that opened the call being read (None: none is)
         self._released = False  # content was sent: a llama3_json call can only open the output
         self.calls: list[ParsedCall] = []
+        self.cut_off = False  # the output ended inside a call, which was dropped
 
     def _keep(self, calls: list[ParsedCall]) -> list[ParsedCall]:
         kept = []
@@ -106,6 +107,7 @@ class ToolCallStream:
         if self._opened is None:
             keep = self._find_start()[2]  # the output ended inside a start tag: a cut-off call
             text, self._pending = self._pending[:len(self._pending) - keep], ""
+            self.cut_off = keep > 0
             return ("" if self.calls and not text.strip() else text), []
         pending, opened, self._pending, self._opened = self._pending, self._opened, "", None
         cut = _partial_tag_suffix(pending, self.fmt.end) if self.fmt.end else 0  # stopped inside the end tag
@@ -115,6 +117,7 @@ class ToolCallStream:
             return "", self._keep(parsed)
         if not self.fmt.end and self.fmt.whole(body, self.tools):  # complete, but no call (Llama's JSON answer)
             return opened + body, []
+        self.cut_off = True
         return "", []
 
     def split(self, text: str) -> tuple[str, list[ParsedCall]]:
@@ -162,6 +165,7 @@ class HarmonyStream:
         self._done = False  # <|call|> or <|return|> ended the turn: nothing after it counts
         self._first = True  # still in the output's first header
         self.calls: list[ParsedCall] = []
+        self.cut_off = False  # the output ended inside a call, which was dropped
 
     def add(self, text: str) -> tuple[str, list[ParsedCall]]:
         self._pending += text
@@ -228,7 +232,9 @@ class HarmonyStream:
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         if self._done or (self._header is not None and not self._plain):
-            self._pending = ""  # a header the output ended in opens no text
+            # a header the output ended in opens no text (nor a call, where it names a recipient)
+            self.cut_off = not self._done and _HARMONY_RECIPIENT.search(self._pending) is not None
+            self._pending = ""
             return "", []
         if self._plain:
             text, self._pending = self._pending, ""
@@ -237,7 +243,10 @@ class HarmonyStream:
         text = self._text(self._pending[:len(self._pending) - keep])
         self._pending = ""
         self._done = True
-        return text, self._close()  # a message the output ended in (eos is never text)
+        calling = self._kind == "call"
+        calls = self._close()  # a message the output ended in (eos is never text)
+        self.cut_off = calling and not calls
+        return text, calls
 
     def split(self, text: str) -> tuple[str, list[ParsedCall]]:
         content, calls = self.add(text)

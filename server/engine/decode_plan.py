@@ -78,12 +78,15 @@ def plan_request(deployment: Deployment, *, deterministic: bool, speculative: st
         method = PREDICTION
     elif method not in METHODS:
         raise RequestRejected("speculative", f"speculative must be one of {list(METHODS)}")
+    note = ""
     if method != "none" and not deployment.speculation:
         if speculative not in (None, "none"):
-            raise RequestRejected("speculative", "this model's recurrent state cannot be rewound past rejected "
-                                                 "drafts, so this server decodes it without speculation")
+            why = deployment.speculation_refusal or "this model's state cannot be rewound past rejected drafts"
+            if not deterministic:
+                raise RequestRejected("speculative", f"{why}: this server decodes it without speculation")
+            # A deterministic answer is the same with or without drafts: it is served without.
+            note = f"decoded without drafts ({speculative} asked for): {why}"
         method = "none"  # the deployment's default does not apply to this model
-    note = ""
     if method == "draft" and deployment.draft_model is None:
         if not deployment.draft_loading:
             why = (f"its draft model could not be loaded: {deployment.draft_problem}" if deployment.draft_problem

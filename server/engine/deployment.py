@@ -50,6 +50,8 @@ class Deployment:
     # The model's caches can be rewound past rejected drafts (recurrent state cannot: then no
     # speculation, server/runtime.py decides it from the model's own caches).
     speculation: bool = True
+    # Why not, when `speculation` is off: `rewind_refusal`'s words for the model's kind of state.
+    speculation_refusal: str = ""
     # Requests' KV in one shared pool, one attention launch per layer for a whole pass
     # (kernels/batching/kv_pool.py): "kernel" (the GPU kernel), "reference" (one MLX attention call per
     # row, where there is no kernel) or "off" (each request its own KVCache).
@@ -71,3 +73,27 @@ class Deployment:
     @property
     def guaranteed(self) -> bool:
         return self.guaranteed_rows > 0
+
+
+def rewind_refusal(caches) -> str | None:
+    """Why a model with these caches (mlx-lm's, one per layer) cannot speculate, worded for
+    its kind of state, or None when every cache is a plain KV cache (cut back after rejected
+    drafts)."""
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    if all(type(c) is KVCache for c in caches):
+        return None
+    recurrent = [i for i, c in enumerate(caches) if isinstance(c, ArraysCache)]
+    sliding = [i for i, c in enumerate(caches) if isinstance(c, RotatingKVCache)]
+    attention = [i for i, c in enumerate(caches) if isinstance(c, (KVCache, RotatingKVCache))]
+    if recurrent and attention:
+        return (f"this hybrid model's recurrent or conv layers (layer {recurrent[0]}: {type(caches[recurrent[0]]).__name__}) "
+                "rewrite their state in place each token, so it cannot be rewound past rejected drafts")
+    if recurrent:
+        return (f"this recurrent model's state ({type(caches[recurrent[0]]).__name__}) is rewritten in place "
+                "each token, so it cannot be rewound past rejected drafts")
+    if sliding:
+        return (f"this model's sliding-window attention (layer {sliding[0]}: RotatingKVCache) overwrites "
+                "its oldest entries once the window is full, so it cannot be rewound past rejected drafts")
+    kinds = sorted({type(c).__name__ for c in caches if type(c) is not KVCache})
+    return f"this model's caches ({', '.join(kinds)}) cannot be rewound past rejected drafts"

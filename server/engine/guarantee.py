@@ -118,12 +118,14 @@ def proven_deployment(model, plan, *, kv_pool: str = "off", proofs=None, pass_ro
     from mlx_lm.models.cache import make_prompt_cache
 
     from lockstep.kernels.invariance.cache_check import per_request_state
-    from lockstep.server.engine.deployment import Deployment
+    from lockstep.server.engine.deployment import Deployment, rewind_refusal
 
     guarantee = decide_guarantee(model, plan, kv_pool, proofs, pass_rows,
                                  compiled=settings.get("compiled_passes", Deployment.compiled_passes))
-    if per_request_state(make_prompt_cache(model)) is not None:
+    caches = make_prompt_cache(model)
+    if per_request_state(caches) is not None:
         settings["speculation"] = False
+        settings["speculation_refusal"] = rewind_refusal(caches)
     return Deployment(limit=plan.limit if plan is not None else 0, guaranteed_rows=guarantee.rows,
                       shared_passes=guarantee.shared_passes, shared_pass_rows=guarantee.pass_rows,
                       shared_prefill_rows=guarantee.shared_prefill_rows,

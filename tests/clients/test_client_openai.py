@@ -5,8 +5,8 @@ import json
 from typing import Literal
 
 import pytest
-from openai import BadRequestError, NotFoundError, OpenAI
-from pydantic import BaseModel
+from openai import BadRequestError, NotFoundError, OpenAI, pydantic_function_tool
+from pydantic import BaseModel, Field
 
 HI = [{"role": "user", "content": "Say hi."}]
 WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -87,6 +87,36 @@ def test_parse_returns_the_schemas_object(client):
     parsed = client.chat.completions.parse(model="default", messages=[{"role": "user", "content": "Is water wet?"}],
                                            response_format=Verdict, max_tokens=16, temperature=0)
     assert isinstance(parsed.choices[0].message.parsed, Verdict)
+
+
+class Weather(BaseModel):
+    city: str = Field(max_length=12)
+
+
+def test_parsed_answers_sent_back_as_the_client_returns_them_are_accepted(client):
+    """Issue 49, finding 13: a `parse()` answer appended to the history as it is (the message
+    object, or its model_dump) carries `parsed` and each call's `parsed_arguments`, and the
+    tool result its function's `name` (instructor's re-ask, litellm's tool results): OpenAI
+    accepts and ignores them; lockstep answered 400 to every retry."""
+    weather = pydantic_function_tool(Weather, name="get_weather")
+    called = client.chat.completions.parse(model="default", messages=WEATHER, tools=[weather],
+                                           tool_choice=CALL_WEATHER, max_tokens=40, temperature=0)
+    message = called.choices[0].message
+    call = message.tool_calls[0]
+    assert isinstance(call.function.parsed_arguments, Weather)
+    dumped = message.model_dump()
+    assert "parsed" in dumped and "parsed_arguments" in dumped["tool_calls"][0]["function"]
+    result = {"role": "tool", "tool_call_id": call.id, "name": "get_weather", "content": "18 C and sunny"}
+    for sent in (message, dumped):
+        answer = chat(client, WEATHER + [sent, result], tools=TOOLS)
+        assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+    question = [{"role": "user", "content": "Is water wet?"}]
+    verdict = client.chat.completions.parse(model="default", messages=question, response_format=Verdict,
+                                            max_tokens=16, temperature=0).choices[0].message
+    assert isinstance(verdict.parsed, Verdict) and verdict.model_dump()["parsed"] == verdict.parsed.model_dump()
+    for sent in (verdict, verdict.model_dump()):
+        assert chat(client, question + [sent, {"role": "user", "content": "Sure?"}]).choices[0].message.content
 
 
 def test_the_responses_api(client):
