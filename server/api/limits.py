@@ -1,4 +1,4 @@
-"""Request limits: body size (middleware), generation and prompt caps, queue depth.
+"""Request limits: body size (middleware), generation, prompt and prediction caps, queue depth.
 
 The body limit is enforced before the app sees the request: a declared Content-Length
 over the limit is refused unread, and a chunked body is counted while it streams in, so
@@ -13,6 +13,9 @@ from lockstep.server.api.errors import APIError
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a full 8k-token prompt as JSON is well under this
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_MAX_QUEUE = 64
+# A prediction's tokens are indexed per request (server/engine/speculative.py PredictionIndex):
+# twice the default max_tokens leaves room for an answer that deletes much of its prediction.
+DEFAULT_MAX_PREDICTION_TOKENS = 8192
 # On MLX's CPU backend a prompt of the full 8192-token context holds a slot for minutes
 # (q4 prefills ~9 tok/s on 2 cores; float32 on OpenBLAS ~250), so the CPU gets a default cap.
 # Set --max-prompt-tokens to raise it.
@@ -32,6 +35,7 @@ class Limits:
     max_tokens: int = DEFAULT_MAX_TOKENS  # per-request generation cap (max_tokens above it: 400)
     max_prompt_tokens: int | None = None  # None: only the model's context length applies
     max_queue: int | None = DEFAULT_MAX_QUEUE  # waiting requests before new ones get 429
+    max_prediction_tokens: int = DEFAULT_MAX_PREDICTION_TOKENS  # a longer `prediction`: 400
 
 
 def body_too_large(limit: int) -> APIError:
@@ -45,6 +49,11 @@ def max_tokens_too_large(requested: int, limit: int, param: str) -> APIError:
 def prompt_too_long(prompt_tokens: int, limit: int, param: str) -> APIError:
     return APIError(400, f"The prompt has {prompt_tokens} tokens, but this server accepts at most {limit}",
                     param=param, code="prompt_too_long")
+
+
+def prediction_too_long(prediction_tokens: int, limit: int) -> APIError:
+    return APIError(400, f"The prediction has {prediction_tokens} tokens, but this server accepts at most {limit}",
+                    param="prediction", code="prediction_too_long")
 
 
 def queue_full(limit: int) -> APIError:
