@@ -56,7 +56,7 @@ def hardened(embedded_model, scripted):
     from lockstep.server.api.limits import Limits
 
     engine = ScriptedEngine(embedded_model, scripted, max_active=1).start()
-    limits = Limits(max_body_bytes=4096, max_tokens=16, max_prompt_tokens=64, max_queue=1)
+    limits = Limits(max_body_bytes=4096, max_tokens=16, max_prompt_tokens=64, max_queue=1, max_prediction_tokens=32)
     app = create_app(engine, api_keys=KEYS, limits=limits)
     try:
         with running(app) as url:
@@ -158,12 +158,13 @@ def test_limit_flags_reach_the_settings(monkeypatch):
     monkeypatch.setenv("LOCKSTEP_API_KEYS", "from-env")
     args = _serve_args("--api-key", "k1", "--api-key", "k2", "--max-body-bytes", "100", "--max-tokens-limit", "7",
                        "--max-prompt-tokens", "50", "--max-queue", "0", "--log-prompts", "--drain-timeout", "5",
-                       "--grammar-workers", "3", "--grammar-queue", "0")
+                       "--grammar-workers", "3", "--grammar-queue", "0", "--max-prediction-tokens", "9")
     settings = http_settings_from_args(args)
     assert settings["api_keys"] == ["k1", "k2", "from-env"] and settings["log_prompts"] is True
     limits = settings["limits"]
     assert (limits.max_body_bytes, limits.max_tokens, limits.max_prompt_tokens, limits.max_queue) == (100, 7, 50, 0)
     assert (limits.grammar_workers, limits.grammar_queue) == (3, 0)
+    assert limits.max_prediction_tokens == 9
     assert args.drain_timeout == 5.0
     for refused in (("--max-tokens-limit", "0"), ("--grammar-workers", "0"), ("--grammar-queue", "-1")):
         with pytest.raises(SystemExit):
@@ -231,6 +232,29 @@ def test_prompt_over_the_cap_is_400(http):
     body = {"model": "default", "prompt": [5] * 65, "max_tokens": 1}
     assert_error(http.post("/v1/completions", json=body, headers=GOOD), 400, code="prompt_too_long", param="prompt")
     assert http.post("/v1/completions", json={**body, "prompt": [5] * 64}, headers=GOOD).status_code == 200
+
+
+def test_a_prediction_over_the_cap_is_400_for_the_openai_client(hardened, embedded_model):
+    """Issue 49, finding 3: a ~1 MB prediction was indexed and followed whole. A prediction of
+    more tokens than --max-prediction-tokens (32 here) is refused before it reaches the engine."""
+    from openai import BadRequestError
+
+    client = OpenAI(base_url=hardened[0] + "/v1", api_key="key-one", max_retries=0)
+    words = " ".join(f"w{i}" for i in range(40))
+    tokens = embedded_model.tokenizer.encode(words, add_special_tokens=False)
+    assert len(tokens) > 32
+    with pytest.raises(BadRequestError) as refused:
+        client.chat.completions.create(model="default", messages=CHAT["messages"], max_tokens=3,
+                                       prediction={"type": "content", "content": words})
+    error = refused.value.body
+    assert (error["param"], error["code"], error["type"]) == ("prediction", "prediction_too_long",
+                                                              "invalid_request_error")
+    assert f"{len(tokens)} tokens" in error["message"] and "at most 32" in error["message"]
+    fits = embedded_model.tokenizer.decode(tokens[:32])
+    assert len(embedded_model.tokenizer.encode(fits, add_special_tokens=False)) <= 32
+    answer = client.chat.completions.create(model="default", messages=CHAT["messages"], max_tokens=3,
+                                            prediction={"type": "content", "content": fits})
+    assert answer.usage.completion_tokens == 3
 
 
 def test_a_full_queue_is_429_and_the_queue_recovers(hardened, http, scripted):

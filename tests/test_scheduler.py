@@ -170,6 +170,70 @@ def test_one_request_with_a_large_n_leaves_a_slot_for_others(tiny):
     assert max(seen_active) <= 4
 
 
+def _held(engine, named) -> dict[str, int]:
+    """Slots held per request, by the name of its first choice's handle."""
+    names = {id(handles[0]): name for name, handles in named.items()}
+    held = {}
+    for slot in engine.scheduler.active:
+        name = names[id(slot.handle.leader or slot.handle)]
+        held[name] = held.get(name, 0) + 1
+    return held
+
+
+async def _submit(engine, groups: dict[str, list[GenerationRequest]], plan) -> dict[str, list]:
+    return {name: engine.submit_group(requests, plan) for name, requests in groups.items()}
+
+
+@pytest.mark.parametrize("max_active, held", [(16, {"a": 12, "b": 3}), (4, {"a": 3})])
+def test_two_requests_with_a_large_n_leave_a_slot_for_a_plain_one(tiny, max_active, held):
+    """Issue 49, finding 9: two n = 16 requests took 12 + 4 = every slot of 16 (each within
+    its own share), and a plain request waited for one of their choices to finish. No choice
+    of an n > 1 request takes the last free slot now (on 4 slots not even the second request's
+    first), so the plain request is admitted in the same admission round, and again after it
+    leaves."""
+    from lockstep.server.engine import Engine
+
+    deployment = Deployment(prefill_chunk=8)
+    engine = Engine(tiny, max_active=max_active, deployment=deployment)  # not started: admission by hand
+    sampled = SamplingParams(temperature=0.9, seed=1)
+    big = [GenerationRequest([9, 8, 7], 40, sampled) for _ in range(max_active)]
+    named = asyncio.run(_submit(engine, {"a": big, "b": big, "plain": [GenerationRequest([1, 2, 3], 4, sampled)]},
+                                plain(deployment)))
+    scheduler = engine.scheduler
+    try:
+        scheduler.admit()
+        assert _held(engine, named) == {**held, "plain": 1}
+        done = named.pop("plain")[0]
+        scheduler.remove(next(s for s in scheduler.active if s.handle is done))
+        scheduler.admit()  # the n > 1 choices still waiting do not take the slot it left
+        assert len(scheduler.active) == max_active - 1
+        named.update(asyncio.run(_submit(engine, {"plain2": [GenerationRequest([4, 5], 4, sampled)]},
+                                         plain(deployment))))
+        scheduler.admit()
+        assert _held(engine, named) == {**held, "plain2": 1}
+    finally:
+        for slot in list(scheduler.active):
+            scheduler.remove(slot)
+
+
+def test_on_one_slot_the_choices_of_a_request_run_in_turn(tiny):
+    """A server of one slot keeps none back: n = 3 is answered, one choice after another."""
+    from lockstep.server.engine import Engine
+
+    deployment = Deployment(prefill_chunk=8)
+    engine = Engine(tiny, max_active=1, deployment=deployment).start()
+    try:
+        async def main():
+            handles = engine.submit_group([GenerationRequest([9, 8, 7], 3, SamplingParams(temperature=0.0))] * 3,
+                                          plain(deployment))
+            return [[d async for d in handle] for handle in handles]
+
+        answers = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert len(answers) == 3 and all(answers)
+
+
 def test_the_per_request_share_is_a_serve_flag_checked_at_startup():
     from lockstep.server.commands.serve import add_arguments
     from lockstep.server.engine import Engine
@@ -209,6 +273,28 @@ def test_n_above_the_slots_and_the_queue_is_served_on_an_idle_server(small_serve
                          "seed": 2})
     assert r.status_code == 200, r.text
     assert sorted(c["index"] for c in r.json()["choices"]) == [0, 1, 2, 3, 4]
+
+
+def test_over_http_a_plain_request_is_answered_beside_a_running_n2_request(small_server):
+    """Finding 9 of issue 49 through the official client, on 2 slots: a streamed n = 2 request
+    of 2000 tokens a choice used to take both (its own share is 2), so a 2-token request waited
+    for one of its choices to finish. Now the plain request is answered while both choices
+    are still with the engine (the first running, the second kept out of the last slot)."""
+    from openai import OpenAI
+
+    url, engine = small_server
+    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    stream = client.completions.create(model="default", prompt=[7, 8, 9], max_tokens=2000, n=2, stream=True)
+    try:
+        next(iter(stream))  # the big request has started
+        answer = client.completions.create(model="default", prompt=[1, 2, 3], max_tokens=2)
+        assert answer.usage.completion_tokens == 2
+        counts = engine.counts()
+        assert counts["active"] + counts["waiting"] == 2, counts  # neither of its choices has finished
+    finally:
+        stream.close()
+    wait_until(lambda: engine.counts()["active"] == 0 and engine.counts()["waiting"] == 0,
+               what="the cancelled choices to leave")
 
 
 def test_cancelled_counts_requests_not_choices(small_server):

@@ -394,6 +394,113 @@ def test_speculation_from_a_prediction_equals_plain_greedy(edit):
         assert accepted >= 8  # found again past the edit
 
 
+class LinearRealignment:
+    """The re-alignment before the index (issue 49, finding 3): every occurrence of the output's
+    last token in the prediction is scanned, so each step costs O(len(prediction)). The
+    reference the index must agree with, and the cost it must not have."""
+
+    @staticmethod
+    def make(prediction, start, **kw):
+        from lockstep.server.engine.speculative import PredictionDrafter
+
+        class Linear(PredictionDrafter):
+            def _realign(self, suffix):
+                best, best_key = None, None
+                for i, token in enumerate(self.prediction):
+                    if not suffix or token != suffix[-1] or i + 1 >= len(self.prediction):
+                        continue
+                    self.examined += 1
+                    end, n = i + 1, 1
+                    limit = min(self.max_ngram, i + 1, len(suffix))
+                    while n < limit and self.prediction[i - n] == suffix[-1 - n]:
+                        n += 1
+                    forward = end > self._lost_at
+                    if n == 1 and not (forward and end - self._lost_at <= self.window):
+                        continue
+                    key = (n, forward, -abs(end - self._lost_at))
+                    if best_key is None or key > best_key:
+                        best, best_key = end, key
+                return (best, best_key[0]) if best is not None else (None, 0)
+
+        return Linear(prediction, start, **kw)
+
+
+def _diverging_walk(drafter, prompt, steps):
+    """Feed the drafter an output that keeps leaving the prediction (a logit_bias pushing the
+    answer off it): a token of the prediction, then one out of place (a foreign one, or a
+    phrase token in the wrong spot), and so on; the positions re-alignment examined at each step."""
+    prediction, context, at, per_step = drafter.prediction, list(prompt), 0, []
+    for step in range(steps):
+        before = drafter.examined
+        drafter.propose(context, 4)
+        per_step.append(drafter.examined - before)
+        if step % 2 == 0:
+            context.append(prediction[at])
+            at += 1
+        else:
+            context.append(77 if step % 4 == 1 else prediction[at + 3])
+    return per_step
+
+
+@pytest.mark.parametrize("repeats", [10, 4000])
+def test_realignment_examines_a_bounded_number_of_positions_however_long_the_prediction(repeats):
+    """Finding 3 of issue 49: a prediction of one phrase repeated, and an output that keeps
+    leaving it, made every step scan each occurrence of the last token (~210k positions a step
+    for 1 MB). Through the index a step examines at most two positions per suffix length."""
+    from lockstep.server.engine.speculative import PredictionDrafter
+
+    phrase = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    drafter = PredictionDrafter(phrase * repeats, start=2)
+    per_step = _diverging_walk(drafter, [90, 91], 40)
+    assert max(per_step) <= 2 * drafter.max_ngram, per_step
+    assert sum(per_step) > 0  # it did re-align
+
+
+def test_the_indexed_realignment_drafts_what_the_linear_scan_drafted():
+    """The index changes the cost, never the drafts: on random predictions over a small vocabulary
+    (every n-gram recurs) and outputs that copy, substitute, insert and delete, every proposal
+    and match equals the linear scan's, step by step."""
+    import random
+
+    from lockstep.server.engine.speculative import PredictionDrafter
+
+    rng = random.Random(49)
+    for case in range(60):
+        vocab = rng.choice([3, 5, 12])
+        prediction = [rng.randrange(vocab) for _ in range(rng.randrange(1, 80))]
+        indexed = PredictionDrafter(prediction, start=1, max_ngram=rng.choice([1, 3, 8]), window=rng.choice([2, 8]))
+        linear = LinearRealignment.make(prediction, start=1, max_ngram=indexed.max_ngram, window=indexed.window)
+        context, at = [99], 0
+        for step in range(120):
+            drafts = indexed.propose(context, 4)
+            assert drafts == linear.propose(context, 4), (case, step)
+            assert indexed.match(context) == linear.match(context), (case, step)
+            edit = rng.random()
+            if edit < 0.6 and at < len(prediction):
+                context.append(prediction[at])
+                at += 1
+            elif edit < 0.75:
+                context.append(rng.randrange(vocab + 2))  # substituted or inserted
+            else:
+                at = rng.randrange(len(prediction) + 1)  # deleted, or moved back
+    assert indexed.examined <= linear.examined
+
+
+def test_speculation_through_the_index_emits_the_tokens_of_the_linear_scan():
+    """The answer with the index equals the answer without it (and the plain answer), token for
+    token, and so do the drafts, on an ordinary edited prediction."""
+    target = tiny_llama(0)
+    prompt = [3, 14, 15, 92, 65, 35]
+    plain = plain_greedy(target, prompt, 24)
+    prediction = plain[:5] + [1, 2] + plain[6:14] + plain[16:]
+    from lockstep.server.engine.speculative import PredictionDrafter
+
+    indexed = speculative_greedy(target, PredictionDrafter(prediction, len(prompt)), prompt, 24, 5)
+    linear = speculative_greedy(target, LinearRealignment.make(prediction, len(prompt)), prompt, 24, 5)
+    assert indexed == linear and indexed[0] == plain
+    assert indexed[2] >= 12  # found again past both edits
+
+
 def test_a_prediction_makes_the_plan_draft_from_it():
     from lockstep.server.engine.decode_plan import RequestRejected, plan_request
     from lockstep.server.engine.deployment import Deployment

@@ -29,7 +29,8 @@ from lockstep.server.api.disconnect import unless_disconnected
 from lockstep.server.api.drain import Drain, DrainMiddleware
 from lockstep.server.engine import Engine, GenerationError, QueueFull, TooLargeForMemory
 from lockstep.server.api.messages import MessagesRoute
-from lockstep.server.api.limits import BodySizeLimit, Limits, max_tokens_too_large, prompt_too_long, queue_full
+from lockstep.server.api.limits import (BodySizeLimit, Limits, max_tokens_too_large, prediction_too_long,
+                                        prompt_too_long, queue_full)
 from lockstep.server.api.metrics import Metrics
 from lockstep.server.api.request_record import RecordRequests, current, track
 from lockstep.server.api.responses import ResponsesRoute
@@ -182,6 +183,8 @@ class Routes:
             raise context_length_exceeded(len(prompt), context, param)
         if self.limits.max_prompt_tokens is not None and len(prompt) > self.limits.max_prompt_tokens:
             raise prompt_too_long(len(prompt), self.limits.max_prompt_tokens, param)
+        if len(prediction) > self.limits.max_prediction_tokens:
+            raise prediction_too_long(len(prediction), self.limits.max_prediction_tokens)
         requested = body.token_limit()
         if requested is not None and requested > self.limits.max_tokens:
             cap_param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"

@@ -1,4 +1,5 @@
-"""Request limits: body size (middleware), generation and prompt caps, queue depth, grammar checks.
+"""Request limits: body size (middleware), generation, prompt and prediction caps, queue depth,
+grammar checks.
 
 The body limit is enforced before the app sees the request: a declared Content-Length
 over the limit is refused unread, and a chunked body is counted while it streams in, so
@@ -17,6 +18,9 @@ DEFAULT_MAX_QUEUE = 64
 # time, so a second worker only overlaps one request's in-server compile with the next's check.
 DEFAULT_GRAMMAR_WORKERS = 2
 DEFAULT_GRAMMAR_QUEUE = 16
+# A prediction's tokens are indexed per request (server/engine/speculative.py PredictionIndex):
+# twice the default max_tokens leaves room for an answer that deletes much of its prediction.
+DEFAULT_MAX_PREDICTION_TOKENS = 8192
 # On MLX's CPU backend a prompt of the full 8192-token context holds a slot for minutes
 # (q4 prefills ~9 tok/s on 2 cores; float32 on OpenBLAS ~250), so the CPU gets a default cap.
 # Set --max-prompt-tokens to raise it.
@@ -38,6 +42,7 @@ class Limits:
     max_queue: int | None = DEFAULT_MAX_QUEUE  # waiting requests before new ones get 429
     grammar_workers: int = DEFAULT_GRAMMAR_WORKERS  # grammar checks running at once
     grammar_queue: int = DEFAULT_GRAMMAR_QUEUE  # grammar checks waiting before new ones get 429
+    max_prediction_tokens: int = DEFAULT_MAX_PREDICTION_TOKENS  # a longer `prediction`: 400
 
 
 def body_too_large(limit: int) -> APIError:
@@ -51,6 +56,11 @@ def max_tokens_too_large(requested: int, limit: int, param: str) -> APIError:
 def prompt_too_long(prompt_tokens: int, limit: int, param: str) -> APIError:
     return APIError(400, f"The prompt has {prompt_tokens} tokens, but this server accepts at most {limit}",
                     param=param, code="prompt_too_long")
+
+
+def prediction_too_long(prediction_tokens: int, limit: int) -> APIError:
+    return APIError(400, f"The prediction has {prediction_tokens} tokens, but this server accepts at most {limit}",
+                    param="prediction", code="prediction_too_long")
 
 
 def queue_full(limit: int) -> APIError:

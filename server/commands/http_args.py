@@ -5,8 +5,8 @@ import argparse
 
 from lockstep.server.api.auth import KEYS_ENV, api_keys, warn_if_exposed
 from lockstep.server.api.limits import (DEFAULT_CPU_MAX_PROMPT_TOKENS, DEFAULT_GRAMMAR_QUEUE, DEFAULT_GRAMMAR_WORKERS,
-                           DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS, Limits,
-                           default_max_prompt_tokens)
+                           DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PREDICTION_TOKENS, DEFAULT_MAX_QUEUE,
+                           DEFAULT_MAX_TOKENS, Limits, default_max_prompt_tokens)
 from lockstep.server.api.shutdown import DEFAULT_DRAIN_TIMEOUT
 
 
@@ -36,6 +36,9 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt-tokens", type=_positive_int, default=None,
                         help=f"longest prompt in tokens; longer gets 400 (default: "
                              f"{DEFAULT_CPU_MAX_PROMPT_TOKENS} on the CPU backend, else the model's context)")
+    parser.add_argument("--max-prediction-tokens", type=_positive_int, default=DEFAULT_MAX_PREDICTION_TOKENS,
+                        help=f"longest `prediction` (Predicted Outputs) in tokens; longer gets 400 "
+                             f"(default {DEFAULT_MAX_PREDICTION_TOKENS})")
     parser.add_argument("--max-queue", type=_non_negative_int, default=DEFAULT_MAX_QUEUE,
                         help=f"requests waiting for a slot before new ones get 429 (default {DEFAULT_MAX_QUEUE})")
     parser.add_argument("--grammar-workers", type=_positive_int, default=DEFAULT_GRAMMAR_WORKERS,
@@ -61,5 +64,6 @@ def http_settings_from_args(args: argparse.Namespace) -> dict:
         max_prompt_tokens = default_max_prompt_tokens()
     limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit,
                     max_prompt_tokens=max_prompt_tokens, max_queue=args.max_queue,
-                    grammar_workers=args.grammar_workers, grammar_queue=args.grammar_queue)
+                    grammar_workers=args.grammar_workers, grammar_queue=args.grammar_queue,
+                    max_prediction_tokens=args.max_prediction_tokens)
     return {"api_keys": keys, "limits": limits, "log_prompts": args.log_prompts}

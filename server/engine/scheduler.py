@@ -5,8 +5,9 @@ as a `SchedulerOutput` (server/engine/step_data.py) and updates its requests fro
 runner's `ModelRunnerOutput`:
 1. admission: waiting requests take free slots (`max_active`) in FIFO order while their KV
    fits the budget (server/engine/kv_budget.py). The choices of one request (n > 1) hold
-   at most `active_per_request` slots at once; its other choices wait, and other requests'
-   may go ahead of them, so one request never takes every slot;
+   at most `active_per_request` slots at once, and no choice of any n > 1 request takes the
+   last free slot: its other choices wait, and other requests' may go ahead of them, so a
+   request with n = 1 finds a slot whatever mix of n > 1 requests runs;
 2. prompt chunks of prefilling requests, in turn, up to one chunk's worth of tokens
    (`--prefill-chunk`; a draft model's prompt is prefilled the same way), so a long prompt
    is interleaved with decoding and never stalls the others for its whole length, while
@@ -127,12 +128,23 @@ class Scheduler:
 
     # ------------------------------------------------------------------- admission
 
+    def _grouped(self) -> set[int]:
+        """Requests with n > 1 among the waiting and running ones (by their first choice)."""
+        handles = self.waiting + [slot.handle for slot in self.active]
+        return {id(handle.leader) for handle in handles if handle.leader is not None}
+
+    def _room_for_grouped(self) -> bool:
+        """Whether a choice of an n > 1 request may start now: not into the last free slot,
+        which is kept for requests of one choice (a server of one slot keeps none)."""
+        return not self.active or self.max_active - len(self.active) >= 2
+
     def admit(self) -> None:
         """Move waiting requests into free slots (caller holds the engine's lock)."""
         held: dict[int, int] = {}
         for slot in self.active:
             key = id(request_of(slot.handle))
             held[key] = held.get(key, 0) + 1
+        grouped = self._grouped()
         i = 0
         while i < len(self.waiting) and len(self.active) < self.max_active:
             handle = self.waiting[i]
@@ -141,8 +153,8 @@ class Scheduler:
                 self.note_cancelled(handle)
                 continue
             key = id(request_of(handle))
-            if held.get(key, 0) >= self.active_per_request:
-                i += 1  # its request holds its share: later requests may go ahead of this choice
+            if held.get(key, 0) >= self.active_per_request or (key in grouped and not self._room_for_grouped()):
+                i += 1  # its request, or n > 1 work together, holds its share: later requests may go first
                 continue
             needed = self.reservation(handle)
             if not self.kv_budget.try_reserve(needed):

@@ -8,6 +8,7 @@ drafter only changes how many forward passes that takes.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -19,6 +20,7 @@ def never() -> bool:
 
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 
@@ -74,6 +76,60 @@ class PromptLookupDrafter:
         return 0 if n <= 1 else 1 if n <= 3 else 2
 
 
+class PredictionIndex:
+    """Where every n-gram of a prediction (n = 1..max_ngram) ends, so re-aligning the output
+    with the prediction looks at a few positions, not every occurrence of its last token (a
+    prediction of one phrase repeated holds thousands).
+
+    Each n-gram gets a dense rank: level 1 ranks the tokens, level n the pairs (its first
+    token, the rank of the (n - 1)-gram after it). Per level, the end positions are grouped by
+    rank and sorted, so the match nearest a given position is a binary search away.
+    """
+
+    def __init__(self, prediction: Sequence[int], max_ngram: int):
+        tokens = np.asarray(prediction, dtype=np.int64)
+        size = len(tokens)
+        self.levels: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (keys, offsets, ends)
+        rank = None
+        for n in range(1, min(max_ngram, size) + 1):
+            ends = np.arange(n - 1, size)
+            # rank[j] is the rank of the (n - 1)-gram ending at n - 2 + j: drop the first
+            key = tokens if n == 1 else (tokens[:size - n + 1] << 32) | rank[1:]
+            keys, rank = np.unique(key, return_inverse=True)
+            rank = rank.reshape(-1)
+            order = np.argsort(rank, kind="stable")  # stable: ends ascend within a rank
+            offsets = np.concatenate(([0], np.cumsum(np.bincount(rank, minlength=len(keys)))))
+            self.levels.append((keys, offsets, ends[order]))
+
+    def ranks(self, suffix: Sequence[int]) -> list[int]:
+        """Ranks of suffix's last 1, 2, ... tokens as n-grams of the prediction, as long as they
+        occur in it."""
+        found: list[int] = []
+        for n, (keys, _, _) in enumerate(self.levels, start=1):
+            if n > len(suffix):
+                break
+            token = int(suffix[-n])
+            if not 0 <= token < 1 << 31:
+                break  # no token id of the prediction
+            key = token if n == 1 else (token << 32) | found[-1]
+            j = int(np.searchsorted(keys, key))
+            if j == len(keys) or int(keys[j]) != key:
+                break
+            found.append(j)
+        return found
+
+    def ends(self, n: int, rank: int) -> np.ndarray:
+        """Sorted end positions of the n-gram of this rank."""
+        _, offsets, ends = self.levels[n - 1]
+        return ends[offsets[rank]:offsets[rank + 1]]
+
+
+@functools.lru_cache(maxsize=8)
+def prediction_index(prediction: tuple[int, ...], max_ngram: int) -> PredictionIndex:
+    """The index of a prediction, built once for all choices of a request (n > 1)."""
+    return PredictionIndex(prediction, max_ngram)
+
+
 class PredictionDrafter:
     """Drafts the client's predicted answer (OpenAI's Predicted Outputs): the next k tokens of
     the prediction from where the output agrees with it.
@@ -86,57 +142,62 @@ class PredictionDrafter:
     before it. A one-token match counts only within `window` tokens after the divergence
     (the token after a small edit), since common tokens recur everywhere. No alignment, or
     the prediction used up: no drafts. Proposing runs no model (`cheap`).
+
+    Re-alignment goes through a `PredictionIndex`: at most two positions per suffix length
+    are examined (`examined` counts them), however long the prediction and however often
+    its phrases recur.
     """
 
     name = "prediction"
     cheap = True
 
     def __init__(self, prediction: Sequence[int], start: int, max_ngram: int = 8, window: int = 8):
-        self.prediction = list(prediction)
+        self.prediction = tuple(prediction)
         self.start = start  # context[start:] is the output (the context begins with the prompt)
         self.max_ngram, self.window = max_ngram, window
+        self.index = prediction_index(self.prediction, max_ngram)
+        self.examined = 0  # prediction positions re-alignment has looked at, in all
         self._seen = 0  # output tokens followed so far
         self._next: int | None = 0  # prediction index the next output token should match; None: lost
         self._run = 0  # output tokens agreeing with the prediction in a row, up to now
         self._lost_at = 0  # prediction index where the alignment was last lost
-        self._positions: dict[int, list[int]] = {}
-        for i, token in enumerate(self.prediction):
-            self._positions.setdefault(token, []).append(i)
 
     def _follow(self, context: Sequence[int]) -> None:
-        output = context[self.start:]
-        for token in output[self._seen:]:
-            if self._next is not None and self._next < len(self.prediction) and self.prediction[self._next] == token:
+        size = len(self.prediction)
+        for pos in range(self.start + self._seen, len(context)):
+            token = context[pos]
+            if self._next is not None and self._next < size and self.prediction[self._next] == token:
                 self._next += 1
                 self._run += 1
             else:
                 if self._next is not None:
                     self._lost_at = self._next
                 self._next, self._run = None, 0
-        self._seen = len(output)
+        self._seen = len(context) - self.start
         if self._next is None:
-            self._next, self._run = self._realign(output)
+            self._next, self._run = self._realign(context[max(self.start, len(context) - self.max_ngram):])
 
-    def _realign(self, output: Sequence[int]) -> tuple[int | None, int]:
-        """(prediction index after the best match of the output's suffix, its length), or (None, 0)."""
-        if not output:
-            return None, 0
-        best, best_key = None, None
-        for i in self._positions.get(output[-1], ()):
-            end = i + 1  # the match ends at prediction[i]; drafting starts at `end`
-            if end >= len(self.prediction):
-                continue  # nothing after it to draft
-            n = 1
-            limit = min(self.max_ngram, i + 1, len(output))
-            while n < limit and self.prediction[i - n] == output[-1 - n]:
-                n += 1
-            forward = end > self._lost_at
-            if n == 1 and not (forward and end - self._lost_at <= self.window):
-                continue
-            key = (n, forward, -abs(end - self._lost_at))
-            if best_key is None or key > best_key:
-                best, best_key = end, key
-        return (best, best_key[0]) if best is not None else (None, 0)
+    def _realign(self, suffix: Sequence[int]) -> tuple[int | None, int]:
+        """(prediction index after the best match of `suffix` (the output's last tokens), its
+        length), or (None, 0). The longest match wins; among equally long ones the nearest at
+        or after the divergence, else the nearest before it; a one-token match only forward,
+        within `window`."""
+        last = len(self.prediction) - 1  # a match ending here leaves nothing to draft
+        ranks = self.index.ranks(suffix)
+        for n in range(len(ranks), 0, -1):
+            ends = self.index.ends(n, ranks[n - 1])
+            j = int(np.searchsorted(ends, self._lost_at))  # ends[j:] end at or after the divergence
+            if j < len(ends):
+                self.examined += 1
+                i = int(ends[j])
+                if i < last and (n > 1 or i + 1 - self._lost_at <= self.window):
+                    return i + 1, n
+            if n > 1:
+                j = int(np.searchsorted(ends, min(self._lost_at, last)))  # ends[:j] end before both
+                if j > 0:
+                    self.examined += 1
+                    return int(ends[j - 1]) + 1, n
+        return None, 0
 
     def match(self, context: Sequence[int]) -> tuple[int, int]:
         """(prediction index drafting starts at, agreeing run length), for acceptance kept per
@@ -148,7 +209,7 @@ class PredictionDrafter:
         self._follow(context)
         if k < 1 or self._next is None:
             return []
-        return self.prediction[self._next:self._next + k]
+        return list(self.prediction[self._next:self._next + k])
 
     match_class = staticmethod(PromptLookupDrafter.match_class)
 
