@@ -39,6 +39,14 @@ def fallback_root() -> Path:
     return root
 
 
+def make_dirs(path: Path) -> None:
+    """mkdir -p; a file in the way is "Not a directory" (mkdir says "File exists")."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from None
+
+
 def reason(exc: BaseException) -> str:
     """What is wrong, in a few words: "Read-only file system", "No space left on device"."""
     if isinstance(exc, OSError) and exc.strerror:
