@@ -103,7 +103,7 @@ def _compile(out: Path, lib: Path) -> None:
     """Compile the shim into `out` with its record; raise ShimUnavailable (the compiler failed)
     or OSError (the directory cannot be written)."""
     cc = _compiler()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    cache_dir.make_dirs(out.parent)
     # Build beside the target then rename: concurrent builders never see a half-written .so.
     fd, tmp = tempfile.mkstemp(prefix=out.stem, suffix=".tmp.so", dir=out.parent)
     os.close(fd)
