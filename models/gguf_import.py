@@ -212,11 +212,11 @@ def _write_model_dir(gguf: GGUFFile, weights: str, out: Path, progress: bool) ->
     if weights == "q4":
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": 4, "mode": "affine", **quantized}
     config["lockstep"] = {"source": str(gguf.path), "weights": weights, "gguf_name": gguf.meta.get("general.name")}
-    try:  # MLX reports a file it cannot open as a RuntimeError (and a full disk not at all: `damage`)
+    try:  # MLX reports a file it cannot open or write (a full disk) as a RuntimeError
         mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v) for k, v in tensors.items()},
                             metadata={"format": "mlx"})
     except RuntimeError as exc:
-        raise OSError(errno.EIO, str(exc), str(out / "model.safetensors")) from exc
+        raise OSError(errno.EIO, f"{exc} (is the disk full?)", str(out / "model.safetensors")) from exc
     (out / "config.json").write_text(json.dumps(config, indent=2))
     generation = {"bos_token_id": vocab.bos_id, "eos_token_id": eos_ids}
     if vocab.pad_id is not None:
@@ -333,8 +333,8 @@ def _import_into(root: Path, gguf_path: Path, weights: str, progress: bool, reim
     try:
         _write_model_dir(gguf, weights, tmp, progress)
         why = damage(tmp)
-        if why is not None:  # MLX writes past a full disk without an error
-            raise OSError(errno.EIO, f"the import was written damaged, is the disk full? ({why})", str(tmp))
+        if why is not None:  # written short without an error: never rename it into the cache
+            raise OSError(errno.EIO, f"the import was written damaged ({why})", str(tmp))
         _fsync_tree(tmp)
         try:
             os.rename(tmp, final)

@@ -202,7 +202,20 @@ def _refusing_under(root: Path, code: int, monkeypatch) -> str:
 
 
 def _mlx_on_a_full_disk(root: Path, monkeypatch) -> str:
-    """MLX's save_safetensors on a full disk: no error, a file cut short."""
+    """MLX's save_safetensors on a full disk raises "[write] Unable to write"."""
+    save = gguf_import.mx.save_safetensors
+
+    def full(file, *args, **kwargs):
+        if Path(file).is_relative_to(root):
+            raise RuntimeError("[write] Unable to write 8 bytes to file.")
+        save(file, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_import.mx, "save_safetensors", full)
+    return "[write] Unable to write 8 bytes to file. (is the disk full?)"
+
+
+def _written_short(root: Path, monkeypatch) -> str:
+    """A write that reports success and leaves less on disk."""
     save = gguf_import.mx.save_safetensors
 
     def short(file, *args, **kwargs):
@@ -211,10 +224,10 @@ def _mlx_on_a_full_disk(root: Path, monkeypatch) -> str:
             _halve(Path(file))
 
     monkeypatch.setattr(gguf_import.mx, "save_safetensors", short)
-    return "the import was written damaged, is the disk full?"
+    return "the import was written damaged (model.safetensors is "
 
 
-@pytest.mark.parametrize("problem", ["not a directory", "read-only", "permission denied", "full"])
+@pytest.mark.parametrize("problem", ["not a directory", "read-only", "permission denied", "full", "written short"])
 def test_an_unusable_cache_dir_is_one_line_and_the_import_goes_to_a_temporary_one(
         tmp_path, tmp_cache, problem, monkeypatch, caplog):
     import errno
@@ -226,6 +239,8 @@ def test_an_unusable_cache_dir_is_one_line_and_the_import_goes_to_a_temporary_on
         what = "Not a directory"
     elif problem == "full":
         what = _mlx_on_a_full_disk(tmp_cache, monkeypatch)
+    elif problem == "written short":
+        what = _written_short(tmp_cache, monkeypatch)
     else:
         what = _refusing_under(tmp_cache, errno.EROFS if problem == "read-only" else errno.EACCES, monkeypatch)
     with caplog.at_level("WARNING", logger="lockstep.models"):
