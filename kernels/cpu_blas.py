@@ -115,7 +115,7 @@ def _compile(out: Path, lib: Path) -> None:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            if "No space left on device" in proc.stderr:
+            if "No space left on device" in proc.stderr:  # the directory's fault, not the compiler's
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out.parent))
             raise ShimUnavailable(f"compiling the shim failed ({' '.join(cmd)}):\n{proc.stderr.strip()}")
         cache_dir.fsync_path(Path(tmp))
@@ -130,10 +130,10 @@ def _compile(out: Path, lib: Path) -> None:
 
 
 def _cached_or_built(out: Path, lib: Path) -> Path:
-    why = damage(out) if out.exists() else None
-    if out.exists() and why is None:
-        return out
-    if why is not None:
+    if out.exists():
+        why = damage(out)
+        if why is None:
+            return out
         log.warning("rebuilding the cached CPU BLAS shim %s: %s", out, why)
     _compile(out, lib)
     return out

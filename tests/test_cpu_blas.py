@@ -244,7 +244,24 @@ def _refusing_writes_under(root: Path, code: int, monkeypatch):
     return {errno.EROFS: "Read-only file system", errno.ENOSPC: "No space left on device"}[code]
 
 
-@pytest.mark.parametrize("problem", ["not a directory", "read-only", "full"])
+def _linker_out_of_space_under(root: Path, tmp: Path, monkeypatch) -> str:
+    """A double for the compiler on a full disk: the file is created, the link fails."""
+    import os
+    import shutil
+
+    fake = tmp / "cc"
+    fake.write_text(f"""#!/bin/sh
+case "$*" in *" -o {root}/"*)
+  echo "/usr/bin/ld: final link failed: No space left on device" >&2; exit 1;;
+esac
+exec {shutil.which("cc") or shutil.which("gcc")} "$@"
+""")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    return os.strerror(28)
+
+
+@pytest.mark.parametrize("problem", ["not a directory", "read-only", "full", "full at link time"])
 def test_an_unusable_cache_dir_is_one_line_and_the_shim_is_built_elsewhere(private_cache, problem,
                                                                            monkeypatch, caplog):
     import errno
@@ -253,6 +270,8 @@ def test_an_unusable_cache_dir_is_one_line_and_the_shim_is_built_elsewhere(priva
     if problem == "not a directory":
         xdg.write_text("a file where the cache directory should be")
         what = "Not a directory"
+    elif problem == "full at link time":
+        what = _linker_out_of_space_under(xdg, private_cache, monkeypatch)
     else:
         what = _refusing_writes_under(xdg, errno.EROFS if problem == "read-only" else errno.ENOSPC, monkeypatch)
     with caplog.at_level("WARNING", logger="lockstep.kernels.cpu_blas"):
