@@ -305,3 +305,13 @@ def test_models_package_imports_without_server_stack():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+
+
+def test_gguf_source_names_the_file_an_import_comes_from(tmp_path):
+    from lockstep.models.resolve import gguf_source
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    (tmp_path / "dir").mkdir()
+    assert gguf_source("default") == embedded.embedded_gguf_path()
+    assert gguf_source(str(path)) == path and gguf_source(str(tmp_path / "dir")) is None
