@@ -320,10 +320,10 @@ def _import_into(root: Path, gguf_path: Path, weights: str, progress: bool, reim
     final = root / _cache_key(gguf_path, weights)
     sweep_stale_imports(root)
     if final.exists():
-        why = None if reimport else damage(final)
-        if why is None and not reimport:
-            return final
-        if why is not None:
+        if not reimport:
+            why = damage(final)
+            if why is None:
+                return final
             log.warning("re-importing %s into %s: %s", gguf_path, final, why)
         _discard(final)
     gguf = read_gguf(gguf_path)
