@@ -14,6 +14,7 @@ Imports nothing heavy: the server calls this before mlx is loaded.
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import importlib.util
 import logging
@@ -23,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from lockstep.models import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -65,25 +68,42 @@ def _compiler() -> str:
 
 
 def _cache_dir() -> Path:
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("lockstep")) / "cpu_blas"
+    return cache_dir.user_root() / "cpu_blas"
 
 
-def build_shim() -> Path:
-    """Build (once) and return the shim .so; raise ShimUnavailable with the reason."""
-    if not sys.platform.startswith("linux"):
-        raise ShimUnavailable(f"LD_PRELOAD shim is Linux-only (platform {sys.platform})")
-    lib = openblas_lib()
-    source = b"\0".join(p.read_bytes() for p in (SHIM_SOURCE, KERNEL_SOURCE, SPLIT_SOURCE))
-    # Keyed by the library path (baked in as rpath) and the source, so a new
-    # venv or an edited shim gets its own build and stale ones are never used.
-    key = hashlib.sha256(str(lib).encode() + b"\0" + source).hexdigest()[:16]
-    out = _cache_dir() / f"{_SHIM_STEM}-{key}.so"
-    if out.exists():
-        return out
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _record(so: Path) -> Path:
+    """The file beside a built shim holding its size and sha256, written after the shim."""
+    return so.with_name(so.name + ".sha256")
+
+
+def damage(so: Path) -> str | None:
+    """Why the cached shim at `so` must not be preloaded (None: it is whole). A truncated .so
+    maps past its end and dies of SIGBUS in the loader; a garbled one is skipped by ld.so."""
+    try:
+        want = _record(so).read_text().split()
+        size = so.stat().st_size
+        if len(want) != 2 or not want[1].isdigit():
+            return f"{_record(so).name} is unreadable"
+        if size != int(want[1]):
+            return f"it is {size} bytes, {int(want[1])} when built"
+        if _digest(so) != want[0]:
+            return "its sha256 differs from the one recorded when it was built"
+    except FileNotFoundError as exc:
+        return f"{Path(exc.filename).name} is missing"
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"it cannot be read ({cache_dir.reason(exc)})"
+    return None
+
+
+def _compile(out: Path, lib: Path) -> None:
+    """Compile the shim into `out` with its record; raise ShimUnavailable (the compiler failed)
+    or OSError (the directory cannot be written)."""
     cc = _compiler()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    cache_dir.make_dirs(out.parent)
     # Build beside the target then rename: concurrent builders never see a half-written .so.
     fd, tmp = tempfile.mkstemp(prefix=out.stem, suffix=".tmp.so", dir=out.parent)
     os.close(fd)
@@ -95,13 +115,55 @@ def build_shim() -> Path:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
+            if "No space left on device" in proc.stderr:  # the directory's fault, not the compiler's
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out.parent))
             raise ShimUnavailable(f"compiling the shim failed ({' '.join(cmd)}):\n{proc.stderr.strip()}")
+        cache_dir.fsync_path(Path(tmp))
+        record = f"{_digest(Path(tmp))} {Path(tmp).stat().st_size}\n".encode()
         os.replace(tmp, out)
+        # The record last: a crash between the two leaves a mismatch, so a rebuild.
+        cache_dir.write_atomic(_record(out), record)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     log.info("built CPU BLAS shim %s against %s", out, lib)
+
+
+def _cached_or_built(out: Path, lib: Path) -> Path:
+    if out.exists():
+        why = damage(out)
+        if why is None:
+            return out
+        log.warning("rebuilding the cached CPU BLAS shim %s: %s", out, why)
+    _compile(out, lib)
     return out
+
+
+def build_shim() -> Path:
+    """Build (once) and return the shim .so; raise ShimUnavailable with the reason.
+
+    A cached shim is checked against the size and sha256 recorded beside it and rebuilt when
+    they differ. Where the cache directory cannot be written (not a directory, read-only,
+    full) the shim is built under a private temporary directory, said in one line."""
+    if not sys.platform.startswith("linux"):
+        raise ShimUnavailable(f"LD_PRELOAD shim is Linux-only (platform {sys.platform})")
+    lib = openblas_lib()
+    source = b"\0".join(p.read_bytes() for p in (SHIM_SOURCE, KERNEL_SOURCE, SPLIT_SOURCE))
+    # Keyed by the library path (baked in as rpath) and the source, so a new
+    # venv or an edited shim gets its own build and stale ones are never used.
+    key = hashlib.sha256(str(lib).encode() + b"\0" + source).hexdigest()[:16]
+    name = f"{_SHIM_STEM}-{key}.so"
+    try:
+        return _cached_or_built(_cache_dir() / name, lib)
+    except OSError as exc:
+        problem = f"{_cache_dir()}: {cache_dir.reason(exc)}"
+    try:
+        fallback = cache_dir.fallback_root() / "cpu_blas"
+        log.warning("cache directory %s; building the CPU BLAS shim in %s instead", problem, fallback)
+        return _cached_or_built(fallback / name, lib)
+    except OSError as exc:
+        raise ShimUnavailable(f"cannot write the shim to {problem}, nor to the temporary "
+                              f"directory: {exc.filename or ''} {cache_dir.reason(exc)}") from exc
 
 
 def shim_path() -> Path | None:

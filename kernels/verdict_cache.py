@@ -10,7 +10,9 @@ plus what the caller adds (layer configuration; weights digest, strategy and L).
 
 A file that cannot be read, parsed or whose stored key differs from the one asked for
 is ignored with a warning; writes go to a temporary file renamed into place, so readers
-never see half a verdict; a failed write is a warning too. The cache never crashes a start.
+never see half a verdict; a failed write is a warning too, said once per process (a cache
+directory that is a file, read-only or full fails every write alike). The cache never crashes
+a start.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ from functools import lru_cache
 from pathlib import Path
 
 import mlx.core as mx
+
+from lockstep.models import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -82,26 +86,35 @@ def read_file(path: Path, what: str) -> bytes | None:
     """A cache file's bytes; None when missing or unreadable (`what` names it in the warning)."""
     try:
         return path.read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a file in the directory's place: see write_file
         return None
     except OSError as exc:
         log.warning("ignoring unreadable %s %s: %s", what, path, exc)
         return None
 
 
+_write_failure_said = False
+
+
 def write_file(path: Path, data: bytes, what: str) -> None:
     """`data` to `path` atomically (a temporary file beside it, then a rename); a failure is a
     warning naming `what`, never an error: a cache that cannot be written is only slower."""
+    global _write_failure_said
     tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        cache_dir.make_dirs(path.parent)
         fd, tmp = tempfile.mkstemp(prefix=path.stem[:32], suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
         tmp = None
     except OSError as exc:
-        log.warning("could not write %s %s: %s", what, path, exc)
+        if not _write_failure_said:
+            _write_failure_said = True
+            log.warning("could not write %s %s: %s; startup verdicts are not kept, so the next start "
+                        "works them out again", what, path, cache_dir.reason(exc))
+        else:
+            log.debug("could not write %s %s: %s", what, path, exc)
     finally:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)

@@ -4,6 +4,7 @@ Architectures are a table (`ARCHITECTURES`): each entry turns GGUF metadata into
 mlx-lm config and GGUF tensor names into HF/mlx-lm names. Only llama is there so far;
 anything else is refused with the file and the architecture named.
 """
+import errno
 import hashlib
 import json
 import logging
@@ -18,9 +19,9 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 from gguf import GGUFReader
-from platformdirs import user_cache_dir
 from tqdm import tqdm
 
+from lockstep.models import cache_dir
 from lockstep.models.errors import ModelError
 from lockstep.models.gguf_tensors import GROUP_SIZE, NATIVE_BITS, dequantized, native_affine, unpermute_rope_rows
 from lockstep.models.gguf_tokenizer import GGUFVocab, write_tokenizer
@@ -193,7 +194,7 @@ def _cache_key(path: Path, weights: str) -> str:
 
 
 def default_cache_root() -> Path:
-    return Path(user_cache_dir("lockstep")) / "models"
+    return cache_dir.user_root() / "models"
 
 
 def imported_dir(path: Path, weights: str, cache_root: Path | None = None) -> Path:
@@ -211,7 +212,11 @@ def _write_model_dir(gguf: GGUFFile, weights: str, out: Path, progress: bool) ->
     if weights == "q4":
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": 4, "mode": "affine", **quantized}
     config["lockstep"] = {"source": str(gguf.path), "weights": weights, "gguf_name": gguf.meta.get("general.name")}
-    mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v) for k, v in tensors.items()}, metadata={"format": "mlx"})
+    try:  # MLX reports a file it cannot open or write (a full disk) as a RuntimeError
+        mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v) for k, v in tensors.items()},
+                            metadata={"format": "mlx"})
+    except RuntimeError as exc:
+        raise OSError(errno.EIO, f"{exc} (is the disk full?)", str(out / "model.safetensors")) from exc
     (out / "config.json").write_text(json.dumps(config, indent=2))
     generation = {"bos_token_id": vocab.bos_id, "eos_token_id": eos_ids}
     if vocab.pad_id is not None:
@@ -257,33 +262,120 @@ def sweep_stale_imports(cache_root: Path) -> list[Path]:
     return removed
 
 
-def import_gguf(path: Path, weights: str = "q4", cache_root: Path | None = None, progress: bool = True) -> Path:
+def _safetensors_damage(path: Path) -> str | None:
+    """Why a safetensors file is not whole: its size must be what its header says."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{path.name} is {len(head)} bytes, shorter than its header"
+        length = int.from_bytes(head, "little")
+        size = os.fstat(f.fileno()).st_size
+        if length > size - 8:
+            return f"{path.name} is {size} bytes, shorter than its {length}-byte header"
+        header = json.loads(f.read(length))
+    end = max((t["data_offsets"][1] for name, t in header.items() if name != "__metadata__"), default=0)
+    if size != 8 + length + end:
+        return f"{path.name} is {size} bytes, its header says {8 + length + end}"
+    return None
+
+
+def damage(model_dir: Path) -> str | None:
+    """Why an imported directory would not load (None: whole, as far as reading it cheaply
+    tells): a file missing, JSON that does not parse, weights shorter than their header says."""
+    try:
+        for name in ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json"):
+            try:
+                json.loads((model_dir / name).read_bytes())
+            except ValueError as exc:
+                return f"{name} is not valid JSON ({exc})"
+        return _safetensors_damage(model_dir / "model.safetensors")
+    except FileNotFoundError as exc:
+        return f"{Path(exc.filename).name} is missing"
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        return f"model.safetensors has a malformed header ({type(exc).__name__}: {exc})"
+    except OSError as exc:
+        return f"{exc.filename or model_dir} cannot be read ({cache_dir.reason(exc)})"
+
+
+def _discard(model_dir: Path) -> None:
+    """Remove a cached import: renamed aside first (a name `sweep_stale_imports` knows), so no
+    start ever sees it half deleted."""
+    aside = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.{os.getpid()}.", suffix=".tmp", dir=model_dir.parent))
+    try:
+        os.rename(model_dir, aside / model_dir.name)
+    except FileNotFoundError:
+        pass  # another start discarded it first
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _fsync_tree(directory: Path) -> None:
+    for child in directory.iterdir():
+        cache_dir.fsync_path(child)
+    cache_dir.fsync_path(directory)
+
+
+def _import_into(root: Path, gguf_path: Path, weights: str, progress: bool, reimport: bool) -> Path:
+    """Import into `root` (see import_gguf); OSError where `root` cannot be written."""
+    final = root / _cache_key(gguf_path, weights)
+    sweep_stale_imports(root)
+    if final.exists():
+        if not reimport:
+            why = damage(final)
+            if why is None:
+                return final
+            log.warning("re-importing %s into %s: %s", gguf_path, final, why)
+        _discard(final)
+    gguf = read_gguf(gguf_path)
+    gguf.architecture  # refuse unsupported architectures before any work
+    cache_dir.make_dirs(root)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.{os.getpid()}.", suffix=".tmp", dir=root))
+    try:
+        _write_model_dir(gguf, weights, tmp, progress)
+        why = damage(tmp)
+        if why is not None:  # written short without an error: never rename it into the cache
+            raise OSError(errno.EIO, f"the import was written damaged ({why})", str(tmp))
+        _fsync_tree(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").is_file():  # not a concurrent import that won the race
+                raise
+        cache_dir.fsync_path(root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("imported %s (%s) into %s", gguf.path, weights, final)
+    return final
+
+
+def import_gguf(path: Path, weights: str = "q4", cache_root: Path | None = None, progress: bool = True,
+                reimport: bool = False) -> Path:
     """Convert a GGUF file into an mlx-lm directory (cached); returns the directory.
 
     The directory is built in a temporary sibling and renamed into place, so the cache
     never holds a half-written model; siblings left by killed imports are swept first.
+    A cached directory that is damaged (`damage`), or any with `reimport`, is imported
+    again. Where the cache root cannot be written (not a directory, read-only, full), the
+    import goes to a private temporary directory, said in one line.
     """
     if weights not in WEIGHT_FORMATS:
         raise ModelError(f"{path}: unknown weights format {weights!r} (choose from {', '.join(WEIGHT_FORMATS)})")
     path = Path(path)
     if not path.is_file():
         raise ModelError(f"{path}: GGUF file not found")
-    final = imported_dir(path, weights, cache_root)
-    sweep_stale_imports(final.parent)
-    if (final / "config.json").is_file():  # complete by construction (atomic rename)
-        return final
-    gguf = read_gguf(path)
-    gguf.architecture  # refuse unsupported architectures before any work
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.{os.getpid()}.", suffix=".tmp", dir=final.parent))
+    root = cache_root or default_cache_root()
     try:
-        _write_model_dir(gguf, weights, tmp, progress)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():  # not a concurrent import that won the race
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("imported %s (%s) into %s", gguf.path, weights, final)
-    return final
+        return _import_into(root, path, weights, progress, reimport)
+    except OSError as exc:
+        problem = f"{root}: {cache_dir.reason(exc)}"
+    try:
+        fallback = cache_dir.fallback_root() / "models"
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot import into the cache ({problem}) nor a temporary directory "
+                         f"({exc.filename}: {cache_dir.reason(exc)})") from exc
+    log.warning("cache directory unusable, %s; importing %s into %s instead", problem, path.name, fallback)
+    try:
+        return _import_into(fallback, path, weights, progress, reimport)
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot import into the cache ({problem}) nor into {fallback} "
+                         f"({exc.filename or fallback}: {cache_dir.reason(exc)})") from exc

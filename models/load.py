@@ -7,7 +7,7 @@ from typing import Any
 
 from lockstep.models.embedded import MODEL_NAME as EMBEDDED_NAME
 from lockstep.models.errors import ModelError
-from lockstep.models.resolve import DEFAULT_SPEC, resolve_model, resolve_weights
+from lockstep.models.resolve import DEFAULT_SPEC, gguf_source, resolve_model, resolve_weights
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +53,36 @@ def _weights_label(config: dict) -> str:
     return config.get("torch_dtype") or config.get("dtype") or "as stored"
 
 
-def load_model(spec: str = DEFAULT_SPEC, weights: str = "auto") -> LoadedModel:
-    """Resolve `spec` (see `resolve_model`) and load it with mlx-lm."""
+def _load_dir(path: Path):
     from mlx_lm.utils import load  # heavy import; keep `models` cheap to import
 
+    try:
+        return load(str(path), return_config=True)
+    except Exception as exc:  # mlx-lm raises FileNotFoundError/ValueError/KeyError variously
+        raise ModelError(f"{path}: mlx-lm could not load this model ({type(exc).__name__}: {exc})") from exc
+
+
+def load_model(spec: str = DEFAULT_SPEC, weights: str = "auto") -> LoadedModel:
+    """Resolve `spec` (see `resolve_model`) and load it with mlx-lm.
+
+    A GGUF import that does not load (damaged in the cache in a way `resolve_model` did not
+    see) is imported again from its GGUF, once; a second failure names the directory."""
     start = time.perf_counter()
     fmt = resolve_weights(weights)
     path = resolve_model(spec, fmt)
     try:
-        model, tokenizer, config = load(str(path), return_config=True)
-    except Exception as exc:  # mlx-lm raises FileNotFoundError/ValueError/KeyError variously
-        raise ModelError(f"{path}: mlx-lm could not load this model ({type(exc).__name__}: {exc})") from exc
+        model, tokenizer, config = _load_dir(path)
+    except ModelError as exc:
+        source = gguf_source(spec)
+        if source is None:
+            raise
+        log.warning("%s; re-importing it from %s", exc, source)
+        path = resolve_model(spec, fmt, reimport=True)
+        try:
+            model, tokenizer, config = _load_dir(path)
+        except ModelError as again:
+            raise ModelError(f"{again} (imported from {source} again just now; delete {path} "
+                             "to rule out the cache)") from again
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -48,14 +48,23 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
-def resolve_model(spec: str, weights: str = "auto") -> Path:
-    """mlx-lm directory for `spec`; `weights` picks the format a GGUF is imported in.
+def gguf_source(spec: str) -> Path | None:
+    """The GGUF file `spec` is imported from (None: a directory, used as it is)."""
+    if spec == DEFAULT_SPEC:
+        return embedded_gguf_path()
+    path = Path(spec).expanduser()
+    return path if path.is_file() and _is_gguf(path) else None
+
+
+def resolve_model(spec: str, weights: str = "auto", reimport: bool = False) -> Path:
+    """mlx-lm directory for `spec`; `weights` picks the format a GGUF is imported in,
+    `reimport` replaces a cached import (one that would not load).
 
     A directory is used as it is (its own config decides quantization).
     """
     fmt = resolve_weights(weights)
     if spec == DEFAULT_SPEC:
-        return import_gguf(embedded_gguf_path(), fmt)
+        return import_gguf(embedded_gguf_path(), fmt, reimport=reimport)
     path = Path(spec).expanduser()
     if not path.exists():
         raise ModelError(
@@ -68,4 +77,4 @@ def resolve_model(spec: str, weights: str = "auto") -> Path:
         return path
     if not _is_gguf(path):
         raise ModelError(f"{path}: not a .gguf file or a model directory")
-    return import_gguf(path, fmt)
+    return import_gguf(path, fmt, reimport=reimport)

@@ -243,7 +243,8 @@ def test_writes_are_atomic_and_leave_no_temporary_files(tmp_path, monkeypatch):
     assert [p.name for p in store.dir.iterdir()] == [path.name]  # no temporary left behind
 
 
-def test_unwritable_cache_root_is_a_warning(tmp_path, caplog):
+def test_unwritable_cache_root_is_a_warning(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr("lockstep.kernels.verdict_cache._write_failure_said", False)  # said once a process
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     store = VerdictCache("audit", blocker)

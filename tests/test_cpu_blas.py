@@ -181,3 +181,120 @@ def test_model_logits_prefill_vs_decode():
     assert (shim["active"], ref["active"]) == ("openblas", "reference")
     assert ref["rows_differing"] == 0, ref
     assert shim["rows_differing"] > 0, shim
+
+
+# ---- the cached shim: damaged, or in a cache directory that cannot be written ------------
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """The shim's cache under tmp_path (XDG_CACHE_HOME), never the user's; the fallback too."""
+    from lockstep.models import cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    fallback = tmp_path / "fallback"
+    fallback.mkdir()
+    monkeypatch.setattr(cache_dir, "fallback_root", lambda: fallback)
+    return tmp_path
+
+
+def _truncated(data: bytes) -> bytes:
+    return data[:len(data) // 2]
+
+
+def _garbage_header(data: bytes) -> bytes:
+    return b"\x7fELF" + bytes(60) + data[64:]
+
+
+@pytest.mark.parametrize("damage", [_truncated, _garbage_header])
+def test_a_damaged_cached_shim_is_rebuilt(private_cache, damage, caplog):
+    shim = cpu_blas.build_shim()
+    built = shim.read_bytes()
+    shim.write_bytes(damage(built))
+    with caplog.at_level("WARNING", logger="lockstep.kernels.cpu_blas"):
+        assert cpu_blas.build_shim() == shim
+    assert shim.read_bytes() == built  # the compiler's output is the same for the same sources
+    (record,) = caplog.records
+    assert record.getMessage().startswith(f"rebuilding the cached CPU BLAS shim {shim}: ")
+
+
+def test_a_truncated_cached_shim_does_not_kill_the_start(private_cache):
+    """Preloading a truncated .so dies of SIGBUS in the loader before Python runs: the
+    re-exec must never be handed one."""
+    shim = cpu_blas.build_shim()
+    shim.write_bytes(_truncated(shim.read_bytes()))
+    env = {**cpu_blas.reference_env(), "XDG_CACHE_HOME": str(private_cache / "xdg")}
+    assert _reexec("openblas", env) == "openblas"
+    assert cpu_blas.damage(shim) is None
+
+
+def _refusing_writes_under(root: Path, code: int, monkeypatch):
+    """A double for a read-only or full file system under `root` (root may write anywhere)."""
+    import errno
+    import os
+    import tempfile
+
+    real = tempfile.mkstemp
+
+    def mkstemp(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir).is_relative_to(root):
+            raise OSError(code, os.strerror(code), str(dir))
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    return {errno.EROFS: "Read-only file system", errno.ENOSPC: "No space left on device"}[code]
+
+
+def _linker_out_of_space_under(root: Path, tmp: Path, monkeypatch) -> str:
+    """A double for the compiler on a full disk: the file is created, the link fails."""
+    import os
+    import shutil
+
+    fake = tmp / "cc"
+    fake.write_text(f"""#!/bin/sh
+case "$*" in *" -o {root}/"*)
+  echo "/usr/bin/ld: final link failed: No space left on device" >&2; exit 1;;
+esac
+exec {shutil.which("cc") or shutil.which("gcc")} "$@"
+""")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    return os.strerror(28)
+
+
+@pytest.mark.parametrize("problem", ["not a directory", "read-only", "full", "full at link time"])
+def test_an_unusable_cache_dir_is_one_line_and_the_shim_is_built_elsewhere(private_cache, problem,
+                                                                           monkeypatch, caplog):
+    import errno
+
+    xdg = private_cache / "xdg"
+    if problem == "not a directory":
+        xdg.write_text("a file where the cache directory should be")
+        what = "Not a directory"
+    elif problem == "full at link time":
+        what = _linker_out_of_space_under(xdg, private_cache, monkeypatch)
+    else:
+        what = _refusing_writes_under(xdg, errno.EROFS if problem == "read-only" else errno.ENOSPC, monkeypatch)
+    with caplog.at_level("WARNING", logger="lockstep.kernels.cpu_blas"):
+        shim = cpu_blas.build_shim()
+    assert shim.parent == private_cache / "fallback" / "cpu_blas" and cpu_blas.damage(shim) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"cache directory {xdg / 'lockstep' / 'cpu_blas'}: {what}; building the CPU BLAS shim in "
+        f"{shim.parent} instead"]
+
+
+def test_no_writable_directory_at_all_leaves_reference_blas_in_one_line(private_cache, monkeypatch, caplog):
+    import errno
+
+    from lockstep.models import cache_dir
+
+    (private_cache / "xdg").write_text("not a directory")
+
+    def no_fallback():
+        raise OSError(errno.EPERM, "not a private directory of this user", "/tmp/lockstep-cache-0")
+
+    monkeypatch.setattr(cache_dir, "fallback_root", no_fallback)
+    with caplog.at_level("WARNING", logger="lockstep.kernels.cpu_blas"):
+        assert cpu_blas.shim_path() is None
+    (record,) = caplog.records
+    assert record.getMessage().startswith("OpenBLAS shim unavailable, MLX CPU keeps reference BLAS: ")
+    assert "Not a directory" in record.getMessage() and "not a private directory" in record.getMessage()

@@ -259,13 +259,15 @@ def test_stale_import_directories_are_swept(tmp_path):
     assert not orphan.exists() and live.exists() and model.exists()
 
 
-def test_an_import_sweeps_before_it_looks_in_the_cache(tmp_path):
+def test_an_import_sweeps_before_it_looks_in_the_cache(tmp_path, monkeypatch):
+    from lockstep.models import gguf_import
     from lockstep.models.embedded import embedded_gguf_path
     from lockstep.models.gguf_import import imported_dir, import_gguf
 
     final = imported_dir(embedded_gguf_path(), "q4", tmp_path)
     final.mkdir(parents=True)
-    (final / "config.json").write_text("{}")  # a cache hit: no import work
+    (final / "config.json").write_text("{}")
+    monkeypatch.setattr(gguf_import, "damage", lambda directory: None)  # a cache hit: no import work
     orphan = tmp_path / f".{final.name}.999999999.abc.tmp"
     orphan.mkdir()
     assert import_gguf(embedded_gguf_path(), "q4", cache_root=tmp_path, progress=False) == final

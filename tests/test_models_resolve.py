@@ -11,6 +11,7 @@ from gguf import GGUFWriter
 
 import lockstep.models.embedded as embedded
 import lockstep.models.gguf_import as gguf_import
+from lockstep.models import cache_dir
 from lockstep.models.errors import ModelError
 from lockstep.models.load import load_model
 from lockstep.models.resolve import auto_weights, resolve_model
@@ -19,8 +20,12 @@ from test_gguf_import import write_tiny_gguf
 
 @pytest.fixture
 def tmp_cache(tmp_path, monkeypatch):
+    """The import cache under tmp_path, and the temporary directory it falls back to."""
     cache = tmp_path / "cache"
     monkeypatch.setattr(gguf_import, "default_cache_root", lambda: cache)
+    fallback = tmp_path / "fallback"
+    fallback.mkdir()
+    monkeypatch.setattr(cache_dir, "fallback_root", lambda: fallback)
     return cache
 
 
@@ -87,11 +92,164 @@ def test_failed_import_leaves_no_partial_cache(tmp_path, tmp_cache, monkeypatch)
         raise OSError("disk full")
 
     monkeypatch.setattr(gguf_import, "write_tokenizer", broken)
-    with pytest.raises(OSError, match="disk full"):
+    # Tried in the cache, then in the temporary directory: one error names both.
+    with pytest.raises(ModelError, match=f"{re.escape(str(tmp_cache))}: disk full.*fallback.*disk full"):
         resolve_model(str(path), weights="q4")
-    assert list(tmp_cache.iterdir()) == []  # the temporary directory is gone too
+    assert list(tmp_cache.iterdir()) == [] and list((tmp_path / "fallback" / "models").iterdir()) == []
     monkeypatch.setattr(gguf_import, "write_tokenizer", working)
     assert (resolve_model(str(path), weights="q4") / "tokenizer.json").is_file()
+
+
+# ---- a damaged import in the cache, a cache directory that cannot be written ----------------
+
+@pytest.fixture
+def imports(monkeypatch):
+    """How many times a GGUF was converted (each a full import)."""
+    count = [0]
+    write = gguf_import._write_model_dir
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(gguf_import, "_write_model_dir", counted)
+    return count
+
+
+def _halve(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+DAMAGE = {
+    "truncated weights": lambda d: _halve(d / "model.safetensors"),
+    "truncated config.json": lambda d: _halve(d / "config.json"),
+    "truncated tokenizer.json": lambda d: _halve(d / "tokenizer.json"),
+    # Valid JSON that mlx-lm cannot use: only loading the directory finds these.
+    "empty config.json": lambda d: (d / "config.json").write_text("{}"),
+    "empty tokenizer.json": lambda d: (d / "tokenizer.json").write_text("{}"),
+    "weights missing": lambda d: (d / "model.safetensors").unlink(),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_import_is_imported_again_once_and_loads(tmp_path, tmp_cache, imports, damage, caplog):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    first = load_model(str(path), weights="q4")
+    DAMAGE[damage](first.path)
+    with caplog.at_level("WARNING", logger="lockstep.models"):
+        again = load_model(str(path), weights="q4")
+    assert again.path == first.path and imports[0] == 2
+    assert gguf_import.damage(again.path) is None
+    assert again.tokenizer.encode("hello") == first.tokenizer.encode("hello")
+    (record,) = caplog.records  # one line says what was wrong and that it is re-imported
+    assert str(first.path) in record.getMessage() and str(path) in record.getMessage()
+
+
+def test_a_reimported_model_serves(tmp_path, tmp_cache, imports):
+    from openai import OpenAI
+
+    from lockstep.server.api.app import create_app
+    from lockstep.server.engine import Engine
+    from tests.http_server import running
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    _halve(load_model(str(path), weights="q4").path / "model.safetensors")
+    engine = Engine(load_model(str(path), weights="q4"), max_active=1).start()
+    try:
+        with running(create_app(engine)) as url:
+            client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+            reply = client.completions.create(model="tiny", prompt="hello", max_tokens=2, temperature=0)
+    finally:
+        engine.stop()
+    assert imports[0] == 2 and reply.usage.completion_tokens == 2
+
+
+def test_an_import_that_never_loads_is_imported_once_more_then_names_the_directory(
+        tmp_path, tmp_cache, imports, monkeypatch):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    write = gguf_import.write_tokenizer
+
+    def unusable(vocab, out, *args):
+        write(vocab, out, *args)
+        (out / "tokenizer.json").write_text("{}")
+
+    monkeypatch.setattr(gguf_import, "write_tokenizer", unusable)
+    with pytest.raises(ModelError) as failed:
+        load_model(str(path), weights="q4")
+    directory = gguf_import.imported_dir(path, "q4")
+    assert imports[0] == 2
+    assert f"delete {directory} " in str(failed.value) and str(path) in str(failed.value)
+
+
+def _refusing_under(root: Path, code: int, monkeypatch) -> str:
+    """A double for a read-only or full file system under `root` (root may write anywhere)."""
+    import errno
+    import os
+    import tempfile
+
+    real = tempfile.mkdtemp
+
+    def mkdtemp(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir).is_relative_to(root):
+            raise OSError(code, os.strerror(code), str(dir))
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    return {errno.EROFS: "Read-only file system", errno.EACCES: "Permission denied"}[code]
+
+
+def _mlx_on_a_full_disk(root: Path, monkeypatch) -> str:
+    """MLX's save_safetensors on a full disk raises "[write] Unable to write"."""
+    save = gguf_import.mx.save_safetensors
+
+    def full(file, *args, **kwargs):
+        if Path(file).is_relative_to(root):
+            raise RuntimeError("[write] Unable to write 8 bytes to file.")
+        save(file, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_import.mx, "save_safetensors", full)
+    return "[write] Unable to write 8 bytes to file. (is the disk full?)"
+
+
+def _written_short(root: Path, monkeypatch) -> str:
+    """A write that reports success and leaves less on disk."""
+    save = gguf_import.mx.save_safetensors
+
+    def short(file, *args, **kwargs):
+        save(file, *args, **kwargs)
+        if Path(file).is_relative_to(root):
+            _halve(Path(file))
+
+    monkeypatch.setattr(gguf_import.mx, "save_safetensors", short)
+    return "the import was written damaged (model.safetensors is "
+
+
+@pytest.mark.parametrize("problem", ["not a directory", "read-only", "permission denied", "full", "written short"])
+def test_an_unusable_cache_dir_is_one_line_and_the_import_goes_to_a_temporary_one(
+        tmp_path, tmp_cache, problem, monkeypatch, caplog):
+    import errno
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    if problem == "not a directory":
+        tmp_cache.write_text("a file where the cache directory should be")
+        what = "Not a directory"
+    elif problem == "full":
+        what = _mlx_on_a_full_disk(tmp_cache, monkeypatch)
+    elif problem == "written short":
+        what = _written_short(tmp_cache, monkeypatch)
+    else:
+        what = _refusing_under(tmp_cache, errno.EROFS if problem == "read-only" else errno.EACCES, monkeypatch)
+    with caplog.at_level("WARNING", logger="lockstep.models"):
+        loaded = load_model(str(path), weights="q4")
+    fallback = tmp_path / "fallback" / "models"
+    assert loaded.path.parent == fallback and gguf_import.damage(loaded.path) is None
+    (record,) = caplog.records
+    assert record.getMessage().startswith(f"cache directory unusable, {tmp_cache}: {what}")
+    assert record.getMessage().endswith(f"importing {path.name} into {fallback} instead")
 
 
 def test_unknown_weights_format_is_refused():
@@ -147,3 +305,13 @@ def test_models_package_imports_without_server_stack():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+
+
+def test_gguf_source_names_the_file_an_import_comes_from(tmp_path):
+    from lockstep.models.resolve import gguf_source
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    (tmp_path / "dir").mkdir()
+    assert gguf_source("default") == embedded.embedded_gguf_path()
+    assert gguf_source(str(path)) == path and gguf_source(str(tmp_path / "dir")) is None
