@@ -68,7 +68,7 @@ def test_idle_and_slow_connections_past_the_file_limit_do_not_stall_clients(low_
     host, port = "127.0.0.1", int(base.rsplit(":", 1)[1])
     client = OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
     four_tokens(client)  # warm
-    normal = four_tokens(client)
+    normal = max(four_tokens(client), four_tokens(client))  # on a shared machine: its slower run
     before = len(log_lines(log_path))
     attack = []
     try:

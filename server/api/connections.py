@@ -66,9 +66,14 @@ class RateLimitedLog:
         if self._last is not None and now - self._last < self.interval_s:
             return
         self._last = now
-        summary = "; ".join(f"{kind} ({count}x)" for kind, count in self.pending.items())
-        self.pending.clear()
-        self.logger.warning("%s [at most one such line per %.0f s]", summary, self.interval_s)
+        self.flush()
+
+    def flush(self) -> None:
+        """Log what is pending now (at shutdown: the counts since the last line)."""
+        if self.pending:
+            summary = "; ".join(f"{kind} ({count}x)" for kind, count in self.pending.items())
+            self.pending.clear()
+            self.logger.warning("%s [at most one such line per %.0f s]", summary, self.interval_s)
 
 
 class ConnectionGuard:

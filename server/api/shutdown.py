@@ -95,6 +95,11 @@ class DrainingServer(uvicorn.Server):
             asyncio.get_running_loop().set_exception_handler(accept_error_handler(self.guard.events))
         await super().startup(sockets=sockets)
 
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets=sockets)
+        if self.guard is not None:
+            self.guard.events.flush()
+
     def handle_exit(self, sig, frame) -> None:
         # Not recorded in uvicorn's captured signals: nothing is re-raised after shutdown.
         if self._drain_deadline is not None:
