@@ -282,13 +282,14 @@ def run_rank(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_http(args: argparse.Namespace, app, engine, sock, connections) -> bool:
+def _serve_http(args: argparse.Namespace, app, engine, sock, connections=None) -> bool:
     """uvicorn on the socket bound at start, until SIGTERM/SIGINT/SIGHUP and the drain; then the engine
     stops. False: the port was taken while the model loaded (another server bound it too and
     listened first), said in one line."""
     import errno
 
     from lockstep.server.api import access_log, shutdown
+    from lockstep.server.api.connections import ConnectionLimits
 
     try:
         if sock is not None:
@@ -302,7 +303,7 @@ def _serve_http(args: argparse.Namespace, app, engine, sock, connections) -> boo
                 return False
         access_log.send_to_stderr()  # bare JSON lines replace uvicorn's access log
         shutdown.serve(app, args.host, args.port, drain_timeout=args.drain_timeout, sock=sock,
-                       connections=connections, log_level=logging.getLogger().level,
+                       connections=connections or ConnectionLimits(), log_level=logging.getLogger().level,
                        access_log=False)
     finally:
         engine.stop()
