@@ -41,6 +41,12 @@ AFTER_DRAIN_GRACE_S = 2.0
 AFTER_CUT_GRACE_S = 1.0
 # Signals that stop the server: drained once serving, at once before.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_IGNORED: set[int] = set()  # stop signals the process started out ignoring (`nohup`: SIGHUP) stay ignored
+
+
+def _handled_signals() -> list[int]:
+    _IGNORED.update(sig for sig in STOP_SIGNALS if signal.getsignal(sig) is signal.SIG_IGN)
+    return [sig for sig in STOP_SIGNALS if sig not in _IGNORED]
 
 
 class StopRequested(BaseException):
@@ -60,7 +66,7 @@ def stop_during_startup() -> None:
     """Until `serve` installs the drain's handlers: SIGTERM, SIGINT and SIGHUP raise `StopRequested`
     in the main thread, abandoning whatever start-up is doing, for the caller to exit 0 (a signal's
     default action would read as a crash to launchd, which restarts it)."""
-    for sig in STOP_SIGNALS:
+    for sig in _handled_signals():
         signal.signal(sig, _stop_now)
 
 
@@ -86,7 +92,7 @@ class DrainingServer(uvicorn.Server):
         """uvicorn's, with SIGHUP too, and nothing re-raised after: the handlers stay installed (a
         late signal while the engine stops finds the drain over and does nothing)."""
         if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
+            for sig in _handled_signals():
                 signal.signal(sig, self.handle_exit)
         yield
 
