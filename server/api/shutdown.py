@@ -99,7 +99,11 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         if self.guard is not None:
             asyncio.get_running_loop().set_exception_handler(accept_error_handler(self.guard.events))
-        await super().startup(sockets=sockets)
+        await super().startup(sockets=sockets)  # listens with the config's backlog, ACCEPT_BATCH
+        for server in self.servers:  # the kernel's queue back to BACKLOG; asyncio's batch stays
+            for listener in server.sockets:
+                with socket.fromfd(listener.fileno(), listener.family, listener.type) as same:
+                    same.listen(BACKLOG)
 
     async def shutdown(self, sockets=None) -> None:
         await super().shutdown(sockets=sockets)
@@ -132,6 +136,10 @@ class DrainingServer(uvicorn.Server):
 
 
 BACKLOG = 2048  # uvicorn's own default
+# asyncio accepts up to its `backlog` connections in one loop pass, before any of them is handled
+# (and a connection closed under the cap frees its descriptor a pass or two later), so that
+# number is kept small, for the descriptors in flight to stay within file_limit's reserve.
+ACCEPT_BATCH = 16
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -167,7 +175,7 @@ def draining_server(app, host: str, port: int, drain_timeout: float = DEFAULT_DR
                     connections: ConnectionLimits = ConnectionLimits(), **config) -> DrainingServer:
     """The server `serve` runs (tests run it on a thread)."""
     config.setdefault("timeout_graceful_shutdown", AFTER_DRAIN_GRACE_S)
-    config.setdefault("backlog", BACKLOG)
+    config.setdefault("backlog", ACCEPT_BATCH)  # `startup` sets the kernel's queue back to BACKLOG
     guard = ConnectionGuard(connections)
     config = uvicorn.Config(app, host=host, port=port, http=functools.partial(GuardedProtocol, guard=guard),
                             timeout_keep_alive=connections.keep_alive_timeout, **config)
