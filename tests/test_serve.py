@@ -24,7 +24,7 @@ from tests.http_server import free_port, wait_for_health, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 FILE_LIMIT = 256  # the server's cap is then the limit less server/api/file_limit.py's reserve
-IDLE, SLOW_HEADERS, SLOW_BODIES = FILE_LIMIT + 64, 16, 16
+IDLE, SLOW_HEADERS, SLOW_BODIES = 2 * FILE_LIMIT, 16, 16
 # mlx-lm sets the file limit to (2048, 4096) when imported and fails under a lower hard limit,
 # so the child lowers it right after that import, as a host with few descriptors would have it.
 LOW_LIMIT_LAUNCH = ("import resource, sys, mlx_lm.utils; "
