@@ -97,6 +97,15 @@ def test_a_body_that_does_not_arrive_in_time_gets_408_in_openai_shape(serve, cap
     assert not [r for r in caplog.records if r.exc_info or "Exception in ASGI" in r.getMessage()]
 
 
+def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_timeout(serve):
+    server, base = serve(keep_alive_timeout=0.3, header_timeout=60)
+    kept = connect(base)
+    kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert kept.recv(65536).startswith(b"HTTP/1.1 200")
+    kept.settimeout(3)  # below uvicorn's own default of 5 s: the flag's value must be the one in force
+    assert closed_by_server(kept)
+
+
 def test_at_the_cap_the_least_recently_active_idle_connection_makes_room(serve):
     server, base = serve(max_connections=3, header_timeout=60)
     idle = [connect(base) for _ in range(3)]
