@@ -107,8 +107,9 @@ class Routes:
     """Request handling for one served model."""
 
     def __init__(self, engine: Engine, fingerprint: str | None, limits: Limits = Limits(), log_prompts: bool = False,
-                 guarantee_timeout: float = DEFAULT_GUARANTEE_TIMEOUT_S):
+                 guarantee_timeout: float = DEFAULT_GUARANTEE_TIMEOUT_S, drain: Drain | None = None):
         self.engine = engine
+        self.drain = drain or Drain()
         self.loaded = engine.loaded
         self._fingerprint = fingerprint
         self.limits = limits
@@ -223,9 +224,10 @@ class Routes:
 
     async def _await_guarantee(self) -> None:
         """A deterministic request is planned only once the guarantee's proof has settled (it
-        never runs unproven): it waits up to `--guarantee-timeout`, then gets a 503."""
+        never runs unproven): it waits up to `--guarantee-timeout`, then gets a 503 (at once if
+        the server starts draining meanwhile)."""
         state = self.engine.guarantee
-        if state.settled or await state.wait(self.guarantee_timeout):
+        if state.settled or await self.drain.unless_draining(state.wait(self.guarantee_timeout)):
             return
         raise APIError(503, "this server is still proving its determinism guarantee (it serves requests "
                             "without `deterministic` meanwhile); retry shortly",
@@ -410,10 +412,11 @@ def create_app(
     the queue; prompts appear in the access log only with `log_prompts`; a deterministic request
     waits at most `guarantee_timeout` seconds for a guarantee still being proven.
     """
-    routes = Routes(engine, fingerprint, limits, log_prompts, guarantee_timeout)
+    drain = Drain()
+    routes = Routes(engine, fingerprint, limits, log_prompts, guarantee_timeout, drain)
     app = FastAPI(title="lockstep", docs_url=None, redoc_url=None)
     app.state.engine = engine
-    app.state.drain = Drain()
+    app.state.drain = drain
     metrics = Metrics()
     metrics.watch_engine(engine)
     metrics.watch_startup(lambda: _extras(model_extras).get("startup", {}), engine.guarantee)

@@ -1,4 +1,4 @@
-"""Graceful shutdown for `lockstep serve`: SIGTERM/SIGINT drain, then exit 0.
+"""Graceful shutdown for `lockstep serve`: SIGTERM/SIGINT/SIGHUP drain, then exit 0.
 
 uvicorn on its own stops listening at once and, after shutting down, re-raises the signal,
 so the process dies with 143 (SIGTERM). Under launchd's KeepAlive {SuccessfulExit: false}
@@ -9,15 +9,27 @@ normally and the command exits 0. A second signal stops at once. Either way, req
 still running are first cut off by the app (`Drain.cut`): each stream gets a final error
 event and [DONE], and the log one line per cut request, instead of a severed body and a
 traceback from uvicorn cancelling the handler.
+
+SIGHUP drains like SIGTERM (its default action would kill the server at once). Before serving
+starts, `stop_during_startup`'s handlers end start-up (the model load) at once, also exit 0.
+The server's connections are `GuardedProtocol`s (server/api/connections.py): capped, with
+header and body deadlines.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import logging
+import signal
 import socket
+import threading
 import time
 
 import uvicorn
 
+from lockstep.server.api.connections import (ConnectionGuard, ConnectionLimits, GuardedProtocol,
+                                             accept_error_handler)
 from lockstep.server.api.drain import Drain
 
 log = logging.getLogger("lockstep.shutdown")
@@ -27,12 +39,43 @@ DEFAULT_DRAIN_TIMEOUT = 30.0
 AFTER_DRAIN_GRACE_S = 2.0
 # After cutting requests off, how long their final events get to reach the clients.
 AFTER_CUT_GRACE_S = 1.0
+# Signals that stop the server: drained once serving, at once before.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_IGNORED: set[int] = set()  # stop signals the process started out ignoring (`nohup`: SIGHUP) stay ignored
+
+
+def _handled_signals() -> list[int]:
+    _IGNORED.update(sig for sig in STOP_SIGNALS if signal.getsignal(sig) is signal.SIG_IGN)
+    return [sig for sig in STOP_SIGNALS if sig not in _IGNORED]
+
+
+class StopRequested(BaseException):
+    """A stop signal arrived during start-up (raised in the main thread by the handler that
+    `stop_during_startup` installs; a BaseException, so no `except Exception` on the way swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop_now(signum, frame) -> None:
+    raise StopRequested(signum)
+
+
+def stop_during_startup() -> None:
+    """Until `serve` installs the drain's handlers: SIGTERM, SIGINT and SIGHUP raise `StopRequested`
+    in the main thread, abandoning whatever start-up is doing, for the caller to exit 0 (a signal's
+    default action would read as a crash to launchd, which restarts it)."""
+    for sig in _handled_signals():
+        signal.signal(sig, _stop_now)
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, drain: Drain, drain_timeout: float):
+    def __init__(self, config: uvicorn.Config, drain: Drain, drain_timeout: float,
+                 guard: ConnectionGuard | None = None):
         super().__init__(config)
         self.drain = drain
+        self.guard = guard
         self.drain_timeout = drain_timeout
         self._drain_deadline: float | None = None
         self._cut_deadline: float | None = None
@@ -43,6 +86,29 @@ class DrainingServer(uvicorn.Server):
             log.warning("%s: %d request(s) still running are cut off", why, self.drain.in_flight)
             self.drain.cut()
             self._cut_deadline = time.monotonic() + AFTER_CUT_GRACE_S
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn's, with SIGHUP too, and nothing re-raised after: the handlers stay installed (a
+        late signal while the engine stops finds the drain over and does nothing)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in _handled_signals():
+                signal.signal(sig, self.handle_exit)
+        yield
+
+    async def startup(self, sockets=None) -> None:
+        if self.guard is not None:
+            asyncio.get_running_loop().set_exception_handler(accept_error_handler(self.guard.events))
+        await super().startup(sockets=sockets)  # listens with the config's backlog, ACCEPT_BATCH
+        for server in self.servers:  # the kernel's queue back to BACKLOG; asyncio's batch stays
+            for listener in server.sockets:
+                with socket.fromfd(listener.fileno(), listener.family, listener.type) as same:
+                    same.listen(BACKLOG)
+
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets=sockets)
+        if self.guard is not None:
+            self.guard.events.flush()
 
     def handle_exit(self, sig, frame) -> None:
         # Not recorded in uvicorn's captured signals: nothing is re-raised after shutdown.
@@ -70,6 +136,10 @@ class DrainingServer(uvicorn.Server):
 
 
 BACKLOG = 2048  # uvicorn's own default
+# asyncio accepts up to its `backlog` connections in one loop pass, before any of them is handled
+# (and a connection closed under the cap frees its descriptor a pass or two later), so that
+# number is kept small, for the descriptors in flight to stay within file_limit's reserve.
+ACCEPT_BATCH = 16
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -90,15 +160,26 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(app, host: str, port: int, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
-          sock: socket.socket | None = None, **config) -> None:
+          sock: socket.socket | None = None, connections: ConnectionLimits = ConnectionLimits(),
+          **config) -> None:
     """Run `app` (built by `create_app`, which owns its `Drain`) until a signal drains it.
 
-    `sock`: an already bound socket (from `bind`) to serve on instead of binding here.
+    `sock`: an already bound socket (from `bind`) to serve on instead of binding here;
+    `connections`: the cap and deadlines its connections are held to.
     """
-    config.setdefault("timeout_graceful_shutdown", AFTER_DRAIN_GRACE_S)
-    config.setdefault("backlog", BACKLOG)
-    server = DrainingServer(uvicorn.Config(app, host=host, port=port, **config), app.state.drain, drain_timeout)
+    server = draining_server(app, host, port, drain_timeout, connections, **config)
     server.run(sockets=[sock] if sock is not None else None)
+
+
+def draining_server(app, host: str, port: int, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+                    connections: ConnectionLimits = ConnectionLimits(), **config) -> DrainingServer:
+    """The server `serve` runs (tests run it on a thread)."""
+    config.setdefault("timeout_graceful_shutdown", AFTER_DRAIN_GRACE_S)
+    config.setdefault("backlog", ACCEPT_BATCH)  # `startup` sets the kernel's queue back to BACKLOG
+    guard = ConnectionGuard(connections)
+    config = uvicorn.Config(app, host=host, port=port, http=functools.partial(GuardedProtocol, guard=guard),
+                            timeout_keep_alive=connections.keep_alive_timeout, **config)
+    return DrainingServer(config, app.state.drain, drain_timeout, guard)
 
 
 def exit_without_finalizing(code: int = 0) -> None:

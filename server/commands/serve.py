@@ -172,7 +172,6 @@ def build_app_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from lockstep.models.errors import ModelError
     from lockstep.server.api import shutdown
     from lockstep.server.engine import grammar_sandbox
 
@@ -183,6 +182,24 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.parallel:  # one rank of an mlx.launch deployment
         return run_rank(args)
+    shutdown.stop_during_startup()  # a stop before serving exits 0 too, not by the signal
+    socks: list = []
+    try:
+        return _run_one_process(args, socks)
+    except shutdown.StopRequested as stop:
+        log.info("%s during start-up: stopped before serving", stop)
+        for sock in socks:
+            sock.close()
+        shutdown.exit_without_finalizing(0)
+    return 0
+
+
+def _run_one_process(args: argparse.Namespace, socks: list) -> int:
+    """`run` for one process, under `stop_during_startup`'s handlers (`socks` gets the bound
+    socket, for `run` to close on a stop)."""
+    from lockstep.models.errors import ModelError
+    from lockstep.server.api import shutdown
+
     apply_cuda_graphs(args)
     apply_cpu_blas(args)
     try:  # a busy port is reported now, not after the model load
@@ -190,7 +207,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         log.error("%s (is another server running? choose another --port)", exc.strerror)
         return 1
+    socks.append(sock)
     try:
+        connections = connection_limits(args)
+        log.info("loading the model")
         app, engine = build_app_from_args(args)
     except (ModelError, ValueError) as exc:
         log.error("%s", exc)
@@ -198,9 +218,20 @@ def run(args: argparse.Namespace) -> int:
         return 1
     log.info("serving %s on http://%s:%d/v1 (model id %r or \"default\")",
              engine.loaded.path, args.host, args.port, engine.loaded.name)
-    served = _serve_http(args, app, engine, sock)
+    served = _serve_http(args, app, engine, sock, connections)
     shutdown.exit_without_finalizing(0 if served else 1)  # MLX teardown after worker-thread use can abort
     return 0
+
+
+def connection_limits(args: argparse.Namespace):
+    """The HTTP connections' cap and deadlines (ValueError when the open-file limit has no room
+    for the cap), after raising the soft file limit as far as the hard one allows."""
+    import mlx_lm.utils  # noqa: F401  (it sets the file limit when imported: raise it after that)
+
+    from lockstep.server.api import file_limit
+    from lockstep.server.commands.http_args import connection_limits_from_args
+
+    return connection_limits_from_args(args, file_limit.raise_soft_limit())
 
 
 def run_rank(args: argparse.Namespace) -> int:
@@ -215,6 +246,7 @@ def run_rank(args: argparse.Namespace) -> int:
     apply_cpu_blas(args)  # may re-exec this process (same pid, same launcher variables)
     try:
         check_engine_arguments(args)
+        connections = connection_limits(args)
     except ValueError as exc:
         rank_log.error("%s", exc)
         return 1
@@ -245,18 +277,19 @@ def run_rank(args: argparse.Namespace) -> int:
     app = build_app(args, runtime, engine, world, watchdog)
     rank_log.info("serving %s %s on http://%s:%d/v1 (model id %r or \"default\")", engine.loaded.path,
                   world.describe(), args.host, args.port, engine.loaded.name)
-    served = _serve_http(args, app, engine, sock)
+    served = _serve_http(args, app, engine, sock, connections)
     shutdown.exit_without_finalizing(exit_code() if served else 1)
     return 0
 
 
-def _serve_http(args: argparse.Namespace, app, engine, sock) -> bool:
-    """uvicorn on the socket bound at start, until SIGTERM/SIGINT and the drain; then the engine
+def _serve_http(args: argparse.Namespace, app, engine, sock, connections=None) -> bool:
+    """uvicorn on the socket bound at start, until SIGTERM/SIGINT/SIGHUP and the drain; then the engine
     stops. False: the port was taken while the model loaded (another server bound it too and
     listened first), said in one line."""
     import errno
 
     from lockstep.server.api import access_log, shutdown
+    from lockstep.server.api.connections import ConnectionLimits
 
     try:
         if sock is not None:
@@ -270,7 +303,8 @@ def _serve_http(args: argparse.Namespace, app, engine, sock) -> bool:
                 return False
         access_log.send_to_stderr()  # bare JSON lines replace uvicorn's access log
         shutdown.serve(app, args.host, args.port, drain_timeout=args.drain_timeout, sock=sock,
-                       log_level=logging.getLogger().level, access_log=False)
+                       connections=connections or ConnectionLimits(), log_level=logging.getLogger().level,
+                       access_log=False)
     finally:
         engine.stop()
     return True
