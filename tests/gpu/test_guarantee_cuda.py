@@ -22,7 +22,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm.models import llama
-from mlx_lm.models.cache import make_prompt_cache
 
 from lockstep.kernels.batching.ragged import enable_ragged
 from lockstep.kernels.invariance import set_batch_invariant_limit
@@ -31,6 +30,7 @@ from lockstep.kernels.invariance.selftest import bits_equal
 from lockstep.server.engine import Engine
 from lockstep.server.engine.decode_plan import plan_request
 from lockstep.server.engine.guarantee import proven_deployment
+from lockstep.server.engine.model_runner import ModelRunner
 from lockstep.server.engine.request_state import GenerationRequest
 from lockstep.server.engine.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded
@@ -82,21 +82,24 @@ def test_the_self_test_proves_the_kernels_forms_for_l_on_this_gpu(deployed):
 
 
 def rows_kept(model, tokens: list, blocks: bool = False) -> int:
-    """How many rows of one call of `tokens` (after CONTEXT tokens of cache) equal, bit for bit,
-    the same tokens fed one at a time in order (the decode step's call)."""
-    prompt = mx.random.randint(0, VOCAB, (1, CONTEXT), key=mx.random.key(1))
-    cache = make_prompt_cache(model)
-    mx.eval(model(prompt, cache=cache))
+    """How many rows of one pass of `tokens` (after CONTEXT tokens of KV), as the engine runs a
+    request's pass (over the KV pool; `blocks`: as it runs a deterministic pass), equal bit for
+    bit the same tokens passed one at a time in order (decode steps)."""
+    runner = ModelRunner.as_engine_runs(model, "kernel", pool_tokens=CONTEXT + len(tokens) + 64)
+    cache = runner.new_cache(CONTEXT + len(tokens) + 1)
+    prompt = mx.random.randint(0, VOCAB, (CONTEXT,), key=mx.random.key(1)).tolist()
+    mx.eval(runner.forward_rows(cache, prompt), [c.state for c in cache])
     with calls_in_blocks() if blocks else nullcontext():
-        block = model(mx.array([tokens]), cache=cache)[0]
+        block = runner.forward_rows(cache, tokens)
     mx.eval(block)
     for c in cache:
         c.trim(len(tokens))
     kept = 0
     for i, token in enumerate(tokens):
-        one = model(mx.array([[token]]), cache=cache)[0]
+        one = runner.forward_rows(cache, [token])
         mx.eval(one)
         kept += bits_equal(block[i], one[0])
+    runner.release(cache)
     return kept
 
 
@@ -175,7 +178,8 @@ def test_deterministic_requests_with_predictions_in_shared_passes_keep_their_sol
     predicted = {"a": replace(REQUESTS["a"], prediction=tuple(alone["a"][0])),
                  "b": replace(REQUESTS["b"], prediction=tuple(range(100, 110))), "c": REQUESTS["c"]}
     plans = {name: plan(True, prediction=name != "c") for name in predicted}
-    assert all(plans[name].method == "prediction" and 1 <= plans[name].k <= LIMIT - 1 for name in "ab")
+    assert all(plans[name].method == "prediction" and 1 <= plans[name].num_draft_tokens <= LIMIT - 1
+               for name in "ab")
     together = decode(loaded, deployment, predicted, plans)
     assert answers(together) == answers(alone)
     assert together["a"][2]["accepted_tokens"] > 0 and together["b"][2]["drafted_tokens"] > 0
