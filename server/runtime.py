@@ -237,7 +237,8 @@ def assess_draft(runtime: Runtime, options: Options) -> Deployment:
     with runtime.timings.timed("draft_costs"):
         costs = measure_draft_costs(model, deployment.draft_model)
         pass_costs = deployment.pass_costs or tuple(measure_pass_costs(
-            model, min(k_max, MEASURED_DRAFT_WIDTHS) + 1, runner=ModelRunner.as_engine_runs(model, deployment.kv_pool)))
+            model, min(k_max, MEASURED_DRAFT_WIDTHS) + 1, repeats=2,
+            runner=ModelRunner.as_engine_runs(model, deployment.kv_pool)))
     refusal = drafting_refusal(deployment.draft_name, costs, k_max, pass_costs)
     if refusal:
         log.warning("%s: requests asking for its drafts decode without them", refusal)
@@ -250,7 +251,7 @@ def assess_draft(runtime: Runtime, options: Options) -> Deployment:
 
 # Verification passes measured up to this many drafts for the decision (wider ones extend the
 # table's slope): measuring every width up to --max-draft-tokens would lengthen startup.
-MEASURED_DRAFT_WIDTHS = 8
+MEASURED_DRAFT_WIDTHS = 4
 
 
 def load_draft(options: Options, loaded, timings: Phases) -> tuple:
