@@ -61,6 +61,10 @@ class Options:
     max_draft_tokens: int = MAX_DRAFT_TOKENS
     adaptive_speculation: bool = False  # k per step from each request's own acceptance
     draft_model: str | None = None  # a model spec, or "default-quantized"
+    # Draft only where it pays (serve): `default-quantized` only in a form cheaper than the target
+    # here, any draft measured against it (assess_draft). False (verify, bench): loaded as named,
+    # whatever it costs, since they check or measure drafting itself.
+    draft_where_it_pays: bool = True
     # q/k/v and gate/up each as one matmul (models/fused_projections.py), before the audit
     fuse_projections: bool = False
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
@@ -348,7 +352,7 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
         log.warning("speculative decoding is off%s and the prefix cache stores nothing for %s: %s",
                     " (--draft-model not loaded)" if options.draft_model else "", loaded.name, refusal)
     draft, draft_name = None, None
-    no_draft = no_cheap_draft(options) if speculation else ""
+    no_draft = no_cheap_draft(options) if speculation and options.draft_where_it_pays else ""
     if no_draft:
         log.warning("%s: serving without a draft model", no_draft)
     defer_draft = bool(options.draft_model and speculation and defer_guarantee and not no_draft)
@@ -388,7 +392,7 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     if not (defer_guarantee and limit):
         work.run()
         work.settle()
-    if draft is not None:  # measured with the forms the target serves with
+    if draft is not None and options.draft_where_it_pays:  # measured with the forms the target serves with
         runtime.deployment = assess_draft(runtime, options)
     with timings.timed("warm_up"):  # the first request should not pay for first-call setup
         try:
@@ -510,7 +514,9 @@ class DraftWork:
         try:
             draft, name = load_draft(self.options, runtime.loaded, runtime.timings)
             runtime.deployment = dataclasses.replace(runtime.deployment, draft_model=draft, draft_name=name)
-            deployment = dataclasses.replace(assess_draft(runtime, self.options), draft_loading=False)
+            if self.options.draft_where_it_pays:
+                runtime.deployment = assess_draft(runtime, self.options)
+            deployment = dataclasses.replace(runtime.deployment, draft_loading=False)
         except Exception as exc:  # a draft that cannot draft: serving goes on without one
             log.error("--draft-model %s not loaded: %s", self.options.draft_model, exc)
             deployment = dataclasses.replace(runtime.deployment, draft_loading=False,

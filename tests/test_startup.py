@@ -170,6 +170,9 @@ def test_default_quantized_on_the_cpu_loads_no_draft_and_says_why(float_dir, ver
     assert runtime.model_info()["draft_model_state"] == f"not drafted from: {reason}"
     plan = plan_request(runtime.deployment, deterministic=False, speculative="draft", num_draft_tokens=2)
     assert plan.method == "none" and reason in plan.note
+    # verify and bench check drafting itself: they load it whatever it costs
+    checked = build_runtime(Options(model=str(float_dir), draft_model="default-quantized", draft_where_it_pays=False))
+    assert checked.deployment.draft_model is not None and checked.deployment.draft_refusal == ""
 
 
 def test_a_deferred_draft_model_is_loaded_after_the_guarantee_and_drafts_wait_for_it(float_dir, verdicts,
