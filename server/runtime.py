@@ -61,6 +61,10 @@ class Options:
     max_draft_tokens: int = MAX_DRAFT_TOKENS
     adaptive_speculation: bool = False  # k per step from each request's own acceptance
     draft_model: str | None = None  # a model spec, or "default-quantized"
+    # Draft only where it pays (serve): `default-quantized` only in a form cheaper than the target
+    # here, any draft measured against it (assess_draft). False (verify, bench): loaded as named,
+    # whatever it costs, since they check or measure drafting itself.
+    draft_where_it_pays: bool = True
     # q/k/v and gate/up each as one matmul (models/fused_projections.py), before the audit
     fuse_projections: bool = False
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
@@ -169,7 +173,9 @@ class Runtime:
             "draft_model": self.deployment.draft_name,
             **({"draft_model_state": "loading"} if self.deployment.draft_loading else
                {"draft_model_state": f"failed: {self.deployment.draft_problem}"} if self.deployment.draft_problem
-               else {}),
+               else {"draft_model_state": f"not drafted from: {self.deployment.draft_refusal}"}
+               if self.deployment.draft_refusal else {}),
+            **({"draft_costs": self.deployment.draft_costs.describe()} if self.deployment.draft_costs else {}),
         }
 
 
@@ -218,6 +224,47 @@ def _load_audited(spec: str, weights: str, quantize: str | None, bits, group,
     # the thread that made them, and the engine evaluates on its own worker thread.
     mx.eval(loaded.model.parameters())
     return loaded, report, transform
+
+
+def no_cheap_draft(options: Options) -> str:
+    """Why `--draft-model default-quantized` has no form cheaper than the target on this
+    backend ("": its affine 4-bit copy, cheaper where quantized kernels beat the target's).
+    On the CPU none is: MLX's quantized kernels run slower there than float32 on OpenBLAS,
+    and where the target is q4 itself (the bundled BLAS) a 4-bit copy costs as much."""
+    if options.draft_model != "default-quantized" or mx.default_device().type == mx.DeviceType.gpu:
+        return ""
+    return ("--draft-model default-quantized: no draft cheaper than the target exists for this model on "
+            "the CPU (MLX's 4-bit kernels run slower here than the target's own weights)")
+
+
+def assess_draft(runtime: Runtime, options: Options) -> Deployment:
+    """The deployment with its draft model's measured costs (server/engine/draft_costs.py): its
+    per-token cost for adaptive speculation, its prompt chunk within the time budget, and
+    whether drafting from it pays at all here (`draft_refusal` where it does not)."""
+    from lockstep.server.engine.draft_costs import drafting_refusal, measure_draft_costs
+    from lockstep.server.engine.model_runner import ModelRunner
+    from lockstep.server.engine.speculative import measure_pass_costs
+
+    deployment, model = runtime.deployment, runtime.loaded.model
+    k_max = options.max_draft_tokens
+    with runtime.timings.timed("draft_costs"):
+        costs = measure_draft_costs(model, deployment.draft_model)
+        pass_costs = deployment.pass_costs or tuple(measure_pass_costs(
+            model, min(k_max, MEASURED_DRAFT_WIDTHS) + 1, repeats=2,
+            runner=ModelRunner.as_engine_runs(model, deployment.kv_pool)))
+    refusal = drafting_refusal(deployment.draft_name, costs, k_max, pass_costs)
+    if refusal:
+        log.warning("%s: requests asking for its drafts decode without them", refusal)
+    else:
+        log.info("draft model %s: a pass costs %.2f target passes; its prompt goes in chunks of at most %d tokens",
+                 deployment.draft_name, costs.step_cost, costs.prefill_tokens())
+    return dataclasses.replace(deployment, draft_refusal=refusal, draft_costs=costs, draft_step_cost=costs.step_cost,
+                               draft_prefill_tokens=costs.prefill_tokens())
+
+
+# Verification passes measured up to this many drafts for the decision (wider ones extend the
+# table's slope): measuring every width up to --max-draft-tokens would lengthen startup.
+MEASURED_DRAFT_WIDTHS = 4
 
 
 def load_draft(options: Options, loaded, timings: Phases) -> tuple:
@@ -314,8 +361,11 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
         log.warning("speculative decoding is off%s and the prefix cache stores nothing for %s: %s",
                     " (--draft-model not loaded)" if options.draft_model else "", loaded.name, refusal)
     draft, draft_name = None, None
-    defer_draft = bool(options.draft_model and speculation and defer_guarantee)
-    if options.draft_model and speculation and not defer_draft:
+    no_draft = no_cheap_draft(options) if speculation and options.draft_where_it_pays else ""
+    if no_draft:
+        log.warning("%s: serving without a draft model", no_draft)
+    defer_draft = bool(options.draft_model and speculation and defer_guarantee and not no_draft)
+    if options.draft_model and speculation and not defer_draft and not no_draft:
         draft, draft_name = load_draft(options, loaded, timings)
 
     with timings.timed("fingerprint"):  # reads every weight file once (cached per process)
@@ -337,7 +387,7 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
                     speculation_refusal=rewind_refusal(make_prompt_cache(loaded.model)) or "",
                     speculative=options.speculative,
                     num_draft_tokens=options.num_draft_tokens, max_draft_tokens=options.max_draft_tokens,
-                    draft_model=draft, draft_name=draft_name, draft_loading=defer_draft,
+                    draft_model=draft, draft_name=draft_name, draft_loading=defer_draft, draft_refusal=no_draft,
                     prefill_chunk=options.prefill_chunk, adaptive_draft_tokens=options.adaptive_speculation,
                     kv_pool=kv_pool, async_eval_layers=options.async_eval_layers,
                     # a distributed model's passes hold its collectives: they are built op by op
@@ -353,6 +403,8 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     if not (defer_guarantee and limit):
         work.run()
         work.settle()
+    if draft is not None and options.draft_where_it_pays:  # measured with the forms the target serves with
+        runtime.deployment = assess_draft(runtime, options)
     with timings.timed("warm_up"):  # the first request should not pay for first-call setup
         try:
             mx.eval(loaded.model(mx.array([[1, 2, 3]]), cache=make_prompt_cache(loaded.model)))
@@ -472,8 +524,10 @@ class DraftWork:
         runtime = self.runtime
         try:
             draft, name = load_draft(self.options, runtime.loaded, runtime.timings)
-            deployment = dataclasses.replace(runtime.deployment, draft_model=draft, draft_name=name,
-                                             draft_loading=False)
+            runtime.deployment = dataclasses.replace(runtime.deployment, draft_model=draft, draft_name=name)
+            if self.options.draft_where_it_pays:
+                runtime.deployment = assess_draft(runtime, self.options)
+            deployment = dataclasses.replace(runtime.deployment, draft_loading=False)
         except Exception as exc:  # a draft that cannot draft: serving goes on without one
             log.error("--draft-model %s not loaded: %s", self.options.draft_model, exc)
             deployment = dataclasses.replace(runtime.deployment, draft_loading=False,
@@ -482,5 +536,5 @@ class DraftWork:
         return deployment
 
     def settle(self) -> None:
-        if self.runtime.deployment.draft_model is not None:
+        if self.runtime.deployment.draft_model is not None and not self.runtime.deployment.draft_refusal:
             log.info("draft model %s loaded: requests draft from it", self.runtime.deployment.draft_name)

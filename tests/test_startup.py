@@ -156,11 +156,36 @@ def float_dir(tmp_path_factory):
     return path
 
 
-def test_a_deferred_draft_model_is_loaded_after_the_guarantee_and_drafts_wait_for_it(float_dir, verdicts):
-    from lockstep.server.engine import Engine
+def test_default_quantized_on_the_cpu_loads_no_draft_and_says_why(float_dir, verdicts, caplog):
+    """On the CPU a 4-bit copy decodes slower than the target: none is loaded, and requests
+    asking for drafts get the plain answer with the reason."""
+    from lockstep.server.engine.decode_plan import plan_request
+
+    with caplog.at_level(logging.WARNING, logger="lockstep.runtime"):
+        runtime = build_runtime(Options(model=str(float_dir), draft_model="default-quantized"), defer_guarantee=True)
+    assert runtime.pending is None and runtime.deployment.draft_model is None
+    assert "draft_load" not in runtime.timings
+    reason = runtime.deployment.draft_refusal
+    assert "no draft cheaper than the target" in reason and reason in caplog.text
+    assert runtime.model_info()["draft_model_state"] == f"not drafted from: {reason}"
+    plan = plan_request(runtime.deployment, deterministic=False, speculative="draft", num_draft_tokens=2)
+    assert plan.method == "none" and reason in plan.note
+    # verify and bench check drafting itself: they load it whatever it costs
+    checked = build_runtime(Options(model=str(float_dir), draft_model="default-quantized", draft_where_it_pays=False))
+    assert checked.deployment.draft_model is not None and checked.deployment.draft_refusal == ""
+
+
+def test_a_deferred_draft_model_is_loaded_after_the_guarantee_and_drafts_wait_for_it(float_dir, verdicts,
+                                                                                      monkeypatch):
+    from lockstep.server import runtime as runtime_module
+    from lockstep.server.engine import Engine, draft_costs
     from lockstep.server.engine.decode_plan import RequestRejected, plan_request
     from tests.http_server import wait_until
 
+    # as on a GPU: the 4-bit copy is the cheap draft, measured far cheaper than the target
+    monkeypatch.setattr(runtime_module, "no_cheap_draft", lambda options: "")
+    monkeypatch.setattr(draft_costs, "measure_draft_costs",
+                        lambda target, draft: draft_costs.DraftCosts(0.01, 0.001, 0.001))
     runtime = build_runtime(Options(model=str(float_dir), batch_invariant_limit=2, draft_model="default-quantized"),
                             defer_guarantee=True)
     assert [type(w).__name__ for w in runtime.pending] == ["GuaranteeWork", "DraftWork"]
@@ -178,7 +203,8 @@ def test_a_deferred_draft_model_is_loaded_after_the_guarantee_and_drafts_wait_fo
     deployment = engine.deployment
     assert runtime.guarantee.state == "in_force" and deployment.guaranteed  # the proofs' result is kept
     assert deployment.draft_model is not None and "draft_model_state" not in runtime.model_info()
-    assert {"draft_load", "draft_quantize", "draft_audit"} <= set(runtime.timings)
+    assert {"draft_load", "draft_quantize", "draft_audit", "draft_costs"} <= set(runtime.timings)
+    assert deployment.draft_refusal == "" and deployment.draft_prefill_tokens == 200
     drafting = plan_request(deployment, deterministic=True, speculative="draft", num_draft_tokens=1)
     assert drafting.method == "draft" and drafting.guaranteed
 

@@ -39,7 +39,7 @@ def _options(args, variant: str, draft: bool):
         raise SystemExit(f"unknown variant {variant!r}")
     return Options(model=args.model, weights=weights, quantize=quantize,
                    batch_invariant_limit=args.batch_invariant_limit, invariant_strategy=args.invariant_strategy,
-                   draft_model="default-quantized" if draft else None)
+                   draft_model="default-quantized" if draft else None, draft_where_it_pays=False)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -68,8 +68,9 @@ def rank_options(options, world, limit: int | None):
 
 
 def _agree_on_runtime(world, runtime, kv_tokens: int):
-    """Compare what the ranks built; every rank takes rank 0's KV budget and pass costs
-    (both measured, so they may differ per rank, and admission and speculation use them)."""
+    """Compare what the ranks built; every rank takes rank 0's KV budget, pass costs and
+    draft-model decision (all measured, so they may differ per rank, and admission and
+    speculation use them)."""
     from lockstep.server.distributed.collectives import broadcast_bytes
     from lockstep.server.distributed.world import require_same_everywhere
     from lockstep.server.fingerprint import weights_digest
@@ -80,8 +81,13 @@ def _agree_on_runtime(world, runtime, kv_tokens: int):
         "strategy": plan.strategy, "limit": plan.limit, "guaranteed": runtime.deployment.guaranteed,
         "shared_passes": runtime.deployment.shared_passes})
     shared = pickle.loads(broadcast_bytes(world.group, pickle.dumps(
-        (kv_tokens, runtime.deployment.pass_costs)) if world.is_root else None))
+        (kv_tokens, runtime.deployment.pass_costs, {name: getattr(runtime.deployment, name) for name in DRAFT_DECISION}))
+        if world.is_root else None))
     return shared
+
+
+# The draft model's measured costs and whether it is drafted from (server/runtime.py assess_draft).
+DRAFT_DECISION = ("draft_refusal", "draft_step_cost", "draft_prefill_tokens", "draft_costs")
 
 
 def _fingerprint(world, runtime, prefill_chunk: int) -> str:
@@ -97,8 +103,8 @@ def _fingerprint(world, runtime, prefill_chunk: int) -> str:
 def agreed_deployment(world, runtime, kv_tokens: int, prefill_chunk: int):
     """(KV budget, Deployment) every rank runs: rank 0's budget and pass costs, the
     fingerprint naming the topology."""
-    kv_tokens, pass_costs = _agree_on_runtime(world, runtime, kv_tokens)
-    return kv_tokens, dataclasses.replace(runtime.deployment, pass_costs=pass_costs,
+    kv_tokens, pass_costs, draft = _agree_on_runtime(world, runtime, kv_tokens)
+    return kv_tokens, dataclasses.replace(runtime.deployment, pass_costs=pass_costs, **draft,
                                           fingerprint=_fingerprint(world, runtime, prefill_chunk))
 
 

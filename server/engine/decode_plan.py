@@ -87,7 +87,10 @@ def plan_request(deployment: Deployment, *, deterministic: bool, speculative: st
             # A deterministic answer is the same with or without drafts: it is served without.
             note = f"decoded without drafts ({speculative} asked for): {why}"
         method = "none"  # the deployment's default does not apply to this model
-    if method == "draft" and deployment.draft_model is None:
+    if method == "draft" and deployment.draft_refusal:
+        # Drafts change the speed, never an answer: where they would only slow it, none.
+        method, note = "none", f"decoded without drafts: {deployment.draft_refusal}"
+    elif method == "draft" and deployment.draft_model is None:
         if not deployment.draft_loading:
             why = (f"its draft model could not be loaded: {deployment.draft_problem}" if deployment.draft_problem
                    else "start it with --draft-model")

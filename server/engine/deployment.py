@@ -41,6 +41,18 @@ class Deployment:
     # it could not be loaded.
     draft_loading: bool = False
     draft_problem: str = ""
+    # Why the deployment does not draft from its draft model although one was asked for ("":
+    # it does): drafting was measured not to pay on this backend (server/engine/draft_costs.py),
+    # or `default-quantized` has no form cheaper than the target here. Requests asking for
+    # drafts from it decode without them, with this as their note.
+    draft_refusal: str = ""
+    # Measured at startup (draft_costs.py): one draft-model pass in target decode passes (what
+    # adaptive speculation weighs per proposed token; None: estimated from the models' depths),
+    # and the draft prompt tokens one prefill chunk may hold within its time budget (0: the
+    # prefill chunk).
+    draft_step_cost: float | None = None
+    draft_prefill_tokens: int = 0
+    draft_costs: object | None = None  # the measurement (draft_costs.DraftCosts), for /v1/models
     # Adaptive speculation: k chosen per step from the request's own acceptance, up to the
     # plan's k (server/engine/speculative.py AdaptiveDraftLength). pass_costs[w - 1] is the
     # measured cost of a target pass of w rows (measure_pass_costs); None: linear in w.

@@ -4,7 +4,8 @@ A `RequestState` holds a request's progress; it runs no forward pass itself (the
 runner does, server/engine/model_runner.py):
 - while `prefilling`, `next_prefill()` names the next prompt chunk (aligned to absolute
   positions, kernels/invariance/prefill.py) and the cache it goes to: the target's, then,
-  with a draft model, the draft's (chunked the same way, so a long prompt never holds the
+  with a draft model, the draft's (chunked the same way, and no wider than its measured cost
+  allows within a time budget, server/engine/draft_costs.py, so a long prompt never holds the
   engine for more than a chunk); `chunk_written()` records it;
 - then `rows()` names the tokens this request puts into the next forward pass (the last
   token, plus drafts when speculating), and `take(logits)` turns that pass's rows into
@@ -150,9 +151,14 @@ class RequestState:
                                   remaining=lambda: self.max_new_tokens - self.generated, cancelled=cancelled,
                                   adaptive=self.plan.adaptive,
                                   pass_costs=deployment.pass_costs if deployment else None,
-                                  target=model, processors=self.processors, prediction=request.prediction)
+                                  target=model, processors=self.processors, prediction=request.prediction,
+                                  draft_cost=deployment.draft_step_cost if deployment else None)
         # A draft model's own cache is prefilled chunk by chunk after the target's.
         self._drafter = getattr(self.source, "drafter", None) if self.plan.method == "draft" else None
+        # Its chunks are bounded by their measured cost too (a draft may prefill far slower than
+        # the target): one never holds the engine for more than the time budget.
+        bound = deployment.draft_prefill_tokens if deployment else 0
+        self._draft_chunk = min(self._chunk, bound) if bound > 0 else self._chunk
 
     # ---------------------------------------------------------------------- prefill
 
@@ -173,7 +179,7 @@ class RequestState:
             if self._leader is not None:
                 return 0
             return chunk_end(self._prefill_pos, len(self.prompt) - 1, self._chunk) - self._prefill_pos
-        return min(self._draft_pending(), self._chunk)
+        return min(self._draft_pending(), self._draft_chunk)
 
     def _follow_leader(self) -> None:
         """Copy the leader's prompt KV once it is there; go alone if the leader was dropped."""
@@ -215,7 +221,7 @@ class RequestState:
                 return PrefillStep("target", self.cache, [], follow=True)
             return PrefillStep("target", self.cache, self.next_chunk())
         start = self._drafter.prefilled
-        return PrefillStep("draft", self._drafter.cache, self.prompt[start:start + self._chunk])
+        return PrefillStep("draft", self._drafter.cache, self.prompt[start:start + self._draft_chunk])
 
     def chunk_written(self, tokens: int, *, alone: bool, model: str = "target") -> None:
         """The next `tokens` prompt tokens are in the cache. Only KV prefilled alone, or in a

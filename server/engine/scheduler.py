@@ -9,7 +9,8 @@ runner's `ModelRunnerOutput`:
    last free slot: its other choices wait, and other requests' may go ahead of them, so a
    request with n = 1 finds a slot whatever mix of n > 1 requests runs;
 2. prompt chunks of prefilling requests, in turn, up to one chunk's worth of tokens
-   (`--prefill-chunk`; a draft model's prompt is prefilled the same way), so a long prompt
+   (`--prefill-chunk`; a draft model's prompt is prefilled the same way, its chunks also
+   bounded by their measured cost, request_state.py), so a long prompt
    is interleaved with decoding and never stalls the others for its whole length, while
    many short prompts start together;
 3. every decoding request's rows (1, or k + 1 when speculating), grouped into passes by the

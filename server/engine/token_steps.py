@@ -225,11 +225,13 @@ def draft_cost_estimate(target, draft) -> float:
 def make_source(cache, context: list[int], params: SamplingParams, stats: SpeculationStats,
                 method: str = "none", k: int = 0, draft_model=None,
                 remaining: Callable[[], int] = _unbounded, cancelled: Callable[[], bool] = never,
-                adaptive: bool = False, pass_costs=None, target=None, processors=None, prediction=()):
+                adaptive: bool = False, pass_costs=None, target=None, processors=None, prediction=(),
+                draft_cost: float | None = None):
     """The two-phase source for a speculative `method` ("none", "draft", "prompt_lookup",
     "prediction": drafts from `prediction`, the client's predicted answer as token ids);
     with `adaptive`, k is chosen per step up to `k` (AdaptiveDraftLength, weighing
-    `pass_costs`, the deployment's per-width pass costs)."""
+    `pass_costs`, the deployment's per-width pass costs, and `draft_cost`, a draft-model
+    pass in target passes as measured at startup; None: estimated from the models' depths)."""
     if method == "none":
         return PlainSource(cache, context, params, stats, processors)
     if method == "draft":
@@ -240,7 +242,10 @@ def make_source(cache, context: list[int], params: SamplingParams, stats: Specul
         drafter = PromptLookupDrafter()
     policy = None
     if adaptive:
-        draft_cost = draft_cost_estimate(target, draft_model) if method == "draft" else 0.0
+        if method != "draft":
+            draft_cost = 0.0
+        elif draft_cost is None:
+            draft_cost = draft_cost_estimate(target, draft_model)
         policy = AdaptiveDraftLength(k, pass_costs, draft_cost)
     return SpeculativeSource(cache, context, params, drafter, k, stats, remaining, cancelled, policy,
                              processors)

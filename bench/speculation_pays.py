@@ -1,0 +1,152 @@
+"""Does every `speculative` choice pay? Issue 54's side-by-side run against a live server.
+
+    .venv/bin/python bench/speculation_pays.py [--rounds 3] [--out FILE] [--base URL] \
+        [-- serve args, default: --batch-invariant-limit 4 --draft-model default-quantized]
+
+Starts `lockstep serve` with the given arguments (or uses `--base`), then, per prompt
+(copy-heavy: repeats a sentence of its prompt; open-ended) and per determinism (plain,
+deterministic), runs every `speculative` choice (none, draft, prompt_lookup, prediction: the
+client's Predicted Output) side by side: a warm round first, then `--rounds` rounds with the
+choices interleaved, and reports the median seconds and the speed relative to `none` (goal
+>= 0.97), with the drafts accepted and the note the server gave.
+
+Then a 4-token request alone (median of `--rounds`) and sent while a ~1,300-token prompt with
+`speculative: draft` is being served: how long it waits beyond its idle time (goal <= 2 s).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_SERVE = ["--batch-invariant-limit", "4", "--draft-model", "default-quantized"]
+SENTENCE = "The quick brown fox jumps over the lazy dog near the quiet river bank at dawn."
+PROMPTS = {
+    "copy-heavy": (f"Repeat this sentence exactly, once, and nothing else: {SENTENCE}", SENTENCE, 21),
+    "open-ended": ("Write a short story about a lighthouse keeper who finds a message in a bottle.",
+                   "The lighthouse keeper walked down to the shore every morning.", 32),
+}
+CHOICES = ("none", "draft", "prompt_lookup", "prediction")
+LONG_PARAGRAPH = ("In the old harbour town the fishermen mended their nets each evening, talking about the "
+                  "weather, the price of cod and the new lighthouse keeper who had arrived in spring. ")
+
+
+def start_server(serve_args: list[str]) -> tuple[subprocess.Popen, str, Path]:
+    from tests.http_server import free_port, wait_for_health
+
+    port = free_port()
+    log_path = Path(tempfile.mkstemp(prefix="speculation_pays_", suffix=".log")[1])
+    proc = subprocess.Popen([str(ROOT / ".venv/bin/lockstep"), "serve", "--port", str(port), *serve_args],
+                            stdout=log_path.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    wait_for_health(proc, base, log_path, timeout=600)
+    return proc, base, log_path
+
+
+def ask(client, prompt: str, max_tokens: int, deterministic: bool, choice: str, prediction: str):
+    body = {"deterministic": deterministic}
+    kwargs = {}
+    if choice == "prediction":
+        kwargs["prediction"] = {"type": "content", "content": prediction}
+    else:
+        body["speculative"] = choice
+    start = time.perf_counter()
+    r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": prompt}],
+                                       max_tokens=max_tokens, temperature=0, extra_body=body, **kwargs)
+    seconds = time.perf_counter() - start
+    ext = (r.model_extra or {}).get("lockstep") or {}
+    return seconds, r.choices[0].message.content, ext
+
+
+def side_by_side(client, rounds: int) -> list[str]:
+    lines = ["| prompt | mode | speculative | median s | × none | accepted/drafted | same answer | note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, (prompt, prediction, max_tokens) in PROMPTS.items():
+        for deterministic in (False, True):
+            times = {c: [] for c in CHOICES}
+            last = {}
+            for r in range(rounds + 1):  # round 0 warms up
+                for choice in CHOICES:
+                    seconds, text, ext = ask(client, prompt, max_tokens, deterministic, choice, prediction)
+                    if r:
+                        times[choice].append(seconds)
+                    last[choice] = (text, ext)
+            base = statistics.median(times["none"])
+            for choice in CHOICES:
+                median = statistics.median(times[choice])
+                text, ext = last[choice]
+                note = (ext.get("note") or "")[:70]
+                lines.append(f"| {name} | {'deterministic' if deterministic else 'plain'} | {choice} | "
+                             f"{median:.2f} | {base / median:.2f} | {ext.get('accepted_tokens', 0)}/"
+                             f"{ext.get('drafted_tokens', 0)} | {text == last['none'][0]} | {note} |")
+            print("\n".join(lines[-len(CHOICES):]), flush=True)
+    return lines
+
+
+def beside_long_prompt(client, rounds: int) -> list[str]:
+    short = lambda: ask(client, "Say hi.", 4, False, "none", "")[0]  # noqa: E731
+    idle = statistics.median([short() for _ in range(rounds)])
+    long_prompt = LONG_PARAGRAPH * 40
+    waits = []
+    for _ in range(rounds):
+        started = threading.Event()
+
+        def long_request():
+            started.set()
+            ask(client, long_prompt + "\nSummarise this in one line.", 8, False, "draft", "")
+
+        worker = threading.Thread(target=long_request)
+        worker.start()
+        started.wait()
+        time.sleep(0.5)  # the long prompt is admitted and prefilling
+        waits.append(short())
+        worker.join()
+    beside = statistics.median(waits)
+    return ["", "| 4-token request | median s |", "|---|---|", f"| alone | {idle:.2f} |",
+            f"| beside a ~1,300-token drafted prompt | {beside:.2f} (+{beside - idle:.2f}) |"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out")
+    parser.add_argument("--base", help="a running server's URL (then no server is started)")
+    parser.add_argument("serve_args", nargs="*", default=DEFAULT_SERVE)
+    args = parser.parse_args()
+    from openai import OpenAI
+
+    proc = None
+    if args.base:
+        base = args.base
+    else:
+        proc, base, log_path = start_server(args.serve_args or DEFAULT_SERVE)
+    try:
+        client = OpenAI(base_url=base + "/v1", api_key=os.environ.get("LOCKSTEP_API_KEY", "unused"),
+                        max_retries=0, timeout=600)
+        models = client.models.list().data[0].model_extra["lockstep"]
+        header = [f"lockstep serve {' '.join(args.serve_args or DEFAULT_SERVE)}; draft model "
+                  f"{models.get('draft_model')} ({models.get('draft_model_state', 'drafted from')}); "
+                  f"median of {args.rounds} after a warm round", ""]
+        print("\n".join(header), flush=True)
+        lines = header + side_by_side(client, args.rounds) + beside_long_prompt(client, args.rounds)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=60)
+    print("\n".join(lines[-5:]))
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
