@@ -23,7 +23,8 @@ def test_a_state_settles_once_and_wakes_its_waiters():
     async def scenario():
         early = await state.wait(0.05)  # nobody settles it: the wait runs out
         waiter = asyncio.ensure_future(state.wait(30))
-        await asyncio.sleep(0.05)
+        while not state._waiters:  # until the waiter is registered (it runs on this loop)
+            await asyncio.sleep(0)
         assert not waiter.done()
         threading.Thread(target=state.settle, args=(IN_FORCE,)).start()  # from another thread, as the engine's
         return early, await asyncio.wait_for(waiter, 10)
