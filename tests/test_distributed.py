@@ -295,7 +295,7 @@ def test_pipeline_serves_plain_prompts_arriving_together(pipeline2):
     # be in what each rank evaluates, or the next stage waits for it forever.
     before = shared_passes(pipeline2.base)["prefill"]
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        answers = list(pool.map(lambda p: ask(pipeline2.base, p, deterministic=False), PROMPTS))
+        answers = list(pool.map(lambda p: ask(pipeline2.base, p, deterministic=False, max_tokens=2), PROMPTS))
     assert all(a.text for a in answers), answers
     assert shared_passes(pipeline2.base)["prefill"] > before, "no prefill pass was shared"
 
