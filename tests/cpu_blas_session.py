@@ -10,15 +10,21 @@ inherit the capture's files).
 OpenBLAS's rows depend on how many rows a call has; the reference BLAS's do not. Tests whose
 premise is that native invariance (marked `reference_blas`) are left out of an OpenBLAS
 session and run in a second session under the reference BLAS
-(`LOCKSTEP_TEST_CPU_BLAS=reference pytest -m reference_blas`, which `make test` runs too).
+(`LOCKSTEP_TEST_CPU_BLAS=reference pytest -m reference_blas`, which `make test` runs too); a
+session that left them out ends by naming that command.
 """
 import os
+
+import pytest
 
 REFERENCE = os.environ.get("LOCKSTEP_TEST_CPU_BLAS", "openblas") == "reference"
 
 from lockstep.kernels import cpu_blas  # noqa: E402
 
 cpu_blas.ensure_preloaded(choice="reference" if REFERENCE else "openblas")
+
+REFERENCE_SESSION = "LOCKSTEP_TEST_CPU_BLAS=reference pytest -m reference_blas"
+_LEFT_OUT = pytest.StashKey[int]()
 
 
 def pytest_configure(config):
@@ -33,3 +39,12 @@ def pytest_collection_modifyitems(config, items):
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = [item for item in items if not item.get_closest_marker("reference_blas")]
+        config.stash[_LEFT_OUT] = len(deselected)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    left_out = config.stash.get(_LEFT_OUT, 0)
+    if left_out:
+        terminalreporter.write_line(
+            f"{left_out} reference_blas test(s) need the reference BLAS and did not run in this OpenBLAS "
+            f"session; run them with: {REFERENCE_SESSION}", yellow=True)

@@ -125,6 +125,31 @@ def test_faulty_tiled_kernel_caught_and_worked_around(nvfp4_dir, reference):
     assert info["max_error"] < 1e-3
 
 
+def test_a_workaround_that_fixes_only_some_paths_is_never_the_verdict(nvfp4_dir, monkeypatch):
+    # pad32 fixes the embedding's odd-row lookups (the real CPU failure) but not the tiled
+    # matmuls, which this fault breaks at every width: the verdict is the next workaround
+    # that fixes every path, or a refusal when there is none
+    with faulty_tiled_qmm(any_width=True):
+        report = audit_model(load(nvfp4_dir), prompt_rows=40)
+        for c in report.configs:
+            pad32 = dict(c.attempts)["pad32"]
+            still_failing = {p.path for p in pad32 if not p.ok}
+            assert still_failing and all("tiled" in p or "prompt" in p for p in still_failing), c.config.label()
+            assert any(p.ok for p in pad32), c.config.label()  # a partial fix, not a total failure
+            assert c.verdict == "dequantized", c.config.label()
+            assert all(p.ok for p in c.accepted)
+        embed = next(c for c in report.configs if c.config.kind == "embedding")
+        fixed = {p.path for p in dict(embed.attempts)["pad32"] if p.ok} & {p.path for p in embed.failing}
+        assert {"lookup odd"} <= fixed
+
+        monkeypatch.setattr(workarounds, "WORKAROUNDS", ("pad32",))
+        model = load(nvfp4_dir)
+        report = audit_model(model, prompt_rows=40)
+        assert {c.verdict for c in report.configs} == {"refused"}
+        with pytest.raises(ModelError, match="no workaround passed"):
+            apply_workarounds(model, report)
+
+
 def test_refuses_when_no_workaround_passes(nvfp4_dir, monkeypatch):
     monkeypatch.setattr(workarounds, "WORKAROUNDS", ("pad32",))
     real = mx.quantized_matmul

@@ -18,7 +18,7 @@ import pytest
 from openai import OpenAI
 
 from lockstep.kernels import cpu_blas
-from tests.http_server import free_port, wait_for_health
+from tests.http_server import free_port, wait_for_health, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 8
@@ -86,9 +86,14 @@ def test_deterministic_answers_survive_openblas_batching_and_native_ones_do_not(
 
     loaded_det, loaded_free, errors = {}, {}, []
 
+    def free_requests_arrived() -> bool:
+        health = httpx.get(openblas_server + "/health").json()
+        return health["active"] + health["waiting"] >= len(PROMPTS) or bool(loaded_free)
+
     def det(i):
         try:
-            time.sleep(0.5 + 0.05 * i)  # after the free requests: they arrive first
+            wait_until(free_requests_arrived, timeout=300, what="the free requests to arrive first")
+            time.sleep(0.05 * i)  # staggered among themselves
             p, m, k, s = DETERMINISTIC[i]
             loaded_det[i] = chat(client, PROMPTS[p], True, m, k, s)
         except Exception as exc:

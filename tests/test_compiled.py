@@ -24,18 +24,28 @@ TOOLCHAIN = compiled.Toolchain(nvrtc="13.0", mlx="0.32.4", device="NVIDIA H200",
 
 
 class FakeCompiler:
-    """Stands in for NVRTC: a cubin naming the source's wrapper; counts and may sleep or fail."""
+    """Stands in for NVRTC: a cubin naming the source's wrapper; counts its calls and the most
+    that ran at once, may sleep, wait at a barrier (`gate`) or fail."""
 
-    def __init__(self, sleep=0.0, fail=lambda source: False):
-        self.sleep, self.fail, self.sources = sleep, fail, []
+    def __init__(self, sleep=0.0, fail=lambda source: False, gate: threading.Barrier | None = None):
+        self.sleep, self.fail, self.gate, self.sources = sleep, fail, gate, []
         self.lock = threading.Lock()
+        self.running = self.peak = 0
 
     def __call__(self, source, options):
         assert tuple(options) == TOOLCHAIN.options
         with self.lock:
             self.sources.append(source)
-        if self.sleep:
-            time.sleep(self.sleep)
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+        try:
+            if self.sleep:
+                time.sleep(self.sleep)
+            if self.gate is not None:
+                self.gate.wait()  # serial calls never get past it: BrokenBarrierError at its timeout
+        finally:
+            with self.lock:
+                self.running -= 1
         if self.fail(source):
             raise nvrtc.CompileError("NVRTC: error: identifier is undefined")
         return b"CUBIN " + _symbol(source).encode()
@@ -134,14 +144,13 @@ def test_a_failed_compile_is_reported_in_place_and_not_kept(tmp_path):
 
 
 def test_instances_compile_concurrently(tmp_path):
-    nap, count, workers = 0.25, 8, 4
-    compiler = FakeCompiler(sleep=nap)
+    count, workers = 8, 4
+    # each compile waits until `workers` of them run at once (a hang guard, not a timing)
+    compiler = FakeCompiler(gate=threading.Barrier(workers, timeout=60))
     cache = compiled.CubinCache(tmp_path, TOOLCHAIN, compiler)
-    start = time.perf_counter()
     cache.get_many([f'extern "C" __global__ void k{i}() {{}}' for i in range(count)], workers=workers)
-    elapsed = time.perf_counter() - start
     assert cache.compiled == count
-    assert elapsed < 0.6 * count * nap  # serial: count * nap; with 4 workers about count / 4 naps
+    assert compiler.peak == workers  # never more than the workers, and that many at once
 
 
 def test_two_threads_asking_for_one_instance_compile_it_once(tmp_path):

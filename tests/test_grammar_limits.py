@@ -167,6 +167,38 @@ def test_the_checker_runs_under_its_memory_limit(compiler):
     assert line.split()[3] == str(grammar_sandbox.GRAMMAR_MEMORY_BYTES)
 
 
+def test_the_checker_compiles_on_a_smaller_stack_than_the_server(embedded_model, monkeypatch):
+    """Finding 1's premise: a grammar that compiled in the checker cannot overflow the server's
+    compile thread. The stacks are read from the threads themselves: the child's check thread
+    (tests/doubles/stack_reporting_checker.py runs the real child) and a server compile thread."""
+    import os
+
+    from lockstep.server.engine import grammar, grammar_sandbox
+    from tests.doubles import stack_reporting_checker
+
+    sandbox_file = os.path.abspath(grammar_sandbox.__file__)
+    real_popen = subprocess.Popen
+
+    def popen(argv, **kwargs):  # the checker's child, with the check replaced by the report
+        if argv[2:3] == [sandbox_file]:
+            argv = [*argv[:2], stack_reporting_checker.__file__, *argv[2:]]
+        return real_popen(argv, **kwargs)
+
+    monkeypatch.setattr(grammar_sandbox.subprocess, "Popen", popen)
+    compiler = GrammarCompiler(embedded_model.tokenizer, embedded_model.model.args.vocab_size,
+                               embedded_model.eos_token_ids)
+    try:
+        refusal = compiler.sandbox.check('{"type": "string"}')
+    finally:
+        compiler.sandbox.close()
+    child = json.loads(refusal.message.removeprefix("not supported by the grammar engine: "))
+    server = grammar._on_compile_thread(stack_reporting_checker.thread_stack_bytes)
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert abs(child["stack_bytes"] - grammar_sandbox.CHECK_STACK_BYTES) <= 4 * page, child
+    assert abs(server - grammar_sandbox.COMPILE_STACK_BYTES) <= 4 * page, server
+    assert child["stack_bytes"] < server
+
+
 @pytest.mark.parametrize("schema, constant", [
     (chain(40), "MAX_SCHEMA_DEPTH"),
     ({"type": "string", "enum": ["x" * 1000] * 300}, "MAX_SCHEMA_BYTES"),

@@ -1,16 +1,18 @@
 """A guarantee proven after serving starts (server/engine/guarantee_state.py, the engine's
 proofs, server/runtime.py GuaranteeWork): plain requests are served while it is proven,
 deterministic ones wait for it or get a 503 with Retry-After, and none is planned before it
-settles. The held-back proof steps like a real one (`step_done` between its steps)."""
+settles. The held-back proof steps like a real one (`step_done` between its steps). A proof that
+fails leaves the deployment serving with its guarantee refused, and every report says so."""
 import asyncio
 import threading
-import time
 
 import httpx2 as httpx
 import pytest
 
 from lockstep.kernels.proof_steps import between_steps, step_done
-from lockstep.server.engine.guarantee_state import IN_FORCE, OFF, PROVING, REFUSED, GuaranteeState
+from lockstep.server.engine.guarantee_state import (IN_FORCE, OFF, PROVING, REFUSED, GuaranteeState,
+                                                   settled_state)
+from tests.test_service import fake_launchctl, mac  # noqa: F401 (fixtures: a macOS host, its launchctl)
 
 PROMPT = [{"role": "user", "content": "Name a colour."}]
 
@@ -21,7 +23,8 @@ def test_a_state_settles_once_and_wakes_its_waiters():
     async def scenario():
         early = await state.wait(0.05)  # nobody settles it: the wait runs out
         waiter = asyncio.ensure_future(state.wait(30))
-        await asyncio.sleep(0.05)
+        while not state._waiters:  # until the waiter is registered (it runs on this loop)
+            await asyncio.sleep(0)
         assert not waiter.done()
         threading.Thread(target=state.settle, args=(IN_FORCE,)).start()  # from another thread, as the engine's
         return early, await asyncio.wait_for(waiter, 10)
@@ -65,7 +68,7 @@ class HeldProof:
         while not self.release.is_set():
             step_done()
             self.steps += 1
-            time.sleep(0.01)
+            self.release.wait(0.01)  # a proof step's worth of work
         proofs = ProofCache(VerdictCache("selftest"),
                             model_identity={"model": str(self.loaded.path), "weights": self.loaded.weights})
         plan = set_batch_invariant_limit(self.loaded.model, self.limit, proof_cache=proofs)
@@ -73,7 +76,7 @@ class HeldProof:
         return self.deployment
 
     def settle(self):
-        self.state.settle(IN_FORCE if self.deployment.guaranteed else REFUSED)
+        self.state.settle(settled_state(self.deployment))  # the product's mapping, as GuaranteeWork's
 
 
 def test_plain_requests_are_served_while_the_proof_is_held_and_deterministic_ones_wait(embedded_model):
@@ -123,7 +126,7 @@ def test_plain_requests_are_served_while_the_proof_is_held_and_deterministic_one
             thread = threading.Thread(target=lambda: waited.update(answer=patient_client.chat.completions.create(
                 **deterministic)))
             thread.start()
-            time.sleep(0.6)
+            wait_until(lambda: proof.state._waiters, what="the request to wait for the proof")
             assert thread.is_alive() and not waited  # still waiting for the proof
             proof.release.set()
             thread.join(timeout=600)
@@ -164,3 +167,52 @@ def test_metrics_show_the_startup_phases_and_the_guarantee_state(embedded_model)
             assert httpx.get(url + "/v1/models").json()["data"][0]["lockstep"]["startup"]["phases_s"] == phases
     finally:
         engine.stop()
+
+
+def test_a_deployment_whose_proof_fails_serves_with_its_guarantee_refused_everywhere(
+        tmp_path, monkeypatch, mac, fake_launchctl, capsys):
+    """The real serve assembly and the real proofs, on a backend whose multi-row calls reduce in
+    another order (tests/doubles/shape_variant.py) with the native strategy, which cannot hold
+    L there: the self-test fails, and every place that reports the guarantee says so."""
+    from openai import OpenAI
+
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+    from lockstep.kernels.verdict_cache import ROOT_ENV
+    from lockstep.server import cli
+    from lockstep.server.commands.serve import build_app_from_args
+    from tests.doubles.shape_variant import shape_variant_backend
+    from tests.http_server import running, wait_until
+    from tests.test_service import run as service
+
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path / "verdicts"))  # no proof re-used from a native backend
+    args = cli.build_parser().parse_args(["serve", "--model", "default", "--batch-invariant-limit", "2",
+                                          "--invariant-strategy", "native"])
+    with shape_variant_backend():
+        app, engine = build_app_from_args(args)
+        try:
+            with running(app) as url:
+                wait_until(lambda: engine.guarantee.settled, timeout=300, what="the proofs to settle")
+                assert engine.guarantee.state == REFUSED
+                assert "self-test failed" in engine.guarantee.describe()["reason"]
+                assert httpx.get(url + "/health").json()["guarantee"] == REFUSED
+                metrics = httpx.get(url + "/metrics").text
+                assert 'lockstep_guarantee_state{state="refused"} 1.0' in metrics
+                assert 'lockstep_guarantee_state{state="in_force"} 0.0' in metrics
+                card = httpx.get(url + "/v1/models").json()["data"][0]["lockstep"]
+                assert card["batch_invariance"]["state"] == REFUSED
+
+                assert service(mac, "install", "--port", url.rsplit(":", 1)[1]) == 0
+                capsys.readouterr()
+                assert service(mac, "status", "--wait-for", "ready") == 0
+                assert service(mac, "status", "--wait-for", "guarantee", "--timeout", "600") == 1  # at once
+                assert "guarantee: refused" in capsys.readouterr().out
+
+                client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
+                answer = client.chat.completions.create(model="default", messages=PROMPT, max_tokens=3,
+                                                        temperature=0, extra_body={"deterministic": True})
+                assert answer.choices[0].message.content
+                assert answer.lockstep["deterministic"] is True and answer.lockstep["guaranteed"] is False
+                assert "not proven" in answer.lockstep["note"]
+        finally:
+            engine.stop()
+            set_batch_invariant_limit(engine.loaded.model, 0)
