@@ -9,7 +9,9 @@ The `model` field must name the served model (its `name`) or the alias "default"
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
+import secrets
 import logging
 import time
 from importlib import metadata
@@ -45,6 +47,9 @@ from lockstep.server.api.tool_call_stream import ToolCallStream, call_stream
 from lockstep.server.api.tool_calls import ParsedCall, new_call_id, tool_format
 
 MODEL_ALIAS = "default"
+# `<model>:deterministic` asks for deterministic mode by the model's name, for clients that drop
+# extra body fields (docs/API.md); listed in /v1/models beside the plain name.
+DETERMINISTIC_SUFFIX = ":deterministic"
 # How long a deterministic request waits for a guarantee still being proven (`--guarantee-timeout`),
 # and the Retry-After of its 503 when that runs out.
 DEFAULT_GUARANTEE_TIMEOUT_S = 120.0
@@ -107,8 +112,9 @@ class Routes:
     """Request handling for one served model."""
 
     def __init__(self, engine: Engine, fingerprint: str | None, limits: Limits = Limits(), log_prompts: bool = False,
-                 guarantee_timeout: float = DEFAULT_GUARANTEE_TIMEOUT_S):
+                 guarantee_timeout: float = DEFAULT_GUARANTEE_TIMEOUT_S, deterministic_by_default: bool = False):
         self.engine = engine
+        self.deterministic_by_default = deterministic_by_default
         self.loaded = engine.loaded
         self._fingerprint = fingerprint
         self.limits = limits
@@ -128,8 +134,18 @@ class Routes:
     # ------------------------------------------------------------ request -> generation
 
     def _check_model(self, model: str) -> None:
-        if model not in (self.loaded.name, MODEL_ALIAS):
+        if model.removesuffix(DETERMINISTIC_SUFFIX) not in (self.loaded.name, MODEL_ALIAS):
             raise model_not_found(model)
+
+    def _settle_determinism(self, body: p.SamplingRequest) -> None:
+        """Whether `body` is deterministic (its field; else the model name's suffix; else the
+        deployment's default), and the seed a sampled deterministic request runs with: the one it
+        sent, else one drawn here and reported back (`lockstep.seed`), so the answer can be
+        reproduced by sending it. Set on `body` itself: the response is rendered from it."""
+        if "deterministic" not in body.model_fields_set:
+            body.deterministic = body.model.endswith(DETERMINISTIC_SUFFIX) or self.deterministic_by_default
+        if body.deterministic and body.temperature >= GREEDY_BELOW and body.seed is None:
+            body.seed = secrets.randbits(63)
 
     def _chat_tokens(self, body: p.ChatCompletionRequest) -> list[int]:
         return chat_prompt_tokens(self.loaded.tokenizer, body, self.tool_format)
@@ -169,6 +185,7 @@ class Routes:
     async def _submit(self, body: p.SamplingRequest, tokenize: Callable, param: str) -> list:
         """Submit `body`'s n choices; returns their engine handles."""
         self._check_model(body.model)
+        self._settle_determinism(body)
         try:
             prompt, prediction = await asyncio.to_thread(self._prepare, body, tokenize)
             grammar = await self._grammar(body)
@@ -245,14 +262,14 @@ class Routes:
                               min_p=body.min_p, top_logprobs=body.logprobs_count(), **seed)
 
     def _plan(self, body: p.SamplingRequest, prediction: bool = False) -> DecodePlan:
-        if body.deterministic and body.temperature >= GREEDY_BELOW and body.seed is None:
-            raise APIError(400, "deterministic sampling with temperature > 0 needs a seed", param="seed")
         try:
-            return plan_request(self.engine.deployment, deterministic=body.deterministic,
+            plan = plan_request(self.engine.deployment, deterministic=body.deterministic,
                                 speculative=body.speculative, num_draft_tokens=body.num_draft_tokens,
                                 prediction=prediction)
         except RequestRejected as exc:
             raise APIError(400, str(exc), param=exc.param) from exc
+        sampled = body.deterministic and body.temperature >= GREEDY_BELOW
+        return dataclasses.replace(plan, seed=body.seed) if sampled else plan
 
     async def submit_chat(self, body: p.ChatCompletionRequest) -> list:
         """Submit a chat request's n choices (also what /v1/responses runs as)."""
@@ -384,12 +401,20 @@ class Routes:
         return p.ModelCard(id=self.loaded.name, created=self.created, lockstep={**info, **extras})
 
     def models(self, extras: dict | None) -> p.ModelList:
-        return p.ModelList(data=[self.model_card(extras)])
+        card = self.model_card(extras)
+        deterministic = card.model_copy(update={"id": card.id + DETERMINISTIC_SUFFIX,
+                                                "lockstep": {**card.lockstep, "deterministic_by_name": True}})
+        return p.ModelList(data=[card, deterministic])
 
     def model(self, model_id: str, extras: dict | None) -> p.ModelCard:
-        """One model by id (the served model's name, or the alias "default"); 404 otherwise."""
+        """One model by id (the served model's name or the alias "default", either with the
+        deterministic suffix); 404 otherwise."""
         self._check_model(model_id)
-        return self.model_card(extras)
+        card = self.model_card(extras)
+        if model_id.endswith(DETERMINISTIC_SUFFIX):
+            card = card.model_copy(update={"id": card.id + DETERMINISTIC_SUFFIX,
+                                           "lockstep": {**card.lockstep, "deterministic_by_name": True}})
+        return card
 
 
 def create_app(
@@ -401,6 +426,7 @@ def create_app(
     limits: Limits = Limits(),
     log_prompts: bool = False,
     guarantee_timeout: float = DEFAULT_GUARANTEE_TIMEOUT_S,
+    deterministic_by_default: bool = False,
 ) -> FastAPI:
     """The HTTP app for `engine`'s model. `model_extras` (or what it returns, when a function) is
     added to its /v1/models entry; `fingerprint` (default: the deployment's) is every response's
@@ -408,9 +434,10 @@ def create_app(
 
     `api_keys` (empty: auth off) guard /v1 and /metrics; `limits` caps bodies, tokens and
     the queue; prompts appear in the access log only with `log_prompts`; a deterministic request
-    waits at most `guarantee_timeout` seconds for a guarantee still being proven.
+    waits at most `guarantee_timeout` seconds for a guarantee still being proven;
+    `deterministic_by_default`: requests that do not send `deterministic` are deterministic.
     """
-    routes = Routes(engine, fingerprint, limits, log_prompts, guarantee_timeout)
+    routes = Routes(engine, fingerprint, limits, log_prompts, guarantee_timeout, deterministic_by_default)
     app = FastAPI(title="lockstep", docs_url=None, redoc_url=None)
     app.state.engine = engine
     app.state.drain = Drain()
