@@ -34,6 +34,7 @@ from lockstep.server.api.messages import MessagesRoute
 from lockstep.server.api.limits import (BodySizeLimit, Limits, max_tokens_too_large, prediction_too_long,
                                         prompt_too_long, queue_full)
 from lockstep.server.api.metrics import Metrics
+from lockstep.server.api.recorder import RecordedGroup, Recorder
 from lockstep.server.api.request_record import RecordRequests, current, track
 from lockstep.server.api.responses import ResponsesRoute
 from lockstep.server.api.responses_protocol import ResponsesRequest
@@ -102,6 +103,23 @@ def _response_calls(calls: list[ParsedCall]) -> list[p.ResponseToolCall]:
             for c in calls]
 
 
+def _choice_lockstep(d: Delta, body: p.SamplingRequest) -> dict | None:
+    """A finished choice's own `lockstep` object: its receipt, and its token ids when asked."""
+    if d.extension is None:
+        return None
+    info = {"receipt": d.extension.get("receipt")}
+    if body.return_token_ids:
+        info["token_ids"] = list(d.token_ids or ())
+    return info
+
+
+def _final_lockstep(d: Delta, body: p.SamplingRequest) -> dict | None:
+    """A stream's `lockstep` object on a choice's final chunk (its own extension and receipt)."""
+    if d.extension is None or not body.return_token_ids:
+        return d.extension
+    return {**d.extension, "token_ids": list(d.token_ids or ())}
+
+
 def _finish_reason(reason: str | None, called: bool, legacy: bool = False) -> str | None:
     if called and reason == "stop":
         return "function_call" if legacy else "tool_calls"
@@ -112,9 +130,11 @@ class Routes:
     """Request handling for one served model."""
 
     def __init__(self, engine: Engine, fingerprint: str | None, limits: Limits = Limits(), log_prompts: bool = False,
-                 guarantee_timeout: float = DEFAULT_GUARANTEE_TIMEOUT_S, deterministic_by_default: bool = False):
+                 guarantee_timeout: float = DEFAULT_GUARANTEE_TIMEOUT_S, deterministic_by_default: bool = False,
+                 recorder: Recorder | None = None):
         self.engine = engine
         self.deterministic_by_default = deterministic_by_default
+        self.recorder = recorder
         self.loaded = engine.loaded
         self._fingerprint = fingerprint
         self.limits = limits
@@ -230,13 +250,16 @@ class Routes:
         if self.log_prompts and record is not None:
             record.prompt = body.messages if isinstance(body, p.ChatCompletionRequest) else body.prompt
         try:
-            return [track(handle) for handle in self.engine.submit_group(requests, plan)]
+            handles = [track(handle) for handle in self.engine.submit_group(requests, plan)]
         except QueueFull as exc:
             raise queue_full(self.limits.max_queue) from exc
         except TooLargeForMemory as exc:
             raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from exc
         except GenerationError as exc:
             raise APIError(503, str(exc), type="server_error") from exc
+        if self.recorder is not None:  # `serve --record`: written once every choice has finished
+            handles = RecordedGroup(self.recorder, body, handles).handles
+        return handles
 
     async def _await_guarantee(self) -> None:
         """A deterministic request is planned only once the guarantee's proof has settled (it
@@ -320,7 +343,8 @@ class Routes:
             if legacy and calls else None)
         return p.ChatChoice(index=index, message=message,
                             finish_reason=_finish_reason(d.finish_reason, bool(calls), legacy),
-                            logprobs=_chat_logprobs(d) if body.logprobs else None)
+                            logprobs=_chat_logprobs(d) if body.logprobs else None,
+                            lockstep=_choice_lockstep(d, body))
 
     async def chat(self, body: p.ChatCompletionRequest, receive=None):
         handles = await self.submit_chat(body)
@@ -363,7 +387,7 @@ class Routes:
                 if d.finish_reason is not None:
                     finish = p.ChatChunkChoice(index=i, delta=p.ChatDelta(),
                                                finish_reason=_finish_reason(d.finish_reason, sent[i] > 0, legacy))
-                    yield p.ChatCompletionChunk(**common, choices=[finish], lockstep=d.extension)
+                    yield p.ChatCompletionChunk(**common, choices=[finish], lockstep=_final_lockstep(d, body))
                     finals.append(d)
             if body.include_usage():
                 yield p.ChatCompletionChunk(**common, choices=[], usage=choices.usage(finals))
@@ -376,7 +400,8 @@ class Routes:
 
         def choice(i: int, d: Delta) -> p.CompletionChoice:
             logprobs = _completion_logprobs(d) if body.logprobs is not None else None
-            return p.CompletionChoice(index=i, text=d.text, finish_reason=d.finish_reason, logprobs=logprobs)
+            return p.CompletionChoice(index=i, text=d.text, finish_reason=d.finish_reason, logprobs=logprobs,
+                                      lockstep=_choice_lockstep(d, body) if not body.stream else None)
 
         if not body.stream:
             finals = await self.collect(handles, receive)
@@ -386,7 +411,7 @@ class Routes:
         async def chunks() -> AsyncIterator[p.TextCompletion]:
             finals: list[Delta] = []
             async for i, d in choices.interleave(handles):
-                yield p.TextCompletion(**common, choices=[choice(i, d)], lockstep=d.extension)
+                yield p.TextCompletion(**common, choices=[choice(i, d)], lockstep=_final_lockstep(d, body))
                 if d.finish_reason is not None:
                     finals.append(d)
             if body.include_usage():
@@ -427,6 +452,7 @@ def create_app(
     log_prompts: bool = False,
     guarantee_timeout: float = DEFAULT_GUARANTEE_TIMEOUT_S,
     deterministic_by_default: bool = False,
+    record_dir: str | None = None,
 ) -> FastAPI:
     """The HTTP app for `engine`'s model. `model_extras` (or what it returns, when a function) is
     added to its /v1/models entry; `fingerprint` (default: the deployment's) is every response's
@@ -435,9 +461,11 @@ def create_app(
     `api_keys` (empty: auth off) guard /v1 and /metrics; `limits` caps bodies, tokens and
     the queue; prompts appear in the access log only with `log_prompts`; a deterministic request
     waits at most `guarantee_timeout` seconds for a guarantee still being proven;
-    `deterministic_by_default`: requests that do not send `deterministic` are deterministic.
+    `deterministic_by_default`: requests that do not send `deterministic` are deterministic;
+    `record_dir`: each answered request is appended there (server/api/recorder.py).
     """
-    routes = Routes(engine, fingerprint, limits, log_prompts, guarantee_timeout, deterministic_by_default)
+    routes = Routes(engine, fingerprint, limits, log_prompts, guarantee_timeout, deterministic_by_default,
+                    Recorder(record_dir) if record_dir else None)
     app = FastAPI(title="lockstep", docs_url=None, redoc_url=None)
     app.state.engine = engine
     app.state.drain = Drain()

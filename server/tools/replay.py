@@ -103,7 +103,8 @@ def replay(paths: list[str], url: str, *, api_key: str | None = None, speculatio
            timeout: float = 600.0, progress=None) -> list[Verdict]:
     """Every recorded choice's verdict, in file order."""
     verdicts = []
-    for file, line, entry in entries(paths):
+    # read whole first: a server that records into the same file must not feed the replay its own lines
+    for file, line, entry in list(entries(paths)):
         try:
             answer = post(url, entry["endpoint"], request_for(entry, speculation), api_key, timeout)
         except urllib.error.HTTPError as exc:
