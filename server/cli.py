@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "lockstep.server.commands.service",
     "lockstep.server.commands.verify",
     "lockstep.server.commands.bench",
+    "lockstep.server.commands.replay",
 )
 
 

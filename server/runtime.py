@@ -392,7 +392,7 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
                     kv_pool=kv_pool, async_eval_layers=options.async_eval_layers,
                     # a distributed model's passes hold its collectives: they are built op by op
                     compiled_passes=options.compiled_passes and options.prepare_model is None,
-                    decode_ahead=options.decode_ahead)
+                    decode_ahead=options.decode_ahead, model_digest=digest)
     unproven = InstalledInvariance(limit, "native" if not limit else PENDING_STRATEGY, str(mx.default_device()),
                                    False, "off (L = 0)" if not limit else "being proven")
     runtime = Runtime(loaded, Deployment(fingerprint=_fingerprint(loaded, transform, unproven, options, kv_pool),

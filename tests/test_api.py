@@ -168,7 +168,7 @@ def test_disconnected_stream_frees_its_slot(client, http):
 
 def test_models_and_health(client, http, embedded_model):
     models = client.models.list().data
-    assert [m.id for m in models] == [embedded_model.name]
+    assert [m.id for m in models] == [embedded_model.name, embedded_model.name + ":deterministic"]
     raw = http.get("/v1/models").json()
     assert raw["object"] == "list" and raw["data"][0]["lockstep"]["context_length"] == embedded_model.context_length
     health = http.get("/health").json()

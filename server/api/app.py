@@ -9,7 +9,9 @@ The `model` field must name the served model (its `name`) or the alias "default"
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
+import secrets
 import logging
 import time
 from importlib import metadata
@@ -32,6 +34,7 @@ from lockstep.server.api.messages import MessagesRoute
 from lockstep.server.api.limits import (BodySizeLimit, Limits, max_tokens_too_large, prediction_too_long,
                                         prompt_too_long, queue_full)
 from lockstep.server.api.metrics import Metrics
+from lockstep.server.api.recorder import RecordedGroup, Recorder
 from lockstep.server.api.request_record import RecordRequests, current, track
 from lockstep.server.api.responses import ResponsesRoute
 from lockstep.server.api.responses_protocol import ResponsesRequest
@@ -45,6 +48,9 @@ from lockstep.server.api.tool_call_stream import ToolCallStream, call_stream
 from lockstep.server.api.tool_calls import ParsedCall, new_call_id, tool_format
 
 MODEL_ALIAS = "default"
+# `<model>:deterministic` asks for deterministic mode by the model's name, for clients that drop
+# extra body fields (docs/API.md); listed in /v1/models beside the plain name.
+DETERMINISTIC_SUFFIX = ":deterministic"
 # How long a deterministic request waits for a guarantee still being proven (`--guarantee-timeout`),
 # and the Retry-After of its 503 when that runs out.
 DEFAULT_GUARANTEE_TIMEOUT_S = 120.0
@@ -97,6 +103,23 @@ def _response_calls(calls: list[ParsedCall]) -> list[p.ResponseToolCall]:
             for c in calls]
 
 
+def _choice_lockstep(d: Delta, body: p.SamplingRequest) -> dict | None:
+    """A finished choice's own `lockstep` object: its receipt, and its token ids when asked."""
+    if d.extension is None:
+        return None
+    info = {"receipt": d.extension.get("receipt")}
+    if body.return_token_ids:
+        info["token_ids"] = list(d.token_ids or ())
+    return info
+
+
+def _final_lockstep(d: Delta, body: p.SamplingRequest) -> dict | None:
+    """A stream's `lockstep` object on a choice's final chunk (its own extension and receipt)."""
+    if d.extension is None or not body.return_token_ids:
+        return d.extension
+    return {**d.extension, "token_ids": list(d.token_ids or ())}
+
+
 def _finish_reason(reason: str | None, called: bool, legacy: bool = False) -> str | None:
     if called and reason == "stop":
         return "function_call" if legacy else "tool_calls"
@@ -107,9 +130,12 @@ class Routes:
     """Request handling for one served model."""
 
     def __init__(self, engine: Engine, fingerprint: str | None, limits: Limits = Limits(), log_prompts: bool = False,
-                 guarantee_timeout: float = DEFAULT_GUARANTEE_TIMEOUT_S, drain: Drain | None = None):
+                 guarantee_timeout: float = DEFAULT_GUARANTEE_TIMEOUT_S, drain: Drain | None = None,
+                 deterministic_by_default: bool = False, recorder: Recorder | None = None):
         self.engine = engine
         self.drain = drain or Drain()
+        self.deterministic_by_default = deterministic_by_default
+        self.recorder = recorder
         self.loaded = engine.loaded
         self._fingerprint = fingerprint
         self.limits = limits
@@ -129,8 +155,18 @@ class Routes:
     # ------------------------------------------------------------ request -> generation
 
     def _check_model(self, model: str) -> None:
-        if model not in (self.loaded.name, MODEL_ALIAS):
+        if model.removesuffix(DETERMINISTIC_SUFFIX) not in (self.loaded.name, MODEL_ALIAS):
             raise model_not_found(model)
+
+    def _settle_determinism(self, body: p.SamplingRequest) -> None:
+        """Whether `body` is deterministic (its field; else the model name's suffix; else the
+        deployment's default), and the seed a sampled deterministic request runs with: the one it
+        sent, else one drawn here and reported back (`lockstep.seed`), so the answer can be
+        reproduced by sending it. Set on `body` itself: the response is rendered from it."""
+        if "deterministic" not in body.model_fields_set:
+            body.deterministic = body.model.endswith(DETERMINISTIC_SUFFIX) or self.deterministic_by_default
+        if body.deterministic and body.temperature >= GREEDY_BELOW and body.seed is None:
+            body.seed = secrets.randbits(63)
 
     def _chat_tokens(self, body: p.ChatCompletionRequest) -> list[int]:
         return chat_prompt_tokens(self.loaded.tokenizer, body, self.tool_format)
@@ -170,6 +206,7 @@ class Routes:
     async def _submit(self, body: p.SamplingRequest, tokenize: Callable, param: str) -> list:
         """Submit `body`'s n choices; returns their engine handles."""
         self._check_model(body.model)
+        self._settle_determinism(body)
         try:
             prompt, prediction = await asyncio.to_thread(self._prepare, body, tokenize)
             grammar = await self._grammar(body)
@@ -214,13 +251,16 @@ class Routes:
         if self.log_prompts and record is not None:
             record.prompt = body.messages if isinstance(body, p.ChatCompletionRequest) else body.prompt
         try:
-            return [track(handle) for handle in self.engine.submit_group(requests, plan)]
+            handles = [track(handle) for handle in self.engine.submit_group(requests, plan)]
         except QueueFull as exc:
             raise queue_full(self.limits.max_queue) from exc
         except TooLargeForMemory as exc:
             raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from exc
         except GenerationError as exc:
             raise APIError(503, str(exc), type="server_error") from exc
+        if self.recorder is not None:  # `serve --record`: written once every choice has finished
+            handles = RecordedGroup(self.recorder, body, handles).handles
+        return handles
 
     async def _await_guarantee(self) -> None:
         """A deterministic request is planned only once the guarantee's proof has settled (it
@@ -247,14 +287,14 @@ class Routes:
                               min_p=body.min_p, top_logprobs=body.logprobs_count(), **seed)
 
     def _plan(self, body: p.SamplingRequest, prediction: bool = False) -> DecodePlan:
-        if body.deterministic and body.temperature >= GREEDY_BELOW and body.seed is None:
-            raise APIError(400, "deterministic sampling with temperature > 0 needs a seed", param="seed")
         try:
-            return plan_request(self.engine.deployment, deterministic=body.deterministic,
+            plan = plan_request(self.engine.deployment, deterministic=body.deterministic,
                                 speculative=body.speculative, num_draft_tokens=body.num_draft_tokens,
                                 prediction=prediction)
         except RequestRejected as exc:
             raise APIError(400, str(exc), param=exc.param) from exc
+        sampled = body.deterministic and body.temperature >= GREEDY_BELOW
+        return dataclasses.replace(plan, seed=body.seed) if sampled else plan
 
     async def submit_chat(self, body: p.ChatCompletionRequest) -> list:
         """Submit a chat request's n choices (also what /v1/responses runs as)."""
@@ -305,7 +345,8 @@ class Routes:
             if legacy and calls else None)
         return p.ChatChoice(index=index, message=message,
                             finish_reason=_finish_reason(d.finish_reason, bool(calls), legacy),
-                            logprobs=_chat_logprobs(d) if body.logprobs else None)
+                            logprobs=_chat_logprobs(d) if body.logprobs else None,
+                            lockstep=_choice_lockstep(d, body))
 
     async def chat(self, body: p.ChatCompletionRequest, receive=None):
         handles = await self.submit_chat(body)
@@ -348,7 +389,7 @@ class Routes:
                 if d.finish_reason is not None:
                     finish = p.ChatChunkChoice(index=i, delta=p.ChatDelta(),
                                                finish_reason=_finish_reason(d.finish_reason, sent[i] > 0, legacy))
-                    yield p.ChatCompletionChunk(**common, choices=[finish], lockstep=d.extension)
+                    yield p.ChatCompletionChunk(**common, choices=[finish], lockstep=_final_lockstep(d, body))
                     finals.append(d)
             if body.include_usage():
                 yield p.ChatCompletionChunk(**common, choices=[], usage=choices.usage(finals))
@@ -361,7 +402,8 @@ class Routes:
 
         def choice(i: int, d: Delta) -> p.CompletionChoice:
             logprobs = _completion_logprobs(d) if body.logprobs is not None else None
-            return p.CompletionChoice(index=i, text=d.text, finish_reason=d.finish_reason, logprobs=logprobs)
+            return p.CompletionChoice(index=i, text=d.text, finish_reason=d.finish_reason, logprobs=logprobs,
+                                      lockstep=_choice_lockstep(d, body) if not body.stream else None)
 
         if not body.stream:
             finals = await self.collect(handles, receive)
@@ -371,7 +413,7 @@ class Routes:
         async def chunks() -> AsyncIterator[p.TextCompletion]:
             finals: list[Delta] = []
             async for i, d in choices.interleave(handles):
-                yield p.TextCompletion(**common, choices=[choice(i, d)], lockstep=d.extension)
+                yield p.TextCompletion(**common, choices=[choice(i, d)], lockstep=_final_lockstep(d, body))
                 if d.finish_reason is not None:
                     finals.append(d)
             if body.include_usage():
@@ -386,12 +428,20 @@ class Routes:
         return p.ModelCard(id=self.loaded.name, created=self.created, lockstep={**info, **extras})
 
     def models(self, extras: dict | None) -> p.ModelList:
-        return p.ModelList(data=[self.model_card(extras)])
+        card = self.model_card(extras)
+        deterministic = card.model_copy(update={"id": card.id + DETERMINISTIC_SUFFIX,
+                                                "lockstep": {**card.lockstep, "deterministic_by_name": True}})
+        return p.ModelList(data=[card, deterministic])
 
     def model(self, model_id: str, extras: dict | None) -> p.ModelCard:
-        """One model by id (the served model's name, or the alias "default"); 404 otherwise."""
+        """One model by id (the served model's name or the alias "default", either with the
+        deterministic suffix); 404 otherwise."""
         self._check_model(model_id)
-        return self.model_card(extras)
+        card = self.model_card(extras)
+        if model_id.endswith(DETERMINISTIC_SUFFIX):
+            card = card.model_copy(update={"id": card.id + DETERMINISTIC_SUFFIX,
+                                           "lockstep": {**card.lockstep, "deterministic_by_name": True}})
+        return card
 
 
 def create_app(
@@ -403,6 +453,8 @@ def create_app(
     limits: Limits = Limits(),
     log_prompts: bool = False,
     guarantee_timeout: float = DEFAULT_GUARANTEE_TIMEOUT_S,
+    deterministic_by_default: bool = False,
+    record_dir: str | None = None,
 ) -> FastAPI:
     """The HTTP app for `engine`'s model. `model_extras` (or what it returns, when a function) is
     added to its /v1/models entry; `fingerprint` (default: the deployment's) is every response's
@@ -410,10 +462,13 @@ def create_app(
 
     `api_keys` (empty: auth off) guard /v1 and /metrics; `limits` caps bodies, tokens and
     the queue; prompts appear in the access log only with `log_prompts`; a deterministic request
-    waits at most `guarantee_timeout` seconds for a guarantee still being proven.
+    waits at most `guarantee_timeout` seconds for a guarantee still being proven;
+    `deterministic_by_default`: requests that do not send `deterministic` are deterministic;
+    `record_dir`: each answered request is appended there (server/api/recorder.py).
     """
     drain = Drain()
-    routes = Routes(engine, fingerprint, limits, log_prompts, guarantee_timeout, drain)
+    routes = Routes(engine, fingerprint, limits, log_prompts, guarantee_timeout, drain, deterministic_by_default,
+                    Recorder(record_dir) if record_dir else None)
     app = FastAPI(title="lockstep", docs_url=None, redoc_url=None)
     app.state.engine = engine
     app.state.drain = drain

@@ -38,6 +38,7 @@ def merge(deltas: list[Delta]) -> Delta:
         finish_reason=last.finish_reason,
         extension=last.extension,
         stop_sequence=last.stop_sequence,
+        token_ids=last.token_ids,
         cached_tokens=last.cached_tokens,
     )
 

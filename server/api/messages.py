@@ -97,11 +97,13 @@ def chat_request(body: mp.MessagesRequest | mp.CountTokensRequest) -> p.ChatComp
             "top_k": body.top_k or 0,
             "stop": body.stop_sequences or None,
             "user": body.metadata.user_id if body.metadata else None,
-            "seed": body.seed, "deterministic": body.deterministic, "speculative": body.speculative,
+            "seed": body.seed, "speculative": body.speculative,
             "num_draft_tokens": body.num_draft_tokens,
         })
     if not tools:
         fields.pop("parallel_tool_calls")
+    if "deterministic" in body.model_fields_set:  # unsent: the model name or the deployment decides
+        fields["deterministic"] = body.deterministic
     try:
         return p.ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:

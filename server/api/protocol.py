@@ -157,6 +157,8 @@ class SamplingRequest(Request):
     deterministic: bool = False
     speculative: Literal["none", "draft", "prompt_lookup"] | None = None
     num_draft_tokens: int | None = Field(default=None, ge=1)
+    # each choice's `lockstep` object lists the answer's token ids (`lockstep replay` asks for them)
+    return_token_ids: bool = False
 
     _defaults_for_nulls = _nulls_are_defaults((
         "temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "logprobs", "echo"))
@@ -912,6 +914,7 @@ class ChatChoice(Response):
     message: AssistantMessage
     finish_reason: FinishReason | None
     logprobs: ChatLogprobs | None = None
+    lockstep: dict | None = Field(default=None, exclude_if=_omit_if_none)  # the choice's receipt
 
 
 class ToolCallDelta(Response):
@@ -940,6 +943,7 @@ class CompletionChoice(Response):
     text: str
     finish_reason: FinishReason | None = None
     logprobs: CompletionLogprobs | None = None
+    lockstep: dict | None = Field(default=None, exclude_if=_omit_if_none)  # the choice's receipt
 
 
 class _Completion(Response):

@@ -92,10 +92,11 @@ def chat_request(body: rp.ResponsesRequest) -> p.ChatCompletionRequest:
         "response_format": _response_format(body.text),
         "user": body.user,
         "seed": body.seed,
-        "deterministic": body.deterministic,
         "speculative": body.speculative,
         "num_draft_tokens": body.num_draft_tokens,
     }
+    if "deterministic" in body.model_fields_set:  # unsent: the model name or the deployment decides
+        fields["deterministic"] = body.deterministic
     try:
         return p.ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:

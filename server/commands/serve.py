@@ -69,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the server answers plain requests while it proves its determinism guarantee; a "
                              "deterministic request waits this long for the proof, then gets a 503 with "
                              f"Retry-After (default {DEFAULT_GUARANTEE_TIMEOUT_S:g})")
+    parser.add_argument("--record", default=None, metavar="DIR",
+                        help="append each answered request, its answers' token ids and receipts to "
+                             "DIR/requests.jsonl (rotated by size), for `lockstep replay`; never headers or keys")
+    parser.add_argument("--deterministic-by-default", action="store_true",
+                        help="requests that do not send `deterministic` are deterministic (for clients that "
+                             "cannot send extra fields; the model name `default:deterministic` also asks for it)")
 
     # HTTP service hardening: keys, limits, access log, draining.
     from lockstep.server.commands.http_args import add_http_arguments
@@ -156,6 +162,7 @@ def build_app(args: argparse.Namespace, runtime, engine, world=None, watchdog=No
 
         extras = {**runtime.model_info(), **model_extras(world)}
     app = create_app(engine, model_extras=extras, guarantee_timeout=args.guarantee_timeout,
+                     deterministic_by_default=args.deterministic_by_default, record_dir=args.record,
                      **http_settings_from_args(args))
     if watchdog is not None:
         from lockstep.server.distributed.startup import gate_on_health

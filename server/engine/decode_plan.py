@@ -39,6 +39,7 @@ class DecodePlan:
     guaranteed: bool = False  # the deployment's proof covers this request's tokens
     note: str = ""
     adaptive: bool = False  # k chosen per step up to num_draft_tokens (deployment setting)
+    seed: int | None = None  # a sampled deterministic request's seed (given, or drawn by the server)
 
     @property
     def deterministic(self) -> bool:
@@ -53,6 +54,8 @@ class DecodePlan:
             "speculative": self.method,
             "num_draft_tokens": self.num_draft_tokens,
         }
+        if self.seed is not None:
+            info["seed"] = self.seed
         if self.adaptive:
             info["adaptive_draft_tokens"] = True
         if self.note:

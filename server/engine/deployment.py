@@ -81,6 +81,7 @@ class Deployment:
     # `serve --decode-ahead off` runs one pass at a time.
     decode_ahead: bool = True
     fingerprint: str = ""
+    model_digest: str = ""  # sha256 of the weight files' contents (server/fingerprint.py weights_digest)
 
     @property
     def guaranteed(self) -> bool:

@@ -31,6 +31,7 @@ from lockstep.server.engine.deployment import PREFILL_CHUNK, Deployment
 from lockstep.server.engine.logits_processors import processors_for
 from lockstep.server.engine.prefix_cache import PrefixCache, copy_prefix
 from lockstep.server.engine.sampling import SamplingParams
+from lockstep.server.engine.receipt import Receipt
 from lockstep.server.engine.stops import IncrementalDecoder, StopTextStream
 from lockstep.server.engine.speculative import never
 from lockstep.server.engine.token_steps import PlainSource, SpeculationStats, make_source
@@ -72,6 +73,7 @@ class Delta:
     finish_reason: str | None = None
     extension: dict | None = None  # the `lockstep` response object, on the final Delta
     stop_sequence: str | None = None  # the stop string that ended the output, on the final Delta
+    token_ids: tuple[int, ...] | None = None  # every chosen token id, on the final Delta
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
@@ -114,9 +116,11 @@ class RequestState:
         if self.max_new_tokens < 1:
             raise ValueError(f"prompt of {len(self.prompt)} tokens leaves no room in the context")
         self.generated = 0
+        self.token_ids: list[int] = []  # chosen so far (the final Delta carries them: records, replay)
         self.finished = False
         self.stats = SpeculationStats()
         self.extension = plan.extension(deployment) if plan and deployment else None
+        self.receipt = Receipt(request, self.prompt, self.plan, deployment) if self.extension is not None else None
         self.determinism = self.plan.determinism  # "none" | "shared" | "alone" (decode_plan.py)
         self._chunk = deployment.prefill_chunk if deployment else PREFILL_CHUNK
 
@@ -272,6 +276,9 @@ class RequestState:
         steps = self.source.take(logits, argmax) if sampled is None else self.source.take(logits, argmax, sampled)
         for chosen in (s.sampled for s in steps):
             self.generated += 1
+            self.token_ids.append(chosen.token)
+            if self.receipt is not None:
+                self.receipt.add(chosen.token, chosen.logprob)
             if chosen.token in self.loaded.eos_token_ids:
                 if pending is not None:
                     deltas.append(self._delta(pending))
@@ -307,7 +314,8 @@ class RequestState:
         ext = None
         if finish_reason is not None and self.extension is not None:
             ext = {**self.extension, "drafted_tokens": self.stats.drafted,
-                   "accepted_tokens": self.stats.accepted, "forward_passes": self.stats.passes}
+                   "accepted_tokens": self.stats.accepted, "forward_passes": self.stats.passes,
+                   "receipt": self.receipt.as_dict()}
         return Delta(
             text=release.text,
             prompt_tokens=len(self.prompt),
@@ -317,5 +325,6 @@ class RequestState:
             finish_reason=finish_reason,
             extension=ext,
             stop_sequence=self._stream.matched if finish_reason is not None else None,
+            token_ids=tuple(self.token_ids) if finish_reason is not None else None,
             cached_tokens=self.cached_tokens,
         )

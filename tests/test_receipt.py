@@ -1,0 +1,130 @@
+"""A deterministic answer anyone can check again (server/engine/receipt.py, server/api/app.py):
+a seed drawn when none is sent and reported back, deterministic mode asked for by the model's
+name or by the deployment's default, and the receipt every response carries.
+
+Over HTTP with the official client on a deterministic server (L = 6); receipts' digests are
+compared with digests computed here from what the server returned.
+"""
+import struct
+from types import SimpleNamespace
+
+import pytest
+
+from lockstep.server.api.app import create_app
+from lockstep.server.engine.receipt import Receipt, token_digest
+from lockstep.server.engine.sampling import SamplingParams
+from lockstep.server.engine.generate import GenerationRequest
+from lockstep.server.engine.decode_plan import PLAIN
+from tests.deterministic_fixtures import float_bits
+from tests.http_server import deterministic_server, running
+
+L = 6
+STORY = [{"role": "user", "content": "Tell me a story about a fox."}]
+SAMPLED = dict(temperature=0.8, max_tokens=8, logprobs=True)
+
+
+@pytest.fixture(scope="module")
+def server(embedded_model):
+    with deterministic_server(embedded_model, L) as (client, engine):
+        yield SimpleNamespace(client=client, engine=engine)
+
+
+def chat(client, model="default", **kwargs):
+    return client.chat.completions.create(model=model, messages=STORY, **kwargs)
+
+
+def bits(response):
+    return [(t.token, float_bits(t.logprob)) for t in response.choices[0].logprobs.content]
+
+
+def test_a_seedless_deterministic_request_is_served_with_a_drawn_seed_that_reproduces_it(server):
+    first = chat(server.client, extra_body={"deterministic": True}, **SAMPLED)
+    seed = first.model_extra["lockstep"]["seed"]
+    assert isinstance(seed, int)
+    again = chat(server.client, seed=seed, extra_body={"deterministic": True}, **SAMPLED)
+    assert bits(again) == bits(first)
+    assert again.model_extra["lockstep"]["receipt"] == first.model_extra["lockstep"]["receipt"]
+    # control: another drawn seed is another answer, and its receipt says so
+    other = chat(server.client, extra_body={"deterministic": True}, **SAMPLED)
+    assert other.model_extra["lockstep"]["seed"] != seed
+    assert other.model_extra["lockstep"]["receipt"]["answer"] != first.model_extra["lockstep"]["receipt"]["answer"]
+
+
+def test_a_plain_request_draws_no_reported_seed(server):
+    plain = chat(server.client, **SAMPLED)
+    assert "seed" not in plain.model_extra["lockstep"]
+    assert plain.model_extra["lockstep"]["receipt"]["deterministic"] is False
+
+
+def test_the_model_names_suffix_asks_for_deterministic_mode(server):
+    ids = [m.id for m in server.client.models.list().data]
+    assert ids[1] == ids[0] + ":deterministic"
+    assert server.client.models.retrieve("default:deterministic").id == ids[1]
+    by_name = chat(server.client, model="default:deterministic", **SAMPLED)
+    assert by_name.model_extra["lockstep"]["deterministic"] is True
+    assert by_name.model_extra["lockstep"]["guaranteed"] is True
+    assert chat(server.client, **SAMPLED).model_extra["lockstep"]["deterministic"] is False  # control
+    # the body field still wins over the name
+    told = chat(server.client, model="default:deterministic", extra_body={"deterministic": False}, **SAMPLED)
+    assert told.model_extra["lockstep"]["deterministic"] is False
+
+
+def test_a_deployment_can_make_deterministic_the_default(server):
+    with running(create_app(server.engine, deterministic_by_default=True)) as url:
+        from openai import OpenAI
+
+        client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+        # a client's defaults: temperature 1, no seed, no extra fields
+        answer = client.chat.completions.create(model="default", messages=STORY, max_tokens=4)
+        assert answer.model_extra["lockstep"]["deterministic"] is True
+        seed = answer.model_extra["lockstep"]["seed"]
+        again = client.chat.completions.create(model="default", messages=STORY, max_tokens=4, seed=seed)
+        assert again.choices[0].message.content == answer.choices[0].message.content
+        refused = client.chat.completions.create(model="default", messages=STORY, max_tokens=4,
+                                                 extra_body={"deterministic": False})
+        assert refused.model_extra["lockstep"]["deterministic"] is False
+
+
+def test_a_receipt_names_the_deployment_the_request_and_digests_of_both_sides(server, embedded_model):
+    prompt = embedded_model.tokenizer.encode("The fox ran")
+    response = server.client.completions.create(model="default", prompt=prompt, max_tokens=5, temperature=0,
+                                                logprobs=1, extra_body={"deterministic": True})
+    receipt = response.model_extra["lockstep"]["receipt"]
+    deployment = server.engine.deployment
+    assert receipt["prompt"] == token_digest(prompt)
+    assert receipt["answer_tokens"] == response.usage.completion_tokens == 5
+    assert receipt["batch_invariant_limit"] == L and receipt["guaranteed"] is True
+    assert receipt["system_fingerprint"] == (deployment.fingerprint or None)
+    assert receipt["seed"] is None  # greedy: no seed shapes the tokens
+    assert receipt["sampling"]["temperature"] == 0 and receipt["sampling"]["max_tokens"] == 5
+    logprobs = response.choices[0].logprobs.token_logprobs
+    expected = "sha256:" + __import__("hashlib").sha256(b"".join(struct.pack("<d", lp) for lp in logprobs)).hexdigest()
+    assert receipt["logprobs"] == expected
+
+
+def test_a_streams_final_chunk_carries_the_same_receipt(server):
+    whole = chat(server.client, seed=5, extra_body={"deterministic": True}, **SAMPLED)
+    chunks = list(chat(server.client, seed=5, stream=True, extra_body={"deterministic": True}, **SAMPLED))
+    final = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    assert final.model_extra["lockstep"]["receipt"] == whole.model_extra["lockstep"]["receipt"]
+
+
+def test_responses_carry_the_receipt(server):
+    response = server.client.responses.create(model="default", input="Say hi.", max_output_tokens=4,
+                                              temperature=0, extra_body={"deterministic": True})
+    assert response.model_extra["lockstep"]["receipt"]["answer_tokens"] == response.usage.output_tokens
+
+
+def test_receipts_differ_exactly_where_answers_do():
+    request = GenerationRequest(prompt_tokens=[1, 2], max_tokens=3, sampling=SamplingParams(temperature=0))
+
+    def receipt(tokens):
+        r = Receipt(request, [1, 2], PLAIN, None)
+        for token in tokens:
+            r.add(token, None)
+        return r.as_dict()
+
+    assert receipt([5, 6, 7]) == receipt([5, 6, 7])
+    changed = receipt([5, 6, 8])
+    assert changed["answer"] != receipt([5, 6, 7])["answer"]
+    assert {k for k, v in changed.items() if v != receipt([5, 6, 7])[k]} == {"answer"}
