@@ -8,9 +8,10 @@ ctime_ns, inode and device (where the platform has no inode, `st_ino` is its fil
 and the rest still separates a changed file). A file whose identity differs from the stored
 one (rewritten, replaced, touched) means the directory is hashed again. A file modified within
 `RACY_NS` of the hashing is not trusted to its timestamps (a second write in the same clock
-tick keeps the mtime), so such a digest is not stored; neither is one whose files changed
-while being hashed. An entry that cannot be read or parsed is ignored with a warning and
-rewritten; writes are atomic (verdict_cache.write_file).
+tick keeps the mtime), so such a digest is not stored; the identity stored is the one taken
+before hashing, so a file changed while being hashed is hashed again at the next start. An
+entry that cannot be read or parsed is ignored with a warning and rewritten; writes are
+atomic (verdict_cache.write_file).
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def weights_digest(model_dir: str) -> str:
     started = time.time_ns()
     digest = content_digest(files)
     racy = any(started - mtime_ns < RACY_NS for _, _, mtime_ns, *_ in identity)
-    if not racy and [file_identity(p) for p in files] == identity:
+    if not racy:  # identity was taken before hashing: a write during it is a changed identity
         record = {"format": FORMAT, "dir": str(root), "files": identity, "sha256": digest}
         verdict_cache.write_file(entry, json.dumps(record, indent=1).encode(), "weights digest")
     return digest

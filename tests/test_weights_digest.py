@@ -166,7 +166,7 @@ def test_files_written_within_the_racy_window_are_not_stored(model_dir, hashed):
     assert len(hashed) == 3
 
 
-def test_files_that_change_while_hashed_are_not_stored(model_dir, monkeypatch):
+def test_files_that_change_while_hashed_are_hashed_again(model_dir, monkeypatch):
     calls = []
     real = wd.content_digest
 
