@@ -8,25 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from functools import lru_cache
 from pathlib import Path
 
 import mlx.core as mx
 
-
-@lru_cache(maxsize=8)
-def weights_digest(model_dir: str) -> str:
-    """sha256 over the model directory's config and weight files (read once per process)."""
-    digest = hashlib.sha256()
-    root = Path(model_dir)
-    for path in sorted(root.glob("*.safetensors")) + [root / "config.json"]:
-        if not path.is_file():
-            continue
-        digest.update(path.name.encode())
-        with path.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                digest.update(block)
-    return digest.hexdigest()
+from lockstep.server.weights_digest import weights_digest
 
 
 def system_fingerprint(model_dir: str | Path, *, transform: str, strategy: str, limit: int,
