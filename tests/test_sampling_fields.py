@@ -146,8 +146,10 @@ def test_usage_reports_the_prompt_tokens_a_prefix_cache_hit_reused(server):
     messages = [{"role": "user", "content": "Name three rivers in Europe, and say which is longest."}]
     cold = chat(server, messages, max_tokens=2, temperature=0, logprobs=True, extra_body={"deterministic": True})
     warm = chat(server, messages, max_tokens=2, temperature=0, logprobs=True, extra_body={"deterministic": True})
-    assert cold.usage.prompt_tokens_details.cached_tokens == 0
-    reused = warm.usage.prompt_tokens_details.cached_tokens
-    # a hit resumes at a chunk boundary below the prompt's last token (prefill_chunk = 4)
-    assert 0 < reused < warm.usage.prompt_tokens and reused % 4 == 0
+    # the first request may reuse what it shares with earlier prompts (the chat template's head);
+    # the second reuses its whole prompt but the last token, less at most a chunk (4) where the
+    # hit resumes at a chunk boundary
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in (cold, warm)]
+    prompt = warm.usage.prompt_tokens
+    assert cached[0] < cached[1] and prompt - 1 - 4 < cached[1] <= prompt - 1
     assert tokens_of(warm.choices[0]) == tokens_of(cold.choices[0])
