@@ -124,7 +124,7 @@ def tensor3(tmp_path_factory):
 @dataclass(frozen=True)
 class Answer:
     text: str
-    tokens: tuple  # each generated token, as the API names it (it exposes no token ids)
+    tokens: tuple  # each generated token's id (`return_token_ids`)
     logprobs: tuple  # IEEE-754 bits of each token's logprob and of its top alternatives'
     fingerprint: str
     lockstep: dict
@@ -138,10 +138,11 @@ def ask(base: str, prompt: str, *, seed: int = 7, deterministic: bool = True, ma
     client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
     reply = client.chat.completions.create(
         model="default", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-        temperature=0.8, seed=seed, logprobs=True, top_logprobs=2, extra_body={"deterministic": deterministic})
+        temperature=0.8, seed=seed, logprobs=True, top_logprobs=2,
+        extra_body={"deterministic": deterministic, "return_token_ids": True})
     choice = reply.choices[0]
     content = choice.logprobs.content
-    return Answer(choice.message.content, tuple(t.token for t in content),
+    return Answer(choice.message.content, tuple(choice.model_extra["lockstep"]["token_ids"]),
                   tuple((float_bits(t.logprob), tuple(float_bits(a.logprob) for a in t.top_logprobs))
                         for t in content),
                   reply.system_fingerprint, reply.model_extra.get("lockstep"))
