@@ -166,15 +166,6 @@ def build_shim() -> Path:
                               f"directory: {exc.filename or ''} {cache_dir.reason(exc)}") from exc
 
 
-def shim_path() -> Path | None:
-    """The built shim, or None (reason logged) where it cannot be had."""
-    try:
-        return build_shim()
-    except ShimUnavailable as e:
-        log.warning("OpenBLAS shim unavailable, MLX CPU keeps reference BLAS: %s", e)
-        return None
-
-
 def default_threads() -> int:
     """OpenBLAS threads for calls of fewer than `LARGE_ROWS` rows (decode, small passes)."""
     # OpenBLAS workers spin-wait, and MLX's CPU stream plus the server need a

@@ -317,7 +317,7 @@ def _fsync_tree(directory: Path) -> None:
 
 def _import_into(root: Path, gguf_path: Path, weights: str, progress: bool, reimport: bool) -> Path:
     """Import into `root` (see import_gguf); OSError where `root` cannot be written."""
-    final = root / _cache_key(gguf_path, weights)
+    final = imported_dir(gguf_path, weights, root)
     sweep_stale_imports(root)
     if final.exists():
         if not reimport:

@@ -84,13 +84,3 @@ def unpermute_rope_rows(a: np.ndarray, n_head: int) -> np.ndarray:
         .swapaxes(1, 2)
         .reshape(a.shape)
     )
-
-
-def permute_rope_rows(a: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's forward permutation (used to build test inputs and check the inverse)."""
-    rows = a.shape[0]
-    return (
-        a.reshape(n_head, 2, rows // n_head // 2, *a.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(a.shape)
-    )

@@ -282,7 +282,8 @@ def test_an_unusable_cache_dir_is_one_line_and_the_shim_is_built_elsewhere(priva
         f"{shim.parent} instead"]
 
 
-def test_no_writable_directory_at_all_leaves_reference_blas_in_one_line(private_cache, monkeypatch, caplog):
+def test_no_writable_directory_at_all_is_one_reason_naming_both(private_cache, monkeypatch):
+    # ensure_preloaded logs this reason in one line and keeps reference BLAS
     import errno
 
     from lockstep.models import cache_dir
@@ -293,8 +294,7 @@ def test_no_writable_directory_at_all_leaves_reference_blas_in_one_line(private_
         raise OSError(errno.EPERM, "not a private directory of this user", "/tmp/lockstep-cache-0")
 
     monkeypatch.setattr(cache_dir, "fallback_root", no_fallback)
-    with caplog.at_level("WARNING", logger="lockstep.kernels.cpu_blas"):
-        assert cpu_blas.shim_path() is None
-    (record,) = caplog.records
-    assert record.getMessage().startswith("OpenBLAS shim unavailable, MLX CPU keeps reference BLAS: ")
-    assert "Not a directory" in record.getMessage() and "not a private directory" in record.getMessage()
+    with pytest.raises(cpu_blas.ShimUnavailable) as unavailable:
+        cpu_blas.preload_env({})
+    reason = str(unavailable.value)
+    assert "\n" not in reason and "Not a directory" in reason and "not a private directory" in reason

@@ -5,7 +5,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
 from lockstep.server.engine.speculative import (AdaptiveDraftLength, DraftModelDrafter, PromptLookupDrafter,
-                                       draft_tokenizer_problem, verify_step)
+                                                accept_drafts, draft_tokenizer_problem)
 
 
 def tiny_llama(seed: int, layers: int = 2) -> llama.Model:
@@ -21,6 +21,11 @@ def tiny_llama(seed: int, layers: int = 2) -> llama.Model:
 
 def forward_fn(model, cache):
     return lambda tokens: model(mx.array(tokens)[None], cache=cache)[0]
+
+
+def verify(forward, cache, last_token, drafts, choose):
+    """The target's pass over [last_token, *drafts], then its agreeing prefix kept."""
+    return accept_drafts(forward([last_token, *drafts]), cache, drafts, choose)
 
 
 def greedy(row, _i):
@@ -45,7 +50,7 @@ def speculative_greedy(model, drafter, prompt, n, k):
     context, out = list(prompt), []
     drafted = accepted = 0
     while len(out) < n:
-        step = verify_step(forward, cache, context[-1], drafter.propose(context, k), greedy)
+        step = verify(forward, cache, context[-1], drafter.propose(context, k), greedy)
         drafted += step.drafted
         accepted += step.accepted
         context.extend(step.tokens)
@@ -62,12 +67,12 @@ def test_prompt_lookup_proposes_continuation_of_latest_match():
     assert drafter.propose([1, 2, 3], 4) == []
 
 
-def test_verify_step_trims_rejected_rows():
+def test_accept_drafts_trims_rejected_rows():
     model = tiny_llama(0)
     cache = make_prompt_cache(model)
     forward = forward_fn(model, cache)
     forward([1, 2, 3])
-    step = verify_step(forward, cache, 4, [90, 91, 92], lambda row, i: 7)  # rejects all drafts
+    step = verify(forward, cache, 4, [90, 91, 92], lambda row, i: 7)  # rejects all drafts
     assert step.tokens == [7] and step.accepted == 0
     assert cache[0].offset == 4
 

@@ -231,11 +231,6 @@ class MessagesRequest(Strict):
             raise ValueError("tool names must be unique")
         return tools
 
-    def system_text(self) -> str | None:
-        if self.system is None or isinstance(self.system, str):
-            return self.system
-        return "\n\n".join(block.text for block in self.system)
-
 
 class CountTokensRequest(Strict):
     """POST /v1/messages/count_tokens: the prompt part of a MessagesRequest."""

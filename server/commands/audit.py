@@ -20,8 +20,10 @@ def register(subparsers) -> None:
                         help="GGUF import format (default auto; float32 when --quantize)")
     parser.add_argument("--quantize", choices=QUANT_MODES, default=None,
                         help="quantize in memory first, as `serve --quantize` would")
-    parser.add_argument("--q-bits", type=int, default=None)
-    parser.add_argument("--q-group-size", type=int, default=None)
+    parser.add_argument("--q-bits", type=int, default=None,
+                        help="bits per weight with --quantize (default: the mode's; affine 4)")
+    parser.add_argument("--q-group-size", type=int, default=None,
+                        help="group size with --quantize (default: the mode's; affine 64, mxfp 32, nvfp4 16)")
     parser.add_argument("--prompt-rows", type=int, default=None,
                         help="rows of the prompt-sized matmul probe")
     parser.add_argument("--fresh", action="store_true",

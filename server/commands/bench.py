@@ -27,13 +27,15 @@ def register(subparsers) -> None:
                        also=("--limit",))
     parser.add_argument("--num-draft-tokens", type=int, default=None, help="k (default L-1)")
     add_strategy_argument(parser)
-    parser.add_argument("--no-draft", action="store_true")
-    parser.add_argument("--tokens", type=int, default=DEFAULT_MEASURE_TOKENS)
-    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--no-draft", action="store_true", help="skip the draft-model method")
+    parser.add_argument("--tokens", type=int, default=DEFAULT_MEASURE_TOKENS,
+                        help=f"tokens decoded per measurement (default {DEFAULT_MEASURE_TOKENS})")
+    parser.add_argument("--prompt-tokens", type=int, default=512,
+                        help="prompt length of the prefill measurement (default 512)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="rounds per figure (best of; with --concurrency the median of at least 3, "
                              "each concurrency first warmed by an unmeasured round)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="also write the table to this file")
     parser.add_argument("--early-exit", default=None, metavar="LAYER,LAYER,...",
                         help="only self-speculation: the target's first LAYER layers and its head "
                              "draft (k = --num-draft-tokens, default 3); acceptance and ÷ plain per layer")
@@ -61,7 +63,7 @@ def register(subparsers) -> None:
     load.add_argument("--mixed", action="store_true",
                       help="even clients send deterministic: true, odd ones not; 'changed' counts the "
                            "deterministic ones")
-    load.add_argument("--max-tokens", type=int, default=128)
+    load.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each client's request (default 128)")
     load.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                       help="extra argument for `lockstep serve` (repeatable)")
     parser.set_defaults(func=run, speculative="none", draft_model=None,

@@ -48,8 +48,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight format for GGUF imports (default auto: fastest on this backend)")
     parser.add_argument("--quantize", choices=QUANT_MODES, default=None,
                         help="quantize at load time with mlx-lm's quantizer")
-    parser.add_argument("--q-bits", type=int, default=None)
-    parser.add_argument("--q-group-size", type=int, default=None)
+    parser.add_argument("--q-bits", type=int, default=None,
+                        help="bits per weight with --quantize (default: the mode's; affine 4)")
+    parser.add_argument("--q-group-size", type=int, default=None,
+                        help="group size with --quantize (default: the mode's; affine 64, mxfp 32, nvfp4 16)")
     add_cpu_blas_argument(parser)
     parser.add_argument("--cuda-graphs", choices=cuda_graphs.CHOICES, default=cuda_graphs.DEFAULT,
                         help="MLX CUDA backend: record kernels into CUDA graphs (on) or launch each "
@@ -81,7 +83,8 @@ def add_determinism_arguments(parser: argparse.ArgumentParser) -> None:
                              f"the engine (default {DEFAULT_MAX_DRAFT_TOKENS})")
     parser.add_argument("--draft-model", default=None,
                         help='draft model for speculative decoding: a model spec or "default-quantized"')
-    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
+    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                        help=f"prompt tokens per prefill pass (default {DEFAULT_PREFILL_CHUNK}); part of the fingerprint")
     add_kv_pool_argument(parser, "keep all requests' KV in one pool so a batched pass runs one attention "
                                  "launch per layer (auto: where the GPU kernel is available; on: also "
                                  "elsewhere, one attention call per row; default auto)")

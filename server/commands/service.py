@@ -66,8 +66,9 @@ def register(subparsers) -> None:
     install.add_argument("--model", help="passed to `lockstep serve --model` (default: embedded)")
     install.add_argument("--weights", choices=WEIGHT_CHOICES,
                          help="passed to `lockstep serve --weights` (weight format)")
-    install.add_argument("--host", default=launchd_job.DEFAULT_HOST)
-    install.add_argument("--port", type=int, default=launchd_job.DEFAULT_PORT)
+    install.add_argument("--host", default=launchd_job.DEFAULT_HOST, help="passed to `lockstep serve --host`")
+    install.add_argument("--port", type=int, default=launchd_job.DEFAULT_PORT,
+                         help="passed to `lockstep serve --port`")
     install.add_argument("--batch-invariant-limit", type=int, metavar="L",
                          help="set LOCKSTEP_BATCH_INVARIANT_LIMIT for the service")
     install.add_argument("--env-file", type=Path, metavar="PATH",

@@ -24,10 +24,6 @@ def _args(model):
     return args
 
 
-def _attention(layer):
-    return getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
-
-
 def tensor_parallel_problem(model, ranks: int) -> str | None:
     """Why `model` cannot be tensor-parallel over `ranks` (None: it can)."""
     if not hasattr(model, "shard"):

@@ -338,18 +338,6 @@ def accept_drafts(
     return VerifiedStep(tokens, chosen_rows, len(drafts), accepted)
 
 
-def verify_step(
-    forward: Callable[[list[int]], mx.array],
-    cache: list,
-    last_token: int,
-    drafts: list[int],
-    choose: Callable[[mx.array, int], int],
-) -> VerifiedStep:
-    """Run the target on [last_token, *drafts] (`forward(tokens)` returns (len(tokens), vocab)
-    logits and appends their KV to `cache`) and keep the agreeing prefix (`accept_drafts`)."""
-    return accept_drafts(forward([last_token, *drafts]), cache, drafts, choose)
-
-
 class AdaptiveDraftLength:
     """Chooses each step's k from the request's own acceptance history and the cost of a
     verification pass, so speculation is turned off where drafts do not pay.
