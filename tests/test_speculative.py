@@ -520,3 +520,67 @@ def test_a_prediction_makes_the_plan_draft_from_it():
     unproven = plan_request(Deployment(limit=8), deterministic=True, speculative=None, num_draft_tokens=None,
                             prediction=True)
     assert (unproven.method, unproven.determinism) == ("none", "alone")
+
+
+# ------------------------------------------------ a cheap drafter backs off when its drafts fail
+
+VOCAB = 50
+
+
+class ScriptedDrafter:
+    """A cheap drafter guessing the target's tokens `TRUTH` at positions where `right(pos)`,
+    a wrong token elsewhere: acceptance is what the test says it is."""
+
+    name, cheap = "scripted", True
+
+    def __init__(self, right):
+        self.right = right
+
+    def propose(self, context, k, cancelled=None):
+        pos = len(context)
+        return [truth(p) if self.right(p) else (truth(p) + 1) % VOCAB for p in range(pos, pos + k)]
+
+
+def truth(pos: int) -> int:
+    return (pos * 7) % VOCAB
+
+
+def _scripted_run(right, n: int = 40, k: int = 4):
+    """Greedy decoding of n tokens whose target always picks truth(position), drafts from a
+    ScriptedDrafter, the default policy (no adaptive speculation): (stats, drafts per step)."""
+    from mlx_lm.models.cache import KVCache
+
+    from lockstep.server.engine.sampling import SamplingParams
+    from lockstep.server.engine.token_steps import SpeculationStats, SpeculativeSource
+
+    context = [truth(p) for p in range(5)]
+    stats = SpeculationStats()
+    source = SpeculativeSource([KVCache()], context, SamplingParams(temperature=0.0), ScriptedDrafter(right), k,
+                               stats, remaining=lambda: n + 5 - len(context))
+    ks = []
+    while len(context) < n + 5:
+        rows = source.rows()
+        ks.append(len(rows) - 1)
+        base = len(context)  # row i chooses the token at position base + i
+        logits = mx.stack([mx.eye(VOCAB)[truth(base + i)] for i in range(len(rows))])
+        source.take(logits)
+    assert context == [truth(p) for p in range(n + 5)]  # drafts never change the answer
+    return stats, ks
+
+
+def test_drafts_that_keep_failing_stop_being_verified():
+    stats, ks = _scripted_run(lambda pos: False)
+    # one verification of k drafts finds them wrong; after it, shadow drafts only
+    assert stats.drafted == 4 and stats.accepted == 0
+    assert ks[0] == 4 and set(ks[1:]) == {0}
+    assert stats.passes == 40
+
+
+def test_drafting_resumes_once_shadow_drafts_agree_again():
+    wrong = range(15, 25)
+    stats, ks = _scripted_run(lambda pos: pos not in wrong)
+    # the wrong stretch costs one failed verification (at most k wasted rows), and drafting
+    # at full k comes back after it: 30 right positions, most of them drafted
+    assert stats.drafted - stats.accepted <= 4
+    assert stats.accepted >= 20 and max(ks[-3:]) == 4
+    assert stats.passes < 40 - 15

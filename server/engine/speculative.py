@@ -439,6 +439,33 @@ class AdaptiveDraftLength:
             self._probe_every = self.PROBE_EVERY if accepted else self._probe_every * 2
 
 
+class DraftBackoff:
+    """The default k policy of a cheap drafter (prompt lookup, a prediction) without adaptive
+    speculation: verify drafts only while this request's own drafts are being accepted.
+
+    A verification pass of k + 1 rows can cost k + 1 one-row passes (the CPU), so a request
+    whose drafts keep failing must stop paying for them. After evidence of a drafts with a
+    accepted, the next step verifies min(k, a + 1) drafts: none after a miss. While none are
+    verified the drafter's proposals are still compared with the tokens that follow (shadow
+    drafts, free for a cheap drafter), and the same rule resumes drafting once they agree.
+    Like AdaptiveDraftLength its input is the request's own tokens only, never the batch or
+    the clock (docs/DETERMINISM.md), and it needs no measurement.
+    """
+
+    def __init__(self, k_max: int):
+        self.k_max = max(0, k_max)
+        self.k_next = self.k_max  # the first proposal is verified in full
+
+    def choose(self) -> int:
+        return self.k_next
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One verification (or a settled shadow comparison) of `drafted` drafts, `accepted`
+        of them."""
+        if drafted >= 1:
+            self.k_next = 0 if accepted == 0 else min(self.k_max, accepted + 1)
+
+
 def agreeing_prefix(drafts: Sequence[int], actual: Sequence[int]) -> int:
     n = 0
     for d, a in zip(drafts, actual):

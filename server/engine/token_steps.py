@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from lockstep.server.engine.sampling import PendingSample, Sampled, SamplingParams, sample, sample_pending
-from lockstep.server.engine.speculative import (AdaptiveDraftLength, DraftModelDrafter, PredictionDrafter,
+from lockstep.server.engine.speculative import (AdaptiveDraftLength, DraftBackoff, DraftModelDrafter, PredictionDrafter,
                                                 PromptLookupDrafter, accept_drafts, agreeing_prefix, never)
 
 
@@ -120,9 +120,11 @@ class SpeculativeSource:
     is spent past the request's limit; drafting stops early when `cancelled()` turns true.
 
     With an `adaptive` policy (AdaptiveDraftLength) k is chosen each step from this request's
-    acceptance so far, with `k` its upper bound. A cheap drafter (prompt lookup) still
-    proposes while k = 0, and those shadow drafts are compared with the tokens that follow,
-    so acceptance keeps being learnt at no cost; an expensive one probes now and then.
+    acceptance so far, with `k` its upper bound; without one, a cheap drafter backs off
+    (DraftBackoff: no drafts verified after a miss). A cheap drafter (prompt lookup, a
+    prediction) still proposes while k = 0, and those shadow drafts are compared with the
+    tokens that follow, so acceptance keeps being learnt at no cost; an expensive one probes
+    now and then.
     `rows(room)` drafts at most room - 1 tokens: the engine's way to say the pass is full.
     """
 
@@ -135,6 +137,9 @@ class SpeculativeSource:
         self.drafter, self.k, self.stats = drafter, k, stats
         self.remaining, self.cancelled = remaining, cancelled
         self.adaptive = adaptive
+        # no adaptive policy: a cheap drafter still stops verifying drafts that fail
+        self.backoff = (DraftBackoff(k) if adaptive is None and getattr(drafter, "cheap", False)
+                        else None)
         self.drafts: list[int] = []
         self._probed = False
         self._kind = 0  # evidence class of this step's drafts (AdaptiveDraftLength)
@@ -158,7 +163,9 @@ class SpeculativeSource:
 
     def rows(self, room: int | None = None) -> list[int]:
         cheap = getattr(self.drafter, "cheap", False)
-        if self.adaptive is None:
+        if self.backoff is not None:
+            k_now = min(self.k, self.backoff.choose())
+        elif self.adaptive is None:
             k_now = self.k
         else:
             self._kind = self._match_class()
@@ -168,7 +175,8 @@ class SpeculativeSource:
         if room is not None:
             k_now = min(k_now, room - 1)
         self.drafts = self._propose(k_now) if k_now > 0 else []
-        if self.adaptive is not None and cheap and not self.drafts and self._shadow is None:
+        learning = self.adaptive is not None or self.backoff is not None
+        if learning and cheap and not self.drafts and self._shadow is None:
             shadow = self._propose(self.k)
             if shadow:
                 self._shadow = (len(self.context), shadow, self._kind)
@@ -180,7 +188,10 @@ class SpeculativeSource:
         actual = self.context[position:position + len(drafts)]
         agreed = agreeing_prefix(drafts, actual)
         if agreed < len(actual) or len(actual) == len(drafts):
-            self.adaptive.record(len(drafts), agreed, kind=kind)
+            if self.adaptive is not None:
+                self.adaptive.record(len(drafts), agreed, kind=kind)
+            else:
+                self.backoff.record(len(drafts), agreed)
             self._shadow = None
 
     def take(self, logits: mx.array, argmax: list[int] | None = None) -> list[Step]:
@@ -207,8 +218,10 @@ class SpeculativeSource:
         self.context.extend(verified.tokens)
         if self.adaptive is not None:
             self.adaptive.record(verified.drafted, verified.accepted, self._probed, self._kind)
-            if self._shadow is not None:
-                self._settle_shadow()
+        elif self.backoff is not None:
+            self.backoff.record(verified.drafted, verified.accepted)
+        if self._shadow is not None:
+            self._settle_shadow()
         return picked
 
 
