@@ -444,10 +444,10 @@ class DraftBackoff:
     speculation: verify drafts only while this request's own drafts are being accepted.
 
     A verification pass of k + 1 rows can cost k + 1 one-row passes (the CPU), so a request
-    whose drafts keep failing must stop paying for them. After evidence of a drafts with a
-    accepted, the next step verifies min(k, a + 1) drafts: none after a miss. While none are
-    verified the drafter's proposals are still compared with the tokens that follow (shadow
-    drafts, free for a cheap drafter), and the same rule resumes drafting once they agree.
+    whose drafts keep failing must stop paying for them. After a verification of drafts with
+    a accepted, the next step verifies min(k, a + 1) drafts: none after a miss. While none are
+    verified the drafter's proposal is still compared with the token that follows (a shadow
+    draft, free for a cheap drafter): the first one that agrees brings back k drafts.
     Like AdaptiveDraftLength its input is the request's own tokens only, never the batch or
     the clock (docs/DETERMINISM.md), and it needs no measurement.
     """
@@ -464,6 +464,10 @@ class DraftBackoff:
         of them."""
         if drafted >= 1:
             self.k_next = 0 if accepted == 0 else min(self.k_max, accepted + 1)
+
+    def record_shadow(self, agreed: bool) -> None:
+        """Whether the first draft proposed while none were verified was the next token."""
+        self.k_next = self.k_max if agreed else 0
 
 
 def agreeing_prefix(drafts: Sequence[int], actual: Sequence[int]) -> int:

@@ -187,11 +187,12 @@ class SpeculativeSource:
         position, drafts, kind = self._shadow
         actual = self.context[position:position + len(drafts)]
         agreed = agreeing_prefix(drafts, actual)
-        if agreed < len(actual) or len(actual) == len(drafts):
-            if self.adaptive is not None:
-                self.adaptive.record(len(drafts), agreed, kind=kind)
-            else:
-                self.backoff.record(len(drafts), agreed)
+        if self.adaptive is None:  # the back-off resumes on the first token's agreement
+            if actual:
+                self.backoff.record_shadow(agreed > 0)
+                self._shadow = None
+        elif agreed < len(actual) or len(actual) == len(drafts):
+            self.adaptive.record(len(drafts), agreed, kind=kind)
             self._shadow = None
 
     def take(self, logits: mx.array, argmax: list[int] | None = None) -> list[Step]:
