@@ -545,7 +545,7 @@ def truth(pos: int) -> int:
     return (pos * 7) % VOCAB
 
 
-def _scripted_run(right, n: int = 40, k: int = 4):
+def _scripted_run(right, n: int = 40, k: int = 4, backoff: bool = True):
     """Greedy decoding of n tokens whose target always picks truth(position), drafts from a
     ScriptedDrafter, the default policy (no adaptive speculation): (stats, drafts per step)."""
     from mlx_lm.models.cache import KVCache
@@ -556,7 +556,7 @@ def _scripted_run(right, n: int = 40, k: int = 4):
     context = [truth(p) for p in range(5)]
     stats = SpeculationStats()
     source = SpeculativeSource([KVCache()], context, SamplingParams(temperature=0.0), ScriptedDrafter(right), k,
-                               stats, remaining=lambda: n + 5 - len(context))
+                               stats, remaining=lambda: n + 5 - len(context), backoff=backoff)
     ks = []
     while len(context) < n + 5:
         rows = source.rows()
@@ -583,3 +583,21 @@ def test_drafting_resumes_once_shadow_drafts_agree_again():
     # that agrees again (position 25) brings k drafts back on the next step
     assert stats.drafted - stats.accepted == 4
     assert ks == [4, 4, 4] + [0] * 10 + [4, 4, 4, 3]
+
+
+def test_without_the_backoff_every_step_verifies_k_drafts():
+    """`serve --draft-backoff off`: the behaviour the back-off replaces, kept for comparison."""
+    stats, ks = _scripted_run(lambda pos: False, backoff=False)
+    assert set(ks[:-4]) == {4} and stats.accepted == 0 and stats.passes == 40
+
+
+def test_draft_backoff_flag_defaults_on():
+    import argparse
+
+    from lockstep.server.commands.runtime_args import add_determinism_arguments, add_model_arguments, options_from_args
+
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    add_determinism_arguments(parser)
+    assert options_from_args(parser.parse_args([])).draft_backoff is True
+    assert options_from_args(parser.parse_args(["--draft-backoff", "off"])).draft_backoff is False

@@ -131,14 +131,14 @@ class SpeculativeSource:
     def __init__(self, cache: list, context: list[int], params: SamplingParams, drafter, k: int,
                  stats: SpeculationStats, remaining: Callable[[], int] = _unbounded,
                  cancelled: Callable[[], bool] = never, adaptive: AdaptiveDraftLength | None = None,
-                 processors=None):
+                 processors=None, backoff: bool = True):
         self.cache, self.context, self.params = cache, context, params
         self.processors = processors
         self.drafter, self.k, self.stats = drafter, k, stats
         self.remaining, self.cancelled = remaining, cancelled
         self.adaptive = adaptive
         # no adaptive policy: a cheap drafter still stops verifying drafts that fail
-        self.backoff = (DraftBackoff(k) if adaptive is None and getattr(drafter, "cheap", False)
+        self.backoff = (DraftBackoff(k) if backoff and adaptive is None and getattr(drafter, "cheap", False)
                         else None)
         self.drafts: list[int] = []
         self._probed = False
@@ -240,12 +240,13 @@ def make_source(cache, context: list[int], params: SamplingParams, stats: Specul
                 method: str = "none", k: int = 0, draft_model=None,
                 remaining: Callable[[], int] = _unbounded, cancelled: Callable[[], bool] = never,
                 adaptive: bool = False, pass_costs=None, target=None, processors=None, prediction=(),
-                draft_cost: float | None = None):
+                draft_cost: float | None = None, backoff: bool = True):
     """The two-phase source for a speculative `method` ("none", "draft", "prompt_lookup",
     "prediction": drafts from `prediction`, the client's predicted answer as token ids);
     with `adaptive`, k is chosen per step up to `k` (AdaptiveDraftLength, weighing
     `pass_costs`, the deployment's per-width pass costs, and `draft_cost`, a draft-model
-    pass in target passes as measured at startup; None: estimated from the models' depths)."""
+    pass in target passes as measured at startup; None: estimated from the models' depths);
+    without, a cheap drafter backs off after a miss unless `backoff` is False."""
     if method == "none":
         return PlainSource(cache, context, params, stats, processors)
     if method == "draft":
@@ -262,7 +263,7 @@ def make_source(cache, context: list[int], params: SamplingParams, stats: Specul
             draft_cost = draft_cost_estimate(target, draft_model)
         policy = AdaptiveDraftLength(k, pass_costs, draft_cost)
     return SpeculativeSource(cache, context, params, drafter, k, stats, remaining, cancelled, policy,
-                             processors)
+                             processors, backoff)
 
 
 def drive(source, runner, cache) -> Iterator[list[Step]]:
