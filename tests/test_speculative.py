@@ -570,19 +570,20 @@ def _scripted_run(right, n: int = 40, k: int = 4, backoff: bool = True):
 
 def test_drafts_that_keep_failing_stop_being_verified():
     stats, ks = _scripted_run(lambda pos: False)
-    # one verification of k drafts finds them wrong; after it, shadow drafts only
-    assert stats.drafted == 4 and stats.accepted == 0
-    assert ks[0] == 4 and set(ks[1:]) == {0}
+    # the first guess is one draft; found wrong, shadow drafts only after it
+    assert stats.drafted == 1 and stats.accepted == 0
+    assert ks[0] == 1 and set(ks[1:]) == {0}
     assert stats.passes == 40
 
 
 def test_drafting_resumes_once_shadow_drafts_agree_again():
     wrong = range(15, 25)
     stats, ks = _scripted_run(lambda pos: pos not in wrong)
-    # the wrong stretch costs one failed verification (k wasted rows); the first shadow draft
-    # that agrees again (position 25) brings k drafts back on the next step
+    # drafts grow 1, 3, k while accepted; the wrong stretch costs one failed verification (k
+    # wasted rows); the first shadow draft that agrees again (position 25) brings one draft
+    # back on the next step, growing again
     assert stats.drafted - stats.accepted == 4
-    assert ks == [4, 4, 4] + [0] * 10 + [4, 4, 4, 3]
+    assert ks == [1, 3, 4, 4] + [0] * 9 + [1, 3, 4, 4, 2]
 
 
 def test_without_the_backoff_every_step_verifies_k_drafts():
