@@ -131,7 +131,7 @@ class SpeculativeSource:
     def __init__(self, cache: list, context: list[int], params: SamplingParams, drafter, k: int,
                  stats: SpeculationStats, remaining: Callable[[], int] = _unbounded,
                  cancelled: Callable[[], bool] = never, adaptive: AdaptiveDraftLength | None = None,
-                 processors=None, backoff: bool = True):
+                 processors=None, backoff: bool = False):
         self.cache, self.context, self.params = cache, context, params
         self.processors = processors
         self.drafter, self.k, self.stats = drafter, k, stats
@@ -240,13 +240,15 @@ def make_source(cache, context: list[int], params: SamplingParams, stats: Specul
                 method: str = "none", k: int = 0, draft_model=None,
                 remaining: Callable[[], int] = _unbounded, cancelled: Callable[[], bool] = never,
                 adaptive: bool = False, pass_costs=None, target=None, processors=None, prediction=(),
-                draft_cost: float | None = None, backoff: bool = True):
+                draft_cost: float | None = None, backoff: bool = False):
     """The two-phase source for a speculative `method` ("none", "draft", "prompt_lookup",
     "prediction": drafts from `prediction`, the client's predicted answer as token ids);
     with `adaptive`, k is chosen per step up to `k` (AdaptiveDraftLength, weighing
     `pass_costs`, the deployment's per-width pass costs, and `draft_cost`, a draft-model
     pass in target passes as measured at startup; None: estimated from the models' depths);
-    without, a cheap drafter backs off after a miss unless `backoff` is False."""
+    without, a cheap drafter backs off after a miss where `backoff` (the server's default,
+    `Deployment.draft_backoff`; tools such as `lockstep verify` and `bench` keep fixed k, so
+    every pass width they check or time is exercised)."""
     if method == "none":
         return PlainSource(cache, context, params, stats, processors)
     if method == "draft":
