@@ -10,6 +10,11 @@ client's Predicted Output) side by side: a warm round first, then `--rounds` rou
 choices interleaved, and reports the median seconds and the speed relative to `none` (goal
 >= 0.97), with the drafts accepted and the note the server gave.
 
+`--compare "SERVE ARGS"` starts a second server with those arguments and interleaves its
+requests with the first one's, each choice's row followed by its row there (marked `[2]`,
+its speed relative to its own `none`): e.g. `--compare "--batch-invariant-limit 4
+--draft-backoff off"` for the draft back-off on and off in one run.
+
 Then a 4-token request alone (median of `--rounds`) and sent while a ~1,300-token prompt with
 `speculative: draft` is being served: how long it waits beyond its idle time (goal <= 2 s).
 """
@@ -67,28 +72,30 @@ def ask(client, prompt: str, max_tokens: int, deterministic: bool, choice: str, 
     return seconds, r.choices[0].message.content, ext
 
 
-def side_by_side(client, rounds: int) -> list[str]:
+def side_by_side(clients: list, rounds: int) -> list[str]:
     lines = ["| prompt | mode | speculative | median s | × none | accepted/drafted | same answer | note |",
              "|---|---|---|---|---|---|---|---|"]
     for name, (prompt, prediction, max_tokens) in PROMPTS.items():
         for deterministic in (False, True):
-            times = {c: [] for c in CHOICES}
+            keys = [(choice, s) for choice in CHOICES for s in range(len(clients))]
+            times = {key: [] for key in keys}
             last = {}
             for r in range(rounds + 1):  # round 0 warms up
-                for choice in CHOICES:
-                    seconds, text, ext = ask(client, prompt, max_tokens, deterministic, choice, prediction)
+                for choice, s in keys:
+                    seconds, text, ext = ask(clients[s], prompt, max_tokens, deterministic, choice, prediction)
                     if r:
-                        times[choice].append(seconds)
-                    last[choice] = (text, ext)
-            base = statistics.median(times["none"])
-            for choice in CHOICES:
-                median = statistics.median(times[choice])
-                text, ext = last[choice]
+                        times[(choice, s)].append(seconds)
+                    last[(choice, s)] = (text, ext)
+            for choice, s in keys:
+                base = statistics.median(times[("none", s)])
+                median = statistics.median(times[(choice, s)])
+                text, ext = last[(choice, s)]
                 note = (ext.get("note") or "")[:70]
-                lines.append(f"| {name} | {'deterministic' if deterministic else 'plain'} | {choice} | "
+                label = choice + (f" [{s + 1}]" if s else "")
+                lines.append(f"| {name} | {'deterministic' if deterministic else 'plain'} | {label} | "
                              f"{median:.2f} | {base / median:.2f} | {ext.get('accepted_tokens', 0)}/"
-                             f"{ext.get('drafted_tokens', 0)} | {text == last['none'][0]} | {note} |")
-            print("\n".join(lines[-len(CHOICES):]), flush=True)
+                             f"{ext.get('drafted_tokens', 0)} | {text == last[('none', 0)][0]} | {note} |")
+            print("\n".join(lines[-len(keys):]), flush=True)
     return lines
 
 
@@ -120,28 +127,41 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out")
     parser.add_argument("--base", help="a running server's URL (then no server is started)")
+    parser.add_argument("--compare", help="a second server's serve arguments, its requests interleaved")
+    parser.add_argument("--skip-beside", action="store_true", help="leave out the 4-token request beside a long one")
     parser.add_argument("serve_args", nargs="*", default=DEFAULT_SERVE)
     args = parser.parse_args()
     from openai import OpenAI
 
-    proc = None
+    proc = compare_proc = None
     if args.base:
         base = args.base
     else:
         proc, base, log_path = start_server(args.serve_args or DEFAULT_SERVE)
     try:
+        clients = []
+        if args.compare:
+            compare_proc, compare_base, _ = start_server(args.compare.split())
+            clients.append(OpenAI(base_url=compare_base + "/v1", max_retries=0, timeout=600,
+                                  api_key=os.environ.get("LOCKSTEP_API_KEY", "unused")))
         client = OpenAI(base_url=base + "/v1", api_key=os.environ.get("LOCKSTEP_API_KEY", "unused"),
                         max_retries=0, timeout=600)
         models = client.models.list().data[0].model_extra["lockstep"]
         header = [f"lockstep serve {' '.join(args.serve_args or DEFAULT_SERVE)}; draft model "
                   f"{models.get('draft_model')} ({models.get('draft_model_state', 'drafted from')}); "
-                  f"median of {args.rounds} after a warm round", ""]
+                  f"median of {args.rounds} after a warm round"]
+        if args.compare:
+            header.append(f"[2]: lockstep serve {args.compare}, its requests interleaved with these")
+        header.append("")
         print("\n".join(header), flush=True)
-        lines = header + side_by_side(client, args.rounds) + beside_long_prompt(client, args.rounds)
+        lines = header + side_by_side([client, *clients], args.rounds)
+        if not args.skip_beside:
+            lines += beside_long_prompt(client, args.rounds)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=60)
+        for p in (proc, compare_proc):
+            if p is not None:
+                p.terminate()
+                p.wait(timeout=60)
     print("\n".join(lines[-5:]))
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")

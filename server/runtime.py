@@ -60,6 +60,7 @@ class Options:
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     max_draft_tokens: int = MAX_DRAFT_TOKENS
     adaptive_speculation: bool = False  # k per step from each request's own acceptance
+    draft_backoff: bool = True  # otherwise cheap drafters stop verifying drafts after a miss
     draft_model: str | None = None  # a model spec, or "default-quantized"
     # Draft only where it pays (serve): `default-quantized` only in a form cheaper than the target
     # here, any draft measured against it (assess_draft). False (verify, bench): loaded as named,
@@ -389,6 +390,7 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
                     num_draft_tokens=options.num_draft_tokens, max_draft_tokens=options.max_draft_tokens,
                     draft_model=draft, draft_name=draft_name, draft_loading=defer_draft, draft_refusal=no_draft,
                     prefill_chunk=options.prefill_chunk, adaptive_draft_tokens=options.adaptive_speculation,
+                    draft_backoff=options.draft_backoff,
                     kv_pool=kv_pool, async_eval_layers=options.async_eval_layers,
                     # a distributed model's passes hold its collectives: they are built op by op
                     compiled_passes=options.compiled_passes and options.prepare_model is None,

@@ -85,3 +85,15 @@ def test_a_streamed_answer_with_a_prediction_reports_its_counts_in_the_usage_chu
 def test_without_a_prediction_the_prediction_counts_are_zero(baseline):
     details = baseline["greedy"].usage.completion_tokens_details
     assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (0, 0)
+
+
+def test_a_prediction_the_answer_leaves_costs_one_rejected_draft(server, baseline):
+    """The server's draft back-off (speculative.py DraftBackoff): the first guess is one draft,
+    and once it misses no more are verified while the prediction does not agree again, so a
+    wrong prediction costs one row, not k per step (on the CPU each row costs a decode step)."""
+    got = ask(server, GREEDY, "zq" * 40)  # no token of it recurs in the answer
+    assert bits(got) == bits(baseline["greedy"])
+    ext = got.model_extra["lockstep"]
+    assert ext["num_draft_tokens"] == L - 1
+    assert (ext["drafted_tokens"], ext["accepted_tokens"]) == (1, 0)
+    assert got.usage.completion_tokens_details.rejected_prediction_tokens == 1

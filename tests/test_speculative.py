@@ -525,3 +525,85 @@ def test_a_prediction_makes_the_plan_draft_from_it():
     unproven = plan_request(Deployment(limit=8), deterministic=True, speculative=None, num_draft_tokens=None,
                             prediction=True)
     assert (unproven.method, unproven.determinism) == ("none", "alone")
+
+
+# ------------------------------------------------ a cheap drafter backs off when its drafts fail
+
+VOCAB = 50
+
+
+class ScriptedDrafter:
+    """A cheap drafter guessing the target's tokens `TRUTH` at positions where `right(pos)`,
+    a wrong token elsewhere: acceptance is what the test says it is."""
+
+    name, cheap = "scripted", True
+
+    def __init__(self, right):
+        self.right = right
+
+    def propose(self, context, k, cancelled=None):
+        pos = len(context)
+        return [truth(p) if self.right(p) else (truth(p) + 1) % VOCAB for p in range(pos, pos + k)]
+
+
+def truth(pos: int) -> int:
+    return (pos * 7) % VOCAB
+
+
+def _scripted_run(right, n: int = 40, k: int = 4, backoff: bool = True):
+    """Greedy decoding of n tokens whose target always picks truth(position), drafts from a
+    ScriptedDrafter, the default policy (no adaptive speculation): (stats, drafts per step)."""
+    from mlx_lm.models.cache import KVCache
+
+    from lockstep.server.engine.sampling import SamplingParams
+    from lockstep.server.engine.token_steps import SpeculationStats, SpeculativeSource
+
+    context = [truth(p) for p in range(5)]
+    stats = SpeculationStats()
+    source = SpeculativeSource([KVCache()], context, SamplingParams(temperature=0.0), ScriptedDrafter(right), k,
+                               stats, remaining=lambda: n + 5 - len(context), backoff=backoff)
+    ks = []
+    while len(context) < n + 5:
+        rows = source.rows()
+        ks.append(len(rows) - 1)
+        base = len(context)  # row i chooses the token at position base + i
+        logits = mx.stack([mx.eye(VOCAB)[truth(base + i)] for i in range(len(rows))])
+        source.take(logits)
+    assert context == [truth(p) for p in range(n + 5)]  # drafts never change the answer
+    return stats, ks
+
+
+def test_drafts_that_keep_failing_stop_being_verified():
+    stats, ks = _scripted_run(lambda pos: False)
+    # the first guess is one draft; found wrong, shadow drafts only after it
+    assert stats.drafted == 1 and stats.accepted == 0
+    assert ks[0] == 1 and set(ks[1:]) == {0}
+    assert stats.passes == 40
+
+
+def test_drafting_resumes_once_shadow_drafts_agree_again():
+    wrong = range(15, 25)
+    stats, ks = _scripted_run(lambda pos: pos not in wrong)
+    # drafts grow 1, 3, k while accepted; the wrong stretch costs one failed verification (k
+    # wasted rows); the first shadow draft that agrees again (position 25) brings one draft
+    # back on the next step, growing again
+    assert stats.drafted - stats.accepted == 4
+    assert ks == [1, 3, 4, 4] + [0] * 9 + [1, 3, 4, 4, 2]
+
+
+def test_without_the_backoff_every_step_verifies_k_drafts():
+    """`serve --draft-backoff off`: the behaviour the back-off replaces, kept for comparison."""
+    stats, ks = _scripted_run(lambda pos: False, backoff=False)
+    assert set(ks[:-4]) == {4} and stats.accepted == 0 and stats.passes == 40
+
+
+def test_draft_backoff_flag_defaults_on():
+    import argparse
+
+    from lockstep.server.commands.runtime_args import add_determinism_arguments, add_model_arguments, options_from_args
+
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    add_determinism_arguments(parser)
+    assert options_from_args(parser.parse_args([])).draft_backoff is True
+    assert options_from_args(parser.parse_args(["--draft-backoff", "off"])).draft_backoff is False

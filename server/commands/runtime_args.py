@@ -77,6 +77,10 @@ def add_determinism_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive-speculation", action="store_true",
                         help="choose each step's number of drafts (0..k) from the request's own "
                              "acceptance and the measured cost of wider passes (startup measures it)")
+    parser.add_argument("--draft-backoff", choices=("on", "off"), default="on",
+                        help="without --adaptive-speculation, prompt lookup and predictions stop "
+                             "verifying drafts after a miss until a draft agrees again (default on; "
+                             "off: every step verifies k drafts, for comparison)")
     parser.add_argument("--max-draft-tokens", type=int, default=DEFAULT_MAX_DRAFT_TOKENS,
                         help=f"largest k a request may ask for; larger gets 400. A draft model runs k "
                              f"passes in one engine step, so this bounds how long one request holds "
@@ -102,6 +106,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         invariant_strategy=args.invariant_strategy, speculative=args.speculative,
         num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
         adaptive_speculation=getattr(args, "adaptive_speculation", False),
+        draft_backoff=getattr(args, "draft_backoff", "on") == "on",
         draft_model=args.draft_model, fuse_projections=getattr(args, "fuse_projections", False),
         prefill_chunk=args.prefill_chunk, audit=getattr(args, "audit", DEFAULT_AUDIT),
         kv_pool=getattr(args, "kv_pool", "off"),

@@ -57,6 +57,9 @@ class Deployment:
     # plan's k (server/engine/speculative.py AdaptiveDraftLength). pass_costs[w - 1] is the
     # measured cost of a target pass of w rows (measure_pass_costs); None: linear in w.
     adaptive_draft_tokens: bool = False
+    # Without adaptive speculation, a cheap drafter's drafts stop being verified after a miss
+    # until one agrees again (speculative.py DraftBackoff); off: k drafts every step.
+    draft_backoff: bool = True
     pass_costs: tuple[float, ...] | None = None
     prefill_chunk: int = PREFILL_CHUNK
     # The model's caches can be rewound past rejected drafts (recurrent state cannot: then no

@@ -154,6 +154,7 @@ class RequestState:
                                   self.plan.num_draft_tokens, draft_model,
                                   remaining=lambda: self.max_new_tokens - self.generated, cancelled=cancelled,
                                   adaptive=self.plan.adaptive,
+                                  backoff=deployment.draft_backoff if deployment else True,
                                   pass_costs=deployment.pass_costs if deployment else None,
                                   target=model, processors=self.processors, prediction=request.prediction,
                                   draft_cost=deployment.draft_step_cost if deployment else None)

@@ -427,6 +427,40 @@ class AdaptiveDraftLength:
             self._probe_every = self.PROBE_EVERY if accepted else self._probe_every * 2
 
 
+class DraftBackoff:
+    """The default k policy of a cheap drafter (prompt lookup, a prediction) without adaptive
+    speculation: verify drafts only while this request's own drafts are being accepted.
+
+    A verification pass of k + 1 rows can cost k + 1 one-row passes (the CPU), so a request
+    whose drafts keep failing must stop paying for them, and a first guess must be cheap. It
+    starts at one draft; after d verified drafts with a accepted, the next step verifies
+    min(k, 2d + 1) drafts when all were accepted, a + 1 when some were, none after a miss.
+    While none are verified the drafter's proposal is still compared with the token that
+    follows (a shadow draft, free for a cheap drafter): the first one that agrees brings back
+    one draft, and the rule above grows it again.
+    Like AdaptiveDraftLength its input is the request's own tokens only, never the batch or
+    the clock (docs/DETERMINISM.md), and it needs no measurement.
+    """
+
+    def __init__(self, k_max: int):
+        self.k_max = max(0, k_max)
+        self.k_next = min(1, self.k_max)
+
+    def choose(self) -> int:
+        return self.k_next
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One verification (or a settled shadow comparison) of `drafted` drafts, `accepted`
+        of them."""
+        if drafted >= 1:
+            grown = 2 * drafted + 1 if accepted == drafted else accepted + 1
+            self.k_next = 0 if accepted == 0 else min(self.k_max, grown)
+
+    def record_shadow(self, agreed: bool) -> None:
+        """Whether the first draft proposed while none were verified was the next token."""
+        self.k_next = min(1, self.k_max) if agreed else 0
+
+
 def agreeing_prefix(drafts: Sequence[int], actual: Sequence[int]) -> int:
     n = 0
     for d, a in zip(drafts, actual):

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from lockstep.server.engine.sampling import PendingSample, Sampled, SamplingParams, sample, sample_pending
-from lockstep.server.engine.speculative import (AdaptiveDraftLength, DraftModelDrafter, PredictionDrafter,
+from lockstep.server.engine.speculative import (AdaptiveDraftLength, DraftBackoff, DraftModelDrafter, PredictionDrafter,
                                                 PromptLookupDrafter, accept_drafts, agreeing_prefix, never)
 
 
@@ -120,21 +120,26 @@ class SpeculativeSource:
     is spent past the request's limit; drafting stops early when `cancelled()` turns true.
 
     With an `adaptive` policy (AdaptiveDraftLength) k is chosen each step from this request's
-    acceptance so far, with `k` its upper bound. A cheap drafter (prompt lookup) still
-    proposes while k = 0, and those shadow drafts are compared with the tokens that follow,
-    so acceptance keeps being learnt at no cost; an expensive one probes now and then.
+    acceptance so far, with `k` its upper bound; without one, a cheap drafter backs off
+    (DraftBackoff: no drafts verified after a miss). A cheap drafter (prompt lookup, a
+    prediction) still proposes while k = 0, and those shadow drafts are compared with the
+    tokens that follow, so acceptance keeps being learnt at no cost; an expensive one probes
+    now and then.
     `rows(room)` drafts at most room - 1 tokens: the engine's way to say the pass is full.
     """
 
     def __init__(self, cache: list, context: list[int], params: SamplingParams, drafter, k: int,
                  stats: SpeculationStats, remaining: Callable[[], int] = _unbounded,
                  cancelled: Callable[[], bool] = never, adaptive: AdaptiveDraftLength | None = None,
-                 processors=None):
+                 processors=None, backoff: bool = False):
         self.cache, self.context, self.params = cache, context, params
         self.processors = processors
         self.drafter, self.k, self.stats = drafter, k, stats
         self.remaining, self.cancelled = remaining, cancelled
         self.adaptive = adaptive
+        # no adaptive policy: a cheap drafter still stops verifying drafts that fail
+        self.backoff = (DraftBackoff(k) if backoff and adaptive is None and getattr(drafter, "cheap", False)
+                        else None)
         self.drafts: list[int] = []
         self._probed = False
         self._kind = 0  # evidence class of this step's drafts (AdaptiveDraftLength)
@@ -158,7 +163,9 @@ class SpeculativeSource:
 
     def rows(self, room: int | None = None) -> list[int]:
         cheap = getattr(self.drafter, "cheap", False)
-        if self.adaptive is None:
+        if self.backoff is not None:
+            k_now = min(self.k, self.backoff.choose())
+        elif self.adaptive is None:
             k_now = self.k
         else:
             self._kind = self._match_class()
@@ -168,7 +175,8 @@ class SpeculativeSource:
         if room is not None:
             k_now = min(k_now, room - 1)
         self.drafts = self._propose(k_now) if k_now > 0 else []
-        if self.adaptive is not None and cheap and not self.drafts and self._shadow is None:
+        learning = self.adaptive is not None or self.backoff is not None
+        if learning and cheap and not self.drafts and self._shadow is None:
             shadow = self._propose(self.k)
             if shadow:
                 self._shadow = (len(self.context), shadow, self._kind)
@@ -179,7 +187,11 @@ class SpeculativeSource:
         position, drafts, kind = self._shadow
         actual = self.context[position:position + len(drafts)]
         agreed = agreeing_prefix(drafts, actual)
-        if agreed < len(actual) or len(actual) == len(drafts):
+        if self.adaptive is None:  # the back-off resumes on the first token's agreement
+            if actual:
+                self.backoff.record_shadow(agreed > 0)
+                self._shadow = None
+        elif agreed < len(actual) or len(actual) == len(drafts):
             self.adaptive.record(len(drafts), agreed, kind=kind)
             self._shadow = None
 
@@ -207,8 +219,10 @@ class SpeculativeSource:
         self.context.extend(verified.tokens)
         if self.adaptive is not None:
             self.adaptive.record(verified.drafted, verified.accepted, self._probed, self._kind)
-            if self._shadow is not None:
-                self._settle_shadow()
+        elif self.backoff is not None:
+            self.backoff.record(verified.drafted, verified.accepted)
+        if self._shadow is not None:
+            self._settle_shadow()
         return picked
 
 
@@ -226,12 +240,15 @@ def make_source(cache, context: list[int], params: SamplingParams, stats: Specul
                 method: str = "none", k: int = 0, draft_model=None,
                 remaining: Callable[[], int] = _unbounded, cancelled: Callable[[], bool] = never,
                 adaptive: bool = False, pass_costs=None, target=None, processors=None, prediction=(),
-                draft_cost: float | None = None):
+                draft_cost: float | None = None, backoff: bool = False):
     """The two-phase source for a speculative `method` ("none", "draft", "prompt_lookup",
     "prediction": drafts from `prediction`, the client's predicted answer as token ids);
     with `adaptive`, k is chosen per step up to `k` (AdaptiveDraftLength, weighing
     `pass_costs`, the deployment's per-width pass costs, and `draft_cost`, a draft-model
-    pass in target passes as measured at startup; None: estimated from the models' depths)."""
+    pass in target passes as measured at startup; None: estimated from the models' depths);
+    without, a cheap drafter backs off after a miss where `backoff` (the server's default,
+    `Deployment.draft_backoff`; tools such as `lockstep verify` and `bench` keep fixed k, so
+    every pass width they check or time is exercised)."""
     if method == "none":
         return PlainSource(cache, context, params, stats, processors)
     if method == "draft":
@@ -248,7 +265,7 @@ def make_source(cache, context: list[int], params: SamplingParams, stats: Specul
             draft_cost = draft_cost_estimate(target, draft_model)
         policy = AdaptiveDraftLength(k, pass_costs, draft_cost)
     return SpeculativeSource(cache, context, params, drafter, k, stats, remaining, cancelled, policy,
-                             processors)
+                             processors, backoff)
 
 
 def drive(source, runner, cache) -> Iterator[list[Step]]:
