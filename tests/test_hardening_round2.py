@@ -112,10 +112,16 @@ def test_drafts_are_clipped_to_the_tokens_left(embedded_model, monkeypatch):
     prompt = list(embedded_model.tokenizer.encode("one two three one two three one two three one two"))
     request = GenerationRequest(prompt, max_tokens=3, sampling=SamplingParams(temperature=0.0))
     plan = DecodePlan("none", "prompt_lookup", 8)
-    deltas = [d for d in generate(embedded_model, request, plan=plan, deployment=Deployment()) if d]
+    # fixed k (no back-off): the first step asks for what is left
+    deltas = [d for d in generate(embedded_model, request, plan=plan, deployment=Deployment(draft_backoff=False)) if d]
     assert deltas[-1].completion_tokens <= 3
     assert asked and asked[0] == 2  # 3 tokens left: 2 drafts + the target's own token
     assert all(k <= 2 for k in asked)
+    # with the back-off (the default) neither verified nor shadow drafts go past the tokens left
+    asked.clear()
+    deltas = [d for d in generate(embedded_model, request, plan=plan, deployment=Deployment()) if d]
+    assert deltas[-1].completion_tokens <= 3
+    assert asked and all(k <= 2 for k in asked)
 
 
 def test_a_cancelled_request_stops_drafting_inside_the_step(embedded_model):

@@ -176,8 +176,9 @@ class SpeculativeSource:
             k_now = min(k_now, room - 1)
         self.drafts = self._propose(k_now) if k_now > 0 else []
         learning = self.adaptive is not None or self.backoff is not None
-        if learning and cheap and not self.drafts and self._shadow is None:
-            shadow = self._propose(self.k)
+        shadow_k = min(self.k, self.remaining() - 1)  # no guess past the answer's end can be scored
+        if learning and cheap and not self.drafts and self._shadow is None and shadow_k > 0:
+            shadow = self._propose(shadow_k)
             if shadow:
                 self._shadow = (len(self.context), shadow, self._kind)
         return [self.context[-1], *self.drafts]
