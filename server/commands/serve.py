@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import sys
 
 from lockstep.server.commands.runtime_args import (add_determinism_arguments, add_model_arguments,
                                                    apply_cpu_blas, apply_cuda_graphs, options_from_args)
@@ -164,6 +165,11 @@ def build_app(args: argparse.Namespace, runtime, engine, world=None, watchdog=No
     app = create_app(engine, model_extras=extras, guarantee_timeout=args.guarantee_timeout,
                      deterministic_by_default=args.deterministic_by_default, record_dir=args.record,
                      **http_settings_from_args(args))
+    if args.record:  # what `lockstep replay` needs to start this deployment again
+        from lockstep.server.tools.replay_server import write_deployment
+
+        if write_deployment(args.record, sys.argv) is None:
+            log.warning("cannot write %s/deployment.json: replay this recording with --url", args.record)
     if watchdog is not None:
         from lockstep.server.distributed.startup import gate_on_health
 

@@ -1,0 +1,105 @@
+"""Where a fresh quantized-kernel audit's time goes (issue 51): the 8B-shaped model with random
+weights (bench/invariant_8b.py), audited with no verdict cache, each probe timed as it runs:
+the first call of a path on a configuration (MLX's JIT compile of that kernel shape, plus the
+run) against a second call of the same inputs (the run alone), and the reference (NumPy
+dequantization and product) apart. Prints a table by configuration and path, and the totals.
+
+    python bench/audit_cost.py [--weights nvfp4] [--layers 32]
+
+Measures and prints; asserts nothing.
+"""
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+
+from invariant_8b import build  # noqa: E402
+from lockstep.kernels.audit import patch, probes  # noqa: E402
+
+spent = collections.defaultdict(float)
+rows_out = []
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--weights", default="nvfp4")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--intermediate", type=int, default=14336)
+    ap.add_argument("--vocab", type=int, default=128256)
+    a = ap.parse_args()
+    t = time.perf_counter()
+    model = build(a.weights, a.layers, hidden=a.hidden, intermediate=a.intermediate, vocab=a.vocab)
+    print(f"backend {mx.default_device()}, MLX {mx.__version__}; built in {time.perf_counter() - t:.1f} s",
+          flush=True)
+
+    measure, reference_weight = probes._measure, probes.reference_weight
+
+    def timed_measure(path, rows, tol, run, out_rows):
+        calls = []
+
+        def split_run():
+            t0 = time.perf_counter()
+            out, ref = run()  # the reference is computed in here, before the kernel runs
+            t1 = time.perf_counter()
+            mx.eval(out)
+            t2 = time.perf_counter()
+            calls.append((t1 - t0, t2 - t1))
+            return out, ref
+        result = measure(path, rows, tol, split_run, out_rows)
+        again = time.perf_counter()
+        try:
+            out, _ = run()
+            t1 = time.perf_counter()
+            mx.eval(out)
+            second = time.perf_counter() - t1
+        except Exception:  # noqa: BLE001 - a failing path is reported by the audit
+            second = float("nan")
+        del again
+        ref_s, first = calls[0] if calls else (float("nan"), float("nan"))
+        rows_out.append((current[0], path, rows, first, second, ref_s))
+        spent["first call"] += first
+        spent["second call"] += 0 if second != second else second
+        return result
+
+    def timed_reference(module):
+        t0 = time.perf_counter()
+        w = reference_weight(module)
+        spent["dequantize (NumPy)"] += time.perf_counter() - t0
+        return w
+
+    current = ["?"]
+    audit_config = patch._audit_config
+
+    def timed_config(cfg, layers, seed, prompt_rows):
+        current[0] = cfg.label()
+        t0 = time.perf_counter()
+        result = audit_config(cfg, layers, seed, prompt_rows)
+        print(f"config {cfg.label()}: {time.perf_counter() - t0:.1f} s, verdict {result.verdict}", flush=True)
+        return result
+
+    probes._measure = timed_measure
+    patch.reference_weight = timed_reference
+    patch._audit_config = timed_config
+    t = time.perf_counter()
+    report = patch.audit_model(model, cache=None)
+    total = time.perf_counter() - t
+    print(f"\naudit {total:.1f} s for {len(report.configs)} configurations")
+    print("| configuration | path | rows | first call s | second call s | reference s |")
+    print("|---|---|---|---|---|---|")
+    for label, path, rows, first, second, ref in rows_out:
+        print(f"| {label} | {path} | {rows} | {first:.3f} | {second:.3f} | {ref:.3f} |")
+    refs = sum(r[5] for r in rows_out)
+    print(f"\nfirst calls {spent['first call']:.1f} s, the same calls again {spent['second call']:.1f} s, "
+          f"references {refs:.1f} s, dequantization {spent['dequantize (NumPy)']:.1f} s, "
+          f"the rest {total - spent['first call'] - refs - spent['dequantize (NumPy)']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

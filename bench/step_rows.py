@@ -1,0 +1,139 @@
+"""How a decode step's time grows with its rows (issue 50): one compiled pass of R requests of
+one row each over the KV pool, as the engine runs it, for R in --rows, plain (native forms, L = 0)
+and deterministic (canonical forms at L = --limit, proven as `serve` proves them). Each step is
+timed in three phases, interleaved in one process (round after round, every variant one step,
+the order rotating): build (the Python call that makes the graph), submit (`mx.async_eval`:
+MLX encodes and launches) and wait (until the device is done). Reports each variant's median
+step, its ratio to the one-row step of its kind (paired rounds) and the phases.
+
+--ncu R:KIND (KIND plain or det) instead profiles three steps of that variant inside a profiler
+range, for Nsight Compute's kernel table (`bench/step_kernels.py --summarize` reads the CSV):
+
+    ncu --profile-from-start off --clock-control none --cache-control none \\
+        --metrics gpu__time_duration.sum --csv python bench/step_rows.py --ncu 16:plain > ncu.csv
+
+    python bench/step_rows.py [--weights nvfp4] [--rows 1,16,32] [--limit 8] [--rounds 20]
+
+Small shapes for a check on the CPU: --layers 2 --hidden 512 --intermediate 1024 --vocab 4096
+--kv-pool reference. Measures and prints; asserts nothing.
+"""
+import argparse
+import ctypes
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+
+from invariant_8b import HBM_BYTES_PER_S, build, context, trim, weight_bytes  # noqa: E402
+from lockstep.kernels.batching.compiled_pass import CompiledPasses  # noqa: E402
+from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
+from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
+
+
+def timed(run, caches, rounds_out: dict, name: str) -> None:
+    t0 = time.perf_counter()
+    out = run()
+    t1 = time.perf_counter()
+    mx.async_eval(out)
+    t2 = time.perf_counter()
+    mx.eval(out)
+    t3 = time.perf_counter()
+    for cache in caches:
+        trim(cache, 1)
+    rounds_out.setdefault(name, []).append((1e3 * (t3 - t0), 1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t3 - t2)))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--weights", default="nvfp4")
+    ap.add_argument("--rows", default="1,16,32")
+    ap.add_argument("--limit", type=int, default=8, help="L of the deterministic variants (0: plain only)")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--intermediate", type=int, default=14336)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--kv-pool", default="kernel")
+    ap.add_argument("--ncu", default="", metavar="R:KIND", help="profile 3 steps of one variant (plain or det)")
+    a = ap.parse_args()
+    widths = [int(r) for r in a.rows.split(",")]
+    if a.ncu:
+        r, kind = a.ncu.split(":")
+        widths = [int(r)]
+    print(f"backend {mx.default_device()}, MLX {mx.__version__}; context {a.context}, {a.rounds} rounds")
+    for weights in a.weights.split(","):
+        model = build(weights, a.layers, hidden=a.hidden, intermediate=a.intermediate, vocab=a.vocab)
+        floor_ms = 1e3 * weight_bytes(model) / HBM_BYTES_PER_S
+        most = max(widths)
+        path = ModelRunner.as_engine_runs(model, a.kv_pool, pool_tokens=most * (a.context + 8) + 64)
+        pooled = [context(model, a.context, path.new_cache(a.context + 4), seed=1 + i) for i in range(most)]
+        kinds = ["plain"] + (["det"] if a.limit > 0 else [])
+        if a.ncu:
+            kinds = [kind]
+        runs = {}
+        for kind in kinds:
+            if kind == "det":
+                t = time.perf_counter()
+                installed = set_batch_invariant_limit(model, a.limit)
+                print(f"{weights}: L = {a.limit} installed and proven in {time.perf_counter() - t:.1f} s "
+                      f"({getattr(installed, 'strategy', installed)})", flush=True)
+            else:
+                set_batch_invariant_limit(model, 0)
+            passes = CompiledPasses(model, path.kv_pool)
+            for r in widths:
+                caches = pooled[:r]
+                run = (lambda p, cs, canon: lambda: p.logits([(c, [11]) for c in cs], canonical=canon))(
+                    passes, caches, kind == "det")
+                mx.eval(run())  # traced and compiled now
+                for c in caches:
+                    trim(c, 1)
+                runs[(kind, r)] = (run, caches)
+        if a.ncu:
+            run, caches = runs[(kind, widths[0])]
+            for _ in range(5):
+                mx.eval(run())
+                for c in caches:
+                    trim(c, 1)
+            cuda = ctypes.CDLL("libcuda.so.1")
+            mx.synchronize()
+            cuda.cuProfilerStart()
+            for _ in range(3):
+                mx.eval(run())
+                for c in caches:
+                    trim(c, 1)
+            mx.synchronize()
+            cuda.cuProfilerStop()
+            return
+        names = list(runs)
+        samples: dict = {}
+        for rnd in range(a.rounds + 1):
+            order = names[rnd % len(names):] + names[:rnd % len(names)]
+            got: dict = {}
+            for name in order:
+                run, caches = runs[name]
+                timed(run, caches, got, name)
+            if rnd:  # round 0 is a warm-up
+                for name, v in got.items():
+                    samples.setdefault(name, []).extend(v)
+        print(f"\n## {weights}: HBM floor {floor_ms:.2f} ms; L = {a.limit}")
+        print("| pass | rows | median ms | build / submit / wait ms | ÷ its one-row step (paired) | ms a row |")
+        print("|---|---|---|---|---|---|")
+        for kind, r in names:
+            s = samples[(kind, r)]
+            ms = statistics.median(x[0] for x in s)
+            split = " / ".join(f"{statistics.median(x[i] for x in s):.2f}" for i in (1, 2, 3))
+            one = samples.get((kind, 1))
+            ratio = statistics.median(x[0] / y[0] for x, y in zip(s, one)) if one else float("nan")
+            print(f"| {kind} | {r} | {ms:.2f} | {split} | {ratio:.2f} | {ms / r:.2f} |")
+        del model, runs, pooled, path
+        mx.clear_cache()
+
+
+if __name__ == "__main__":
+    main()
