@@ -36,11 +36,11 @@ from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
 from harness import measure, median, paired_ratios, table  # noqa: E402
 
 
-def build(measured: tuple) -> float:
+def build_time(measured: tuple) -> float:
     return measured[0]
 
 
-def whole(measured: tuple) -> float:
+def pass_time(measured: tuple) -> float:
     return measured[1]
 
 
@@ -94,8 +94,8 @@ def main() -> int:
     print(f"{mx.default_device()}, MLX {mx.__version__}, {loaded.name} {args.weights}, kv pool {mode}, "
           f"{args.requests} requests one row each, {len(model.layers)} layers; {args.rounds} rounds rotating, "
           f"median of {args.passes} passes each")
-    rows = [[v or "off", f"{median(results[v], build) * 1e3:.2f}", f"{median(results[v], whole) * 1e3:.2f}",
-             f"{median(paired_ratios(results, v, variants[0], whole)):.3f}", equal[v]] for v in variants]
+    rows = [[v or "off", f"{median(results[v], build_time) * 1e3:.2f}", f"{median(results[v], pass_time) * 1e3:.2f}",
+             f"{median(paired_ratios(results, v, variants[0], pass_time)):.3f}", equal[v]] for v in variants]
     print(table(["async eval every", "build ms", "pass ms (build included)", "÷ built whole (paired median)",
                  "logits equal"], rows))
     return 0
