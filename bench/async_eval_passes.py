@@ -1,7 +1,8 @@
 """Decode passes built whole, then evaluated, against passes that start evaluating every N
 layers while the rest is built (`serve --async-eval-layers N`): the engine's ragged pass of
 B requests (one row each, over the KV pool where the backend has one), in process, variants
-alternating round by round. Also checks that every variant's logits equal the whole pass's.
+rotating round by round (bench/harness.py). Also checks that every variant's logits equal
+the whole pass's.
 
     python bench/async_eval_passes.py [--weights float16] [--requests 32] [--every 0,6,10]
                                       [--rounds 6] [--cpu-blas openblas]
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lockstep.kernels import cpu_blas  # noqa: E402  (imports nothing heavy: before mlx)
 
@@ -30,6 +32,16 @@ from lockstep.kernels.batching.ragged import ragged_logits  # noqa: E402
 from lockstep.models.load import load_model  # noqa: E402
 from lockstep.server.engine.deployment import Deployment  # noqa: E402
 from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
+
+from harness import measure, median, paired_ratios, table  # noqa: E402
+
+
+def build_time(measured: tuple) -> float:
+    return measured[0]
+
+
+def pass_time(measured: tuple) -> float:
+    return measured[1]
 
 
 def main() -> int:
@@ -60,15 +72,11 @@ def main() -> int:
         mx.eval(logits)
         return built - start, time.perf_counter() - start
 
-    times = {v: [] for v in variants}
-    builds = {v: [] for v in variants}
-    for v in variants:  # warm every variant once
-        one_pass(v)
-    for r in range(args.rounds):
-        for v in (variants if r % 2 == 0 else variants[::-1]):
-            got = [one_pass(v) for _ in range(args.passes)]
-            builds[v].append(statistics.median(b for b, _ in got))
-            times[v].append(statistics.median(t for _, t in got))
+    def passes(every: int):
+        got = [one_pass(every) for _ in range(args.passes)]
+        return statistics.median(b for b, _ in got), statistics.median(t for _, t in got)
+
+    results = measure({v: (lambda v=v: passes(v)) for v in variants}, rounds=args.rounds)
 
     # bits: every variant's pass against the whole pass, each from freshly prefilled caches
     def fresh() -> list:
@@ -84,15 +92,12 @@ def main() -> int:
              for v in variants}
 
     print(f"{mx.default_device()}, MLX {mx.__version__}, {loaded.name} {args.weights}, kv pool {mode}, "
-          f"{args.requests} requests one row each, {len(model.layers)} layers; {args.rounds} rounds alternating, "
+          f"{args.requests} requests one row each, {len(model.layers)} layers; {args.rounds} rounds rotating, "
           f"median of {args.passes} passes each")
-    print("| async eval every | build ms | pass ms (build included) | ÷ built whole | logits equal |")
-    print("|---|---|---|---|---|")
-    base = statistics.median(times[variants[0]])
-    for v in variants:
-        ratios = [t / w for t, w in zip(times[v], times[variants[0]])]
-        print(f"| {v or 'off'} | {statistics.median(builds[v]) * 1e3:.2f} | {statistics.median(times[v]) * 1e3:.2f} "
-              f"| {statistics.median(ratios):.3f} (medians {statistics.median(times[v]) / base:.3f}) | {equal[v]} |")
+    rows = [[v or "off", f"{median(results[v], build_time) * 1e3:.2f}", f"{median(results[v], pass_time) * 1e3:.2f}",
+             f"{median(paired_ratios(results, v, variants[0], pass_time)):.3f}", equal[v]] for v in variants]
+    print(table(["async eval every", "build ms", "pass ms (build included)", "÷ built whole (paired median)",
+                 "logits equal"], rows))
     return 0
 
 

@@ -1,8 +1,8 @@
 """Host cost of lockstep's canonical linear, with the kernel launch stood in for by `x @ w.T`.
 
 A wide deterministic call (more rows than L, `calls_in_blocks`) under strategy `gemv_rows`
-runs as one launch of the row kernel; the launch itself is MLX's (traced, ~1.3–2.4 µs on the
-H200, docs/BENCHMARKS.md session 14). What lockstep adds around it is Python: the layer's
+runs as one launch of the row kernel; the launch itself is MLX's (traced; its cost on the H200:
+bench/results/history/2026-12-02-h200-launch-cost-cuda-graphs-issues27-28.md). What lockstep adds around it is Python: the layer's
 wrapper, the form's checks, the reshapes. This times graph building only (nothing is
 evaluated), per call, on any backend, so the chain can be measured on the CPU:
 

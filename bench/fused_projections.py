@@ -1,6 +1,6 @@
 """One decode step with q/k/v and gate/up fused (models/fused_projections.py) beside the same
 model with separate layers, side by side: two copies loaded at once, steps alternating
-between them, the median of every round's ratio reported with each side's median.
+between them (bench/harness.py), the median of every round's ratio reported with each side's median.
 
     python bench/fused_projections.py [--model default] [--weights float32] [--cpu-blas openblas]
                                       [--quantize MODE] [--context 64] [--rounds 7] [--steps 16]
@@ -11,12 +11,14 @@ Plain decode (no canonical forms): the model call on mlx-lm's own caches, one to
 Measures and prints; asserts nothing.
 """
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import measure, summary  # noqa: E402
 
 
 def main():
@@ -48,7 +50,6 @@ def main():
 
     def load():
         if a.shape_8b:
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
             from invariant_8b import build
 
             class Built:
@@ -79,20 +80,12 @@ def main():
             c.trim(a.steps)
         return 1e3 * elapsed
 
-    steps(separate, caches["separate"]), steps(fused, caches["fused"])  # warm both
-    rows = []
-    for r in range(a.rounds):
-        order = (("separate", separate), ("fused", fused)) if r % 2 == 0 else (("fused", fused), ("separate", separate))
-        got = {name: steps(model, caches[name]) for name, model in order}
-        rows.append(got)
-    sep = statistics.median(x["separate"] for x in rows)
-    fus = statistics.median(x["fused"] for x in rows)
-    ratio = statistics.median(x["fused"] / x["separate"] for x in rows)
+    results = measure({"separate": lambda: steps(separate, caches["separate"]),
+                       "fused": lambda: steps(fused, caches["fused"])}, rounds=a.rounds)
     print(f"backend {mx.default_device()}, MLX {mx.__version__}, BLAS {cpu_blas.describe()}; model {a.model} "
           f"({a.shape_8b or a.quantize or a.weights}), {len(paths)} fused layers, context {a.context}, {a.steps} steps a round, "
           f"{a.rounds} rounds alternating" + (f"; 8B shape, {a.layers} layers, random weights" if a.shape_8b else ""))
-    print(f"decode step ms, median: separate {sep:.2f}, fused {fus:.2f}; fused / separate per round, median: "
-          f"{ratio:.3f} (rounds: " + ", ".join(f"{x['fused'] / x['separate']:.3f}" for x in rows) + ")")
+    print(summary(results, baseline="separate", unit="ms a step"))
 
 
 if __name__ == "__main__":

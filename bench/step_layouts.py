@@ -19,15 +19,16 @@ Layouts (each traced once while it is set up, then replayed):
 - `lockstep`: what the engine runs (lockstep's launches with no view nodes around them,
   compiled.shaped_launch);
 - `lockstep_views`: the same kernels with reshape and squeeze nodes around every lockstep
-  launch, as before session 23 (the same bits);
+  launch, as the launches were before `compiled.shaped_launch` (the same bits);
 - `lockstep_commits`: lockstep's pass handed to the device in parts: `mx.async_eval` of the
   pool's keys and values of each layer in --commit-at, then of the logits (each ends a CUDA
   graph, so the graph left after the host's last launch is short);
 - `lockstep_busy`: lockstep's step submitted while the device still runs ~10 ms of matmuls
   enqueued just before (does the host encode slower while the device runs?).
-Session 23 also measured one-row sibling launches (q/k/v and gate/up each as one qmv_split
-launch) this way, session 24 the hand-over in parts inside the engine's compiled pass (commit
-a1383b3): docs/BENCHMARKS.md.
+One-row sibling launches (q/k/v and gate/up each as one qmv_split launch) and the hand-over in
+parts inside the engine's compiled pass (commit a1383b3) were measured this way and not kept:
+bench/results/history/2026-12-03-h200-sibling-launches-not-kept-issue28.md and
+bench/results/history/2026-12-03-h200-step-phases-decode-ahead-issue28.md.
 
 --requests N: a pass of N requests of one row each (the engine's decode pass for N streams),
 each after its own context; mlx-lm's own step is only timed for one request, so wider passes

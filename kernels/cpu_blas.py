@@ -169,14 +169,16 @@ def build_shim() -> Path:
 def default_threads() -> int:
     """OpenBLAS threads for calls of fewer than `LARGE_ROWS` rows (decode, small passes)."""
     # OpenBLAS workers spin-wait, and MLX's CPU stream plus the server need a
-    # core too: on 2 cores, 2 threads ran slower than 1 (docs/BENCHMARKS.md, CPU BLAS).
+    # core too: on 2 cores, 2 threads ran slower than 1
+    # (bench/results/history/2026-11-29-cpu-blas.md).
     # Half the cores, at most 4 (larger untested).
     return max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
 # Calls of at least this many rows (prefill chunks) run in `large_threads()` fixed column
-# blocks on the cores idle at the time (cpu_blas/split_gemm.c; docs/BENCHMARKS.md, "CPU
-# default (issue 10)"). Decode (1 row) and small passes stay on `default_threads()`.
+# blocks on the cores idle at the time (cpu_blas/split_gemm.c;
+# bench/results/history/2026-11-30-cpu-default-prefill-blocks-issue10.md).
+# Decode (1 row) and small passes stay on `default_threads()`.
 LARGE_ROWS = 64
 
 

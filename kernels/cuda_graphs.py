@@ -3,7 +3,9 @@
 MLX records every ~100 ops into a CUDA graph, keys it by its node structure, and updates or
 instantiates an executable graph at each commit. Launching each kernel directly skips that host
 work and loses what graphs save at launch; which is faster depends on the model and the load
-(docs/BENCHMARKS.md, session 14), so `auto` keeps MLX's own default. MLX reads
+(
+bench/results/history/2026-12-02-h200-launch-cost-cuda-graphs-issues27-28.md),
+so `auto` keeps MLX's own default. MLX reads
 MLX_USE_CUDA_GRAPHS once, at its first GPU command: `apply` sets it before that. The same
 kernels run either way, in the same order on one stream, so a row's bits do not depend on the
 choice (and the startup proofs run under it). Elsewhere than CUDA the variable is never read.

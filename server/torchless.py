@@ -2,7 +2,9 @@
 
 lockstep runs on MLX alone, but transformers (loaded for the tokenizer) imports torch
 whenever it is installed, and that was most of a model load's time at every start where
-torch is present (docs/BENCHMARKS.md, session 6: restart). Marking torch absent
+torch is present (the restart figures:
+bench/results/history/2026-11-30-h200-attention-fix-skinny-speculation-restart.md).
+Marking torch absent
 (`sys.modules["torch"] = None`) makes transformers' availability check answer no and any
 `import torch` fail at once. LOCKSTEP_ALLOW_TORCH=1 leaves it importable.
 """

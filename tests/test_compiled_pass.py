@@ -3,7 +3,8 @@ runner uses them.
 
 The CPU has no pool kernel; `pool_kernel_double` stands in for it (tests/doubles/pool_kernel.py),
 for the pass built op by op and the compiled one alike, so the two compare bit for bit here.
-On the GPU the compiled pass runs the same primitives (bench/results/cuda, session 17).
+On the GPU the compiled pass runs the same primitives
+(bench/results/history/2026-12-02-h200-compiled-passes-issue28.md).
 """
 import logging
 

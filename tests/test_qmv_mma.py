@@ -4,7 +4,7 @@ that model, its launches, and which kernel a large 4-bit layer's rows take (a st
 kernels): canonical rows through qmv_mma at every width, one plain row through qmv_split, and
 the self-test refusing a stand-in whose rows depend on the width. The GPU agreement (rows alone
 and among others, closeness to the model) is its smoke test's, run at startup; its speed is in
-docs/BENCHMARKS.md, session 18."""
+bench/results/history/2026-12-02-h200-qmv-mma-issue28.md."""
 import re
 
 import mlx.core as mx

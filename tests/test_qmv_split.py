@@ -4,7 +4,8 @@ which arrays and layers it takes, and where the layers send their rows through i
 for the kernel): plain calls of a few rows and every canonical call of a large 4-bit layer,
 proven by the self-test, and refused where the stand-in's rows depend on the call's width.
 The GPU agreement (the kernel against the model bit for bit, rows alone and among others) is
-its smoke test's, run at startup; its speed is in docs/BENCHMARKS.md, session 16."""
+its smoke test's, run at startup; its speed is in
+bench/results/history/2026-12-02-h200-node-cost-qmv-split-issue28.md."""
 import re
 
 import mlx.core as mx

@@ -2,7 +2,8 @@
 the NumPy model (kernels/custom/split_attention_order.py), what it takes, and that only a
 pass with no row under the guarantee takes it (kv_pool.pass_attention). The kernel itself
 runs on CUDA only: its smoke test there checks it against the reference form and a row alone
-against the same row beside others; its timings are in docs/BENCHMARKS.md."""
+against the same row beside others; its timings are in
+bench/results/history/2026-12-03-h200-one-row-step-split-attention-issue28.md."""
 import mlx.core as mx
 import numpy as np
 import pytest

@@ -11,7 +11,8 @@ values go in and come back out. So each row count is traced once, and a later pa
 one compiled call that rebuilds the same graph in MLX's C++.
 
 Every row's KV is written with `put_along_axis`, never a slice at an array start: MLX's CUDA
-backend runs that (DynamicSliceUpdate) as several launches (docs/BENCHMARKS.md, session 17).
+backend runs that (DynamicSliceUpdate) as several launches
+(bench/results/history/2026-12-02-h200-compiled-passes-issue28.md).
 
 A pass is traced under the forms it runs with, and each kind keeps its own traces: plain
 (`native_forms`, the engine's passes of non-deterministic rows) or canonical

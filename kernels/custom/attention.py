@@ -21,7 +21,9 @@ import mlx.core as mx
 from . import compiled
 from .skinny import FLOAT_DTYPES, SOURCE_DIR, backend, compact_source
 
-ATT_WARPS = 8  # pooled_attention.cu's ATT_WARPS: the best of 4/8/16 (docs/BENCHMARKS.md, session 9)
+# pooled_attention.cu's ATT_WARPS: the best of 4/8/16 at most shapes measured
+# (bench/results/history/2026-12-01-h200-attention-warps-host-cost-4bit-floor.md)
+ATT_WARPS = 8
 THREADS = 32 * ATT_WARPS
 SOURCE_FILES = {"cuda": "pooled_attention.cu", "metal": "pooled_attention.metal"}
 

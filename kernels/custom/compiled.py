@@ -9,7 +9,8 @@ cache root (`<root>/cubin/<sha256>.cubin`, keyed by the whole source, the NVRTC 
 NVRTC's and MLX's versions and the device) and launched with
 `mx.fast.precompiled_cuda_kernel`. A restart reads the files and compiles nothing; a fresh
 start compiles the instances it is told about at once (`precompile`; one thread by default:
-NVRTC compiles in one process do not overlap, docs/BENCHMARKS.md session 11).
+NVRTC compiles in one process do not overlap:
+bench/results/history/2026-12-01-startup-serve-before-proofs-issue29.md).
 
 Where this cannot run (no NVRTC library, no CUDA headers, a compile that fails, a kernel
 that fails its smoke test on this path) one warning says why and the loaders keep today's
@@ -164,8 +165,9 @@ def _unpack(data: bytes) -> bytes | None:
 
 
 def default_workers() -> int:
-    """One: NVRTC compiles in one process do not overlap (H200, 13 instances: 0.65 s on one
-    thread, 1.05 s on 16; docs/BENCHMARKS.md), and each of ours takes ~50 ms."""
+    """One: NVRTC compiles in one process do not overlap, so more threads only add
+    contention (measured:
+    bench/results/history/2026-12-01-startup-serve-before-proofs-issue29.md)."""
     return 1
 
 
@@ -375,7 +377,8 @@ def shaped_launch(call, plan: dict, x_shape: tuple, shapes: list) -> Callable[..
 def traced(call, launch: dict) -> Callable[..., list]:
     """One launch shape's `call(inputs=[...], **launch)` as an mx.compile'd function of its
     inputs: MLX makes each later node from the traced primitive instead of converting every
-    argument again, the cubin's bytes among them (docs/BENCHMARKS.md, session 14). The same
+    argument again, the cubin's bytes among them
+    (bench/results/history/2026-12-02-h200-launch-cost-cuda-graphs-issues27-28.md). The same
     kernel with the same arguments: the same bits."""
     return mx.compile(lambda *inputs: call(inputs=list(inputs), **launch))
 

@@ -31,7 +31,8 @@ def lanes_per_step(k: int) -> int:
 def warp_shape(m: int, n: int) -> tuple:
     """(output columns, rows) per warp for an M-row call on N columns. From 5 rows, 4 columns
     x 8 rows a warp (each x load serves 4 columns, each weight load 8 rows; chosen at the 8B
-    layer shapes: docs/BENCHMARKS.md, session 8); for 2..4 rows one column a warp keeps
+    layer shapes: bench/results/history/2026-12-01-h200-gemv-rows-issue9.md);
+    for 2..4 rows one column a warp keeps
     enough warps in flight, but a wide N affords more. Never changes the order of an
     output's sum."""
     if m > 4:

@@ -26,11 +26,11 @@ CHUNK = 128  # codes of a column a warp takes at a time
 MAX_GRID_Y = 65535
 # Layers of at least this many weights (N * K) read faster through this kernel than through
 # MLX's quantized GEMV at one row on the H200 (an 8B model's q and o, gate, up, down, head);
-# smaller ones (k, v) slower (docs/BENCHMARKS.md, session 18).
+# smaller ones (k, v) slower (bench/results/history/2026-12-02-h200-qmv-mma-issue28.md).
 MIN_ELEMENTS = 16 << 20
 # Canonical rows of smaller layers would otherwise run qmv_rows blocks in MLX's GEMV order,
-# which take 2-3 times this kernel's time at 16 and 32 rows from layers of 4 M weights on (an
-# 8B's k and v; docs/BENCHMARKS.md, sessions 20 and 21).
+# which are slower than this kernel at 16 and 32 rows from layers of 4 M weights on (an 8B's
+# k and v; bench/results/history/2026-12-03-h200-plain-read-4bit-bounds-issue28.md).
 CANONICAL_MIN_ELEMENTS = MIN_ELEMENTS // 4
 _ARGS = "y, x_shape[0], w_shape[0], x_shape[1]);"
 _TEMPLATE = "<T, {fmt}, GROUP, WARPS, NT, ROWS, DEPTH>"
@@ -76,7 +76,7 @@ def block_warps(n: int, k: int) -> int:
 def block_tiles(n: int, k: int, m: int) -> int:
     """Column tiles of 8 a block takes (NT): which block computes an output, never its order.
     Wide layers, and large ones at more than 8 rows, read faster with more a block
-    (docs/BENCHMARKS.md, session 18)."""
+    (bench/results/history/2026-12-02-h200-qmv-mma-issue28.md)."""
     return 4 if n >= 8192 or (m > 8 and n * k >= 32 << 20) else 2
 
 

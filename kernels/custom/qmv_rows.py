@@ -72,14 +72,17 @@ def takes(mode: str, bits: int, group_size: int) -> bool:
 def warp_rows(m: int) -> int:
     """Rows per warp (MR): each weight load and dequantization serves MR rows; more rows
     per warp cost registers, so fewer warps in flight (4 measured best at 8 and 16 rows on
-    the H200: docs/BENCHMARKS.md, session 12). Never changes a row's order."""
+    the H200:
+    bench/results/history/2026-12-01-h200-4bit-decode-qmv-rows-issue28.md).
+    Never changes a row's order."""
     return 2 if m <= 2 else 4
 
 
 def warp_columns(n: int) -> int:
     """Output columns per warp (R): each x load serves R columns (x is read once per
     column group, not once per column); narrow layers keep one column a warp for enough
-    warps in flight. Measured at the 8B shapes (docs/BENCHMARKS.md, session 12)."""
+    warps in flight. Measured at the 8B shapes (
+    bench/results/history/2026-12-01-h200-4bit-decode-qmv-rows-issue28.md)."""
     return 4 if n >= 4096 else 1
 
 

@@ -27,7 +27,7 @@ THREADS = 128
 MAX_ROWS = 4 * 65535  # rows of MR = 4 a block row: the grid's y extent
 # Layers of at least this many weights (N * K) read faster through this kernel than through
 # MLX's quantized GEMV on the H200 (an 8B model's gate, up, down and head); smaller ones
-# (q, k, v, o) slower (docs/BENCHMARKS.md, session 16).
+# (q, k, v, o) slower (bench/results/history/2026-12-02-h200-node-cost-qmv-split-issue28.md).
 MIN_ELEMENTS = 32 << 20
 _ARGS = "y, x_shape[0], w_shape[0], x_shape[1]);"
 _BODIES = {

@@ -1,7 +1,9 @@
 """A custom kernel's smoke-test verdict, kept per machine (kernels/verdict_cache.py).
 
-A smoke test compiles a kernel's instances and runs them against MLX (tens of seconds on a
-GPU: docs/BENCHMARKS.md, session 8 startup), and without this a restart whose self-test proof comes from
+A smoke test compiles a kernel's instances and runs them against MLX (most of a fresh GPU
+start's self-test:
+bench/results/history/2026-12-01-h200-gemv-rows-issue9.md),
+and without this a restart whose self-test proof comes from
 the verdict cache would still pay that at every start. A pass is kept under a key naming the
 kernel, the digest of its source files and loader, MLX, the backend and the device; a
 failure is never kept, so it is tried again at the next start.

@@ -11,14 +11,15 @@ rows and whether they are canonical. The one place that decides: the layers
   faster there than `qmv_mma`); 2..16 rows of a large layer through `qmv_mma` (of a smaller
   one, MLX's call is faster); 17..32 rows of every layer `qmv_mma` takes through it; wider
   calls (prompt chunks) MLX's;
-each where it was fastest on the H200 (docs/BENCHMARKS.md, sessions 16, 18, 20 and 21).
+each where it was fastest on the H200 (bench/results/history/, issue 28's kernel files).
 
 Sibling layers (an attention block's q, k and v; an MLP's gate and up: they read the same x)
 run as parts of one `qmv_mma_parts` launch where each part is large enough to run `qmv_mma` on
 its own (an 8B's gate and up, not its k and v): a part's bits are then its own call's, so
 canonical rows take the launch at every width, and plain calls of 2..PLAIN_ROWS rows do. Per
 call it was as fast as the separate launches on the H200, while a q/k/v launch (k and v in it)
-was slower than q's own launch beside MLX's calls for k and v (docs/BENCHMARKS.md, session 19)."""
+was slower than q's own launch beside MLX's calls for k and v
+(bench/results/history/2026-12-02-h200-sibling-layers-graph-size-issue28.md)."""
 import mlx.nn as nn
 
 from . import qmv_mma, qmv_mma_parts, qmv_split

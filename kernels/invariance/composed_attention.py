@@ -2,7 +2,9 @@
 rows there are, for the CPU strategy `cpu_kernel` (attention form "composed").
 
 Per-query attention (one MLX attention call per row) spends a CPU step's time in per-op
-overhead (docs/BENCHMARKS.md, the CPU kernel). Here the rows share each call, and every
+overhead (
+bench/results/history/2026-11-30-cpu-kernel-issue13.md).
+Here the rows share each call, and every
 reduction runs as a matmul that the shim's invariant kernel takes (M = the pass's rows <= L;
 kernels/cpu_blas/invariant_gemm.c), whose order depends on K alone:
 - scores = (q * scale) @ kᵀ per head: K = head size, the same for any row count;

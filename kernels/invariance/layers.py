@@ -137,7 +137,8 @@ def call_without_head(model, inputs: mx.array, cache) -> mx.array:
 # the row count, then the op (a one-row call under a setting whose row is the plain op is
 # exactly the native op: decode pays ~nothing on the host beyond nn.Linear's own call).
 # `x.size == x.shape[-1]`: one row. The base classes are called by name: super() costs host
-# time on every linear (docs/BENCHMARKS.md, session 9).
+# time on every linear (
+# bench/results/history/2026-12-01-h200-attention-warps-host-cost-4bit-floor.md).
 _linear_call = nn.Linear.__call__
 _quantized_linear_call = nn.QuantizedLinear.__call__
 _embedding_as_linear = nn.Embedding.as_linear
@@ -303,7 +304,9 @@ _SDPA_REQUIRED = frozenset(n for n, p in _SDPA_SIGNATURE.parameters.items() if p
 def _sdpa_arguments(args, kwargs) -> dict:
     """The attention call's arguments by name, as `_SDPA_SIGNATURE.bind(...).arguments`
     gives them (defaults left out), without inspect's bind on the common calls: it costs
-    host time once per layer per pass (docs/BENCHMARKS.md, session 9); anything unusual
+    host time once per layer per pass (
+    bench/results/history/2026-12-01-h200-attention-warps-host-cost-4bit-floor.md);
+    anything unusual
     still goes through it (and its errors)."""
     if len(args) <= len(_SDPA_NAMES) and all(k in _SDPA_NAMES for k in kwargs):
         a = dict(zip(_SDPA_NAMES, args))

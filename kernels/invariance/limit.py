@@ -37,12 +37,14 @@ from .selftest import SelfTestResult, per_request_self_test, seconds_per_step, s
 # Candidates "auto" tries, in order; the first proven is kept. rowwise is the fallback. A
 # candidate that cannot run here (gemv_rows or skinny without CUDA / a GPU kernel API, or
 # L > 64; cpu_kernel off the CPU) is skipped unproven. cpu_kernel (the OpenBLAS shim's own
-# kernel, CPU only) comes first: it batches rows over one read of the weights (8 rows: see
-# docs/BENCHMARKS.md). gemv_rows (CUDA) before the others: decode stays MLX's own
+# kernel, CPU only) comes first: it batches rows over one read of the weights (docs/BENCHMARKS.md,
+# CPU). gemv_rows (CUDA) before the others: decode stays MLX's own
 # single-row GEMV and blocks read the weights once per 8 rows, faster than skinny for one
 # stream and for 16 clients of SmolLM2. At the 8B shape skinny's blocks cost less:
 # `--invariant-strategy skinny` for wide deterministic batches of large models (figures for
-# both: docs/BENCHMARKS.md, session 8). strided_gemv before skinny elsewhere: its single
+# both:
+# bench/results/history/2026-12-01-h200-gemv-rows-issue9.md).
+# strided_gemv before skinny elsewhere: its single
 # row is the plain call; on CUDA with 16-bit activations skinny comes before it
 # (CUDA_16BIT_AUTO_CANDIDATES: at 16 rows of an 8B shape strided_gemv failed the proof).
 # Metal's skinny kernel has never been measured, so Metal keeps the default order.

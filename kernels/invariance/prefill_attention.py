@@ -2,8 +2,9 @@
 
 MLX's CPU attention builds, masks and exponentiates the whole (rows x keys) score matrix,
 with scalar math on x86; for a causal prompt chunk the masked upper triangle is half of that
-work (docs/BENCHMARKS.md, the CPU default: a layer's attention of 500 rows whole and in
-blocks). Each block of BLOCK query rows here attends only the keys up to its last row, through
+work (a layer's attention of 500 rows whole and in blocks:
+bench/results/history/2026-11-30-cpu-default-prefill-blocks-issue10.md).
+Each block of BLOCK query rows here attends only the keys up to its last row, through
 the model's own attention call with its causal mask, and the blocks are concatenated.
 
 The blocks are cut by the chunk's own length, counted from its first row, so a chunk's

@@ -4,8 +4,10 @@ On CUDA, `precompile_kernels` compiles them all at once, concurrently, and keeps
 machine (kernels/custom/compiled.py), so a restart compiles none; it runs as soon as a
 strategy is installed, before its self-test. `build_kernels` then runs the model once at every
 width: what the custom kernels leave to first use (MLX's own kernels for each width, module
-loads) happens at startup, not in the first passes (docs/BENCHMARKS.md, session 7: the
-first-burst stalls). A proof taken from the verdict cache launches nothing itself.
+loads) happens at startup, not in the first passes, where it stalled the first burst of
+clients (
+bench/results/history/2026-11-30-h200-32-clients-issue8.md).
+A proof taken from the verdict cache launches nothing itself.
 """
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ DEFAULT_GRAMMAR_QUEUE = 16
 # twice the default max_tokens leaves room for an answer that deletes much of its prediction.
 DEFAULT_MAX_PREDICTION_TOKENS = 8192
 # On MLX's CPU backend a prompt of the full 8192-token context holds a slot for minutes
-# (q4 prefills ~9 tok/s on 2 cores; float32 on OpenBLAS ~250), so the CPU gets a default cap.
+# (prefill there is orders of magnitude slower than on a GPU: docs/BENCHMARKS.md, CPU), so the
+# CPU gets a default cap.
 # Set --max-prompt-tokens to raise it.
 DEFAULT_CPU_MAX_PROMPT_TOKENS = 2048
 
