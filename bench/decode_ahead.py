@@ -137,7 +137,9 @@ def main():
                   f"passes {deployment.shared_passes}, compiled canonical passes "
                   f"{deployment.compiled_canonical_passes}")
         loaded = Loaded(model, weights=weights)
-        engines = {name: Engine(loaded, max_active=8, deployment=replace(deployment, decode_ahead=on))
+        widest = max(8, *(int(s) for s in a.streams.split(",")))  # every stream decodes in each step
+        engines = {name: Engine(loaded, max_active=widest, max_batch_rows=widest,
+                                deployment=replace(deployment, decode_ahead=on))
                    for name, on in (("ahead", True), ("one at a time", False))}
         for engine in engines.values():
             engine.start()
