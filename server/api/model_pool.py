@@ -287,6 +287,7 @@ class ModelPool:
             return
         for service in services:
             self._stop(service)
+        del service  # the reclaim below must find no reference left
         services.clear()
         self._reclaim()
 
