@@ -233,11 +233,11 @@ class ModelPool:
                                 f"--models-memory-bytes ({self.budget_bytes}) have requests in flight; retry shortly",
                            type="server_error", param="model", code="model_memory_busy",
                            headers={"Retry-After": str(LOAD_RETRY_AFTER_S)})
-        services = [self._take_out(victim, "to make room in the memory budget") for victim in victims]
+        taken = [self._take_out(victim, "to make room in the memory budget") for victim in victims]
         model.state, model.problem = LOADING, ""
-        return services
+        return taken
 
-    def _run_load(self, model: PooledModel, victims: list[LoadedService]) -> None:
+    def _run_load(self, model: PooledModel, victims: list[tuple[PooledModel, LoadedService]]) -> None:
         """On a thread of its own: unload the victims, load the model, wake its waiters."""
         self._release(victims)
         started = time.perf_counter()
@@ -272,24 +272,28 @@ class ModelPool:
 
     # ------------------------------------------------------------------ unloading
 
-    def _take_out(self, model: PooledModel, why: str) -> LoadedService:
+    def _take_out(self, model: PooledModel, why: str) -> tuple[PooledModel, LoadedService]:
         """Under the lock: the model marked unloaded (new requests load it again); its service,
         for `_release` to stop outside the lock."""
         service, model.service, model.state = model.service, None, UNLOADED
-        model.unloads += 1
         self.cancelled_before += service.engine.counts()["cancelled"]
         log.info("model %s unloaded %s", model.name, why)
-        return service
+        return model, service
 
-    def _release(self, services: list[LoadedService]) -> None:
-        """Stop the services' engines, drop them, and give their memory back."""
-        if not services:
+    def _release(self, taken: list[tuple[PooledModel, LoadedService]]) -> None:
+        """Stop the taken services' engines, drop them and give their memory back; then count
+        the unloads (a model's `unloads` counts unloads whose memory is back)."""
+        if not taken:
             return
-        for service in services:
+        models = [model for model, _ in taken]
+        for _, service in taken:
             self._stop(service)
         del service  # the reclaim below must find no reference left
-        services.clear()
+        taken.clear()
         self._reclaim()
+        with self._lock:
+            for model in models:
+                model.unloads += 1
 
     def unload_idle(self) -> int:
         """Unload every loaded model idle for --idle-unload seconds; returns how many."""
