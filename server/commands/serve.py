@@ -180,7 +180,7 @@ def build_app_from_args(args: argparse.Namespace):
     if several_models(args):
         from lockstep.server.commands.serve_models import build_pool_app
 
-        return build_pool_app(args)
+        return build_pool_app(args, start_engine)
     single_model(args)
     runtime, engine = start_engine(args)
     return build_app(args, runtime, engine), engine

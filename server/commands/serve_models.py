@@ -24,10 +24,9 @@ def weights_bytes(model) -> int:
     return sum(value.nbytes for _, value in tree_flatten(model.parameters()))
 
 
-def load_service(args: argparse.Namespace, entry: ModelEntry) -> LoadedService:
-    """One model's runtime and started engine, built as a single-model server builds its own."""
-    from lockstep.server.commands.serve import start_engine
-
+def load_service(args: argparse.Namespace, entry: ModelEntry, start_engine) -> LoadedService:
+    """One model's runtime and started engine, built as a single-model server builds its own
+    (`start_engine`: serve.py's)."""
     runtime, engine = start_engine(argparse.Namespace(**{**vars(args), **entry.options}))
     return LoadedService(engine=engine, info=runtime.model_info, nbytes=weights_bytes(runtime.loaded.model))
 
@@ -42,23 +41,23 @@ def reclaim_memory() -> None:
     mx.clear_cache()
 
 
-def model_pool(args: argparse.Namespace, entries: list[ModelEntry]) -> ModelPool:
+def model_pool(args: argparse.Namespace, entries: list[ModelEntry], start_engine) -> ModelPool:
     budget = args.models_memory_bytes
     if budget is None:
         budget = max(1, int(DEFAULT_MODELS_MEMORY_FRACTION * mx.get_memory_limit()))
-    return ModelPool(entries, lambda entry: load_service(args, entry), stop_service, reclaim_memory,
+    return ModelPool(entries, lambda entry: load_service(args, entry, start_engine), stop_service, reclaim_memory,
                      budget_bytes=budget, idle_unload_s=args.idle_unload,
                      load_timeout_s=DEFAULT_LOAD_TIMEOUT_S if args.load_timeout is None else args.load_timeout)
 
 
-def build_pool_app(args: argparse.Namespace):
-    """The app over every model `args` name (ValueError: bad flags or config). Returns (app, pool):
-    the pool started (its models preloaded with --preload)."""
+def build_pool_app(args: argparse.Namespace, start_engine):
+    """The app over every model `args` name, each built by `start_engine` (serve.py's; ValueError:
+    bad flags or config). Returns (app, pool): the pool started (its models preloaded with --preload)."""
     from lockstep.server.api.app import create_app
     from lockstep.server.commands.http_args import http_settings_from_args
     from lockstep.server.commands.models_config import model_entries
 
-    pool = model_pool(args, model_entries(args))
+    pool = model_pool(args, model_entries(args), start_engine)
     app = create_app(pool=pool, guarantee_timeout=args.guarantee_timeout,
                      deterministic_by_default=args.deterministic_by_default, record_dir=args.record,
                      **http_settings_from_args(args))
