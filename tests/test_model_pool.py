@@ -99,6 +99,10 @@ def test_two_models_answer_as_their_own_servers(live_server, tiny_dir):
         assert listed["tiny"]["context_length"] == 2048 != listed["smol"]["context_length"]
         assert listed["tiny:deterministic"]["deterministic_by_name"] is True
         assert client.models.retrieve("tiny").id == "tiny"
+        assert client.responses.create(model="smol", input="Say hi", max_output_tokens=3).model == "smol"
+        counted = httpx.post(url + "/v1/messages/count_tokens",
+                             json={"model": "smol", "messages": [{"role": "user", "content": "hi"}]})
+        assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
         with pytest.raises(NotFoundError) as missing:
             client.completions.create(model="nope", prompt="x", max_tokens=1)
         assert missing.value.body["code"] == "model_not_found"

@@ -48,10 +48,19 @@ def add_models_arguments(parser: argparse.ArgumentParser) -> None:
 def several_models(args: argparse.Namespace) -> bool:
     """Whether `args` ask for the model pool rather than the single-model server: more than one
     model, a named one, a config file, or a flag only the pool has."""
-    models = args.model if isinstance(args.model, list) else [args.model]
+    models = given_models(args)
     pool_flags = (args.preload, args.idle_unload, args.models_memory_bytes, args.load_timeout)
-    return bool(len(models) > 1 or args.models_config or any(_split(m)[0] for m in models if m)
+    return bool(len(models) > 1 or args.models_config or any(_split(m)[0] for m in models)
                 or any(flag not in (None, False) for flag in pool_flags))
+
+
+def given_models(args: argparse.Namespace) -> list[str]:
+    """The --model values given (the default one where neither --model nor a config file was)."""
+    if getattr(args, "_models_given", None):
+        return list(args._models_given)
+    if isinstance(args.model, list):
+        return list(args.model)
+    return [] if args.models_config else [args.model or DEFAULT_MODEL]
 
 
 def single_model(args: argparse.Namespace) -> None:
@@ -65,7 +74,7 @@ def model_entries(args: argparse.Namespace) -> list[ModelEntry]:
     config file, an unknown option, or two models under one name)."""
     base = {key: getattr(args, key, None) for key in PER_MODEL_OPTIONS}
     entries = []
-    for value in (args.model if isinstance(args.model, list) else [args.model] if args.model else []):
+    for value in given_models(args):
         name, spec = _split(value)
         entries.append(_entry({"name": name, "model": spec} if name else {"model": spec}, base, "--model"))
     if args.models_config:

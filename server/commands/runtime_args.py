@@ -12,9 +12,18 @@ from lockstep.server.options import (AUDIT_MODES, CPU_BLAS_CHOICES, DEFAULT_AUDI
 from lockstep.server.runtime import Options, limit_from_env
 
 
+class _RepeatedModel(argparse.Action):
+    """`--model` once: the spec, a string as every command has it; again: the list of them all."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        given = getattr(namespace, "_models_given", [])
+        namespace._models_given = given + [value]
+        setattr(namespace, self.dest, value if not given else given + [value])
+
+
 def add_model_argument(parser: argparse.ArgumentParser, repeatable: bool = False) -> None:
     if repeatable:  # serve: several models, each --model NAME=SPEC or SPEC (server/commands/models_config.py)
-        parser.add_argument("--model", action="append", default=None, metavar="[NAME=]SPEC",
+        parser.add_argument("--model", action=_RepeatedModel, default=DEFAULT_MODEL, metavar="[NAME=]SPEC",
                             help='"default" (the embedded SmolLM2-135M-Instruct; the default), an mlx-lm dir '
                                  'or a .gguf; given more than once (NAME= names each), one server serves them all')
         return
