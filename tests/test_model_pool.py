@@ -210,3 +210,14 @@ def test_idle_unload_skips_a_busy_model_and_counts_idle_time_from_its_last_reque
     assert pool.unload_idle() == 0
     now[0] = 60.0
     assert pool.unload_idle() == 1 and engines["a"].stopped and pool.models["a"].unloads == 1
+
+
+def test_a_model_that_fails_to_load_is_a_clear_error_and_the_others_serve(tiny_dir, tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pool_server("--model", f"tiny={tiny_dir}", "--model", f"broken={missing}") as (client, url, pool):
+        with pytest.raises(InternalServerError) as failed:
+            complete(client, "broken", TINY_PROMPT)
+        assert failed.value.status_code == 500 and failed.value.body["code"] == "model_load_failed"
+        assert str(missing) in failed.value.body["message"]
+        assert states(url)["broken"]["state"] == UNLOADED and "load_problem" in states(url)["broken"]
+        assert len(complete(client, "tiny", TINY_PROMPT)) == 6
