@@ -35,7 +35,9 @@ from lockstep.server.api.messages import MessagesRoute
 from lockstep.server.api.limits import (BodySizeLimit, Limits, max_tokens_too_large, prediction_too_long,
                                         prompt_too_long, queue_full)
 from lockstep.server.api.metrics import Metrics
-from lockstep.server.api.model_pool import ModelPool
+# "default" names the (first) model; `<model>:deterministic` asks for deterministic mode by the
+# model's name, for clients that drop extra body fields (docs/API.md)
+from lockstep.server.api.model_pool import DETERMINISTIC_SUFFIX, MODEL_ALIAS, ModelPool  # noqa: F401
 from lockstep.server.api.recorder import RecordedGroup, Recorder
 from lockstep.server.api.request_record import RecordRequests, current, track
 from lockstep.server.api.responses import ResponsesRoute
@@ -49,10 +51,6 @@ from lockstep.server.engine.sampling import GREEDY_BELOW, SamplingParams
 from lockstep.server.api.tool_call_stream import ToolCallStream, call_stream
 from lockstep.server.api.tool_calls import ParsedCall, new_call_id, tool_format
 
-MODEL_ALIAS = "default"
-# `<model>:deterministic` asks for deterministic mode by the model's name, for clients that drop
-# extra body fields (docs/API.md); listed in /v1/models beside the plain name.
-DETERMINISTIC_SUFFIX = ":deterministic"
 # How long a deterministic request waits for a guarantee still being proven (`--guarantee-timeout`),
 # and the Retry-After of its 503 when that runs out.
 DEFAULT_GUARANTEE_TIMEOUT_S = 120.0

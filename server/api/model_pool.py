@@ -30,7 +30,8 @@ log = logging.getLogger("lockstep.models")
 
 UNLOADED, LOADING, LOADED = "unloaded", "loading", "loaded"
 STATES = (UNLOADED, LOADING, LOADED)
-MODEL_ALIAS = "default"  # the first model, as the one model of a single-model server
+MODEL_ALIAS = "default"  # the served model; of several, the first
+# `<model>:deterministic` asks for deterministic mode by the model's name (listed beside it)
 DETERMINISTIC_SUFFIX = ":deterministic"
 DEFAULT_LOAD_TIMEOUT_S = 120.0
 LOAD_RETRY_AFTER_S = 5
