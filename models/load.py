@@ -27,6 +27,11 @@ class LoadedModel:
 
 
 def _served_name(spec: str, path: Path) -> str:
+    return served_name(spec)
+
+
+def served_name(spec: str) -> str:
+    """The id a model spec is served as, known before it loads."""
     if spec == DEFAULT_SPEC:
         return EMBEDDED_NAME
     source = Path(spec).expanduser()

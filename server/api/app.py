@@ -9,6 +9,7 @@ The `model` field must name the served model (its `name`) or the alias "default"
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import secrets
@@ -34,6 +35,9 @@ from lockstep.server.api.messages import MessagesRoute
 from lockstep.server.api.limits import (BodySizeLimit, Limits, max_tokens_too_large, prediction_too_long,
                                         prompt_too_long, queue_full)
 from lockstep.server.api.metrics import Metrics
+# "default" names the (first) model; `<model>:deterministic` asks for deterministic mode by the
+# model's name, for clients that drop extra body fields (docs/API.md)
+from lockstep.server.api.model_pool import DETERMINISTIC_SUFFIX, MODEL_ALIAS, ModelPool  # noqa: F401
 from lockstep.server.api.recorder import RecordedGroup, Recorder
 from lockstep.server.api.request_record import RecordRequests, current, track
 from lockstep.server.api.responses import ResponsesRoute
@@ -47,10 +51,6 @@ from lockstep.server.engine.sampling import GREEDY_BELOW, SamplingParams
 from lockstep.server.api.tool_call_stream import ToolCallStream, call_stream
 from lockstep.server.api.tool_calls import ParsedCall, new_call_id, tool_format
 
-MODEL_ALIAS = "default"
-# `<model>:deterministic` asks for deterministic mode by the model's name, for clients that drop
-# extra body fields (docs/API.md); listed in /v1/models beside the plain name.
-DETERMINISTIC_SUFFIX = ":deterministic"
 # How long a deterministic request waits for a guarantee still being proven (`--guarantee-timeout`),
 # and the Retry-After of its 503 when that runs out.
 DEFAULT_GUARANTEE_TIMEOUT_S = 120.0
@@ -131,12 +131,14 @@ class Routes:
 
     def __init__(self, engine: Engine, fingerprint: str | None, limits: Limits = Limits(), log_prompts: bool = False,
                  guarantee_timeout: float = DEFAULT_GUARANTEE_TIMEOUT_S, drain: Drain | None = None,
-                 deterministic_by_default: bool = False, recorder: Recorder | None = None):
+                 deterministic_by_default: bool = False, recorder: Recorder | None = None,
+                 name: str | None = None, grammar_checks: GrammarChecks | None = None):
         self.engine = engine
         self.drain = drain or Drain()
         self.deterministic_by_default = deterministic_by_default
         self.recorder = recorder
         self.loaded = engine.loaded
+        self.name = name or (self.loaded.name if self.loaded is not None else "")  # the id it is served as
         self._fingerprint = fingerprint
         self.limits = limits
         self.guarantee_timeout = guarantee_timeout
@@ -144,7 +146,7 @@ class Routes:
         self.created = int(time.time())
         self.tool_format = tool_format(self.loaded.tokenizer) if self.loaded is not None else None
         self.constraints = Constraints(self.loaded, self.tool_format)
-        self.grammar_checks = GrammarChecks(limits.grammar_workers, limits.grammar_queue)
+        self.grammar_checks = grammar_checks or GrammarChecks(limits.grammar_workers, limits.grammar_queue)
 
     @property
     def fingerprint(self) -> str:
@@ -155,7 +157,7 @@ class Routes:
     # ------------------------------------------------------------ request -> generation
 
     def _check_model(self, model: str) -> None:
-        if model.removesuffix(DETERMINISTIC_SUFFIX) not in (self.loaded.name, MODEL_ALIAS):
+        if model.removesuffix(DETERMINISTIC_SUFFIX) not in (self.name, MODEL_ALIAS):
             raise model_not_found(model)
 
     def _settle_determinism(self, body: p.SamplingRequest) -> None:
@@ -350,7 +352,7 @@ class Routes:
 
     async def chat(self, body: p.ChatCompletionRequest, receive=None):
         handles = await self.submit_chat(body)
-        common = {"id": p.new_id("chatcmpl"), "model": self.loaded.name, "system_fingerprint": self.fingerprint}
+        common = {"id": p.new_id("chatcmpl"), "model": self.name, "system_fingerprint": self.fingerprint}
         if body.service_tier is not None:  # one tier here, named as OpenAI names its standard one
             common["service_tier"] = "default"
         legacy = body.legacy_functions()
@@ -398,7 +400,7 @@ class Routes:
 
     async def completions(self, body: p.CompletionRequest, receive=None):
         handles = await self._submit(body, self._completion_tokens, "prompt")
-        common = {"id": p.new_id("cmpl"), "model": self.loaded.name, "system_fingerprint": self.fingerprint}
+        common = {"id": p.new_id("cmpl"), "model": self.name, "system_fingerprint": self.fingerprint}
 
         def choice(i: int, d: Delta) -> p.CompletionChoice:
             logprobs = _completion_logprobs(d) if body.logprobs is not None else None
@@ -425,7 +427,7 @@ class Routes:
         extras = _extras(extras)
         info = {"weights": self.loaded.weights, "context_length": self.loaded.context_length,
                 "batching": self.engine.describe()}
-        return p.ModelCard(id=self.loaded.name, created=self.created, lockstep={**info, **extras})
+        return p.ModelCard(id=self.name, created=self.created, lockstep={**info, **extras})
 
     def models(self, extras: dict | None) -> p.ModelList:
         card = self.model_card(extras)
@@ -444,9 +446,42 @@ class Routes:
         return card
 
 
+def _pool_cards(pool: ModelPool, model, created: int) -> tuple[p.ModelCard, p.ModelCard]:
+    """A pooled model's /v1/models entries, plain and `:deterministic`: its state and load counts,
+    and, while loaded, its own details (audit, guarantee, batching) as a single-model server
+    lists them."""
+    service = model.service
+    status = pool.status(model)
+    details = {"state": status["state"], "loads": status["loads"], "unloads": status["unloads"],
+               **({"weights_bytes": status["weights_bytes"]} if "weights_bytes" in status else {}),
+               **({"load_problem": status["load_problem"]} if "load_problem" in status else {}),
+               **({"default": True} if model.name == pool.default else {})}
+    if service is not None and service.routes is not None:
+        card = service.routes.model_card(service.info)
+        card = card.model_copy(update={"lockstep": {**details, **card.lockstep}})
+    else:
+        card = p.ModelCard(id=model.name, created=created, lockstep=details)
+    deterministic = card.model_copy(update={"id": model.name + DETERMINISTIC_SUFFIX,
+                                            "lockstep": {**card.lockstep, "deterministic_by_name": True}})
+    return card, deterministic
+
+
+class OneModel:
+    """The one model of a single-model server, behind the interface a `ModelPool` has."""
+
+    def __init__(self, routes: Routes):
+        self.routes = routes
+
+    @contextlib.asynccontextmanager
+    async def use(self, name: str):
+        self.routes._check_model(name)
+        yield self.routes
+
+
 def create_app(
-    engine: Engine,
+    engine: Engine | None = None,
     *,
+    pool: ModelPool | None = None,
     model_extras: dict | Callable[[], dict] | None = None,
     fingerprint: str | None = None,
     api_keys: Sequence[str] = (),
@@ -456,8 +491,9 @@ def create_app(
     deterministic_by_default: bool = False,
     record_dir: str | None = None,
 ) -> FastAPI:
-    """The HTTP app for `engine`'s model. `model_extras` (or what it returns, when a function) is
-    added to its /v1/models entry; `fingerprint` (default: the deployment's) is every response's
+    """The HTTP app for `engine`'s model, or for the models of `pool` (each its own engine, loaded
+    on demand: server/api/model_pool.py; each model's details are then its `info`). `model_extras`
+    (or what it returns, when a function) is added to the one model's /v1/models entry; `fingerprint` (default: the deployment's) is every response's
     system_fingerprint.
 
     `api_keys` (empty: auth off) guard /v1 and /metrics; `limits` caps bodies, tokens and
@@ -467,16 +503,32 @@ def create_app(
     `record_dir`: each answered request is appended there (server/api/recorder.py).
     """
     drain = Drain()
-    routes = Routes(engine, fingerprint, limits, log_prompts, guarantee_timeout, drain, deterministic_by_default,
-                    Recorder(record_dir) if record_dir else None)
+    recorder = Recorder(record_dir) if record_dir else None
     app = FastAPI(title="lockstep", docs_url=None, redoc_url=None)
-    app.state.engine = engine
     app.state.drain = drain
     metrics = Metrics()
-    metrics.watch_engine(engine)
-    metrics.watch_startup(lambda: _extras(model_extras).get("startup", {}), engine.guarantee)
-    engine.max_waiting = limits.max_queue
-    app.state.drain.on_cut.append(lambda: engine.cut_off(SHUTTING_DOWN))
+    if pool is None:
+        routes = Routes(engine, fingerprint, limits, log_prompts, guarantee_timeout, drain, deterministic_by_default,
+                        recorder)
+        models = OneModel(routes)
+        app.state.engine = engine
+        metrics.watch_engine(engine)
+        metrics.watch_startup(lambda: _extras(model_extras).get("startup", {}), engine.guarantee)
+        engine.max_waiting = limits.max_queue
+        app.state.drain.on_cut.append(lambda: engine.cut_off(SHUTTING_DOWN))
+    else:
+        grammar_checks = GrammarChecks(limits.grammar_workers, limits.grammar_queue)  # one pool for every model
+
+        def make_routes(service, name: str) -> Routes:
+            service.engine.max_waiting = limits.max_queue
+            return Routes(service.engine, fingerprint, limits, log_prompts, guarantee_timeout, drain,
+                          deterministic_by_default, recorder, name=name, grammar_checks=grammar_checks)
+
+        pool.make_routes = make_routes
+        models = pool
+        app.state.pool = pool
+        metrics.watch_pool(pool)
+        app.state.drain.on_cut.append(lambda: sum(e.cut_off(SHUTTING_DOWN) for e in pool.loaded_engines()))
     install_error_handlers(app)
     # Added innermost first: Retry-After -> record (log, metrics) -> drain -> auth -> body size -> routes.
     app.add_middleware(BodySizeLimit, limit=limits.max_body_bytes)
@@ -487,19 +539,21 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
-        return await routes.chat(body, request.receive)
+        async with models.use(body.model) as routes:
+            return await routes.chat(body, request.receive)
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request):
-        return await routes.completions(body, request.receive)
+        async with models.use(body.model) as routes:
+            return await routes.completions(body, request.receive)
 
-    responses = ResponsesRoute(routes)
+    responses = ResponsesRoute(models)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
         return await responses.create(body, request.receive)
 
-    messages = MessagesRoute(routes)
+    messages = MessagesRoute(models)
 
     @app.post("/v1/messages")  # Anthropic's Messages API (server/api/messages.py)
     async def create_message(request: Request):
@@ -509,18 +563,41 @@ def create_app(
     async def count_message_tokens(request: Request):
         return await messages.count_tokens(await request.body())
 
-    @app.get("/v1/models")
-    async def list_models():
-        return JSONResponse(routes.models(model_extras).model_dump())
+    if pool is None:
+        @app.get("/v1/models")
+        async def list_models():
+            return JSONResponse(routes.models(model_extras).model_dump())
 
-    @app.get("/v1/models/{model_id:path}")  # ids may hold slashes ("org/name")
-    async def retrieve_model(model_id: str):
-        return JSONResponse(routes.model(model_id, model_extras).model_dump())
+        @app.get("/v1/models/{model_id:path}")  # ids may hold slashes ("org/name")
+        async def retrieve_model(model_id: str):
+            return JSONResponse(routes.model(model_id, model_extras).model_dump())
 
-    @app.head("/health", include_in_schema=False)  # load balancers often probe with HEAD
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": engine.loaded.name, "guarantee": engine.guarantee.state, **engine.counts()}
+        @app.head("/health", include_in_schema=False)  # load balancers often probe with HEAD
+        @app.get("/health")
+        async def health():
+            return {"status": "ok", "model": engine.loaded.name, "guarantee": engine.guarantee.state,
+                    **engine.counts()}
+    else:
+        created = int(time.time())
+
+        @app.get("/v1/models")
+        async def list_models():
+            cards = [card for model in pool.models.values() for card in _pool_cards(pool, model, created)]
+            return JSONResponse(p.ModelList(data=cards).model_dump())
+
+        @app.get("/v1/models/{model_id:path}")
+        async def retrieve_model(model_id: str):
+            plain, deterministic = _pool_cards(pool, pool.find(model_id), created)
+            return JSONResponse((deterministic if model_id.endswith(DETERMINISTIC_SUFFIX) else plain).model_dump())
+
+        @app.head("/health", include_in_schema=False)
+        @app.get("/health")
+        async def health():
+            default = pool.models[pool.default]
+            return {"status": "ok", "model": pool.default,
+                    # "proving" while any loaded model proves, so a caller waiting for it sees it
+                    "guarantee": "proving" if pool.proving() else pool.status(default)["guarantee"] or default.state,
+                    **pool.counts(), "models": {m.name: pool.status(m) for m in pool.models.values()}}
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics():

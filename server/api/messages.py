@@ -231,26 +231,28 @@ class ContentBlocks:
 # ----------------------------------------------------------------------------- route
 
 class MessagesRoute:
-    """/v1/messages on top of the chat route's submission (`routes`: server.api.app.Routes)."""
+    """/v1/messages on top of the chat route's submission (`models.use(name)` gives the named
+    model's server.api.app.Routes)."""
 
-    def __init__(self, routes):
-        self.routes = routes
+    def __init__(self, models):
+        self.models = models
 
     async def create(self, raw: bytes, receive=None):
         try:
             body = parse(mp.MessagesRequest, raw)
             chat = chat_request(body)
-            handles = await self.routes.submit_chat(chat)
+            async with self.models.use(chat.model) as routes:
+                handles = await routes.submit_chat(chat)
         except APIError as exc:
             exc.body.param = PARAMS.get(exc.body.param, exc.body.param)
             exc.body.message = _renamed(exc.body.message)
             return anthropic_error(exc)
-        blocks = ContentBlocks(self.routes.tool_calls_stream(chat))
-        message = mp.Message(id=mp.new_id("msg"), model=self.routes.loaded.name,
+        blocks = ContentBlocks(routes.tool_calls_stream(chat))
+        message = mp.Message(id=mp.new_id("msg"), model=routes.name,
                              usage=mp.Usage(input_tokens=0, output_tokens=0))
         if not body.stream:
             try:
-                final = (await self.routes.collect(handles, receive))[0]
+                final = (await routes.collect(handles, receive))[0]
             except APIError as exc:
                 return anthropic_error(exc)
             blocks.add(final.text)
@@ -261,9 +263,10 @@ class MessagesRoute:
     async def count_tokens(self, raw: bytes):
         try:
             body = parse(mp.CountTokensRequest, raw)
-            self.routes._check_model(body.model)
             chat = chat_request(body)
-            tokens = self.routes._chat_tokens(chat)
+            async with self.models.use(body.model) as routes:
+                routes._check_model(body.model)
+                tokens = routes._chat_tokens(chat)
         except APIError as exc:
             return anthropic_error(exc)
         return JSONResponse({"input_tokens": len(tokens)})

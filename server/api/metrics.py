@@ -55,6 +55,16 @@ class Metrics:
         self.registry.register(_EngineCancellations(engine))
         engine.observers.append(self)
 
+    def watch_pool(self, pool) -> None:
+        """Several models (server/api/model_pool.py): the gauges and the cancellation count summed
+        over the loaded engines (the unloaded ones' cancellations kept), each engine observed from
+        its load on, and each model's state and guarantee."""
+        self.queue_depth.set_function(lambda: pool.counts()["waiting"])
+        self.active.set_function(lambda: pool.counts()["active"])
+        self.registry.register(_EngineCancellations(pool))
+        pool.on_load.append(lambda service: service.engine.observers.append(self))
+        self.registry.register(_ModelStates(pool))
+
     def watch_startup(self, startup, guarantee) -> None:
         """Startup phases (`startup()`: /v1/models' startup object, whose phases_s and compile_s
         map phase -> seconds, the proofs' too once they ran) and where the guarantee stands (a
@@ -102,7 +112,8 @@ class Metrics:
 
 
 class _EngineCancellations:
-    """`lockstep_cancelled_requests_total`: the engine's own count, the one /health reports."""
+    """`lockstep_cancelled_requests_total`: the engine's own count (or a model pool's, over its
+    engines), the one /health reports."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -145,3 +156,31 @@ class _Startup:
         for name in STATES:
             state.add_metric([name], 1.0 if self.guarantee.state == name else 0.0)
         yield state
+
+
+class _ModelStates:
+    """`lockstep_model_state{model,state}` (loaded, loading, unloaded) and
+    `lockstep_model_guarantee_state{model,state}` (none while unloaded): 1 for the current one."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def describe(self):
+        return []  # collected at scrape time only
+
+    def collect(self):
+        from lockstep.server.api.model_pool import STATES as MODEL_STATES
+        from lockstep.server.engine.guarantee_state import STATES
+
+        states = GaugeMetricFamily("lockstep_model_state", "Each model's state (1: current)",
+                                   labels=["model", "state"])
+        guarantees = GaugeMetricFamily("lockstep_model_guarantee_state", "Each loaded model's determinism "
+                                       "guarantee state (1: current)", labels=["model", "state"])
+        for model in self.pool.models.values():
+            status = self.pool.status(model)
+            for name in MODEL_STATES:
+                states.add_metric([model.name, name], 1.0 if status["state"] == name else 0.0)
+            for name in STATES:
+                guarantees.add_metric([model.name, name], 1.0 if status["guarantee"] == name else 0.0)
+        yield states
+        yield guarantees

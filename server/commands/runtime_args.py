@@ -12,7 +12,21 @@ from lockstep.server.options import (AUDIT_MODES, CPU_BLAS_CHOICES, DEFAULT_AUDI
 from lockstep.server.runtime import Options, limit_from_env
 
 
-def add_model_argument(parser: argparse.ArgumentParser) -> None:
+class _RepeatedModel(argparse.Action):
+    """`--model` once: the spec, a string as every command has it; again: the list of them all."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        given = getattr(namespace, "_models_given", [])
+        namespace._models_given = given + [value]
+        setattr(namespace, self.dest, value if not given else given + [value])
+
+
+def add_model_argument(parser: argparse.ArgumentParser, repeatable: bool = False) -> None:
+    if repeatable:  # serve: several models, each --model NAME=SPEC or SPEC (server/commands/models_config.py)
+        parser.add_argument("--model", action=_RepeatedModel, default=DEFAULT_MODEL, metavar="[NAME=]SPEC",
+                            help='"default" (the embedded SmolLM2-135M-Instruct; the default), an mlx-lm dir '
+                                 'or a .gguf; given more than once (NAME= names each), one server serves them all')
+        return
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help='"default" (the embedded SmolLM2-135M-Instruct), an mlx-lm dir or a .gguf')
 
@@ -42,8 +56,8 @@ def add_kv_pool_argument(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--kv-pool", choices=KV_POOL_MODES, default=DEFAULT_KV_POOL, help=help)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_argument(parser)
+def add_model_arguments(parser: argparse.ArgumentParser, repeatable: bool = False) -> None:
+    add_model_argument(parser, repeatable)
     parser.add_argument("--weights", default=DEFAULT_WEIGHTS, choices=WEIGHT_CHOICES,
                         help="weight format for GGUF imports (default auto: fastest on this backend)")
     parser.add_argument("--quantize", choices=QUANT_MODES, default=None,

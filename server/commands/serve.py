@@ -13,6 +13,7 @@ import contextlib
 import logging
 import sys
 
+from lockstep.server.commands.models_config import add_models_arguments, several_models, single_model
 from lockstep.server.commands.runtime_args import (add_determinism_arguments, add_model_arguments,
                                                    apply_cpu_blas, apply_cuda_graphs, options_from_args)
 from lockstep.server.options import (DEFAULT_HOST, DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, DEFAULT_PORT,
@@ -23,7 +24,8 @@ rank_log = logging.getLogger("lockstep.distributed")  # a rank's start-up, as th
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser)
+    add_model_arguments(parser, repeatable=True)
+    add_models_arguments(parser)
     add_determinism_arguments(parser)
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
@@ -178,8 +180,14 @@ def build_app(args: argparse.Namespace, runtime, engine, world=None, watchdog=No
 
 
 def build_app_from_args(args: argparse.Namespace):
-    """One process: load the model, start the engine and build the app. Returns (app, engine)."""
+    """One process: load the model, start the engine and build the app. Returns (app, engine);
+    with several models (server/commands/models_config.py) the engine is their `ModelPool`."""
     check_engine_arguments(args)
+    if several_models(args):
+        from lockstep.server.commands.serve_models import build_pool_app
+
+        return build_pool_app(args, start_engine)
+    single_model(args)
     runtime, engine = start_engine(args)
     return build_app(args, runtime, engine), engine
 
@@ -194,6 +202,10 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 1
     if args.parallel:  # one rank of an mlx.launch deployment
+        if several_models(args):
+            log.error("--parallel serves one model: give one --model and no --models-config")
+            return 1
+        single_model(args)
         return run_rank(args)
     shutdown.stop_during_startup()  # a stop before serving exits 0 too, not by the signal
     socks: list = []
@@ -229,8 +241,12 @@ def _run_one_process(args: argparse.Namespace, socks: list) -> int:
         log.error("%s", exc)
         sock.close()
         return 1
-    log.info("serving %s on http://%s:%d/v1 (model id %r or \"default\")",
-             engine.loaded.path, args.host, args.port, engine.loaded.name)
+    if getattr(engine, "loaded", None) is not None:
+        log.info("serving %s on http://%s:%d/v1 (model id %r or \"default\")",
+                 engine.loaded.path, args.host, args.port, engine.loaded.name)
+    else:  # a ModelPool
+        log.info("serving models %s on http://%s:%d/v1 (\"default\": %r)", ", ".join(engine.models),
+                 args.host, args.port, engine.default)
     served = _serve_http(args, app, engine, sock, connections)
     shutdown.exit_without_finalizing(0 if served else 1)  # MLX teardown after worker-thread use can abort
     return 0

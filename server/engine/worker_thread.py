@@ -61,6 +61,8 @@ def _serve(inbox: queue.SimpleQueue) -> None:
         except BaseException:  # as an exception ending a thread would be: logged, the thread lives on
             log.exception("%s stopped with an error", job.name)
         finally:
+            # an idle thread must not keep its last job alive (an unloaded model's engine)
+            fn = None  # noqa: F841
             threading.current_thread().name = "lockstep-idle"
             with _lock:
                 _idle.append(inbox)
