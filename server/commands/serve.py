@@ -167,11 +167,10 @@ def build_app(args: argparse.Namespace, runtime, engine, world=None, watchdog=No
     app = create_app(engine, model_extras=extras, guarantee_timeout=args.guarantee_timeout,
                      deterministic_by_default=args.deterministic_by_default, record_dir=args.record,
                      **http_settings_from_args(args))
-    if args.record:  # what `lockstep replay` needs to start this deployment again
-        from lockstep.server.tools.replay_server import write_deployment
+    if args.record:
+        from lockstep.server.tools.replay_server import record_deployment
 
-        if write_deployment(args.record, sys.argv) is None:
-            log.warning("cannot write %s/deployment.json: replay this recording with --url", args.record)
+        record_deployment(args.record, sys.argv)
     if watchdog is not None:
         from lockstep.server.distributed.startup import gate_on_health
 

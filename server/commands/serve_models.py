@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import sys
 
 import mlx.core as mx
 
@@ -62,4 +63,8 @@ def build_pool_app(args: argparse.Namespace, start_engine):
                      deterministic_by_default=args.deterministic_by_default, record_dir=args.record,
                      **http_settings_from_args(args))
     log.info("models: %s (\"default\": %s)", ", ".join(pool.models), pool.default)
+    if args.record:
+        from lockstep.server.tools.replay_server import record_deployment
+
+        record_deployment(args.record, sys.argv)
     return app, pool.start(preload=args.preload)

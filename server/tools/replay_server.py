@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Iterator
 
 from . import launchd_job
+
+log = logging.getLogger("lockstep.record")
 
 FILE_NAME = "deployment.json"
 # Flags that say where the server listens, who may call it or where it records: not the
@@ -60,6 +63,12 @@ def write_deployment(directory: str | Path, argv: list[str]) -> Path | None:
     except OSError:
         return None
     return path
+
+
+def record_deployment(directory: str | Path, argv: list[str]) -> None:
+    """`serve --record DIR`: write DIR/deployment.json, or warn that the recording needs --url."""
+    if write_deployment(directory, argv) is None:
+        log.warning("cannot write %s/%s: replay this recording with --url", directory, FILE_NAME)
 
 
 def recorded_args(recording: str | Path) -> list[str]:
