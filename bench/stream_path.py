@@ -21,7 +21,7 @@ its thread (engine thread: the step, the scheduler's bookkeeping, detokenization
 deltas to the event loop; event loop: the wake-up's queue hand-off, the route's chunk objects,
 JSON + SSE framing, uvicorn's send and socket write, the rest of the loop; client: the openai
 client's read and parse) and the wake-up's latency (engine thread's post to the loop running
-it). Measures and prints; asserts nothing.
+it), and the socket writes a token. Measures and prints; asserts nothing.
 """
 from __future__ import annotations
 
@@ -105,6 +105,7 @@ class Parts:
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
         self.latency: list[float] = []
+        self.writes = 0  # response body writes
         self.enabled = False
 
     def add(self, part: str, seconds: float) -> None:
@@ -114,6 +115,7 @@ class Parts:
     def clear(self) -> None:
         self.seconds.clear()
         self.latency.clear()
+        self.writes = 0
 
 
 PARTS = Parts()
@@ -141,6 +143,7 @@ def async_timed_send(app):
             finally:
                 if message["type"] == "http.response.body":
                     PARTS.add("loop: uvicorn send + socket write", time.thread_time() - start)
+                    PARTS.writes += PARTS.enabled and bool(message.get("body"))
         return await app(scope, receive, timed_send)
     return wrapped
 
@@ -296,6 +299,7 @@ def main() -> None:
                 for thread in cpu0:
                     per[f"{thread} thread: all CPU"] = (cpu1[thread] - cpu0[thread]) * 1e3 / count
                 per["wake-up latency (post -> loop runs it)"] = statistics.median(PARTS.latency) * 1e3
+                per["socket writes a token (count)"] = PARTS.writes / count
                 parts_per_round.append(per)
     finally:
         engine.stop()
@@ -314,7 +318,7 @@ def main() -> None:
                                         "thread" in k, "latency" in k, k))
     for key in order:
         values = [per.get(key, 0.0) for per in parts_per_round]
-        print(f"  {key:<48} {statistics.median(values):8.4f} ms")
+        print(f"  {key:<48} {statistics.median(values):8.4f}" + ("" if "count" in key else " ms"))
 
 
 if __name__ == "__main__":
