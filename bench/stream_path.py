@@ -171,6 +171,12 @@ def instrument() -> None:
     for name in ("ChatDelta", "ChatChunkChoice", "ChatCompletionChunk", "TextCompletion", "CompletionChoice"):
         if hasattr(p, name):
             setattr(p, name, timed("loop: chunk objects (pydantic)", getattr(p, name)))
+    try:  # chunks rendered from a template (server/api/chunk_json.py), where the server has it
+        from lockstep.server.api.chunk_json import ChunkTemplate
+
+        ChunkTemplate.render = timed("loop: chunk JSON (template)", ChunkTemplate.render)
+    except ImportError:
+        pass
     if hasattr(app_module, "_sse"):
         app_module._sse = timed("loop: JSON + SSE framing", app_module._sse)
     original_deliver = handle_module._deliver
