@@ -10,10 +10,11 @@ step holds the GIL for --host-ms (building the next pass, as the real runner's P
 while the device runs the one submitted: decode ahead) and waits for a device that takes
 --step-ms a pass, so a step costs max(host, device) when nothing else wants the GIL. Its
 tokens are a real text's tokens of the embedded model's tokenizer (real detokenization).
-`--runner model`: the embedded model itself (CPU), with whatever its steps cost here.
+`--runner model`: the model itself (--model: the embedded one by default, or any model
+`lockstep serve` takes), its KV pool as `serve --kv-pool auto` picks it.
 
-    python bench/stream_path.py [--runner fixed|model] [--step-ms 5] [--host-ms 3]
-                                [--tokens 200] [--rounds 3] [--model default]
+    python bench/stream_path.py [--runner fixed|model] [--step-ms 1.5] [--host-ms 4]
+                                [--tokens 200] [--rounds 3] [--model default] [--client-process]
 
 Reports, each the median over rounds: ms a token from the first token to the last (engine
 and http) and their ratio, then the http stream's parts per token: CPU time of each part on
@@ -252,15 +253,35 @@ def http_round(client, messages, tokens: int) -> tuple[float, str, int]:
     return (stamps[-1] - stamps[0]) * 1e3 / (len(stamps) - 1), "".join(text), len(stamps)
 
 
+def child_http_round(url: str, messages, tokens: int) -> tuple[float, str, int, float]:
+    """`http_round` in a child process (its client's CPU off this process's GIL); also the
+    child's CPU seconds in the round."""
+    import json
+    import subprocess
+
+    script = (f"import json, sys, time; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); "
+              "from stream_path import http_round; from openai import OpenAI; "
+              f"c = OpenAI(base_url={url + '/v1'!r}, api_key='x', max_retries=0); "
+              f"start = time.process_time(); r = http_round(c, {messages!r}, {tokens}); "
+              "print(json.dumps([*r, time.process_time() - start]))")
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout
+    ms, text, count, cpu = json.loads(out.strip().splitlines()[-1])
+    return ms, text, count, cpu
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runner", choices=("fixed", "model"), default="fixed")
-    parser.add_argument("--step-ms", type=float, default=5.0, help="device time a decode pass (fixed runner)")
-    parser.add_argument("--host-ms", type=float, default=3.0,
+    # The defaults: a host-bound step like the 8B 4-bit pass on the H200 (its weights read in
+    # ~1 ms, the engine's loop at ~5 ms a token).
+    parser.add_argument("--step-ms", type=float, default=1.5, help="device time a decode pass (fixed runner)")
+    parser.add_argument("--host-ms", type=float, default=4.0,
                         help="Python (GIL held) a decode pass takes to build (fixed runner)")
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", default="default")
+    parser.add_argument("--client-process", action="store_true",
+                        help="the openai client in a child process (its parsing off this process's GIL)")
     args = parser.parse_args()
 
     from openai import OpenAI
@@ -275,7 +296,14 @@ def main() -> None:
     if args.runner == "fixed":
         script = [t for t in loaded.tokenizer.encode(TEXT) if t not in loaded.eos_token_ids]
         runner = FixedStepRunner(loaded.model, script, args.step_ms / 1e3, args.host_ms / 1e3)
-    engine = Engine(loaded, max_active=4, runner=runner).start()
+    deployment = None
+    if args.runner == "model":  # as serve runs it: the KV pool's kernel where there is one, so
+        # decode passes run compiled and are built ahead
+        from lockstep.kernels.batching.pool_mode import pool_mode
+        from lockstep.server.engine.deployment import Deployment
+
+        deployment = Deployment(kv_pool=pool_mode(loaded.model, "auto"))
+    engine = Engine(loaded, max_active=4, runner=runner, deployment=deployment).start()
     messages = [{"role": "user", "content": "Write a long story about a fox."}]
     prompt = list(loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     results: dict[str, list[float]] = defaultdict(list)
@@ -294,9 +322,14 @@ def main() -> None:
                 engine_thread = THREADS.get("engine")
                 cpu0 = {"loop": thread_cpu(loop_thread), "client": time.thread_time(),
                         **({"engine": thread_cpu(engine_thread)} if engine_thread else {})}
-                ms, texts["http"], count = http_round(client, messages, args.tokens)
+                if args.client_process:
+                    ms, texts["http"], count, client_cpu = child_http_round(url, messages, args.tokens)
+                else:
+                    ms, texts["http"], count = http_round(client, messages, args.tokens)
                 cpu1 = {"loop": thread_cpu(loop_thread), "client": time.thread_time(),
                         **({"engine": thread_cpu(engine_thread)} if engine_thread else {})}
+                if args.client_process:  # the child's whole CPU (its imports excluded)
+                    cpu1["client"] = cpu0["client"] + client_cpu
                 PARTS.enabled = False
                 if not measured:
                     continue
@@ -313,7 +346,8 @@ def main() -> None:
     engine_ms, http_ms = statistics.median(results["engine"]), statistics.median(results["http"])
     print(f"runner {args.runner}" + (f" (device {args.step_ms} ms, host {args.host_ms} ms a step)"
                                      if args.runner == "fixed" else f" ({loaded.name})")
-          + f", {args.tokens} tokens, median of {args.rounds} rounds after one warm-up")
+          + f", {args.tokens} tokens, median of {args.rounds} rounds after one warm-up"
+          + (", client in a child process" if args.client_process else ""))
     print(f"same text both ways: {texts['engine'] == texts['http']}")
     print(f"{'engine loop':<44} {engine_ms:8.3f} ms/token   rounds {[round(x, 3) for x in results['engine']]}")
     print(f"{'http stream (openai client)':<44} {http_ms:8.3f} ms/token   rounds {[round(x, 3) for x in results['http']]}")
