@@ -69,3 +69,23 @@ def test_every_streamed_event_is_pydantics_rendering_of_itself(live_server, path
     choices = [c for line in lines[:-1] for c in json.loads(line)["choices"]]
     assert any(c.get("text") or c.get("delta", {}).get("content") or c.get("delta", {}).get("tool_calls")
                for c in choices)
+
+
+@pytest.mark.parametrize("path,body,name", [
+    ("/v1/chat/completions", {"messages": MESSAGES}, "ChatCompletionChunk"),
+    ("/v1/completions", {"prompt": "The capital of France is"}, "TextCompletion"),
+])
+def test_a_text_stream_builds_its_chunk_objects_once_not_per_token(live_server, monkeypatch, path, body, name):
+    built = []
+    model = getattr(p, name)
+
+    def counted(*args, **kwargs):
+        built.append(kwargs.get("choices"))
+        return model(*args, **kwargs)
+    monkeypatch.setattr(p, name, counted)
+    body = {"model": "default", "max_tokens": 16, "temperature": 0, "stream": True, **body}
+    with httpx.Client(base_url=live_server.removesuffix("/v1"), timeout=300) as http:
+        events = [e for e in http.post(path, json=body).text.split("\n\n") if e.startswith("data: {")]
+    assert len(events) >= 16
+    # the template's one rendering, the role's first chunk (chat) and the final chunk
+    assert len(built) <= 3
