@@ -143,6 +143,16 @@ class Runtime:
     pending: list | None = None  # work for the engine thread after serving starts (GuaranteeWork, DraftWork)
     guarantee_seconds: float | None = None  # how long the proofs took, once they ran
     serving_after_s: float | None = None  # the phases before serving (the proofs' only when not deferred)
+    admission: object = None  # server.engine.admission.Admission the engine serves with (serve only)
+
+    def set_admission(self, admission) -> None:
+        """Serve with `admission` (server/engine/admission.py): its pass width is the widest the
+        engine builds, so a ragged proof still to run covers every width up to it. A proof already
+        made (not deferred) covered `Options.max_batch_rows`, which must then be that width."""
+        self.admission = admission
+        for work in self.pending or ():
+            if isinstance(work, GuaranteeWork):
+                work.options = dataclasses.replace(work.options, max_batch_rows=admission.max_batch_rows)
 
     def model_info(self) -> dict:
         """Per-model details for GET /v1/models."""
@@ -171,6 +181,7 @@ class Runtime:
             "prefix_cache": {"stores_prompts": self.state_refusal is None,
                              **({"reason": self.state_refusal} if self.state_refusal else {})},
             "transform": self.transform,
+            **({"admission": self.admission.describe()} if self.admission is not None else {}),
             "draft_model": self.deployment.draft_name,
             **({"draft_model_state": "loading"} if self.deployment.draft_loading else
                {"draft_model_state": f"failed: {self.deployment.draft_problem}"} if self.deployment.draft_problem

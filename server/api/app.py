@@ -23,8 +23,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lockstep.server.api import choices
 from lockstep.server.api import protocol as p
+from lockstep.server.api import sse
 from lockstep.server.api.access_log import AccessLog
 from lockstep.server.api.chat_prompt import chat_prompt_tokens
+from lockstep.server.api.chunk_json import ChunkTemplate
 from lockstep.server.api.constraints import Constraints
 from lockstep.server.api.grammar_checks import GrammarChecks
 from lockstep.server.api.auth import APIKeyAuth
@@ -70,8 +72,9 @@ def _extras(extras: dict | Callable[[], dict] | None) -> dict:
     return (extras() if callable(extras) else extras) or {}
 
 
-def _sse(payload: p.Response) -> str:
-    return f"data: {payload.model_dump_json()}\n\n"
+def _sse(payload: p.Response | str) -> str:
+    """One event: a chunk, or its JSON already rendered (server/api/chunk_json.py)."""
+    return f"data: {payload if isinstance(payload, str) else payload.model_dump_json()}\n\n"
 
 
 def _chat_logprobs(delta: Delta) -> p.ChatLogprobs:
@@ -311,16 +314,21 @@ class Routes:
         except GenerationError as exc:
             raise generation_error(exc) from exc
 
-    async def _stream(self, handles, chunks: AsyncIterator[p.Response]) -> AsyncIterator[str]:
-        """SSE framing for `chunks` (made from `handles`' deltas), ending in [DONE]."""
+    async def _stream(self, handles, chunks: AsyncIterator[p.Response | str], gather: bool = False) -> AsyncIterator[str]:
+        """SSE framing for `chunks` (made from `handles`' deltas), ending in [DONE]. `gather`:
+        every delta makes a chunk, so the events of deltas already queued go out in one write
+        (server/api/sse.py); where a delta may make none (text held back), each goes alone."""
+        writes = sse.Writes(lambda: any(sse.queued(h) for h in handles)) if gather else sse.Writes()
         try:
             async for chunk in chunks:
-                yield _sse(chunk)
+                write = writes.add(_sse(chunk))
+                if write is not None:
+                    yield write
         except GenerationError as exc:  # headers are sent: report it as an event
-            yield _sse(p.ErrorResponse(error=generation_error(exc).body))
+            yield writes.take() + _sse(p.ErrorResponse(error=generation_error(exc).body))
         finally:
             choices.cancel_all(handles)  # the client went away (or we are done): free the slots
-        yield "data: [DONE]\n\n"
+        yield writes.take() + sse.DONE
 
     # ------------------------------------------------------------------- endpoints
 
@@ -363,10 +371,11 @@ class Routes:
                 **common, choices=[self._chat_choice(i, d, body) for i, d in enumerate(finals)],
                 usage=choices.usage(finals), lockstep=finals[0].extension).model_dump())
 
-        async def chunks() -> AsyncIterator[p.ChatCompletionChunk]:
+        async def chunks() -> AsyncIterator[p.ChatCompletionChunk | str]:
             role_due = [True] * len(handles)  # the role is sent once per choice, in its first chunk
             calls = [self.tool_calls_stream(body) for _ in handles]
             sent = [0] * len(handles)  # tool calls sent per choice
+            templates: dict[int, ChunkTemplate] = {}  # per choice
             finals: list[Delta] = []
             async for i, d in choices.interleave(handles):
                 text, new_calls = d.text, []
@@ -375,7 +384,14 @@ class Routes:
                     if d.finish_reason is not None:
                         rest, more = calls[i].finish()
                         text, new_calls = text + rest, new_calls + more
-                if text or d.logprobs or role_due[i] or new_calls:
+                if text and not (d.logprobs or role_due[i] or new_calls or body.logprobs):
+                    # a chunk of text alone, most of a stream's: its JSON from the choice's template
+                    if i not in templates:
+                        templates[i] = ChunkTemplate(lambda created, content, i=i: p.ChatCompletionChunk(
+                            **common, created=created,
+                            choices=[p.ChatChunkChoice(index=i, delta=p.ChatDelta(content=content))]))
+                    yield templates[i].render(text)
+                elif text or d.logprobs or role_due[i] or new_calls:
                     tool_deltas = [p.ToolCallDelta(index=sent[i] + k, id=c.id, function=c.function)
                                    for k, c in enumerate(_response_calls(new_calls))] or None
                     sent[i] += len(new_calls)
@@ -396,7 +412,9 @@ class Routes:
             if body.include_usage():
                 yield p.ChatCompletionChunk(**common, choices=[], usage=choices.usage(finals))
 
-        return StreamingResponse(self._stream(handles, chunks()), media_type="text/event-stream")
+        # tool calls and gpt-oss channels hold text back: a delta may then make no chunk
+        gather = self.tool_calls_stream(body) is None
+        return StreamingResponse(self._stream(handles, chunks(), gather), media_type="text/event-stream")
 
     async def completions(self, body: p.CompletionRequest, receive=None):
         handles = await self._submit(body, self._completion_tokens, "prompt")
@@ -412,16 +430,24 @@ class Routes:
             return JSONResponse(p.TextCompletion(**common, choices=[choice(i, d) for i, d in enumerate(finals)],
                                                  usage=choices.usage(finals), lockstep=finals[0].extension).model_dump())
 
-        async def chunks() -> AsyncIterator[p.TextCompletion]:
+        async def chunks() -> AsyncIterator[p.TextCompletion | str]:
             finals: list[Delta] = []
+            templates: dict[int, ChunkTemplate] = {}  # per choice
             async for i, d in choices.interleave(handles):
+                if d.finish_reason is None and body.logprobs is None:
+                    # text alone, most of a stream's chunks: their JSON from the choice's template
+                    if i not in templates:
+                        templates[i] = ChunkTemplate(lambda created, text, i=i: p.TextCompletion(
+                            **common, created=created, choices=[p.CompletionChoice(index=i, text=text)]))
+                    yield templates[i].render(d.text)
+                    continue
                 yield p.TextCompletion(**common, choices=[choice(i, d)], lockstep=_final_lockstep(d, body))
                 if d.finish_reason is not None:
                     finals.append(d)
             if body.include_usage():
                 yield p.TextCompletion(**common, choices=[], usage=choices.usage(finals))
 
-        return StreamingResponse(self._stream(handles, chunks()), media_type="text/event-stream")
+        return StreamingResponse(self._stream(handles, chunks(), gather=True), media_type="text/event-stream")
 
     def model_card(self, extras: dict | Callable[[], dict] | None) -> p.ModelCard:
         extras = _extras(extras)

@@ -110,6 +110,10 @@ class RecordedHandle:
     def cancelled(self) -> bool:
         return self._handle.cancelled
 
+    @property
+    def queued(self) -> bool:
+        return self._handle.queued
+
     async def __aiter__(self):
         async for delta in self._handle:
             if delta.finish_reason is not None:

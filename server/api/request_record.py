@@ -120,6 +120,10 @@ class TrackedHandle:
     def cancelled(self) -> bool:
         return self._handle.cancelled
 
+    @property
+    def queued(self) -> bool:
+        return self._handle.queued
+
     async def __aiter__(self):
         record = self._record
         async for delta in self._handle:

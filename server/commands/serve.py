@@ -16,6 +16,7 @@ import sys
 from lockstep.server.commands.models_config import add_models_arguments, several_models, single_model
 from lockstep.server.commands.runtime_args import (add_determinism_arguments, add_model_arguments,
                                                    apply_cpu_blas, apply_cuda_graphs, options_from_args)
+from lockstep.server.engine.admission import MAX_SIZED_ACTIVE, TYPICAL_REQUEST_TOKENS
 from lockstep.server.options import (DEFAULT_HOST, DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, DEFAULT_PORT,
                                      DEFAULT_PREFIX_CACHE_ENTRIES)
 
@@ -29,17 +30,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_determinism_arguments(parser)
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
-    parser.add_argument("--max-active", type=int, default=DEFAULT_MAX_ACTIVE,
+    parser.add_argument("--max-active", type=int, default=None,
                         help=f"requests generated concurrently, batched into shared forward passes "
-                             f"(default {DEFAULT_MAX_ACTIVE})")
+                             f"(default: on a GPU as many as the KV budget holds at {TYPICAL_REQUEST_TOKENS} "
+                             f"tokens each, {DEFAULT_MAX_ACTIVE}..{MAX_SIZED_ACTIVE}; {DEFAULT_MAX_ACTIVE} on the CPU; "
+                             f"the startup log and /v1/models say the number and why)")
     parser.add_argument("--max-active-per-request", type=int, default=None,
                         help="choices of one request (n) generated at once; its other choices start as "
                              "these finish, and other requests may go first, so one request never takes "
                              "every slot (default: three quarters of --max-active)")
-    parser.add_argument("--max-batch-rows", type=int, default=DEFAULT_MAX_BATCH_ROWS,
+    parser.add_argument("--max-batch-rows", type=int, default=None,
                         help=f"most rows in one decode pass (a pass with a deterministic row holds at most "
-                             f"as many as the startup's ragged proof covered, up to this) "
-                             f"(default {DEFAULT_MAX_BATCH_ROWS})")
+                             f"as many as the startup's ragged proof covered, up to this; the proof covers "
+                             f"every width up to it) (default: on a GPU the larger of {DEFAULT_MAX_BATCH_ROWS} and "
+                             f"--max-active; {DEFAULT_MAX_BATCH_ROWS} on the CPU)")
     parser.add_argument("--async-eval-layers", type=int, default=0, metavar="N",
                         help="decode passes start evaluating every N layers while the host builds the "
                              "rest, so the device need not wait for the whole graph (same ops, same "
@@ -95,10 +99,10 @@ def register(subparsers) -> None:
 
 def check_engine_arguments(args: argparse.Namespace) -> None:
     """The engine flags' ranges (ValueError), checked before anything is loaded."""
-    if min(args.max_active, args.max_batch_rows) < 1 or (args.max_kv_tokens is not None and args.max_kv_tokens < 1):
+    given = [v for v in (args.max_active, args.max_batch_rows, args.max_kv_tokens) if v is not None]
+    if min(given, default=1) < 1:
         raise ValueError("--max-active, --max-batch-rows and --max-kv-tokens must be >= 1")
-    if args.max_active_per_request is not None and not 1 <= args.max_active_per_request <= args.max_active:
-        raise ValueError("--max-active-per-request must be in 1..--max-active")
+    check_per_request(args.max_active_per_request, args.max_active)
     if not args.guarantee_timeout >= 0:
         raise ValueError("--guarantee-timeout must be >= 0")
     if args.async_eval_layers < 0:
@@ -106,6 +110,13 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
     if args.async_eval_layers and args.parallel:
         # every rank must meet its collectives in the same order as the others
         raise ValueError("--async-eval-layers does not work with --parallel")
+
+
+def check_per_request(per_request: int | None, max_active: int | None) -> None:
+    """--max-active-per-request against --max-active (None: not known yet, sized at startup)."""
+    if per_request is not None and not 1 <= per_request <= (max_active or per_request):
+        raise ValueError(f"--max-active-per-request must be in 1..--max-active"
+                         f"{'' if max_active is None else f' ({max_active})'}")
 
 
 def start_engine(args: argparse.Namespace, world=None, watchdog=None):
@@ -131,7 +142,8 @@ def start_engine(args: argparse.Namespace, world=None, watchdog=None):
         # proofs between plain passes); a world's ranks agree on theirs before.
         runtime = build_runtime(options, defer_guarantee=world is None)  # logs model, load time, audit
         kv_tokens = args.max_kv_tokens or default_kv_tokens(runtime.loaded.model)
-        settings = dict(max_active=args.max_active, max_batch_rows=args.max_batch_rows,
+        admission = serve_admission(args, runtime, kv_tokens, gpu=world is None and on_gpu())
+        settings = dict(max_active=admission.max_active, max_batch_rows=admission.max_batch_rows,
                         max_active_per_request=args.max_active_per_request,
                         prefix_cache=PrefixCache(args.prefix_cache_entries))
         if world is None:
@@ -150,6 +162,27 @@ def start_engine(args: argparse.Namespace, world=None, watchdog=None):
         watchdog.on_fail.append(engine.fail_clients)
         watchdog.enter("serving", args.rank_timeout)
     return runtime, engine.start(runtime.pending)
+
+
+def on_gpu() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.gpu
+
+
+def serve_admission(args: argparse.Namespace, runtime, kv_tokens: int | None, gpu: bool):
+    """The engine's admission (server/engine/admission.py: sized from the KV budget on a GPU,
+    explicit flags win), given to the runtime (its pending ragged proof covers the pass width;
+    /v1/models says it) and logged. A world keeps the fixed defaults: its ranks must agree,
+    and its proofs ran before the KV budget was known."""
+    from lockstep.server.engine.admission import admission_limits
+
+    admission = admission_limits(kv_tokens, gpu=gpu, max_active=args.max_active, max_batch_rows=args.max_batch_rows)
+    check_per_request(args.max_active_per_request, admission.max_active)
+    runtime.set_admission(admission)
+    log.info("admission: %d requests at once, passes of up to %d rows (%s)",
+             admission.max_active, admission.max_batch_rows, admission.reason)
+    return admission
 
 
 def build_app(args: argparse.Namespace, runtime, engine, world=None, watchdog=None):

@@ -34,6 +34,11 @@ class RequestHandle:
         return self._cancelled.is_set()
 
     @property
+    def queued(self) -> bool:
+        """Events posted and not yet read (the stream's next write may wait for them)."""
+        return not self._events.empty()
+
+    @property
     def client_cancelled(self) -> bool:
         return self._cancelled.is_set() and not self.cut
 
