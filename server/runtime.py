@@ -454,6 +454,7 @@ class GuaranteeWork:
     proofs: object  # kernels.invariance.selftest.ProofCache
 
     def run(self) -> Deployment:
+        from lockstep.kernels.batching.ragged_selftest import per_request_self_test
         from lockstep.kernels.invariance import set_batch_invariant_limit
         from lockstep.server.engine.guarantee import decide_guarantee
 
@@ -462,7 +463,8 @@ class GuaranteeWork:
         started = time.perf_counter()
         with timings.timed("self_test"):
             plan = set_batch_invariant_limit(model, options.batch_invariant_limit,
-                                             options.invariant_strategy, proof_cache=self.proofs)
+                                             options.invariant_strategy, proof_cache=self.proofs,
+                                             per_request_proof=per_request_self_test)
         if options.batch_invariant_limit:
             (log.info if plan.guaranteed else log.warning)(
                 "batch invariance L=%d strategy=%s guaranteed=%s (%s)",

@@ -17,6 +17,7 @@ import mlx.core as mx
 import pytest
 
 from lockstep.kernels.batching.ragged import ragged_problem
+from lockstep.kernels.batching.ragged_selftest import per_request_self_test
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.server.engine import Engine
 from lockstep.server.engine.decode_plan import RequestRejected, plan_request
@@ -172,7 +173,7 @@ def serve_family(family: str, *, proven: bool = True):
     model = tiny_family(family)
     with shape_variant_backend():
         if proven:
-            plan = set_batch_invariant_limit(model, LIMIT)
+            plan = set_batch_invariant_limit(model, LIMIT, per_request_proof=per_request_self_test)
             assert plan.guaranteed, plan.reason
             deployment = proven_deployment(model, plan, prefill_chunk=8)
         else:
@@ -284,7 +285,7 @@ def test_the_ragged_proof_covers_per_request_state_and_fails_natively(family):
     with shape_variant_backend():
         native = prove_ragged(model, LIMIT)
         assert not native and "differ" in native.reason  # negative control
-        plan = set_batch_invariant_limit(model, LIMIT)
+        plan = set_batch_invariant_limit(model, LIMIT, per_request_proof=per_request_self_test)
         assert plan.guaranteed and plan.request_rows == 1
         assert prove_ragged(model, LIMIT)  # one-row and multi-row members, each its own state
     set_batch_invariant_limit(model, 0)
@@ -318,7 +319,7 @@ def test_a_deterministic_request_for_drafts_is_served_without_them_and_v1_models
 
     model = tiny_family(family)
     why = rewind_refusal(make_prompt_cache(model))
-    plan = set_batch_invariant_limit(model, LIMIT)
+    plan = set_batch_invariant_limit(model, LIMIT, per_request_proof=per_request_self_test)
     try:
         deployment = proven_deployment(model, plan, prefill_chunk=8)
         loaded = TinyLoaded(model)

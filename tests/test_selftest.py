@@ -6,7 +6,8 @@ import pytest
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.ops import Strategy
-from lockstep.kernels.invariance.selftest import bits_equal, per_request_self_test, sample_widths, self_test
+from lockstep.kernels.batching.ragged_selftest import per_request_self_test
+from lockstep.kernels.invariance.selftest import bits_equal, sample_widths, self_test
 from tiny_models import tiny_llama
 
 
@@ -97,7 +98,8 @@ def test_a_sliding_window_model_is_proven_for_one_row_per_request():
         native = per_request_self_test(model, 4, prefixes=(7, 12), stop_at_first=False)
         assert not native.passed and {m.width for m in native.mismatches} == {2, 3, 4}
         assert {m.what for m in native.mismatches} >= {"logits", "layer 1 state"}  # the full-attention layer's KV
-        plan = set_batch_invariant_limit(model, 4, "strided_gemv", prefixes=(7, 12))
+        plan = set_batch_invariant_limit(model, 4, "strided_gemv", prefixes=(7, 12),
+                                         per_request_proof=per_request_self_test)
     assert plan.guaranteed and plan.request_rows == 1 and plan.limit == 4
     assert plan.per_request_state.startswith("layer 0: RotatingKVCache") and "one row per request" in plan.reason
     assert plan.self_test.widths == (2, 3, 4) and plan.self_test.prefixes == (7, 12)

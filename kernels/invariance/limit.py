@@ -15,7 +15,7 @@ that passes, and falls back to rowwise, the safest, unclaimed.
 
 Models with per-request state (a recurrent, conv or sliding-window cache:
 cache_check.per_request_state) are proven for one row per request: a pass of L requests'
-decode rows gives each its solo bits (`per_request_self_test`), `request_rows` = 1; their
+decode rows gives each its solo bits (`per_request_proof`), `request_rows` = 1; their
 state can be neither rewound (no speculation) nor stored (no prefix cache).
 """
 import inspect
@@ -32,7 +32,7 @@ from .cache_check import cache_invariance_problem, cache_refusal, per_request_st
 from .layers import EXPERT_BLOCKS, LAYER_SWAPS, Setting, install, install_plain_kernels, model_module_names, uninstall
 from .ops import ROWWISE, STRATEGIES, Strategy
 from .warmup import precompile_kernels
-from .selftest import SelfTestResult, per_request_self_test, seconds_per_step, self_test
+from .selftest import SelfTestResult, seconds_per_step, self_test
 
 # Candidates "auto" tries, in order; the first proven is kept. rowwise is the fallback. A
 # candidate that cannot run here (gemv_rows or skinny without CUDA / a GPU kernel API, or
@@ -129,6 +129,11 @@ def installed_invariance(model) -> InstalledInvariance | None:
     return getattr(model, "_lockstep_plan", None)
 
 
+def _no_per_request_proof(model, limit: int, **options) -> SelfTestResult:
+    return SelfTestResult(False, str(mx.default_device()), limit, (), (), reason="a model with per-request state is proven "
+                          "in ragged passes: no per_request_proof was given")
+
+
 def _resolve(strategy, model) -> tuple:
     if isinstance(strategy, Strategy):
         return (strategy,)
@@ -140,13 +145,17 @@ def _resolve(strategy, model) -> tuple:
 
 
 def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: bool = True,
-                              measure: bool = False, **self_test_options) -> InstalledInvariance:
+                              measure: bool = False, per_request_proof=None,
+                              **self_test_options) -> InstalledInvariance:
     """Install batch invariance for M <= `limit` rows (0 restores native). Idempotent.
 
     strategy: "auto" (auto_candidates(model): expected-speed order, the first proven one; with
     measure=True every candidate is proven and timed and the fastest proven one kept; none
     proven: rowwise, unclaimed), a name in STRATEGIES, or a Strategy.
     verify=False skips the proof (nothing is claimed).
+    per_request_proof: the self-test of a model with per-request state, which runs ragged
+    passes (kernels.batching.ragged_selftest.per_request_self_test: batching sits above this
+    package, so the caller hands it in); without it such a model is installed unproven.
     self_test_options go to kernels.invariance.selftest.self_test (prefixes, widths, seed).
     """
     _uninstall(model)
@@ -162,7 +171,7 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
     per_request = per_request_state(make_prompt_cache(model))
     # One request's block of rows (self_test), or one row of each of several requests where a
     # layer keeps per-request state (a block of such a layer is not its one-row calls).
-    prove = self_test if per_request is None else per_request_self_test
+    prove = self_test if per_request is None else per_request_proof or _no_per_request_proof
     candidates = _resolve(strategy, model)
     tried = []  # (strategy, self-test result or None, seconds per step or None)
     skipped = {}  # strategy name -> why it cannot run here (never installed, never proven)
