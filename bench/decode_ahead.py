@@ -46,7 +46,7 @@ from lockstep.kernels.invariance.layers import uninstall  # noqa: E402
 from lockstep.server.engine import Engine  # noqa: E402
 from lockstep.server.engine.decode_plan import plan_request  # noqa: E402
 from lockstep.server.engine.deployment import Deployment  # noqa: E402
-from lockstep.server.engine.guarantee import proven_deployment  # noqa: E402
+from lockstep.server.engine.deployment import proven_deployment  # noqa: E402
 from lockstep.server.engine.request_state import GenerationRequest  # noqa: E402
 from lockstep.server.engine.sampling import SamplingParams  # noqa: E402
 
@@ -133,9 +133,9 @@ def main():
         deployment = Deployment(kv_pool=kv_pool)
         if deterministic:
             deployment = proven_deployment(model, plan, kv_pool=kv_pool)
-            print(f"{weights}: strategy {plan.strategy}, guaranteed rows {deployment.guaranteed_rows}, shared "
-                  f"passes {deployment.shared_passes}, compiled canonical passes "
-                  f"{deployment.compiled_canonical_passes}")
+            print(f"{weights}: strategy {plan.strategy}, guaranteed rows {deployment.guarantee.call_rows}, shared "
+                  f"passes {deployment.guarantee.shared_passes}, compiled canonical passes "
+                  f"{deployment.guarantee.compiled_passes}")
         loaded = Loaded(model, weights=weights)
         engines = {name: Engine(loaded, max_active=8, deployment=replace(deployment, decode_ahead=on))
                    for name, on in (("ahead", True), ("one at a time", False))}

@@ -15,6 +15,7 @@ from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.selftest import bits_equal
 from lockstep.server.engine.decode_plan import DecodePlan, plan_request
 from lockstep.server.engine.deployment import Deployment
+from lockstep.server.engine.guarantee import Guarantee
 from lockstep.server.engine.speculative import DraftModelDrafter, PromptLookupDrafter
 from tests.deterministic_fixtures import (GREEDY, SEEDED, TinyLoaded, chosen_rows, rows_bit_identical,
                                           run_generate, steps_from)
@@ -67,8 +68,8 @@ def limit(tiny):
 
 
 def deployment_for(plan, draft, limit):
-    return Deployment(limit=limit, guaranteed_rows=limit if plan and plan.guaranteed else 0,
-                      strategy=plan.strategy if plan else "native", draft_model=draft, prefill_chunk=8)
+    return Deployment(guarantee=Guarantee.installed(plan) if plan else Guarantee(limit), draft_model=draft,
+                      prefill_chunk=8)
 
 
 def same_bits(a, b) -> bool:
@@ -196,7 +197,7 @@ def test_embedded_model_speculation_is_exact_only_with_the_limit(embedded_model)
 
     def runs(dep):
         plain = run_generate(loaded, prompt, n, GREEDY, plan=None, deployment=dep, tokenizer_ids=lambda t: [t])
-        p = plan_request(dep, deterministic=dep.guaranteed, speculative="prompt_lookup", num_draft_tokens=2)
+        p = plan_request(dep, deterministic=dep.guarantee.guaranteed, speculative="prompt_lookup", num_draft_tokens=2)
         assert (p.method, p.num_draft_tokens) == ("prompt_lookup", 2)
         spec = run_generate(loaded, prompt, n, GREEDY, plan=p, deployment=dep, tokenizer_ids=lambda t: [t])
         assert spec.extension["accepted_tokens"] > 0
@@ -204,10 +205,10 @@ def test_embedded_model_speculation_is_exact_only_with_the_limit(embedded_model)
 
     try:
         with shape_variant_backend(quantized_rows=2):
-            native_plain, native_spec = runs(Deployment(limit=0))
+            native_plain, native_spec = runs(Deployment())
             plan = set_batch_invariant_limit(loaded.model, 3, prefixes=(11,))
             assert plan.guaranteed, plan.reason
-            plain, spec = runs(Deployment(limit=3, guaranteed_rows=3, strategy=plan.strategy))
+            plain, spec = runs(Deployment(guarantee=Guarantee.installed(plan)))
     finally:
         set_batch_invariant_limit(loaded.model, 0)  # other tests share this model
 

@@ -147,7 +147,7 @@ def server(restarted, embedded_model, draft_model):
     from lockstep.kernels.invariance import cache_invariance_problem, set_batch_invariant_limit
     from lockstep.server.api.app import create_app
     from lockstep.server.engine import Engine
-    from lockstep.server.engine.guarantee import proven_deployment
+    from lockstep.server.engine.deployment import proven_deployment
     from lockstep.server.fingerprint import system_fingerprint
     from lockstep.server.engine.prefix_cache import PrefixCache
 

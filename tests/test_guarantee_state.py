@@ -63,7 +63,7 @@ class HeldProof:
         from lockstep.kernels.invariance import set_batch_invariant_limit
         from lockstep.kernels.invariance.selftest import ProofCache
         from lockstep.kernels.verdict_cache import VerdictCache
-        from lockstep.server.engine.guarantee import proven_deployment
+        from lockstep.server.engine.deployment import proven_deployment
 
         while not self.release.is_set():
             step_done()
@@ -86,11 +86,12 @@ def test_plain_requests_are_served_while_the_proof_is_held_and_deterministic_one
     from lockstep.server.api.app import create_app
     from lockstep.server.engine import Engine
     from lockstep.server.engine.deployment import Deployment
+    from lockstep.server.engine.guarantee import Guarantee
     from tests.http_server import running, wait_until
 
     proof = HeldProof(embedded_model, limit=2)
     proof.state = GuaranteeState(PROVING)
-    engine = Engine(embedded_model, max_active=4, deployment=Deployment(limit=2, prefill_chunk=4),
+    engine = Engine(embedded_model, max_active=4, deployment=Deployment(guarantee=Guarantee(2), prefill_chunk=4),
                     guarantee=proof.state)
     planned = []  # (determinism, proof released) of every submission the engine took
     submit = engine.submit_group

@@ -23,7 +23,8 @@ from lockstep.server.engine import Engine
 from lockstep.server.engine.decode_plan import RequestRejected, plan_request
 from lockstep.server.engine.deployment import Deployment, rewind_refusal
 from lockstep.server.engine.generate import generate
-from lockstep.server.engine.guarantee import proven_deployment
+from lockstep.server.engine.deployment import proven_deployment
+from lockstep.server.engine.guarantee import Guarantee
 from lockstep.server.engine.prefix_cache import PrefixCache
 from lockstep.server.engine.request_state import GenerationRequest
 from lockstep.server.engine.sampling import SamplingParams
@@ -112,8 +113,8 @@ def test_state_that_cannot_be_rewound_turns_speculation_off_by_name(family):
     assert not rewindable(model)
     why = rewind_refusal(make_prompt_cache(model))
     assert UNREWINDABLE[family] in why and ("recurrent" in why) is (family not in ("gemma3_text", "gpt_oss"))
-    deployment = Deployment(speculation=False, speculation_refusal=why, speculative="prompt_lookup", limit=4,
-                            guaranteed_rows=4)
+    deployment = Deployment(speculation=False, speculation_refusal=why, speculative="prompt_lookup",
+                            guarantee=Guarantee(4, proven=True))
     assert plan_request(deployment, deterministic=False, speculative=None, num_draft_tokens=None).method == "none"
     with pytest.raises(RequestRejected) as info:
         plan_request(deployment, deterministic=False, speculative="prompt_lookup", num_draft_tokens=3)
@@ -177,7 +178,7 @@ def serve_family(family: str, *, proven: bool = True):
             assert plan.guaranteed, plan.reason
             deployment = proven_deployment(model, plan, prefill_chunk=8)
         else:
-            deployment = Deployment(limit=LIMIT, guaranteed_rows=LIMIT, shared_passes=True, prefill_chunk=8,
+            deployment = Deployment(guarantee=Guarantee(LIMIT, proven=True, shared_passes=True), prefill_chunk=8,
                                     speculation=rewindable(model))
         engine = Engine(TinyLoaded(model), max_active=8, deployment=deployment, prefix_cache=PrefixCache(8))
     log = PassWidths()
@@ -221,7 +222,7 @@ def test_every_family_is_deterministic_alone_batched_after_a_prefix_hit_and_with
     engine, log = serve_family(family)
     kv_only = rewindable(engine.loaded.model)
     deployment = engine.deployment
-    assert deployment.shared_passes and deployment.guaranteed_rows == LIMIT  # the ragged proof passed
+    assert deployment.guarantee.shared_passes and deployment.guarantee.call_rows == LIMIT  # the ragged proof passed
     assert deployment.speculation is kv_only
     engine.start()
     try:

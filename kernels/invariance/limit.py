@@ -2,8 +2,8 @@
 row of a forward pass of M <= L rows the bits it gets alone (M = 1, same KV cache), so
 speculative verification and batched requests return exactly what plain decoding does.
 
-    plan = set_batch_invariant_limit(model, 8)      # strategy="auto": proven, fastest
-    plan.guaranteed, plan.strategy, plan.reason
+    invariance = set_batch_invariant_limit(model, 8)      # strategy="auto": proven, fastest
+    invariance.guaranteed, invariance.strategy, invariance.reason
     set_batch_invariant_limit(model, 0)             # native again
 
 Every linear (dense, quantized in any mode, the tied embedding head), MoE expert block
@@ -77,7 +77,11 @@ def _uninstall(model) -> None:
 
 @dataclass(frozen=True)
 class InstalledInvariance:
-    limit: int  # L; 0 = off
+    """What `set_batch_invariant_limit` installed on a model (`model._lockstep_invariance`):
+    the mechanism and its self-test. What a deployment guarantees with it is decided above
+    (server/engine/guarantee.py)."""
+
+    limit: int  # L: the most rows one kernel call may hold, each row its one-row bits; 0 = off
     strategy: str
     backend: str
     guaranteed: bool  # self-test passed and nothing in the model is left uncovered
@@ -125,8 +129,8 @@ def uncovered_parts(model) -> tuple:
 
 
 def installed_invariance(model) -> InstalledInvariance | None:
-    """The plan installed on this model, or None."""
-    return getattr(model, "_lockstep_plan", None)
+    """The invariance installed on this model, or None."""
+    return getattr(model, "_lockstep_invariance", None)
 
 
 def _no_per_request_proof(model, limit: int, **options) -> SelfTestResult:
@@ -161,9 +165,9 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
     _uninstall(model)
     backend = str(mx.default_device())
     if limit <= 0:
-        plan = InstalledInvariance(0, "native", backend, False, "off (L = 0)", layers=install_plain_kernels(model))
-        model._lockstep_plan = plan
-        return plan
+        invariance = InstalledInvariance(0, "native", backend, False, "off (L = 0)", layers=install_plain_kernels(model))
+        model._lockstep_invariance = invariance
+        return invariance
 
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -216,8 +220,8 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
         why += f"; not guaranteed: {len(uncovered)} uncovered part(s), first: {uncovered[0]}"
     elif per_request is not None:
         why += f"; one row per request ({per_request} runs per request)"
-    plan = InstalledInvariance(limit, chosen.name, backend, guaranteed, why, uncovered, result,
-                          tuple((c.name, None if r is None else bool(r), s) for c, r, s in tried),
-                          layers, limit if per_request is None else 1, per_request)
-    model._lockstep_plan = plan
-    return plan
+    invariance = InstalledInvariance(limit, chosen.name, backend, guaranteed, why, uncovered, result,
+                                     tuple((c.name, None if r is None else bool(r), s) for c, r, s in tried),
+                                     layers, limit if per_request is None else 1, per_request)
+    model._lockstep_invariance = invariance
+    return invariance

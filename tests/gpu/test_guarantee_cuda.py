@@ -29,7 +29,7 @@ from lockstep.kernels.invariance.layers import calls_in_blocks
 from lockstep.kernels.invariance.selftest import bits_equal
 from lockstep.server.engine import Engine
 from lockstep.server.engine.decode_plan import plan_request
-from lockstep.server.engine.guarantee import proven_deployment
+from lockstep.server.engine.deployment import proven_deployment
 from lockstep.server.engine.model_runner import ModelRunner
 from lockstep.server.engine.request_state import GenerationRequest
 from lockstep.server.engine.sampling import SamplingParams
@@ -77,8 +77,8 @@ def test_the_self_test_proves_the_kernels_forms_for_l_on_this_gpu(deployed):
     _, deployment, plan, _ = deployed
     assert plan.guaranteed, plan.reason
     assert plan.strategy != "native" and "gpu" in plan.backend
-    assert deployment.guaranteed and deployment.shared_passes
-    assert deployment.guaranteed_rows == LIMIT
+    assert deployment.guarantee.guaranteed and deployment.guarantee.shared_passes
+    assert deployment.guarantee.call_rows == LIMIT
 
 
 def rows_kept(model, tokens: list, blocks: bool = False) -> int:
