@@ -135,7 +135,7 @@ def main():
             deployment = proven_deployment(model, plan, kv_pool=kv_pool)
             print(f"{weights}: strategy {plan.strategy}, guaranteed rows {deployment.guarantee.call_rows}, shared "
                   f"passes {deployment.guarantee.shared_passes}, compiled canonical passes "
-                  f"{deployment.guarantee.compiled_passes}")
+                  f"{deployment.guarantee.compiled_canonical_passes}")
         loaded = Loaded(model, weights=weights)
         engines = {name: Engine(loaded, max_active=8, deployment=replace(deployment, decode_ahead=on))
                    for name, on in (("ahead", True), ("one at a time", False))}

@@ -130,7 +130,7 @@ def main() -> int:
                    for _ in requests] for det in (False, True)}
     print(f"{mx.default_device()}, MLX {mx.__version__}, {loaded.name} {args.weights}, L = {plan.limit} "
           f"({plan.strategy}), kv pool {mode}, pass rows {deployment.guarantee.pass_rows}, compiled passes: plain "
-          f"{engine.runner.compiled is not None}, deterministic {deployment.guarantee.compiled_passes}; "
+          f"{engine.runner.compiled is not None}, deterministic {deployment.guarantee.compiled_canonical_passes}; "
           f"{args.requests} requests x "
           f"{args.tokens} tokens, rounds alternating (one unmeasured round each first)", flush=True)
     compiled = engine.runner.compiled

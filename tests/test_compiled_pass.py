@@ -218,10 +218,10 @@ def test_deterministic_passes_run_compiled_where_the_guarantee_proved_them(deter
     model = deterministic_model
     plan = set_batch_invariant_limit(model, LIMIT)
     deployment = proven_deployment(model, plan, kv_pool="kernel", pass_rows=LIMIT)
-    assert deployment.guarantee.guaranteed and deployment.guarantee.compiled_passes
+    assert deployment.guarantee.guaranteed and deployment.guarantee.compiled_canonical_passes
     assert ModelRunner(model, deployment, pool_tokens=16).describe()["compiled_passes"]["deterministic"] is True
     off = proven_deployment(model, plan, kv_pool="kernel", pass_rows=LIMIT, compiled_passes=False)
-    assert off.guarantee.guaranteed and not off.guarantee.compiled_passes
+    assert off.guarantee.guaranteed and not off.guarantee.compiled_canonical_passes
     runner = ModelRunner(model, deployment, pool_tokens=128)
     caches = prefilled(model, runner.kv_pool)
     det = _Pass([(_Slot(caches[0], "greedy"), [11]), (_Slot(caches[1], "greedy"), [12])], True)

@@ -129,7 +129,7 @@ def test_deterministic_requests_decoded_ahead_keep_their_solo_bits():
     with pool_kernel_double(), shape_variant_backend():
         deployment = replace(proven_deployment(model, set_batch_invariant_limit(model, 4), kv_pool="kernel",
                                                pass_rows=4), prefill_chunk=8)
-        assert deployment.guarantee.guaranteed and deployment.guarantee.shared_passes and deployment.guarantee.compiled_passes
+        assert deployment.guarantee.guaranteed and deployment.guarantee.shared_passes and deployment.guarantee.compiled_canonical_passes
         solo, plain_solo = {}, {}
         for name, request in requests.items():
             solo.update(decode(loaded, False, {name: request}, deployment, deterministic=True)[0])

@@ -299,9 +299,9 @@ def test_models_that_keep_no_plain_kv_say_why_they_neither_speculate_nor_hit_the
     why = state_refusal(tiny_family("granitemoehybrid"))
     assert why.startswith("layer 0: ArraysCache (recurrent or conv state)") and "prefix cache" in why
     assert "RotatingKVCache (a sliding window)" in state_refusal(tiny_family("gpt_oss"))
-    plan = type("Plan", (), {"limit": 4, "strategy": "rowwise", "guaranteed": True, "reason": "", "request_rows": 1})()
-    info = Runtime(TinyLoaded(tiny_family("lfm2")), Deployment(speculation=False), None, plan, "weights=float32",
-                   state_refusal=state_refusal(tiny_family("lfm2"))).model_info()
+    guarantee = Guarantee(4, proven=True, strategy="rowwise", request_rows=1)
+    info = Runtime(TinyLoaded(tiny_family("lfm2")), Deployment(guarantee=guarantee, speculation=False), None, None,
+                   "weights=float32", state_refusal=state_refusal(tiny_family("lfm2"))).model_info()
     assert info["prefix_cache"] == {"stores_prompts": False, "reason": state_refusal(tiny_family("lfm2"))}
     assert info["speculation"]["available"] is False and info["batch_invariance"]["request_rows"] == 1
 

@@ -52,7 +52,7 @@ class Guarantee:
     shared_passes: bool = False  # requests' deterministic rows may share a pass (the ragged proof)
     pass_rows: int = 0  # the widest pass proven to hold deterministic rows of several requests
     shared_prefill_rows: int = 0  # deterministic prompt chunks of this many rows may share a pass (0: none)
-    compiled_passes: bool = False  # deterministic decode passes may run compiled
+    compiled_canonical_passes: bool = False  # deterministic decode passes may run compiled
 
     @classmethod
     def installed(cls, invariance) -> Guarantee:
@@ -115,7 +115,7 @@ def decide_guarantee(model, invariance, kv_pool: str = "off", proofs=None, pass_
     return dataclasses.replace(
         installed, shared_passes=True, pass_rows=widest,
         shared_prefill_rows=_shared_prefill(model, limit, kv_pool, proofs) if shared_prefill else 0,
-        compiled_passes=compiled and kv_pool == "kernel" and _compiled(model, limit, proofs, widest))
+        compiled_canonical_passes=compiled and kv_pool == "kernel" and _compiled(model, limit, proofs, widest))
 
 
 def _compiled(model, limit: int, proofs, widest: int) -> bool:

@@ -94,7 +94,7 @@ class ModelRunner:
         return {"batched": self.batched, "kv_pool": self.deployment.kv_pool if self.kv_pool is not None else "off",
                 "compiled_passes": {"plain": self.compiled is not None,
                                     "deterministic": self.compiled is not None
-                                    and self.deployment.guarantee.compiled_passes},
+                                    and self.deployment.guarantee.compiled_canonical_passes},
                 "decode_ahead": self.compiled is not None and self.deployment.decode_ahead,
                 **({"not_batched_because": self.batching_problem}
                    if self.batching_problem not in (None, SOLO) else {})}
@@ -167,7 +167,7 @@ class ModelRunner:
     def _compiled_logits(self, requests: list, canonical: bool) -> mx.array | None:
         """A pass's logits as one compiled call (a canonical one only where the guarantee proved
         compiled passes); None where it is built op by op."""
-        if self.compiled is None or (canonical and not self.deployment.guarantee.compiled_passes):
+        if self.compiled is None or (canonical and not self.deployment.guarantee.compiled_canonical_passes):
             return None
         try:
             return self.compiled.logits(requests, canonical=canonical)
