@@ -127,13 +127,13 @@ def main():
         model = build(weights, a.layers)
         floor_ms = 1e3 * weight_bytes(model) / HBM_BYTES_PER_S
         # lockstep's layers as `serve` installs them: plain at L = 0, else L with its proofs
-        plan = set_batch_invariant_limit(model, a.limit)
+        invariance = set_batch_invariant_limit(model, a.limit)
         enable_ragged(model)
         kv_pool = pool_mode(model, "on")  # "kernel" on the GPU; the CPU runs it as a smoke test
         deployment = Deployment(kv_pool=kv_pool)
         if deterministic:
-            deployment = proven_deployment(model, plan, kv_pool=kv_pool)
-            print(f"{weights}: strategy {plan.strategy}, guaranteed rows {deployment.guarantee.call_rows}, shared "
+            deployment = proven_deployment(model, invariance, kv_pool=kv_pool)
+            print(f"{weights}: strategy {invariance.strategy}, guaranteed rows {deployment.guarantee.call_rows}, shared "
                   f"passes {deployment.guarantee.shared_passes}, compiled canonical passes "
                   f"{deployment.guarantee.compiled_canonical_passes}")
         loaded = Loaded(model, weights=weights)

@@ -33,10 +33,10 @@ def run_engine(draft_room: bool):
 
     model = peaked_llama()
     with shape_variant_backend():
-        plan = set_batch_invariant_limit(model, LIMIT)
-    assert plan.guaranteed
+        invariance = set_batch_invariant_limit(model, LIMIT)
+    assert invariance.guaranteed
     with shape_variant_backend():
-        deployment = proven_deployment(model, plan, prefill_chunk=8, adaptive_draft_tokens=True,
+        deployment = proven_deployment(model, invariance, prefill_chunk=8, adaptive_draft_tokens=True,
                                        pass_costs=(1.0,) * LIMIT)
     log = PassLog()
 

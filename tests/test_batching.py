@@ -131,8 +131,8 @@ def test_ragged_proof_passes_with_canonical_forms_and_fails_natively(tiny_model)
     with shape_variant_backend():
         native = prove_ragged(tiny_model, LIMIT)
         assert not native and "differ" in native.reason  # negative control
-        plan = set_batch_invariant_limit(tiny_model, LIMIT)
-        assert plan.guaranteed and plan.strategy != "native"
+        invariance = set_batch_invariant_limit(tiny_model, LIMIT)
+        assert invariance.guaranteed and invariance.strategy != "native"
         assert prove_ragged(tiny_model, LIMIT)
     set_batch_invariant_limit(tiny_model, 0)
 
@@ -164,12 +164,12 @@ def serve_tiny(limit: int, *, claim_without_proof: int = 0, max_batch_rows: int 
     model = peaked_llama()
     draft = peaked_llama(quant="affine")
     with shape_variant_backend():
-        plan = set_batch_invariant_limit(model, limit)
+        invariance = set_batch_invariant_limit(model, limit)
         if claim_without_proof:
             deployment = Deployment(guarantee=Guarantee(claim_without_proof, proven=True, shared_passes=True),
                                     draft_model=draft, prefill_chunk=8, kv_pool=kv_pool)
         else:
-            deployment = proven_deployment(model, plan if limit else None, kv_pool=kv_pool, draft_model=draft,
+            deployment = proven_deployment(model, invariance if limit else None, kv_pool=kv_pool, draft_model=draft,
                                            prefill_chunk=8, pass_rows=pass_rows)
     with shape_variant_backend():
         engine = Engine(TinyLoaded(model), max_active=16, deployment=deployment,

@@ -216,11 +216,11 @@ def test_deterministic_passes_run_compiled_where_the_guarantee_proved_them(deter
     from lockstep.server.engine.deployment import proven_deployment
 
     model = deterministic_model
-    plan = set_batch_invariant_limit(model, LIMIT)
-    deployment = proven_deployment(model, plan, kv_pool="kernel", pass_rows=LIMIT)
+    invariance = set_batch_invariant_limit(model, LIMIT)
+    deployment = proven_deployment(model, invariance, kv_pool="kernel", pass_rows=LIMIT)
     assert deployment.guarantee.guaranteed and deployment.guarantee.compiled_canonical_passes
     assert ModelRunner(model, deployment, pool_tokens=16).describe()["compiled_passes"]["deterministic"] is True
-    off = proven_deployment(model, plan, kv_pool="kernel", pass_rows=LIMIT, compiled_passes=False)
+    off = proven_deployment(model, invariance, kv_pool="kernel", pass_rows=LIMIT, compiled_passes=False)
     assert off.guarantee.guaranteed and not off.guarantee.compiled_canonical_passes
     runner = ModelRunner(model, deployment, pool_tokens=128)
     caches = prefilled(model, runner.kv_pool)

@@ -57,18 +57,18 @@ def limit(tiny):
     the native model again afterwards."""
     def install(value):
         with shape_variant_backend():
-            plan = set_batch_invariant_limit(tiny.model, value)
+            invariance = set_batch_invariant_limit(tiny.model, value)
         if value:
-            assert plan.guaranteed, plan.reason
-            assert plan.strategy != "native"  # native cannot pass under the double
-        return plan
+            assert invariance.guaranteed, invariance.reason
+            assert invariance.strategy != "native"  # native cannot pass under the double
+        return invariance
 
     yield install
     set_batch_invariant_limit(tiny.model, 0)
 
 
-def deployment_for(plan, draft, limit):
-    return Deployment(guarantee=Guarantee.installed(plan) if plan else Guarantee(limit), draft_model=draft,
+def deployment_for(invariance, draft, limit):
+    return Deployment(guarantee=Guarantee.installed(invariance) if invariance else Guarantee(limit), draft_model=draft,
                       prefill_chunk=8)
 
 
@@ -81,8 +81,8 @@ def same_bits(a, b) -> bool:
 
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 def test_speculative_equals_plain_bitwise_with_the_limit(tiny, draft, limit, sampling):
-    plan = limit(LIMIT)
-    dep = deployment_for(plan, draft, LIMIT)
+    invariance = limit(LIMIT)
+    dep = deployment_for(invariance, draft, LIMIT)
     params = SAMPLINGS[sampling]
     with shape_variant_backend():
         plain_plan = plan_request(dep, deterministic=True, speculative="none", num_draft_tokens=None)
@@ -132,8 +132,8 @@ def test_the_limit_must_cover_the_verification_width(tiny, draft, limit):
     """k = L - 1 (L rows) is exact; k = L (L + 1 rows, past the limit: native kernels) is
     not. plan_request refuses the latter for deterministic requests; built by hand here."""
     small = 4
-    plan = limit(small)
-    dep = deployment_for(plan, draft, small)
+    invariance = limit(small)
+    dep = deployment_for(invariance, draft, small)
     with shape_variant_backend():
         plain = run_generate(tiny, PROMPT, TOKENS, GREEDY, plan=None, deployment=dep)
         inside = run_generate(tiny, PROMPT, TOKENS, GREEDY, deployment=dep,
@@ -206,9 +206,9 @@ def test_embedded_model_speculation_is_exact_only_with_the_limit(embedded_model)
     try:
         with shape_variant_backend(quantized_rows=2):
             native_plain, native_spec = runs(Deployment())
-            plan = set_batch_invariant_limit(loaded.model, 3, prefixes=(11,))
-            assert plan.guaranteed, plan.reason
-            plain, spec = runs(Deployment(guarantee=Guarantee.installed(plan)))
+            invariance = set_batch_invariant_limit(loaded.model, 3, prefixes=(11,))
+            assert invariance.guaranteed, invariance.reason
+            plain, spec = runs(Deployment(guarantee=Guarantee.installed(invariance)))
     finally:
         set_batch_invariant_limit(loaded.model, 0)  # other tests share this model
 

@@ -71,8 +71,8 @@ class HeldProof:
             self.release.wait(0.01)  # a proof step's worth of work
         proofs = ProofCache(VerdictCache("selftest"),
                             model_identity={"model": str(self.loaded.path), "weights": self.loaded.weights})
-        plan = set_batch_invariant_limit(self.loaded.model, self.limit, proof_cache=proofs)
-        self.deployment = proven_deployment(self.loaded.model, plan, proofs=proofs, prefill_chunk=4)
+        invariance = set_batch_invariant_limit(self.loaded.model, self.limit, proof_cache=proofs)
+        self.deployment = proven_deployment(self.loaded.model, invariance, proofs=proofs, prefill_chunk=4)
         return self.deployment
 
     def settle(self):

@@ -174,9 +174,9 @@ def serve_family(family: str, *, proven: bool = True):
     model = tiny_family(family)
     with shape_variant_backend():
         if proven:
-            plan = set_batch_invariant_limit(model, LIMIT, per_request_proof=per_request_self_test)
-            assert plan.guaranteed, plan.reason
-            deployment = proven_deployment(model, plan, prefill_chunk=8)
+            invariance = set_batch_invariant_limit(model, LIMIT, per_request_proof=per_request_self_test)
+            assert invariance.guaranteed, invariance.reason
+            deployment = proven_deployment(model, invariance, prefill_chunk=8)
         else:
             deployment = Deployment(guarantee=Guarantee(LIMIT, proven=True, shared_passes=True), prefill_chunk=8,
                                     speculation=rewindable(model))
@@ -286,8 +286,8 @@ def test_the_ragged_proof_covers_per_request_state_and_fails_natively(family):
     with shape_variant_backend():
         native = prove_ragged(model, LIMIT)
         assert not native and "differ" in native.reason  # negative control
-        plan = set_batch_invariant_limit(model, LIMIT, per_request_proof=per_request_self_test)
-        assert plan.guaranteed and plan.request_rows == 1
+        invariance = set_batch_invariant_limit(model, LIMIT, per_request_proof=per_request_self_test)
+        assert invariance.guaranteed and invariance.request_rows == 1
         assert prove_ragged(model, LIMIT)  # one-row and multi-row members, each its own state
     set_batch_invariant_limit(model, 0)
 
@@ -320,11 +320,11 @@ def test_a_deterministic_request_for_drafts_is_served_without_them_and_v1_models
 
     model = tiny_family(family)
     why = rewind_refusal(make_prompt_cache(model))
-    plan = set_batch_invariant_limit(model, LIMIT, per_request_proof=per_request_self_test)
+    invariance = set_batch_invariant_limit(model, LIMIT, per_request_proof=per_request_self_test)
     try:
-        deployment = proven_deployment(model, plan, prefill_chunk=8)
+        deployment = proven_deployment(model, invariance, prefill_chunk=8)
         loaded = TinyLoaded(model)
-        runtime = Runtime(loaded, deployment, None, plan, "weights=float32", state_refusal=state_refusal(model))
+        runtime = Runtime(loaded, deployment, None, invariance, "weights=float32", state_refusal=state_refusal(model))
         engine = Engine(loaded, max_active=4, deployment=deployment).start()
         try:
             with running(create_app(engine, model_extras=runtime.model_info)) as url:

@@ -128,9 +128,9 @@ def invariance(tiny):
     canonical strategy); back to native afterwards."""
     def install(limit):
         with shape_variant_backend():
-            plan = set_batch_invariant_limit(tiny.model, limit)
-        assert plan.guaranteed == (limit > 0), plan.reason
-        return plan
+            installed = set_batch_invariant_limit(tiny.model, limit)
+        assert installed.guaranteed == (limit > 0), installed.reason
+        return installed
 
     yield install
     set_batch_invariant_limit(tiny.model, 0)
@@ -158,8 +158,8 @@ def cold_and_cached(tiny, prompt, sampling, warm_with, *, deployment):
 @pytest.mark.parametrize("limit", [0, 4, CHUNK], ids=["native", "L<chunk", "L=chunk"])
 @pytest.mark.parametrize("warm_with", ["same", "shared"])
 def test_prefix_hit_is_bitwise_a_cold_run_under_the_double(tiny, invariance, limit, warm_with):
-    plan = invariance(limit) if limit else None
-    deployment = Deployment(guarantee=Guarantee.installed(plan) if plan else Guarantee(), prefill_chunk=CHUNK)
+    installed = invariance(limit) if limit else None
+    deployment = Deployment(guarantee=Guarantee.installed(installed) if installed else Guarantee(), prefill_chunk=CHUNK)
     warm = PROMPT if warm_with == "same" else SHARED
     with shape_variant_backend():
         cold, cached, pc = cold_and_cached(tiny, PROMPT, GREEDY, warm, deployment=deployment)
@@ -198,8 +198,8 @@ def test_canonical_rows_skip_the_rewind(tiny, invariance, monkeypatch):
     monkeypatch.setattr(model_runner, "prompt_forward", counting_step)
 
     def resume_points(limit):
-        plan = invariance(limit)
-        deployment = Deployment(guarantee=Guarantee.installed(plan), prefill_chunk=CHUNK)
+        installed = invariance(limit)
+        deployment = Deployment(guarantee=Guarantee.installed(installed), prefill_chunk=CHUNK)
         pc = PrefixCache(2)
         run_generate(tiny, SHARED, 1, GREEDY, deployment=deployment, prefix_cache=pc)
         calls.clear()

@@ -48,13 +48,13 @@ def run_together(requests, *, limit=0, kv_pool="off", double=False, prefix_cache
     from lockstep.server.engine import Engine
 
     model = peaked_llama()
-    plan = None
+    invariance = None
     if limit:
         with shape_variant_backend(dense_rows=dense_rows):
-            plan = set_batch_invariant_limit(model, limit)
-        assert plan.guaranteed
+            invariance = set_batch_invariant_limit(model, limit)
+        assert invariance.guaranteed
     with shape_variant_backend(dense_rows=dense_rows):
-        deployment = proven_deployment(model, plan, prefill_chunk=64, kv_pool=kv_pool)
+        deployment = proven_deployment(model, invariance, prefill_chunk=64, kv_pool=kv_pool)
     log = PrefillLog()
 
     async def main():

@@ -80,8 +80,8 @@ def serve(dense_rows: int, claim: bool = False):
 
     model = peaked_llama()
     with shape_variant_backend(dense_rows=dense_rows):
-        plan = set_batch_invariant_limit(model, L)
-        deployment = proven_deployment(model, plan, prefill_chunk=64, pass_rows=16)
+        invariance = set_batch_invariant_limit(model, L)
+        deployment = proven_deployment(model, invariance, prefill_chunk=64, pass_rows=16)
     if claim:
         deployment = dataclasses.replace(deployment, shared_prefill_rows=MIN_SHARED_CHUNK)
     engine = Engine(TinyLoaded(model), max_active=16, deployment=deployment, max_batch_rows=16)
