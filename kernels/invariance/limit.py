@@ -57,22 +57,27 @@ def auto_candidates(model) -> tuple:
     return AUTO_CANDIDATES
 
 
-# L of each model (by id) that has cpu_kernel installed: the shim's switch is one per
-# process, so it serves the largest of them and goes off only when none is left.
-_cpu_kernel_limits: dict = {}
+# The installed Setting of each model (by id) that has cpu_kernel installed: the shim's
+# switch is one per process, so it serves the largest L of them and goes off only when none
+# is left.
+_cpu_kernel_settings: dict[int, Setting] = {}
+
+
+def _cpu_kernel_limit() -> int:
+    return max((setting.limit for setting in _cpu_kernel_settings.values()), default=0)
 
 
 def _install(model, setting: Setting) -> dict:
     if setting.strategy.dense == "cpu_kernel":
-        _cpu_kernel_limits[id(model)] = setting.limit
-    cpu_blas.set_kernel_limit(max(_cpu_kernel_limits.values(), default=0))
+        _cpu_kernel_settings[id(model)] = setting
+    cpu_blas.set_kernel_limit(_cpu_kernel_limit())
     return install(model, setting)
 
 
 def _uninstall(model) -> None:
     uninstall(model)
-    _cpu_kernel_limits.pop(id(model), None)
-    cpu_blas.set_kernel_limit(max(_cpu_kernel_limits.values(), default=0))
+    _cpu_kernel_settings.pop(id(model), None)
+    cpu_blas.set_kernel_limit(_cpu_kernel_limit())
 
 
 @dataclass(frozen=True)
