@@ -75,7 +75,7 @@ def worker(weights: str, limit: int, n_prompt: int, n_long: int, n_decode: int,
 
     loaded = load_model("default", weights=weights)
     model = loaded.model
-    plan = set_batch_invariant_limit(model, limit) if limit else None
+    invariance = set_batch_invariant_limit(model, limit) if limit else None
     enable_ragged(model)  # the model's attention through lockstep's hook, as the engine has it
     text = "The lighthouse keeper climbed the stairs and lit the lamp. " * 200
     tokens = list(loaded.tokenizer.encode(text))
@@ -90,7 +90,7 @@ def worker(weights: str, limit: int, n_prompt: int, n_long: int, n_decode: int,
     mx.eval(first)
     ttft = time.perf_counter() - start
     return {"blas": cpu_blas.describe(), "weights": loaded.weights,
-            "strategy": plan.strategy if plan else "-", "guaranteed": plan.guaranteed if plan else None,
+            "strategy": invariance.strategy if invariance else "-", "guaranteed": invariance.guaranteed if invariance else None,
             "prefill_tps": n_prompt / prompt_s, "decode_tps": n_decode / decode_s, "ttft_s": ttft,
             "split": cpu_blas.split_counts()}
 

@@ -46,7 +46,7 @@ from lockstep.kernels.invariance.layers import uninstall  # noqa: E402
 from lockstep.server.engine import Engine  # noqa: E402
 from lockstep.server.engine.decode_plan import plan_request  # noqa: E402
 from lockstep.server.engine.deployment import Deployment  # noqa: E402
-from lockstep.server.engine.guarantee import proven_deployment  # noqa: E402
+from lockstep.server.engine.deployment import proven_deployment  # noqa: E402
 from lockstep.server.engine.request_state import GenerationRequest  # noqa: E402
 from lockstep.server.engine.sampling import SamplingParams  # noqa: E402
 
@@ -127,15 +127,15 @@ def main():
         model = build(weights, a.layers)
         floor_ms = 1e3 * weight_bytes(model) / HBM_BYTES_PER_S
         # lockstep's layers as `serve` installs them: plain at L = 0, else L with its proofs
-        plan = set_batch_invariant_limit(model, a.limit)
+        invariance = set_batch_invariant_limit(model, a.limit)
         enable_ragged(model)
         kv_pool = pool_mode(model, "on")  # "kernel" on the GPU; the CPU runs it as a smoke test
         deployment = Deployment(kv_pool=kv_pool)
         if deterministic:
-            deployment = proven_deployment(model, plan, kv_pool=kv_pool)
-            print(f"{weights}: strategy {plan.strategy}, guaranteed rows {deployment.guaranteed_rows}, shared "
-                  f"passes {deployment.shared_passes}, compiled canonical passes "
-                  f"{deployment.compiled_canonical_passes}")
+            deployment = proven_deployment(model, invariance, kv_pool=kv_pool)
+            print(f"{weights}: strategy {invariance.strategy}, guaranteed rows {deployment.guarantee.call_rows}, shared "
+                  f"passes {deployment.guarantee.shared_passes}, compiled canonical passes "
+                  f"{deployment.guarantee.compiled_canonical_passes}")
         loaded = Loaded(model, weights=weights)
         widest = max(8, *(int(s) for s in a.streams.split(",")))  # every stream decodes in each step
         engines = {name: Engine(loaded, max_active=widest, max_batch_rows=widest,

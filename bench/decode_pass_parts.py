@@ -145,17 +145,17 @@ def main() -> int:
     rows_out = []
     for name in args.strategies.split(","):
         try:
-            plan = set_batch_invariant_limit(model, args.limit, name, verify=False)
+            invariance = set_batch_invariant_limit(model, args.limit, name, verify=False)
         except Exception as e:  # noqa: BLE001 - a bench: report and go on
             print(f"{name}: cannot install ({e})", flush=True)
             continue
-        print(f"{name}: installed ({plan.reason})", flush=True)
+        print(f"{name}: installed ({invariance.reason})", flush=True)
         for b in batches:
             nb, nt = timed_pass(model, caches[:b], native_forms, args.repeats)
             cb, ct = timed_pass(model, caches[:b], calls_in_blocks, args.repeats)
             same = rows_equal_alone(model, pool, caches[:b]) if b > 1 else 1
             lin_native = linears_ms(shapes, b, dtype, None)
-            lin_canon = linears_ms(shapes, b, dtype, plan.strategy)
+            lin_canon = linears_ms(shapes, b, dtype, invariance.strategy)
             rows_out.append((name, b, nb, nt, cb, ct, lin_native, lin_canon, same))
             print(f"  B={b:>3}: native build {nb:.2f} / pass {nt:.2f} ms; canonical build {cb:.2f} / pass {ct:.2f} ms "
                   f"({ct / nt:.2f}x); linears native {lin_native:.2f} / canonical {lin_canon:.2f} ms; "

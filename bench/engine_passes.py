@@ -36,7 +36,7 @@ from lockstep.models.load import load_model  # noqa: E402
 from lockstep.server.engine import Engine  # noqa: E402
 from lockstep.server.engine import model_runner  # noqa: E402
 from lockstep.server.engine.decode_plan import plan_request  # noqa: E402
-from lockstep.server.engine.guarantee import proven_deployment  # noqa: E402
+from lockstep.server.engine.deployment import proven_deployment  # noqa: E402
 from lockstep.server.engine.request_state import GenerationRequest  # noqa: E402
 from lockstep.server.engine.sampling import SamplingParams  # noqa: E402
 
@@ -115,9 +115,9 @@ def main() -> int:
     args = ap.parse_args()
 
     loaded = load_model(args.model, args.weights)
-    plan = set_batch_invariant_limit(loaded.model, args.limit, args.strategy)
+    invariance = set_batch_invariant_limit(loaded.model, args.limit, args.strategy)
     mode = pool_mode(loaded.model, "auto")
-    deployment = proven_deployment(loaded.model, plan, kv_pool=mode, pass_rows=max(32, args.requests))
+    deployment = proven_deployment(loaded.model, invariance, kv_pool=mode, pass_rows=max(32, args.requests))
     instrument()
     engine = Engine(loaded, max_active=args.requests, deployment=deployment,
                     max_batch_rows=max(32, args.requests), max_kv_tokens=None)
@@ -128,9 +128,9 @@ def main() -> int:
                 for i in range(args.requests)]
     plans = {det: [plan_request(deployment, deterministic=det, speculative=None, num_draft_tokens=None)
                    for _ in requests] for det in (False, True)}
-    print(f"{mx.default_device()}, MLX {mx.__version__}, {loaded.name} {args.weights}, L = {plan.limit} "
-          f"({plan.strategy}), kv pool {mode}, pass rows {deployment.shared_pass_rows}, compiled passes: plain "
-          f"{engine.runner.compiled is not None}, deterministic {deployment.compiled_canonical_passes}; "
+    print(f"{mx.default_device()}, MLX {mx.__version__}, {loaded.name} {args.weights}, L = {invariance.limit} "
+          f"({invariance.strategy}), kv pool {mode}, pass rows {deployment.guarantee.pass_rows}, compiled passes: plain "
+          f"{engine.runner.compiled is not None}, deterministic {deployment.guarantee.compiled_canonical_passes}; "
           f"{args.requests} requests x "
           f"{args.tokens} tokens, rounds alternating (one unmeasured round each first)", flush=True)
     compiled = engine.runner.compiled

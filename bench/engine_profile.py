@@ -31,7 +31,7 @@ from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from lockstep.models.load import load_model  # noqa: E402
 from lockstep.server.engine import Engine  # noqa: E402
 from lockstep.server.engine.decode_plan import plan_request  # noqa: E402
-from lockstep.server.engine.guarantee import proven_deployment  # noqa: E402
+from lockstep.server.engine.deployment import proven_deployment  # noqa: E402
 from lockstep.server.engine.request_state import GenerationRequest  # noqa: E402
 from lockstep.server.engine.sampling import SamplingParams  # noqa: E402
 
@@ -69,10 +69,10 @@ def main() -> int:
     args = parser.parse_args()
 
     loaded = load_model(args.model, args.weights)
-    plan = set_batch_invariant_limit(loaded.model, args.limit)
+    invariance = set_batch_invariant_limit(loaded.model, args.limit)
     mode = pool_mode(loaded.model, args.kv_pool)
     # the ragged proof covers every pass width the engine below may build, as serve's does
-    deployment = proven_deployment(loaded.model, plan, kv_pool=mode, pass_rows=max(32, args.requests))
+    deployment = proven_deployment(loaded.model, invariance, kv_pool=mode, pass_rows=max(32, args.requests))
     engine = ProfiledEngine(loaded, max_active=args.requests, deployment=deployment,
                             max_batch_rows=max(32, args.requests), max_kv_tokens=None)
     mx.eval(loaded.model(mx.array([[1, 2, 3]])))
@@ -91,8 +91,8 @@ def main() -> int:
     out = io.StringIO()
     pstats.Stats(engine.profile, stream=out).sort_stats("tottime").print_stats(args.top)
     print(out.getvalue())
-    print(f"{args.requests} requests x {args.tokens} tokens, kv_pool {mode}, L = {plan.limit} "
-          f"({plan.strategy}), deterministic {args.deterministic}, temperature {args.temperature}: {tokens} tokens in {wall:.2f} s = "
+    print(f"{args.requests} requests x {args.tokens} tokens, kv_pool {mode}, L = {invariance.limit} "
+          f"({invariance.strategy}), deterministic {args.deterministic}, temperature {args.temperature}: {tokens} tokens in {wall:.2f} s = "
           f"{tokens / wall:.1f} tok/s")
     return 0
 

@@ -315,9 +315,9 @@ def main():
         custom.split_rows.parts_take = _PARTS_TAKE
         proven = dict.fromkeys(s.split("_compiled")[0] for s in strategies)  # a compiled pass: its strategy's
         for strategy in (s for s in proven if s in ("gemv_rows", "skinny") and a.proof_limit):
-            plan = set_batch_invariant_limit(model, a.proof_limit, strategy)
-            log(f"self-test L={a.proof_limit} ({strategy}): guaranteed={plan.guaranteed}, widths "
-                f"{plan.self_test.widths if plan.self_test else ()}, {plan.reason}")
+            invariance = set_batch_invariant_limit(model, a.proof_limit, strategy)
+            log(f"self-test L={a.proof_limit} ({strategy}): guaranteed={invariance.guaranteed}, widths "
+                f"{invariance.self_test.widths if invariance.self_test else ()}, {invariance.reason}")
         set_batch_invariant_limit(model, 0)
         del model, base, cache, path, pooled, compiled
         mx.clear_cache()

@@ -77,9 +77,9 @@ def main():
     for strategy, (tps, ms) in best.items():
         print(f"{strategy:>13}: decode {tps:8.1f} tok/s ({tps / base[0]:.2f}x)   "
               f"{a.limit}-row block {ms:7.2f} ms ({ms / base[1]:.2f}x)")
-    plan = set_batch_invariant_limit(model, a.limit)
-    print(f"auto: {plan.strategy}, guaranteed={plan.guaranteed}: {plan.reason}")
-    print(f"      self-test {plan.self_test.seconds:.2f}s, candidates {plan.candidates}")
+    invariance = set_batch_invariant_limit(model, a.limit)
+    print(f"auto: {invariance.strategy}, guaranteed={invariance.guaranteed}: {invariance.reason}")
+    print(f"      self-test {invariance.self_test.seconds:.2f}s, candidates {invariance.candidates}")
 
 
 if __name__ == "__main__":

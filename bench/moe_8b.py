@@ -54,12 +54,12 @@ def run(model, rows: list[int], limit: int, repeats: int, log) -> list[tuple]:
         set_batch_invariant_limit(model, 0)
         native = step_ms(step, cache, tokens, repeats)
         native_same = rows_identical(step, cache, tokens) if b > 1 else 1
-        plan = set_batch_invariant_limit(model, limit, "auto")
+        invariance = set_batch_invariant_limit(model, limit, "auto")
         canonical = step_ms(step, cache, tokens, repeats)
         same = rows_identical(step, cache, tokens) if b > 1 else 1
         set_batch_invariant_limit(model, 0)
-        table.append((b, native, canonical, same, native_same, plan.strategy, plan.guaranteed))
-        log(f"B={b:<3} native {native:8.2f} ms  deterministic ({plan.strategy}, proven {plan.guaranteed}) "
+        table.append((b, native, canonical, same, native_same, invariance.strategy, invariance.guaranteed))
+        log(f"B={b:<3} native {native:8.2f} ms  deterministic ({invariance.strategy}, proven {invariance.guaranteed}) "
             f"{canonical:8.2f} ms = {canonical / native:5.2f}x  rows == single-row call: {same}/{b} "
             f"(native: {native_same}/{b})")
     return table

@@ -69,8 +69,8 @@ def main():
     runner = ModelRunner.as_engine_runs(model, pool)
     pooled = context(model, a.context, runner.new_cache(a.context + 8))
     counts[f"lockstep plain (pool {pool})"] = step(lambda: runner.forward_rows(pooled, token), pooled)
-    plan = set_batch_invariant_limit(model, a.limit, a.strategy, verify=False)
-    counts[f"lockstep deterministic ({plan.strategy}, L = {a.limit})"] = step(
+    invariance = set_batch_invariant_limit(model, a.limit, a.strategy, verify=False)
+    counts[f"lockstep deterministic ({invariance.strategy}, L = {a.limit})"] = step(
         lambda: runner.forward_rows(pooled, token), pooled)
 
     lines = [f"backend {mx.default_device()}, MLX {mx.__version__}; {a.weights}, {a.layers} layers, "

@@ -61,7 +61,7 @@ def main() -> int:
         mx.eval(model(prompt[None], cache=c))
         caches.append(c)
     strategy = args.strategy or ("gemv_rows" if custom.backend() == "cuda" else "auto")
-    plan = set_batch_invariant_limit(model, args.limit, strategy, verify=False)
+    invariance = set_batch_invariant_limit(model, args.limit, strategy, verify=False)
     def counted(rows: int) -> Counter:
         """The pass's ops; then it runs and its rows are trimmed, so the next count starts
         from evaluated state (an unevaluated pass would be part of the next one's graph)."""
@@ -77,7 +77,7 @@ def main() -> int:
         with native_forms():
             counts[f"plain, {b} rows"] = counted(b)
         with calls_in_blocks():
-            counts[f"deterministic ({plan.strategy}), {b} rows"] = counted(b)
+            counts[f"deterministic ({invariance.strategy}), {b} rows"] = counted(b)
     layers = len(model.layers)
     lines = [f"device {mx.default_device()}, MLX {mx.__version__}, {loaded.name} {args.weights}, {layers} layers, "
              f"kv pool {mode}, L = {args.limit}"]

@@ -64,8 +64,8 @@ def main() -> int:
     print(f"pooled attention kernel: {kernel_unavailable_reason(mx.float16, 64) or 'available'}; "
           f"--kv-pool auto -> {pool_mode(model, 'auto')}")
     if args.limit:
-        plan = set_batch_invariant_limit(model, args.limit, args.strategy)
-        print(f"L = {args.limit}: strategy {plan.strategy}, guaranteed {plan.guaranteed} ({plan.reason})")
+        invariance = set_batch_invariant_limit(model, args.limit, args.strategy)
+        print(f"L = {args.limit}: strategy {invariance.strategy}, guaranteed {invariance.guaranteed} ({invariance.reason})")
     enable_ragged(model)
     use_kernel = pool_mode(model, "auto") == "kernel"
     mode = "kernel" if use_kernel else "reference"

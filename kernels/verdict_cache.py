@@ -67,7 +67,7 @@ def function_identity(fn) -> str:
 def environment() -> dict:
     """What a verdict about kernels depends on, beyond the code: MLX, backend, device, BLAS."""
     from lockstep.kernels import cpu_blas
-    from lockstep.kernels.audit.slicing import backend_kind
+    from lockstep.kernels.backend_kind import backend_kind
 
     try:
         info = mx.device_info()

@@ -1,10 +1,11 @@
 """Every choice list and default the `lockstep` commands offer, in one place.
 
-A list that kernels/ or models/ defines (they may not import server/), or the engine or the
-distributed layer checks against, is re-exported or derived here, never copied; the rest is
-defined here. Commands, the runtime and the launchd job take them from here. The HTTP
-service's limits stay beside their checks in server/api/ (commands/http_args.py shows
-them): this module is imported where fastapi is not installed.
+A list that kernels/ or models/ defines (they may not import server/), or the engine checks
+against, is re-exported or derived here, never copied; the rest is defined here, the
+distributed layer's lists among them (server/distributed/ imports this module). Commands,
+the runtime and the launchd job take them from here. The HTTP service's limits stay beside
+their checks in server/api/ (commands/http_args.py shows them): this module is imported
+where fastapi is not installed.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from lockstep.kernels.cpu_blas import CHOICES as _BLAS_LIBRARIES
 from lockstep.kernels.invariance.ops import STRATEGIES
 from lockstep.models.gguf_import import WEIGHT_FORMATS
 from lockstep.models.quantize import Q_MODES
-from lockstep.server.distributed.world import BACKENDS, PARALLEL_MODES
 from lockstep.server.engine.decode_plan import METHODS
 from lockstep.server.engine.deployment import MAX_DRAFT_TOKENS, PREFILL_CHUNK
 # serve --max-active / --max-batch-rows, defined beside the rule they bound; re-exported
@@ -29,6 +29,10 @@ CPU_BLAS_CHOICES = ("auto", *_BLAS_LIBRARIES)  # auto: OpenBLAS where MLX comput
 # Startup verdicts: "cached" re-uses this machine's audit verdicts and self-test proofs,
 # "fresh" redoes and re-stores them, "off" skips the audit (self-test still cached).
 AUDIT_MODES = ("cached", "fresh", "off")
+# mlx.distributed's backends and the ways a model is split across ranks (server/distributed/
+# world.py checks against them; defined here since options sit below the distributed layer)
+BACKENDS = ("ring", "jaccl", "nccl", "mpi")
+PARALLEL_MODES = ("tensor", "pipeline")
 PARALLEL_CHOICES = PARALLEL_MODES  # serve --parallel
 DISTRIBUTED_BACKENDS = ("any", *BACKENDS)  # any: the one mlx.launch prepared
 

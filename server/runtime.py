@@ -19,6 +19,7 @@ import mlx.core as mx
 from lockstep.server.engine.decode_plan import METHODS
 
 from lockstep.server.engine.deployment import MAX_DRAFT_TOKENS, Deployment, rewind_refusal
+from lockstep.server.engine.guarantee import PENDING_STRATEGY, Guarantee
 from lockstep.server.engine.guarantee_state import OFF, PROVING, GuaranteeState, settled_state
 from lockstep.server.options import (AUDIT_MODES, DEFAULT_MAX_BATCH_ROWS, DEFAULT_NUM_DRAFT_TOKENS,
                                      DEFAULT_PREFILL_CHUNK)
@@ -132,7 +133,7 @@ class Runtime:
     loaded: object  # models.load.LoadedModel
     deployment: Deployment
     audit: object  # kernels.audit.report.AuditReport
-    invariance: object  # kernels.invariance.limit.InstalledInvariance
+    invariance: object  # kernels.invariance.limit.InstalledInvariance: the mechanism installed (None: not yet)
     transform: str
     timings: dict = field(default_factory=dict)  # startup phase -> seconds (Phases)
     audit_mode: str = "cached"
@@ -161,6 +162,7 @@ class Runtime:
         audit = ({"mode": "off", "warning": AUDIT_OFF_WARNING} if self.audit is None
                  else {"mode": self.audit_mode, **summary(self.audit)})
         test = getattr(self.invariance, "self_test", None)
+        guarantee = self.deployment.guarantee
         return {
             "audit": audit,
             "startup": {"phases_s": {k: round(v, 2) for k, v in self.timings.items()},
@@ -173,9 +175,9 @@ class Runtime:
                         "self_test_cached": bool(test is not None and test.cached)},
             "batch_invariance": {
                 "state": self.guarantee.state,
-                "limit": self.invariance.limit, "strategy": self.invariance.strategy,
-                "guaranteed": self.invariance.guaranteed, "reason": self.invariance.reason,
-                "request_rows": self.invariance.request_rows,
+                "limit": guarantee.call_rows, "strategy": guarantee.strategy,
+                "guaranteed": guarantee.proven, "reason": guarantee.reason,
+                "request_rows": guarantee.request_rows,
             },
             "speculation": self._speculation(),
             "prefix_cache": {"stores_prompts": self.state_refusal is None,
@@ -334,7 +336,6 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     # imports this module to build its parser, before `--cpu-blas` may re-exec the process.
     from mlx_lm.models.cache import make_prompt_cache
 
-    from lockstep.kernels.invariance.limit import InstalledInvariance
     from lockstep.kernels.invariance.selftest import ProofCache
     from lockstep.kernels.verdict_cache import VerdictCache
     from lockstep.server.fingerprint import weights_digest
@@ -395,7 +396,7 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     if options.kv_pool != "off":
         log.info("KV pool: %s", kv_pool)
     limit = options.batch_invariant_limit
-    settings = dict(limit=limit, speculation=speculation,
+    settings = dict(speculation=speculation,
                     speculation_refusal=rewind_refusal(make_prompt_cache(loaded.model)) or "",
                     speculative=options.speculative,
                     num_draft_tokens=options.num_draft_tokens, max_draft_tokens=options.max_draft_tokens,
@@ -406,11 +407,12 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
                     # a distributed model's passes hold its collectives: they are built op by op
                     compiled_passes=options.compiled_passes and options.prepare_model is None,
                     decode_ahead=options.decode_ahead, model_digest=digest)
-    unproven = InstalledInvariance(limit, "native" if not limit else PENDING_STRATEGY, str(mx.default_device()),
-                                   False, "off (L = 0)" if not limit else "being proven")
-    runtime = Runtime(loaded, Deployment(fingerprint=_fingerprint(loaded, transform, unproven, options, kv_pool),
+    unproven = Guarantee(limit, strategy="native" if not limit else PENDING_STRATEGY,
+                         reason="off (L = 0)" if not limit else "being proven")
+    runtime = Runtime(loaded, Deployment(guarantee=unproven,
+                                         fingerprint=_fingerprint(loaded, transform, unproven, options, kv_pool),
                                          **settings),
-                      report, unproven, transform, timings, options.audit, refusal,
+                      report, None, transform, timings, options.audit, refusal,
                       guarantee=GuaranteeState(PROVING if limit else OFF))
     work = GuaranteeWork(runtime, options, proofs)
     if not (defer_guarantee and limit):
@@ -427,7 +429,7 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
             hint = "; the kernel audit is off (--audit off)" if options.audit == "off" else ""
             raise ModelError(f"{loaded.path}: the warm-up forward pass failed "
                              f"({type(exc).__name__}: {exc}){hint}") from exc
-    test = runtime.invariance.self_test
+    test = getattr(runtime.invariance, "self_test", None)
     runtime.serving_after_s = sum(timings.values())
     log.info("startup: %s; total %.1fs%s%s", timings.line(), sum(timings.values()),
              " (self-test proof re-used from the cache)" if test and test.cached else "",
@@ -439,14 +441,11 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     return runtime
 
 
-PENDING_STRATEGY = "pending"  # the strategy a deployment names until its proof has chosen one
-
-
-def _fingerprint(loaded, transform: str, plan, options: Options, kv_pool: str) -> str:
+def _fingerprint(loaded, transform: str, guarantee: Guarantee, options: Options, kv_pool: str) -> str:
     from lockstep.kernels import cpu_blas
     from lockstep.server.fingerprint import system_fingerprint
 
-    return system_fingerprint(loaded.path, transform=transform, strategy=plan.strategy, limit=plan.limit,
+    return system_fingerprint(loaded.path, transform=transform, strategy=guarantee.strategy, limit=guarantee.call_rows,
                               blas=cpu_blas.describe(), prefill_chunk=options.prefill_chunk, kv_pool=kv_pool)
 
 
@@ -465,6 +464,7 @@ class GuaranteeWork:
     proofs: object  # kernels.invariance.selftest.ProofCache
 
     def run(self) -> Deployment:
+        from lockstep.kernels.batching.ragged_selftest import per_request_self_test
         from lockstep.kernels.invariance import set_batch_invariant_limit
         from lockstep.server.engine.guarantee import decide_guarantee
 
@@ -472,48 +472,48 @@ class GuaranteeWork:
         model, kv_pool = runtime.loaded.model, runtime.deployment.kv_pool
         started = time.perf_counter()
         with timings.timed("self_test"):
-            plan = set_batch_invariant_limit(model, options.batch_invariant_limit,
-                                             options.invariant_strategy, proof_cache=self.proofs)
+            invariance = set_batch_invariant_limit(model, options.batch_invariant_limit,
+                                             options.invariant_strategy, proof_cache=self.proofs,
+                                             per_request_proof=per_request_self_test)
         if options.batch_invariant_limit:
-            (log.info if plan.guaranteed else log.warning)(
+            (log.info if invariance.guaranteed else log.warning)(
                 "batch invariance L=%d strategy=%s guaranteed=%s (%s)",
-                plan.limit, plan.strategy, plan.guaranteed, plan.reason)
-        if plan.guaranteed:
+                invariance.limit, invariance.strategy, invariance.guaranteed, invariance.reason)
+        if invariance.guaranteed:
             from lockstep.kernels.invariance.warmup import build_kernels
 
             with timings.timed("build_kernels"):  # compiled now, not during the first passes
-                build_kernels(model, plan.limit)
+                build_kernels(model, invariance.limit)
         pass_costs = None
         if options.adaptive_speculation and runtime.deployment.speculation:
             from lockstep.server.engine.model_runner import ModelRunner
             from lockstep.server.engine.speculative import measure_pass_costs
 
             widest = options.max_draft_tokens + 1
-            if plan.guaranteed:
-                widest = max(widest, plan.limit)
+            if invariance.guaranteed:
+                widest = max(widest, invariance.limit)
             with timings.timed("pass_costs"):  # what a verification pass of w rows costs in the engine
                 pass_costs = tuple(measure_pass_costs(model, widest,
                                                       runner=ModelRunner.as_engine_runs(model, kv_pool)))
         # the deployment's guarantee, decided here only (its ragged proof timed where one is made)
-        with timings.timed("ragged_proof") if plan.guaranteed else contextlib.nullcontext():
-            guarantee = decide_guarantee(model, plan, kv_pool, self.proofs, options.max_batch_rows,
+        with timings.timed("ragged_proof") if invariance.guaranteed else contextlib.nullcontext():
+            guarantee = decide_guarantee(model, invariance, kv_pool, self.proofs, options.max_batch_rows,
                                          shared_prefill=options.prepare_model is None,
                                          compiled=runtime.deployment.compiled_passes)
         deployment = dataclasses.replace(
-            runtime.deployment, guaranteed_rows=guarantee.rows, shared_passes=guarantee.shared_passes,
-            shared_pass_rows=guarantee.pass_rows, shared_prefill_rows=guarantee.shared_prefill_rows,
-            compiled_canonical_passes=guarantee.compiled_passes, strategy=plan.strategy, pass_costs=pass_costs,
-            fingerprint=_fingerprint(runtime.loaded, runtime.transform, plan, options, kv_pool))
-        runtime.invariance, runtime.deployment = plan, deployment
+            runtime.deployment, guarantee=guarantee, pass_costs=pass_costs,
+            fingerprint=_fingerprint(runtime.loaded, runtime.transform, guarantee, options, kv_pool))
+        runtime.invariance, runtime.deployment = invariance, deployment
         runtime.guarantee_seconds = time.perf_counter() - started
         return deployment
 
     def settle(self) -> None:
         """Say the proofs' outcome to whoever waits for it: once the deployment that carries it
         is the one requests are planned with."""
-        plan, deployment, timings = self.runtime.invariance, self.runtime.deployment, self.runtime.timings
-        self.runtime.guarantee.settle(settled_state(deployment), "" if deployment.guaranteed else plan.reason)
-        if self.runtime.guarantee_seconds is not None and plan.limit:
+        guarantee, timings = self.runtime.deployment.guarantee, self.runtime.timings
+        self.runtime.guarantee.settle(settled_state(self.runtime.deployment),
+                                      "" if guarantee.guaranteed else guarantee.reason)
+        if self.runtime.guarantee_seconds is not None and guarantee.call_rows:
             proofs = Phases({k: v for k, v in timings.items() if k in PROOF_PHASES})
             proofs.compile = {k: v for k, v in timings.compile.items() if k in PROOF_PHASES}
             log.info("guarantee %s after %.1fs of proofs: %s", self.runtime.guarantee.state.replace("_", " "),

@@ -74,15 +74,15 @@ def deterministic_server(loaded, limit: int, prefill_chunk: int = 4, max_active:
     from lockstep.kernels.verdict_cache import VerdictCache
     from lockstep.server.api.app import create_app
     from lockstep.server.engine import Engine
-    from lockstep.server.engine.guarantee import proven_deployment
+    from lockstep.server.engine.deployment import proven_deployment
     from lockstep.server.engine.prefix_cache import PrefixCache
 
     proofs = ProofCache(VerdictCache("selftest"), model_identity={"model": str(loaded.path), "weights": loaded.weights})
-    plan = set_batch_invariant_limit(loaded.model, limit, proof_cache=proofs)
+    invariance = set_batch_invariant_limit(loaded.model, limit, proof_cache=proofs)
     try:
-        assert plan.guaranteed, plan.reason
-        deployment = proven_deployment(loaded.model, plan, proofs=proofs, prefill_chunk=prefill_chunk)
-        assert deployment.shared_passes
+        assert invariance.guaranteed, invariance.reason
+        deployment = proven_deployment(loaded.model, invariance, proofs=proofs, prefill_chunk=prefill_chunk)
+        assert deployment.guarantee.shared_passes
         engine = Engine(loaded, max_active=max_active, deployment=deployment, prefix_cache=PrefixCache(4)).start()
         try:
             with running(create_app(engine)) as url:

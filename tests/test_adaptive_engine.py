@@ -12,7 +12,7 @@ import struct
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.server.engine.decode_plan import plan_request
-from lockstep.server.engine.guarantee import proven_deployment
+from lockstep.server.engine.deployment import proven_deployment
 from lockstep.server.engine.request_state import GenerationRequest
 from lockstep.server.engine.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded
@@ -33,10 +33,10 @@ def run_engine(draft_room: bool):
 
     model = peaked_llama()
     with shape_variant_backend():
-        plan = set_batch_invariant_limit(model, LIMIT)
-    assert plan.guaranteed
+        invariance = set_batch_invariant_limit(model, LIMIT)
+    assert invariance.guaranteed
     with shape_variant_backend():
-        deployment = proven_deployment(model, plan, prefill_chunk=8, adaptive_draft_tokens=True,
+        deployment = proven_deployment(model, invariance, prefill_chunk=8, adaptive_draft_tokens=True,
                                        pass_costs=(1.0,) * LIMIT)
     log = PassLog()
 

@@ -21,6 +21,7 @@ from lockstep.kernels.batching.ragged_selftest import prove_ragged
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.server.engine.deployment import Deployment
+from lockstep.server.engine.guarantee import Guarantee
 from lockstep.server.engine.passes import Demand, compose_passes
 from lockstep.server.engine.prefix_cache import PrefixCache
 from tests.deterministic_fixtures import TinyLoaded
@@ -130,8 +131,8 @@ def test_ragged_proof_passes_with_canonical_forms_and_fails_natively(tiny_model)
     with shape_variant_backend():
         native = prove_ragged(tiny_model, LIMIT)
         assert not native and "differ" in native.reason  # negative control
-        plan = set_batch_invariant_limit(tiny_model, LIMIT)
-        assert plan.guaranteed and plan.strategy != "native"
+        invariance = set_batch_invariant_limit(tiny_model, LIMIT)
+        assert invariance.guaranteed and invariance.strategy != "native"
         assert prove_ragged(tiny_model, LIMIT)
     set_batch_invariant_limit(tiny_model, 0)
 
@@ -158,17 +159,17 @@ def serve_tiny(limit: int, *, claim_without_proof: int = 0, max_batch_rows: int 
     that many shared deterministic rows instead (the negative control)."""
     from lockstep.server.api.app import create_app
     from lockstep.server.engine import Engine
-    from lockstep.server.engine.guarantee import proven_deployment
+    from lockstep.server.engine.deployment import proven_deployment
 
     model = peaked_llama()
     draft = peaked_llama(quant="affine")
     with shape_variant_backend():
-        plan = set_batch_invariant_limit(model, limit)
+        invariance = set_batch_invariant_limit(model, limit)
         if claim_without_proof:
-            deployment = Deployment(limit=claim_without_proof, guaranteed_rows=claim_without_proof, shared_passes=True,
+            deployment = Deployment(guarantee=Guarantee(claim_without_proof, proven=True, shared_passes=True),
                                     draft_model=draft, prefill_chunk=8, kv_pool=kv_pool)
         else:
-            deployment = proven_deployment(model, plan if limit else None, kv_pool=kv_pool, draft_model=draft,
+            deployment = proven_deployment(model, invariance if limit else None, kv_pool=kv_pool, draft_model=draft,
                                            prefill_chunk=8, pass_rows=pass_rows)
     with shape_variant_backend():
         engine = Engine(TinyLoaded(model), max_active=16, deployment=deployment,
@@ -281,7 +282,7 @@ def test_deterministic_answers_under_mixed_batched_load_equal_their_solo_runs(kv
             health = httpx.get(url + "/health").json()
     finally:
         engine.stop()
-    assert engine.deployment.shared_passes  # the ragged proof passed
+    assert engine.deployment.guarantee.shared_passes  # the ragged proof passed
     assert all(requests == 1 for _, requests in solo_passes)
     assert len(loaded) == len(DETERMINISTIC)
     for i, run in solo.items():
@@ -443,7 +444,7 @@ def wide_runs(monkeypatch=None, blocks=True):
             loaded = wide_load(url)
     finally:
         engine.stop()
-    assert engine.describe()["deterministic_pass_rows"] == 16 and engine.deployment.guaranteed_rows == WIDE_L
+    assert engine.describe()["deterministic_pass_rows"] == 16 and engine.deployment.guarantee.call_rows == WIDE_L
     return solo, loaded, log.passes[first:]
 
 

@@ -214,15 +214,15 @@ def test_a_compiled_pass_whose_rows_move_with_the_width_fails_the_proof(determin
 
 def test_deterministic_passes_run_compiled_where_the_guarantee_proved_them(deterministic_model):
     from lockstep.kernels.invariance import set_batch_invariant_limit
-    from lockstep.server.engine.guarantee import proven_deployment
+    from lockstep.server.engine.deployment import proven_deployment
 
     model = deterministic_model
-    plan = set_batch_invariant_limit(model, LIMIT)
-    deployment = proven_deployment(model, plan, kv_pool="kernel", pass_rows=LIMIT)
-    assert deployment.guaranteed and deployment.compiled_canonical_passes
+    invariance = set_batch_invariant_limit(model, LIMIT)
+    deployment = proven_deployment(model, invariance, kv_pool="kernel", pass_rows=LIMIT)
+    assert deployment.guarantee.guaranteed and deployment.guarantee.compiled_canonical_passes
     assert ModelRunner(model, deployment, pool_tokens=16).describe()["compiled_passes"]["deterministic"] is True
-    off = proven_deployment(model, plan, kv_pool="kernel", pass_rows=LIMIT, compiled_passes=False)
-    assert off.guaranteed and not off.compiled_canonical_passes
+    off = proven_deployment(model, invariance, kv_pool="kernel", pass_rows=LIMIT, compiled_passes=False)
+    assert off.guarantee.guaranteed and not off.guarantee.compiled_canonical_passes
     runner = ModelRunner(model, deployment, pool_tokens=128)
     caches = prefilled(model, runner.kv_pool)
     det = _Pass([(_Slot(caches[0], "greedy"), [11]), (_Slot(caches[1], "greedy"), [12])], True)

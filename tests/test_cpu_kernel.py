@@ -140,10 +140,10 @@ SELFTEST = """
     model.set_dtype(mx.float32)
     limit = lambda: (ctypes.c_int.in_dll(ctypes.CDLL(None), "lockstep_cpu_kernel_limit").value
                      if cpu_blas.active() == "openblas" else None)
-    plan = set_batch_invariant_limit(model, 4, "auto", prefixes=(11,))
-    out = {"active": cpu_blas.active(), "isa": cpu_blas.kernel_isa(), "strategy": plan.strategy,
-           "guaranteed": plan.guaranteed, "reason": plan.reason,
-           "candidates": [list(c[:2]) for c in plan.candidates], "shim_limit": limit()}
+    invariance = set_batch_invariant_limit(model, 4, "auto", prefixes=(11,))
+    out = {"active": cpu_blas.active(), "isa": cpu_blas.kernel_isa(), "strategy": invariance.strategy,
+           "guaranteed": invariance.guaranteed, "reason": invariance.reason,
+           "candidates": [list(c[:2]) for c in invariance.candidates], "shim_limit": limit()}
     set_batch_invariant_limit(model, 0)
     out["shim_limit_off"] = limit()
     print(json.dumps(out))

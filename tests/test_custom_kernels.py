@@ -227,25 +227,25 @@ def test_which_quantizations_have_a_kernel(mode, bits, group, kind):
 @pytest.mark.reference_blas
 def test_auto_without_kernels_skips_them_for_todays_forms():
     with shape_variant_backend():  # native fails the proof, so auto reaches the kernels
-        plan = set_batch_invariant_limit(tiny_llama(), 4, prefixes=(7,))
-    assert plan.strategy == "strided_gemv" and plan.guaranteed
-    assert [name for name, _, _ in plan.candidates] == ["native", "strided_gemv"]
+        invariance = set_batch_invariant_limit(tiny_llama(), 4, prefixes=(7,))
+    assert invariance.strategy == "strided_gemv" and invariance.guaranteed
+    assert [name for name, _, _ in invariance.candidates] == ["native", "strided_gemv"]
 
 
 @pytest.mark.reference_blas
 def test_auto_past_a_failing_strided_gemv_skips_kernels_that_cannot_run(strided_fails):
     with shape_variant_backend():
-        plan = set_batch_invariant_limit(tiny_llama(), 4, prefixes=(7,))
-    assert plan.strategy == "rowwise" and plan.guaranteed
-    assert "skipped: " in plan.reason and "skinny (no custom-kernel API" in plan.reason
-    assert [name for name, _, _ in plan.candidates] == ["native", "strided_gemv", "rowwise"]
+        invariance = set_batch_invariant_limit(tiny_llama(), 4, prefixes=(7,))
+    assert invariance.strategy == "rowwise" and invariance.guaranteed
+    assert "skipped: " in invariance.reason and "skinny (no custom-kernel API" in invariance.reason
+    assert [name for name, _, _ in invariance.candidates] == ["native", "strided_gemv", "rowwise"]
 
 
 
 def test_asking_for_skinny_without_kernels_runs_todays_forms_unclaimed():
     model = tiny_llama(dtype=mx.bfloat16)
-    plan = set_batch_invariant_limit(model, 4, "skinny", prefixes=(7,))
-    assert plan.strategy == "skinny" and not plan.guaranteed and "cannot run" in plan.reason
+    invariance = set_batch_invariant_limit(model, 4, "skinny", prefixes=(7,))
+    assert invariance.strategy == "skinny" and not invariance.guaranteed and "cannot run" in invariance.reason
     x, w = rand(3, 128, dtype=mx.bfloat16), model.model.layers[0].mlp.up_proj.weight
     assert bits_equal(dense_rows(x, w, "skinny"), dense_rows(x, w, "strided_gemv"))
     with shape_variant_backend():  # the fallback is still canonical
@@ -290,9 +290,9 @@ def test_auto_picks_the_kernels_once_proven_where_strided_gemv_is_not(kernels_he
     kernels_here(lambda x, w: calls.append(x.shape[0]) or correct(x, w))
     model = tiny_llama()
     with shape_variant_backend():
-        plan = set_batch_invariant_limit(model, 4, prefixes=(7,))
-    assert plan.strategy == "skinny" and plan.guaranteed
-    assert [(n, ok) for n, ok, _ in plan.candidates] == [("native", False), ("strided_gemv", False),
+        invariance = set_batch_invariant_limit(model, 4, prefixes=(7,))
+    assert invariance.strategy == "skinny" and invariance.guaranteed
+    assert [(n, ok) for n, ok, _ in invariance.candidates] == [("native", False), ("strided_gemv", False),
                                                          ("skinny", True)]
     assert 1 in calls and 4 in calls  # decode's single row runs the kernel too
 
@@ -303,9 +303,9 @@ def test_a_kernel_that_fails_the_proof_is_never_kept(kernels_here, strided_fails
     kernels_here(_emulated_kernel(lambda m, size: 4 if m == 1 else 8))
     model = tiny_llama()
     with shape_variant_backend():
-        plan = set_batch_invariant_limit(model, 4, prefixes=(7,))
-    assert plan.guaranteed and plan.strategy == "rowwise"
-    assert [(n, ok) for n, ok, _ in plan.candidates] == [("native", False), ("strided_gemv", False),
+        invariance = set_batch_invariant_limit(model, 4, prefixes=(7,))
+    assert invariance.guaranteed and invariance.strategy == "rowwise"
+    assert [(n, ok) for n, ok, _ in invariance.candidates] == [("native", False), ("strided_gemv", False),
                                                          ("skinny", False), ("rowwise", True)]
 
 

@@ -117,7 +117,7 @@ def test_deterministic_requests_decoded_ahead_keep_their_solo_bits():
     plain plans do not (the negative control)."""
     from lockstep.kernels.batching.ragged import enable_ragged
     from lockstep.kernels.invariance import set_batch_invariant_limit
-    from lockstep.server.engine.guarantee import proven_deployment
+    from lockstep.server.engine.deployment import proven_deployment
     from tests.doubles.shape_variant import shape_variant_backend
     from tests.test_deterministic_double import peaked_llama
 
@@ -129,7 +129,7 @@ def test_deterministic_requests_decoded_ahead_keep_their_solo_bits():
     with pool_kernel_double(), shape_variant_backend():
         deployment = replace(proven_deployment(model, set_batch_invariant_limit(model, 4), kv_pool="kernel",
                                                pass_rows=4), prefill_chunk=8)
-        assert deployment.guaranteed and deployment.shared_passes and deployment.compiled_canonical_passes
+        assert deployment.guarantee.guaranteed and deployment.guarantee.shared_passes and deployment.guarantee.compiled_canonical_passes
         solo, plain_solo = {}, {}
         for name, request in requests.items():
             solo.update(decode(loaded, False, {name: request}, deployment, deterministic=True)[0])

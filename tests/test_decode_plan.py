@@ -5,10 +5,11 @@ import pytest
 from lockstep.server.engine.decode_plan import METHODS, DecodePlan, RequestRejected, plan_request
 
 from lockstep.server.engine.deployment import Deployment
+from lockstep.server.engine.guarantee import Guarantee
 from lockstep.server.runtime import LIMIT_ENV, limit_from_env
 
 DRAFT = object()  # stands in for a draft model: plan_request only checks it is there
-PROVEN = Deployment(limit=6, guaranteed_rows=6, shared_passes=True, strategy="native", num_draft_tokens=4,
+PROVEN = Deployment(guarantee=Guarantee(6, proven=True, shared_passes=True), num_draft_tokens=4,
                     draft_model=DRAFT)
 
 
@@ -46,7 +47,7 @@ def test_non_deterministic_requests_are_not_bounded_by_the_limit():
 
 
 def test_the_deployment_default_k_is_clipped_not_refused():
-    wide = Deployment(limit=6, guaranteed_rows=6, speculative="draft", num_draft_tokens=9, draft_model=DRAFT)
+    wide = Deployment(guarantee=Guarantee(6, proven=True), speculative="draft", num_draft_tokens=9, draft_model=DRAFT)
     p = plan(wide)  # neither method nor k chosen by the request
     assert (p.method, p.num_draft_tokens, p.guaranteed) == ("draft", 5, True)
     assert plan(wide, speculative="prompt_lookup").num_draft_tokens == 5
@@ -54,7 +55,7 @@ def test_the_deployment_default_k_is_clipped_not_refused():
 
 
 def test_limit_one_leaves_no_room_for_drafts():
-    one = Deployment(limit=1, guaranteed_rows=1, speculative="prompt_lookup", num_draft_tokens=4)
+    one = Deployment(guarantee=Guarantee(1, proven=True), speculative="prompt_lookup", num_draft_tokens=4)
     p = plan(one)
     assert (p.method, p.num_draft_tokens, p.guaranteed) == ("none", 0, True)
     assert rejected(one, speculative="prompt_lookup", k=1).param == "num_draft_tokens"
@@ -67,7 +68,7 @@ def test_method_none_carries_no_draft_tokens():
 
 def test_unknown_method_and_missing_draft_model_are_refused():
     assert rejected(speculative="medusa").param == "speculative"
-    no_draft = Deployment(limit=6, guaranteed_rows=6)
+    no_draft = Deployment(guarantee=Guarantee(6, proven=True))
     error = rejected(no_draft, speculative="draft", k=2)
     assert error.param == "speculative" and "draft model" in str(error)
     # the refusal does not depend on determinism
@@ -80,7 +81,7 @@ def test_unknown_method_and_missing_draft_model_are_refused():
 @pytest.mark.parametrize("method, k", [(None, None), ("none", None), ("prompt_lookup", 3),
                                        ("draft", 5), ("prompt_lookup", 16)])
 def test_limit_zero_runs_without_speculation_in_passes_of_its_own_with_a_note(method, k):
-    off = Deployment(limit=0, speculative="prompt_lookup", draft_model=DRAFT)
+    off = Deployment(speculative="prompt_lookup", draft_model=DRAFT)
     p = plan(off, speculative=method, k=k)
     assert (p.determinism, p.method, p.num_draft_tokens, p.guaranteed) == ("alone", "none", 0, False)
     assert "limit is 0" in p.note and "without speculation, in passes of its own" in p.note
@@ -90,7 +91,7 @@ def test_limit_zero_runs_without_speculation_in_passes_of_its_own_with_a_note(me
 
 
 def test_unproven_limit_is_not_trusted():
-    unproven = Deployment(limit=6, draft_model=DRAFT)
+    unproven = Deployment(guarantee=Guarantee(6), draft_model=DRAFT)
     p = plan(unproven, speculative="draft", k=3)
     assert (p.method, p.num_draft_tokens, p.determinism) == ("none", 0, "alone")
     assert "not proven" in p.note
@@ -184,14 +185,14 @@ def test_adaptive_speculation_flag_reaches_the_deployment_with_measured_costs(mo
 def test_a_proven_limit_without_shared_passes_plans_alone():
     """The self-test proved L but requests may not share passes (no ragged proof): the
     request keeps its speculation (its own rows are covered) in passes of its own."""
-    own = Deployment(limit=6, guaranteed_rows=6, shared_passes=False, draft_model=DRAFT)
+    own = Deployment(guarantee=Guarantee(6, proven=True, shared_passes=False), draft_model=DRAFT)
     p = plan(own, speculative="draft", k=3)
     assert (p.determinism, p.method, p.num_draft_tokens, p.guaranteed) == ("alone", "draft", 3, True)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_k_above_the_server_maximum_is_refused_for_every_request(deterministic):
-    small = Deployment(limit=64, guaranteed_rows=64, max_draft_tokens=8)
+    small = Deployment(guarantee=Guarantee(64, proven=True), max_draft_tokens=8)
     error = rejected(small, deterministic=deterministic, speculative="prompt_lookup", k=9)
     assert error.param == "num_draft_tokens" and "at most 8" in str(error)
     assert plan(small, deterministic=deterministic, speculative="prompt_lookup", k=8).num_draft_tokens == 8

@@ -15,6 +15,7 @@ from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.selftest import bits_equal
 from lockstep.server.engine.decode_plan import DecodePlan, plan_request
 from lockstep.server.engine.deployment import Deployment
+from lockstep.server.engine.guarantee import Guarantee
 from lockstep.server.engine.speculative import DraftModelDrafter, PromptLookupDrafter
 from tests.deterministic_fixtures import (GREEDY, SEEDED, TinyLoaded, chosen_rows, rows_bit_identical,
                                           run_generate, steps_from)
@@ -56,19 +57,19 @@ def limit(tiny):
     the native model again afterwards."""
     def install(value):
         with shape_variant_backend():
-            plan = set_batch_invariant_limit(tiny.model, value)
+            invariance = set_batch_invariant_limit(tiny.model, value)
         if value:
-            assert plan.guaranteed, plan.reason
-            assert plan.strategy != "native"  # native cannot pass under the double
-        return plan
+            assert invariance.guaranteed, invariance.reason
+            assert invariance.strategy != "native"  # native cannot pass under the double
+        return invariance
 
     yield install
     set_batch_invariant_limit(tiny.model, 0)
 
 
-def deployment_for(plan, draft, limit):
-    return Deployment(limit=limit, guaranteed_rows=limit if plan and plan.guaranteed else 0,
-                      strategy=plan.strategy if plan else "native", draft_model=draft, prefill_chunk=8)
+def deployment_for(invariance, draft, limit):
+    return Deployment(guarantee=Guarantee.installed(invariance) if invariance else Guarantee(limit), draft_model=draft,
+                      prefill_chunk=8)
 
 
 def same_bits(a, b) -> bool:
@@ -80,8 +81,8 @@ def same_bits(a, b) -> bool:
 
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 def test_speculative_equals_plain_bitwise_with_the_limit(tiny, draft, limit, sampling):
-    plan = limit(LIMIT)
-    dep = deployment_for(plan, draft, LIMIT)
+    invariance = limit(LIMIT)
+    dep = deployment_for(invariance, draft, LIMIT)
     params = SAMPLINGS[sampling]
     with shape_variant_backend():
         plain_plan = plan_request(dep, deterministic=True, speculative="none", num_draft_tokens=None)
@@ -131,8 +132,8 @@ def test_the_limit_must_cover_the_verification_width(tiny, draft, limit):
     """k = L - 1 (L rows) is exact; k = L (L + 1 rows, past the limit: native kernels) is
     not. plan_request refuses the latter for deterministic requests; built by hand here."""
     small = 4
-    plan = limit(small)
-    dep = deployment_for(plan, draft, small)
+    invariance = limit(small)
+    dep = deployment_for(invariance, draft, small)
     with shape_variant_backend():
         plain = run_generate(tiny, PROMPT, TOKENS, GREEDY, plan=None, deployment=dep)
         inside = run_generate(tiny, PROMPT, TOKENS, GREEDY, deployment=dep,
@@ -196,7 +197,7 @@ def test_embedded_model_speculation_is_exact_only_with_the_limit(embedded_model)
 
     def runs(dep):
         plain = run_generate(loaded, prompt, n, GREEDY, plan=None, deployment=dep, tokenizer_ids=lambda t: [t])
-        p = plan_request(dep, deterministic=dep.guaranteed, speculative="prompt_lookup", num_draft_tokens=2)
+        p = plan_request(dep, deterministic=dep.guarantee.guaranteed, speculative="prompt_lookup", num_draft_tokens=2)
         assert (p.method, p.num_draft_tokens) == ("prompt_lookup", 2)
         spec = run_generate(loaded, prompt, n, GREEDY, plan=p, deployment=dep, tokenizer_ids=lambda t: [t])
         assert spec.extension["accepted_tokens"] > 0
@@ -204,10 +205,10 @@ def test_embedded_model_speculation_is_exact_only_with_the_limit(embedded_model)
 
     try:
         with shape_variant_backend(quantized_rows=2):
-            native_plain, native_spec = runs(Deployment(limit=0))
-            plan = set_batch_invariant_limit(loaded.model, 3, prefixes=(11,))
-            assert plan.guaranteed, plan.reason
-            plain, spec = runs(Deployment(limit=3, guaranteed_rows=3, strategy=plan.strategy))
+            native_plain, native_spec = runs(Deployment())
+            invariance = set_batch_invariant_limit(loaded.model, 3, prefixes=(11,))
+            assert invariance.guaranteed, invariance.reason
+            plain, spec = runs(Deployment(guarantee=Guarantee.installed(invariance)))
     finally:
         set_batch_invariant_limit(loaded.model, 0)  # other tests share this model
 

@@ -147,25 +147,25 @@ def server(restarted, embedded_model, draft_model):
     from lockstep.kernels.invariance import cache_invariance_problem, set_batch_invariant_limit
     from lockstep.server.api.app import create_app
     from lockstep.server.engine import Engine
-    from lockstep.server.engine.guarantee import proven_deployment
+    from lockstep.server.engine.deployment import proven_deployment
     from lockstep.server.fingerprint import system_fingerprint
     from lockstep.server.engine.prefix_cache import PrefixCache
 
-    plan = set_batch_invariant_limit(embedded_model.model, L)
+    invariance = set_batch_invariant_limit(embedded_model.model, L)
     try:
-        assert plan.guaranteed, plan.reason
+        assert invariance.guaranteed, invariance.reason
         assert cache_invariance_problem(make_prompt_cache(embedded_model.model)) is None
         transform = f"weights={embedded_model.weights}"
-        fingerprint = system_fingerprint(embedded_model.path, transform=transform, strategy=plan.strategy,
-                                         limit=plan.limit, blas=cpu_blas.describe(), prefill_chunk=CHUNK)
-        deployment = proven_deployment(embedded_model.model, plan, draft_model=draft_model,
+        fingerprint = system_fingerprint(embedded_model.path, transform=transform, strategy=invariance.strategy,
+                                         limit=invariance.limit, blas=cpu_blas.describe(), prefill_chunk=CHUNK)
+        deployment = proven_deployment(embedded_model.model, invariance, draft_model=draft_model,
                                        draft_name="4-bit copy", prefill_chunk=CHUNK, fingerprint=fingerprint)
         prefix_cache = PrefixCache(4)
         engine = Engine(embedded_model, max_active=4, deployment=deployment, prefix_cache=prefix_cache).start()
         try:
             with running(create_app(engine, fingerprint=fingerprint)) as url:
                 client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
-                yield SimpleNamespace(client=client, engine=engine, prefix_cache=prefix_cache, plan=plan,
+                yield SimpleNamespace(client=client, engine=engine, prefix_cache=prefix_cache, invariance=invariance,
                                       fingerprint=fingerprint, transform=transform, answers={})
         finally:
             engine.stop()
@@ -367,7 +367,7 @@ def test_a_restarted_server_gives_the_same_bits(server, answer, restarted):
             time.sleep(0.5)
         info = http.get("/v1/models").json()["data"][0]["lockstep"]
     assert info["batch_invariance"]["limit"] == L and info["batch_invariance"]["guaranteed"] is True
-    assert info["batch_invariance"]["strategy"] == server.plan.strategy
+    assert info["batch_invariance"]["strategy"] == server.invariance.strategy
     assert info["transform"] == server.transform  # same weights, no audit workaround
     client = OpenAI(base_url=restarted.url + "/v1", api_key="x", max_retries=0, timeout=600)
     fresh = chat(client, HELLO, GREEDY)

@@ -104,8 +104,8 @@ def test_a_decode_step_dispatches_three_fewer_matmuls_per_layer():
 def test_a_fused_model_is_proven_and_its_rows_keep_their_single_row_bits():
     _, model, _ = pair()
     with shape_variant_backend():
-        plan = set_batch_invariant_limit(model, 4, prefixes=(7,))
-        assert plan.guaranteed and plan.strategy != "native"
+        invariance = set_batch_invariant_limit(model, 4, prefixes=(7,))
+        assert invariance.guaranteed and invariance.strategy != "native"
         assert self_test(model, 4, prefixes=(7,)).passed
         set_batch_invariant_limit(model, 0)
         unproven = set_batch_invariant_limit(model, 4, "native", prefixes=(7,))

@@ -86,8 +86,8 @@ def test_auto_tries_gemv_rows_right_after_the_cpu_kernel():
     for order in (AUTO_CANDIDATES, CUDA_16BIT_AUTO_CANDIDATES):
         assert order.index("gemv_rows") == order.index("cpu_kernel") + 1
     with shape_variant_backend():  # native fails, gemv_rows cannot run: strided_gemv is next
-        plan = set_batch_invariant_limit(tiny_llama(), 4, prefixes=(7,))
-    assert plan.strategy == "strided_gemv" and "gemv_rows (gemv_rows follows MLX's CUDA GEMV" in plan.reason
+        invariance = set_batch_invariant_limit(tiny_llama(), 4, prefixes=(7,))
+    assert invariance.strategy == "strided_gemv" and "gemv_rows (gemv_rows follows MLX's CUDA GEMV" in invariance.reason
 
 
 def test_every_strategy_can_be_asked_for_on_the_command_line():
@@ -134,12 +134,12 @@ def test_decode_keeps_the_plain_call_and_blocks_run_the_kernel(emulated):
 def test_a_kernel_in_mlxs_order_is_proven_and_one_that_is_not_is_refused(emulated):
     with shape_variant_backend():  # blocks of the native call vary with M here
         emulated(_rows_alone)
-        plan = set_batch_invariant_limit(tiny_llama(), 4, "gemv_rows", prefixes=(7,))
-        assert plan.guaranteed and plan.strategy == "gemv_rows"
+        invariance = set_batch_invariant_limit(tiny_llama(), 4, "gemv_rows", prefixes=(7,))
+        assert invariance.guaranteed and invariance.strategy == "gemv_rows"
         emulated(lambda x, w: x @ w.T)  # a block call: not the single-row order
         model = tiny_llama()
-        plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
-        assert not plan.guaranteed and "self-test failed" in plan.reason
+        invariance = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
+        assert not invariance.guaranteed and "self-test failed" in invariance.reason
         assert not self_test(model, 4, prefixes=(7,)).passed
 
 

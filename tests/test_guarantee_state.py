@@ -63,7 +63,7 @@ class HeldProof:
         from lockstep.kernels.invariance import set_batch_invariant_limit
         from lockstep.kernels.invariance.selftest import ProofCache
         from lockstep.kernels.verdict_cache import VerdictCache
-        from lockstep.server.engine.guarantee import proven_deployment
+        from lockstep.server.engine.deployment import proven_deployment
 
         while not self.release.is_set():
             step_done()
@@ -71,8 +71,8 @@ class HeldProof:
             self.release.wait(0.01)  # a proof step's worth of work
         proofs = ProofCache(VerdictCache("selftest"),
                             model_identity={"model": str(self.loaded.path), "weights": self.loaded.weights})
-        plan = set_batch_invariant_limit(self.loaded.model, self.limit, proof_cache=proofs)
-        self.deployment = proven_deployment(self.loaded.model, plan, proofs=proofs, prefill_chunk=4)
+        invariance = set_batch_invariant_limit(self.loaded.model, self.limit, proof_cache=proofs)
+        self.deployment = proven_deployment(self.loaded.model, invariance, proofs=proofs, prefill_chunk=4)
         return self.deployment
 
     def settle(self):
@@ -86,11 +86,12 @@ def test_plain_requests_are_served_while_the_proof_is_held_and_deterministic_one
     from lockstep.server.api.app import create_app
     from lockstep.server.engine import Engine
     from lockstep.server.engine.deployment import Deployment
+    from lockstep.server.engine.guarantee import Guarantee
     from tests.http_server import running, wait_until
 
     proof = HeldProof(embedded_model, limit=2)
     proof.state = GuaranteeState(PROVING)
-    engine = Engine(embedded_model, max_active=4, deployment=Deployment(limit=2, prefill_chunk=4),
+    engine = Engine(embedded_model, max_active=4, deployment=Deployment(guarantee=Guarantee(2), prefill_chunk=4),
                     guarantee=proof.state)
     planned = []  # (determinism, proof released) of every submission the engine took
     submit = engine.submit_group

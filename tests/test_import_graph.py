@@ -3,7 +3,10 @@
 The layers, top to bottom: `server` (the engine, the HTTP service, the commands), `kernels`
 (batch invariance, the audit, the custom kernels), `models` (loading and converting). A
 module may import from its own package and the ones below it, never above. Imports inside
-functions count too: a cycle hidden in a function body is still a cycle.
+functions count too: a cycle hidden in a function body is still a cycle. Nor may the
+subpackages (kernels.audit, kernels.batching, kernels.custom, kernels.invariance, server.api,
+server.engine, server.distributed, ...) import each other in a cycle: a package's own modules
+(kernels/verdict_cache.py is `lockstep.kernels`) count as that package.
 """
 from __future__ import annotations
 
@@ -89,12 +92,31 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def package_of(module: str, modules: dict[str, Path]) -> str:
+    """The package a module belongs to: the folder its file is in."""
+    return module if modules[module].name == "__init__.py" else module.rsplit(".", 1)[0]
+
+
+def package_graph(edges: dict[str, set[str]], modules: dict[str, Path]) -> dict[str, set[str]]:
+    """package -> the other packages its modules import."""
+    packages: dict[str, set[str]] = {}
+    for a, targets in edges.items():
+        own = package_of(a, modules)
+        packages.setdefault(own, set()).update(p for p in (package_of(b, modules) for b in targets) if p != own)
+    return packages
+
+
 def layer_of(module: str) -> int:
     return LAYER[module.split(".")[1]]
 
 
 def test_no_import_cycles():
     assert cycles(graph()) == []
+
+
+def test_no_import_cycles_between_packages():
+    modules = module_files()
+    assert cycles(package_graph(graph(), modules)) == []
 
 
 def test_imports_only_go_down_the_layers():
@@ -108,5 +130,12 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
                "lockstep.kernels.c": {"lockstep.kernels.b"}}
     assert cycles(made_up) == [["lockstep.kernels.b", "lockstep.kernels.c"]]
     assert layer_of("lockstep.kernels.b") > layer_of("lockstep.models.a")
+    # a cycle of packages that no two modules close: batching.x -> invariance.y -> batching.z
+    files = {"lockstep.kernels.batching.x": Path("x.py"), "lockstep.kernels.batching.z": Path("z.py"),
+             "lockstep.kernels.invariance.y": Path("y.py")}
+    spread = {"lockstep.kernels.batching.x": {"lockstep.kernels.invariance.y"},
+              "lockstep.kernels.invariance.y": {"lockstep.kernels.batching.z"}, "lockstep.kernels.batching.z": set()}
+    assert cycles(spread) == []
+    assert cycles(package_graph(spread, files)) == [["lockstep.kernels.batching", "lockstep.kernels.invariance"]]
     # and the real graph is read: the server imports the kernels somewhere
     assert any(t.startswith("lockstep.kernels") for targets in graph().values() for t in targets)

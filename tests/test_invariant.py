@@ -121,8 +121,8 @@ def test_block_equals_single_under_the_double_only_with_the_limit(name):
     with shape_variant_backend():
         assert not self_test(model, 4, prefixes=(7,)).passed  # negative control: native diverges
         for strategy in CANONICAL:
-            plan = set_batch_invariant_limit(model, 4, strategy, prefixes=(7,))
-            assert plan.guaranteed, plan.reason
+            invariance = set_batch_invariant_limit(model, 4, strategy, prefixes=(7,))
+            assert invariance.guaranteed, invariance.reason
         set_batch_invariant_limit(model, 0)
         assert not self_test(model, 4, prefixes=(7,)).passed  # L = 0 is native again
 
@@ -146,37 +146,37 @@ def test_bf16_model_under_the_double():
 def test_auto_picks_a_proven_strategy_and_records_why():
     model = tiny_llama(quant="affine")
     with shape_variant_backend():
-        plan = set_batch_invariant_limit(model, 9, prefixes=(7,))
-    assert plan.guaranteed and plan.strategy in CANONICAL
-    assert plan.backend == str(mx.default_device()) and plan.limit == 9
-    tried = {name: passed for name, passed, _ in plan.candidates}
+        invariance = set_batch_invariant_limit(model, 9, prefixes=(7,))
+    assert invariance.guaranteed and invariance.strategy in CANONICAL
+    assert invariance.backend == str(mx.default_device()) and invariance.limit == 9
+    tried = {name: passed for name, passed, _ in invariance.candidates}
     assert tried == {"native": False, "strided_gemv": True}  # first proven in speed order
-    assert plan.strategy == "strided_gemv" and "failed: ['native']" in plan.reason
-    assert installed_invariance(model) is plan
+    assert invariance.strategy == "strided_gemv" and "failed: ['native']" in invariance.reason
+    assert installed_invariance(model) is invariance
 
 
 @pytest.mark.reference_blas
 def test_auto_can_measure_every_candidate():
     model = tiny_llama()
     with shape_variant_backend():
-        plan = set_batch_invariant_limit(model, 3, measure=True, prefixes=(7,))
-    assert plan.guaranteed and plan.strategy in CANONICAL and "measured fastest" in plan.reason
-    assert [(n, ok) for n, ok, _ in plan.candidates] == [("native", False), ("strided_gemv", True), ("rowwise", True)]
-    assert all(s > 0 for n, ok, s in plan.candidates if ok)
+        invariance = set_batch_invariant_limit(model, 3, measure=True, prefixes=(7,))
+    assert invariance.guaranteed and invariance.strategy in CANONICAL and "measured fastest" in invariance.reason
+    assert [(n, ok) for n, ok, _ in invariance.candidates] == [("native", False), ("strided_gemv", True), ("rowwise", True)]
+    assert all(s > 0 for n, ok, s in invariance.candidates if ok)
 
 
 @pytest.mark.reference_blas
 def test_auto_on_the_plain_cpu_keeps_native():
-    plan = set_batch_invariant_limit(tiny_llama(), 4, prefixes=(7,))
-    assert plan.strategy == "native" and plan.guaranteed and plan.layers.get("InvariantLinear") is None
+    invariance = set_batch_invariant_limit(tiny_llama(), 4, prefixes=(7,))
+    assert invariance.strategy == "native" and invariance.guaranteed and invariance.layers.get("InvariantLinear") is None
 
 
 def test_an_unproven_strategy_is_not_claimed():
     model = tiny_llama()
     with shape_variant_backend():
-        plan = set_batch_invariant_limit(model, 4, "native", prefixes=(7,))
-    assert not plan.guaranteed and "self-test failed" in plan.reason
-    assert plan.self_test.mismatches[0].width == 2
+        invariance = set_batch_invariant_limit(model, 4, "native", prefixes=(7,))
+    assert not invariance.guaranteed and "self-test failed" in invariance.reason
+    assert invariance.self_test.mismatches[0].width == 2
 
 
 def test_canonical_logits_match_native_numerically():
@@ -272,9 +272,9 @@ def test_moe_models_are_covered_and_proven_only_with_the_expert_rows(family):
     assert uncovered_parts(model) == ()
     with shape_variant_backend():
         assert not self_test(model, 4, prefixes=(7,)).passed  # native diverges
-        plan = set_batch_invariant_limit(model, 4, "strided_gemv", prefixes=(7,))
-        assert plan.guaranteed and plan.request_rows == 4, plan.reason
-        assert plan.layers["InvariantSwitchGLU"] == 2
+        invariance = set_batch_invariant_limit(model, 4, "strided_gemv", prefixes=(7,))
+        assert invariance.guaranteed and invariance.request_rows == 4, invariance.reason
+        assert invariance.layers["InvariantSwitchGLU"] == 2
         # negative control: every other form installed, the experts back to their own call
         experts = [m for _, m in model.named_modules() if isinstance(m, SwitchGLU)]
         for m in experts:
@@ -291,8 +291,8 @@ def test_switch_linear_a_model_calls_itself_is_not_covered():
     model.layers[0].block_sparse_moe.own_experts = SwitchLinear(128, 64, 4, bias=False)
     parts = uncovered_parts(model)
     assert len(parts) == 1 and "own_experts" in parts[0] and "outside mlx-lm's SwitchGLU" in parts[0]
-    plan = set_batch_invariant_limit(model, 4, "rowwise", prefixes=(5,))
-    assert not plan.guaranteed and "uncovered" in plan.reason
+    invariance = set_batch_invariant_limit(model, 4, "rowwise", prefixes=(5,))
+    assert not invariance.guaranteed and "uncovered" in invariance.reason
     set_batch_invariant_limit(model, 0)
 
 

@@ -17,8 +17,8 @@ LIMIT = 5
 def test_every_width_up_to_l_runs_when_the_forms_launch_custom_kernels(monkeypatch):
     model = peaked_llama()
     with shape_variant_backend():
-        plan = set_batch_invariant_limit(model, LIMIT)
-    assert plan.guaranteed and not STRATEGIES[plan.strategy].uses_custom_kernels
+        invariance = set_batch_invariant_limit(model, LIMIT)
+    assert invariance.guaranteed and not STRATEGIES[invariance.strategy].uses_custom_kernels
     assert build_kernels(model, LIMIT) == 0  # nothing to compile for these forms
 
     widths, canonical, here = set(), layers.dense_rows, threading.current_thread()

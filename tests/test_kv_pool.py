@@ -187,8 +187,8 @@ def test_the_ragged_proof_over_the_pool_passes_with_canonical_forms_and_fails_na
     with shape_variant_backend():
         native = prove_ragged(model, LIMIT, kv_pool="reference")
         assert not native and "differ" in native.reason  # negative control: the double varies
-        plan = set_batch_invariant_limit(model, LIMIT)
-        assert plan.guaranteed
+        invariance = set_batch_invariant_limit(model, LIMIT)
+        assert invariance.guaranteed
         assert prove_ragged(model, LIMIT, kv_pool="reference")
     set_batch_invariant_limit(model, 0)
 

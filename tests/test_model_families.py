@@ -17,12 +17,14 @@ import mlx.core as mx
 import pytest
 
 from lockstep.kernels.batching.ragged import ragged_problem
+from lockstep.kernels.batching.ragged_selftest import per_request_self_test
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.server.engine import Engine
 from lockstep.server.engine.decode_plan import RequestRejected, plan_request
 from lockstep.server.engine.deployment import Deployment, rewind_refusal
 from lockstep.server.engine.generate import generate
-from lockstep.server.engine.guarantee import proven_deployment
+from lockstep.server.engine.deployment import proven_deployment
+from lockstep.server.engine.guarantee import Guarantee
 from lockstep.server.engine.prefix_cache import PrefixCache
 from lockstep.server.engine.request_state import GenerationRequest
 from lockstep.server.engine.sampling import SamplingParams
@@ -111,8 +113,8 @@ def test_state_that_cannot_be_rewound_turns_speculation_off_by_name(family):
     assert not rewindable(model)
     why = rewind_refusal(make_prompt_cache(model))
     assert UNREWINDABLE[family] in why and ("recurrent" in why) is (family not in ("gemma3_text", "gpt_oss"))
-    deployment = Deployment(speculation=False, speculation_refusal=why, speculative="prompt_lookup", limit=4,
-                            guaranteed_rows=4)
+    deployment = Deployment(speculation=False, speculation_refusal=why, speculative="prompt_lookup",
+                            guarantee=Guarantee(4, proven=True))
     assert plan_request(deployment, deterministic=False, speculative=None, num_draft_tokens=None).method == "none"
     with pytest.raises(RequestRejected) as info:
         plan_request(deployment, deterministic=False, speculative="prompt_lookup", num_draft_tokens=3)
@@ -172,11 +174,11 @@ def serve_family(family: str, *, proven: bool = True):
     model = tiny_family(family)
     with shape_variant_backend():
         if proven:
-            plan = set_batch_invariant_limit(model, LIMIT)
-            assert plan.guaranteed, plan.reason
-            deployment = proven_deployment(model, plan, prefill_chunk=8)
+            invariance = set_batch_invariant_limit(model, LIMIT, per_request_proof=per_request_self_test)
+            assert invariance.guaranteed, invariance.reason
+            deployment = proven_deployment(model, invariance, prefill_chunk=8)
         else:
-            deployment = Deployment(limit=LIMIT, guaranteed_rows=LIMIT, shared_passes=True, prefill_chunk=8,
+            deployment = Deployment(guarantee=Guarantee(LIMIT, proven=True, shared_passes=True), prefill_chunk=8,
                                     speculation=rewindable(model))
         engine = Engine(TinyLoaded(model), max_active=8, deployment=deployment, prefix_cache=PrefixCache(8))
     log = PassWidths()
@@ -220,7 +222,7 @@ def test_every_family_is_deterministic_alone_batched_after_a_prefix_hit_and_with
     engine, log = serve_family(family)
     kv_only = rewindable(engine.loaded.model)
     deployment = engine.deployment
-    assert deployment.shared_passes and deployment.guaranteed_rows == LIMIT  # the ragged proof passed
+    assert deployment.guarantee.shared_passes and deployment.guarantee.call_rows == LIMIT  # the ragged proof passed
     assert deployment.speculation is kv_only
     engine.start()
     try:
@@ -284,8 +286,8 @@ def test_the_ragged_proof_covers_per_request_state_and_fails_natively(family):
     with shape_variant_backend():
         native = prove_ragged(model, LIMIT)
         assert not native and "differ" in native.reason  # negative control
-        plan = set_batch_invariant_limit(model, LIMIT)
-        assert plan.guaranteed and plan.request_rows == 1
+        invariance = set_batch_invariant_limit(model, LIMIT, per_request_proof=per_request_self_test)
+        assert invariance.guaranteed and invariance.request_rows == 1
         assert prove_ragged(model, LIMIT)  # one-row and multi-row members, each its own state
     set_batch_invariant_limit(model, 0)
 
@@ -297,9 +299,9 @@ def test_models_that_keep_no_plain_kv_say_why_they_neither_speculate_nor_hit_the
     why = state_refusal(tiny_family("granitemoehybrid"))
     assert why.startswith("layer 0: ArraysCache (recurrent or conv state)") and "prefix cache" in why
     assert "RotatingKVCache (a sliding window)" in state_refusal(tiny_family("gpt_oss"))
-    plan = type("Plan", (), {"limit": 4, "strategy": "rowwise", "guaranteed": True, "reason": "", "request_rows": 1})()
-    info = Runtime(TinyLoaded(tiny_family("lfm2")), Deployment(speculation=False), None, plan, "weights=float32",
-                   state_refusal=state_refusal(tiny_family("lfm2"))).model_info()
+    guarantee = Guarantee(4, proven=True, strategy="rowwise", request_rows=1)
+    info = Runtime(TinyLoaded(tiny_family("lfm2")), Deployment(guarantee=guarantee, speculation=False), None, None,
+                   "weights=float32", state_refusal=state_refusal(tiny_family("lfm2"))).model_info()
     assert info["prefix_cache"] == {"stores_prompts": False, "reason": state_refusal(tiny_family("lfm2"))}
     assert info["speculation"]["available"] is False and info["batch_invariance"]["request_rows"] == 1
 
@@ -318,11 +320,11 @@ def test_a_deterministic_request_for_drafts_is_served_without_them_and_v1_models
 
     model = tiny_family(family)
     why = rewind_refusal(make_prompt_cache(model))
-    plan = set_batch_invariant_limit(model, LIMIT)
+    invariance = set_batch_invariant_limit(model, LIMIT, per_request_proof=per_request_self_test)
     try:
-        deployment = proven_deployment(model, plan, prefill_chunk=8)
+        deployment = proven_deployment(model, invariance, prefill_chunk=8)
         loaded = TinyLoaded(model)
-        runtime = Runtime(loaded, deployment, None, plan, "weights=float32", state_refusal=state_refusal(model))
+        runtime = Runtime(loaded, deployment, None, invariance, "weights=float32", state_refusal=state_refusal(model))
         engine = Engine(loaded, max_active=4, deployment=deployment).start()
         try:
             with running(create_app(engine, model_extras=runtime.model_info)) as url:

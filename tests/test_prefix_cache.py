@@ -15,6 +15,7 @@ from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.selftest import bits_equal
 from lockstep.server.engine.deployment import Deployment
+from lockstep.server.engine.guarantee import Guarantee
 from lockstep.server.engine.generate import GenerationRequest
 from lockstep.server.engine.prefix_cache import PrefixCache
 from tests.deterministic_fixtures import GREEDY, SEEDED, TinyLoaded, rows_bit_identical, run_generate
@@ -127,9 +128,9 @@ def invariance(tiny):
     canonical strategy); back to native afterwards."""
     def install(limit):
         with shape_variant_backend():
-            plan = set_batch_invariant_limit(tiny.model, limit)
-        assert plan.guaranteed == (limit > 0), plan.reason
-        return plan
+            installed = set_batch_invariant_limit(tiny.model, limit)
+        assert installed.guaranteed == (limit > 0), installed.reason
+        return installed
 
     yield install
     set_batch_invariant_limit(tiny.model, 0)
@@ -157,8 +158,8 @@ def cold_and_cached(tiny, prompt, sampling, warm_with, *, deployment):
 @pytest.mark.parametrize("limit", [0, 4, CHUNK], ids=["native", "L<chunk", "L=chunk"])
 @pytest.mark.parametrize("warm_with", ["same", "shared"])
 def test_prefix_hit_is_bitwise_a_cold_run_under_the_double(tiny, invariance, limit, warm_with):
-    plan = invariance(limit) if limit else None
-    deployment = Deployment(limit=limit, guaranteed_rows=limit if plan and plan.guaranteed else 0, prefill_chunk=CHUNK)
+    installed = invariance(limit) if limit else None
+    deployment = Deployment(guarantee=Guarantee.installed(installed) if installed else Guarantee(), prefill_chunk=CHUNK)
     warm = PROMPT if warm_with == "same" else SHARED
     with shape_variant_backend():
         cold, cached, pc = cold_and_cached(tiny, PROMPT, GREEDY, warm, deployment=deployment)
@@ -175,7 +176,7 @@ def test_alignment_is_what_makes_a_mid_chunk_hit_exact(tiny, monkeypatch):
     deployment = Deployment(prefill_chunk=CHUNK)
     with shape_variant_backend():
         cold = run_generate(tiny, PROMPT, TOKENS, GREEDY, deployment=deployment)
-        monkeypatch.setattr(prefill_module, "rows_are_canonical", lambda model, chunk: True)
+        monkeypatch.setattr(prefill_module, "rows_are_canonical", lambda canonical, chunk: True)
         pc = PrefixCache(4)
         run_generate(tiny, SHARED, 1, GREEDY, deployment=deployment, prefix_cache=pc)
         unaligned = run_generate(tiny, PROMPT, TOKENS, GREEDY, deployment=deployment, prefix_cache=pc)
@@ -197,8 +198,8 @@ def test_canonical_rows_skip_the_rewind(tiny, invariance, monkeypatch):
     monkeypatch.setattr(model_runner, "prompt_forward", counting_step)
 
     def resume_points(limit):
-        plan = invariance(limit)
-        deployment = Deployment(limit=limit, guaranteed_rows=limit if plan.guaranteed else 0, prefill_chunk=CHUNK)
+        installed = invariance(limit)
+        deployment = Deployment(guarantee=Guarantee.installed(installed), prefill_chunk=CHUNK)
         pc = PrefixCache(2)
         run_generate(tiny, SHARED, 1, GREEDY, deployment=deployment, prefix_cache=pc)
         calls.clear()
@@ -208,3 +209,17 @@ def test_canonical_rows_skip_the_rewind(tiny, invariance, monkeypatch):
 
     assert resume_points(CHUNK) == (15, 1)  # resumes at 15, fills up to the boundary at 16
     assert resume_points(4) == (8, 8)  # rewound to the chunk start, whole chunk recomputed
+
+    def resume_without_guarantee():
+        """The model's forms are installed for L = chunk, but the deployment guarantees nothing
+        (its proofs have not settled): alignment follows the deployment's guarantee."""
+        invariance(CHUNK)
+        deployment = Deployment(guarantee=Guarantee(CHUNK), prefill_chunk=CHUNK)
+        pc = PrefixCache(2)
+        run_generate(tiny, SHARED, 1, GREEDY, deployment=deployment, prefix_cache=pc)
+        calls.clear()
+        list(generate_module.generate(tiny, GenerationRequest(PROMPT, 1, GREEDY),
+                                      deployment=deployment, prefix_cache=pc))
+        return calls[0]
+
+    assert resume_without_guarantee() == (8, 8)

@@ -175,8 +175,8 @@ def model():
 
 def test_canonical_rows_take_qmv_mma_at_every_width_and_one_plain_row_qmv_split(kernels, model):
     split_calls, mma_calls = kernels(rows_alone, rows_alone_quarter)
-    plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
-    assert plan.guaranteed and plan.layers.get("split_rows", 0) > 0 and mma_calls
+    invariance = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
+    assert invariance.guaranteed and invariance.layers.get("split_rows", 0) > 0 and mma_calls
     layer = model.model.layers[0].mlp.gate_proj
     w, scales = layer["weight"], layer["scales"]
     kw = dict(group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
@@ -255,9 +255,9 @@ def test_a_small_layer_takes_qmv_mma_for_canonical_rows_only(kernels, monkeypatc
     monkeypatch.setattr(qmv_mma, "MIN_ELEMENTS", size + 1)
     monkeypatch.setattr(qmv_mma, "CANONICAL_MIN_ELEMENTS", size)  # k and v: canonical rows only
     model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
-    plan = set_batch_invariant_limit(model, 0)
+    invariance = set_batch_invariant_limit(model, 0)
     attention = model.model.layers[0].self_attn
-    assert plan.layers.get("split_rows", 0) > 0 and "_split_rows" in attention.q_proj.__dict__
+    assert invariance.layers.get("split_rows", 0) > 0 and "_split_rows" in attention.q_proj.__dict__
     assert type(attention.k_proj) is nn.QuantizedLinear and type(attention.v_proj) is nn.QuantizedLinear
     layers.uninstall(model)
 
@@ -280,5 +280,5 @@ def test_a_qmv_mma_stand_in_whose_rows_depend_on_the_width_is_refused(kernels):
     with shape_variant_backend(quantized_rows=2):  # a quantized call of 2+ rows varies here
         kernels(rows_alone, one_call)  # qmv_mma's stand-in: all rows in one call
         model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
-        plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
-        assert not plan.guaranteed and "self-test failed" in plan.reason
+        invariance = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
+        assert not invariance.guaranteed and "self-test failed" in invariance.reason

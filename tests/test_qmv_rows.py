@@ -230,12 +230,12 @@ def test_a_kernel_in_mlxs_order_is_proven_and_one_that_is_not_is_refused(emulate
     with shape_variant_backend(quantized_rows=2):  # a quantized call of 2+ rows varies here
         emulated(_rows_alone)
         model = tiny_llama(quant=mode, dtype=mx.bfloat16)
-        plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
-        assert plan.guaranteed and plan.strategy == "gemv_rows"
+        invariance = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
+        assert invariance.guaranteed and invariance.strategy == "gemv_rows"
         emulated(_one_call)  # a block call: not the single-row order
         model = tiny_llama(quant=mode, dtype=mx.bfloat16)
-        plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
-        assert not plan.guaranteed and "self-test failed" in plan.reason
+        invariance = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
+        assert not invariance.guaranteed and "self-test failed" in invariance.reason
 
 
 def test_one_launch_takes_what_try_matmul_takes(monkeypatch):

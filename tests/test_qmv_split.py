@@ -172,8 +172,8 @@ def one_call(x, w, scales, biases, **kw):
 def test_large_layers_send_plain_rows_of_a_few_and_canonical_rows_of_any_width(split):
     calls = split(rows_alone)
     model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
-    plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
-    assert plan.guaranteed and plan.layers.get("split_rows", 0) > 0 and calls
+    invariance = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
+    assert invariance.guaranteed and invariance.layers.get("split_rows", 0) > 0 and calls
     layer = model.model.layers[0].mlp.gate_proj
     assert isinstance(layer._split_rows, layers.SplitRows)
     w, scales = layer["weight"], layer["scales"]
@@ -203,15 +203,15 @@ def test_a_stand_in_whose_rows_depend_on_the_width_is_refused(split):
         assert set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,)).guaranteed
         split(one_call)  # all rows in one call: their bits depend on the width
         model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
-        plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
-        assert not plan.guaranteed and "self-test failed" in plan.reason
+        invariance = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
+        assert not invariance.guaranteed and "self-test failed" in invariance.reason
 
 
 def test_small_layers_keep_their_calls(monkeypatch):
     qmv_split.launch_for.cache_clear()
     model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
-    plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
-    assert "split_rows" not in plan.layers  # below MIN_ELEMENTS: no layer goes through it
+    invariance = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
+    assert "split_rows" not in invariance.layers  # below MIN_ELEMENTS: no layer goes through it
     assert model.model.layers[0].mlp.gate_proj._split_rows is None
     set_batch_invariant_limit(model, 0)
 
@@ -230,8 +230,8 @@ def test_with_invariance_off_large_layers_still_send_plain_rows_through_it(split
     calls = split(rows_alone)
     monkeypatch.setattr(qmv_split, "runs_here", lambda: True)  # as on CUDA
     model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
-    plan = set_batch_invariant_limit(model, 0)
-    assert not plan.guaranteed and plan.layers.get("split_rows", 0) > 0
+    invariance = set_batch_invariant_limit(model, 0)
+    assert not invariance.guaranteed and invariance.layers.get("split_rows", 0) > 0
     layer = model.model.layers[0].mlp.gate_proj
     w, scales = layer["weight"], layer["scales"]
     kw = dict(group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
@@ -253,6 +253,6 @@ def test_with_invariance_off_large_layers_still_send_plain_rows_through_it(split
 def test_with_invariance_off_a_backend_without_the_kernel_keeps_the_model_as_it_is(monkeypatch):
     monkeypatch.setattr(qmv_split, "MIN_ELEMENTS", 0)
     model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
-    plan = set_batch_invariant_limit(model, 0)
-    assert plan.layers == {} and type(model.model.layers[0].mlp.gate_proj) is nn.QuantizedLinear
+    invariance = set_batch_invariant_limit(model, 0)
+    assert invariance.layers == {} and type(model.model.layers[0].mlp.gate_proj) is nn.QuantizedLinear
     assert not hasattr(model, "_lockstep_setting")

@@ -6,7 +6,8 @@ import pytest
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.ops import Strategy
-from lockstep.kernels.invariance.selftest import bits_equal, per_request_self_test, sample_widths, self_test
+from lockstep.kernels.batching.ragged_selftest import per_request_self_test
+from lockstep.kernels.invariance.selftest import bits_equal, sample_widths, self_test
 from tiny_models import tiny_llama
 
 
@@ -59,17 +60,17 @@ def test_quantized_chunks_must_stay_below_the_variant_row_count():
         assert set_batch_invariant_limit(model, 9, "strided_gemv", prefixes=(7,)).guaranteed
         # negative control: chunks of 8 rows are one variant call, caught at width 8
         greedy = Strategy("greedy", dense="strided_gemv", quantized_rows=8, attention="per_query")
-        plan = set_batch_invariant_limit(model, 9, greedy, prefixes=(7,))
-        assert not plan.guaranteed
-        assert plan.self_test.mismatches[0].width == 8
+        invariance = set_batch_invariant_limit(model, 9, greedy, prefixes=(7,))
+        assert not invariance.guaranteed
+        assert invariance.self_test.mismatches[0].width == 8
 
 
 def test_attention_alone_is_caught():
     # Canonical linears with native attention still differ: the test sees attention too.
     half = Strategy("linears_only", dense="rowwise", quantized_rows=1, attention="native")
     with shape_variant_backend():
-        plan = set_batch_invariant_limit(tiny_llama(), 4, half, prefixes=(7,))
-    assert not plan.guaranteed
+        invariance = set_batch_invariant_limit(tiny_llama(), 4, half, prefixes=(7,))
+    assert not invariance.guaranteed
 
 
 def test_refuses_a_sliding_window_cache():
@@ -97,10 +98,11 @@ def test_a_sliding_window_model_is_proven_for_one_row_per_request():
         native = per_request_self_test(model, 4, prefixes=(7, 12), stop_at_first=False)
         assert not native.passed and {m.width for m in native.mismatches} == {2, 3, 4}
         assert {m.what for m in native.mismatches} >= {"logits", "layer 1 state"}  # the full-attention layer's KV
-        plan = set_batch_invariant_limit(model, 4, "strided_gemv", prefixes=(7, 12))
-    assert plan.guaranteed and plan.request_rows == 1 and plan.limit == 4
-    assert plan.per_request_state.startswith("layer 0: RotatingKVCache") and "one row per request" in plan.reason
-    assert plan.self_test.widths == (2, 3, 4) and plan.self_test.prefixes == (7, 12)
+        invariance = set_batch_invariant_limit(model, 4, "strided_gemv", prefixes=(7, 12),
+                                         per_request_proof=per_request_self_test)
+    assert invariance.guaranteed and invariance.request_rows == 1 and invariance.limit == 4
+    assert invariance.per_request_state.startswith("layer 0: RotatingKVCache") and "one row per request" in invariance.reason
+    assert invariance.self_test.widths == (2, 3, 4) and invariance.self_test.prefixes == (7, 12)
     set_batch_invariant_limit(model, 0)
 
 

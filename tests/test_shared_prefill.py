@@ -19,7 +19,7 @@ from lockstep.kernels.batching.ragged import enable_ragged, ragged_prompt_forwar
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.server.engine.decode_plan import plan_request
-from lockstep.server.engine.guarantee import proven_deployment
+from lockstep.server.engine.deployment import proven_deployment
 from lockstep.server.engine.prefix_cache import PrefixCache
 from lockstep.server.engine.model_runner import prompt_forward
 from lockstep.server.engine.request_state import GenerationRequest
@@ -48,13 +48,13 @@ def run_together(requests, *, limit=0, kv_pool="off", double=False, prefix_cache
     from lockstep.server.engine import Engine
 
     model = peaked_llama()
-    plan = None
+    invariance = None
     if limit:
         with shape_variant_backend(dense_rows=dense_rows):
-            plan = set_batch_invariant_limit(model, limit)
-        assert plan.guaranteed
+            invariance = set_batch_invariant_limit(model, limit)
+        assert invariance.guaranteed
     with shape_variant_backend(dense_rows=dense_rows):
-        deployment = proven_deployment(model, plan, prefill_chunk=64, kv_pool=kv_pool)
+        deployment = proven_deployment(model, invariance, prefill_chunk=64, kv_pool=kv_pool)
     log = PrefillLog()
 
     async def main():
@@ -118,7 +118,7 @@ def test_unproven_deterministic_chunks_never_share_and_shared_kv_never_reaches_t
     cache = PrefixCache(8)
     others = [request(p) for p in PROMPTS] + [request(PROMPTS[0], seed=3)]
     together, log, engine = run_together(others + deterministic, prefix_cache=cache, **narrow_wide)
-    assert engine.deployment.shared_prefill_rows == 0
+    assert engine.deployment.guarantee.shared_prefill_rows == 0
     for j, expected in enumerate(solo):
         assert together[len(others) + j] == expected
     assert log.shared and all(n <= len(others) for _, n in log.shared)

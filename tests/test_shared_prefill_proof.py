@@ -76,12 +76,12 @@ def serve(dense_rows: int, claim: bool = False):
     solo runs would otherwise leave every prompt's KV for the load)."""
     from lockstep.server.api.app import create_app
     from lockstep.server.engine import Engine
-    from lockstep.server.engine.guarantee import proven_deployment
+    from lockstep.server.engine.deployment import proven_deployment
 
     model = peaked_llama()
     with shape_variant_backend(dense_rows=dense_rows):
-        plan = set_batch_invariant_limit(model, L)
-        deployment = proven_deployment(model, plan, prefill_chunk=64, pass_rows=16)
+        invariance = set_batch_invariant_limit(model, L)
+        deployment = proven_deployment(model, invariance, prefill_chunk=64, pass_rows=16)
     if claim:
         deployment = dataclasses.replace(deployment, shared_prefill_rows=MIN_SHARED_CHUNK)
     engine = Engine(TinyLoaded(model), max_active=16, deployment=deployment, max_batch_rows=16)
@@ -124,7 +124,7 @@ def load_and_solo(monkeypatch, dense_rows: int, claim: bool = False):
 @pytest.mark.reference_blas
 def test_deterministic_chunks_share_prefill_passes_and_keep_their_solo_bits(monkeypatch):
     solo, together, shared, engine = load_and_solo(monkeypatch, dense_rows=1)
-    assert engine.deployment.shared_prefill_rows == MIN_SHARED_CHUNK
+    assert engine.deployment.guarantee.shared_prefill_rows == MIN_SHARED_CHUNK
     assert engine.describe()["deterministic_prefill_rows"] == MIN_SHARED_CHUNK
     deterministic = [rows for determinism, rows in shared if determinism == "shared"]
     assert len(deterministic) >= 2  # deterministic requests' chunks really shared passes
@@ -137,7 +137,7 @@ def test_deterministic_chunks_share_prefill_passes_and_keep_their_solo_bits(monk
 @pytest.mark.reference_blas
 def test_negative_control_sharing_without_the_proof_changes_answers(monkeypatch):
     _, engine = serve(NARROW_WIDE)
-    assert engine.deployment.shared_passes and engine.deployment.shared_prefill_rows == 0  # refused
+    assert engine.deployment.guarantee.shared_passes and engine.deployment.guarantee.shared_prefill_rows == 0  # refused
     solo, together, shared, _ = load_and_solo(monkeypatch, dense_rows=NARROW_WIDE, claim=True)
     assert any(determinism == "shared" for determinism, _ in shared)
     assert any(together[i] != solo[i] for i in solo), "sharing on a backend that changes rows kept every answer"
@@ -145,7 +145,7 @@ def test_negative_control_sharing_without_the_proof_changes_answers(monkeypatch)
 
 def test_without_the_proof_deterministic_chunks_run_alone_and_keep_their_bits(monkeypatch):
     solo, together, shared, engine = load_and_solo(monkeypatch, dense_rows=NARROW_WIDE)
-    assert engine.deployment.shared_prefill_rows == 0
+    assert engine.deployment.guarantee.shared_prefill_rows == 0
     assert all(determinism != "shared" for determinism, _ in shared)
     for i in solo:
         assert together[i] == solo[i]
@@ -163,5 +163,5 @@ def test_kv_of_a_proven_shared_pass_reaches_the_prefix_cache_and_unproven_kv_nev
     requests = [request(PROMPTS[i]) for i in range(3)]
     _, log, engine = run_together(requests, limit=L, double=True, prefix_cache=cache, dense_rows=dense_rows)
     assert any(n == 3 for _, n in log.shared)  # the three prompts in one pass
-    assert (engine.deployment.shared_prefill_rows > 0) == (stored > 0)
+    assert (engine.deployment.guarantee.shared_prefill_rows > 0) == (stored > 0)
     assert len(cache._store) == stored

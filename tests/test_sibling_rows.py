@@ -79,8 +79,8 @@ def plain_kernels(monkeypatch):
 def test_siblings_share_one_launch_and_each_gets_its_own_part(group_launch, plain_kernels, quant):
     calls = group_launch(rows_alone)
     model = tiny_llama(quant=quant, dtype=mx.bfloat16, bias=True)
-    plan = set_batch_invariant_limit(model, 0)
-    assert plan.layers["sibling_groups"] == 2 * len(model.model.layers)
+    invariance = set_batch_invariant_limit(model, 0)
+    assert invariance.layers["sibling_groups"] == 2 * len(model.model.layers)
     qkv, gate_up = parts(model)
     assert isinstance(qkv[0]._siblings, SiblingRows) and all(p._siblings is qkv[0]._siblings for p in qkv)
     assert all(p._siblings is gate_up[0]._siblings for p in gate_up) and qkv[0]._siblings is not gate_up[0]._siblings
@@ -156,12 +156,12 @@ def test_a_group_launch_whose_rows_depend_on_the_width_is_refused(group_launch, 
         split(rows_alone)  # the other 4-bit layers (down, head): rows alone
         group_launch(rows_alone)
         model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
-        plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
-        assert plan.guaranteed, plan.reason
+        invariance = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
+        assert invariance.guaranteed, invariance.reason
         group_launch(one_call)  # all rows in one call: their bits depend on the width
         model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
-        plan = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
-        assert not plan.guaranteed and "self-test failed" in plan.reason
+        invariance = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
+        assert not invariance.guaranteed and "self-test failed" in invariance.reason
 
 
 def test_groups_take_the_launch_only_where_every_part_runs_qmv_mma_alone(monkeypatch):
@@ -181,8 +181,8 @@ def test_without_a_launch_the_layers_stay_on_their_own(group_launch, plain_kerne
     group_launch(rows_alone)
     monkeypatch.setattr(split_rows, "parts_kernel_for", lambda *_: None)  # as on the CPU
     model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
-    plan = set_batch_invariant_limit(model, 0)
-    assert "sibling_groups" not in plan.layers and type(parts(model)[0][0]) is nn.QuantizedLinear
+    invariance = set_batch_invariant_limit(model, 0)
+    assert "sibling_groups" not in invariance.layers and type(parts(model)[0][0]) is nn.QuantizedLinear
 
 
 def test_groups_are_layers_of_one_parent_quantized_alike():

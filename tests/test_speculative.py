@@ -316,14 +316,15 @@ def test_build_runtime_refuses_a_draft_model_with_another_tokenizer(monkeypatch)
 def test_plans_carry_adaptive_k_from_the_deployment_with_k_as_its_bound():
     from lockstep.server.engine.decode_plan import plan_request
     from lockstep.server.engine.deployment import Deployment
+    from lockstep.server.engine.guarantee import Guarantee
     from lockstep.server.engine.speculative import EarlyExitModel
     from lockstep.server.engine.token_steps import draft_cost_estimate
 
-    on = Deployment(limit=6, guaranteed_rows=6, adaptive_draft_tokens=True)
+    on = Deployment(guarantee=Guarantee(6, proven=True), adaptive_draft_tokens=True)
     plan = plan_request(on, deterministic=True, speculative="prompt_lookup", num_draft_tokens=None)
     assert plan.adaptive and plan.num_draft_tokens == 4 and plan.extension(on)["adaptive_draft_tokens"]
     assert not plan_request(on, deterministic=False, speculative="none", num_draft_tokens=None).adaptive
-    off = plan_request(Deployment(limit=6, guaranteed_rows=6), deterministic=True, speculative="prompt_lookup",
+    off = plan_request(Deployment(guarantee=Guarantee(6, proven=True)), deterministic=True, speculative="prompt_lookup",
                        num_draft_tokens=3)
     assert not off.adaptive and "adaptive_draft_tokens" not in off.extension(Deployment())
     target = tiny_llama(0, layers=3)
@@ -509,8 +510,9 @@ def test_speculation_through_the_index_emits_the_tokens_of_the_linear_scan():
 def test_a_prediction_makes_the_plan_draft_from_it():
     from lockstep.server.engine.decode_plan import RequestRejected, plan_request
     from lockstep.server.engine.deployment import Deployment
+    from lockstep.server.engine.guarantee import Guarantee
 
-    dep = Deployment(limit=8, guaranteed_rows=8, shared_passes=True, speculative="prompt_lookup")
+    dep = Deployment(guarantee=Guarantee(8, proven=True, shared_passes=True), speculative="prompt_lookup")
     free = plan_request(dep, deterministic=False, speculative=None, num_draft_tokens=None, prediction=True)
     assert (free.method, free.num_draft_tokens) == ("prediction", dep.max_draft_tokens)
     kept = plan_request(dep, deterministic=True, speculative=None, num_draft_tokens=None, prediction=True)
@@ -522,7 +524,7 @@ def test_a_prediction_makes_the_plan_draft_from_it():
     with pytest.raises(RequestRejected) as refused:
         plan_request(dep, deterministic=False, speculative="prompt_lookup", num_draft_tokens=None, prediction=True)
     assert refused.value.param == "speculative"
-    unproven = plan_request(Deployment(limit=8), deterministic=True, speculative=None, num_draft_tokens=None,
+    unproven = plan_request(Deployment(guarantee=Guarantee(8)), deterministic=True, speculative=None, num_draft_tokens=None,
                             prediction=True)
     assert (unproven.method, unproven.determinism) == ("none", "alone")
 

@@ -124,7 +124,7 @@ def test_a_deferred_guarantee_is_proven_by_the_engine_after_serving_starts(align
 
     deferred = build_runtime(Options(model=str(aligned_dir), batch_invariant_limit=2), defer_guarantee=True)
     assert deferred.pending is not None and deferred.guarantee.state == "proving"
-    assert not deferred.deployment.guaranteed and deferred.deployment.limit == 2
+    assert not deferred.deployment.guarantee.guaranteed and deferred.deployment.guarantee.call_rows == 2
     before = deferred.model_info()
     assert before["batch_invariance"]["state"] == "proving" and "self_test" not in before["startup"]["phases_s"]
     pending_fingerprint = deferred.deployment.fingerprint
@@ -138,7 +138,7 @@ def test_a_deferred_guarantee_is_proven_by_the_engine_after_serving_starts(align
     after = deferred.model_info()
     assert deferred.guarantee.state == "in_force" and engine.deployment is deferred.deployment
     assert engine.scheduler.deployment is engine.runner.deployment is deferred.deployment
-    assert deferred.deployment.guaranteed and deferred.deployment.shared_passes
+    assert deferred.deployment.guarantee.guaranteed and deferred.deployment.guarantee.shared_passes
     assert after["batch_invariance"]["state"] == "in_force" and after["startup"]["guarantee_s"] >= 0
     assert {"self_test", "ragged_proof"} <= set(after["startup"]["phases_s"])
     assert deferred.deployment.fingerprint != pending_fingerprint
@@ -201,7 +201,7 @@ def test_a_deferred_draft_model_is_loaded_after_the_guarantee_and_drafts_wait_fo
     finally:
         engine.stop()
     deployment = engine.deployment
-    assert runtime.guarantee.state == "in_force" and deployment.guaranteed  # the proofs' result is kept
+    assert runtime.guarantee.state == "in_force" and deployment.guarantee.guaranteed  # the proofs' result is kept
     assert deployment.draft_model is not None and "draft_model_state" not in runtime.model_info()
     assert {"draft_load", "draft_quantize", "draft_audit", "draft_costs"} <= set(runtime.timings)
     assert deployment.draft_refusal == "" and deployment.draft_prefill_tokens == 200

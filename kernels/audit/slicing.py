@@ -33,23 +33,14 @@ import copy
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..backend_kind import backend_kind  # noqa: F401 (the audit's backend names)
+
 # The slice keeps N mod this: 128 for CUDA (sm80's N % 128; Metal's N % 32 and N % 64
 # divide it); on the CPU nothing depends on N, and 32 + N mod 32 rows keep probes cheap
 # (its float16 quantized matmuls are slow: docs/QUANTIZATION.md) while keeping any 16-row tail.
 ROW_MODULUS = {"cpu": 32}
 DEFAULT_ROW_MODULUS = 128
 CUDA_SM90_QMV_MAX_N = 16384
-
-
-def backend_kind() -> str:
-    """'cpu', 'metal', 'cuda' or 'gpu' (a GPU backend this module does not know)."""
-    if mx.default_device().type != mx.DeviceType.gpu:
-        return "cpu"
-    if mx.metal.is_available():
-        return "metal"
-    if mx.cuda.is_available():
-        return "cuda"
-    return "gpu"
 
 
 def sliced_rows(n: int, backend: str) -> int:

@@ -26,8 +26,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..proof_steps import step_done
-from .ragged import per_request, ragged_forward
-from ..invariance.selftest import UINT_OF_SIZE, new_state
+from ..invariance.cache_check import cache_refusal
+from ..invariance.selftest import (UINT_OF_SIZE, Mismatch, ProofCache, SelfTestResult, bits_equal, max_diff,
+                                   new_state, proven, result_maker)
+from .ragged import enable_ragged, per_request, ragged_forward, ragged_problem
 
 
 @dataclass(frozen=True)
@@ -195,3 +197,70 @@ def differing_layer(want: list, got: list) -> int | None:
 def _vocab_size(model) -> int:
     args = getattr(model, "args", None)
     return int(getattr(args, "vocab_size", 256))
+
+
+def per_request_self_test(model, limit: int, *, prefixes=None, widths=None, seed: int = 0,
+                          stop_at_first: bool = True,
+                          proof_cache: ProofCache | None = None) -> SelfTestResult:
+    """The self-test of a model with per-request state: for each length p in `prefixes`,
+    requests holding random prompts of p, p + 1, ... tokens; for each width M in `widths`
+    (default: sample_widths(L)) the decode rows of M of them in one ragged pass, each
+    request's logits and new state compared with its one-row pass alone (from copies of the
+    same caches). Proves what such a model's guarantee claims: one row per request per pass."""
+    return proven(_per_request_self_test, "one row per request", model, limit, prefixes, widths,
+                   seed, stop_at_first, proof_cache)
+
+
+def _per_request_self_test(model, limit: int, prefixes, widths: tuple, seed: int,
+                           stop_at_first: bool) -> SelfTestResult:
+    result = result_maker(limit, widths, prefixes)
+
+    if not widths:
+        return result(reason=f"nothing to prove for L={limit}")
+    problem = cache_refusal(make_prompt_cache(model))
+    if problem:
+        return result(reason=f"cache: {problem}")
+    problem = ragged_problem(model)
+    if problem:
+        return result(reason=f"requests cannot share a pass: {problem}")
+    enable_ragged(model)
+    vocab = _vocab_size(model)
+    key = mx.random.key(seed)
+    members = max(widths)
+    mismatches = []
+    for prefix in prefixes:
+        key, k1, k2 = mx.random.split(key, 3)
+        prompts = mx.random.randint(0, vocab, (members, prefix + members), key=k1)
+        rows = mx.random.randint(0, vocab, (members,), key=k2).tolist()
+        caches = []
+        for j in range(members):  # request j holds prefix + j tokens: every row at its own position
+            cache = make_prompt_cache(model)
+            model(prompts[j : j + 1, : prefix + j], cache=cache)
+            mx.eval([c.state for c in cache])
+            caches.append(cache)
+        alone = []
+        for j in range(members):
+            own = copy.deepcopy(caches[j])
+            logits = ragged_forward(model, [(own, [rows[j]])])[0]
+            state = new_state(own, prefix + j)
+            mx.eval(logits, state)
+            alone.append((logits, state))
+        for w in widths:
+            together = [copy.deepcopy(caches[j]) for j in range(w)]
+            outs = ragged_forward(model, [(together[j], [rows[j]]) for j in range(w)])
+            mx.eval(outs)
+            for j in range(w):
+                logits, state = alone[j]
+                if not bits_equal(outs[j], logits):
+                    mismatches.append(Mismatch(prefix + j, w, j, "logits", max_diff(outs[j], logits)))
+                got = new_state(together[j], prefix + j)
+                for layer, (want_arrays, got_arrays) in enumerate(zip(state, got)):
+                    for a, b in zip(want_arrays, got_arrays):
+                        if not bits_equal(a, b):
+                            diff = max_diff(a, b) if a.shape == b.shape else float("inf")
+                            mismatches.append(Mismatch(prefix + j, w, -1, f"layer {layer} state", diff))
+                            break
+            if mismatches and stop_at_first:
+                return result(mismatches)
+            step_done()
+    return result(mismatches)

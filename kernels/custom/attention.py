@@ -19,6 +19,7 @@ from functools import lru_cache, partial
 import mlx.core as mx
 
 from . import compiled
+from .packed_kv import packed_kv
 from .skinny import FLOAT_DTYPES, SOURCE_DIR, backend, compact_source
 
 # pooled_attention.cu's ATT_WARPS: the best of 4/8/16 at most shapes measured
@@ -151,8 +152,6 @@ def reference_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, r
                         scale: float, *, sinks=None) -> mx.array:
     """Each row against exactly its own keys, one MLX attention call per row on packed copies
     (the per-query form of kernels/invariance/ops.py)."""
-    from ..invariance.ops import packed_kv  # (that module imports this package)
-
     outs = []
     for r, (start, length) in enumerate(zip(rows.base, rows.lens)):
         q = mx.contiguous(queries[:, :, r:r + 1])

@@ -3,7 +3,7 @@ put them into a loaded mlx-lm model, the cache check, chunk-aligned prefill, and
 bitwise self-test that proves a form on this model and backend before it is claimed.
 
     from lockstep.kernels.invariance import set_batch_invariant_limit
-    plan = set_batch_invariant_limit(model, 8)
+    invariance = set_batch_invariant_limit(model, 8)
 
 limit.py is the entry point (see its docstring); ops.py the strategies and ops; layers.py
 the model hooks; cache_check.py the per-request cache check; selftest.py the proof;

@@ -41,7 +41,7 @@ from .ops import (SplitRows, Strategy, attention_per_query, dense_rows, dense_ro
 
 @dataclass(frozen=True)
 class Setting:
-    limit: int
+    limit: int  # L: a call of at most this many rows runs the canonical form (M > L: native)
     strategy: Strategy
     # What each layer kind does with a call, worked out once here rather than per call
     # (the linears' host cost is per layer per token): the model's own call (native), and

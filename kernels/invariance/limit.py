@@ -2,8 +2,8 @@
 row of a forward pass of M <= L rows the bits it gets alone (M = 1, same KV cache), so
 speculative verification and batched requests return exactly what plain decoding does.
 
-    plan = set_batch_invariant_limit(model, 8)      # strategy="auto": proven, fastest
-    plan.guaranteed, plan.strategy, plan.reason
+    invariance = set_batch_invariant_limit(model, 8)      # strategy="auto": proven, fastest
+    invariance.guaranteed, invariance.strategy, invariance.reason
     set_batch_invariant_limit(model, 0)             # native again
 
 Every linear (dense, quantized in any mode, the tied embedding head), MoE expert block
@@ -15,7 +15,7 @@ that passes, and falls back to rowwise, the safest, unclaimed.
 
 Models with per-request state (a recurrent, conv or sliding-window cache:
 cache_check.per_request_state) are proven for one row per request: a pass of L requests'
-decode rows gives each its solo bits (`per_request_self_test`), `request_rows` = 1; their
+decode rows gives each its solo bits (`per_request_proof`), `request_rows` = 1; their
 state can be neither rewound (no speculation) nor stored (no prefix cache).
 """
 import inspect
@@ -32,7 +32,7 @@ from .cache_check import cache_invariance_problem, cache_refusal, per_request_st
 from .layers import EXPERT_BLOCKS, LAYER_SWAPS, Setting, install, install_plain_kernels, model_module_names, uninstall
 from .ops import ROWWISE, STRATEGIES, Strategy
 from .warmup import precompile_kernels
-from .selftest import SelfTestResult, per_request_self_test, seconds_per_step, self_test
+from .selftest import SelfTestResult, seconds_per_step, self_test
 
 # Candidates "auto" tries, in order; the first proven is kept. rowwise is the fallback. A
 # candidate that cannot run here (gemv_rows or skinny without CUDA / a GPU kernel API, or
@@ -59,27 +59,36 @@ def auto_candidates(model) -> tuple:
     return AUTO_CANDIDATES
 
 
-# L of each model (by id) that has cpu_kernel installed: the shim's switch is one per
-# process, so it serves the largest of them and goes off only when none is left.
-_cpu_kernel_limits: dict = {}
+# The installed Setting of each model (by id) that has cpu_kernel installed: the shim's
+# switch is one per process, so it serves the largest L of them and goes off only when none
+# is left.
+_cpu_kernel_settings: dict[int, Setting] = {}
+
+
+def _cpu_kernel_limit() -> int:
+    return max((setting.limit for setting in _cpu_kernel_settings.values()), default=0)
 
 
 def _install(model, setting: Setting) -> dict:
     if setting.strategy.dense == "cpu_kernel":
-        _cpu_kernel_limits[id(model)] = setting.limit
-    cpu_blas.set_kernel_limit(max(_cpu_kernel_limits.values(), default=0))
+        _cpu_kernel_settings[id(model)] = setting
+    cpu_blas.set_kernel_limit(_cpu_kernel_limit())
     return install(model, setting)
 
 
 def _uninstall(model) -> None:
     uninstall(model)
-    _cpu_kernel_limits.pop(id(model), None)
-    cpu_blas.set_kernel_limit(max(_cpu_kernel_limits.values(), default=0))
+    _cpu_kernel_settings.pop(id(model), None)
+    cpu_blas.set_kernel_limit(_cpu_kernel_limit())
 
 
 @dataclass(frozen=True)
 class InstalledInvariance:
-    limit: int  # L; 0 = off
+    """What `set_batch_invariant_limit` installed on a model (`model._lockstep_invariance`):
+    the mechanism and its self-test. What a deployment guarantees with it is decided above
+    (server/engine/guarantee.py)."""
+
+    limit: int  # L: the most rows one kernel call may hold, each row its one-row bits; 0 = off
     strategy: str
     backend: str
     guaranteed: bool  # self-test passed and nothing in the model is left uncovered
@@ -127,8 +136,13 @@ def uncovered_parts(model) -> tuple:
 
 
 def installed_invariance(model) -> InstalledInvariance | None:
-    """The plan installed on this model, or None."""
-    return getattr(model, "_lockstep_plan", None)
+    """The invariance installed on this model, or None."""
+    return getattr(model, "_lockstep_invariance", None)
+
+
+def _no_per_request_proof(model, limit: int, **options) -> SelfTestResult:
+    return SelfTestResult(False, str(mx.default_device()), limit, (), (), reason="a model with per-request state is proven "
+                          "in ragged passes: no per_request_proof was given")
 
 
 def _resolve(strategy, model) -> tuple:
@@ -142,21 +156,25 @@ def _resolve(strategy, model) -> tuple:
 
 
 def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: bool = True,
-                              measure: bool = False, **self_test_options) -> InstalledInvariance:
+                              measure: bool = False, per_request_proof=None,
+                              **self_test_options) -> InstalledInvariance:
     """Install batch invariance for M <= `limit` rows (0 restores native). Idempotent.
 
     strategy: "auto" (auto_candidates(model): expected-speed order, the first proven one; with
     measure=True every candidate is proven and timed and the fastest proven one kept; none
     proven: rowwise, unclaimed), a name in STRATEGIES, or a Strategy.
     verify=False skips the proof (nothing is claimed).
+    per_request_proof: the self-test of a model with per-request state, which runs ragged
+    passes (kernels.batching.ragged_selftest.per_request_self_test: batching sits above this
+    package, so the caller hands it in); without it such a model is installed unproven.
     self_test_options go to kernels.invariance.selftest.self_test (prefixes, widths, seed).
     """
     _uninstall(model)
     backend = str(mx.default_device())
     if limit <= 0:
-        plan = InstalledInvariance(0, "native", backend, False, "off (L = 0)", layers=install_plain_kernels(model))
-        model._lockstep_plan = plan
-        return plan
+        invariance = InstalledInvariance(0, "native", backend, False, "off (L = 0)", layers=install_plain_kernels(model))
+        model._lockstep_invariance = invariance
+        return invariance
 
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -164,7 +182,7 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
     per_request = per_request_state(make_prompt_cache(model))
     # One request's block of rows (self_test), or one row of each of several requests where a
     # layer keeps per-request state (a block of such a layer is not its one-row calls).
-    prove = self_test if per_request is None else per_request_self_test
+    prove = self_test if per_request is None else per_request_proof or _no_per_request_proof
     candidates = _resolve(strategy, model)
     tried = []  # (strategy, self-test result or None, seconds per step or None)
     skipped = {}  # strategy name -> why it cannot run here (never installed, never proven)
@@ -209,8 +227,8 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
         why += f"; not guaranteed: {len(uncovered)} uncovered part(s), first: {uncovered[0]}"
     elif per_request is not None:
         why += f"; one row per request ({per_request} runs per request)"
-    plan = InstalledInvariance(limit, chosen.name, backend, guaranteed, why, uncovered, result,
-                          tuple((c.name, None if r is None else bool(r), s) for c, r, s in tried),
-                          layers, limit if per_request is None else 1, per_request)
-    model._lockstep_plan = plan
-    return plan
+    invariance = InstalledInvariance(limit, chosen.name, backend, guaranteed, why, uncovered, result,
+                                     tuple((c.name, None if r is None else bool(r), s) for c, r, s in tried),
+                                     layers, limit if per_request is None else 1, per_request)
+    model._lockstep_invariance = invariance
+    return invariance

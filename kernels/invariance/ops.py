@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .. import custom
+from ..custom.packed_kv import KV_CACHE_STEP, packed_kv  # noqa: F401 (the per-query form's keys)
 
 DENSE_FORMS = ("native", "rowwise", "strided_gemv", "gemv_rows", "skinny", "cpu_kernel")
 QUANTIZED_FORMS = ("chunks", "skinny", "qmv_rows")
@@ -280,24 +281,6 @@ class SplitRows:
         if self.mode == "affine":
             return launch(x, layer["weight"], layer["scales"], layer["biases"])
         return launch(x, layer["weight"], layer["scales"])
-
-
-# MLX's CUDA attention hands one query to cuDNN instead of its vector kernel when the key
-# buffer's row count (read from the strides) is a multiple of 256, mlx-lm's cache step, and
-# the keys are still in flight with a buffer of exactly their size: allocator and timing
-# state, not the row's. The two kernels round differently, so a row with exactly 256 keys
-# gave other bits from one run to the next (docs/DETERMINISM.md). Such keys are handed over as a view of a
-# buffer one row longer, which only the vector kernel takes (its order depends on the key
-# count alone).
-KV_CACHE_STEP = 256
-
-
-def packed_kv(x: mx.array) -> mx.array:
-    """x (B, H, S, D) as a row-packed copy the canonical attention calls use; on CUDA, for
-    S a multiple of 256, a view of S rows of an (S + 1)-row buffer (see KV_CACHE_STEP)."""
-    if x.shape[2] % KV_CACHE_STEP == 0 and custom.backend() == "cuda":
-        return mx.pad(x, [(0, 0), (0, 0), (0, 1), (0, 0)])[:, :, : x.shape[2]]
-    return mx.contiguous(x)
 
 
 def _mask_row(mask, b: int, i: int, end: int):

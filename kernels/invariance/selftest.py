@@ -2,9 +2,8 @@
 block of M <= L tokens gives each row the logits (and KV) of feeding the tokens one at a time.
 
 A model with per-request state (a recurrent, conv or sliding-window cache) is proven another
-way, since such a layer's block of rows is not its one-row calls: `per_request_self_test`
-runs the decode rows of M <= L requests in one ragged pass (kernels/batching/ragged.py, the
-pass the engine runs) and compares each request's logits and state with its pass alone.
+way, since such a layer's block of rows is not its one-row calls: in ragged passes
+(kernels/batching/ragged_selftest.py `per_request_self_test`).
 
 No tolerance: logits are compared as raw bit patterns. A failure names the prefix length,
 block width and row that differed, and by how much; the caller must then not claim the
@@ -128,7 +127,7 @@ def new_state(cache: list, before: int) -> list[list[mx.array]]:
     return out
 
 
-def _max_diff(a, b) -> float:
+def max_diff(a, b) -> float:
     return float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item())
 
 
@@ -201,22 +200,10 @@ def self_test(model, limit: int, *, prefixes=None, widths=None, seed: int = 0,
     width M in `widths` (default: sample_widths(L)) compare a block of M tokens against the
     same M tokens fed one at a time from the same cache state (rewound between).
     proof_cache: re-use a result proven earlier on this machine, store a new one there."""
-    return _proven(_self_test, None, model, limit, prefixes, widths, seed, stop_at_first, proof_cache)
+    return proven(_self_test, None, model, limit, prefixes, widths, seed, stop_at_first, proof_cache)
 
 
-def per_request_self_test(model, limit: int, *, prefixes=None, widths=None, seed: int = 0,
-                          stop_at_first: bool = True,
-                          proof_cache: ProofCache | None = None) -> SelfTestResult:
-    """The self-test of a model with per-request state: for each length p in `prefixes`,
-    requests holding random prompts of p, p + 1, ... tokens; for each width M in `widths`
-    (default: sample_widths(L)) the decode rows of M of them in one ragged pass, each
-    request's logits and new state compared with its one-row pass alone (from copies of the
-    same caches). Proves what such a model's guarantee claims: one row per request per pass."""
-    return _proven(_per_request_self_test, "one row per request", model, limit, prefixes, widths,
-                   seed, stop_at_first, proof_cache)
-
-
-def _proven(run, form, model, limit, prefixes, widths, seed, stop_at_first, proof_cache) -> SelfTestResult:
+def proven(run, form, model, limit, prefixes, widths, seed, stop_at_first, proof_cache) -> SelfTestResult:
     widths = tuple(widths) if widths is not None else sample_widths(limit)
     prefixes = tuple(prefixes) if prefixes is not None else default_prefixes()
     if proof_cache is None or not widths:
@@ -236,7 +223,7 @@ def _proven(run, form, model, limit, prefixes, widths, seed, stop_at_first, proo
     return result
 
 
-def _result_maker(limit: int, widths: tuple, prefixes):
+def result_maker(limit: int, widths: tuple, prefixes):
     """A function of (mismatches, reason) giving the SelfTestResult of a proof started now."""
     t0 = time.perf_counter()
     backend = str(mx.default_device())
@@ -252,7 +239,7 @@ def _result_maker(limit: int, widths: tuple, prefixes):
 
 def _self_test(model, limit: int, prefixes, widths: tuple, seed: int,
                stop_at_first: bool) -> SelfTestResult:
-    result = _result_maker(limit, widths, prefixes)
+    result = result_maker(limit, widths, prefixes)
 
     if not widths:
         return result(reason=f"nothing to prove for L={limit}")
@@ -283,11 +270,11 @@ def _self_test(model, limit: int, prefixes, widths: tuple, seed: int,
             mx.eval(out)
             for row in range(w):
                 if not bits_equal(out[0, row], singles[row]):
-                    mismatches.append(Mismatch(prefix, w, row, "logits", _max_diff(out[0, row], singles[row])))
+                    mismatches.append(Mismatch(prefix, w, row, "logits", max_diff(out[0, row], singles[row])))
             for layer, ((k, v), (sk, sv)) in enumerate(zip(_kv_rows(cache, prefix, w), single_kv)):
                 for name, got, want in (("keys", k, sk[..., :w, :]), ("values", v, sv[..., :w, :])):
                     if not bits_equal(got, want):
-                        mismatches.append(Mismatch(prefix, w, -1, f"layer {layer} {name}", _max_diff(got, want)))
+                        mismatches.append(Mismatch(prefix, w, -1, f"layer {layer} {name}", max_diff(got, want)))
             _rewind(cache, w)
             if mismatches and stop_at_first:
                 return result(mismatches)
@@ -311,60 +298,3 @@ def seconds_per_step(model, width: int, *, prefix: int = 11, repeats: int = 3, s
         mx.eval(model(tokens, cache=trial))
         best = min(best, time.perf_counter() - t)
     return best
-
-
-def _per_request_self_test(model, limit: int, prefixes, widths: tuple, seed: int,
-                           stop_at_first: bool) -> SelfTestResult:
-    from ..batching.ragged import enable_ragged, ragged_forward, ragged_problem
-
-    result = _result_maker(limit, widths, prefixes)
-
-    if not widths:
-        return result(reason=f"nothing to prove for L={limit}")
-    problem = cache_refusal(make_prompt_cache(model))
-    if problem:
-        return result(reason=f"cache: {problem}")
-    problem = ragged_problem(model)
-    if problem:
-        return result(reason=f"requests cannot share a pass: {problem}")
-    enable_ragged(model)
-    vocab = _vocab_size(model)
-    key = mx.random.key(seed)
-    members = max(widths)
-    mismatches = []
-    for prefix in prefixes:
-        key, k1, k2 = mx.random.split(key, 3)
-        prompts = mx.random.randint(0, vocab, (members, prefix + members), key=k1)
-        rows = mx.random.randint(0, vocab, (members,), key=k2).tolist()
-        caches = []
-        for j in range(members):  # request j holds prefix + j tokens: every row at its own position
-            cache = make_prompt_cache(model)
-            model(prompts[j : j + 1, : prefix + j], cache=cache)
-            mx.eval([c.state for c in cache])
-            caches.append(cache)
-        alone = []
-        for j in range(members):
-            own = copy.deepcopy(caches[j])
-            logits = ragged_forward(model, [(own, [rows[j]])])[0]
-            state = new_state(own, prefix + j)
-            mx.eval(logits, state)
-            alone.append((logits, state))
-        for w in widths:
-            together = [copy.deepcopy(caches[j]) for j in range(w)]
-            outs = ragged_forward(model, [(together[j], [rows[j]]) for j in range(w)])
-            mx.eval(outs)
-            for j in range(w):
-                logits, state = alone[j]
-                if not bits_equal(outs[j], logits):
-                    mismatches.append(Mismatch(prefix + j, w, j, "logits", _max_diff(outs[j], logits)))
-                got = new_state(together[j], prefix + j)
-                for layer, (want_arrays, got_arrays) in enumerate(zip(state, got)):
-                    for a, b in zip(want_arrays, got_arrays):
-                        if not bits_equal(a, b):
-                            diff = _max_diff(a, b) if a.shape == b.shape else float("inf")
-                            mismatches.append(Mismatch(prefix + j, w, -1, f"layer {layer} state", diff))
-                            break
-            if mismatches and stop_at_first:
-                return result(mismatches)
-            step_done()
-    return result(mismatches)

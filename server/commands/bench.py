@@ -87,10 +87,10 @@ def run(args: argparse.Namespace) -> int:
     args.draft_model = None if args.no_draft or args.tasks or args.early_exit else "default-quantized"
     # the bench measures drafting itself: its draft is loaded whatever it costs here
     runtime = build_runtime(dataclasses.replace(options_from_args(args), draft_where_it_pays=False))
-    model, plan = runtime.loaded.model, runtime.invariance
+    model, invariance = runtime.loaded.model, runtime.invariance
 
     def set_limit(limit):
-        set_batch_invariant_limit(model, limit, plan.strategy, verify=False)
+        set_batch_invariant_limit(model, limit, invariance.strategy, verify=False)
 
     header = (f"backend {mx.default_device()}, MLX {mx.__version__}, BLAS {cpu_blas.describe()}, "
               f"model {runtime.loaded.name} ({runtime.transform}), L={limit}, deterministic, "
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
                         args.prompt_tokens, args.num_draft_tokens)
     lines = [f"lockstep bench: backend {mx.default_device()}, MLX {mx.__version__}, BLAS "
              f"{cpu_blas.describe()}, model {runtime.loaded.name} ({runtime.transform}), L={limit}, "
-             f"strategy {plan.strategy} (guaranteed {plan.guaranteed}), {args.tokens} tokens, "
+             f"strategy {invariance.strategy} (guaranteed {invariance.guaranteed}), {args.tokens} tokens, "
              f"best of {args.rounds} rounds"]
     lines += [r.line() for r in results]
     return _report(lines, args.out)

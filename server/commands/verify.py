@@ -64,15 +64,16 @@ def run(args: argparse.Namespace) -> int:
     for n, variant in enumerate(args.variants.split(",")):
         runtime = build_runtime(_options(args, variant, draft=not args.no_draft and n == 0))
         draft_model = draft_model or runtime.deployment.draft_model
-        plan = runtime.invariance
-        lines.append(f"# {variant}: strategy {plan.strategy}, guaranteed {plan.guaranteed} ({plan.reason})")
+        invariance = runtime.invariance
+        lines.append(f"# {variant}: strategy {invariance.strategy}, guaranteed {invariance.guaranteed} "
+                     f"({invariance.reason})")
         print(lines[-1], flush=True)
         tok = runtime.loaded.tokenizer
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
                    for p in divergence.PROMPTS]
         model = runtime.loaded.model
 
-        def set_limit(limit, model=model, strategy=plan.strategy):
+        def set_limit(limit, model=model, strategy=invariance.strategy):
             # the strategy was proven at startup; re-installing it needs no second proof
             set_batch_invariant_limit(model, limit, strategy, verify=False)
 

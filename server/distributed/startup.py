@@ -75,11 +75,11 @@ def _agree_on_runtime(world, runtime, kv_tokens: int):
     from lockstep.server.distributed.world import require_same_everywhere
     from lockstep.server.fingerprint import weights_digest
 
-    plan = runtime.invariance
+    guarantee = runtime.deployment.guarantee
     require_same_everywhere(world, "the built runtime", {
         "weights": weights_digest(str(runtime.loaded.path)), "transform": runtime.transform,
-        "strategy": plan.strategy, "limit": plan.limit, "guaranteed": runtime.deployment.guaranteed,
-        "shared_passes": runtime.deployment.shared_passes})
+        "strategy": guarantee.strategy, "limit": guarantee.call_rows, "guaranteed": guarantee.guaranteed,
+        "shared_passes": guarantee.shared_passes})
     shared = pickle.loads(broadcast_bytes(world.group, pickle.dumps(
         (kv_tokens, runtime.deployment.pass_costs, {name: getattr(runtime.deployment, name) for name in DRAFT_DECISION}))
         if world.is_root else None))
@@ -95,7 +95,8 @@ def _fingerprint(world, runtime, prefill_chunk: int) -> str:
     from lockstep.server.fingerprint import system_fingerprint
 
     return system_fingerprint(runtime.loaded.path, transform=runtime.transform,
-                              strategy=runtime.invariance.strategy, limit=runtime.invariance.limit,
+                              strategy=runtime.deployment.guarantee.strategy,
+                              limit=runtime.deployment.guarantee.call_rows,
                               blas=cpu_blas.describe(), prefill_chunk=prefill_chunk,
                               topology=f"{world.parallel}/{world.size}/{world.backend}")
 

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-log = logging.getLogger("lockstep.distributed")
+from lockstep.server.options import BACKENDS, PARALLEL_MODES  # noqa: F401 (checked here)
 
-BACKENDS = ("ring", "jaccl", "nccl", "mpi")
-PARALLEL_MODES = ("tensor", "pipeline")
+log = logging.getLogger("lockstep.distributed")
 
 
 class DistributedStartupError(RuntimeError):

@@ -8,6 +8,7 @@ their tokens never depend on the method, k, or what else the server is doing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from lockstep.server.engine.deployment import Deployment
 
@@ -23,17 +24,25 @@ class RequestRejected(ValueError):
         self.param = param
 
 
-# How a request's determinism is kept, decided by `plan_request` and read by the engine only
-# from the plan: "none" (it asked for none: native forms, any pass), "shared" (canonical forms;
-# its rows may share passes of at most `guaranteed_rows` rows with other requests' rows) or
-# "alone" (its rows and prompt chunks run in passes of their own: the guarantee is unproven,
-# or proven for one request's rows only).
-DETERMINISM = ("none", "shared", "alone")
+class Determinism(StrEnum):
+    """How a request's determinism is kept, decided by `plan_request` and read by the engine
+    only from the plan."""
+
+    NONE = "none"  # it asked for none: native forms, any pass
+    # canonical forms; its rows may share passes of at most the guarantee's `pass_rows` rows
+    # with other requests' rows
+    SHARED = "shared"
+    # its rows and prompt chunks run in passes of their own: the guarantee is unproven, or
+    # proven for one request's rows only
+    ALONE = "alone"
+
+
+DETERMINISM = tuple(Determinism)
 
 
 @dataclass(frozen=True)
 class DecodePlan:
-    determinism: str  # one of DETERMINISM
+    determinism: Determinism
     method: str  # "none" | "draft" | "prompt_lookup" | "prediction"
     num_draft_tokens: int  # k (0 when method is "none")
     guaranteed: bool = False  # the deployment's proof covers this request's tokens
@@ -43,13 +52,13 @@ class DecodePlan:
 
     @property
     def deterministic(self) -> bool:
-        return self.determinism != "none"
+        return self.determinism != Determinism.NONE
 
     def extension(self, deployment: Deployment) -> dict:
         """The `lockstep` object returned with the response (counts are added by the request)."""
         info = {
             "deterministic": self.deterministic,
-            "batch_invariant_limit": deployment.limit,
+            "batch_invariant_limit": deployment.guarantee.call_rows,
             "guaranteed": self.guaranteed,
             "speculative": self.method,
             "num_draft_tokens": self.num_draft_tokens,
@@ -63,7 +72,7 @@ class DecodePlan:
         return info
 
 
-PLAIN = DecodePlan("none", "none", 0)
+PLAIN = DecodePlan(Determinism.NONE, "none", 0)
 
 
 def plan_request(deployment: Deployment, *, deterministic: bool, speculative: str | None,
@@ -113,22 +122,23 @@ def plan_request(deployment: Deployment, *, deterministic: bool, speculative: st
 
     adaptive = deployment.adaptive_draft_tokens and method != "none"
     if not deterministic:
-        return DecodePlan("none", method, k, adaptive=adaptive, note=note)
+        return DecodePlan(Determinism.NONE, method, k, adaptive=adaptive, note=note)
 
-    if not deployment.guaranteed:
-        why = ("the batch-invariant limit is 0" if deployment.limit == 0
+    guarantee = deployment.guarantee
+    if not guarantee.guaranteed:
+        why = ("the batch-invariant limit is 0" if guarantee.call_rows == 0
                else "batch invariance was not proven on this backend")
-        return DecodePlan("alone", "none", 0,
+        return DecodePlan(Determinism.ALONE, "none", 0,
                           note=f"{why}: ran without speculation, in passes of its own")
-    widest = deployment.guaranteed_rows - 1  # verification evaluates k + 1 rows in one pass
+    widest = guarantee.call_rows - 1  # verification evaluates k + 1 rows in one pass
     if method != "none" and k > widest:
         if num_draft_tokens is not None:
             raise RequestRejected(
                 "num_draft_tokens",
                 f"deterministic requests allow at most {widest} draft tokens "
-                f"(batch-invariant limit {deployment.limit})")
+                f"(batch-invariant limit {guarantee.call_rows})")
         k = widest  # the deployment's default is clipped, not refused
     if k < 1:
         method, k, adaptive = "none", 0, False
-    determinism = "shared" if deployment.shared_passes else "alone"
+    determinism = Determinism.SHARED if guarantee.shared_passes else Determinism.ALONE
     return DecodePlan(determinism, method, k, guaranteed=True, adaptive=adaptive, note=note)

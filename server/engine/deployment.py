@@ -1,10 +1,12 @@
 """A deployment's decoding settings: what `lockstep serve` was started with, and the
-guarantee its startup proofs established (server/engine/guarantee.py decides that, once).
-Requests read it through their plan (server/engine/decode_plan.py), nothing else.
+guarantee its startup proofs established (`guarantee`: server/engine/guarantee.py decides it,
+once). Requests read it through their plan (server/engine/decode_plan.py), nothing else.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from lockstep.server.engine.guarantee import Guarantee, decide_guarantee
 
 # Drafts proposed in one engine step (a draft model runs k passes in it), so k bounds how
 # long one request can hold the engine: a server maximum, `--max-draft-tokens`.
@@ -18,19 +20,9 @@ PREFILL_CHUNK = 512
 class Deployment:
     """Per-deployment decoding settings (from `lockstep serve` flags and the startup proofs)."""
 
-    limit: int = 0  # batch-invariant limit L as configured; 0 = off
-    # Decided once, at startup (server/engine/guarantee.py), and read from here only:
-    # rows one pass may hold with the guarantee (L once the self-test proved it, else 0), and
-    # whether rows of different requests may share such a pass (the ragged proof).
-    guaranteed_rows: int = 0
-    shared_passes: bool = False
-    # The widest pass proven to hold several requests' deterministic rows (L bounds one
-    # kernel call, not a pass: wider calls run in blocks of at most L rows); 0: L.
-    shared_pass_rows: int = 0
-    # Deterministic requests' prompt chunks of at least this many rows may share a pass with
-    # other requests' chunks (the shared-prefill proof); 0: each runs in a pass of its own.
-    shared_prefill_rows: int = 0
-    strategy: str = "native"  # canonical kernel strategy in use
+    # L and what the startup proofs established, decided once (server/engine/guarantee.py)
+    # and read from here only
+    guarantee: Guarantee = Guarantee()
     speculative: str = "none"  # default method for requests that do not choose
     num_draft_tokens: int = 4  # default k
     max_draft_tokens: int = MAX_DRAFT_TOKENS  # the largest k any request may use
@@ -77,8 +69,6 @@ class Deployment:
     # Plain decode passes over the pool's kernel as one compiled call per row count
     # (kernels/batching/compiled_pass.py); `serve --compiled-passes off` builds them op by op.
     compiled_passes: bool = True
-    # Deterministic decode passes compiled too: decided with the guarantee (server/engine/guarantee.py).
-    compiled_canonical_passes: bool = False
     # A compiled decode pass is followed at once by the next one, built on its tokens while the
     # device runs it, where every member's next row is known there (server/engine/decode_ahead.py);
     # `serve --decode-ahead off` runs one pass at a time.
@@ -86,9 +76,25 @@ class Deployment:
     fingerprint: str = ""
     model_digest: str = ""  # sha256 of the weight files' contents (server/fingerprint.py weights_digest)
 
-    @property
-    def guaranteed(self) -> bool:
-        return self.guaranteed_rows > 0
+
+
+def proven_deployment(model, invariance, *, kv_pool: str = "off", proofs=None, pass_rows: int | None = None,
+                      **settings) -> Deployment:
+    """A `Deployment` for `model` whose guarantee is `decide_guarantee`'s for the installed
+    `invariance` (the ragged proof made there); `settings`: the Deployment's other fields. A
+    model with per-request state gets no speculation, whatever `settings` say (its state
+    cannot be rewound past rejected drafts)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from lockstep.kernels.invariance.cache_check import per_request_state
+
+    guarantee = decide_guarantee(model, invariance, kv_pool, proofs, pass_rows,
+                                 compiled=settings.get("compiled_passes", Deployment.compiled_passes))
+    caches = make_prompt_cache(model)
+    if per_request_state(caches) is not None:
+        settings["speculation"] = False
+        settings["speculation_refusal"] = rewind_refusal(caches)
+    return Deployment(guarantee=guarantee, kv_pool=kv_pool, **settings)
 
 
 def rewind_refusal(caches) -> str | None:

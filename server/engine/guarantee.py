@@ -1,8 +1,10 @@
 """What a deployment guarantees, decided once, at startup, and nowhere else.
 
-Two facts, both from proofs made on the running backend:
-- the rows one forward pass may hold with every row bit-identical to its single-row call:
-  L once the self-test (kernels/invariance/selftest.py) proved the installed forms, else 0;
+`decide_guarantee` turns the installed invariance (kernels/invariance/limit.py: the self-test
+proved the forms on the running backend, or not) and the proofs made here into one
+`Guarantee`:
+- L, the rows one kernel call may hold with every row bit-identical to its one-row call,
+  and whether the self-test (kernels/invariance/selftest.py) proved it;
 - whether rows of *different* requests may share such a pass: the ragged proof
   (kernels/batching/ragged_selftest.py), made here only, over the KV layout the engine uses;
 - whether deterministic requests' prompt chunks (of at least `shared_chunk_rows(L)` rows) may
@@ -12,34 +14,67 @@ Two facts, both from proofs made on the running backend:
   the ragged proof once more, its passes compiled, where the deployment compiles passes.
 
 A model with per-request state (a recurrent, conv or sliding-window cache) is proven for one
-row per request (`InstalledInvariance.request_rows` = 1): its deterministic requests share
-decode passes of at most L rows, one row each, and never speculate (k = 0); its state is
-neither rewound nor stored in the prefix cache.
+row per request (`Guarantee.request_rows` = 1): its deterministic requests share decode
+passes of at most L rows, one row each, and never speculate (k = 0); its state is neither
+rewound nor stored in the prefix cache.
 
-The result goes into the `Deployment` (server/engine/deployment.py); `plan_request` turns it
-into each request's plan, and the engine reads nothing else.
+The `Deployment` holds it as `deployment.guarantee` (server/engine/deployment.py);
+`plan_request` turns it into each request's plan, and the engine reads nothing else.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
+# The strategy a deployment names until its proof has chosen one
+PENDING_STRATEGY = "pending"
+
 
 @dataclass(frozen=True)
 class Guarantee:
-    rows: int  # rows one kernel call may hold with the guarantee: L (0: none)
-    shared_passes: bool  # requests' deterministic rows may share a pass
-    reason: str = ""
+    """The deployment's batch-invariance guarantee.
+
+    `call_rows` is L as configured (`--batch-invariant-limit`; 0: off): the most rows one
+    kernel call may hold with every row bit-identical to the same row's one-row call. It
+    bounds a call, not a pass: a pass may hold up to `pass_rows` rows, its wider calls then
+    run in blocks of at most L rows; one request's rows in a pass are at most L
+    (verification: k + 1 <= L). It holds only where `proven`."""
+
+    call_rows: int = 0
+    proven: bool = False  # the self-test proved L on this backend, every part of the model covered
+    strategy: str = "native"  # the canonical kernel strategy installed (kernels/invariance/ops.py)
+    reason: str = ""  # why it holds or not, in the self-test's words
+    # Rows of one request a proven call may hold: L, or 1 where a layer keeps per-request state
+    request_rows: int = 0
+    shared_passes: bool = False  # requests' deterministic rows may share a pass (the ragged proof)
     pass_rows: int = 0  # the widest pass proven to hold deterministic rows of several requests
     shared_prefill_rows: int = 0  # deterministic prompt chunks of this many rows may share a pass (0: none)
-    compiled_passes: bool = False  # deterministic decode passes may run compiled
+    compiled_canonical_passes: bool = False  # deterministic decode passes may run compiled
+
+    @classmethod
+    def installed(cls, invariance) -> Guarantee:
+        """What the installed `invariance` (kernels.invariance.limit.InstalledInvariance) gives
+        on its own: L, proven or not, with no pass shared between requests."""
+        return cls(invariance.limit, invariance.guaranteed, invariance.strategy, invariance.reason,
+                   invariance.request_rows)
+
+    @property
+    def guaranteed(self) -> bool:
+        return self.proven and self.call_rows > 0
+
+    @property
+    def canonical_rows(self) -> int:
+        """The most rows of one request's call (a prompt chunk) that get their one-row bits: 0
+        unless guaranteed (kernels/invariance/prefill.py aligns prompt chunks by it)."""
+        return min(self.call_rows, self.request_rows or self.call_rows) if self.guaranteed else 0
 
 
-def decide_guarantee(model, plan, kv_pool: str = "off", proofs=None, pass_rows: int | None = None,
+def decide_guarantee(model, invariance, kv_pool: str = "off", proofs=None, pass_rows: int | None = None,
                      shared_prefill: bool = True, compiled: bool = False) -> Guarantee:
-    """The deployment's guarantee for `model` with the installed invariance `plan`
+    """The deployment's guarantee for `model` with the installed `invariance`
     (a kernels.invariance.limit.InstalledInvariance or None); `proofs` a ProofCache to re-use
     a ragged proof made earlier on this machine. `pass_rows`: the widest pass the engine will
     build (`--max-batch-rows`): L bounds one kernel call, not a pass, so the ragged proof covers
@@ -49,8 +84,11 @@ def decide_guarantee(model, plan, kv_pool: str = "off", proofs=None, pass_rows: 
     hands a prompt chunk on through a KV cache, which a ragged pass does not have). `compiled`:
     the deployment compiles its plain passes over the pool's kernel; deterministic ones then
     too where the ragged proof holds for compiled passes of every width proven."""
-    if plan is None or not plan.guaranteed:
-        return Guarantee(0, False, plan.reason if plan is not None else "no batch-invariant limit")
+    if invariance is None:
+        return Guarantee(reason="no batch-invariant limit")
+    installed = Guarantee.installed(invariance)
+    if not installed.guaranteed:
+        return installed
     from lockstep.kernels.batching.ragged import enable_ragged, ragged_problem
     from lockstep.kernels.batching.ragged_selftest import prove_ragged_cached
 
@@ -58,24 +96,26 @@ def decide_guarantee(model, plan, kv_pool: str = "off", proofs=None, pass_rows: 
     if problem is not None:
         log.warning("requests are not batched into shared passes (%s): deterministic requests get "
                     "passes of their own", problem)
-        return Guarantee(plan.limit, False, problem)
+        return installed
     enable_ragged(model)
-    widest = max(plan.limit, pass_rows or plan.limit)
-    proof = prove_ragged_cached(model, plan.limit, proofs, kv_pool=kv_pool, pass_rows=widest)
-    if not proof and widest > plan.limit:
+    limit = installed.call_rows
+    widest = max(limit, pass_rows or limit)
+    proof = prove_ragged_cached(model, limit, proofs, kv_pool=kv_pool, pass_rows=widest)
+    if not proof and widest > limit:
         log.warning("ragged passes of up to %d rows not proven (%s): trying passes of at most L = %d",
-                    widest, proof.reason, plan.limit)
-        widest = plan.limit
-        proof = prove_ragged_cached(model, plan.limit, proofs, kv_pool=kv_pool, pass_rows=widest)
+                    widest, proof.reason, limit)
+        widest = limit
+        proof = prove_ragged_cached(model, limit, proofs, kv_pool=kv_pool, pass_rows=widest)
     if not proof:
         log.warning("ragged passes not proven (%s): deterministic requests get passes of their own",
                     proof.reason)
-        return Guarantee(plan.limit, False, proof.reason, 0)
+        return installed
     log.info("ragged passes of 1..%d rows proven bit-identical to solo passes (%.1f s)",
              widest, proof.seconds)
-    return Guarantee(plan.limit, True, proof.reason, widest,
-                     _shared_prefill(model, plan.limit, kv_pool, proofs) if shared_prefill else 0,
-                     compiled and kv_pool == "kernel" and _compiled(model, plan.limit, proofs, widest))
+    return dataclasses.replace(
+        installed, shared_passes=True, pass_rows=widest,
+        shared_prefill_rows=_shared_prefill(model, limit, kv_pool, proofs) if shared_prefill else 0,
+        compiled_canonical_passes=compiled and kv_pool == "kernel" and _compiled(model, limit, proofs, widest))
 
 
 def _compiled(model, limit: int, proofs, widest: int) -> bool:
@@ -108,26 +148,3 @@ def _shared_prefill(model, limit: int, kv_pool: str, proofs) -> int:
         return rows
     log.info("deterministic prompt chunks are prefilled in passes of their own: %s", proof.reason)
     return 0
-
-
-def proven_deployment(model, plan, *, kv_pool: str = "off", proofs=None, pass_rows: int | None = None,
-                      **settings):
-    """A `Deployment` for `model` whose guarantee is `decide_guarantee`'s (the ragged proof made
-    here); `settings`: the Deployment's other fields. A model with per-request state gets no
-    speculation, whatever `settings` say (its state cannot be rewound past rejected drafts)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from lockstep.kernels.invariance.cache_check import per_request_state
-    from lockstep.server.engine.deployment import Deployment, rewind_refusal
-
-    guarantee = decide_guarantee(model, plan, kv_pool, proofs, pass_rows,
-                                 compiled=settings.get("compiled_passes", Deployment.compiled_passes))
-    caches = make_prompt_cache(model)
-    if per_request_state(caches) is not None:
-        settings["speculation"] = False
-        settings["speculation_refusal"] = rewind_refusal(caches)
-    return Deployment(limit=plan.limit if plan is not None else 0, guaranteed_rows=guarantee.rows,
-                      shared_passes=guarantee.shared_passes, shared_pass_rows=guarantee.pass_rows,
-                      shared_prefill_rows=guarantee.shared_prefill_rows,
-                      compiled_canonical_passes=guarantee.compiled_passes,
-                      strategy=plan.strategy if plan is not None else "native", kv_pool=kv_pool, **settings)

@@ -17,7 +17,8 @@ STATES = (PROVING, IN_FORCE, REFUSED, OFF)
 
 def settled_state(deployment) -> str:
     """The state a proven `deployment` (server/engine/deployment.py) settles in."""
-    return IN_FORCE if deployment.guaranteed else REFUSED if deployment.limit else OFF
+    guarantee = deployment.guarantee
+    return IN_FORCE if guarantee.guaranteed else REFUSED if guarantee.call_rows else OFF
 
 
 class GuaranteeState:

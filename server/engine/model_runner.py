@@ -94,7 +94,7 @@ class ModelRunner:
         return {"batched": self.batched, "kv_pool": self.deployment.kv_pool if self.kv_pool is not None else "off",
                 "compiled_passes": {"plain": self.compiled is not None,
                                     "deterministic": self.compiled is not None
-                                    and self.deployment.compiled_canonical_passes},
+                                    and self.deployment.guarantee.compiled_canonical_passes},
                 "decode_ahead": self.compiled is not None and self.deployment.decode_ahead,
                 **({"not_batched_because": self.batching_problem}
                    if self.batching_problem not in (None, SOLO) else {})}
@@ -124,7 +124,7 @@ class ModelRunner:
         ending mid-chunk is rewound to the chunk start unless rows are canonical."""
         chunk = chunk or self.deployment.prefill_chunk
         done = next((layer.offset for layer in cache if isinstance(getattr(layer, "offset", None), int)), 0)
-        start = resume_at(self.model, done, chunk)
+        start = resume_at(done, chunk, self.deployment.guarantee.canonical_rows)
         if start < done:
             trim_prompt_cache(cache, done - start)
         pos = start
@@ -167,7 +167,7 @@ class ModelRunner:
     def _compiled_logits(self, requests: list, canonical: bool) -> mx.array | None:
         """A pass's logits as one compiled call (a canonical one only where the guarantee proved
         compiled passes); None where it is built op by op."""
-        if self.compiled is None or (canonical and not self.deployment.compiled_canonical_passes):
+        if self.compiled is None or (canonical and not self.deployment.guarantee.compiled_canonical_passes):
             return None
         try:
             return self.compiled.logits(requests, canonical=canonical)

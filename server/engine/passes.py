@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from lockstep.server.engine.decode_plan import Determinism
+
 T = TypeVar("T")
 
 # Requests decoding at once, and rows in one pass of non-deterministic rows (`lockstep serve`
@@ -34,7 +36,7 @@ def default_active_per_request(max_active: int) -> int:
 class Demand(Generic[T]):
     owner: T  # whatever the caller uses to find the request again
     rows: int
-    determinism: str  # "none" | "shared" | "alone"
+    determinism: Determinism
 
 
 def compose_passes(demands: list[Demand[T]], shared_rows: int, max_rows: int) -> list[list[Demand[T]]]:
@@ -42,9 +44,9 @@ def compose_passes(demands: list[Demand[T]], shared_rows: int, max_rows: int) ->
     deterministic demand alone is wider than `shared_rows` (the decode plan prevents that)."""
     if max_rows < 1:
         raise ValueError("max_rows must be >= 1")
-    passes: list[list[Demand[T]]] = [[d] for d in demands if d.determinism == "alone"]
-    deterministic = [d for d in demands if d.determinism == "shared"]
-    free = [d for d in demands if d.determinism == "none"]
+    passes: list[list[Demand[T]]] = [[d] for d in demands if d.determinism == Determinism.ALONE]
+    deterministic = [d for d in demands if d.determinism == Determinism.SHARED]
+    free = [d for d in demands if d.determinism == Determinism.NONE]
 
     def close(group: list[Demand[T]], used: int) -> None:
         # Top the deterministic pass up with free rows that fit within L.

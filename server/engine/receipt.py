@@ -56,7 +56,7 @@ class Receipt:
             "version": lockstep_version(),
             "model": getattr(deployment, "model_digest", "") or None,
             "system_fingerprint": getattr(deployment, "fingerprint", "") or None,
-            "batch_invariant_limit": getattr(deployment, "limit", 0),
+            "batch_invariant_limit": deployment.guarantee.call_rows if deployment is not None else 0,
             "deterministic": plan.deterministic,
             "guaranteed": plan.guaranteed,
             "seed": None if request.sampling.greedy else request.sampling.seed,

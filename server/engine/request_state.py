@@ -25,7 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from lockstep.kernels.batching.kv_pool import fill_prefix, is_pooled
 from lockstep.kernels.invariance.prefill import chunk_end, resume_at
 
-from lockstep.server.engine.decode_plan import PLAIN, DecodePlan
+from lockstep.server.engine.decode_plan import PLAIN, DecodePlan, Determinism
 
 from lockstep.server.engine.deployment import PREFILL_CHUNK, Deployment
 from lockstep.server.engine.logits_processors import processors_for
@@ -121,7 +121,7 @@ class RequestState:
         self.stats = SpeculationStats()
         self.extension = plan.extension(deployment) if plan and deployment else None
         self.receipt = Receipt(request, self.prompt, self.plan, deployment) if self.extension is not None else None
-        self.determinism = self.plan.determinism  # "none" | "shared" | "alone" (decode_plan.py)
+        self.determinism = self.plan.determinism
         self._chunk = deployment.prefill_chunk if deployment else PREFILL_CHUNK
 
         model = loaded.model
@@ -140,7 +140,7 @@ class RequestState:
         self._prefilled_alone = True  # every prompt chunk so far ran in a pass of its own
         # All but the last prompt token are prefilled; decoding starts by feeding the last one.
         done = found_len if found else 0
-        self._prefill_pos = resume_at(model, done, self._chunk)
+        self._prefill_pos = resume_at(done, self._chunk, deployment.guarantee.canonical_rows if deployment else 0)
         if self._prefill_pos < done:
             trim_prompt_cache(self.cache, done - self._prefill_pos)
         self.cached_tokens = self._prefill_pos if found else 0
@@ -209,10 +209,10 @@ class RequestState:
         natively in a shared pass)."""
         if not self._target_prefilling or self._leader is not None:
             return False
-        if self.determinism == "none":
+        if self.determinism == Determinism.NONE:
             return True
-        rows = self.deployment.shared_prefill_rows if self.deployment is not None else 0
-        return self.determinism == "shared" and rows > 0 and self.next_chunk_tokens() >= rows
+        rows = self.deployment.guarantee.shared_prefill_rows if self.deployment is not None else 0
+        return self.determinism == Determinism.SHARED and rows > 0 and self.next_chunk_tokens() >= rows
 
     def next_chunk(self) -> list[int]:
         """The next target prompt chunk's tokens."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 
+from lockstep.server.engine.decode_plan import Determinism
 from lockstep.server.engine.errors import GenerationError
 from lockstep.server.engine.handle import RequestHandle
 from lockstep.server.engine.kv_budget import KVBudget, reservation
@@ -54,14 +55,14 @@ class _DraftRoom:
     deterministic requests, max_batch_rows for others), so a full batch stops drafting.
     Drafts never change tokens (sample and compare), only how many passes a request takes."""
 
-    def __init__(self, decoding: list[RequestState], shared_rows: int, guaranteed_rows: int, max_batch_rows: int):
-        self.capacity = {"shared": shared_rows, "alone": guaranteed_rows, "none": max_batch_rows}
+    def __init__(self, decoding: list[RequestState], shared_rows: int, call_rows: int, max_batch_rows: int):
+        self.capacity = {Determinism.SHARED: shared_rows, Determinism.ALONE: call_rows, Determinism.NONE: max_batch_rows}
         self.pending = {kind: sum(s.determinism == kind for s in decoding) for kind in self.capacity}
         self.claimed = dict.fromkeys(self.capacity, 0)
 
     def take(self, state: RequestState) -> int:
         kind = state.determinism
-        if kind == "alone":  # a pass of its own: the whole width is this request's
+        if kind == Determinism.ALONE:  # a pass of its own: the whole width is this request's
             return max(1, self.capacity[kind])
         self.pending[kind] = max(0, self.pending[kind] - 1)
         return max(1, self.capacity[kind] - self.claimed[kind] - self.pending[kind])
@@ -98,7 +99,13 @@ class Scheduler:
     def shared_rows(self) -> int:
         """Rows a pass holding deterministic rows of several requests may have: the widest
         width the ragged proof covered (L bounds one kernel call, not a pass)."""
-        return min(self.max_batch_rows, max(self.deployment.shared_pass_rows, self.deployment.guaranteed_rows))
+        return min(self.max_batch_rows, max(self.deployment.guarantee.pass_rows, self.call_rows))
+
+    @property
+    def call_rows(self) -> int:
+        """Rows one kernel call may hold with the guarantee: L where it is proven, else 0."""
+        guarantee = self.deployment.guarantee
+        return guarantee.call_rows if guarantee.guaranteed else 0
 
     # ----------------------------------------------------------------------- queue
 
@@ -255,8 +262,7 @@ class Scheduler:
     def schedule_decode(self) -> SchedulerOutput:
         """Every decoding request's rows (a drafter may propose here), grouped into passes."""
         decoding = [s for s in self._in_turn() if not s.state.prefilling and not s.handle.cancelled]
-        room = (_DraftRoom([s.state for s in decoding], self.shared_rows, self.deployment.guaranteed_rows,
-                           self.max_batch_rows)
+        room = (_DraftRoom([s.state for s in decoding], self.shared_rows, self.call_rows, self.max_batch_rows)
                 if self.runner.batched and self.draft_room else None)
         demands = []
         for slot in decoding:
@@ -297,7 +303,7 @@ class Scheduler:
             else:
                 # A chunk as wide as the deployment proved keeps its KV in a shared pass
                 # (guarantee.py): as good as alone for the prefix cache.
-                rows = self.deployment.shared_prefill_rows
+                rows = self.deployment.guarantee.shared_prefill_rows
                 for slot, tokens in zip(output.prefill_shared, result.prefill_shared):
                     slot.state.chunk_written(tokens, alone=0 < rows <= tokens)
         posts = []
@@ -318,15 +324,15 @@ class Scheduler:
         return posts
 
     def describe(self) -> dict:
+        guarantee = self.deployment.guarantee
         return {"max_active": self.max_active, "max_active_per_request": self.active_per_request,
                 "max_batch_rows": self.max_batch_rows,
-                "deterministic_pass_rows": self.shared_rows if self.deployment.shared_passes
-                else self.deployment.guaranteed_rows,
-                "deterministic_call_rows": self.deployment.guaranteed_rows,
+                "deterministic_pass_rows": self.shared_rows if guarantee.shared_passes else self.call_rows,
+                "deterministic_call_rows": self.call_rows,
                 "max_kv_tokens": self.kv_budget.capacity,
-                "deterministic_rows_shared": self.deployment.shared_passes and self.runner.batched,
+                "deterministic_rows_shared": guarantee.shared_passes and self.runner.batched,
                 # deterministic prompt chunks of at least this many rows share prefill passes
-                "deterministic_prefill_rows": self.deployment.shared_prefill_rows if self.runner.batched else 0,
+                "deterministic_prefill_rows": guarantee.shared_prefill_rows if self.runner.batched else 0,
                 **self.runner.describe()}
 
 

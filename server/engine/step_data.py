@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from lockstep.server.engine.decode_plan import Determinism
+
 
 @dataclass
 class DecodePass:
@@ -25,7 +27,7 @@ class DecodePass:
     def canonical(self) -> bool:
         """Canonical forms run only where a request asked for determinism; other passes run
         natively whatever their width (decode passes write no prefix-cache KV)."""
-        return any(slot.state.determinism != "none" for slot, _ in self.members)
+        return any(slot.state.determinism != Determinism.NONE for slot, _ in self.members)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from lockstep.kernels.invariance.layers import calls_in_blocks
 from lockstep.kernels.invariance.selftest import bits_equal
 from lockstep.server.engine import Engine
 from lockstep.server.engine.decode_plan import plan_request
-from lockstep.server.engine.guarantee import proven_deployment
+from lockstep.server.engine.deployment import proven_deployment
 from lockstep.server.engine.model_runner import ModelRunner
 from lockstep.server.engine.request_state import GenerationRequest
 from lockstep.server.engine.sampling import SamplingParams
@@ -62,23 +62,23 @@ def eight_b_layers(weights: str, layers: int = 2, seed: int = 0):
 
 @pytest.fixture(scope="module", params=list(QUANTIZATION))
 def deployed(request):
-    """(loaded model, its proven deployment for L = LIMIT, the installed plan, weights)."""
+    """(loaded model, its proven deployment for L = LIMIT, the installed invariance, weights)."""
     model = eight_b_layers(request.param)
     enable_ragged(model)
-    plan = set_batch_invariant_limit(model, LIMIT)
-    deployment = replace(proven_deployment(model, plan, kv_pool="kernel", pass_rows=2 * LIMIT), prefill_chunk=8)
-    yield TinyLoaded(model, weights=request.param), deployment, plan, request.param
+    invariance = set_batch_invariant_limit(model, LIMIT)
+    deployment = replace(proven_deployment(model, invariance, kv_pool="kernel", pass_rows=2 * LIMIT), prefill_chunk=8)
+    yield TinyLoaded(model, weights=request.param), deployment, invariance, request.param
     set_batch_invariant_limit(model, 0)
     del model
     mx.clear_cache()
 
 
 def test_the_self_test_proves_the_kernels_forms_for_l_on_this_gpu(deployed):
-    _, deployment, plan, _ = deployed
-    assert plan.guaranteed, plan.reason
-    assert plan.strategy != "native" and "gpu" in plan.backend
-    assert deployment.guaranteed and deployment.shared_passes
-    assert deployment.guaranteed_rows == LIMIT
+    _, deployment, invariance, _ = deployed
+    assert invariance.guaranteed, invariance.reason
+    assert invariance.strategy != "native" and "gpu" in invariance.backend
+    assert deployment.guarantee.guaranteed and deployment.guarantee.shared_passes
+    assert deployment.guarantee.call_rows == LIMIT
 
 
 def rows_kept(model, tokens: list, blocks: bool = False) -> int:
