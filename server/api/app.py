@@ -520,7 +520,8 @@ def create_app(
     @app.head("/health", include_in_schema=False)  # load balancers often probe with HEAD
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": engine.loaded.name, "guarantee": engine.guarantee.state, **engine.counts()}
+        return {"status": "ok", "model": engine.loaded.name, "guarantee": engine.guarantee.state, **engine.counts(),
+                "audited_rows": engine.audited.describe()["audited_rows"]}
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics():

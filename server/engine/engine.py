@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 
+from lockstep.kernels.audit.widths import AuditedRows
 from lockstep.server.engine.decode_plan import DecodePlan
 
 from lockstep.server.engine.deployment import Deployment
@@ -76,7 +77,8 @@ class Engine:
     def __init__(self, loaded, max_active: int = DEFAULT_MAX_ACTIVE, *, deployment: Deployment | None = None,
                  prefix_cache: PrefixCache | None = None, max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
                  max_kv_tokens: int | None = None, max_active_per_request: int | None = None,
-                 runner: ModelRunner | None = None, guarantee: GuaranteeState | None = None):
+                 runner: ModelRunner | None = None, guarantee: GuaranteeState | None = None,
+                 audited: AuditedRows | None = None):
         if max_active < 1 or max_batch_rows < 1:
             raise ValueError("max_active and max_batch_rows must be >= 1")
         per_request = max_active_per_request or default_active_per_request(max_active)
@@ -93,9 +95,11 @@ class Engine:
             runner = ModelRunner(loaded.model, self.deployment, pool_tokens=pool_tokens)
         self.runner = runner
         self.kv_budget = KVBudget(max_kv_tokens)
+        # the call widths the kernel audit has covered (the rest is audited by `start`'s work)
+        self.audited = audited or AuditedRows()
         self.scheduler = Scheduler(loaded, runner, deployment=self.deployment, max_active=max_active,
                                    active_per_request=per_request, max_batch_rows=max_batch_rows,
-                                   kv_budget=self.kv_budget, prefix_cache=prefix_cache)
+                                   kv_budget=self.kv_budget, prefix_cache=prefix_cache, audited=self.audited)
         self.scheduler.on_admit = lambda waited: self._notify("on_admit", waited)
         self.scheduler.on_fail = self._fail
         self.observers: list[EngineObserver] = []
