@@ -131,12 +131,12 @@ def audit_verdict_cache(root=None) -> VerdictCache:
     return VerdictCache("audit", root)
 
 
-def verdict_key(cfg: LayerConfig, seed: int, prompt_rows: int, stage: str) -> dict:
-    """Everything a configuration's verdict on one stage's paths depends on (see
+def verdict_key(cfg: LayerConfig, seed: int, prompt_rows: int, stages=STAGES) -> dict:
+    """Everything a configuration's verdict on the paths of `stages` depends on (see
     kernels/verdict_cache.py)."""
     return {
         "what": "quantized kernel audit",
-        "stage": stage,
+        "stages": list(stages),
         "config": {"kind": cfg.kind, "shape": list(cfg.shape), "mode": cfg.mode,
                    "bits": cfg.bits, "group_size": cfg.group_size, "dtype": cfg.dtype,
                    "transpose": cfg.transpose, "has_bias": cfg.has_bias},
@@ -196,28 +196,33 @@ def audit_model(model: nn.Module, *, seed: int = 0, prompt_rows: int = DEFAULT_P
 
     cache: verdicts are looked up there (unless `fresh`) and stored there after probing.
     defer: stages probed only where the cache has their verdict; the others are left for a
-    later `audit_model(model, stages=report.deferred)` (`merge_reports`).
+    later `audit_model(model, stages=report.deferred)` (`merge_reports`). A configuration given
+    a workaround in an earlier stage is not probed in later ones (its stand-in was probed on
+    every path), so its table lacks the kernel's later paths.
     on_result: called with each configuration's result of a stage and its layers as soon as
     it is in (probed or cached), before `step_done` lets the caller's other work run (a workaround applied there is in
     place before any of it).
     """
     start = time.perf_counter()
     configs, cached, deferred = [], 0, set()
+    # Audited together where nothing is deferred (one verdict, every kernel path in the table);
+    # else stage by stage, each stage's verdict cached apart.
+    units = [(stage,) for stage in stages] if defer else [tuple(stages)]
     for cfg, layers in quantized_layers(model).items():
         result, from_cache = None, True
-        for stage in stages:
+        for unit in units:
             if result is not None and result.verdict != OK:
                 break  # a workaround or refusal is judged on every path already
-            key = verdict_key(cfg, seed, prompt_rows, stage) if cache is not None else None
+            key = verdict_key(cfg, seed, prompt_rows, unit) if cache is not None else None
             part = _cached(cache, key, cfg, layers) if cache is not None and not fresh else None
-            if part is None and stage in defer:
-                deferred.add(stage)
+            if part is None and set(unit) <= set(defer):
+                deferred.update(unit)
                 from_cache = False
                 continue
             probed = part is None
             if probed:
                 from_cache = False
-                part = _audit_config(cfg, layers, seed, prompt_rows, (stage,))
+                part = _audit_config(cfg, layers, seed, prompt_rows, unit)
                 if cache is not None:
                     cache.put(key, result_to_json(part))
             if on_result is not None:
