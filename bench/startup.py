@@ -330,7 +330,8 @@ def measure_start(label: str, serve_args: list[str], env: dict, log: Path, timeo
         plain.join(timeout=max(0.0, deadline - time.perf_counter()))
         if plain.is_alive():
             raise StartFailed("timed out waiting for the plain answer")
-        result.phases, result.models_state = model_details(base)
+        if serve_args[:1] != [MLX_LM]:  # lockstep's startup details; mlx-lm's server has none
+            result.phases, result.models_state = model_details(base)
     except StartFailed as exc:
         result.failure = str(exc)
     except (OSError, ValueError, KeyError, IndexError) as exc:
