@@ -481,6 +481,31 @@ class GuaranteeWork:
     runtime: Runtime
     options: Options
     proofs: object  # kernels.invariance.selftest.ProofCache
+    # Set by the engine that runs this work: serve with a deployment from now on (engine thread).
+    # A first ragged proof then puts the guarantee in force for the widths proven so far.
+    install: Callable[[Deployment], None] | None = None
+
+    def _proven_widths(self, plan, pass_costs) -> Callable[[int], None]:
+        """What a first ragged proof calls once passes of 1..w rows are proven: from w = L on, the
+        guarantee is in force for deterministic passes of at most w rows (each width is proven on
+        its own, so those stay proven whatever a wider one shows), its prompt chunks alone and its
+        passes op by op until the shared-prefill and compiled proofs that follow."""
+        runtime, options = self.runtime, self.options
+
+        def proven(width: int) -> None:
+            if self.install is None or width < plan.limit or width % plan.limit:
+                return  # installed at multiples of L: each install retraces the compiled passes
+            runtime.invariance = plan
+            runtime.deployment = dataclasses.replace(
+                runtime.deployment, guaranteed_rows=plan.limit, shared_passes=True, shared_pass_rows=width,
+                shared_prefill_rows=0, compiled_canonical_passes=False, strategy=plan.strategy,
+                pass_costs=pass_costs, fingerprint=_fingerprint(runtime.loaded, runtime.transform, plan, options,
+                                                                runtime.deployment.kv_pool))
+            self.install(runtime.deployment)
+            if not runtime.guarantee.settled:
+                runtime.guarantee.settle(settled_state(runtime.deployment))
+            log.info("guarantee in force for passes of 1..%d rows; the ragged proof goes on", width)
+        return proven
 
     def run(self) -> Deployment:
         from lockstep.kernels.invariance import set_batch_invariant_limit
@@ -520,7 +545,8 @@ class GuaranteeWork:
         with timings.timed("ragged_proof") if plan.guaranteed else contextlib.nullcontext():
             guarantee = decide_guarantee(model, plan, kv_pool, self.proofs, options.max_batch_rows,
                                          shared_prefill=options.prepare_model is None,
-                                         compiled=runtime.deployment.compiled_passes)
+                                         compiled=runtime.deployment.compiled_passes,
+                                         on_width=self._proven_widths(plan, pass_costs))
         deployment = dataclasses.replace(
             runtime.deployment, guaranteed_rows=guarantee.rows, shared_passes=guarantee.shared_passes,
             shared_pass_rows=guarantee.pass_rows, shared_prefill_rows=guarantee.shared_prefill_rows,

@@ -54,7 +54,10 @@ class _Stopped(Exception):
 class Work:
     """What `Engine.start` may run first, in order (server/runtime.py GuaranteeWork, DraftWork):
     `run()` returns the deployment to serve with from then on, `settle()` then says so to
-    whoever waits for it."""
+    whoever waits for it. `install` (set by the engine before `run()`): a deployment to serve
+    with at once, while the work goes on (the guarantee in force for the widths proven so far)."""
+
+    install = None
 
     def run(self) -> Deployment: ...
 
@@ -225,6 +228,7 @@ class Engine:
 
     def _run_work(self, work: Work) -> bool:
         """Run one piece of start-up work, serving requests between its steps. False: stop."""
+        work.install = self.set_deployment
         try:
             with between_steps(self._serve_between_proof_steps):
                 deployment = work.run()

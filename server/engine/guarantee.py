@@ -38,7 +38,7 @@ class Guarantee:
 
 
 def decide_guarantee(model, plan, kv_pool: str = "off", proofs=None, pass_rows: int | None = None,
-                     shared_prefill: bool = True, compiled: bool = False) -> Guarantee:
+                     shared_prefill: bool = True, compiled: bool = False, on_width=None) -> Guarantee:
     """The deployment's guarantee for `model` with the installed invariance `plan`
     (a kernels.invariance.limit.InstalledInvariance or None); `proofs` a ProofCache to re-use
     a ragged proof made earlier on this machine. `pass_rows`: the widest pass the engine will
@@ -48,7 +48,8 @@ def decide_guarantee(model, plan, kv_pool: str = "off", proofs=None, pass_rows: 
     proof, deterministic prompt chunks run alone (a distributed deployment: its pipeline
     hands a prompt chunk on through a KV cache, which a ragged pass does not have). `compiled`:
     the deployment compiles its plain passes over the pool's kernel; deterministic ones then
-    too where the ragged proof holds for compiled passes of every width proven."""
+    too where the ragged proof holds for compiled passes of every width proven. `on_width(w)`:
+    called while a first ragged proof goes, once passes of 1..w rows are proven."""
     if plan is None or not plan.guaranteed:
         return Guarantee(0, False, plan.reason if plan is not None else "no batch-invariant limit")
     from lockstep.kernels.batching.ragged import enable_ragged, ragged_problem
@@ -61,7 +62,7 @@ def decide_guarantee(model, plan, kv_pool: str = "off", proofs=None, pass_rows: 
         return Guarantee(plan.limit, False, problem)
     enable_ragged(model)
     widest = max(plan.limit, pass_rows or plan.limit)
-    proof = prove_ragged_cached(model, plan.limit, proofs, kv_pool=kv_pool, pass_rows=widest)
+    proof = prove_ragged_cached(model, plan.limit, proofs, kv_pool=kv_pool, pass_rows=widest, on_width=on_width)
     if not proof and widest > plan.limit:
         log.warning("ragged passes of up to %d rows not proven (%s): trying passes of at most L = %d",
                     widest, proof.reason, plan.limit)
