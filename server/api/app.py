@@ -521,7 +521,7 @@ def create_app(
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": engine.loaded.name, "guarantee": engine.guarantee.state, **engine.counts(),
-                "audited_rows": engine.audited.describe()["audited_rows"]}
+                "audited_rows": engine.audited.describe()["audited_rows"], "starting": engine.starting}
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics():

@@ -110,6 +110,7 @@ class Engine:
         self._stopping = False
         self._thread: worker_thread.Job | None = None
         self._work: list[Work] = []
+        self.starting = False  # start-up work (audit, proofs, draft model) still running; /health says it
 
     @property
     def max_active(self) -> int:
@@ -127,6 +128,7 @@ class Engine:
         """Start the worker thread; it runs `work` first (the deployment's proofs, then its draft
         model), serving plain requests between their steps."""
         self._work = list(work or [])
+        self.starting = bool(self._work)
         self._thread = worker_thread.start(self._run, name="lockstep-engine")
         return self
 
@@ -207,6 +209,7 @@ class Engine:
         for work in self._work:
             if not self._run_work(work):
                 break
+        self.starting = False
         while self._admit():
             self._iterate()
         for slot in scheduler.active:
