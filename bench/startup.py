@@ -30,8 +30,19 @@ Cases (`--only`, repeatable; default embedded and nvfp4):
   quantized to nvfp4 on disk (built here once, random weights);
 - h200-float16: the embedded model in float16, L = 8, the quantized draft model;
 - h200-nvfp4: the embedded model quantized to nvfp4 at load time, L = 8;
-- h200-float16-l16: the embedded model in float16, L = 16.
-The h200 cases pass `--cpu-blas reference`, as docs/DESIGN.md asks for device runs.
+- h200-float16-l16: the embedded model in float16, L = 16;
+- 8b-bf16, 8b-nvfp4 (issue 51): an 8B-shaped llama (32 layers, hidden 4096, MLP 14336, 32/8
+  heads of 128; bench/invariant_8b.py's builder) with random weights and the embedded model's
+  tokenizer (so its vocab, 49152: every token id the model can emit decodes), written once into
+  an mlx-lm directory under --8b-models (16 GB for bf16; built in a child process), served by
+  `lockstep serve --batch-invariant-limit 8 --cpu-blas reference`, each start followed by one of
+  `mlx_lm.server` on the same directory with caches of its own (fresh, then restarts: the two
+  alternate). `--small`: 2 layers, hidden 1024, MLP 2048 (a check on the CPU).
+The h200 and 8b cases pass `--cpu-blas reference`, as docs/DESIGN.md asks for device runs.
+
+    PYTHONPATH=/tmp/site:/tmp/ns:/tmp/src python3 bench/startup.py --only 8b-nvfp4 --only 8b-bf16 \\
+        --8b-models /tmp/models --out /tmp/startup_8b.md        # on the H200
+    .venv/bin/python bench/startup.py --only 8b-nvfp4 --small      # the check here
 """
 from __future__ import annotations
 
@@ -81,10 +92,63 @@ def build_nvfp4_1040(out: Path) -> Path:
     return out
 
 
-def case_args(name: str, model_dir: Path) -> list[str]:
-    """`lockstep serve` arguments of one case (the nvfp4 case builds its model first)."""
+EIGHT_B_SHAPE = {"layers": 32, "hidden": 4096, "intermediate": 14336}
+SMALL_SHAPE = {"layers": 2, "hidden": 1024, "intermediate": 2048}
+EIGHT_B_ARGS = ["--batch-invariant-limit", "8", "--cpu-blas", "reference"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def write_8b(out: Path, weights: str, small: bool) -> None:
+    """The 8B-shaped model (bench/invariant_8b.py's `build`) as an mlx-lm directory with the
+    embedded model's tokenizer; random weights."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import invariant_8b
+    from mlx_lm.utils import save_config, save_model
+
+    from lockstep.models.resolve import resolve_model
+
+    source = resolve_model("default", "float32")  # the embedded GGUF's import: its tokenizer files
+    source_config = json.loads((source / "config.json").read_text())
+    shape = SMALL_SHAPE if small else EIGHT_B_SHAPE
+    vocab = source_config["vocab_size"]
+    model = invariant_8b.build(weights, shape["layers"], hidden=shape["hidden"],
+                               intermediate=shape["intermediate"], vocab=vocab)
+    config = {"model_type": "llama", "hidden_size": shape["hidden"], "num_hidden_layers": shape["layers"],
+              "intermediate_size": shape["intermediate"], "num_attention_heads": 32, "num_key_value_heads": 8,
+              "head_dim": 128, "rms_norm_eps": 1e-5, "vocab_size": vocab, "rope_theta": 500000.0,
+              "tie_word_embeddings": False, "max_position_embeddings": 8192, "torch_dtype": "bfloat16",
+              **{k: source_config[k] for k in ("bos_token_id", "eos_token_id") if k in source_config}}
+    quantization = invariant_8b.WEIGHTS[weights]
+    if quantization:
+        mode, group, bits = quantization
+        config["quantization"] = {"group_size": group, "bits": bits, "mode": mode}
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    save_model(partial, model)
+    save_config(config, partial / "config.json")
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, partial / name)
+    partial.rename(out)  # whole or absent: a later run re-uses only a finished directory
+
+
+def build_8b(out: Path, weights: str, small: bool) -> Path:
+    """The model of an 8b case, built once (in a child process: the bench keeps no device memory)."""
+    if not (out / "config.json").is_file():
+        subprocess.run([sys.executable, __file__, "--build-model", str(out), "--weights", weights,
+                        *(["--small"] if small else [])], check=True)
+    return out
+
+
+def case_args(name: str, model_dir: Path, small: bool = False) -> list[str]:
+    """`lockstep serve` arguments of one case (the nvfp4 and 8b cases build their model first)."""
     if name == "nvfp4":
         return ["--model", str(build_nvfp4_1040(model_dir))]
+    if name.startswith("8b-"):
+        weights = name.split("-", 1)[1]
+        built = build_8b(model_dir / f"{name}{'-small' if small else ''}", weights, small)
+        return ["--model", str(built), *EIGHT_B_ARGS]
     return CASES[name]
 
 
@@ -96,6 +160,8 @@ CASES = {
     "h200-nvfp4": ["--quantize", "nvfp4", "--batch-invariant-limit", "8", "--cpu-blas", "reference"],
     "h200-float16-l16": ["--weights", "float16", "--batch-invariant-limit", "16",
                          "--cpu-blas", "reference"],
+    "8b-bf16": None,  # built on demand: case_args()
+    "8b-nvfp4": None,
 }
 DEFAULT_CASES = ("embedded", "nvfp4")
 
@@ -134,15 +200,15 @@ class StartFailed(Exception):
 class PlainRequest(threading.Thread):
     """One plain chat request, timed from `t0` (the spawn) to its answer."""
 
-    def __init__(self, base: str, t0: float, timeout: float):
+    def __init__(self, base: str, t0: float, timeout: float, model: str = "default"):
         super().__init__(daemon=True)  # never keeps the bench alive
-        self.base, self.t0, self.timeout = base, t0, timeout
+        self.base, self.t0, self.timeout, self.model = base, t0, timeout, model
         self.seconds: float | None = None
         self.error: str | None = None
 
     def run(self) -> None:
         req = urllib.request.Request(self.base + "/v1/chat/completions",
-                                     data=json.dumps(PLAIN_REQUEST).encode(),
+                                     data=json.dumps({**PLAIN_REQUEST, "model": self.model}).encode(),
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
@@ -159,12 +225,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+MLX_LM = "mlx_lm.server"  # server arguments starting with this start mlx-lm's server instead
+
+
 def spawn(serve_args: list[str], port: int, env: dict, log: Path) -> subprocess.Popen:
     """The server process, its output (stdout and stderr) in `log`, in its own process group."""
+    if serve_args[:1] == [MLX_LM]:
+        command = [sys.executable, "-m", MLX_LM, "--port", str(port), *serve_args[1:]]
+    else:
+        command = [sys.executable, "-m", "lockstep.server.cli", "serve", "--port", str(port), *serve_args]
     with open(log, "w") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "lockstep.server.cli", "serve", "--port", str(port), *serve_args],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
 
 def stop(proc: subprocess.Popen) -> str | None:
@@ -247,7 +319,8 @@ def measure_start(label: str, serve_args: list[str], env: dict, log: Path, timeo
     try:
         health = wait_for_health(base, proc, deadline)
         result.health_s = time.perf_counter() - t0
-        plain = PlainRequest(base, t0, timeout=max(1.0, deadline - time.perf_counter()))
+        plain = PlainRequest(base, t0, timeout=max(1.0, deadline - time.perf_counter()),
+                             model="default_model" if serve_args[:1] == [MLX_LM] else "default")
         plain.start()
         result.reports_guarantee = "guarantee" in health
         settled = wait_for_guarantee(base, proc, deadline, health)
@@ -257,7 +330,8 @@ def measure_start(label: str, serve_args: list[str], env: dict, log: Path, timeo
         plain.join(timeout=max(0.0, deadline - time.perf_counter()))
         if plain.is_alive():
             raise StartFailed("timed out waiting for the plain answer")
-        result.phases, result.models_state = model_details(base)
+        if serve_args[:1] != [MLX_LM]:  # lockstep's startup details; mlx-lm's server has none
+            result.phases, result.models_state = model_details(base)
     except StartFailed as exc:
         result.failure = str(exc)
     except (OSError, ValueError, KeyError, IndexError) as exc:
@@ -283,7 +357,7 @@ def startup_lines(log: Path) -> list[str]:
 
 # ---------------------------------------------------------------- a case
 
-def median_start(starts: list[Start]) -> Start:
+def median_start(starts: list[Start], prefix: str = "") -> Start:
     """The median of each measurement (and phase) over `starts`; states joined if they differ."""
     def med(values):
         values = [v for v in values if v is not None]
@@ -293,7 +367,7 @@ def median_start(starts: list[Start]) -> Start:
     states = sorted({s.state for s in starts if s.state})
     failures = [s.failure for s in starts if s.failure]
     return Start(
-        f"restart (median of {len(starts)})", starts[0].log,
+        f"{prefix}restart (median of {len(starts)})", starts[0].log,
         health_s=med(s.health_s for s in starts),
         first_plain_s=med(s.first_plain_s for s in starts),
         guarantee_s=med(s.guarantee_s for s in starts),
@@ -303,29 +377,38 @@ def median_start(starts: list[Start]) -> Start:
         failure=f"{len(failures)} of {len(starts)} failed" if failures else None)
 
 
-def run_case(name: str, serve_args: list[str], work: Path, restarts: int, timeout: float) -> list[Start]:
-    """A fresh start, then `restarts` restarts with the same caches; the caches are removed after."""
-    cache_root = work / f"cache-{name}"
-    env = cache_env(cache_root)
+def run_case(name: str, serve_args: list[str], work: Path, restarts: int, timeout: float,
+             against: list[str] | None = None) -> list[Start]:
+    """A fresh start, then `restarts` restarts with the same caches; the caches are removed after.
+    `against`: another server's arguments (mlx_lm.server's), started after each of these with
+    caches of its own, so the two alternate."""
+    servers = [("", serve_args, work / f"cache-{name}")]
+    if against:
+        servers.append((MLX_LM + " ", against, work / f"cache-{name}-mlx-lm"))
     labels = ["fresh"] + [f"restart {i}" if restarts > 1 else "restart" for i in range(1, restarts + 1)]
-    starts = []
+    starts: dict[str, list[Start]] = {prefix: [] for prefix, _, _ in servers}
     try:
         for label in labels:
-            log = work / f"{name}-{label.replace(' ', '')}.log"
-            start = measure_start(label, serve_args, env, log, timeout)
-            print(f"{name} {label}: " + "; ".join(row(start)[1:]) + f"  (log {log})", flush=True)
-            for line in startup_lines(log):
-                print(f"    {line}", flush=True)
-            print(f"    phases from /v1/models: {json.dumps(start.phases)}", flush=True)
-            starts.append(start)
-            if label == "fresh" and start.health_s is None:
+            for prefix, args, cache_root in servers:
+                log = work / f"{name}-{prefix.strip().replace('.', '-')}{label.replace(' ', '')}.log"
+                start = measure_start(prefix + label, args, cache_env(cache_root), log, timeout)
+                print(f"{name} {prefix}{label}: " + "; ".join(row(start)[1:]) + f"  (log {log})", flush=True)
+                for line in startup_lines(log):
+                    print(f"    {line}", flush=True)
+                print(f"    phases from /v1/models: {json.dumps(start.phases)}", flush=True)
+                starts[prefix].append(start)
+            if label == "fresh" and starts[""][0].health_s is None:
                 print(f"{name}: the fresh start never answered /health; restarts skipped", flush=True)
                 break
     finally:
-        shutil.rmtree(cache_root, ignore_errors=True)
-    if restarts > 1 and len(starts) > 2:
-        starts.append(median_start(starts[1:]))
-    return starts
+        for _, _, cache_root in servers:
+            shutil.rmtree(cache_root, ignore_errors=True)
+    rows = []
+    for prefix, runs in starts.items():
+        if restarts > 1 and len(runs) > 2:
+            runs.append(median_start(runs[1:], prefix))
+        rows += runs
+    return rows
 
 
 # ---------------------------------------------------------------- the table
@@ -353,9 +436,10 @@ def row(s: Start) -> list[str]:
     return [s.label, health, plain, guarantee, largest_phases(s.phases)]
 
 
-def table(name: str, serve_args: list[str], starts: list[Start]) -> str:
+def table(name: str, serve_args: list[str], starts: list[Start], against: list[str] | None = None) -> str:
     header = ["start", "health", "first plain answer", "guarantee (state)", "largest phases (s)"]
-    lines = [f"### {name}", "", f"`lockstep serve {' '.join(serve_args)}`", "",
+    beside = f" and `python -m {' '.join(against)}`" if against else ""
+    lines = [f"### {name}", "", f"`lockstep serve {' '.join(serve_args)}`{beside}", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row(s)) + " |" for s in starts]
     if not all(s.reports_guarantee for s in starts):
@@ -379,7 +463,17 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="also write the tables (markdown) here")
     parser.add_argument("--serve-arg", action="append", default=[],
                         help="extra `lockstep serve` argument (repeat), e.g. --serve-arg=--audit=fresh")
+    parser.add_argument("--8b-models", dest="eight_b_models", default=None,
+                        help="where to build/keep the 8b cases' models (default: a temporary directory)")
+    parser.add_argument("--small", action="store_true",
+                        help="the 8b cases at a small shape (2 layers, hidden 1024): a check on the CPU")
+    parser.add_argument("--no-mlx-lm", action="store_true", help="the 8b cases without mlx_lm.server beside them")
+    parser.add_argument("--build-model", default=None, help=argparse.SUPPRESS)  # the child writing an 8b model
+    parser.add_argument("--weights", default="bf16", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.build_model:
+        write_8b(Path(args.build_model), args.weights, args.small)
+        return 0
     if args.restarts < 1:
         parser.error("--restarts must be at least 1")
 
@@ -388,9 +482,13 @@ def main() -> int:
     print(f"logs in {work}", flush=True)
     tables = []
     for name in args.only or DEFAULT_CASES:
-        serve_args = case_args(name, model_dir) + args.serve_arg
-        starts = run_case(name, serve_args, work, args.restarts, args.timeout)
-        tables.append(table(name, serve_args, starts))
+        serve_args = case_args(name, Path(args.eight_b_models or work) if name.startswith("8b-") else model_dir,
+                               args.small)
+        serve_args += args.serve_arg
+        against = ([MLX_LM, "--model", serve_args[serve_args.index("--model") + 1]]
+                   if name.startswith("8b-") and not args.no_mlx_lm else None)
+        starts = run_case(name, serve_args, work, args.restarts, args.timeout, against)
+        tables.append(table(name, serve_args, starts, against))
         print("\n" + tables[-1], flush=True)
     if args.out:
         Path(args.out).write_text("\n".join(tables))

@@ -20,7 +20,7 @@ from lockstep.server.engine.decode_plan import METHODS
 
 from lockstep.server.engine.deployment import MAX_DRAFT_TOKENS, Deployment, rewind_refusal
 from lockstep.server.engine.guarantee import PENDING_STRATEGY, Guarantee
-from lockstep.server.engine.guarantee_state import OFF, PROVING, GuaranteeState, settled_state
+from lockstep.server.engine.guarantee_state import OFF, PROVING, REFUSED, GuaranteeState, settled_state
 from lockstep.server.options import (AUDIT_MODES, DEFAULT_MAX_BATCH_ROWS, DEFAULT_NUM_DRAFT_TOKENS,
                                      DEFAULT_PREFILL_CHUNK)
 
@@ -143,6 +143,8 @@ class Runtime:
     guarantee: GuaranteeState = field(default_factory=GuaranteeState)  # proving, in force, refused, off
     pending: list | None = None  # work for the engine thread after serving starts (GuaranteeWork, DraftWork)
     guarantee_seconds: float | None = None  # how long the proofs took, once they ran
+    # the call widths the kernel audit has covered (kernels/audit/widths.py); the engine's gate
+    audited: object = field(default_factory=lambda: _all_audited())
     serving_after_s: float | None = None  # the phases before serving (the proofs' only when not deferred)
     admission: object = None  # server.engine.admission.Admission the engine serves with (serve only)
 
@@ -160,7 +162,7 @@ class Runtime:
         from lockstep.kernels.audit import summary
 
         audit = ({"mode": "off", "warning": AUDIT_OFF_WARNING} if self.audit is None
-                 else {"mode": self.audit_mode, **summary(self.audit)})
+                 else {"mode": self.audit_mode, **summary(self.audit), **self.audited.describe()})
         test = getattr(self.invariance, "self_test", None)
         guarantee = self.deployment.guarantee
         return {
@@ -205,7 +207,9 @@ class Runtime:
 
 def _load_audited(spec: str, weights: str, quantize: str | None, bits, group,
                   audit: str = "cached", phases: Phases | None = None, phase_prefix: str = "",
-                  fuse: bool = False) -> tuple:
+                  fuse: bool = False, defer=()) -> tuple:
+    """(loaded model, audit report, transform); the audit stages in `defer` run only where
+    their verdicts are cached (`AuditWork` runs the rest after serving starts)."""
     from lockstep.kernels.audit import audit_and_patch, audit_verdict_cache
     from lockstep.models.load import load_model
     from lockstep.models.quantize import quantize_model_in_memory
@@ -231,13 +235,19 @@ def _load_audited(spec: str, weights: str, quantize: str | None, bits, group,
     else:
         with phases.timed(phase_prefix + "audit"):
             report = audit_and_patch(loaded.model, cache=audit_verdict_cache(),
-                                     fresh=audit == "fresh")
-    if report is not None and report.patched:
-        transform += ";workarounds=" + ",".join(f"{c.config.label()}:{c.verdict}" for c in report.patched)
+                                     fresh=audit == "fresh", defer=defer)
+    transform += workarounds_label(report)
     # Materialise everything quantization and workarounds left lazy: MLX streams belong to
     # the thread that made them, and the engine evaluates on its own worker thread.
     mx.eval(loaded.model.parameters())
     return loaded, report, transform
+
+
+def workarounds_label(report) -> str:
+    """The transform's part naming the audit's workarounds ("" where there are none)."""
+    if report is None or not report.patched:
+        return ""
+    return ";workarounds=" + ",".join(f"{c.config.label()}:{c.verdict}" for c in report.patched)
 
 
 def no_cheap_draft(options: Options) -> str:
@@ -359,9 +369,16 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     if options.fuse_projections and options.prepare_model is not None:
         raise ValueError("--fuse-projections does not combine with distributed serving (its sharding "
                          "splits the separate projections)")
+    from lockstep.kernels.audit.widths import NARROW, STAGES, AuditedRows
+
+    # serve: the calls a first plain answer takes are audited now, the narrow ones (several
+    # requests' rows, short prompt chunks) by the engine thread after serving starts
+    defer = (NARROW,) if defer_guarantee and options.prepare_model is None else ()
     loaded, report, transform = _load_audited(options.model, options.weights, options.quantize,
                                               options.q_bits, options.q_group_size,
-                                              options.audit, timings, fuse=options.fuse_projections)
+                                              options.audit, timings, fuse=options.fuse_projections,
+                                              defer=defer)
+    audited = AuditedRows(s for s in STAGES if report is None or s not in report.deferred)
     if options.prepare_model is not None:
         transform += ";" + options.prepare_model(loaded.model)
 
@@ -413,16 +430,20 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
                                          fingerprint=_fingerprint(loaded, transform, unproven, options, kv_pool),
                                          **settings),
                       report, None, transform, timings, options.audit, refusal,
-                      guarantee=GuaranteeState(PROVING if limit else OFF))
+                      # deterministic requests wait for the audit too: their prompt chunks must not be cut
+                      guarantee=GuaranteeState(PROVING if limit or not audited.complete else OFF),
+                      audited=audited)
     work = GuaranteeWork(runtime, options, proofs)
     if not (defer_guarantee and limit):
         work.run()
-        work.settle()
+        if audited.complete:  # else the audit's own work settles it (L = 0)
+            work.settle()
     if draft is not None and options.draft_where_it_pays:  # measured with the forms the target serves with
         runtime.deployment = assess_draft(runtime, options)
     with timings.timed("warm_up"):  # the first request should not pay for first-call setup
         try:
-            mx.eval(loaded.model(mx.array([[1, 2, 3]]), cache=make_prompt_cache(loaded.model)))
+            tokens = [1, 2, 3] if audited.allows(3) else [1]  # never a width not yet audited
+            mx.eval(loaded.model(mx.array([tokens]), cache=make_prompt_cache(loaded.model)))
         except Exception as exc:  # e.g. a faulty kernel path the audit was told not to look for
             from lockstep.models.errors import ModelError
 
@@ -436,9 +457,17 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
              "; the guarantee is proven after serving starts" if not runtime.guarantee.settled else "")
     # the work left for the engine thread: the guarantee first (deterministic requests wait
     # for it), then the draft model (until it is loaded, requests decode without its drafts)
-    work_left = ([work] if not runtime.guarantee.settled else []) + ([DraftWork(runtime, options)] if defer_draft else [])
+    work_left = (([AuditWork(runtime, options, proofs)] if not audited.complete else [])
+                 + ([work] if limit and not runtime.guarantee.settled else [])
+                 + ([DraftWork(runtime, options)] if defer_draft else []))
     runtime.pending = work_left or None
     return runtime
+
+
+def _all_audited():
+    from lockstep.kernels.audit.widths import AuditedRows
+
+    return AuditedRows()
 
 
 def _fingerprint(loaded, transform: str, guarantee: Guarantee, options: Options, kv_pool: str) -> str:
@@ -462,6 +491,31 @@ class GuaranteeWork:
     runtime: Runtime
     options: Options
     proofs: object  # kernels.invariance.selftest.ProofCache
+    # Set by the engine that runs this work: serve with a deployment from now on (engine thread).
+    # A first ragged proof then puts the guarantee in force for the widths proven so far.
+    install: Callable[[Deployment], None] | None = None
+
+    def _proven_widths(self, invariance, pass_costs) -> Callable[[int], None]:
+        """What a first ragged proof calls once passes of 1..w rows are proven: from w = L on, the
+        guarantee is in force for deterministic passes of at most w rows (each width is proven on
+        its own, so those stay proven whatever a wider one shows), its prompt chunks alone and its
+        passes op by op until the shared-prefill and compiled proofs that follow."""
+        runtime, options = self.runtime, self.options
+
+        def proven(width: int) -> None:
+            if self.install is None or width < invariance.limit or width % invariance.limit:
+                return  # installed at multiples of L: each install retraces the compiled passes
+            runtime.invariance = invariance
+            guarantee = dataclasses.replace(Guarantee.installed(invariance), shared_passes=True, pass_rows=width)
+            runtime.deployment = dataclasses.replace(
+                runtime.deployment, guarantee=guarantee, pass_costs=pass_costs,
+                fingerprint=_fingerprint(runtime.loaded, runtime.transform, guarantee, options,
+                                         runtime.deployment.kv_pool))
+            self.install(runtime.deployment)
+            if not runtime.guarantee.settled:
+                runtime.guarantee.settle(settled_state(runtime.deployment))
+            log.info("guarantee in force for passes of 1..%d rows; the ragged proof goes on", width)
+        return proven
 
     def run(self) -> Deployment:
         from lockstep.kernels.batching.ragged_selftest import per_request_self_test
@@ -470,6 +524,10 @@ class GuaranteeWork:
 
         runtime, options, timings = self.runtime, self.options, self.runtime.timings
         model, kv_pool = runtime.loaded.model, runtime.deployment.kv_pool
+        if options.batch_invariant_limit and not runtime.audited.complete:
+            # the proofs call the layers at every width up to L
+            raise RuntimeError("the kernel audit passed only calls of "
+                               f"{runtime.audited.describe()['audited_rows']} rows")
         started = time.perf_counter()
         with timings.timed("self_test"):
             invariance = set_batch_invariant_limit(model, options.batch_invariant_limit,
@@ -499,7 +557,8 @@ class GuaranteeWork:
         with timings.timed("ragged_proof") if invariance.guaranteed else contextlib.nullcontext():
             guarantee = decide_guarantee(model, invariance, kv_pool, self.proofs, options.max_batch_rows,
                                          shared_prefill=options.prepare_model is None,
-                                         compiled=runtime.deployment.compiled_passes)
+                                         compiled=runtime.deployment.compiled_passes,
+                                         on_width=self._proven_widths(invariance, pass_costs))
         deployment = dataclasses.replace(
             runtime.deployment, guarantee=guarantee, pass_costs=pass_costs,
             fingerprint=_fingerprint(runtime.loaded, runtime.transform, guarantee, options, kv_pool))
@@ -521,6 +580,64 @@ class GuaranteeWork:
 
 
 PROOF_PHASES = ("self_test", "build_kernels", "pass_costs", "ragged_proof")
+
+
+@dataclass
+class AuditWork:
+    """The kernel audit's stages left when serving started (kernels/audit/widths.py: calls of
+    2..32 rows), run by the engine thread between passes before the guarantee's proofs (they
+    call the layers at those widths). Each configuration's workaround is swapped in as soon as
+    its verdict is in, before any pass runs; the widths become audited (the scheduler's gate)
+    only once every configuration passed them. A refusal leaves them unaudited: serving goes
+    on at the audited widths, and the guarantee is refused."""
+
+    runtime: Runtime
+    options: Options
+    proofs: object  # kernels.invariance.selftest.ProofCache: its model identity names the workarounds
+
+    def run(self) -> Deployment:
+        from lockstep.kernels.audit import audit_model, audit_verdict_cache, merge_reports, patch_config
+        from lockstep.kernels.audit.report import OK, REFUSED as REFUSED_VERDICT
+
+        runtime = self.runtime
+        model, first = runtime.loaded.model, runtime.audit
+        self.stages = first.deferred
+
+        def patch(result, layers) -> None:
+            if result.verdict not in (OK, REFUSED_VERDICT):
+                patch_config(model, result.config, layers, result.verdict)
+                mx.eval(model.parameters())
+
+        with runtime.timings.timed("audit_after_start"):
+            later = audit_model(model, cache=audit_verdict_cache(), fresh=self.options.audit == "fresh",
+                                stages=first.deferred, on_result=patch)
+        report = merge_reports(first, later)
+        if report.refused:
+            report.deferred = first.deferred
+            log.error("kernel audit: %s; serving goes on with calls of %s rows only",
+                      "; ".join(f"{c.config.label()} refused" for c in report.refused),
+                      runtime.audited.describe()["audited_rows"])
+        transform = runtime.transform
+        old, new = workarounds_label(first), workarounds_label(report)
+        transform = transform.replace(old, new) if old else transform + new
+        runtime.audit, runtime.transform = report, transform
+        self.proofs.model_identity["transform"] = transform
+        runtime.deployment = dataclasses.replace(runtime.deployment, fingerprint=_fingerprint(
+            runtime.loaded, transform, runtime.invariance, self.options, runtime.deployment.kv_pool))
+        return runtime.deployment
+
+    def settle(self) -> None:
+        runtime = self.runtime
+        if runtime.audit.refused:
+            if not self.options.batch_invariant_limit:
+                runtime.guarantee.settle(REFUSED, "the kernel audit refused calls of several rows")
+            return
+        for stage in self.stages:
+            runtime.audited.add(stage)
+        log.info("kernel audit complete (%.1fs on the engine thread after serving started): "
+                 "calls of every width audited", runtime.timings.get("audit_after_start", 0.0))
+        if not self.options.batch_invariant_limit:
+            runtime.guarantee.settle(settled_state(runtime.deployment))
 
 
 @dataclass

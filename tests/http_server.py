@@ -38,7 +38,8 @@ def free_port() -> int:
 
 def wait_for_health(proc, base: str, log_path, timeout: float = 300.0, guarantee: bool = True) -> None:
     """Wait until a `lockstep serve` subprocess answers /health (and, with `guarantee`, has
-    settled its determinism guarantee, proven after serving starts); fails with its log if it exits."""
+    settled its determinism guarantee and ended its start-up work: the proofs, of which the
+    guarantee's widths grow, and a draft model); fails with its log if it exits."""
     import httpx2 as httpx
 
     def up():
@@ -47,7 +48,9 @@ def wait_for_health(proc, base: str, log_path, timeout: float = 300.0, guarantee
             response = httpx.get(base + "/health")
         except httpx.TransportError:
             return False
-        return response.status_code == 200 and not (guarantee and response.json().get("guarantee") == "proving")
+        health = response.json() if response.status_code == 200 else {}
+        return response.status_code == 200 and not (guarantee and (health.get("guarantee") == "proving"
+                                                                    or health.get("starting")))
 
     wait_until(up, timeout=timeout, what="lockstep serve to start")
 

@@ -217,3 +217,76 @@ def test_a_deployment_whose_proof_fails_serves_with_its_guarantee_refused_everyw
         finally:
             engine.stop()
             set_batch_invariant_limit(engine.loaded.model, 0)
+
+
+def test_a_first_ragged_proof_puts_the_guarantee_in_force_for_the_widths_proven_so_far(tmp_path, monkeypatch):
+    """Widths in order: once the ragged proof has proven passes of 1..L rows (held there), deterministic
+    requests are answered in passes of at most those widths; the wider widths follow."""
+    from openai import OpenAI
+
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+    from lockstep.kernels.verdict_cache import ROOT_ENV
+    from lockstep.server.api.app import create_app
+    from lockstep.server.engine import Engine
+    from lockstep.server.runtime import Options, build_runtime
+    from tests.http_server import running, wait_until
+    from tests.synthetic import build_llama_dir, write_tiny_tokenizer
+
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path / "verdicts"))  # a first start: nothing proven yet
+    model_dir = build_llama_dir(tmp_path / "float")
+    write_tiny_tokenizer(model_dir)
+    runtime = build_runtime(Options(model=str(model_dir), batch_invariant_limit=2, max_batch_rows=4),
+                            defer_guarantee=True)
+    (work,) = runtime.pending
+    reached, release = threading.Event(), threading.Event()
+    proven_widths = work._proven_widths
+
+    def held_at_l(plan, pass_costs):
+        proven = proven_widths(plan, pass_costs)
+
+        def hold(width):
+            proven(width)
+            if width == 2:  # = L: the proof waits here, serving between its steps
+                reached.set()
+                while not release.is_set():
+                    step_done()
+                    release.wait(0.01)
+        return hold
+    work._proven_widths = held_at_l
+    engine = Engine(runtime.loaded, deployment=runtime.deployment, guarantee=runtime.guarantee,
+                    audited=runtime.audited, max_active=4, max_batch_rows=4)
+    canonical_widths = []
+    execute = engine.runner.execute
+
+    def spy(output):
+        canonical_widths.extend(p.rows for p in output.passes if p.canonical)
+        return execute(output)
+    engine.runner.execute = spy
+    engine.start(runtime.pending)
+    try:
+        with running(create_app(engine, model_extras=runtime.model_info, guarantee_timeout=20)) as base:
+            assert reached.wait(300)
+            assert httpx.get(base + "/health").json()["guarantee"] == IN_FORCE
+            client = OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=600)
+            answers = {}
+
+            def ask(i):
+                answers[i] = client.completions.create(model="default", prompt=f"w{5 + i} w{9 + i} w{13 + i}",
+                                                       max_tokens=4, temperature=0,
+                                                       extra_body={"deterministic": True})
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=600)
+            assert len(answers) == 3 and not release.is_set()  # answered while wider widths are unproven
+            assert all(a.lockstep["deterministic"] and a.lockstep["guaranteed"] for a in answers.values())
+            assert canonical_widths and max(canonical_widths) <= 2, canonical_widths
+            assert engine.deployment.shared_pass_rows == 2
+            release.set()
+            wait_until(lambda: engine.deployment.shared_pass_rows == 4, timeout=300, what="the whole ragged proof")
+            assert runtime.guarantee.state == IN_FORCE
+    finally:
+        release.set()
+        engine.stop()
+        set_batch_invariant_limit(runtime.loaded.model, 0)

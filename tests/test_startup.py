@@ -132,7 +132,9 @@ def test_a_deferred_guarantee_is_proven_by_the_engine_after_serving_starts(align
     engine = Engine(deferred.loaded, deployment=deferred.deployment, guarantee=deferred.guarantee)
     engine.start(deferred.pending)
     try:
-        wait_until(lambda: deferred.guarantee.settled, timeout=300, what="the deferred proofs")
+        # settled once 1..L are proven (widths in order); the whole proof ends with its deployment installed
+        wait_until(lambda: deferred.guarantee.settled and deferred.guarantee_seconds is not None
+                   and engine.deployment is deferred.deployment, timeout=300, what="the deferred proofs")
     finally:
         engine.stop()
     after = deferred.model_info()

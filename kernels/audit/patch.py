@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,16 +30,17 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import verdict_cache
 from ..verdict_cache import VerdictCache, code_version, environment, function_identity
-from . import probes, reference, slicing, workarounds
+from . import probes, reference, slicing, widths, workarounds
 from . import report as report_module
 from .probes import describe, layer_kind, probe, probe_paths, reference_weight
 from .report import (OK, REFUSED, AuditReport, ConfigResult, LayerConfig, PathResult,
                      format_table, summary)
 from .slicing import backend_kind, full_size, sliced_layer, sliced_rows
+from .widths import STAGES, stage_of
 from ..proof_steps import step_done
 
 __all__ = ["audit_model", "apply_workarounds", "audit_and_patch", "format_table", "summary",
-           "AuditReport"]
+           "AuditReport", "merge_reports", "patch_config"]
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +74,19 @@ def backend_name() -> str:
 
 
 def _probe_every_path(layer, cfg: LayerConfig, seed: int, prompt_rows: int, backend: str,
-                  workaround: str | None = None) -> list[PathResult] | None:
-    """Every path of `layer` (or of its `workaround` stand-in; None: not applicable):
-    on a slice of its output rows, and on the whole layer where `full_size` says so."""
+                  workaround: str | None = None, stages=STAGES) -> list[PathResult] | None:
+    """Every path of `stages` (kernels/audit/widths.py) of `layer` (or of its `workaround`
+    stand-in; None: not applicable): on a slice of its output rows, and on the whole layer
+    where `full_size` says so."""
     n = cfg.shape[-2]
     rows = sliced_rows(n, backend)
+    staged = lambda path, r: stage_of(path, r) in stages
     on_whole = lambda path, r: full_size(path, r, n, backend)
     parts = [(sliced_layer(layer, rows) if rows < n else layer,
-              lambda path, r: not on_whole(path, r))]
+              lambda path, r: staged(path, r) and not on_whole(path, r))]
     if rows < n:
-        parts.append((layer, on_whole))
-    paths = probe_paths(cfg.kind, prompt_rows)
+        parts.append((layer, lambda path, r: staged(path, r) and on_whole(path, r)))
+    paths = [(p, r) for p, r in probe_paths(cfg.kind, prompt_rows) if staged(p, r)]
     results = []
     for part, select in parts:
         if not any(select(p, r) for p, r in paths):
@@ -97,11 +101,13 @@ def _probe_every_path(layer, cfg: LayerConfig, seed: int, prompt_rows: int, back
     return sorted(results, key=lambda p: order[(p.path, p.rows)])
 
 
-def _audit_config(cfg: LayerConfig, layers, seed: int, prompt_rows: int) -> ConfigResult:
+def _audit_config(cfg: LayerConfig, layers, seed: int, prompt_rows: int, stages=STAGES) -> ConfigResult:
+    """The kernel on the paths of `stages`; where one fails, the workarounds on every path
+    (a stand-in replaces the layer at every width), so a verdict other than OK is final."""
     path0, layer = layers[0]
     backend = backend_kind()
     result = ConfigResult(cfg, [p for p, _ in layers],
-                          _probe_every_path(layer, cfg, seed, prompt_rows, backend))
+                          _probe_every_path(layer, cfg, seed, prompt_rows, backend, stages=stages))
     if not result.failing:
         return result
     for name in workarounds.WORKAROUNDS:
@@ -125,10 +131,12 @@ def audit_verdict_cache(root=None) -> VerdictCache:
     return VerdictCache("audit", root)
 
 
-def verdict_key(cfg: LayerConfig, seed: int, prompt_rows: int) -> dict:
-    """Everything a configuration's verdict depends on (see kernels/verdict_cache.py)."""
+def verdict_key(cfg: LayerConfig, seed: int, prompt_rows: int, stages=STAGES) -> dict:
+    """Everything a configuration's verdict on the paths of `stages` depends on (see
+    kernels/verdict_cache.py)."""
     return {
         "what": "quantized kernel audit",
+        "stages": list(stages),
         "config": {"kind": cfg.kind, "shape": list(cfg.shape), "mode": cfg.mode,
                    "bits": cfg.bits, "group_size": cfg.group_size, "dtype": cfg.dtype,
                    "transpose": cfg.transpose, "has_bias": cfg.has_bias},
@@ -136,7 +144,7 @@ def verdict_key(cfg: LayerConfig, seed: int, prompt_rows: int) -> dict:
         "prompt_rows": prompt_rows,
         "environment": environment(),
         "code": code_version(sys.modules[__name__], verdict_cache, probes, reference,
-                             report_module, slicing, workarounds),
+                             report_module, slicing, workarounds, widths),
         "workarounds": list(workarounds.WORKAROUNDS),
         "ops": [function_identity(f) for f in (mx.quantized_matmul, mx.dequantize, mx.gather_qmm)],
     }
@@ -181,30 +189,86 @@ def _cached(cache: VerdictCache, key: dict, cfg: LayerConfig, layers) -> ConfigR
 
 
 def audit_model(model: nn.Module, *, seed: int = 0, prompt_rows: int = DEFAULT_PROMPT_ROWS,
-                cache: VerdictCache | None = None, fresh: bool = False) -> AuditReport:
-    """Probe every distinct quantized-layer configuration of `model` (see module doc).
+                cache: VerdictCache | None = None, fresh: bool = False, stages=STAGES, defer=(),
+                on_result: Callable[[ConfigResult, list], None] | None = None) -> AuditReport:
+    """Probe every distinct quantized-layer configuration of `model` (see module doc) on the
+    paths of `stages` (kernels/audit/widths.py), in their order.
 
     cache: verdicts are looked up there (unless `fresh`) and stored there after probing.
+    defer: stages probed only where the cache has their verdict; the others are left for a
+    later `audit_model(model, stages=report.deferred)` (`merge_reports`). A configuration given
+    a workaround in an earlier stage is not probed in later ones (its stand-in was probed on
+    every path), so its table lacks the kernel's later paths.
+    on_result: called with each configuration's result of a stage and its layers as soon as
+    it is in (probed or cached), before `step_done` lets the caller's other work run (a workaround applied there is in
+    place before any of it).
     """
     start = time.perf_counter()
-    configs, cached = [], 0
+    configs, cached, deferred = [], 0, set()
+    # Audited together where nothing is deferred (one verdict, every kernel path in the table);
+    # else stage by stage, each stage's verdict cached apart.
+    units = [(stage,) for stage in stages] if defer else [tuple(stages)]
     for cfg, layers in quantized_layers(model).items():
-        key = verdict_key(cfg, seed, prompt_rows) if cache is not None else None
-        result = _cached(cache, key, cfg, layers) if cache is not None and not fresh else None
-        if result is not None:
-            cached += 1
-        else:
-            result = _audit_config(cfg, layers, seed, prompt_rows)
-            if cache is not None:
-                cache.put(key, result_to_json(result))
-            step_done()
+        result, from_cache = None, True
+        for unit in units:
+            if result is not None and result.verdict != OK:
+                break  # a workaround or refusal is judged on every path already
+            key = verdict_key(cfg, seed, prompt_rows, unit) if cache is not None else None
+            part = _cached(cache, key, cfg, layers) if cache is not None and not fresh else None
+            if part is None and set(unit) <= set(defer):
+                deferred.update(unit)
+                from_cache = False
+                continue
+            probed = part is None
+            if probed:
+                from_cache = False
+                part = _audit_config(cfg, layers, seed, prompt_rows, unit)
+                if cache is not None:
+                    cache.put(key, result_to_json(part))
+            if on_result is not None:
+                on_result(part, layers)
+            if probed:
+                step_done()
+            result = part if result is None else merge_results(result, part)
+        if result is None:
+            continue
+        cached += from_cache
         configs.append(result)
     report = AuditReport(backend=backend_name(), configs=configs,
-                         seconds=time.perf_counter() - start, cached=cached)
-    log.info("kernel audit: %d configurations in %.1fs (%d from the audit cache), "
-             "%d patched, %d refused", len(configs), report.seconds, cached,
-             len(report.patched), len(report.refused))
+                         seconds=time.perf_counter() - start, cached=cached,
+                         deferred=tuple(s for s in stages if s in deferred))
+    log.info("kernel audit%s: %d configurations in %.1fs (%d from the audit cache), "
+             "%d patched, %d refused%s", "" if tuple(stages) == STAGES else f" ({', '.join(stages)})",
+             len(configs), report.seconds, cached, len(report.patched), len(report.refused),
+             f"; left for after serving starts: {', '.join(report.deferred)}" if report.deferred else "")
     return report
+
+
+def _path_order(cfg: LayerConfig, prompt_rows: int):
+    order = {key: i for i, key in enumerate(probe_paths(cfg.kind, prompt_rows))}
+    return lambda p: order.get((p.path, p.rows), len(order))
+
+
+def merge_results(earlier: ConfigResult, later: ConfigResult) -> ConfigResult:
+    """One configuration's results of two stages as one: the paths of both (a path probed
+    again is the later one's), the later verdict and attempts (a verdict other than OK is
+    final, judged on every path)."""
+    paths = {(p.path, p.rows): p for p in earlier.paths}
+    paths.update({(p.path, p.rows): p for p in later.paths})
+    ordered = sorted(paths.values(), key=_path_order(earlier.config, max(
+        [p.rows for p in paths.values() if p.path.endswith("prompt")] or [DEFAULT_PROMPT_ROWS])))
+    if earlier.verdict != OK:
+        return ConfigResult(earlier.config, earlier.layers, ordered, earlier.attempts, earlier.verdict)
+    return ConfigResult(earlier.config, earlier.layers, ordered, later.attempts, later.verdict)
+
+
+def merge_reports(earlier: AuditReport, later: AuditReport) -> AuditReport:
+    """A report of the stages `earlier` deferred (`later`: run on the model `earlier` patched,
+    so on its unpatched configurations) merged into it."""
+    by_config = {c.config: c for c in later.configs}
+    configs = [merge_results(c, by_config[c.config]) if c.config in by_config else c for c in earlier.configs]
+    return AuditReport(backend=earlier.backend, configs=configs, seconds=earlier.seconds + later.seconds,
+                       cached=earlier.cached, deferred=later.deferred)
 
 
 def _refusal(report: AuditReport) -> str:
@@ -227,18 +291,24 @@ def apply_workarounds(model: nn.Module, report: AuditReport) -> list[str]:
     if report.refused:
         raise ModelError(_refusal(report))
     verdicts = {c.config: c.verdict for c in report.patched}
-    swaps = []
+    patched = []
     for cfg, layers in quantized_layers(model).items():
         name = verdicts.get(cfg)
-        if name is None:
-            continue
-        for path, layer in layers:
-            stand_in = workarounds.build(name, layer, cfg.kind, reference_weight(layer)
-                                         if name == "dequantized" else None)
-            swaps.append((path, stand_in))
-        level = logging.WARNING if name == "dequantized" else logging.INFO
-        log.log(level, "workaround %s on %d layers [%s]%s", name, len(layers), cfg.label(),
-                " — DEQUANTIZED to float32: slower and larger" if name == "dequantized" else "")
+        if name is not None:
+            patched += patch_config(model, cfg, layers, name)
+    return patched
+
+
+def patch_config(model: nn.Module, cfg: LayerConfig, layers, name: str) -> list[str]:
+    """Swap each of one configuration's `layers` for its `name` stand-in; their paths."""
+    swaps = []
+    for path, layer in layers:
+        stand_in = workarounds.build(name, layer, cfg.kind, reference_weight(layer)
+                                     if name == "dequantized" else None)
+        swaps.append((path, stand_in))
+    level = logging.WARNING if name == "dequantized" else logging.INFO
+    log.log(level, "workaround %s on %d layers [%s]%s", name, len(layers), cfg.label(),
+            " — DEQUANTIZED to float32: slower and larger" if name == "dequantized" else "")
     if swaps:
         model.update_modules(tree_unflatten(swaps))
     return [p for p, _ in swaps]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .widths import STAGES, row_ranges
+
 OK = "ok"
 REFUSED = "refused"
 
@@ -66,6 +68,9 @@ class AuditReport:
     configs: list[ConfigResult]
     seconds: float = 0.0
     cached: int = 0           # configurations whose verdict came from the audit cache
+    # stages (kernels/audit/widths.py) some configuration still needs, or refused after
+    # serving started: calls of their widths are not audited
+    deferred: tuple[str, ...] = ()
 
     @property
     def refused(self) -> list[ConfigResult]:
@@ -123,4 +128,6 @@ def summary(report: AuditReport) -> dict:
         "max_error": worst,
         "seconds": round(report.seconds, 2),
         "cached": report.cached,
+        "audited_rows": row_ranges(s for s in STAGES if s not in report.deferred),
+        **({"deferred": list(report.deferred)} if report.deferred else {}),
     }

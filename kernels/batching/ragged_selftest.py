@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -96,10 +97,12 @@ class _Caches:
 
 
 def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None,
-                 kv_pool: str = "off", pass_rows: int | None = None, compiled: bool = False) -> RaggedProof:
+                 kv_pool: str = "off", pass_rows: int | None = None, compiled: bool = False,
+                 on_width: Callable[[int], None] | None = None) -> RaggedProof:
     """Prove ragged passes of 1..max(limit, pass_rows) rows bit-identical to solo passes on
     this model (`kv_pool`: the requests' caches as the engine makes them, see
-    server/engine/deployment.py; `compiled`: the passes compiled, over the pool's kernel)."""
+    server/engine/deployment.py; `compiled`: the passes compiled, over the pool's kernel).
+    Widths are proven in order, each on its own: `on_width(w)` is called once 1..w are."""
     from ..invariance.layers import calls_in_blocks
     from .compiled_pass import CompiledPasses, NotCompilable
 
@@ -155,16 +158,21 @@ def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None,
                 return RaggedProof(False, limit, widths, f"layer {layer} state of a {pool[i][1]}-row "
                                    f"request differs in a ragged pass of {width} rows",
                                    time.perf_counter() - start)
+        if on_width is not None:
+            on_width(width)
         step_done()
     return RaggedProof(True, limit, widths, "", time.perf_counter() - start)
 
 
 def prove_ragged_cached(model, limit: int, proof_cache=None, *, seed: int = 0,
-                        kv_pool: str = "off", pass_rows: int | None = None, compiled: bool = False) -> RaggedProof:
+                        kv_pool: str = "off", pass_rows: int | None = None, compiled: bool = False,
+                        on_width: Callable[[int], None] | None = None) -> RaggedProof:
     """`prove_ragged`, re-using a result proven earlier on this machine (a
-    kernels.invariance.selftest.ProofCache: same model, strategy, L, widths, code, MLX and device)."""
+    kernels.invariance.selftest.ProofCache: same model, strategy, L, widths, code, MLX and device;
+    `on_width` is called only while proving)."""
     if proof_cache is None:
-        return prove_ragged(model, limit, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows, compiled=compiled)
+        return prove_ragged(model, limit, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows, compiled=compiled,
+                            on_width=on_width)
     from ..invariance.selftest import proof_key
 
     widths = tuple(range(1, max(limit, pass_rows or limit) + 1))
@@ -173,7 +181,7 @@ def prove_ragged_cached(model, limit: int, proof_cache=None, *, seed: int = 0,
            **({"compiled": True} if compiled else {})}
     return cached_proof(proof_cache, key, limit, widths,
                         lambda: prove_ragged(model, limit, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows,
-                                             compiled=compiled))
+                                             compiled=compiled, on_width=on_width))
 
 
 def cached_proof(proof_cache, key: dict, limit: int, widths: tuple, prove) -> RaggedProof:

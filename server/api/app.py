@@ -602,7 +602,8 @@ def create_app(
         @app.get("/health")
         async def health():
             return {"status": "ok", "model": engine.loaded.name, "guarantee": engine.guarantee.state,
-                    **engine.counts()}
+                    **engine.counts(), "audited_rows": engine.audited.describe()["audited_rows"],
+                    "starting": engine.starting}
     else:
         created = int(time.time())
 

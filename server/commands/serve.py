@@ -150,7 +150,7 @@ def start_engine(args: argparse.Namespace, world=None, watchdog=None):
             from lockstep.server.engine import Engine
 
             engine = Engine(runtime.loaded, deployment=runtime.deployment, max_kv_tokens=kv_tokens,
-                            guarantee=runtime.guarantee, **settings)
+                            guarantee=runtime.guarantee, audited=runtime.audited, **settings)
         else:
             from lockstep.server.distributed.replicated_engine import ReplicatedEngine
             from lockstep.server.distributed.startup import agreed_deployment

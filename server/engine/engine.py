@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 
+from lockstep.kernels.audit.widths import AuditedRows
 from lockstep.server.engine.decode_plan import DecodePlan
 
 from lockstep.server.engine.deployment import Deployment
@@ -53,7 +54,10 @@ class _Stopped(Exception):
 class Work:
     """What `Engine.start` may run first, in order (server/runtime.py GuaranteeWork, DraftWork):
     `run()` returns the deployment to serve with from then on, `settle()` then says so to
-    whoever waits for it."""
+    whoever waits for it. `install` (set by the engine before `run()`): a deployment to serve
+    with at once, while the work goes on (the guarantee in force for the widths proven so far)."""
+
+    install = None
 
     def run(self) -> Deployment: ...
 
@@ -76,7 +80,8 @@ class Engine:
     def __init__(self, loaded, max_active: int = DEFAULT_MAX_ACTIVE, *, deployment: Deployment | None = None,
                  prefix_cache: PrefixCache | None = None, max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
                  max_kv_tokens: int | None = None, max_active_per_request: int | None = None,
-                 runner: ModelRunner | None = None, guarantee: GuaranteeState | None = None):
+                 runner: ModelRunner | None = None, guarantee: GuaranteeState | None = None,
+                 audited: AuditedRows | None = None):
         if max_active < 1 or max_batch_rows < 1:
             raise ValueError("max_active and max_batch_rows must be >= 1")
         per_request = max_active_per_request or default_active_per_request(max_active)
@@ -93,9 +98,11 @@ class Engine:
             runner = ModelRunner(loaded.model, self.deployment, pool_tokens=pool_tokens)
         self.runner = runner
         self.kv_budget = KVBudget(max_kv_tokens)
+        # the call widths the kernel audit has covered (the rest is audited by `start`'s work)
+        self.audited = audited or AuditedRows()
         self.scheduler = Scheduler(loaded, runner, deployment=self.deployment, max_active=max_active,
                                    active_per_request=per_request, max_batch_rows=max_batch_rows,
-                                   kv_budget=self.kv_budget, prefix_cache=prefix_cache)
+                                   kv_budget=self.kv_budget, prefix_cache=prefix_cache, audited=self.audited)
         self.scheduler.on_admit = lambda waited: self._notify("on_admit", waited)
         self.scheduler.on_fail = self._fail
         self.observers: list[EngineObserver] = []
@@ -103,6 +110,7 @@ class Engine:
         self._stopping = False
         self._thread: worker_thread.Job | None = None
         self._work: list[Work] = []
+        self.starting = False  # start-up work (audit, proofs, draft model) still running; /health says it
 
     @property
     def max_active(self) -> int:
@@ -120,6 +128,7 @@ class Engine:
         """Start the worker thread; it runs `work` first (the deployment's proofs, then its draft
         model), serving plain requests between their steps."""
         self._work = list(work or [])
+        self.starting = bool(self._work)
         self._thread = worker_thread.start(self._run, name="lockstep-engine")
         return self
 
@@ -200,6 +209,7 @@ class Engine:
         for work in self._work:
             if not self._run_work(work):
                 break
+        self.starting = False
         while self._admit():
             self._iterate()
         for slot in scheduler.active:
@@ -221,6 +231,7 @@ class Engine:
 
     def _run_work(self, work: Work) -> bool:
         """Run one piece of start-up work, serving requests between its steps. False: stop."""
+        work.install = self.set_deployment
         try:
             with between_steps(self._serve_between_proof_steps):
                 deployment = work.run()

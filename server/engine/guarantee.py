@@ -73,7 +73,7 @@ class Guarantee:
 
 
 def decide_guarantee(model, invariance, kv_pool: str = "off", proofs=None, pass_rows: int | None = None,
-                     shared_prefill: bool = True, compiled: bool = False) -> Guarantee:
+                     shared_prefill: bool = True, compiled: bool = False, on_width=None) -> Guarantee:
     """The deployment's guarantee for `model` with the installed `invariance`
     (a kernels.invariance.limit.InstalledInvariance or None); `proofs` a ProofCache to re-use
     a ragged proof made earlier on this machine. `pass_rows`: the widest pass the engine will
@@ -83,7 +83,8 @@ def decide_guarantee(model, invariance, kv_pool: str = "off", proofs=None, pass_
     proof, deterministic prompt chunks run alone (a distributed deployment: its pipeline
     hands a prompt chunk on through a KV cache, which a ragged pass does not have). `compiled`:
     the deployment compiles its plain passes over the pool's kernel; deterministic ones then
-    too where the ragged proof holds for compiled passes of every width proven."""
+    too where the ragged proof holds for compiled passes of every width proven. `on_width(w)`:
+    called while a first ragged proof goes, once passes of 1..w rows are proven."""
     if invariance is None:
         return Guarantee(reason="no batch-invariant limit")
     installed = Guarantee.installed(invariance)
@@ -100,7 +101,7 @@ def decide_guarantee(model, invariance, kv_pool: str = "off", proofs=None, pass_
     enable_ragged(model)
     limit = installed.call_rows
     widest = max(limit, pass_rows or limit)
-    proof = prove_ragged_cached(model, limit, proofs, kv_pool=kv_pool, pass_rows=widest)
+    proof = prove_ragged_cached(model, limit, proofs, kv_pool=kv_pool, pass_rows=widest, on_width=on_width)
     if not proof and widest > limit:
         log.warning("ragged passes of up to %d rows not proven (%s): trying passes of at most L = %d",
                     widest, proof.reason, limit)

@@ -123,6 +123,9 @@ class RequestState:
         self.receipt = Receipt(request, self.prompt, self.plan, deployment) if self.extension is not None else None
         self.determinism = self.plan.determinism
         self._chunk = deployment.prefill_chunk if deployment else PREFILL_CHUNK
+        # Set by the scheduler while the kernel audit is partial: the target's next chunk holds
+        # at most this many tokens (a width audited); KV so written is never stored for reuse.
+        self.chunk_limit: int | None = None
 
         model = loaded.model
         found, found_len = prefix_cache.lookup(self.prompt[:-1]) if prefix_cache else (None, 0)
@@ -183,8 +186,16 @@ class RequestState:
         if self._target_prefilling:
             if self._leader is not None:
                 return 0
-            return chunk_end(self._prefill_pos, len(self.prompt) - 1, self._chunk) - self._prefill_pos
+            return self._chunk_stop() - self._prefill_pos
         return min(self._draft_pending(), self._draft_chunk)
+
+    def _aligned_stop(self) -> int:
+        return chunk_end(self._prefill_pos, len(self.prompt) - 1, self._chunk)
+
+    def _chunk_stop(self) -> int:
+        """Where the next target chunk ends: its aligned end, or sooner under `chunk_limit`."""
+        stop = self._aligned_stop()
+        return stop if self.chunk_limit is None else min(stop, self._prefill_pos + self.chunk_limit)
 
     def _follow_leader(self) -> None:
         """Copy the leader's prompt KV once it is there; go alone if the leader was dropped."""
@@ -216,7 +227,7 @@ class RequestState:
 
     def next_chunk(self) -> list[int]:
         """The next target prompt chunk's tokens."""
-        return self.prompt[self._prefill_pos:chunk_end(self._prefill_pos, len(self.prompt) - 1, self._chunk)]
+        return self.prompt[self._prefill_pos:self._chunk_stop()]
 
     def next_prefill(self) -> PrefillStep:
         """What the next prompt chunk is (the model runner runs it, then `chunk_written`)."""
@@ -236,6 +247,8 @@ class RequestState:
         if model == "draft":
             self._drafter.advance(self.prompt[self._drafter.prefilled:self._drafter.prefilled + tokens])
             return
+        if tokens < self._aligned_stop() - self._prefill_pos:
+            alone = False  # a cut chunk: not the KV an aligned prefill writes
         self._prefill_pos += tokens
         if not self._target_prefilling and self.prefix_cache and alone and self._prefilled_alone:
             self.prefix_cache.store(self.prompt[:-1], self.cache)

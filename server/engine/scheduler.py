@@ -16,6 +16,10 @@ runner's `ModelRunnerOutput`:
 3. every decoding request's rows (1, or k + 1 when speculating), grouped into passes by the
    determinism rule (server/engine/passes.py), each pass one forward over all its requests'
    rows; every request then turns its rows into tokens.
+Until the kernel audit has covered every call width (`audited`, kernels/audit/widths.py: the
+narrow widths are audited after serving starts), no call of an unaudited width runs: prompt
+chunks are cut to audited widths and run alone, every request brings one decode row, and a
+pass of an unaudited width is split into passes of audited widths.
 All of it runs on the engine's worker thread (server/engine/engine.py).
 """
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 
+from lockstep.kernels.audit.widths import AuditedRows
 from lockstep.server.engine.decode_plan import Determinism
 from lockstep.server.engine.errors import GenerationError
 from lockstep.server.engine.handle import RequestHandle
@@ -78,7 +83,8 @@ class Scheduler:
     draft_room: bool = True  # a full pass stops drafting (_DraftRoom)
 
     def __init__(self, loaded, runner, *, deployment, max_active: int, active_per_request: int,
-                 max_batch_rows: int, kv_budget: KVBudget, prefix_cache: PrefixCache | None = None):
+                 max_batch_rows: int, kv_budget: KVBudget, prefix_cache: PrefixCache | None = None,
+                 audited: AuditedRows | None = None):
         self.loaded = loaded
         self.runner = runner
         self.deployment = deployment
@@ -87,6 +93,7 @@ class Scheduler:
         self.max_batch_rows = max_batch_rows
         self.kv_budget = kv_budget
         self.prefix_cache = prefix_cache
+        self.audited = audited or AuditedRows()  # the call widths the kernel audit has covered
         self.waiting: list[RequestHandle] = []
         self.active: list[Slot] = []
         self.turn = 0  # rotates which request goes first
@@ -238,16 +245,22 @@ class Scheduler:
         chunk = self.deployment.prefill_chunk
         budget = chunk
         output = SchedulerOutput()
+        gated = not self.audited.complete
         for slot in self._in_turn():
             if budget <= 0:
                 break
             state = slot.state
             if not state.prefilling or slot.handle.cancelled:
                 continue
+            if gated:  # the chunk cut to an audited width (its rest comes in later steps)
+                state.chunk_limit = None
+                state.chunk_limit = self.audited.widest(state.next_chunk_tokens())
+            elif state.chunk_limit is not None:
+                state.chunk_limit = None
             tokens = state.next_chunk_tokens()
             if tokens > budget and budget < chunk:
                 continue  # too big for what is left of this step; its turn to go first comes
-            if tokens and state.shares_prefill and self.runner.batched:
+            if tokens and state.shares_prefill and self.runner.batched and not gated:
                 output.prefill_shared.append(slot)
             else:
                 output.prefill_alone.append(slot)
@@ -262,12 +275,13 @@ class Scheduler:
     def schedule_decode(self) -> SchedulerOutput:
         """Every decoding request's rows (a drafter may propose here), grouped into passes."""
         decoding = [s for s in self._in_turn() if not s.state.prefilling and not s.handle.cancelled]
+        gated = not self.audited.complete
         room = (_DraftRoom([s.state for s in decoding], self.shared_rows, self.call_rows, self.max_batch_rows)
-                if self.runner.batched and self.draft_room else None)
+                if self.runner.batched and self.draft_room and not gated else None)
         demands = []
         for slot in decoding:
             try:
-                rows = slot.state.rows(room.take(slot.state) if room else None)
+                rows = slot.state.rows(1 if gated else room.take(slot.state) if room else None)
             except Exception as exc:
                 self._fail(slot, exc)
                 continue
@@ -280,11 +294,21 @@ class Scheduler:
             groups = compose_passes(demands, self.shared_rows, self.max_batch_rows)
         else:
             groups = [[d] for d in demands]
+        if gated:
+            groups = [part for group in groups for part in self._audited_passes(group)]
         # The same requests decode in one pass next step unless one joins: nothing prefills, and no
         # waiting request gets the room of one finishing at its last token now.
         steady = (len(groups) == 1 and not any(s.state.prefilling for s in self.active)
                   and not (self.waiting and any(getattr(s.state, "at_last_token", False) for s in decoding)))
         return SchedulerOutput(passes=[DecodePass([d.owner for d in group]) for group in groups], decode_ahead=steady)
+
+    def _audited_passes(self, group: list[Demand]) -> list[list[Demand]]:
+        """A pass as passes of audited widths (while the audit is partial each demand is one row)."""
+        parts, start = [], 0
+        for width in self.audited.split(sum(d.rows for d in group)):
+            parts.append(group[start:start + width])
+            start += width
+        return [p for p in parts if p]
 
     # ----------------------------------------------------------------------- update
 
@@ -333,6 +357,7 @@ class Scheduler:
                 "deterministic_rows_shared": guarantee.shared_passes and self.runner.batched,
                 # deterministic prompt chunks of at least this many rows share prefill passes
                 "deterministic_prefill_rows": guarantee.shared_prefill_rows if self.runner.batched else 0,
+                **self.audited.describe(),
                 **self.runner.describe()}
 
 
