@@ -4,11 +4,12 @@ Error cases use raw HTTP through httpx2 (the openai client's own HTTP library).
 """
 import json
 import threading
-import time
 
 import httpx2 as httpx
 import pytest
 from openai import NotFoundError, OpenAI
+
+from tests.http_server import wait_until
 
 GREETING = [{"role": "user", "content": "Write a short poem about the sea."}]
 ARITHMETIC = [{"role": "user", "content": "What is 2+2? Answer with a number only."}]
@@ -159,11 +160,9 @@ def test_disconnected_stream_frees_its_slot(client, http):
     stream = chat(client, stream=True, max_tokens=2000)
     next(iter(stream))
     stream.close()
-    deadline = time.monotonic() + 120
-    while (health := http.get("/health").json())["active"] != 0:
-        assert time.monotonic() < deadline, "a cancelled request kept its slot"
-        time.sleep(0.2)
-    assert health["cancelled"] == cancelled_before + 1  # freed by cancelling, not by finishing
+    wait_until(lambda: http.get("/health").json()["active"] == 0, timeout=120,
+               what="the cancelled request to free its slot")
+    assert http.get("/health").json()["cancelled"] == cancelled_before + 1  # freed by cancelling, not by finishing
 
 
 def test_models_and_health(client, http, embedded_model):

@@ -22,6 +22,9 @@ from tests.http_server import free_port, wait_for_health, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 8
+# passes as wide as the requests in flight (all of them decode at once, far wider than L), and
+# no wider: the ragged proof covers 1..MAX_ACTIVE rows, not the default's 32
+MAX_ACTIVE = 24
 TOKENS = 8
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the OpenBLAS shim is Linux-only")
 
@@ -37,7 +40,8 @@ def openblas_server(tmp_path_factory):
     log = open(log_path, "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "lockstep.server.cli", "serve", "--cpu-blas", "openblas", "--weights", "float32",
-         "--batch-invariant-limit", str(LIMIT), "--port", str(port), "--max-active", "24"],
+         "--batch-invariant-limit", str(LIMIT), "--port", str(port), "--max-active", str(MAX_ACTIVE),
+         "--max-batch-rows", str(MAX_ACTIVE)],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LOCKSTEP_API_KEYS": ""})
     base = f"http://127.0.0.1:{port}"
     try:

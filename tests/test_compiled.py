@@ -9,7 +9,6 @@ import logging
 import math
 import re
 import threading
-import time
 
 import mlx.core as mx
 import pytest
@@ -25,10 +24,10 @@ TOOLCHAIN = compiled.Toolchain(nvrtc="13.0", mlx="0.32.4", device="NVIDIA H200",
 
 class FakeCompiler:
     """Stands in for NVRTC: a cubin naming the source's wrapper; counts its calls and the most
-    that ran at once, may sleep, wait at a barrier (`gate`) or fail."""
+    that ran at once, may wait at a barrier (`gate`) or for a condition (`until`), or fail."""
 
-    def __init__(self, sleep=0.0, fail=lambda source: False, gate: threading.Barrier | None = None):
-        self.sleep, self.fail, self.gate, self.sources = sleep, fail, gate, []
+    def __init__(self, fail=lambda source: False, gate: threading.Barrier | None = None, until=None):
+        self.fail, self.gate, self.until, self.sources = fail, gate, until, []
         self.lock = threading.Lock()
         self.running = self.peak = 0
 
@@ -39,8 +38,8 @@ class FakeCompiler:
             self.running += 1
             self.peak = max(self.peak, self.running)
         try:
-            if self.sleep:
-                time.sleep(self.sleep)
+            if self.until is not None:
+                assert self.until(), "the condition the compile waits for never came"
             if self.gate is not None:
                 self.gate.wait()  # serial calls never get past it: BrokenBarrierError at its timeout
         finally:
@@ -153,9 +152,34 @@ def test_instances_compile_concurrently(tmp_path):
     assert compiler.peak == workers  # never more than the workers, and that many at once
 
 
+class CountingLock:
+    """A lock that counts how often it was taken: CubinCache takes its lock once as a request
+    arrives (to claim the source or find it pending), so the count says who has asked."""
+
+    def __init__(self):
+        self._lock, self._taken = threading.Lock(), threading.Condition()
+        self.count = 0
+
+    def __enter__(self):
+        self._lock.acquire()
+        with self._taken:
+            self.count += 1
+            self._taken.notify_all()
+
+    def __exit__(self, *exc):
+        self._lock.release()
+
+    def reached(self, count, timeout=60):
+        with self._taken:
+            return self._taken.wait_for(lambda: self.count >= count, timeout)
+
+
 def test_two_threads_asking_for_one_instance_compile_it_once(tmp_path):
-    compiler = FakeCompiler(sleep=0.2)
+    asked = CountingLock()
+    # the compile ends only after all three threads asked, so two of them find it pending
+    compiler = FakeCompiler(until=lambda: asked.reached(3))
     cache = compiled.CubinCache(tmp_path, TOOLCHAIN, compiler)
+    cache._lock = asked
     source, got = 'extern "C" __global__ void k() {}', []
     threads = [threading.Thread(target=lambda: got.append(cache.get(source))) for _ in range(3)]
     for t in threads:

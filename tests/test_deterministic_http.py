@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,7 +27,7 @@ import pytest
 from openai import BadRequestError, OpenAI
 
 from tests.deterministic_fixtures import float_bits
-from tests.http_server import running
+from tests.http_server import running, wait_for_health
 
 L = 6
 CHUNK = 4  # prefill chunk <= L: a prefix-cache hit resumes exactly where the cached prefix ends
@@ -267,6 +266,16 @@ def test_the_seed_steers_the_sampled_tokens(server, answer):
 
 # ------------------------------------------------------------------ beside other requests
 
+class ActiveAtPasses:
+    """An engine observer: how many requests were active at each decode pass."""
+
+    def __init__(self, engine):
+        self.engine, self.seen = engine, [0]
+
+    def on_pass(self, rows, members):
+        self.seen.append(self.engine.counts()["active"])
+
+
 def test_concurrent_with_other_requests_equals_alone(server, answer):
     base = answer("hello", "greedy")
     results, errors = {}, []
@@ -287,14 +296,18 @@ def test_concurrent_with_other_requests_equals_alone(server, answer):
             model="default", messages=STORY, extra_body={"speculative": "prompt_lookup", "num_draft_tokens": 8},
             **loose),
     }
+    active_at_passes = ActiveAtPasses(server.engine)
+    server.engine.observers.append(active_at_passes)
     threads = [threading.Thread(target=run, args=item) for item in jobs.items()]
-    for t in threads:
-        t.start()
-    most_active = 0
-    while any(t.is_alive() for t in threads):
-        most_active = max(most_active, server.engine.counts()["active"])
-        time.sleep(0.05)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+    finally:
+        server.engine.observers.remove(active_at_passes)
     assert not errors, errors
+    most_active = max(active_at_passes.seen)
     assert most_active >= 2  # they really shared the engine
     assert_same(results["main"], base)
     assert results["main"].lockstep["speculative"] == "draft"
@@ -350,21 +363,8 @@ def test_limit_zero_runs_deterministic_requests_plain_with_a_note(l0_server):
 
 def test_a_restarted_server_gives_the_same_bits(server, answer, restarted):
     base = answer("hello", "greedy")
-    deadline = time.monotonic() + 240  # a hang guard, not a timing assertion
+    wait_for_health(restarted.proc, restarted.url, restarted.log, timeout=240)  # proven after it serves
     with httpx.Client(base_url=restarted.url, timeout=5) as http:
-        while True:
-            if restarted.proc.poll() is not None:
-                log = Path(restarted.log).read_text()[-3000:]
-                pytest.fail(f"lockstep serve exited with {restarted.proc.returncode}:\n{log}")
-            try:
-                health = http.get("/health")
-                if health.status_code == 200 and health.json()["guarantee"] != "proving":  # proven after it serves
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("lockstep serve did not come up")
-            time.sleep(0.5)
         info = http.get("/v1/models").json()["data"][0]["lockstep"]
     assert info["batch_invariance"]["limit"] == L and info["batch_invariance"]["guaranteed"] is True
     assert info["batch_invariance"]["strategy"] == server.invariance.strategy

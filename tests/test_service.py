@@ -18,7 +18,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -28,6 +27,7 @@ import pytest
 from lockstep.server import cli
 from lockstep.server.commands import service
 from lockstep.server.tools import launchd_job as launchd
+from tests.http_server import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 LABEL = launchd.DEFAULT_LABEL
@@ -429,15 +429,14 @@ def launch_like_launchd(plist: dict) -> subprocess.Popen:
 
 
 def wait_healthy(url: str, seconds: float = 15.0) -> None:
-    deadline = time.monotonic() + seconds
-    while True:
+    def answers() -> bool:
         try:
             with urllib.request.urlopen(url, timeout=1):
-                return
+                return True
         except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
+            return False
+
+    wait_until(answers, timeout=seconds, what=f"{url} to answer")
 
 
 def test_crash_then_restart_follows_the_installed_keepalive_policy(mac, fake_launchctl, tmp_path, capsys):

@@ -38,7 +38,8 @@ def verdicts(tmp_path, monkeypatch):
 
 
 def start(model_dir, **options):
-    return build_runtime(Options(model=str(model_dir), batch_invariant_limit=2, **options))
+    # passes of at most L rows: the ragged proof covers 1..L only (no test here is about wide passes)
+    return build_runtime(Options(model=str(model_dir), batch_invariant_limit=2, max_batch_rows=2, **options))
 
 
 def test_restart_reuses_audit_verdicts_and_the_proof(nvfp4_dir, verdicts):
@@ -122,7 +123,8 @@ def test_a_deferred_guarantee_is_proven_by_the_engine_after_serving_starts(align
     from lockstep.server.engine import Engine
     from tests.http_server import wait_until
 
-    deferred = build_runtime(Options(model=str(aligned_dir), batch_invariant_limit=2), defer_guarantee=True)
+    deferred = build_runtime(Options(model=str(aligned_dir), batch_invariant_limit=2, max_batch_rows=2),
+                             defer_guarantee=True)
     assert deferred.pending is not None and deferred.guarantee.state == "proving"
     assert not deferred.deployment.guarantee.guaranteed and deferred.deployment.guarantee.call_rows == 2
     before = deferred.model_info()
@@ -188,8 +190,8 @@ def test_a_deferred_draft_model_is_loaded_after_the_guarantee_and_drafts_wait_fo
     monkeypatch.setattr(runtime_module, "no_cheap_draft", lambda options: "")
     monkeypatch.setattr(draft_costs, "measure_draft_costs",
                         lambda target, draft: draft_costs.DraftCosts(0.01, 0.001, 0.001))
-    runtime = build_runtime(Options(model=str(float_dir), batch_invariant_limit=2, draft_model="default-quantized"),
-                            defer_guarantee=True)
+    runtime = build_runtime(Options(model=str(float_dir), batch_invariant_limit=2, max_batch_rows=2,
+                                    draft_model="default-quantized"), defer_guarantee=True)
     assert [type(w).__name__ for w in runtime.pending] == ["GuaranteeWork", "DraftWork"]
     assert runtime.deployment.draft_loading and runtime.deployment.draft_model is None
     assert "draft_load" not in runtime.timings and runtime.model_info()["draft_model_state"] == "loading"
