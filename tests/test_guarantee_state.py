@@ -282,9 +282,9 @@ def test_a_first_ragged_proof_puts_the_guarantee_in_force_for_the_widths_proven_
             assert len(answers) == 3 and not release.is_set()  # answered while wider widths are unproven
             assert all(a.lockstep["deterministic"] and a.lockstep["guaranteed"] for a in answers.values())
             assert canonical_widths and max(canonical_widths) <= 2, canonical_widths
-            assert engine.deployment.shared_pass_rows == 2
+            assert engine.deployment.guarantee.pass_rows == 2
             release.set()
-            wait_until(lambda: engine.deployment.shared_pass_rows == 4, timeout=300, what="the whole ragged proof")
+            wait_until(lambda: engine.deployment.guarantee.pass_rows == 4, timeout=300, what="the whole ragged proof")
             assert runtime.guarantee.state == IN_FORCE
     finally:
         release.set()
