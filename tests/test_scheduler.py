@@ -130,6 +130,44 @@ def test_no_engine_step_runs_more_than_a_chunk_of_prompt_tokens_through_a_model(
     assert sum(widest) >= 2 * 3 * 58  # the target's and the draft's prompts both went through
 
 
+def test_a_plain_long_prompt_goes_in_plain_chunks_a_deterministic_one_in_canonical_chunks(tiny, monkeypatch):
+    """Issue 54: a short request beside a long prompt waited for the long one's whole chunks.
+    A plain prompt's chunks now hold at most `plain_prefill_chunk` tokens (shared or alone),
+    so a short request beside it waits that long per step; a deterministic prompt keeps
+    --prefill-chunk, whose shape its bits depend on."""
+    from lockstep.server.engine import Engine
+
+    widths = {"target": []}
+    original = model_runner.prompt_forward
+    original_ragged = model_runner.ragged_prompt_forward
+
+    def alone(model, cache, tokens):
+        widths["target"].append(len(tokens))
+        return original(model, cache, tokens)
+
+    def shared(model, members):
+        widths["target"].extend(len(tokens) for _, tokens in members)
+        return original_ragged(model, members)
+
+    monkeypatch.setattr(model_runner, "prompt_forward", alone)
+    monkeypatch.setattr(model_runner, "ragged_prompt_forward", shared)
+    deployment = Deployment(prefill_chunk=32, plain_prefill_chunk=8)
+    det = plan_request(deployment, deterministic=True, speculative=None, num_draft_tokens=None)
+    long_prompt = [(i * 7) % 200 + 1 for i in range(100)]
+    greedy = SamplingParams(temperature=0.0)
+    engine = Engine(tiny, max_active=4, deployment=deployment).start()
+    try:
+        order, _ = finish_order(engine, [("long", GenerationRequest(long_prompt, 2, greedy), plain(deployment)),
+                                         ("short", GenerationRequest([5, 6, 7], 2, greedy), plain(deployment))])
+        plain_widths, widths["target"] = widths["target"], []
+        finish_order(engine, [("deterministic", GenerationRequest(long_prompt, 2, greedy), det)])
+    finally:
+        engine.stop()
+    assert order == ["short", "long"]
+    assert max(plain_widths) == 8 and sum(plain_widths) == 99 + 2
+    assert widths["target"] == [32, 32, 32, 3]  # canonical chunks, from position 0
+
+
 # ------------------------------------------------------ 3. n fills every slot
 
 def test_one_request_with_a_large_n_leaves_a_slot_for_others(tiny):

@@ -122,10 +122,18 @@ class RequestState:
         self.extension = plan.extension(deployment) if plan and deployment else None
         self.receipt = Receipt(request, self.prompt, self.plan, deployment) if self.extension is not None else None
         self.determinism = self.plan.determinism  # "none" | "shared" | "alone" (decode_plan.py)
-        self._chunk = deployment.prefill_chunk if deployment else PREFILL_CHUNK
+        canonical_chunk = deployment.prefill_chunk if deployment else PREFILL_CHUNK
+        plain_chunk = deployment.plain_prefill_chunk if deployment else 0
+        # A plain prompt may go in smaller chunks (a long one then holds the engine less per
+        # step); its KV then is not canonical, which the prefix cache keeps apart.
+        self._chunk = (min(canonical_chunk, plain_chunk) if self.determinism == "none" and plain_chunk > 0
+                       else canonical_chunk)
+        # (a prompt within one small chunk goes in the same single call either way)
+        self._canonical_kv = self._chunk == canonical_chunk or len(self.prompt) - 1 <= self._chunk
 
         model = loaded.model
-        found, found_len = prefix_cache.lookup(self.prompt[:-1]) if prefix_cache else (None, 0)
+        found, found_len = (prefix_cache.lookup(self.prompt[:-1], canonical_only=self._canonical_kv)
+                            if prefix_cache else (None, 0))
         if cache is not None:  # given by the engine: a range of its KV pool (kernels/batching/kv_pool.py)
             self.cache = cache
             if found:
@@ -238,7 +246,7 @@ class RequestState:
             return
         self._prefill_pos += tokens
         if not self._target_prefilling and self.prefix_cache and alone and self._prefilled_alone:
-            self.prefix_cache.store(self.prompt[:-1], self.cache)
+            self.prefix_cache.store(self.prompt[:-1], self.cache, canonical=self._canonical_kv)
         self._prefilled_alone = self._prefilled_alone and alone
 
     # ----------------------------------------------------------------------- decode
