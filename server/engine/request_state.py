@@ -122,7 +122,7 @@ class RequestState:
         self.extension = plan.extension(deployment) if plan and deployment else None
         self.receipt = Receipt(request, self.prompt, self.plan, deployment) if self.extension is not None else None
         self.determinism = self.plan.determinism  # "none" | "shared" | "alone" (decode_plan.py)
-        canonical_chunk = deployment.prefill_chunk if deployment else PREFILL_CHUNK
+        self._canonical_chunk = canonical_chunk = deployment.prefill_chunk if deployment else PREFILL_CHUNK
         plain_chunk = deployment.plain_prefill_chunk if deployment else 0
         # A plain prompt may go in smaller chunks (a long one then holds the engine less per
         # step); its KV then is not canonical, which the prefix cache keeps apart.
@@ -185,6 +185,12 @@ class RequestState:
 
     def _draft_pending(self) -> int:
         return self._drafter.pending(len(self.prompt) - 1) if self._drafter is not None else 0
+
+    @property
+    def long_plain_prompt(self) -> bool:
+        """A plain request with more than one plain chunk of its target prompt still to go."""
+        return (self.determinism == "none" and self._chunk < self._canonical_chunk
+                and len(self.prompt) - 1 - self._prefill_pos > self._chunk)
 
     def next_chunk_tokens(self) -> int:
         """Tokens the next prompt chunk holds (none while a leader prefills for this one)."""
