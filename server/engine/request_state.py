@@ -124,12 +124,12 @@ class RequestState:
         self.determinism = self.plan.determinism  # "none" | "shared" | "alone" (decode_plan.py)
         self._canonical_chunk = canonical_chunk = deployment.prefill_chunk if deployment else PREFILL_CHUNK
         plain_chunk = deployment.plain_prefill_chunk if deployment else 0
-        # A plain prompt may go in smaller chunks (a long one then holds the engine less per
-        # step); its KV then is not canonical, which the prefix cache keeps apart.
-        self._chunk = (min(canonical_chunk, plain_chunk) if self.determinism == "none" and plain_chunk > 0
-                       else canonical_chunk)
-        # (a prompt within one small chunk goes in the same single call either way)
-        self._canonical_kv = self._chunk == canonical_chunk or len(self.prompt) - 1 <= self._chunk
+        # A long plain prompt may go in smaller chunks (it then holds the engine less per
+        # step); its KV then is not canonical, which the prefix cache keeps apart. A prompt
+        # within one small chunk keeps the canonical grid (and where a cached prefix resumes).
+        small = self.determinism == "none" and 0 < plain_chunk < len(self.prompt) - 1
+        self._chunk = min(canonical_chunk, plain_chunk) if small else canonical_chunk
+        self._canonical_kv = self._chunk == canonical_chunk
 
         model = loaded.model
         found, found_len = (prefix_cache.lookup(self.prompt[:-1], canonical_only=self._canonical_kv)
