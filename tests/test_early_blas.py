@@ -41,8 +41,8 @@ def test_the_early_reading_is_the_parsers(argv):
 
 
 @pytest.mark.parametrize("argv", [[], ["--log-level", "DEBUG"], ["verify"], ["bench", "--cpu-blas", "openblas"],
-                                  ["serve", "--cpu-blas"], ["serve", "--cpu-blas", "bogus"]])
-def test_nothing_is_applied_early_for_other_commands_or_arguments_the_parser_rejects(argv):
+                                  ["serve", "--cpu-blas"], ["serve", "--cpu-blas", "bogus"], ["serve", "--help"]])
+def test_nothing_is_applied_early_for_other_commands_help_or_arguments_the_parser_rejects(argv):
     assert requested_cpu_blas(argv) is None
 
 

@@ -50,10 +50,10 @@ def command_and_rest(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def requested_cpu_blas(argv: list[str]) -> str | None:
     """The BLAS `serve` will ask for ("openblas" | "reference"), read as its parser reads
-    --cpu-blas (abbreviations included); None for another command, or where the parser will
-    reject the arguments anyway."""
+    --cpu-blas (abbreviations included); None for another command, for help, or where the
+    parser will reject the arguments anyway."""
     command, rest = command_and_rest(argv)
-    if command not in COMMANDS:
+    if command not in COMMANDS or "-h" in rest or "--help" in rest:  # help starts nothing
         return None
     parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     parser.add_argument("--cpu-blas", default=DEFAULT)
