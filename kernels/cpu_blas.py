@@ -318,6 +318,9 @@ def set_kernel_limit(limit: int) -> None:
             log.info("invariant CPU kernel: %s path for sgemm calls of <= %d rows", isa, limit)
 
 
+_reexeced: set[str] = set()  # choices this process was re-executed for
+
+
 def ensure_preloaded(argv: list[str] | None = None, choice: str = "openblas") -> None:
     """Re-exec this process so MLX uses `choice`; returns only when it already does.
 
@@ -328,10 +331,13 @@ def ensure_preloaded(argv: list[str] | None = None, choice: str = "openblas") ->
         raise ValueError(f"cpu blas must be one of {CHOICES}, got {choice!r}")
     # Popped so our own children may re-exec for a different choice.
     reexeced = os.environ.pop(_REEXEC_MARKER, None)
+    if reexeced:
+        _reexeced.add(choice)
     if not sys.platform.startswith("linux") or active() == choice:
         return
-    if reexeced:
-        log.warning("re-exec for cpu blas %r did not take effect; running with %s", choice, active())
+    if choice in _reexeced:  # this process is the re-exec: a second call must not loop
+        if reexeced:
+            log.warning("re-exec for cpu blas %r did not take effect; running with %s", choice, active())
         return
     if choice == "openblas":
         try:

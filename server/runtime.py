@@ -18,7 +18,8 @@ import mlx.core as mx
 
 from lockstep.server.engine.decode_plan import METHODS
 
-from lockstep.server.engine.deployment import MAX_DRAFT_TOKENS, Deployment, rewind_refusal
+from lockstep.server.engine.deployment import (CPU_PLAIN_PREFILL_CHUNK, MAX_DRAFT_TOKENS, Deployment,
+                                               rewind_refusal)
 from lockstep.server.engine.guarantee import PENDING_STRATEGY, Guarantee
 from lockstep.server.engine.guarantee_state import OFF, PROVING, REFUSED, GuaranteeState, settled_state
 from lockstep.server.options import (AUDIT_MODES, DEFAULT_MAX_BATCH_ROWS, DEFAULT_NUM_DRAFT_TOKENS,
@@ -315,6 +316,14 @@ def load_draft(options: Options, loaded, timings: Phases) -> tuple:
     return draft_loaded.model, draft_name
 
 
+def plain_prefill_chunk(prefill_chunk: int) -> int:
+    """Tokens a plain prompt's chunk holds on this backend (0: the prefill chunk): smaller on
+    the CPU, where a full chunk would hold every other request for seconds."""
+    if mx.default_device().type == mx.DeviceType.cpu and prefill_chunk > CPU_PLAIN_PREFILL_CHUNK:
+        return CPU_PLAIN_PREFILL_CHUNK
+    return 0
+
+
 def rewindable(model) -> bool:
     """Every layer's cache is a plain KV cache, which can be cut back after rejected drafts
     (and copied exactly by the prefix cache: server/engine/prefix_cache.py `storable`)."""
@@ -419,6 +428,7 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
                     num_draft_tokens=options.num_draft_tokens, max_draft_tokens=options.max_draft_tokens,
                     draft_model=draft, draft_name=draft_name, draft_loading=defer_draft, draft_refusal=no_draft,
                     prefill_chunk=options.prefill_chunk, adaptive_draft_tokens=options.adaptive_speculation,
+                    plain_prefill_chunk=plain_prefill_chunk(options.prefill_chunk),
                     draft_backoff=options.draft_backoff,
                     kv_pool=kv_pool, async_eval_layers=options.async_eval_layers,
                     # a distributed model's passes hold its collectives: they are built op by op

@@ -153,6 +153,19 @@ def test_ensure_preloaded_does_not_loop():
     assert _reexec("openblas", env) == "reference"
 
 
+def test_ensure_preloaded_called_again_after_a_reexec_that_did_not_take_does_not_loop(monkeypatch):
+    """`serve` asks twice (early, from the raw command line, then from its parsed arguments):
+    after a re-exec whose shim did not take, the second call must not re-exec either."""
+    execs = []
+    monkeypatch.setattr(cpu_blas.os, "execve", lambda *a: execs.append(a))
+    monkeypatch.setattr(cpu_blas, "active", lambda: "reference")
+    monkeypatch.setattr(cpu_blas, "_reexeced", set())
+    monkeypatch.setenv("LOCKSTEP_CPU_BLAS_REEXEC", "1")
+    cpu_blas.ensure_preloaded(choice="openblas")
+    cpu_blas.ensure_preloaded(choice="openblas")
+    assert execs == []
+
+
 LOGITS = """
     import json, numpy as np, mlx.core as mx
     from mlx_lm.models import llama

@@ -290,3 +290,68 @@ def test_a_first_ragged_proof_puts_the_guarantee_in_force_for_the_widths_proven_
         release.set()
         engine.stop()
         set_batch_invariant_limit(runtime.loaded.model, 0)
+
+class SteppingProof:
+    """Proof steps that each take `step_s` of the engine's clock (advanced, not slept), until released."""
+
+    def __init__(self, clock, step_s: float):
+        self.clock, self.step_s = clock, step_s
+        self.release = threading.Event()
+        self.steps = 0
+
+    def run(self):
+        from lockstep.server.engine.deployment import Deployment
+
+        while not self.release.is_set():
+            step_done()
+            self.steps += 1
+            self.clock.now += self.step_s
+            self.release.wait(0.001)
+        return Deployment()
+
+    def settle(self):
+        pass
+
+
+def test_between_slow_proof_steps_a_request_is_served_as_long_as_a_step_took(monkeypatch):
+    """A first answer on a fresh start waited a proof step per quarter second of its own
+    decoding (proof steps take a second or more on a loaded CPU). Requests now get the engine
+    between steps for as long as the last step took (half and half, up to a bound): a request
+    whose passes take less than one step's time finishes within one or two steps."""
+    import types
+
+    import lockstep.server.engine.engine as engine_module
+    from lockstep.server.engine import Engine
+    from lockstep.server.engine.model_runner import ModelRunner
+    from lockstep.server.engine.request_state import GenerationRequest
+    from lockstep.server.engine.sampling import SamplingParams
+    from tests.deterministic_fixtures import TinyLoaded
+    from tests.test_deterministic_double import peaked_llama
+
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    execute = ModelRunner.execute
+
+    proof = SteppingProof(clock, step_s=1.0)
+    steps_seen = []  # proof steps done when each engine step ran
+
+    def pass_costs_a_tenth(self, output):  # each engine step takes 0.1 s of the clock
+        steps_seen.append(proof.steps)
+        clock.now += 0.1
+        return execute(self, output)
+
+    monkeypatch.setattr(ModelRunner, "execute", pass_costs_a_tenth)
+    engine = Engine(TinyLoaded(peaked_llama()), max_active=2)
+    try:
+        async def consume():
+            handle = engine.submit(GenerationRequest([5, 6, 7], 8, SamplingParams(temperature=0.0)))
+            engine.start([proof])  # the request waits from the proof's first step on
+            return [delta async for delta in handle]
+
+        deltas = asyncio.run(consume())
+    finally:
+        proof.release.set()
+        engine.stop()
+    assert deltas[-1].finish_reason == "length" and len(steps_seen) == 9  # its prompt, then 8 tokens
+    # the first slice is the floor (the first step took no time), the second as long as a step: 0.9 s in all
+    assert max(steps_seen) <= 1, steps_seen

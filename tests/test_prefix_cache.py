@@ -107,6 +107,24 @@ def test_what_is_never_stored():
     assert pc.lookup([1, 2]) == (None, 0)
 
 
+def test_an_entry_not_written_in_canonical_chunks_is_for_plain_requests_only():
+    pc = PrefixCache(4)
+    pc.store([1, 2, 3], filled_cache(length=3), canonical=False)
+    assert pc.lookup([1, 2, 3], canonical_only=True) == (None, 0)
+    assert pc.lookup([1, 2, 3])[1] == 3
+    pc.store([1, 2], filled_cache(length=2, seed=4))
+    assert pc.lookup([1, 2, 3], canonical_only=True)[1] == 2  # the canonical one, though shorter
+
+
+def test_a_canonical_entry_is_kept_when_a_plain_request_stores_the_same_prompt():
+    pc = PrefixCache(4)
+    canonical = filled_cache(length=3, seed=1)
+    pc.store([1, 2, 3], canonical)
+    pc.store([1, 2, 3], filled_cache(length=3, seed=2), canonical=False)
+    copy, n = pc.lookup([1, 2, 3], canonical_only=True)
+    assert n == 3 and bits_equal(copy[0].keys[..., :3, :], canonical[0].keys[..., :3, :])
+
+
 # ------------------------------------------------------------------ generate() with a hit
 
 PROMPT = [(7 * i + 3) % 256 for i in range(29)]  # prompt[:-1] is 28 tokens: 3.5 chunks
@@ -223,3 +241,26 @@ def test_canonical_rows_skip_the_rewind(tiny, invariance, monkeypatch):
         return calls[0]
 
     assert resume_without_guarantee() == (8, 8)
+
+
+def test_a_deterministic_request_never_starts_from_a_plain_prompts_smaller_chunks(tiny):
+    """A plain prompt goes in chunks smaller than --prefill-chunk (on the CPU: a long one holds
+    the engine less per step), which writes other KV bits under the double: a deterministic
+    request after it must still get its cold bits (it does not start from that entry), while
+    a plain request reuses it."""
+    from lockstep.server.engine.decode_plan import plan_request
+
+    deployment = Deployment(prefill_chunk=CHUNK, plain_prefill_chunk=CHUNK // 2)
+    det = plan_request(deployment, deterministic=True, speculative=None, num_draft_tokens=None)
+    plain = plan_request(deployment, deterministic=False, speculative=None, num_draft_tokens=None)
+    assert det.determinism != "none" and plain.determinism == "none"
+    with shape_variant_backend():
+        cold = run_generate(tiny, PROMPT, TOKENS, GREEDY, plan=det, deployment=deployment)
+        pc = PrefixCache(4)
+        plain_run = run_generate(tiny, PROMPT, TOKENS, GREEDY, plan=plain, deployment=deployment, prefix_cache=pc)
+        after = run_generate(tiny, PROMPT, TOKENS, GREEDY, plan=det, deployment=deployment, prefix_cache=pc)
+        assert pc.hits == 0  # the plain entry was not offered to it
+        run_generate(tiny, PROMPT, 1, GREEDY, plan=plain, deployment=deployment, prefix_cache=pc)
+    assert pc.hits == 1  # a plain request does reuse it
+    assert not bits_equal(sorted_rows(plain_run)[0], sorted_rows(cold)[0])  # the small chunks' bits differ
+    assert same_run(cold, after)

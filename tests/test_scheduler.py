@@ -130,6 +130,82 @@ def test_no_engine_step_runs_more_than_a_chunk_of_prompt_tokens_through_a_model(
     assert sum(widest) >= 2 * 3 * 58  # the target's and the draft's prompts both went through
 
 
+def test_a_plain_long_prompt_goes_in_plain_chunks_a_deterministic_one_in_canonical_chunks(tiny, monkeypatch):
+    """Issue 54: a short request beside a long prompt waited for the long one's whole chunks.
+    A plain prompt's chunks now hold at most `plain_prefill_chunk` tokens (shared or alone),
+    so a short request beside it waits that long per step; a deterministic prompt keeps
+    --prefill-chunk, whose shape its bits depend on."""
+    from lockstep.server.engine import Engine
+
+    widths = {"target": []}
+    original = model_runner.prompt_forward
+    original_ragged = model_runner.ragged_prompt_forward
+
+    def alone(model, cache, tokens):
+        widths["target"].append(len(tokens))
+        return original(model, cache, tokens)
+
+    def shared(model, members):
+        widths["target"].extend(len(tokens) for _, tokens in members)
+        return original_ragged(model, members)
+
+    monkeypatch.setattr(model_runner, "prompt_forward", alone)
+    monkeypatch.setattr(model_runner, "ragged_prompt_forward", shared)
+    deployment = Deployment(prefill_chunk=32, plain_prefill_chunk=8)
+    det = plan_request(deployment, deterministic=True, speculative=None, num_draft_tokens=None)
+    long_prompt = [(i * 7) % 200 + 1 for i in range(100)]
+    greedy = SamplingParams(temperature=0.0)
+    engine = Engine(tiny, max_active=4, deployment=deployment).start()
+    try:
+        order, _ = finish_order(engine, [("long", GenerationRequest(long_prompt, 2, greedy), plain(deployment)),
+                                         ("short", GenerationRequest([5, 6, 7], 2, greedy), plain(deployment))])
+        plain_widths, widths["target"] = widths["target"], []
+        finish_order(engine, [("deterministic", GenerationRequest(long_prompt, 2, greedy), det)])
+    finally:
+        engine.stop()
+    assert order == ["short", "long"]
+    assert max(plain_widths) == 8 and sum(plain_widths) == 99 + 2
+    assert widths["target"] == [32, 32, 32, 3]  # canonical chunks, from position 0
+
+
+def test_a_long_plain_prompt_leaves_every_other_step_to_decoding_requests(tiny, monkeypatch):
+    """Issue 54: beside a long plain prompt a short request waited one of its chunks per
+    token. While a request decodes, the long prompt's chunks now run every other step: the
+    short request's tokens come at least two per long chunk run meanwhile."""
+    from lockstep.server.engine import Engine
+
+    events = []
+    original = model_runner.prompt_forward
+    original_ragged = model_runner.ragged_prompt_forward
+    original_decode = ModelRunner.decode
+    monkeypatch.setattr(model_runner, "prompt_forward",
+                        lambda model, cache, tokens: events.append(len(tokens)) or original(model, cache, tokens))
+    monkeypatch.setattr(model_runner, "ragged_prompt_forward", lambda model, members: events.extend(
+        len(tokens) for _, tokens in members) or original_ragged(model, members))
+
+    def decode(self, decode_pass, **kwargs):
+        events.append("decode")
+        return original_decode(self, decode_pass, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "decode", decode)
+    deployment = Deployment(prefill_chunk=32, plain_prefill_chunk=8)
+    greedy = SamplingParams(temperature=0.0)
+    long_prompt = [(i * 7) % 200 + 1 for i in range(200)]
+    engine = Engine(tiny, max_active=4, deployment=deployment).start()
+    try:
+        order, _ = finish_order(engine, [("short", GenerationRequest([5, 6, 7], 12, greedy), plain(deployment)),
+                                         ("long", GenerationRequest(long_prompt, 2, greedy), plain(deployment))])
+    finally:
+        engine.stop()
+    assert order == ["short", "long"]
+    # from the short request's first decode pass to its last one (the long prompt was still
+    # prefilling all along: 199 tokens in chunks of 8)
+    decodes = [i for i, event in enumerate(events) if event == "decode"]
+    window = events[decodes[0]:decodes[11] + 1]
+    assert set(window) == {"decode", 8} and sum(events[decodes[11]:].count(n) for n in (7, 8)) > 0
+    assert 4 <= window.count(8) <= 6
+
+
 # ------------------------------------------------------ 3. n fills every slot
 
 def test_one_request_with_a_large_n_leaves_a_slot_for_others(tiny):

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 
 from lockstep.kernels import cuda_graphs
+from lockstep.server.commands.early_blas import auto_cpu_blas
+from lockstep.server.engine.deployment import CPU_PLAIN_PREFILL_CHUNK
 from lockstep.server.options import (AUDIT_MODES, CPU_BLAS_CHOICES, DEFAULT_AUDIT, DEFAULT_CPU_BLAS,
                                      DEFAULT_KV_POOL, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MODEL,
                                      DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK, DEFAULT_SPECULATIVE,
@@ -102,7 +104,9 @@ def add_determinism_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default=None,
                         help='draft model for speculative decoding: a model spec or "default-quantized"')
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
-                        help=f"prompt tokens per prefill pass (default {DEFAULT_PREFILL_CHUNK}); part of the fingerprint")
+                        help=f"prompt tokens per prefill pass (default {DEFAULT_PREFILL_CHUNK}); part of the fingerprint. "
+                             f"On the CPU a plain (non-deterministic) prompt goes in chunks of at most "
+                             f"{CPU_PLAIN_PREFILL_CHUNK}, so a long one holds other requests less")
     add_kv_pool_argument(parser, "keep all requests' KV in one pool so a batched pass runs one attention "
                                  "launch per layer (auto: where the GPU kernel is available; on: also "
                                  "elsewhere, one attention call per row; default auto)")
@@ -129,22 +133,6 @@ def options_from_args(args: argparse.Namespace) -> Options:
         compiled_passes=getattr(args, "compiled_passes", "on") == "on",
         decode_ahead=getattr(args, "decode_ahead", "on") == "on",
     )
-
-
-def auto_cpu_blas() -> str:
-    """`--cpu-blas auto`: OpenBLAS where MLX computes on the CPU of a Linux host.
-
-    There float32 on OpenBLAS prefills and decodes faster than q4 on the reference BLAS
-    (README: the CPU default); on a GPU the BLAS is not on the model's path, so the process
-    is left as it is.
-    """
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return "reference"
-    import mlx.core as mx  # cheap next to a model load; the re-exec starts a fresh process anyway
-
-    return "openblas" if mx.default_device().type == mx.DeviceType.cpu else "reference"
 
 
 def apply_cuda_graphs(args: argparse.Namespace) -> None:

@@ -14,6 +14,11 @@ MAX_DRAFT_TOKENS = 16
 # Prompt tokens one prefill chunk holds (`--prefill-chunk`): a long prompt holds the engine a
 # chunk at a time, and chunks are aligned to multiples of it (kernels/invariance/prefill.py).
 PREFILL_CHUNK = 512
+# On the CPU, plain prompts (no determinism to keep) go in chunks of at most this many tokens:
+# a 512-token chunk holds the engine ~3 s there, and OpenBLAS prefills 64-row chunks about as
+# fast per token (docs/BENCHMARKS.md, issue 54), so a short request beside a long prompt waits
+# a fraction of that per step. Their KV then differs in bits from canonical chunks' (prefix_cache.py).
+CPU_PLAIN_PREFILL_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,9 @@ class Deployment:
     draft_backoff: bool = True
     pass_costs: tuple[float, ...] | None = None
     prefill_chunk: int = PREFILL_CHUNK
+    # Tokens a plain prompt's chunk holds (0: prefill_chunk): not in the fingerprint, since a
+    # plain request's bits are not guaranteed; deterministic prompts keep prefill_chunk.
+    plain_prefill_chunk: int = 0
     # The model's caches can be rewound past rejected drafts (recurrent state cannot: then no
     # speculation, server/runtime.py decides it from the model's own caches).
     speculation: bool = True

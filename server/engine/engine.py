@@ -42,9 +42,12 @@ log = logging.getLogger(__name__)
 
 # Initial KV pool size per `max_active` slot (the pool doubles when a request needs more).
 POOL_TOKENS_PER_SLOT = 1024
-# While proofs run on the worker thread: the longest it serves requests at one of their steps
-# before the proof goes on (so steady traffic cannot hold the guarantee back for ever).
+# While proofs run on the worker thread, requests get it between their steps for as long as
+# the last step took (half and half: a proof step takes a second or more on a loaded CPU, and
+# a first answer waited one per quarter second of its own decoding), at least the floor and
+# at most the cap (so steady traffic cannot hold the guarantee back for ever).
 SERVE_BETWEEN_PROOF_STEPS_S = 0.25
+SERVE_BETWEEN_PROOF_STEPS_MAX_S = 2.0
 
 
 class _Stopped(Exception):
@@ -111,6 +114,8 @@ class Engine:
         self._thread: worker_thread.Job | None = None
         self._work: list[Work] = []
         self.starting = False  # start-up work (audit, proofs, draft model) still running; /health says it
+
+        self._proof_resumed_at = 0.0  # when the running proof last got the thread back
 
     @property
     def max_active(self) -> int:
@@ -232,6 +237,8 @@ class Engine:
     def _run_work(self, work: Work) -> bool:
         """Run one piece of start-up work, serving requests between its steps. False: stop."""
         work.install = self.set_deployment
+
+        self._proof_resumed_at = time.perf_counter()  # the first step is timed from here
         try:
             with between_steps(self._serve_between_proof_steps):
                 deployment = work.run()
@@ -247,16 +254,22 @@ class Engine:
         return True
 
     def _serve_between_proof_steps(self) -> None:
-        """A proof finished a step: serve the requests there are, for a moment."""
-        deadline = time.perf_counter() + SERVE_BETWEEN_PROOF_STEPS_S
-        while time.perf_counter() < deadline:
-            with self._wake:
-                if self._stopping:
-                    raise _Stopped
-                if not self.scheduler.waiting and not self.scheduler.active:
-                    return
-                self.scheduler.admit()
-            self._iterate()
+        """A proof finished a step: serve the requests there are, for as long as the step took
+        (within the floor and the cap)."""
+        now = time.perf_counter()
+        step = now - self._proof_resumed_at
+        deadline = now + min(max(step, SERVE_BETWEEN_PROOF_STEPS_S), SERVE_BETWEEN_PROOF_STEPS_MAX_S)
+        try:
+            while time.perf_counter() < deadline:
+                with self._wake:
+                    if self._stopping:
+                        raise _Stopped
+                    if not self.scheduler.waiting and not self.scheduler.active:
+                        return
+                    self.scheduler.admit()
+                self._iterate()
+        finally:
+            self._proof_resumed_at = time.perf_counter()
 
     def _admit(self) -> bool:
         """Move waiting requests into free slots; block while idle. False = stop."""

@@ -2,7 +2,10 @@
 
 Only KV written by prompt prefill is stored (never decode-written rows), and prefill
 resumes at a chunk boundary aligned to absolute positions (kernels/invariance/prefill.py), so a
-request computes the same KV whether its prefix was cached or not.
+request computes the same KV whether its prefix was cached or not. That holds for KV written
+in canonical chunks (`--prefill-chunk`); a plain prompt's smaller chunks (on the CPU,
+deployment.py `plain_prefill_chunk`) write other bits, so such entries are marked
+non-canonical and given to plain requests only.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ def copy_prefix(cache: list, length: int) -> list:
 
 class PrefixCache:
     """LRU of (prompt tokens -> KV) snapshots of plain KVCache lists or KV pool ranges (stored
-    as plain KVCache copies either way)."""
+    as plain KVCache copies either way), each marked whether canonical chunks wrote it."""
 
     def __init__(self, entries: int = 4):
         self.entries = entries
@@ -57,11 +60,15 @@ class PrefixCache:
     def storable(cache: list) -> bool:
         return all(type(layer) is KVCache for layer in cache) or is_pooled(cache)
 
-    def lookup(self, tokens: list[int]) -> tuple[list | None, int]:
-        """A private copy of the cached KV sharing the longest prefix with `tokens`, and its length."""
+    def lookup(self, tokens: list[int], *, canonical_only: bool = False) -> tuple[list | None, int]:
+        """A private copy of the cached KV sharing the longest prefix with `tokens`, and its
+        length; `canonical_only`: among entries canonical chunks wrote (a request that writes
+        canonical KV must not start from other bits)."""
         with self._lock:
             best, best_len = None, 0
-            for key, cache in self._store.items():
+            for key, (cache, canonical) in self._store.items():
+                if canonical_only and not canonical:
+                    continue
                 n = _common_prefix(list(key), tokens)
                 if n > best_len:
                     best, best_len = key, n
@@ -70,15 +77,22 @@ class PrefixCache:
                 return None, 0
             self._store.move_to_end(best)
             self.hits += 1
-            return copy_prefix(self._store[best], best_len), best_len
+            return copy_prefix(self._store[best][0], best_len), best_len
 
-    def store(self, tokens: list[int], cache: list) -> None:
-        """Keep a snapshot of `cache`, which holds exactly the KV of `tokens`."""
+    def store(self, tokens: list[int], cache: list, *, canonical: bool = True) -> None:
+        """Keep a snapshot of `cache`, which holds exactly the KV of `tokens` (`canonical`:
+        written in canonical chunks)."""
         if self.entries <= 0 or not tokens or not self.storable(cache):
             return
-        snapshot = copy_prefix(cache, len(tokens))
+        key = tuple(tokens)
         with self._lock:
-            self._store[tuple(tokens)] = snapshot
-            self._store.move_to_end(tuple(tokens))
+            held = self._store.get(key)
+        if held is not None and held[1] and not canonical:
+            canonical, snapshot = True, held[0]  # a canonical entry serves plain requests too: kept
+        else:
+            snapshot = copy_prefix(cache, len(tokens))
+        with self._lock:
+            self._store[key] = (snapshot, canonical)
+            self._store.move_to_end(key)
             while len(self._store) > self.entries:
                 self._store.popitem(last=False)

@@ -122,13 +122,21 @@ class RequestState:
         self.extension = plan.extension(deployment) if plan and deployment else None
         self.receipt = Receipt(request, self.prompt, self.plan, deployment) if self.extension is not None else None
         self.determinism = self.plan.determinism
-        self._chunk = deployment.prefill_chunk if deployment else PREFILL_CHUNK
+        self._canonical_chunk = canonical_chunk = deployment.prefill_chunk if deployment else PREFILL_CHUNK
+        plain_chunk = deployment.plain_prefill_chunk if deployment else 0
+        # A long plain prompt may go in smaller chunks (it then holds the engine less per
+        # step); its KV then is not canonical, which the prefix cache keeps apart. A prompt
+        # within one small chunk keeps the canonical grid (and where a cached prefix resumes).
+        small = self.determinism == Determinism.NONE and 0 < plain_chunk < len(self.prompt) - 1
+        self._chunk = min(canonical_chunk, plain_chunk) if small else canonical_chunk
+        self._canonical_kv = self._chunk == canonical_chunk
         # Set by the scheduler while the kernel audit is partial: the target's next chunk holds
         # at most this many tokens (a width audited); KV so written is never stored for reuse.
         self.chunk_limit: int | None = None
 
         model = loaded.model
-        found, found_len = prefix_cache.lookup(self.prompt[:-1]) if prefix_cache else (None, 0)
+        found, found_len = (prefix_cache.lookup(self.prompt[:-1], canonical_only=self._canonical_kv)
+                            if prefix_cache else (None, 0))
         if cache is not None:  # given by the engine: a range of its KV pool (kernels/batching/kv_pool.py)
             self.cache = cache
             if found:
@@ -180,6 +188,12 @@ class RequestState:
 
     def _draft_pending(self) -> int:
         return self._drafter.pending(len(self.prompt) - 1) if self._drafter is not None else 0
+
+    @property
+    def long_plain_prompt(self) -> bool:
+        """A plain request with more than one plain chunk of its target prompt still to go."""
+        return (self.determinism == "none" and self._chunk < self._canonical_chunk
+                and len(self.prompt) - 1 - self._prefill_pos > self._chunk)
 
     def next_chunk_tokens(self) -> int:
         """Tokens the next prompt chunk holds (none while a leader prefills for this one)."""
@@ -251,7 +265,7 @@ class RequestState:
             alone = False  # a cut chunk: not the KV an aligned prefill writes
         self._prefill_pos += tokens
         if not self._target_prefilling and self.prefix_cache and alone and self._prefilled_alone:
-            self.prefix_cache.store(self.prompt[:-1], self.cache)
+            self.prefix_cache.store(self.prompt[:-1], self.cache, canonical=self._canonical_kv)
         self._prefilled_alone = self._prefilled_alone and alone
 
     # ----------------------------------------------------------------------- decode

@@ -12,7 +12,9 @@ runner's `ModelRunnerOutput`:
    (`--prefill-chunk`; a draft model's prompt is prefilled the same way, its chunks also
    bounded by their measured cost, request_state.py), so a long prompt
    is interleaved with decoding and never stalls the others for its whole length, while
-   many short prompts start together;
+   many short prompts start together. On the CPU a plain prompt's chunks are smaller
+   (deployment.py `plain_prefill_chunk`) and a long one skips every other step while
+   others decode;
 3. every decoding request's rows (1, or k + 1 when speculating), grouped into passes by the
    determinism rule (server/engine/passes.py), each pass one forward over all its requests'
    rows; every request then turns its rows into tokens.
@@ -246,12 +248,15 @@ class Scheduler:
         budget = chunk
         output = SchedulerOutput()
         gated = not self.audited.complete
+        yield_to_decode = self._yield_to_decode()
         for slot in self._in_turn():
             if budget <= 0:
                 break
             state = slot.state
             if not state.prefilling or slot.handle.cancelled:
                 continue
+            if yield_to_decode and state.long_plain_prompt:
+                continue  # this step is the decoding requests'
             if gated:  # the chunk cut to an audited width (its rest comes in later steps)
                 state.chunk_limit = None
                 state.chunk_limit = self.audited.widest(state.next_chunk_tokens())
@@ -269,6 +274,14 @@ class Scheduler:
             output.prefill_alone += output.prefill_shared
             output.prefill_shared = []
         return output
+
+    def _yield_to_decode(self) -> bool:
+        """Whether long plain prompts skip this step's prefill: every other step while some
+        request decodes, where plain chunks are small (deployment.plain_prefill_chunk), so a
+        short request beside a long prompt waits one small chunk per two of its tokens. A
+        function of the step count and the requests only: replicas stay in step."""
+        return (self.deployment.plain_prefill_chunk > 0 and self.turn % 2 == 1
+                and any(not s.state.prefilling and not s.handle.cancelled for s in self.active))
 
     # ------------------------------------------------------------------ decode passes
 
