@@ -29,7 +29,7 @@ from lockstep.server.engine.decode_plan import PLAIN, DecodePlan
 
 from lockstep.server.engine.deployment import PREFILL_CHUNK, Deployment
 from lockstep.server.engine.logits_processors import processors_for
-from lockstep.server.engine.prefix_cache import PrefixCache, copy_prefix
+from lockstep.server.engine.prefix_cache import PrefixCache, copy_prefix, exact_length, namespace
 from lockstep.server.engine.sampling import SamplingParams
 from lockstep.server.engine.receipt import Receipt
 from lockstep.server.engine.stops import IncrementalDecoder, StopTextStream
@@ -125,13 +125,16 @@ class RequestState:
         self._chunk = deployment.prefill_chunk if deployment else PREFILL_CHUNK
 
         model = loaded.model
-        found, found_len = prefix_cache.lookup(self.prompt[:-1]) if prefix_cache else (None, 0)
+        self._namespace = namespace(model, deployment)
+        fresh = cache if cache is not None else make_prompt_cache(model)
+        found, found_len = (prefix_cache.lookup(self.prompt[:-1], self._namespace, layers=len(fresh))
+                            if prefix_cache else (None, 0))
         if cache is not None:  # given by the engine: a range of its KV pool (kernels/batching/kv_pool.py)
             self.cache = cache
             if found:
                 fill_prefix(self.cache, found, found_len)
         else:
-            self.cache = found or make_prompt_cache(model)
+            self.cache = found or fresh
         # Choices of one request (n > 1) share the prompt: a follower copies its leader's
         # prompt KV once that is prefilled (exactly what its own prefill would compute).
         self._leader = prefill_from if (found is None and prefill_from is not None
@@ -238,7 +241,9 @@ class RequestState:
             return
         self._prefill_pos += tokens
         if not self._target_prefilling and self.prefix_cache and alone and self._prefilled_alone:
-            self.prefix_cache.store(self.prompt[:-1], self.cache)
+            prefilled = len(self.prompt) - 1
+            self.prefix_cache.store(self.prompt[:-1], self.cache, self._namespace,
+                                    exact_length=exact_length(self.loaded.model, prefilled, self._chunk))
         self._prefilled_alone = self._prefilled_alone and alone
 
     # ----------------------------------------------------------------------- decode
