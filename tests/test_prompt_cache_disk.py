@@ -173,12 +173,19 @@ def test_the_disk_tier_stays_under_its_byte_bound_evicting_least_recently_used(e
 
 
 def test_a_full_write_queue_drops_the_write_and_never_blocks(tmp_path):
+    import threading
+
     disk = DiskPromptCache(tmp_path, 1 << 30, queue_entries=1)
-    with disk._lock:  # the writer thread cannot finish its first write meanwhile
-        layers = [(np.zeros((1, 1, BLOCK, 2), np.float32),) * 2]
-        results = [disk.submit("ns", list(range(BLOCK)), "F32", layers) for _ in range(3)]
-        # the first went to the writer (or the queue), the queue holds one: the third is dropped
-        assert results[-1] is False and disk.dropped >= 1
+    layers = [(np.zeros((1, 1, BLOCK, 2), np.float32),) * 2]
+    results = []
+    with disk._lock:  # the writer thread cannot finish a write meanwhile
+        submitter = threading.Thread(target=lambda: results.extend(
+            disk.submit("ns", list(range(BLOCK)), "F32", layers) for _ in range(3)))
+        submitter.start()
+        submitter.join(timeout=60)  # a hang guard: submit never waits for the writer
+        assert not submitter.is_alive()
+    # at most one went to the writer and one waits in the queue: the third is dropped
+    assert results[-1] is False and disk.dropped >= 1
     disk.flush()
 
 
@@ -190,3 +197,50 @@ def test_the_memory_tier_stays_under_its_byte_bound(embedded_model, prompts):
     run(embedded_model, prompts[0], bounded)
     run(embedded_model, prompts[0][5:], bounded)  # a second entry of the same size: the first goes
     assert 0 < bounded.bytes <= one + one // 2 and len(bounded._store) == 1
+
+
+# ------------------------------------------------------------------------------ over HTTP
+
+def test_cached_tokens_over_http_come_from_disk_after_a_restart(embedded_model, tmp_path):
+    from openai import OpenAI
+
+    from lockstep.server.api.app import create_app
+    from lockstep.server.engine import Engine
+    from tests.http_server import running
+
+    messages = [{"role": "user", "content": TEXT * 3}]
+    answers = []
+    for process in range(2):  # the second engine starts with nothing in memory
+        cache = restarted(tmp_path)
+        engine = Engine(embedded_model, max_active=2, deployment=DEPLOYMENT, prefix_cache=cache).start()
+        try:
+            with running(create_app(engine)) as url:
+                client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
+                r = client.chat.completions.create(model="default", messages=messages, max_tokens=3, temperature=0)
+                answers.append((r.usage.prompt_tokens_details.cached_tokens, r.choices[0].message.content))
+            cache.disk.flush()
+        finally:
+            engine.stop()
+    prompt = r.usage.prompt_tokens
+    assert prompt > CHUNK and answers[0][0] == 0
+    assert answers[1][0] == (prompt - 1) // CHUNK * CHUNK and cache.disk_hits == 1
+    assert answers[1][1] == answers[0][1]
+
+
+def test_serve_flags_build_the_tiers_and_an_unusable_dir_is_memory_only(tmp_path, caplog):
+    import argparse
+
+    from lockstep.server.commands.serve import add_arguments, prompt_cache_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--prompt-cache-dir", str(tmp_path / "kv"), "--prompt-cache-bytes", "512M",
+                              "--prompt-cache-disk-bytes", "1.5G"])
+    cache = prompt_cache_from_args(args)
+    assert cache.max_bytes == 512 << 20 and cache.disk.max_bytes == 3 << 29 and cache.disk.root == tmp_path / "kv"
+    assert prompt_cache_from_args(parser.parse_args([])).disk is None  # off by default
+    (tmp_path / "file").write_text("")
+    cache = prompt_cache_from_args(parser.parse_args(["--prompt-cache-dir", str(tmp_path / "file")]))
+    assert cache.disk is None and "memory only" in caplog.text
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--prompt-cache-bytes", "lots"])
