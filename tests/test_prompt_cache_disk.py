@@ -227,6 +227,28 @@ def test_cached_tokens_over_http_come_from_disk_after_a_restart(embedded_model, 
     assert answers[1][1] == answers[0][1]
 
 
+def test_a_deterministic_request_over_http_is_bit_identical_with_its_prefix_from_disk(embedded_model, tmp_path):
+    """Under the guarantee (L = 8, chunk 4: rows canonical), every whole block of the prompt
+    goes to disk, and a second server on the directory answers with the same bits."""
+    from tests.http_server import deterministic_server
+
+    messages = [{"role": "user", "content": TEXT * 2}]
+    answers = []
+    for process in range(2):
+        cache = restarted(tmp_path)
+        with deterministic_server(embedded_model, 8, prefill_chunk=4, prefix_cache=cache,
+                                  fingerprint="fp_disk_tier_det") as (client, engine):
+            assert "canonical=1" in namespace(embedded_model.model, engine.deployment)
+            r = client.chat.completions.create(model="default", messages=messages, max_tokens=4, temperature=0,
+                                               logprobs=True, top_logprobs=2, extra_body={"deterministic": True})
+            answers.append((r.usage.prompt_tokens_details.cached_tokens,
+                            [(t.token, float_bits(t.logprob)) for t in r.choices[0].logprobs.content]))
+            cache.flush()
+    prompt = r.usage.prompt_tokens
+    assert answers[0][0] == 0 and answers[1][0] == (prompt - 1) // BLOCK * BLOCK > 0 and cache.disk_hits == 1
+    assert answers[1][1] == answers[0][1]
+
+
 def test_serve_flags_build_the_tiers_and_an_unusable_dir_is_memory_only(tmp_path, caplog):
     import argparse
 

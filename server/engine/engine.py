@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 # Initial KV pool size per `max_active` slot (the pool doubles when a request needs more).
 POOL_TOKENS_PER_SLOT = 1024
+STOP_FLUSH_S = 30.0  # a stopping engine waits this long for the prompt cache's queued disk writes
 # While proofs run on the worker thread: the longest it serves requests at one of their steps
 # before the proof goes on (so steady traffic cannot hold the guarantee back for ever).
 SERVE_BETWEEN_PROOF_STEPS_S = 0.25
@@ -129,6 +130,8 @@ class Engine:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join()
+        if self.prefix_cache is not None and not self.prefix_cache.flush(STOP_FLUSH_S):
+            log.warning("prompt cache: writes still queued after %g s were not kept", STOP_FLUSH_S)
 
     # ---------------------------------------------------------------- event loop side
 

@@ -111,9 +111,13 @@ class PrefixCache:
         snapshot = copy_prefix(cache, len(tokens))
         if self.entries > 0:
             self._keep(namespace, tokens, snapshot)
-        if to_disk:
+        if to_disk and snapshot[0].keys is not None and snapshot[0].keys.dtype in _DISK_DTYPES:
             dtype, layers = _host_arrays(snapshot)
             self.disk.submit(namespace, tokens[:exact_length], dtype, layers)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait (at most `timeout` seconds) for the disk tier's queued writes; False if some remain."""
+        return self.disk.flush(timeout) if self.disk is not None else True
 
     def _keep(self, namespace: str | None, tokens: list[int], snapshot: list) -> None:
         key = (namespace, tuple(tokens))
@@ -149,12 +153,13 @@ def exact_length(model, length: int, chunk: int) -> int:
     return length if rows_are_canonical(model, chunk) else length - length % chunk
 
 
+_DISK_DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}  # KV of other types stays in memory
+
+
 def _host_arrays(snapshot: list) -> tuple[str, list]:
     """The snapshot's buffers as NumPy views (no copy; bfloat16 as its 16 bits), for the writer thread."""
     dtype = snapshot[0].keys.dtype
-    name = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}.get(dtype)
-    if name is None:
-        raise TypeError(f"no disk form for KV of {dtype}")
+    name = _DISK_DTYPES[dtype]
     arrays = [(c.keys, c.values) for c in snapshot]
     if dtype == mx.bfloat16:
         arrays = [(k.view(mx.uint16), v.view(mx.uint16)) for k, v in arrays]

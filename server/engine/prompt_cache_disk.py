@@ -140,9 +140,11 @@ class DiskPromptCache:
             self.dropped += 1
             return False
 
-    def flush(self) -> None:
-        """Wait until every queued write is done (tests, bench, shutdown)."""
-        self._queue.join()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is done (at most `timeout` seconds): a stopping server
+        keeps its last prompts; False if writes remain."""
+        with self._queue.all_tasks_done:
+            return self._queue.all_tasks_done.wait_for(lambda: not self._queue.unfinished_tasks, timeout)
 
     def _write_loop(self) -> None:
         while True:
