@@ -6,6 +6,7 @@ first kept in memory); answers are compared by token ids and logprob bits with t
 request computed without any cache.
 """
 import json
+import shutil
 import struct
 
 import numpy as np
@@ -51,13 +52,21 @@ def cold(embedded_model, prompts):
     return run(embedded_model, prompts[1])
 
 
-@pytest.fixture()
-def stored(embedded_model, prompts, tmp_path):
-    """A directory holding the first prompt's whole chunks, written by a first 'process'."""
-    first = restarted(tmp_path)
+@pytest.fixture(scope="module")
+def written(embedded_model, prompts, tmp_path_factory):
+    """The first prompt's whole chunks on disk, written by a first 'process' (once a module)."""
+    root = tmp_path_factory.mktemp("written")
+    first = restarted(root)
     run(embedded_model, prompts[0], first)
     first.disk.flush()
-    return tmp_path, first.disk
+    return root, first.disk
+
+
+@pytest.fixture()
+def stored(written, tmp_path):
+    """A copy of `written`'s directory, for a test to read or damage."""
+    shutil.copytree(written[0], tmp_path / "kv")
+    return tmp_path / "kv", written[1]
 
 
 def test_only_whole_chunks_go_to_disk_where_rows_are_not_canonical(stored, prompts):
@@ -218,9 +227,8 @@ def test_cached_tokens_over_http_come_from_disk_after_a_restart(embedded_model, 
                 client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
                 r = client.chat.completions.create(model="default", messages=messages, max_tokens=3, temperature=0)
                 answers.append((r.usage.prompt_tokens_details.cached_tokens, r.choices[0].message.content))
-            cache.disk.flush()
         finally:
-            engine.stop()
+            engine.stop()  # waits for the queued disk writes
     prompt = r.usage.prompt_tokens
     assert prompt > CHUNK and answers[0][0] == 0
     assert answers[1][0] == (prompt - 1) // CHUNK * CHUNK and cache.disk_hits == 1
