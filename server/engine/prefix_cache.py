@@ -137,13 +137,15 @@ class PrefixCache:
 
 def namespace(model, deployment) -> str | None:
     """What a cached prefix's bits depend on besides its tokens: the deployment's fingerprint
-    (weights, kernels, L, prefill chunk, backend...) and whether rows are canonical now (the
-    guarantee in force). None where the deployment has no fingerprint (nothing to key a disk
-    entry by; the memory tier still serves its own process)."""
+    (weights, kernels, L, prefill chunk, backend...), the guarantee in force (rows proven, so
+    KV written while the startup proofs ran is never read under the guarantee) and whether
+    rows are canonical now. None where the deployment has no fingerprint (nothing to key a
+    disk entry by; the memory tier still serves its own process)."""
     if deployment is None or not deployment.fingerprint:
         return None
     chunk = deployment.prefill_chunk
-    return f"{deployment.fingerprint}/chunk={chunk}/canonical={int(rows_are_canonical(model, chunk))}"
+    return (f"{deployment.fingerprint}/chunk={chunk}/guaranteed={deployment.guaranteed_rows}"
+            f"/canonical={int(rows_are_canonical(model, chunk))}")
 
 
 def exact_length(model, length: int, chunk: int) -> int:
