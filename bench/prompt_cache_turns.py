@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/prompt_cache_turns.py [--reps 3] [--turns 10] [--new-tokens 200] [-- serve args]
 
+(the history outgrows the CPU's default prompt cap: run with `-- --max-prompt-tokens 8192`)
+
 A conversation of `--turns` turns, each adding ~`--new-tokens` tokens of user text to the
 history (the answers, 16 tokens at temperature 0, stay in it), is sent to two `lockstep
 serve` processes of the default model: one with no prompt cache (`--prefix-cache-entries 0`)
