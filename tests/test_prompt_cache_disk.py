@@ -274,3 +274,32 @@ def test_serve_flags_build_the_tiers_and_an_unusable_dir_is_memory_only(tmp_path
     assert cache.disk is None and "memory only" in caplog.text
     with pytest.raises(SystemExit):
         parser.parse_args(["--prompt-cache-bytes", "lots"])
+
+
+def test_a_stopping_engine_keeps_the_queued_disk_writes(embedded_model, tmp_path):
+    import threading
+
+    from lockstep.server.engine import Engine
+
+    release = threading.Event()
+
+    class HeldWriter(DiskPromptCache):
+        """Its writer holds each write until someone flushes."""
+
+        def _write(self, *item):
+            release.wait(timeout=120)
+            super()._write(*item)
+
+        def flush(self, timeout=None):
+            release.set()
+            return super().flush(timeout)
+
+    disk = HeldWriter(tmp_path, 1 << 30)
+    engine = Engine(embedded_model, max_active=1, prefix_cache=PrefixCache(1, disk=disk)).start()
+    layers = [(np.zeros((1, 1, BLOCK, 2), np.float32),) * 2]
+    assert disk.submit("ns", list(range(BLOCK)), "F32", layers)
+    engine.stop()
+    try:
+        assert disk._queue.unfinished_tasks == 0 and disk.blocks_written == 1
+    finally:
+        release.set()
