@@ -1,5 +1,6 @@
 """Run an ASGI app on uvicorn on a free loopback port, on a background thread."""
 import contextlib
+import dataclasses
 import socket
 import threading
 import time
@@ -65,11 +66,14 @@ def wait_until(predicate, timeout=60.0, what="condition"):
 
 
 @contextlib.contextmanager
-def deterministic_server(loaded, limit: int, prefill_chunk: int = 4, max_active: int = 4):
+def deterministic_server(loaded, limit: int, prefill_chunk: int = 4, max_active: int = 4, prefix_cache=None,
+                         fingerprint: str = ""):
     """The API for `loaded` with batch invariance installed for L = `limit` (removed on exit,
     so other modules get the native model) and a prefix cache. The self-test and ragged
     proofs are kept in the session's verdict cache (tests/conftest.py), as a restarted
-    server keeps them, so the next module's server re-uses them. Yields (client, engine)."""
+    server keeps them, so the next module's server re-uses them. `prefix_cache`: default an
+    in-memory one of 4 entries; `fingerprint`: the deployment's (a disk tier keys by it).
+    Yields (client, engine)."""
     from openai import OpenAI
 
     from lockstep.kernels.invariance import set_batch_invariant_limit
@@ -86,7 +90,10 @@ def deterministic_server(loaded, limit: int, prefill_chunk: int = 4, max_active:
         assert invariance.guaranteed, invariance.reason
         deployment = proven_deployment(loaded.model, invariance, proofs=proofs, prefill_chunk=prefill_chunk)
         assert deployment.guarantee.shared_passes
-        engine = Engine(loaded, max_active=max_active, deployment=deployment, prefix_cache=PrefixCache(4)).start()
+        if fingerprint:
+            deployment = dataclasses.replace(deployment, fingerprint=fingerprint)
+        engine = Engine(loaded, max_active=max_active, deployment=deployment,
+                        prefix_cache=prefix_cache if prefix_cache is not None else PrefixCache(4)).start()
         try:
             with running(create_app(engine)) as url:
                 yield OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600), engine

@@ -18,7 +18,8 @@ from lockstep.server.commands.runtime_args import (add_determinism_arguments, ad
                                                    apply_cpu_blas, apply_cuda_graphs, options_from_args)
 from lockstep.server.engine.admission import MAX_SIZED_ACTIVE, TYPICAL_REQUEST_TOKENS
 from lockstep.server.options import (DEFAULT_HOST, DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, DEFAULT_PORT,
-                                     DEFAULT_PREFIX_CACHE_ENTRIES)
+                                     DEFAULT_PREFIX_CACHE_ENTRIES, DEFAULT_PROMPT_CACHE_BYTES,
+                                     DEFAULT_PROMPT_CACHE_DIR, DEFAULT_PROMPT_CACHE_DISK_BYTES)
 
 log = logging.getLogger("lockstep.serve")
 rank_log = logging.getLogger("lockstep.distributed")  # a rank's start-up, as the distributed layer logs
@@ -62,7 +63,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "max_tokens fit, the rest queue (default: half the memory MLX may still "
                              "use after loading the model)")
     parser.add_argument("--prefix-cache-entries", type=int, default=DEFAULT_PREFIX_CACHE_ENTRIES,
-                        help="prompt KV snapshots kept for reuse (0 = off)")
+                        help="prompt KV snapshots kept in memory for reuse (0 = off)")
+    parser.add_argument("--prompt-cache-bytes", type=byte_size, default=DEFAULT_PROMPT_CACHE_BYTES, metavar="BYTES",
+                        help="most bytes of prompt KV kept in memory, least recently used dropped first "
+                             "(suffixes K, M, G; default 2G)")
+    parser.add_argument("--prompt-cache-dir", default=DEFAULT_PROMPT_CACHE_DIR, metavar="off|auto|DIR",
+                        help="keep prompt KV on disk too, in blocks a restarted server finds again: auto = "
+                             "prompt_kv/ under lockstep's cache dir (default off; not with --parallel)")
+    parser.add_argument("--prompt-cache-disk-bytes", type=byte_size, default=DEFAULT_PROMPT_CACHE_DISK_BYTES,
+                        metavar="BYTES", help="most bytes of prompt KV on disk, least recently used deleted "
+                                              "first (suffixes K, M, G; default 8G)")
     from lockstep.server.engine.grammar_sandbox import DEFAULT_TIMEOUT_S
 
     parser.add_argument("--grammar-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
@@ -97,6 +107,39 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
+def byte_size(text: str) -> int:
+    """`4096`, `512M`, `2G` -> bytes (argparse type)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    text = text.strip().upper().removesuffix("B")
+    scale = units.get(text[-1:], 1)
+    try:
+        value = float(text[:-1] if text[-1:] in units else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}")
+    return int(value)
+
+
+def prompt_cache_from_args(args: argparse.Namespace):
+    """The engine's prefix cache: the memory tier, and the disk tier where --prompt-cache-dir
+    names one (a directory that cannot be made: one warning, no disk tier)."""
+    from lockstep.server.engine.prefix_cache import PrefixCache
+
+    disk = None
+    if args.prompt_cache_dir != "off":
+        from lockstep.models.cache_dir import reason, user_root
+        from lockstep.server.engine.prompt_cache_disk import DiskPromptCache
+
+        root = user_root() / "prompt_kv" if args.prompt_cache_dir == "auto" else args.prompt_cache_dir
+        try:
+            disk = DiskPromptCache(root, args.prompt_cache_disk_bytes)
+            log.info("prompt cache on disk: %s (%d of %d bytes used)", disk.root, disk.bytes, disk.max_bytes)
+        except OSError as exc:
+            log.warning("prompt cache: %s cannot be used (%s); prompts are cached in memory only", root, reason(exc))
+    return PrefixCache(args.prefix_cache_entries, max_bytes=args.prompt_cache_bytes, disk=disk)
+
+
 def check_engine_arguments(args: argparse.Namespace) -> None:
     """The engine flags' ranges (ValueError), checked before anything is loaded."""
     given = [v for v in (args.max_active, args.max_batch_rows, args.max_kv_tokens) if v is not None]
@@ -107,6 +150,9 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
         raise ValueError("--guarantee-timeout must be >= 0")
     if args.async_eval_layers < 0:
         raise ValueError("--async-eval-layers must be >= 0")
+    if args.prompt_cache_dir != "off" and args.parallel:
+        # every rank must find the same prefixes: one directory's state is not agreed between them
+        raise ValueError("--prompt-cache-dir does not work with --parallel")
     if args.async_eval_layers and args.parallel:
         # every rank must meet its collectives in the same order as the others
         raise ValueError("--async-eval-layers does not work with --parallel")
@@ -127,7 +173,6 @@ def start_engine(args: argparse.Namespace, world=None, watchdog=None):
     topology in the fingerprint, a `ReplicatedEngine` whose failure reaches the clients.
     """
     from lockstep.server.engine.kv_budget import default_kv_tokens
-    from lockstep.server.engine.prefix_cache import PrefixCache
     from lockstep.server.runtime import build_runtime
 
     options = options_from_args(args)
@@ -145,7 +190,7 @@ def start_engine(args: argparse.Namespace, world=None, watchdog=None):
         admission = serve_admission(args, runtime, kv_tokens, gpu=world is None and on_gpu())
         settings = dict(max_active=admission.max_active, max_batch_rows=admission.max_batch_rows,
                         max_active_per_request=args.max_active_per_request,
-                        prefix_cache=PrefixCache(args.prefix_cache_entries))
+                        prefix_cache=prompt_cache_from_args(args))
         if world is None:
             from lockstep.server.engine import Engine
 

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 # Initial KV pool size per `max_active` slot (the pool doubles when a request needs more).
 POOL_TOKENS_PER_SLOT = 1024
+STOP_FLUSH_S = 30.0  # a stopping engine waits this long for the prompt cache's queued disk writes
 # While proofs run on the worker thread, requests get it between their steps for as long as
 # the last step took (half and half: a proof step takes a second or more on a loaded CPU, and
 # a first answer waited one per quarter second of its own decoding), at least the floor and
@@ -143,6 +144,8 @@ class Engine:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join()
+        if self.prefix_cache is not None and not self.prefix_cache.flush(STOP_FLUSH_S):
+            log.warning("prompt cache: writes still queued after %g s were not kept", STOP_FLUSH_S)
 
     # ---------------------------------------------------------------- event loop side
 

@@ -5,7 +5,9 @@ resumes at a chunk boundary aligned to absolute positions (kernels/invariance/pr
 request computes the same KV whether its prefix was cached or not. That holds for KV written
 in canonical chunks (`--prefill-chunk`); a plain prompt's smaller chunks (on the CPU,
 deployment.py `plain_prefill_chunk`) write other bits, so such entries are marked
-non-canonical and given to plain requests only.
+non-canonical, given to plain requests only and never written to disk. Two tiers: snapshots
+in memory (LRU, bounded in entries and bytes) and, optionally, blocks on disk that outlive the
+process (server/engine/prompt_cache_disk.py).
 """
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import threading
 from collections import OrderedDict
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from lockstep.kernels.batching.kv_pool import is_pooled
+from lockstep.kernels.invariance.prefill import rows_are_canonical
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -47,52 +51,154 @@ def copy_prefix(cache: list, length: int) -> list:
 
 class PrefixCache:
     """LRU of (prompt tokens -> KV) snapshots of plain KVCache lists or KV pool ranges (stored
-    as plain KVCache copies either way), each marked whether canonical chunks wrote it."""
+    as plain KVCache copies either way), each marked whether canonical chunks wrote it, at
+    most `entries` of them and `max_bytes` of KV, in front of an optional disk tier
+    (server/engine/prompt_cache_disk.py).
 
-    def __init__(self, entries: int = 4):
+    Entries belong to a namespace (`namespace`: the deployment's fingerprint and whether rows
+    are canonical): a lookup finds only entries of its own. The disk tier keeps only
+    positions whose KV any request would compute the same (`exact_length`), and only where
+    the deployment has a fingerprint to key them by."""
+
+    def __init__(self, entries: int = 4, max_bytes: int | None = None, disk=None):
         self.entries = entries
-        self._store: OrderedDict[tuple, list] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.disk = disk
+        self._store: OrderedDict[tuple, tuple] = OrderedDict()  # (namespace, tokens) -> (KV, canonical)
+        self._sizes: dict[tuple, int] = {}
+        self.bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        self.disk_hits = 0
 
     @staticmethod
     def storable(cache: list) -> bool:
         return all(type(layer) is KVCache for layer in cache) or is_pooled(cache)
 
-    def lookup(self, tokens: list[int], *, canonical_only: bool = False) -> tuple[list | None, int]:
+    def lookup(self, tokens: list[int], namespace: str | None = None, *, layers: int = 0,
+               canonical_only: bool = False) -> tuple[list | None, int]:
         """A private copy of the cached KV sharing the longest prefix with `tokens`, and its
-        length; `canonical_only`: among entries canonical chunks wrote (a request that writes
-        canonical KV must not start from other bits)."""
+        length: from memory, or from disk where that holds a longer prefix (`layers`: the
+        model's, which a disk entry must match). `canonical_only`: among entries canonical
+        chunks wrote (a request that writes canonical KV must not start from other bits; the
+        disk tier holds only those)."""
         with self._lock:
             best, best_len = None, 0
-            for key, (cache, canonical) in self._store.items():
-                if canonical_only and not canonical:
+            for key, (_, canonical) in self._store.items():
+                if key[0] != namespace or (canonical_only and not canonical):
                     continue
-                n = _common_prefix(list(key), tokens)
+                n = _common_prefix(list(key[1]), tokens)
                 if n > best_len:
                     best, best_len = key, n
-            if best is None:
-                self.misses += 1
-                return None, 0
-            self._store.move_to_end(best)
-            self.hits += 1
-            return copy_prefix(self._store[best][0], best_len), best_len
+            if best is not None:
+                self._store.move_to_end(best)
+                snapshot = self._store[best][0]
+        if self.disk is not None and namespace is not None and layers and len(tokens) >= best_len + self.disk.block:
+            dtype, blocks = self.disk.lookup(namespace, tokens, layers)
+            if len(blocks) * self.disk.block > best_len:
+                found = _from_blocks(dtype, blocks)
+                length = len(blocks) * self.disk.block
+                self.disk_hits += 1
+                self.hits += 1
+                self._keep(namespace, tokens[:length], found, True)  # concurrent and later turns find it in memory
+                return copy_prefix(found, length), length
+        if best is None:
+            self.misses += 1
+            return None, 0
+        self.hits += 1
+        return copy_prefix(snapshot, best_len), best_len
 
-    def store(self, tokens: list[int], cache: list, *, canonical: bool = True) -> None:
+    def store(self, tokens: list[int], cache: list, namespace: str | None = None, *, exact_length: int = 0,
+              canonical: bool = True) -> None:
         """Keep a snapshot of `cache`, which holds exactly the KV of `tokens` (`canonical`:
-        written in canonical chunks)."""
-        if self.entries <= 0 or not tokens or not self.storable(cache):
+        written in canonical chunks); its first `exact_length` positions go to the disk tier
+        too, if canonical."""
+        to_disk = (canonical and self.disk is not None and namespace is not None
+                   and exact_length >= (self.disk.block if self.disk else 0))
+        if not tokens or not self.storable(cache) or (self.entries <= 0 and not to_disk):
             return
-        key = tuple(tokens)
+        key = (namespace, tuple(tokens))
         with self._lock:
             held = self._store.get(key)
         if held is not None and held[1] and not canonical:
-            canonical, snapshot = True, held[0]  # a canonical entry serves plain requests too: kept
-        else:
-            snapshot = copy_prefix(cache, len(tokens))
+            return  # a canonical entry serves plain requests too: kept
+        snapshot = copy_prefix(cache, len(tokens))
+        if self.entries > 0:
+            self._keep(namespace, tokens, snapshot, canonical)
+        if to_disk and snapshot[0].keys is not None and snapshot[0].keys.dtype in _DISK_DTYPES:
+            dtype, layers = _host_arrays(snapshot)
+            self.disk.submit(namespace, tokens[:exact_length], dtype, layers)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait (at most `timeout` seconds) for the disk tier's queued writes; False if some remain."""
+        return self.disk.flush(timeout) if self.disk is not None else True
+
+    def _keep(self, namespace: str | None, tokens: list[int], snapshot: list, canonical: bool) -> None:
+        key = (namespace, tuple(tokens))
+        size = sum(c.keys.nbytes + c.values.nbytes for c in snapshot if c.keys is not None)
+        if self.max_bytes is not None and size > self.max_bytes:
+            return
         with self._lock:
+            self.bytes -= self._sizes.pop(key, 0)
             self._store[key] = (snapshot, canonical)
+            self._sizes[key] = size
+            self.bytes += size
             self._store.move_to_end(key)
-            while len(self._store) > self.entries:
-                self._store.popitem(last=False)
+            while len(self._store) > self.entries or (self.max_bytes is not None and self.bytes > self.max_bytes):
+                old, _ = self._store.popitem(last=False)
+                self.bytes -= self._sizes.pop(old)
+
+
+def namespace(deployment) -> str | None:
+    """What a cached prefix's bits depend on besides its tokens: the deployment's fingerprint
+    (weights, kernels, L, prefill chunk, backend...), the guarantee in force (rows proven, so
+    KV written while the startup proofs ran is never read under the guarantee) and whether
+    rows are canonical now. None where the deployment has no fingerprint (nothing to key a
+    disk entry by; the memory tier still serves its own process)."""
+    if deployment is None or not deployment.fingerprint:
+        return None
+    chunk, guarantee = deployment.prefill_chunk, deployment.guarantee
+    guaranteed = guarantee.call_rows if guarantee.guaranteed else 0
+    return (f"{deployment.fingerprint}/chunk={chunk}/guaranteed={guaranteed}"
+            f"/canonical={int(rows_are_canonical(guarantee.canonical_rows, chunk))}")
+
+
+def exact_length(length: int, chunk: int, canonical_rows: int) -> int:
+    """How many of a prompt's `length` prefilled positions hold KV that every prompt sharing
+    them computes the same: all where rows are canonical, else those of whole chunks (the last,
+    partial chunk was computed in a narrower call than a longer prompt's)."""
+    return length if rows_are_canonical(canonical_rows, chunk) else length - length % chunk
+
+
+_DISK_DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}  # KV of other types stays in memory
+
+
+def _host_arrays(snapshot: list) -> tuple[str, list]:
+    """The snapshot's buffers as NumPy views (no copy; bfloat16 as its 16 bits), for the writer thread."""
+    dtype = snapshot[0].keys.dtype
+    name = _DISK_DTYPES[dtype]
+    arrays = [(c.keys, c.values) for c in snapshot]
+    if dtype == mx.bfloat16:
+        arrays = [(k.view(mx.uint16), v.view(mx.uint16)) for k, v in arrays]
+        mx.eval(arrays)
+    return name, [(np.asarray(k), np.asarray(v)) for k, v in arrays]
+
+
+def _from_blocks(dtype: str, blocks: list) -> list:
+    """KVCaches holding the blocks end to end (buffers sized as a cold prefill leaves them)."""
+    length = sum(b[0][0].shape[2] for b in blocks)
+    size = -(-length // KVCache.step) * KVCache.step
+    caches = []
+    for i in range(len(blocks[0])):
+        fresh = KVCache()
+        for j, name in enumerate(("keys", "values")):
+            parts = [b[i][j] for b in blocks]
+            buf = np.zeros((*parts[0].shape[:2], size, parts[0].shape[3]), parts[0].dtype)
+            buf[:, :, :length, :] = np.concatenate(parts, axis=2)
+            arr = mx.array(buf)
+            setattr(fresh, name, arr.view(mx.bfloat16) if dtype == "BF16" else arr)
+        fresh.offset = length
+        caches.append(fresh)
+    mx.eval([(c.keys, c.values) for c in caches])
+    return caches

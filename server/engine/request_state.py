@@ -29,7 +29,7 @@ from lockstep.server.engine.decode_plan import PLAIN, DecodePlan, Determinism
 
 from lockstep.server.engine.deployment import PREFILL_CHUNK, Deployment
 from lockstep.server.engine.logits_processors import processors_for
-from lockstep.server.engine.prefix_cache import PrefixCache, copy_prefix
+from lockstep.server.engine.prefix_cache import PrefixCache, copy_prefix, exact_length, namespace
 from lockstep.server.engine.sampling import SamplingParams
 from lockstep.server.engine.receipt import Receipt
 from lockstep.server.engine.stops import IncrementalDecoder, StopTextStream
@@ -135,14 +135,17 @@ class RequestState:
         self.chunk_limit: int | None = None
 
         model = loaded.model
-        found, found_len = (prefix_cache.lookup(self.prompt[:-1], canonical_only=self._canonical_kv)
+        self._namespace = namespace(deployment)
+        fresh = cache if cache is not None else make_prompt_cache(model)
+        found, found_len = (prefix_cache.lookup(self.prompt[:-1], self._namespace, layers=len(fresh),
+                                                canonical_only=self._canonical_kv)
                             if prefix_cache else (None, 0))
         if cache is not None:  # given by the engine: a range of its KV pool (kernels/batching/kv_pool.py)
             self.cache = cache
             if found:
                 fill_prefix(self.cache, found, found_len)
         else:
-            self.cache = found or make_prompt_cache(model)
+            self.cache = found or fresh
         # Choices of one request (n > 1) share the prompt: a follower copies its leader's
         # prompt KV once that is prefilled (exactly what its own prefill would compute).
         self._leader = prefill_from if (found is None and prefill_from is not None
@@ -265,7 +268,10 @@ class RequestState:
             alone = False  # a cut chunk: not the KV an aligned prefill writes
         self._prefill_pos += tokens
         if not self._target_prefilling and self.prefix_cache and alone and self._prefilled_alone:
-            self.prefix_cache.store(self.prompt[:-1], self.cache, canonical=self._canonical_kv)
+            prefilled = len(self.prompt) - 1
+            canonical_rows = self.deployment.guarantee.canonical_rows if self.deployment else 0
+            self.prefix_cache.store(self.prompt[:-1], self.cache, self._namespace, canonical=self._canonical_kv,
+                                    exact_length=exact_length(prefilled, self._chunk, canonical_rows))
         self._prefilled_alone = self._prefilled_alone and alone
 
     # ----------------------------------------------------------------------- decode
