@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from lockstep.server.torchless import keep_torch_out
 
     if argv is None:  # from the command line: a re-exec re-runs it (sys.orig_argv)
-        from lockstep.server.commands.early_blas import apply_early
+        from lockstep.server.early_blas import apply_early
 
         apply_early(sys.argv[1:])  # before the parser's imports, which a re-exec would repeat
     keep_torch_out()  # before anything imports transformers

@@ -1,4 +1,4 @@
-"""`serve`'s CPU BLAS read from the raw command line (server/commands/early_blas.py), so the
+"""`serve`'s CPU BLAS read from the raw command line (server/early_blas.py), so the
 OpenBLAS re-exec happens before the CLI's parser imports mlx-lm, transformers and fastapi.
 
 The early reading must be the parser's own: where they disagreed, the process would be
@@ -15,8 +15,8 @@ import pytest
 
 from lockstep.kernels import cpu_blas
 from lockstep.server.cli import build_parser
-from lockstep.server.commands import early_blas
-from lockstep.server.commands.early_blas import command_and_rest, requested_cpu_blas
+from lockstep.server import early_blas
+from lockstep.server.early_blas import command_and_rest, requested_cpu_blas
 from lockstep.server.commands.runtime_args import auto_cpu_blas
 from lockstep.server.options import DEFAULT_CPU_BLAS
 
