@@ -5,6 +5,7 @@ A "restart" is a second PrefixCache + DiskPromptCache over the same directory (n
 first kept in memory); answers are compared by token ids and logprob bits with the same
 request computed without any cache.
 """
+import dataclasses
 import json
 import shutil
 import struct
@@ -85,6 +86,24 @@ def test_a_restart_finds_the_prefix_on_disk_and_answers_bit_identically(embedded
     assert (tokens, bits) == cold[:2]
     # memory holds that prompt now: the same request again does not read the disk
     assert run(embedded_model, prompts[1], second)[2] >= 2 * CHUNK and second.disk.blocks_read == 4
+
+
+def test_a_plain_prompts_smaller_chunks_go_to_disk_under_their_own_grid(embedded_model, prompts, tmp_path):
+    """KV a plain prompt wrote in chunks smaller than --prefill-chunk is exact for prompts of that
+    grid: on disk under a namespace of its own, found after a restart by a plain request (the
+    same bits as that request without the cache), never by one that writes canonical chunks."""
+    plain = dataclasses.replace(DEPLOYMENT, plain_prefill_chunk=BLOCK)
+    cold_plain = run(embedded_model, prompts[1], deployment=plain)
+    first = restarted(tmp_path)
+    run(embedded_model, prompts[0], first, deployment=plain)
+    first.disk.flush()
+    assert first.disk.blocks_written == (len(prompts[0]) - 1) // BLOCK  # every whole block of its grid
+    second = restarted(tmp_path)
+    tokens, bits, cached = run(embedded_model, prompts[1], second, deployment=plain)
+    assert second.disk_hits == 1 and cached == first.disk.blocks_written * BLOCK
+    assert (tokens, bits) == cold_plain[:2]
+    third = restarted(tmp_path)
+    assert run(embedded_model, prompts[1], third)[2] == 0 and third.disk_hits == 0  # the canonical grid's: none
 
 
 def _rewrite_block(path, change):

@@ -5,7 +5,7 @@ resumes at a chunk boundary aligned to absolute positions (kernels/invariance/pr
 request computes the same KV whether its prefix was cached or not. That holds for KV written
 in canonical chunks (`--prefill-chunk`); a plain prompt's smaller chunks (on the CPU,
 deployment.py `plain_prefill_chunk`) write other bits, so such entries are marked
-non-canonical, given to plain requests only and never written to disk. Two tiers: snapshots
+non-canonical and given to plain requests only (on disk under a namespace of their grid). Two tiers: snapshots
 in memory (LRU, bounded in entries and bytes) and, optionally, blocks on disk that outlive the
 process (server/engine/prompt_cache_disk.py).
 """
@@ -77,12 +77,14 @@ class PrefixCache:
         return all(type(layer) is KVCache for layer in cache) or is_pooled(cache)
 
     def lookup(self, tokens: list[int], namespace: str | None = None, *, layers: int = 0,
-               canonical_only: bool = False) -> tuple[list | None, int]:
+               canonical_only: bool = False, disk_namespace: str | None = None) -> tuple[list | None, int]:
         """A private copy of the cached KV sharing the longest prefix with `tokens`, and its
         length: from memory, or from disk where that holds a longer prefix (`layers`: the
         model's, which a disk entry must match). `canonical_only`: among entries canonical
-        chunks wrote (a request that writes canonical KV must not start from other bits; the
-        disk tier holds only those)."""
+        chunks wrote (a request that writes canonical KV must not start from other bits).
+        `disk_namespace`: where the disk tier keeps this request's grid of chunks (default
+        `namespace`: canonical chunks)."""
+        disk_namespace = disk_namespace or namespace
         with self._lock:
             best, best_len = None, 0
             for key, (_, canonical) in self._store.items():
@@ -94,14 +96,15 @@ class PrefixCache:
             if best is not None:
                 self._store.move_to_end(best)
                 snapshot = self._store[best][0]
-        if self.disk is not None and namespace is not None and layers and len(tokens) >= best_len + self.disk.block:
-            dtype, blocks = self.disk.lookup(namespace, tokens, layers)
+        if self.disk is not None and disk_namespace is not None and layers and len(tokens) >= best_len + self.disk.block:
+            dtype, blocks = self.disk.lookup(disk_namespace, tokens, layers)
             if len(blocks) * self.disk.block > best_len:
                 found = _from_blocks(dtype, blocks)
                 length = len(blocks) * self.disk.block
                 self.disk_hits += 1
                 self.hits += 1
-                self._keep(namespace, tokens[:length], found, True)  # concurrent and later turns find it in memory
+                # concurrent and later turns find it in memory
+                self._keep(namespace, tokens[:length], found, disk_namespace == namespace)
                 return copy_prefix(found, length), length
         if best is None:
             self.misses += 1
@@ -110,11 +113,12 @@ class PrefixCache:
         return copy_prefix(snapshot, best_len), best_len
 
     def store(self, tokens: list[int], cache: list, namespace: str | None = None, *, exact_length: int = 0,
-              canonical: bool = True) -> None:
+              canonical: bool = True, disk_namespace: str | None = None) -> None:
         """Keep a snapshot of `cache`, which holds exactly the KV of `tokens` (`canonical`:
         written in canonical chunks); its first `exact_length` positions go to the disk tier
-        too, if canonical."""
-        to_disk = (canonical and self.disk is not None and namespace is not None
+        too, under `disk_namespace` (default `namespace`)."""
+        disk_namespace = disk_namespace or namespace
+        to_disk = (self.disk is not None and disk_namespace is not None
                    and exact_length >= (self.disk.block if self.disk else 0))
         if not tokens or not self.storable(cache) or (self.entries <= 0 and not to_disk):
             return
@@ -128,7 +132,7 @@ class PrefixCache:
             self._keep(namespace, tokens, snapshot, canonical)
         if to_disk and snapshot[0].keys is not None and snapshot[0].keys.dtype in _DISK_DTYPES:
             dtype, layers = _host_arrays(snapshot)
-            self.disk.submit(namespace, tokens[:exact_length], dtype, layers)
+            self.disk.submit(disk_namespace, tokens[:exact_length], dtype, layers)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait (at most `timeout` seconds) for the disk tier's queued writes; False if some remain."""

@@ -136,9 +136,14 @@ class RequestState:
 
         model = loaded.model
         self._namespace = namespace(deployment)
+        # KV in a plain prompt's smaller chunks is exact for prompts of the same grid only: its
+        # disk blocks have a namespace of their own
+        self._disk_namespace = (self._namespace if self._canonical_kv or self._namespace is None
+                                else f"{self._namespace}/plain_chunk={self._chunk}")
         fresh = cache if cache is not None else make_prompt_cache(model)
         found, found_len = (prefix_cache.lookup(self.prompt[:-1], self._namespace, layers=len(fresh),
-                                                canonical_only=self._canonical_kv)
+                                                canonical_only=self._canonical_kv,
+                                                disk_namespace=self._disk_namespace)
                             if prefix_cache else (None, 0))
         if cache is not None:  # given by the engine: a range of its KV pool (kernels/batching/kv_pool.py)
             self.cache = cache
@@ -271,6 +276,7 @@ class RequestState:
             prefilled = len(self.prompt) - 1
             canonical_rows = self.deployment.guarantee.canonical_rows if self.deployment else 0
             self.prefix_cache.store(self.prompt[:-1], self.cache, self._namespace, canonical=self._canonical_kv,
+                                    disk_namespace=self._disk_namespace,
                                     exact_length=exact_length(prefilled, self._chunk, canonical_rows))
         self._prefilled_alone = self._prefilled_alone and alone
 
