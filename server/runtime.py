@@ -633,7 +633,7 @@ class AuditWork:
         runtime.audit, runtime.transform = report, transform
         self.proofs.model_identity["transform"] = transform
         runtime.deployment = dataclasses.replace(runtime.deployment, fingerprint=_fingerprint(
-            runtime.loaded, transform, runtime.invariance, self.options, runtime.deployment.kv_pool))
+            runtime.loaded, transform, runtime.deployment.guarantee, self.options, runtime.deployment.kv_pool))
         return runtime.deployment
 
     def settle(self) -> None:
