@@ -77,10 +77,10 @@ def main():
     current = ["?"]
     audit_config = patch._audit_config
 
-    def timed_config(cfg, layers, seed, prompt_rows):
+    def timed_config(cfg, layers, seed, prompt_rows, *rest):
         current[0] = cfg.label()
         t0 = time.perf_counter()
-        result = audit_config(cfg, layers, seed, prompt_rows)
+        result = audit_config(cfg, layers, seed, prompt_rows, *rest)
         print(f"config {cfg.label()}: {time.perf_counter() - t0:.1f} s, verdict {result.verdict}", flush=True)
         return result
 

@@ -150,7 +150,7 @@ def _damage(root, keys, victim, how):
 
 def test_a_damaged_block_is_dropped_and_its_prefix_computed_again(embedded_model, stored, prompts, cold):
     root, _ = stored
-    ns = namespace(embedded_model.model, DEPLOYMENT)
+    ns = namespace(DEPLOYMENT)
     keys = block_keys(ns, prompts[0][:-1])
     _damage(root, keys, keys[2], "flip")
     second = restarted(root)
@@ -167,7 +167,7 @@ def test_a_damaged_block_is_dropped_and_its_prefix_computed_again(embedded_model
 @pytest.mark.parametrize("how", ["truncate", "garbage", "other_key"])
 def test_other_damage_is_dropped_on_read_too(embedded_model, stored, prompts, how):
     root, _ = stored
-    ns = namespace(embedded_model.model, DEPLOYMENT)
+    ns = namespace(DEPLOYMENT)
     keys = block_keys(ns, prompts[0][:-1])
     path = _damage(root, keys, keys[1], how)
     disk = DiskPromptCache(root, 1 << 30)
@@ -265,7 +265,7 @@ def test_a_deterministic_request_over_http_is_bit_identical_with_its_prefix_from
         cache = restarted(tmp_path)
         with deterministic_server(embedded_model, 8, prefill_chunk=4, prefix_cache=cache,
                                   fingerprint="fp_disk_tier_det") as (client, engine):
-            assert "canonical=1" in namespace(embedded_model.model, engine.deployment)
+            assert "canonical=1" in namespace(engine.deployment)
             r = client.chat.completions.create(model="default", messages=messages, max_tokens=4, temperature=0,
                                                logprobs=True, top_logprobs=2, extra_body={"deterministic": True})
             answers.append((r.usage.prompt_tokens_details.cached_tokens,

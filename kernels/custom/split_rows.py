@@ -31,7 +31,7 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 def takes_layer(n: int, k: int, mode: str, bits: int, group: int, canonical: bool = True) -> bool:
     """Whether any of the kernels is for a layer of (N, K) weights of this quantization
     (canonical False: for its plain calls alone, as with batch invariance off)."""
-    return qmv_split.takes(mode, bits, group) and (qmv_split.pays(n, k) or qmv_mma.pays(n, k, canonical))
+    return qmv_split.takes(mode, bits, group) and (qmv_split.pays(n, k) or qmv_mma.pays(n, k, True))
 
 
 # Plain calls of at most PLAIN_ROWS rows go through these kernels (wider ones, prompt chunks,
@@ -52,9 +52,13 @@ def kernel_for(n: int, k: int, mode: str, dtype, rows: int, canonical: bool):
         return None
     if rows == 1:
         return qmv_split if large else None
-    if rows > SPLIT_PLAIN_ROWS:
-        return qmv_mma if mma_here else None
-    return (qmv_mma if mma_here else qmv_split) if large else None
+    # 2..PLAIN_ROWS plain rows: qmv_mma wherever canonical rows take it (MLX's tiled quantized
+    # matmul reads an 8B's q/k/v/o far slower at these widths), else qmv_split for large layers
+    mma_any = (qmv_mma.pays(n, k, True) and k % qmv_mma.CHUNK == 0
+               and qmv_mma.unavailable_reason(mode, dtype) is None)
+    if mma_any:
+        return qmv_mma
+    return qmv_split if large and rows <= SPLIT_PLAIN_ROWS else None
 
 
 def _signature(layer) -> tuple | None:
