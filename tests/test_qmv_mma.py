@@ -197,9 +197,9 @@ def test_canonical_rows_take_qmv_mma_at_every_width_and_one_plain_row_qmv_split(
     set_batch_invariant_limit(model, 0)
 
 
-def test_a_middling_layer_takes_qmv_mma_for_canonical_rows_only(kernels, monkeypatch):
-    """Below qmv_split's size (an 8B's q and o): canonical rows through qmv_mma, plain calls of
-    one or two rows MLX's; without qmv_mma here, the layer's own forms."""
+def test_a_middling_layer_takes_qmv_mma_for_canonical_rows_and_plain_calls_of_two_rows_on(kernels, monkeypatch):
+    """Below qmv_split's size (an 8B's q and o): canonical rows and plain calls of 2+ rows
+    through qmv_mma, a plain row MLX's; without qmv_mma here, the layer's own forms."""
     split_calls, mma_calls = kernels(rows_alone, rows_alone_quarter)
     monkeypatch.setattr(qmv_split, "MIN_ELEMENTS", 1 << 40)
     monkeypatch.setattr(qmv_mma, "MIN_ELEMENTS", 0)
@@ -209,7 +209,8 @@ def test_a_middling_layer_takes_qmv_mma_for_canonical_rows_only(kernels, monkeyp
     layer = model.model.layers[0].self_attn.q_proj
     k = layer.weight.shape[1] * 8
     for rows, s, through in ((1, model._lockstep_setting, True), (3, model._lockstep_setting, True),
-                             (1, None, False), (2, None, False)):
+                             (1, None, False), (2, None, True), (split_rows.PLAIN_ROWS, None, True),
+                             (split_rows.PLAIN_ROWS + 1, None, False)):
         mma_calls.clear()
         with native_forms() if s is None else batch_invariant(s):
             mx.eval(layer(rand(rows, k, seed=rows, dtype=mx.bfloat16)))
@@ -225,9 +226,9 @@ def test_a_middling_layer_takes_qmv_mma_for_canonical_rows_only(kernels, monkeyp
     set_batch_invariant_limit(model, 0)
 
 
-def test_a_small_layer_takes_qmv_mma_for_canonical_rows_only(kernels, monkeypatch):
-    """From CANONICAL_MIN_ELEMENTS on (an 8B's k and v), canonical rows run qmv_mma while
-    plain calls keep MLX's; below it, canonical rows keep the layer's own form."""
+def test_a_small_layer_takes_qmv_mma_from_the_canonical_size_on(kernels, monkeypatch):
+    """From CANONICAL_MIN_ELEMENTS on (an 8B's k and v), canonical rows and plain calls of 2+
+    rows run qmv_mma, a plain row MLX's; below it, every call keeps the layer's own form."""
     split_calls, mma_calls = kernels(rows_alone, rows_alone_quarter)
     monkeypatch.setattr(qmv_split, "MIN_ELEMENTS", 1 << 40)
     probe = tiny_llama(quant="nvfp4", dtype=mx.bfloat16).model.layers[0].self_attn.k_proj
@@ -239,7 +240,7 @@ def test_a_small_layer_takes_qmv_mma_for_canonical_rows_only(kernels, monkeypatc
         assert set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,)).guaranteed
         layer = model.model.layers[0].self_attn.k_proj
         for rows, s, want in ((1, model._lockstep_setting, through), (3, model._lockstep_setting, through),
-                              (1, None, False), (2, None, False)):
+                              (1, None, False), (2, None, through)):
             mma_calls.clear()
             x = rand(rows, layer.weight.shape[1] * 8, seed=rows, dtype=mx.bfloat16)
             with native_forms() if s is None else batch_invariant(s):
@@ -250,16 +251,19 @@ def test_a_small_layer_takes_qmv_mma_for_canonical_rows_only(kernels, monkeypatc
                                                           group_size=layer.group_size, bits=layer.bits,
                                                           mode=layer.mode))
         set_batch_invariant_limit(model, 0)
-    # with invariance off only layers whose plain calls run a kernel are swapped: not k and v
+    # with invariance off the same layers are swapped (their plain calls of 2+ rows run qmv_mma):
+    # k and v from CANONICAL_MIN_ELEMENTS on, not below it
     monkeypatch.setattr(qmv_split, "runs_here", lambda: True)  # as on CUDA
     monkeypatch.setattr(qmv_mma, "MIN_ELEMENTS", size + 1)
-    monkeypatch.setattr(qmv_mma, "CANONICAL_MIN_ELEMENTS", size)  # k and v: canonical rows only
-    model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
-    invariance = set_batch_invariant_limit(model, 0)
-    attention = model.model.layers[0].self_attn
-    assert invariance.layers.get("split_rows", 0) > 0 and "_split_rows" in attention.q_proj.__dict__
-    assert type(attention.k_proj) is nn.QuantizedLinear and type(attention.v_proj) is nn.QuantizedLinear
-    layers.uninstall(model)
+    for canonical_min, swapped in ((size, True), (size + 1, False)):
+        monkeypatch.setattr(qmv_mma, "CANONICAL_MIN_ELEMENTS", canonical_min)
+        model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
+        invariance = set_batch_invariant_limit(model, 0)
+        attention = model.model.layers[0].self_attn
+        assert invariance.layers.get("split_rows", 0) > 0 and "_split_rows" in attention.q_proj.__dict__
+        assert ("_split_rows" in attention.k_proj.__dict__) == swapped, canonical_min
+        assert ("_split_rows" in attention.v_proj.__dict__) == swapped, canonical_min
+        layers.uninstall(model)
 
 
 def test_without_qmv_mma_here_canonical_rows_keep_qmv_split(kernels, model, monkeypatch):

@@ -8,9 +8,9 @@ rows and whether they are canonical. The one place that decides: the layers
   k and v too), else `qmv_split` for large layers; one kernel a layer and dtype, so a layer's
   rows have one order at every width;
 - plain calls: one row of a large layer through `qmv_split` (of a smaller one MLX's GEMV,
-  faster there than `qmv_mma`); 2..16 rows of a large layer through `qmv_mma` (of a smaller
-  one, MLX's call is faster); 17..32 rows of every layer `qmv_mma` takes through it; wider
-  calls (prompt chunks) MLX's;
+  faster there than `qmv_mma`); 2..32 rows of every layer canonical rows run `qmv_mma` for
+  (an 8B's q, k, v and o too: MLX's tiled quantized matmul is far slower there at these widths,
+  docs/BENCHMARKS.md "Kernels") through it; wider calls (prompt chunks) MLX's;
 each where it was fastest on the H200 (bench/results/history/, issue 28's kernel files).
 
 Sibling layers (an attention block's q, k and v; an MLP's gate and up: they read the same x)
@@ -29,8 +29,9 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def takes_layer(n: int, k: int, mode: str, bits: int, group: int, canonical: bool = True) -> bool:
-    """Whether any of the kernels is for a layer of (N, K) weights of this quantization
-    (canonical False: for its plain calls alone, as with batch invariance off)."""
+    """Whether any of the kernels is for a layer of (N, K) weights of this quantization (the
+    same layers for plain calls alone, as with batch invariance off: their calls of 2..32 rows
+    run qmv_mma wherever canonical rows would)."""
     return qmv_split.takes(mode, bits, group) and (qmv_split.pays(n, k) or qmv_mma.pays(n, k, True))
 
 
@@ -44,7 +45,7 @@ SPLIT_PLAIN_ROWS = 16
 def kernel_for(n: int, k: int, mode: str, dtype, rows: int, canonical: bool):
     """The module (qmv_mma or qmv_split) such a call runs, or None: the layer's own path."""
     large = qmv_split.pays(n, k)
-    mma_here = (qmv_mma.pays(n, k, canonical) and k % qmv_mma.CHUNK == 0
+    mma_here = (qmv_mma.pays(n, k, True) and k % qmv_mma.CHUNK == 0
                 and qmv_mma.unavailable_reason(mode, dtype) is None)
     if canonical:
         return qmv_mma if mma_here else qmv_split if large else None
@@ -52,11 +53,7 @@ def kernel_for(n: int, k: int, mode: str, dtype, rows: int, canonical: bool):
         return None
     if rows == 1:
         return qmv_split if large else None
-    # 2..PLAIN_ROWS plain rows: qmv_mma wherever canonical rows take it (MLX's tiled quantized
-    # matmul reads an 8B's q/k/v/o far slower at these widths), else qmv_split for large layers
-    mma_any = (qmv_mma.pays(n, k, True) and k % qmv_mma.CHUNK == 0
-               and qmv_mma.unavailable_reason(mode, dtype) is None)
-    if mma_any:
+    if mma_here:  # MLX's tiled quantized matmul reads an 8B's q/k/v/o far slower at 2..32 rows
         return qmv_mma
     return qmv_split if large and rows <= SPLIT_PLAIN_ROWS else None
 
