@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from lockstep.server.torchless import keep_torch_out
 
-    # one log format from the first line on (the early re-exec below may already warn)
+    # one log format from the first line on (the early re-exec below may already warn); a
+    # process whose logging is set up already (a host program, a test) keeps its own
+    ours = not logging.getLogger().handlers
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if argv is None:  # from the command line: a re-exec re-runs it (sys.orig_argv)
         from lockstep.server.early_blas import apply_early
@@ -42,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         apply_early(sys.argv[1:])  # before the parser's imports, which a re-exec would repeat
     keep_torch_out()  # before anything imports transformers
     args = build_parser().parse_args(argv)
-    logging.getLogger().setLevel(args.log_level.upper())
+    if ours:
+        logging.getLogger().setLevel(args.log_level.upper())
     return int(args.func(args) or 0)
 
 
