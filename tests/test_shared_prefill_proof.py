@@ -83,7 +83,8 @@ def serve(dense_rows: int, claim: bool = False):
         invariance = set_batch_invariant_limit(model, L)
         deployment = proven_deployment(model, invariance, prefill_chunk=64, pass_rows=16)
     if claim:
-        deployment = dataclasses.replace(deployment, shared_prefill_rows=MIN_SHARED_CHUNK)
+        deployment = dataclasses.replace(
+            deployment, guarantee=dataclasses.replace(deployment.guarantee, shared_prefill_rows=MIN_SHARED_CHUNK))
     engine = Engine(TinyLoaded(model), max_active=16, deployment=deployment, max_batch_rows=16)
     return create_app(engine), engine
 
