@@ -105,3 +105,32 @@ def test_ratios_of_rounds_taken_one_after_the_other_and_their_median():
              (R(tok_per_s=1389.6), R(tok_per_s=1745.9))]
     assert paired_ratios(pairs) == ", paired rounds 1.12 0.96 0.80, median 0.96"
     assert paired_ratios([]) == ""
+
+
+def test_a_stream_that_ends_in_an_error_event_counts_as_an_error():
+    """A failure after the headers (a 200) is the stream's last event: the bench counts it, not
+    a request of zero tokens."""
+    import http.server
+    import threading
+
+    from lockstep.server.tools.http_load import stream_chat
+
+    class Failing(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'
+                             b'data: {"error": {"message": "generation failed: out of memory", "type": "server_error"}}\n\n')
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        timing = stream_chat(f"http://127.0.0.1:{httpd.server_port}/v1", "default", "hi", 4)
+    finally:
+        httpd.shutdown()
+    assert timing.error and "out of memory" in timing.error

@@ -126,22 +126,32 @@ class TrackedHandle:
 
     async def __aiter__(self):
         record = self._record
-        async for delta in self._handle:
-            if record is not None:
-                now = time.monotonic()
-                new_tokens = delta.completion_tokens - (record.completion_tokens or 0)
-                if record.first_token_at is None and delta.completion_tokens > 0:
-                    record.first_token_at = now
-                elif new_tokens > 0:
-                    record.token_gaps.append((now - self._last_at) / new_tokens)
-                if new_tokens > 0:
-                    self._last_at = now
-                record.completion_tokens = delta.completion_tokens
-                record.prompt_tokens = delta.prompt_tokens
-                if delta.finish_reason is not None:
-                    record.finish_reason = delta.finish_reason
-                    record.extension = getattr(delta, "extension", None)
-            yield delta
+        try:
+            async for delta in self._handle:
+                if record is not None:
+                    self._note(record, delta)
+                yield delta
+        except Exception:
+            # a failed generation is logged as such, not as a cancel by its client (the
+            # route cancels the handle after the error)
+            if record is not None and record.finish_reason is None:
+                record.finish_reason = "error"
+            raise
+
+    def _note(self, record: RequestRecord, delta) -> None:
+        now = time.monotonic()
+        new_tokens = delta.completion_tokens - (record.completion_tokens or 0)
+        if record.first_token_at is None and delta.completion_tokens > 0:
+            record.first_token_at = now
+        elif new_tokens > 0:
+            record.token_gaps.append((now - self._last_at) / new_tokens)
+        if new_tokens > 0:
+            self._last_at = now
+        record.completion_tokens = delta.completion_tokens
+        record.prompt_tokens = delta.prompt_tokens
+        if delta.finish_reason is not None:
+            record.finish_reason = delta.finish_reason
+            record.extension = getattr(delta, "extension", None)
 
 
 def track(handle) -> TrackedHandle:

@@ -81,6 +81,9 @@ def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int, extra: 
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: "):])
+            if chunk.get("error"):  # headers were sent before the failure: the stream's last event
+                timing.error = f"stream error: {chunk['error'].get('message', '')[:200]}"
+                break
             if chunk.get("usage"):
                 usage_tokens = chunk["usage"].get("completion_tokens")
             for choice in chunk.get("choices") or []:
