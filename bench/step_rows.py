@@ -13,6 +13,10 @@ range, for Nsight Compute's kernel table (`bench/step_kernels.py --summarize` re
         --metrics gpu__time_duration.sum --csv python bench/step_rows.py --ncu 16:plain > ncu.csv
 
     python bench/step_rows.py [--weights nvfp4] [--rows 1,16,32] [--limit 8] [--rounds 20]
+                              [--strategy auto | --strategy mma_rows,gemv_rows]
+
+--strategy with several names measures a deterministic variant of each (`det-NAME`), all
+interleaved in one process.
 
 Small shapes for a check on the CPU: --layers 2 --hidden 512 --intermediate 1024 --vocab 4096
 --kv-pool reference. Measures and prints; asserts nothing.
@@ -61,6 +65,8 @@ def main():
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--kv-pool", default="kernel")
     ap.add_argument("--ncu", default="", metavar="R:KIND", help="profile 3 steps of one variant (plain or det)")
+    ap.add_argument("--strategy", default="auto",
+                    help="the deterministic variants' strategies, comma-separated (auto: the one the self-test keeps)")
     a = ap.parse_args()
     widths = [int(r) for r in a.rows.split(",")]
     if a.ncu:
@@ -73,14 +79,16 @@ def main():
         most = max(widths)
         path = ModelRunner.as_engine_runs(model, a.kv_pool, pool_tokens=most * (a.context + 8) + 64)
         pooled = [context(model, a.context, path.new_cache(a.context + 4), seed=1 + i) for i in range(most)]
-        kinds = ["plain"] + (["det"] if a.limit > 0 else [])
+        strategies = a.strategy.split(",")
+        det = {"det" if len(strategies) == 1 else f"det-{name}": name for name in strategies}
+        kinds = ["plain"] + (list(det) if a.limit > 0 else [])
         if a.ncu:
-            kinds = [kind]
+            kinds = [kind if kind == "plain" or len(det) == 1 else f"det-{strategies[0]}"]
         runs = {}
         for kind in kinds:
-            if kind == "det":
+            if kind in det:
                 t = time.perf_counter()
-                installed = set_batch_invariant_limit(model, a.limit)
+                installed = set_batch_invariant_limit(model, a.limit, det[kind])
                 print(f"{weights}: L = {a.limit} installed and proven in {time.perf_counter() - t:.1f} s "
                       f"({getattr(installed, 'strategy', installed)})", flush=True)
             else:
@@ -89,7 +97,7 @@ def main():
             for r in widths:
                 caches = pooled[:r]
                 run = (lambda p, cs, canon: lambda: p.logits([(c, [11]) for c in cs], canonical=canon))(
-                    passes, caches, kind == "det")
+                    passes, caches, kind in det)
                 mx.eval(run())  # traced and compiled now
                 for c in caches:
                     trim(c, 1)
