@@ -104,8 +104,8 @@ def linear_shapes(model, *, dense: str, quantized: str = "chunks", dtype=None) -
     """(n, k, x dtype, kind, group[, mode, bits]) of the model's linears (embeddings too: a
     tied head runs as one) whose rows the custom kernels take under these forms: dense
     "gemv_rows" / "skinny" / "mma_rows" (its kernel per layer; else no dense shapes),
-    quantized "skinny" / "qmv_rows", and under any form large 4-bit layers' "qmv_split" and sibling groups' "qmv_mma_parts" (n: the
-    parts' widths). dtype: the activations' type for float-format layers (default: the
+    quantized "skinny" / "qmv_rows", and under any form large 4-bit layers' "qmv_split" and
+    sibling groups' "qmv_mma_parts" (n: the parts' widths). dtype: the activations' type for float-format layers (default: the
     model's first float parameter's)."""
     shapes = {}
     activations = dtype or activation_dtype(model)
