@@ -105,8 +105,8 @@ def linear_shapes(model, *, dense: str, quantized: str = "chunks", dtype=None) -
     tied head runs as one) whose rows the custom kernels take under these forms: dense
     "gemv_rows" / "skinny" / "mma_rows" (its kernel per layer; else no dense shapes),
     quantized "skinny" / "qmv_rows", and under any form large 4-bit layers' "qmv_split" and
-    sibling groups' "qmv_mma_parts" (n: the parts' widths). dtype: the activations' type for float-format layers (default: the
-    model's first float parameter's)."""
+    sibling groups' "qmv_mma_parts" (n: the parts' widths). dtype: the activations' type for
+    float-format layers (default: the model's first float parameter's)."""
     shapes = {}
     activations = dtype or activation_dtype(model)
     for _, module in model.named_modules():
