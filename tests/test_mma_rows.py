@@ -41,6 +41,7 @@ def test_an_8bs_layers_and_a_small_models_head_take_the_tensor_core_kernel():
 
 
 def test_the_cpu_runs_every_layer_in_gemv_rows_form_and_cannot_run_the_strategy():
+    mma_rows.form_for.cache_clear()
     assert mma_rows.form_for(HIDDEN, HIDDEN, mx.bfloat16, mx.bfloat16) == "gemv_rows"
     assert "follows MLX's CUDA GEMV" in MMA_ROWS.unavailable_reason(8)
     assert MMA_ROWS.quantized_form == GEMV_ROWS.quantized_form == "qmv_rows"  # quantized layers: gemv_rows' bits
@@ -53,6 +54,7 @@ def emulated(monkeypatch):
     size large enough for the tensor-core kernel; the test gives that kernel's stand-in and
     sees the (rows, N) of each call of either kernel."""
     calls = {"skinny": [], "gemv_rows": []}
+    mma_rows.form_for.cache_clear()
     monkeypatch.setattr(mma_rows, "MIN_ELEMENTS", TINY_LARGE)
     monkeypatch.setattr(skinny, "available", lambda: True)
     monkeypatch.setattr(skinny, "uses_mma", lambda dtype: dtype in skinny.MMA_DTYPES)
@@ -76,7 +78,8 @@ def emulated(monkeypatch):
         for v in calls.values():
             v.clear()
         return calls
-    return use
+    yield use
+    mma_rows.form_for.cache_clear()  # decided under the stand-ins
 
 
 def _rows_alone(x, w):

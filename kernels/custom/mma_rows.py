@@ -12,6 +12,8 @@ layers' calls (ops.dense_rows, ops.dense_rows_in_one_launch) and the startup com
 
 The choice depends on the layer's shape and dtypes and on this machine's kernels only, never
 on the call's row count, so every row of a layer has one order at every width."""
+from functools import lru_cache
+
 from . import skinny
 
 # Layers of at least this many weights (N * K) take the tensor-core kernel: an 8B model's
@@ -28,7 +30,9 @@ def takes(n: int, k: int, dtype, weight_dtype) -> bool:
     return n * k >= MIN_ELEMENTS and dtype == weight_dtype and dtype in skinny.MMA_DTYPES
 
 
+@lru_cache(maxsize=4096)
 def form_for(n: int, k: int, dtype, weight_dtype) -> str:
-    """"skinny" where the layer's rows run the tensor-core kernel here, else "gemv_rows"."""
+    """"skinny" where the layer's rows run the tensor-core kernel here, else "gemv_rows": once
+    per layer shape (every canonical linear call asks; the kernel's verdict is per process)."""
     return "skinny" if takes(n, k, dtype, weight_dtype) and skinny.uses_mma(dtype) and skinny.available() \
         else "gemv_rows"
