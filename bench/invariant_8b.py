@@ -64,12 +64,12 @@ _PARTS_TAKE = custom.split_rows.parts_take
 
 
 def build(weights: str, layers: int, seed: int = 0, *, hidden: int = 4096, intermediate: int = 14336,
-          vocab: int = 128256):
-    """The 8B-shaped model (smaller matrices on request: 32/8 heads of 128 stay)."""
+          vocab: int = 128256, heads: tuple = (32, 8, 128), tied: bool = False):
+    """The 8B-shaped model (smaller matrices on request; heads: query heads, KV heads, head size)."""
     args = llama.ModelArgs(
         model_type="llama", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=intermediate,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, vocab_size=vocab,
-        rope_theta=500000.0, tie_word_embeddings=False,
+        num_attention_heads=heads[0], num_key_value_heads=heads[1], head_dim=heads[2], rms_norm_eps=1e-5,
+        vocab_size=vocab, rope_theta=500000.0, tie_word_embeddings=tied,
     )
     mx.random.seed(seed)
     model = llama.Model(args)

@@ -13,6 +13,10 @@ range, for Nsight Compute's kernel table (`bench/step_kernels.py --summarize` re
         --metrics gpu__time_duration.sum --csv python bench/step_rows.py --ncu 16:plain > ncu.csv
 
     python bench/step_rows.py [--weights nvfp4] [--rows 1,16,32] [--limit 8] [--rounds 20]
+                              [--strategy auto | --strategy mma_rows,gemv_rows] [--shape smollm2]
+
+--strategy with several names measures a deterministic variant of each (`det-NAME`), all
+interleaved in one process.
 
 Small shapes for a check on the CPU: --layers 2 --hidden 512 --intermediate 1024 --vocab 4096
 --kv-pool reference. Measures and prints; asserts nothing.
@@ -58,9 +62,14 @@ def main():
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--intermediate", type=int, default=14336)
     ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--shape", choices=("8b", "smollm2"), default="8b",
+                    help="smollm2: SmolLM2-135M's widths (30 layers, hidden 576, 9 / 3 heads of 64, "
+                         "intermediate 1536, tied head of 49,152) in place of --layers/--hidden/--intermediate/--vocab")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--kv-pool", default="kernel")
     ap.add_argument("--ncu", default="", metavar="R:KIND", help="profile 3 steps of one variant (plain or det)")
+    ap.add_argument("--strategy", default="auto",
+                    help="the deterministic variants' strategies, comma-separated (auto: the one the self-test keeps)")
     a = ap.parse_args()
     widths = [int(r) for r in a.rows.split(",")]
     if a.ncu:
@@ -68,19 +77,24 @@ def main():
         widths = [int(r)]
     print(f"backend {mx.default_device()}, MLX {mx.__version__}; context {a.context}, {a.rounds} rounds")
     for weights in a.weights.split(","):
-        model = build(weights, a.layers, hidden=a.hidden, intermediate=a.intermediate, vocab=a.vocab)
+        if a.shape == "smollm2":
+            model = build(weights, 30, hidden=576, intermediate=1536, vocab=49152, heads=(9, 3, 64), tied=True)
+        else:
+            model = build(weights, a.layers, hidden=a.hidden, intermediate=a.intermediate, vocab=a.vocab)
         floor_ms = 1e3 * weight_bytes(model) / HBM_BYTES_PER_S
         most = max(widths)
         path = ModelRunner.as_engine_runs(model, a.kv_pool, pool_tokens=most * (a.context + 8) + 64)
         pooled = [context(model, a.context, path.new_cache(a.context + 4), seed=1 + i) for i in range(most)]
-        kinds = ["plain"] + (["det"] if a.limit > 0 else [])
+        strategies = a.strategy.split(",")
+        det = {"det" if len(strategies) == 1 else f"det-{name}": name for name in strategies}
+        kinds = ["plain"] + (list(det) if a.limit > 0 else [])
         if a.ncu:
-            kinds = [kind]
+            kinds = [kind if kind == "plain" or len(det) == 1 else f"det-{strategies[0]}"]
         runs = {}
         for kind in kinds:
-            if kind == "det":
+            if kind in det:
                 t = time.perf_counter()
-                installed = set_batch_invariant_limit(model, a.limit)
+                installed = set_batch_invariant_limit(model, a.limit, det[kind])
                 print(f"{weights}: L = {a.limit} installed and proven in {time.perf_counter() - t:.1f} s "
                       f"({getattr(installed, 'strategy', installed)})", flush=True)
             else:
@@ -89,7 +103,7 @@ def main():
             for r in widths:
                 caches = pooled[:r]
                 run = (lambda p, cs, canon: lambda: p.logits([(c, [11]) for c in cs], canonical=canon))(
-                    passes, caches, kind == "det")
+                    passes, caches, kind in det)
                 mx.eval(run())  # traced and compiled now
                 for c in caches:
                     trim(c, 1)
@@ -121,7 +135,7 @@ def main():
             if rnd:  # round 0 is a warm-up
                 for name, v in got.items():
                     samples.setdefault(name, []).extend(v)
-        print(f"\n## {weights}: HBM floor {floor_ms:.2f} ms; L = {a.limit}")
+        print(f"\n## {weights}, {a.shape} shape: HBM floor {floor_ms:.2f} ms; L = {a.limit}")
         print("| pass | rows | median ms | build / submit / wait ms | ÷ its one-row step (paired) | ms a row |")
         print("|---|---|---|---|---|---|")
         for kind, r in names:

@@ -7,6 +7,7 @@ and SmolLM2 models) is in bench/results/cuda/."""
 import re
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -289,3 +290,41 @@ def test_no_float32_variant_is_compiled_or_smoke_tested(monkeypatch):
         assert qmv_rows.proven_variant("affine", 4, mx.float16) == 0 and asked  # the double's verdict: a pass
     finally:
         qmv_rows.proven_variant.cache_clear()
+
+
+def test_a_small_models_layers_take_none_of_lockstep_own_4bit_kernels_and_wide_calls_run_one_launch(
+        emulated, monkeypatch):
+    """A SmolLM2's nvfp4 layers (hidden 576, k/v 192, MLP 1536; tied head 49,152 x 576) are below
+    qmv_mma's and qmv_split's sizes (the head's K is no multiple of qmv_mma's 128), even where
+    those kernels run: their one canonical row stays MLX's GEMV, so a deterministic call of
+    2..64 rows runs one qmv_rows launch in its order (a pass of 16 rows at L = 8: each of the
+    seven linears and the head once, 16 rows each), and one row none."""
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from lockstep.kernels.custom import qmv_mma, qmv_split, split_rows
+    from lockstep.kernels.invariance.layers import calls_in_blocks
+
+    split_launches = []
+    monkeypatch.setattr(qmv_mma, "unavailable_reason", lambda *a: None)  # as if both ran here
+    for module in (qmv_mma, qmv_split):
+        monkeypatch.setattr(module, "launch_for", lambda *a, module=module: split_launches.append(module) or None)
+    shapes = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
+    for n, k in shapes:
+        for rows in (1, 2, 8, 16, 32, 64):
+            assert split_rows.kernel_for(n, k, "nvfp4", mx.bfloat16, rows, canonical=True) is None, (n, k, rows)
+    calls = emulated(_rows_alone)
+    mx.random.seed(0)  # the layer's widths; a small vocabulary (the CPU's time), its head routed as above
+    model = llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=576, num_hidden_layers=1, intermediate_size=1536, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, vocab_size=512, tie_word_embeddings=True))
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=16, bits=4, mode="nvfp4")
+    assert set_batch_invariant_limit(model, 8, "gemv_rows", verify=False).strategy == "gemv_rows"
+    calls.clear()
+    mx.eval(model(mx.array([[7]]), cache=make_prompt_cache(model)))
+    assert calls == []  # one row: MLX's own quantized GEMV
+    with calls_in_blocks():
+        mx.eval(model(mx.arange(16)[None], cache=make_prompt_cache(model)))
+    assert calls == [16] * 8 and split_launches == []
+    set_batch_invariant_limit(model, 0)

@@ -19,8 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import (attention, compiled, gemv_rows, qmv_mma, qmv_mma_parts, qmv_rows, qmv_split, skinny, split_attention,
-               split_rows)
+from . import (attention, compiled, gemv_rows, mma_rows, qmv_mma, qmv_mma_parts, qmv_rows, qmv_split, skinny,
+               split_attention, split_rows)
 from .gemv_order import MAX_ROWS as GEMV_MAX_ROWS
 from .loop_order import MAX_ROWS as SKINNY_MAX_ROWS
 from .qmv_order import weight_bits
@@ -103,10 +103,10 @@ def activation_dtype(model):
 def linear_shapes(model, *, dense: str, quantized: str = "chunks", dtype=None) -> list[tuple]:
     """(n, k, x dtype, kind, group[, mode, bits]) of the model's linears (embeddings too: a
     tied head runs as one) whose rows the custom kernels take under these forms: dense
-    "gemv_rows" / "skinny" (else no dense shapes), quantized "skinny" / "qmv_rows", and under
-    any form large 4-bit layers' "qmv_split" and sibling groups' "qmv_mma_parts" (n: the
-    parts' widths). dtype: the activations' type for float-format layers (default: the
-    model's first float parameter's)."""
+    "gemv_rows" / "skinny" / "mma_rows" (its kernel per layer; else no dense shapes),
+    quantized "skinny" / "qmv_rows", and under any form large 4-bit layers' "qmv_split" and
+    sibling groups' "qmv_mma_parts" (n: the parts' widths). dtype: the activations' type for
+    float-format layers (default: the model's first float parameter's)."""
     shapes = {}
     activations = dtype or activation_dtype(model)
     for _, module in model.named_modules():
@@ -122,9 +122,10 @@ def linear_shapes(model, *, dense: str, quantized: str = "chunks", dtype=None) -
             kind = skinny.quantized_kind(mode, bits, group) if quantized == "skinny" else None
             if kind is not None:  # 4-bit affine or nvfp4: n, k and x_dtype as above
                 shapes[(n, k, x_dtype, kind, group if kind == "affine" else 0)] = None
-        elif isinstance(module, (nn.Linear, nn.Embedding)) and dense in ("gemv_rows", "skinny"):
+        elif isinstance(module, (nn.Linear, nn.Embedding)) and dense in ("gemv_rows", "skinny", "mma_rows"):
             n, k = module.weight.shape
-            shapes[(n, k, module.weight.dtype, dense, 0)] = None
+            t = module.weight.dtype
+            shapes[(n, k, t, mma_rows.form_for(n, k, t, t) if dense == "mma_rows" else dense, 0)] = None
     for layers in split_rows.sibling_groups(model):  # any form: their groups' launches
         ns, k, mode, bits, group = split_rows.group_shape(layers)
         x_dtype = layers[0].scales.dtype if mode == "affine" else activations

@@ -45,7 +45,7 @@ class Setting:
     strategy: Strategy
     # What each layer kind does with a call, worked out once here rather than per call
     # (the linears' host cost is per layer per token): the model's own call (native), and
-    # whether one row is the plain op (every form but the skinny kernel's).
+    # whether one row is the plain op (every form but the skinny kernel's; mma_rows: per layer).
     dense_native: bool = field(init=False)
     dense_row_plain: bool = field(init=False)
     quantized_native: bool = field(init=False)
@@ -54,7 +54,7 @@ class Setting:
     def __post_init__(self):
         st = self.strategy
         object.__setattr__(self, "dense_native", st.dense == "native")
-        object.__setattr__(self, "dense_row_plain", st.dense != "skinny")
+        object.__setattr__(self, "dense_row_plain", st.dense not in ("skinny", "mma_rows"))
         object.__setattr__(self, "quantized_native", st.quantized_rows == 0)
         object.__setattr__(self, "quantized_row_plain", st.quantized_form != "skinny")  # qmv_rows: plain
 

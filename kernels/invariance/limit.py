@@ -48,8 +48,12 @@ from .selftest import SelfTestResult, seconds_per_step, self_test
 # row is the plain call; on CUDA with 16-bit activations skinny comes before it
 # (CUDA_16BIT_AUTO_CANDIDATES: at 16 rows of an 8B shape strided_gemv failed the proof).
 # Metal's skinny kernel has never been measured, so Metal keeps the default order.
+# mma_rows (CUDA, 16-bit) first there: gemv_rows' forms, but an 8B's dense layers (every
+# 16-bit layer of at least 4 M weights: kernels/custom/mma_rows.py) run skinny's tensor-core
+# kernel at every width, so wide deterministic passes do not pay a CUDA-core fma chain per
+# row, while a small model's layers keep MLX's GEMV for one row.
 AUTO_CANDIDATES = ("native", "cpu_kernel", "gemv_rows", "strided_gemv", "skinny", "rowwise")
-CUDA_16BIT_AUTO_CANDIDATES = ("native", "cpu_kernel", "gemv_rows", "skinny", "strided_gemv", "rowwise")
+CUDA_16BIT_AUTO_CANDIDATES = ("native", "cpu_kernel", "mma_rows", "gemv_rows", "skinny", "strided_gemv", "rowwise")
 
 
 def auto_candidates(model) -> tuple:

@@ -18,7 +18,7 @@ import mlx.core as mx
 from .. import custom
 from ..custom.packed_kv import KV_CACHE_STEP, packed_kv  # noqa: F401 (the per-query form's keys)
 
-DENSE_FORMS = ("native", "rowwise", "strided_gemv", "gemv_rows", "skinny", "cpu_kernel")
+DENSE_FORMS = ("native", "rowwise", "strided_gemv", "gemv_rows", "skinny", "mma_rows", "cpu_kernel")
 QUANTIZED_FORMS = ("chunks", "skinny", "qmv_rows")
 ATTENTION_FORMS = ("native", "per_query", "per_query_contiguous", "composed")
 
@@ -31,7 +31,9 @@ class Strategy:
         view that cannot be folded into a GEMM, so each row gets the single-row kernel), or
         "native" (the call as the model makes it), "gemv_rows" (M = 1 the plain call; 2..64
         rows one launch of kernels/custom/gemv_rows.cu, which computes each row in the order
-        of MLX's single-row CUDA GEMV and reads the weights once per 8 rows).
+        of MLX's single-row CUDA GEMV and reads the weights once per 8 rows), "mma_rows"
+        (per layer, kernels/custom/mma_rows.py: a large 16-bit layer's rows through skinny's
+        tensor-core kernel at every width, one row included; other layers "gemv_rows").
     quantized_rows: most rows per `mx.quantized_matmul` call (1 = one row per call; CUDA
         keeps its per-row kernel up to 7 rows); 0 = native, one call for all rows.
     attention: "per_query" (each query attends exactly its key range, unmasked, one call
@@ -69,7 +71,7 @@ class Strategy:
 
     @property
     def uses_custom_kernels(self) -> bool:
-        return self.dense in ("skinny", "gemv_rows") or self.quantized_form in ("skinny", "qmv_rows")
+        return self.dense in ("skinny", "gemv_rows", "mma_rows") or self.quantized_form in ("skinny", "qmv_rows")
 
     def unavailable_reason(self, limit: int) -> str | None:
         """Why this strategy cannot run here for L = limit (None: it can)."""
@@ -83,9 +85,12 @@ class Strategy:
             return None
         if limit > custom.MAX_ROWS:
             return f"custom kernels take at most {custom.MAX_ROWS} rows, L = {limit}"
-        if self.dense == "gemv_rows":
+        if self.dense in ("gemv_rows", "mma_rows"):
             # its quantized layers keep the chunks where qmv_rows is not proven
-            return custom.gemv_rows.unavailable_reason()
+            reason = custom.gemv_rows.unavailable_reason()
+            if reason is None and self.dense == "mma_rows":
+                reason = custom.unavailable_reason()  # its large 16-bit layers' tensor-core kernel
+            return reason
         return custom.unavailable_reason()
 
     @property
@@ -102,10 +107,14 @@ GEMV_ROWS = Strategy("gemv_rows", dense="gemv_rows", quantized_rows=7, attention
                      quantized_form="qmv_rows")
 SKINNY = Strategy("skinny", dense="skinny", quantized_rows=7, attention="per_query_contiguous",
                   quantized_form="skinny")
+# gemv_rows' forms but for large 16-bit dense layers, whose rows (one included) run on tensor
+# cores (CUDA): its quantized layers keep gemv_rows' bits.
+MMA_ROWS = Strategy("mma_rows", dense="mma_rows", quantized_rows=7, attention="per_query_contiguous",
+                    quantized_form="qmv_rows")
 # Attention as matmuls the shim's kernel takes (one set of calls for all rows, decode
 # included): per query, a CPU step pays op overhead for every row (composed_attention.py).
 CPU_KERNEL = Strategy("cpu_kernel", dense="cpu_kernel", quantized_rows=7, attention="composed")
-STRATEGIES = {s.name: s for s in (NATIVE, STRIDED_GEMV, ROWWISE, GEMV_ROWS, SKINNY, CPU_KERNEL)}
+STRATEGIES = {s.name: s for s in (NATIVE, STRIDED_GEMV, ROWWISE, GEMV_ROWS, SKINNY, MMA_ROWS, CPU_KERNEL)}
 
 
 def rows_of(x: mx.array) -> int:
@@ -115,15 +124,24 @@ def rows_of(x: mx.array) -> int:
 
 
 # Dense forms whose kernel computes each row in an order of its own (gemv_rows: MLX's
-# single-row GEMV; skinny: fixed by K), whatever the call's row count: a call of more than L
-# rows may run as one launch (up to the kernel's 64 rows) with each row's bits those of L-row
-# calls. The ragged proof covers every pass width the engine builds, these launches included.
-ROW_INDEPENDENT_DENSE = ("gemv_rows", "skinny")
+# single-row GEMV; skinny: fixed by K; mma_rows: one of the two per layer), whatever the call's
+# row count: a call of more than L rows may run as one launch (up to the kernel's 64 rows) with
+# each row's bits those of L-row calls. The ragged proof covers every pass width the engine
+# builds, these launches included.
+ROW_INDEPENDENT_DENSE = ("gemv_rows", "skinny", "mma_rows")
+
+
+def layer_form(form: str, x: mx.array, weight: mx.array) -> str:
+    """The dense form a layer's rows run: mma_rows' choice for this layer, else `form`."""
+    if form != "mma_rows":
+        return form
+    return custom.mma_rows.form_for(weight.shape[0], weight.shape[-1], x.dtype, weight.dtype)
 
 
 def dense_rows_in_one_launch(x: mx.array, weight: mx.array, form: str):
     """dense_rows(x, weight, form) as one kernel launch for all of x's rows, where the form's
     kernel takes them (its rows do not depend on the call's width); None otherwise."""
+    form = layer_form(form, x, weight)
     if form == "gemv_rows":
         k = x.shape[-1]
         m = x.size // k
@@ -143,6 +161,7 @@ def dense_rows(x: mx.array, weight: mx.array, form: str) -> mx.array:
     *lead, k = x.shape
     rows = x.reshape(-1, k)
     wt = weight.T
+    form = layer_form(form, x, weight)
     if form == "skinny":
         # The kernel serves M = 1 too (decode and blocks share its order); what it cannot
         # take (dtype, > 64 rows, no GPU kernel API) runs the strided batched GEMV.

@@ -15,6 +15,13 @@ HIDDEN, INTERMEDIATE, KV, VOCAB = 4096, 14336, 1024, 128256
 # (N, K) of each linear of a Llama-3-8B layer, and its head
 LINEARS = {"q_o": (HIDDEN, HIDDEN), "k_v": (KV, HIDDEN), "gate_up": (INTERMEDIATE, HIDDEN),
            "down": (HIDDEN, INTERMEDIATE), "head": (VOCAB, HIDDEN)}
+# (N, K) of each linear of a SmolLM2-135M layer (9 / 3 heads of 64), and its (tied) head: every
+# one below the size of lockstep's own 4-bit kernels (qmv_mma, qmv_split; the head's K is not a
+# multiple of qmv_mma's 128), so their deterministic rows run qmv_rows
+SMOL_HIDDEN, SMOL_INTERMEDIATE, SMOL_KV, SMOL_VOCAB = 576, 1536, 192, 49152
+SMOL_LINEARS = {"q_o": (SMOL_HIDDEN, SMOL_HIDDEN), "k_v": (SMOL_KV, SMOL_HIDDEN),
+                "gate_up": (SMOL_INTERMEDIATE, SMOL_HIDDEN), "down": (SMOL_HIDDEN, SMOL_INTERMEDIATE),
+                "head": (SMOL_VOCAB, SMOL_HIDDEN)}
 # (mode, bits, group size) of each quantized format
 FORMATS = {"affine4": ("affine", 4, 64), "affine4_g32": ("affine", 4, 32), "affine4_g128": ("affine", 4, 128),
            "affine8": ("affine", 8, 64), "nvfp4": ("nvfp4", 4, 16), "mxfp4": ("mxfp4", 4, 32),

@@ -34,7 +34,7 @@ from lockstep.server.engine.model_runner import ModelRunner
 from lockstep.server.engine.request_state import GenerationRequest
 from lockstep.server.engine.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded
-from tests.gpu.cuda_cases import HIDDEN, INTERMEDIATE
+from tests.gpu.cuda_cases import HIDDEN, INTERMEDIATE, SMOL_HIDDEN, SMOL_INTERMEDIATE, SMOL_VOCAB
 
 pytestmark = pytest.mark.gpu
 
@@ -50,6 +50,20 @@ def eight_b_layers(weights: str, layers: int = 2, seed: int = 0):
                            intermediate_size=INTERMEDIATE, num_attention_heads=32, num_key_value_heads=8,
                            head_dim=128, rms_norm_eps=1e-5, vocab_size=VOCAB, rope_theta=500000.0,
                            tie_word_embeddings=False)
+    return _random(args, weights, seed)
+
+
+def smollm2_layers(weights: str, layers: int = 1, seed: int = 0):
+    """A SmolLM2-135M-shaped model (hidden 576, 9 / 3 heads of 64, intermediate 1536, tied head of
+    49,152), random bf16 weights (quantized on request)."""
+    args = llama.ModelArgs(model_type="llama", hidden_size=SMOL_HIDDEN, num_hidden_layers=layers,
+                           intermediate_size=SMOL_INTERMEDIATE, num_attention_heads=9, num_key_value_heads=3,
+                           head_dim=64, rms_norm_eps=1e-5, vocab_size=SMOL_VOCAB, rope_theta=100000.0,
+                           tie_word_embeddings=True)
+    return _random(args, weights, seed)
+
+
+def _random(args, weights: str, seed: int):
     mx.random.seed(seed)
     model = llama.Model(args)
     model.set_dtype(mx.bfloat16)
@@ -74,11 +88,13 @@ def deployed(request):
 
 
 def test_the_self_test_proves_the_kernels_forms_for_l_on_this_gpu(deployed):
-    _, deployment, invariance, _ = deployed
+    _, deployment, invariance, weights = deployed
     assert invariance.guaranteed, invariance.reason
     assert invariance.strategy != "native" and "gpu" in invariance.backend
     assert deployment.guarantee.guaranteed and deployment.guarantee.shared_passes
     assert deployment.guarantee.call_rows == LIMIT
+    if weights == "bf16":  # CUDA, 16-bit: the 8B's dense layers' rows on tensor cores (mma_rows.py)
+        assert invariance.strategy == "mma_rows"
 
 
 def rows_kept(model, tokens: list, blocks: bool = False) -> int:
@@ -116,6 +132,31 @@ def test_l_rows_keep_their_bits_and_l_plus_1_rows_in_one_call_do_not(deployed):
     assert rows_kept(model, tokens, blocks=True) == 2 * LIMIT + 1  # wider calls in blocks of L
     if weights == "bf16":
         assert rows_kept(model, tokens[: LIMIT + 1]) < LIMIT + 1  # a wrong block of L + 1 rows is caught
+
+
+def test_a_small_quantized_models_wide_deterministic_calls_run_one_launch_each_and_keep_the_row_bits(monkeypatch):
+    """A SmolLM2's nvfp4 layers are below lockstep's own 4-bit kernels' size, so their canonical
+    row is MLX's GEMV and a deterministic call of 2..64 rows one qmv_rows launch in its order:
+    a pass of 2L rows and one of 4L under calls_in_blocks launch each linear once (the seven of
+    the layer and the tied head) and every row has the bits of its one-row pass."""
+    from lockstep.kernels.custom import qmv_rows
+
+    model = smollm2_layers("nvfp4")
+    enable_ragged(model)
+    invariance = set_batch_invariant_limit(model, LIMIT)
+    try:
+        assert invariance.guaranteed, invariance.reason
+        launched = []
+        run = qmv_rows.run
+        monkeypatch.setattr(qmv_rows, "run", lambda launch, mode, x, *a: launched.append(x.shape[0]) or run(
+            launch, mode, x, *a))
+        for rows in (2 * LIMIT, 4 * LIMIT):
+            tokens = mx.random.randint(0, VOCAB, (rows,), key=mx.random.key(rows)).tolist()
+            launched.clear()
+            assert rows_kept(model, tokens, blocks=True) == rows
+            assert launched == [rows] * 8, launched  # the one-row passes: MLX's own GEMV
+    finally:
+        set_batch_invariant_limit(model, 0)
 
 
 # -- the engine: deterministic requests, speculation and batching ----------------------------

@@ -16,8 +16,8 @@ import pytest
 from lockstep.kernels.custom import (attention, attention_order, gemv_order, gemv_rows, loop_order, mma_order,
                                      qmv_mma, qmv_mma_order, qmv_mma_parts, qmv_order, qmv_rows, qmv_split,
                                      qmv_split_order, skinny, split_attention, split_attention_order)
-from tests.gpu.cuda_cases import (FOUR_BIT, FORMATS, LINEARS, L, as_dtype, columns, dequantized_columns, dtype_name,
-                                  mismatches, quantized, rand, rows_alone, values, widths_keeping_row_bits)
+from tests.gpu.cuda_cases import (FOUR_BIT, FORMATS, LINEARS, L, SMOL_LINEARS, as_dtype, columns, dequantized_columns,
+                                  dtype_name, mismatches, quantized, rand, rows_alone, values, widths_keeping_row_bits)
 
 pytestmark = pytest.mark.gpu
 
@@ -90,6 +90,34 @@ def test_qmv_rows_rows_are_mlxs_single_row_call_at_every_width_up_to_l(fmt):
         bad = widths_keeping_row_bits(lambda r: qmv_rows.matmul(r, wq, scales, biases, fused=fused, **kw), x, alone,
                                       ALL_WIDTHS)
         assert bad == [], f"{t}: rows differ from MLX's single-row call at widths {bad}"
+
+
+WIDE = (33, 48, 64)  # a wide deterministic call in one launch: up to the kernel's 64 rows
+
+
+@pytest.mark.parametrize("linear", SMOL_LINEARS)
+@pytest.mark.parametrize("fmt", ["nvfp4", "affine4"])
+def test_qmv_rows_at_a_small_models_shapes_is_its_model_and_mlxs_single_row_call_up_to_64_rows(fmt, linear):
+    """A SmolLM2's layers, below the size of lockstep's own 4-bit kernels, whose deterministic
+    rows run qmv_rows in one launch up to 64 rows (K = 576: a partial last tile of 512)."""
+    n, k = SMOL_LINEARS[linear]
+    t = mx.bfloat16
+    x = rand((max(WIDE), k), t, 26)
+    wq, scales, biases, kw = quantized(n, k, fmt, t, 27)
+    fused = qmv_rows.proven_variant(kw["mode"], qmv_order.weight_bits(kw["mode"], kw["bits"]), t)
+    assert fused is not None, qmv_rows.unavailable_reason(kw["mode"], kw["bits"], t)
+
+    def call(r):
+        return qmv_rows.matmul(r, wq, scales, biases, fused=fused, **kw)
+
+    cols = columns(n)
+    got = values(call(x[:MODEL_ROWS]))[:, cols]
+    w = dequantized_columns(wq, scales, biases, cols, kw, t, fused=bool(fused))
+    model = qmv_order.qmv_rows(values(x[:MODEL_ROWS]), w, w_bits=4, dtype="bfloat16")
+    assert np.array_equal(got, model), mismatches(got, model)
+    alone = rows_alone(lambda r: mx.quantized_matmul(r, wq, scales, biases, transpose=True, **kw), x)
+    bad = widths_keeping_row_bits(call, x, alone, [*ALL_WIDTHS, *WIDE])
+    assert bad == [], f"rows differ from MLX's single-row call at widths {bad}"
 
 
 # -- qmv_split: 4-bit rows, K split across a block, lockstep's own order ---------------------
