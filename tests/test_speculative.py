@@ -172,13 +172,13 @@ def _adaptive_run(model, prompt, n, step_fn=None, room=lambda i: None, k=4, cost
     """Greedy adaptive prompt lookup: (tokens, k per step, passes, logits rows' bytes)."""
     import numpy as np
     from lockstep.server.engine.sampling import SamplingParams
-    from lockstep.server.engine.token_steps import SpeculationStats, make_source
+    from lockstep.server.engine.token_steps import DecodeInputs, Speculation, SpeculationStats, make_source
 
     cache = make_prompt_cache(model)
     model(mx.array(prompt[:-1])[None], cache=cache)
     stats = SpeculationStats()
-    source = make_source(cache, list(prompt), SamplingParams(temperature=0.0), stats, "prompt_lookup", k,
-                         adaptive=True, pass_costs=list(costs))
+    source = make_source(DecodeInputs(cache, list(prompt), SamplingParams(temperature=0.0)), stats,
+                         Speculation("prompt_lookup", k, adaptive=True, pass_costs=list(costs)))
     tokens, ks, rows_bytes, i = [], [], [], 0
     while len(tokens) < n:
         rows = source.rows(room(i))

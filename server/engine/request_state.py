@@ -34,7 +34,7 @@ from lockstep.server.engine.sampling import SamplingParams
 from lockstep.server.engine.receipt import Receipt
 from lockstep.server.engine.stops import IncrementalDecoder, StopTextStream
 from lockstep.server.engine.speculative import never
-from lockstep.server.engine.token_steps import PlainSource, SpeculationStats, make_source
+from lockstep.server.engine.token_steps import DecodeInputs, PlainSource, Speculation, SpeculationStats, make_source
 
 
 @dataclass(frozen=True)
@@ -169,14 +169,14 @@ class RequestState:
         self._wants_logprobs = request.sampling.top_logprobs is not None
         self.processors = processors_for(request, loaded)
         draft_model = deployment.draft_model if deployment else None
-        self.source = make_source(self.cache, list(self.prompt), request.sampling, self.stats, self.plan.method,
-                                  self.plan.num_draft_tokens, draft_model,
-                                  remaining=lambda: self.max_new_tokens - self.generated, cancelled=cancelled,
-                                  adaptive=self.plan.adaptive,
-                                  backoff=deployment.draft_backoff if deployment else True,
-                                  pass_costs=deployment.pass_costs if deployment else None,
-                                  target=model, processors=self.processors, prediction=request.prediction,
-                                  draft_cost=deployment.draft_step_cost if deployment else None)
+        speculation = Speculation(
+            self.plan.method, self.plan.num_draft_tokens, adaptive=self.plan.adaptive,
+            backoff=deployment.draft_backoff if deployment else True, prediction=request.prediction,
+            draft_model=draft_model, target=model, pass_costs=deployment.pass_costs if deployment else None,
+            draft_cost=deployment.draft_step_cost if deployment else None)
+        inputs = DecodeInputs(self.cache, list(self.prompt), request.sampling, self.processors,
+                              remaining=lambda: self.max_new_tokens - self.generated, cancelled=cancelled)
+        self.source = make_source(inputs, self.stats, speculation)
         # A draft model's own cache is prefilled chunk by chunk after the target's.
         self._drafter = getattr(self.source, "drafter", None) if self.plan.method == "draft" else None
         # Its chunks are bounded by their measured cost too (a draft may prefill far slower than

@@ -237,36 +237,67 @@ def draft_cost_estimate(target, draft) -> float:
     return depth(draft) / depth(target) if target is not None else 1.0
 
 
-def make_source(cache, context: list[int], params: SamplingParams, stats: SpeculationStats,
-                method: str = "none", k: int = 0, draft_model=None,
-                remaining: Callable[[], int] = _unbounded, cancelled: Callable[[], bool] = never,
-                adaptive: bool = False, pass_costs=None, target=None, processors=None, prediction=(),
-                draft_cost: float | None = None, backoff: bool = False):
-    """The two-phase source for a speculative `method` ("none", "draft", "prompt_lookup",
-    "prediction": drafts from `prediction`, the client's predicted answer as token ids);
+@dataclass(frozen=True)
+class DecodeInputs:
+    """What one request decodes from: its cache, its tokens so far (extended as it decodes),
+    its sampling and logits processors (server/engine/logits_processors.py), how many tokens
+    it may still emit (`remaining()`) and whether its client left (`cancelled()`)."""
+
+    cache: list
+    context: list[int]
+    params: SamplingParams
+    processors: object | None = None
+    remaining: Callable[[], int] = _unbounded
+    cancelled: Callable[[], bool] = never
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How a request drafts: its speculative `method` ("none", "draft", "prompt_lookup",
+    "prediction": drafts from `prediction`, the client's predicted answer as token ids) and k;
     with `adaptive`, k is chosen per step up to `k` (AdaptiveDraftLength, weighing
-    `pass_costs`, the deployment's per-width pass costs, and `draft_cost`, a draft-model
-    pass in target passes as measured at startup; None: estimated from the models' depths);
-    without, a cheap drafter backs off after a miss where `backoff` (the server's default,
-    `Deployment.draft_backoff`; tools such as `lockstep verify` and `bench` keep fixed k, so
-    every pass width they check or time is exercised)."""
+    `pass_costs`, the deployment's per-width pass costs, and `draft_cost`, a draft-model pass
+    in target passes as measured at startup; None: estimated from the depths of `target` and
+    `draft_model`); without, a cheap drafter backs off after a miss where `backoff` (the
+    server's default, `Deployment.draft_backoff`; tools such as `lockstep verify` and `bench`
+    keep fixed k, so every pass width they check or time is exercised)."""
+
+    method: str = "none"
+    k: int = 0
+    adaptive: bool = False
+    backoff: bool = False
+    prediction: tuple[int, ...] = ()
+    draft_model: object | None = None
+    target: object | None = None
+    pass_costs: object | None = None
+    draft_cost: float | None = None
+
+
+NO_SPECULATION = Speculation()
+
+
+def make_source(inputs: DecodeInputs, stats: SpeculationStats, speculation: Speculation = NO_SPECULATION):
+    """The two-phase source decoding `inputs` as `speculation` says."""
+    cache, context, params = inputs.cache, inputs.context, inputs.params
+    method = speculation.method
     if method == "none":
-        return PlainSource(cache, context, params, stats, processors)
+        return PlainSource(cache, context, params, stats, inputs.processors)
     if method == "draft":
-        drafter = DraftModelDrafter(draft_model)
+        drafter = DraftModelDrafter(speculation.draft_model)
     elif method == "prediction":
-        drafter = PredictionDrafter(prediction, start=len(context))
+        drafter = PredictionDrafter(speculation.prediction, start=len(context))
     else:
         drafter = PromptLookupDrafter()
     policy = None
-    if adaptive:
+    if speculation.adaptive:
+        draft_cost = speculation.draft_cost
         if method != "draft":
             draft_cost = 0.0
         elif draft_cost is None:
-            draft_cost = draft_cost_estimate(target, draft_model)
-        policy = AdaptiveDraftLength(k, pass_costs, draft_cost)
-    return SpeculativeSource(cache, context, params, drafter, k, stats, remaining, cancelled, policy,
-                             processors, backoff)
+            draft_cost = draft_cost_estimate(speculation.target, speculation.draft_model)
+        policy = AdaptiveDraftLength(speculation.k, speculation.pass_costs, draft_cost)
+    return SpeculativeSource(cache, context, params, drafter, speculation.k, stats, inputs.remaining,
+                             inputs.cancelled, policy, inputs.processors, speculation.backoff)
 
 
 def drive(source, runner, cache) -> Iterator[list[Step]]:
@@ -294,7 +325,8 @@ def token_source(runner, cache, context: list[int], params: SamplingParams,
     `remaining()` is how many tokens the request may still emit; `cancelled()` whether its
     client is gone (checked between draft passes, so one step never runs k passes for nobody).
     """
-    source = make_source(cache, context, params, stats, method, k, draft_model, remaining, cancelled)
+    source = make_source(DecodeInputs(cache, context, params, remaining=remaining, cancelled=cancelled), stats,
+                         Speculation(method, k, draft_model=draft_model))
     return drive(source, runner, cache)
 
 
