@@ -6,6 +6,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from lockstep.server.engine.speculative import (AdaptiveDraftLength, DraftModelDrafter, PromptLookupDrafter,
                                                 accept_drafts, draft_tokenizer_problem)
+from lockstep.server.engine.request_report import RequestReport
 
 
 def tiny_llama(seed: int, layers: int = 2) -> llama.Model:
@@ -322,11 +323,12 @@ def test_plans_carry_adaptive_k_from_the_deployment_with_k_as_its_bound():
 
     on = Deployment(guarantee=Guarantee(6, proven=True), adaptive_draft_tokens=True)
     plan = plan_request(on, deterministic=True, speculative="prompt_lookup", num_draft_tokens=None)
-    assert plan.adaptive and plan.num_draft_tokens == 4 and plan.extension(on)["adaptive_draft_tokens"]
+    assert plan.adaptive and plan.num_draft_tokens == 4
+    assert RequestReport.planned(plan, on).render()["adaptive_draft_tokens"]
     assert not plan_request(on, deterministic=False, speculative="none", num_draft_tokens=None).adaptive
     off = plan_request(Deployment(guarantee=Guarantee(6, proven=True)), deterministic=True, speculative="prompt_lookup",
                        num_draft_tokens=3)
-    assert not off.adaptive and "adaptive_draft_tokens" not in off.extension(Deployment())
+    assert not off.adaptive and "adaptive_draft_tokens" not in RequestReport.planned(off, Deployment()).render()
     target = tiny_llama(0, layers=3)
     assert draft_cost_estimate(target, EarlyExitModel(target, 1)) == pytest.approx(1 / 3)
 

@@ -32,6 +32,7 @@ from lockstep.server.engine.logits_processors import processors_for
 from lockstep.server.engine.prefix_cache import PrefixCache, copy_prefix, exact_length, namespace
 from lockstep.server.engine.sampling import SamplingParams
 from lockstep.server.engine.receipt import Receipt
+from lockstep.server.engine.request_report import RequestReport
 from lockstep.server.engine.stops import IncrementalDecoder, StopTextStream
 from lockstep.server.engine.speculative import never
 from lockstep.server.engine.token_steps import DecodeInputs, PlainSource, Speculation, SpeculationStats, make_source
@@ -71,7 +72,7 @@ class Delta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text_offsets: list[int] = field(default_factory=list)  # start of each token in the output
     finish_reason: str | None = None
-    extension: dict | None = None  # the `lockstep` response object, on the final Delta
+    report: RequestReport | None = None  # what the request reports (the `lockstep` object), on the final Delta
     stop_sequence: str | None = None  # the stop string that ended the output, on the final Delta
     token_ids: tuple[int, ...] | None = None  # every chosen token id, on the final Delta
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
@@ -119,8 +120,8 @@ class RequestState:
         self.token_ids: list[int] = []  # chosen so far (the final Delta carries them: records, replay)
         self.finished = False
         self.stats = SpeculationStats()
-        self.extension = plan.extension(deployment) if plan and deployment else None
-        self.receipt = Receipt(request, self.prompt, self.plan, deployment) if self.extension is not None else None
+        self.report = RequestReport.planned(plan, deployment) if plan and deployment else None
+        self.receipt = Receipt(request, self.prompt, self.plan, deployment) if self.report is not None else None
         self.determinism = self.plan.determinism
         self._canonical_chunk = canonical_chunk = deployment.prefill_chunk if deployment else PREFILL_CHUNK
         plain_chunk = deployment.plain_prefill_chunk if deployment else 0
@@ -351,11 +352,10 @@ class RequestState:
         return deltas
 
     def _delta(self, release, finish_reason=None) -> Delta:
-        ext = None
-        if finish_reason is not None and self.extension is not None:
-            ext = {**self.extension, "drafted_tokens": self.stats.drafted,
-                   "accepted_tokens": self.stats.accepted, "forward_passes": self.stats.passes,
-                   "receipt": self.receipt.as_dict()}
+        report = None
+        if finish_reason is not None and self.report is not None:
+            report = self.report.finished(drafted=self.stats.drafted, accepted=self.stats.accepted,
+                                          passes=self.stats.passes, receipt=self.receipt.as_dict())
         return Delta(
             text=release.text,
             prompt_tokens=len(self.prompt),
@@ -363,7 +363,7 @@ class RequestState:
             logprobs=release.items if self._wants_logprobs else [],
             text_offsets=release.offsets if self._wants_logprobs else [],
             finish_reason=finish_reason,
-            extension=ext,
+            report=report,
             stop_sequence=self._stream.matched if finish_reason is not None else None,
             token_ids=tuple(self.token_ids) if finish_reason is not None else None,
             cached_tokens=self.cached_tokens,
