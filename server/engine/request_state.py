@@ -7,9 +7,10 @@ runner does, server/engine/model_runner.py):
   with a draft model, the draft's (chunked the same way, and no wider than its measured cost
   allows within a time budget, server/engine/draft_costs.py, so a long prompt never holds the
   engine for more than a chunk); `chunk_written()` records it;
-- then `rows()` names the tokens this request puts into the next forward pass (the last
-  token, plus drafts when speculating), and `take(logits)` turns that pass's rows into
-  `Delta`s: text (stop strings held back), logprobs, and a finish reason on the last one.
+- then `draft_length(room)` says how many drafts its next pass may verify (the scheduler
+  asks; the model runner drafts, runs and samples), and `advance(sampled)` turns the tokens
+  that pass chose (step_data.SampledTokens) into `Delta`s: text (stop strings held back),
+  logprobs, and a finish reason on the last one.
 
 The prompt's last token is the first decode row, so every logits row a token is chosen from
 comes from a decode pass.
@@ -35,6 +36,7 @@ from lockstep.server.engine.receipt import Receipt
 from lockstep.server.engine.request_report import RequestReport
 from lockstep.server.engine.stops import IncrementalDecoder, StopTextStream
 from lockstep.server.engine.speculative import never
+from lockstep.server.engine.step_data import SampledTokens
 from lockstep.server.engine.token_steps import DecodeInputs, PlainSource, Speculation, SpeculationStats, make_source
 
 
@@ -109,6 +111,7 @@ class RequestState:
                  prefill_from: "RequestState | None" = None, cache: list | None = None):
         self.loaded = loaded
         self.request = request
+        self.cancelled = cancelled  # whether its client left (the runner drops it from a pass drafted meanwhile)
         self.plan = plan or PLAIN
         self.deployment = deployment
         self.prefix_cache = prefix_cache
@@ -283,10 +286,15 @@ class RequestState:
 
     # ----------------------------------------------------------------------- decode
 
-    def rows(self, room: int | None = None) -> list[int]:
-        """Tokens for this request's rows in the next decode pass (may run a drafter); at most
-        `room` of them when the engine says the pass is nearly full."""
-        return self.source.rows(room)
+    @property
+    def last_token(self) -> int:
+        """The token its next decode pass starts from (the prompt's last, then the last chosen)."""
+        return self.source.context[-1]
+
+    def draft_length(self, room: int | None = None) -> int:
+        """Drafts its next decode pass may verify (its policy's k), within `room` rows (this
+        request's own included) when the scheduler says the pass is nearly full."""
+        return self.source.draft_length(room)
 
     def presample(self, logits: mx.array, ahead: int = 0):
         """Sampling for the pass's rows built lazily, for the engine to compute together with
@@ -309,13 +317,12 @@ class RequestState:
         """The token this pass chooses, as a (1,) array: the next row's input (`decodes_ahead`)."""
         return self.source.chosen(argmax, pending)
 
-    def take(self, logits: mx.array, argmax: list[int] | None = None, sampled=None) -> list[Delta]:
-        """The pass's logits rows for rows() -> Deltas to send (the last one may finish);
-        `sampled`: what `presample(logits)` returned."""
+    def advance(self, sampled: SampledTokens) -> list[Delta]:
+        """The tokens its pass chose -> Deltas to send (the last one may finish)."""
         deltas: list[Delta] = []
         pending = None  # releases of this pass not yet sent, merged into one Delta
-        steps = self.source.take(logits, argmax) if sampled is None else self.source.take(logits, argmax, sampled)
-        for chosen in (s.sampled for s in steps):
+        self.source.record(sampled.tokens, sampled.drafts)
+        for chosen in sampled.chosen:
             self.generated += 1
             self.token_ids.append(chosen.token)
             if self.receipt is not None:
