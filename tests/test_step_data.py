@@ -71,7 +71,8 @@ def test_a_hand_built_runner_output_advances_requests_by_exactly_its_tokens():
     assert [(m.slot, m.token) for m in scheduled.members] == [(plain, 3), (lookup, 3)]
     assert scheduled.members[0].k == 0 and scheduled.members[1].k >= 0  # how many drafts: the scheduler's word
 
-    ran = PassOutput(rows=3, members=[SampledTokens([Sampled(7)]), SampledTokens([Sampled(8), Sampled(9)], drafts=[8, 5])])
+    ran = PassOutput(rows=3, members=[SampledTokens([Sampled(7)]),
+                                      SampledTokens([Sampled(8), Sampled(9)], drafts=[8, 5])])
     posts = scheduler.update_from_output(output, ModelRunnerOutput(passes=[ran]))
     assert plain.state.token_ids == [7] and lookup.state.token_ids == [8, 9]
     assert (lookup.state.stats.drafted, lookup.state.stats.accepted, lookup.state.stats.passes) == (2, 1, 1)

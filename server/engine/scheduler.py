@@ -37,7 +37,8 @@ from lockstep.server.engine.kv_budget import KVBudget, reservation
 from lockstep.server.engine.passes import Demand, compose_passes
 from lockstep.server.engine.prefix_cache import PrefixCache
 from lockstep.server.engine.request_state import RequestState
-from lockstep.server.engine.step_data import DecodeRows, ModelRunnerOutput, PrefillResult, ScheduledPass, SchedulerOutput
+from lockstep.server.engine.step_data import (DecodeRows, ModelRunnerOutput, PrefillResult, ScheduledPass,
+                                              SchedulerOutput)
 
 log = logging.getLogger(__name__)
 

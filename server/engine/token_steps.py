@@ -6,10 +6,10 @@ verify (the scheduler asks it) and `record(tokens, drafts)` learns from what the
 (the scheduler's update). The model runner's mechanics: `propose(k)` asks the drafter,
 the runner runs [last token, *drafts] against the request's own cache, and `verify(logits,
 drafts)` chooses the tokens (sample and compare; rejected drafts' KV trimmed). `rows()` and
-`take(logits)` are the same four in order, for a source run solo. Both sources choose every token the same way: `sample` on a
-(1, vocab) row of the target's logits at its absolute position. With batch-invariant
-kernels a row's logits do not depend on how many rows shared its forward pass, so both
-give identical tokens, alone or batched.
+`take(logits)` are the same four in order, for a source run solo. Both sources choose every
+token the same way: `sample` on a (1, vocab) row of the target's logits at its absolute
+position. With batch-invariant kernels a row's logits do not depend on how many rows shared
+its forward pass, so both give identical tokens, alone or batched.
 
 `drive` runs a source solo, one pass per step through a model runner's `forward_rows` (the
 pass the engine's runner makes for one request), for callers without an engine (verify,
