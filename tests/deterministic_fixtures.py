@@ -17,6 +17,7 @@ from lockstep.server.engine.decode_plan import DecodePlan
 from lockstep.server.engine.deployment import Deployment
 from lockstep.server.engine.generate import GenerationRequest, generate
 from lockstep.server.engine.model_runner import ModelRunner
+from lockstep.server.engine.request_report import rendered
 from lockstep.server.engine.sampling import SamplingParams
 from lockstep.server.engine.token_steps import PlainSource, SpeculationStats, drive, speculative_tokens
 
@@ -113,7 +114,7 @@ def run_generate(loaded, prompt: list[int], max_tokens: int, sampling: SamplingP
     tokens = [t for lp in items for t in ids(lp.token)]
     return Run(tokens=tokens, logprobs=[lp.logprob for lp in items], tops=[lp.top for lp in items],
                text="".join(d.text for d in deltas), finish_reason=deltas[-1].finish_reason,
-               extension=deltas[-1].extension, decode_logits=step.rows)
+               extension=rendered(deltas[-1].report), decode_logits=step.rows)
 
 
 def chosen_rows(run: Run) -> list:

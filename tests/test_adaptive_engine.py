@@ -62,7 +62,7 @@ def run_engine(draft_room: bool):
                     text += delta.text
                     bits += [struct.pack(">d", lp.logprob) for lp in delta.logprobs]
                     if delta.finish_reason:
-                        drafted[key] = delta.extension["drafted_tokens"]
+                        drafted[key] = delta.report.drafted_tokens
                 results[key] = ([ord(ch) - 0x4E00 for ch in text], bits)
             return results, drafted
         finally:

@@ -7,6 +7,7 @@ from lockstep.server.engine.decode_plan import METHODS, DecodePlan, RequestRejec
 from lockstep.server.engine.deployment import Deployment
 from lockstep.server.engine.guarantee import Guarantee
 from lockstep.server.runtime import LIMIT_ENV, limit_from_env
+from lockstep.server.engine.request_report import RequestReport
 
 DRAFT = object()  # stands in for a draft model: plan_request only checks it is there
 PROVEN = Deployment(guarantee=Guarantee(6, proven=True, shared_passes=True), num_draft_tokens=4,
@@ -85,7 +86,7 @@ def test_limit_zero_runs_without_speculation_in_passes_of_its_own_with_a_note(me
     p = plan(off, speculative=method, k=k)
     assert (p.determinism, p.method, p.num_draft_tokens, p.guaranteed) == ("alone", "none", 0, False)
     assert "limit is 0" in p.note and "without speculation, in passes of its own" in p.note
-    info = p.extension(off)
+    info = RequestReport.planned(p, off).render()
     assert info == {"deterministic": True, "batch_invariant_limit": 0, "guaranteed": False,
                     "speculative": "none", "num_draft_tokens": 0, "note": p.note}
 
@@ -95,17 +96,18 @@ def test_unproven_limit_is_not_trusted():
     p = plan(unproven, speculative="draft", k=3)
     assert (p.method, p.num_draft_tokens, p.determinism) == ("none", 0, "alone")
     assert "not proven" in p.note
-    assert p.extension(unproven)["guaranteed"] is False
-    assert p.extension(unproven)["batch_invariant_limit"] == 6
+    assert RequestReport.planned(p, unproven).render()["guaranteed"] is False
+    assert RequestReport.planned(p, unproven).render()["batch_invariant_limit"] == 6
 
 
 def test_extension_reports_the_guarantee_only_for_deterministic_requests():
     det = plan(speculative="prompt_lookup", k=2)
-    assert det.extension(PROVEN) == {"deterministic": True, "batch_invariant_limit": 6, "guaranteed": True,
-                                     "speculative": "prompt_lookup", "num_draft_tokens": 2}
+    assert RequestReport.planned(det, PROVEN).render() == {
+        "deterministic": True, "batch_invariant_limit": 6, "guaranteed": True, "speculative": "prompt_lookup",
+        "num_draft_tokens": 2}
     loose = plan(deterministic=False, speculative="prompt_lookup", k=2)
-    assert loose.extension(PROVEN)["guaranteed"] is False
-    assert "note" not in loose.extension(PROVEN)
+    assert RequestReport.planned(loose, PROVEN).render()["guaranteed"] is False
+    assert "note" not in RequestReport.planned(loose, PROVEN).render()
 
 
 def test_every_speculative_method_has_a_drafter():
@@ -179,7 +181,7 @@ def test_adaptive_speculation_flag_reaches_the_deployment_with_measured_costs(mo
     assert deployment.adaptive_draft_tokens and deployment.pass_costs == (1.0, 2.0, 3.0, 4.0)
     assert widths == [4]  # passes of up to max_draft_tokens + 1 rows
     p = plan_request(deployment, deterministic=False, speculative="prompt_lookup", num_draft_tokens=None)
-    assert p.adaptive and p.extension(deployment)["adaptive_draft_tokens"] is True
+    assert p.adaptive and RequestReport.planned(p, deployment).render()["adaptive_draft_tokens"] is True
 
 
 def test_a_proven_limit_without_shared_passes_plans_alone():

@@ -15,6 +15,7 @@ from lockstep.server.engine.deployment import Deployment
 from lockstep.server.engine.draft_costs import (DRAFT_PREFILL_BUDGET_S, DraftCosts, drafting_refusal,
                                                 measure_draft_costs)
 from lockstep.server.engine.generate import generate
+from lockstep.server.engine.request_report import rendered
 from lockstep.server.engine.request_state import GenerationRequest
 from lockstep.server.engine.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded
@@ -58,7 +59,7 @@ def tiny():
 
 def _answer(loaded, deployment, plan, prompt, n=12):
     deltas = [d for d in generate(loaded, GenerationRequest(prompt, n, GREEDY), plan=plan, deployment=deployment) if d]
-    return [ord(ch) - 0x4E00 for d in deltas for ch in d.text], deltas[-1].extension
+    return [ord(ch) - 0x4E00 for d in deltas for ch in d.text], rendered(deltas[-1].report)
 
 
 # ------------------------------------------------------------------ the measurement

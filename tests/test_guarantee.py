@@ -8,6 +8,7 @@ from lockstep.server.engine.decode_plan import Determinism, plan_request
 from lockstep.server.engine.deployment import Deployment
 from lockstep.server.engine.guarantee import Guarantee, decide_guarantee
 from lockstep.server.engine.guarantee_state import IN_FORCE, OFF, REFUSED, settled_state
+from lockstep.server.engine.request_report import RequestReport
 
 
 def installed(limit: int, guaranteed: bool, request_rows: int | None = None) -> InstalledInvariance:
@@ -25,7 +26,7 @@ def test_a_refused_limit_keeps_l_and_says_refused():
     assert settled_state(deployment) == REFUSED
     plan = plan_request(deployment, deterministic=True, speculative=None, num_draft_tokens=None)
     assert plan.determinism == Determinism.ALONE and not plan.guaranteed
-    assert plan.extension(deployment)["batch_invariant_limit"] == 4
+    assert RequestReport.planned(plan, deployment).render()["batch_invariant_limit"] == 4
 
 
 def test_no_limit_is_off_and_a_proven_one_in_force():

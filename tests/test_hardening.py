@@ -14,6 +14,7 @@ from openai import AuthenticationError, OpenAI
 
 from lockstep.server.api.errors import RETRY_AFTER_S
 from lockstep.server.engine.generate import Delta
+from lockstep.server.engine.request_report import RequestReport
 from tests.doubles.scripted_engine import ScriptedEngine
 from tests.http_server import running, wait_until
 
@@ -22,7 +23,7 @@ GOOD = {"Authorization": "Bearer key-two"}
 PROMPT_TEXT = "my secret prompt about zebras"
 CHAT = {"model": "default", "messages": [{"role": "user", "content": PROMPT_TEXT}], "max_tokens": 3}
 ERROR_KEYS = {"message", "type", "param", "code"}
-EXTENSION = {"speculative": "prompt_lookup", "drafted_tokens": 5, "accepted_tokens": 3, "deterministic": True}
+REPORT = RequestReport(speculative="prompt_lookup", drafted_tokens=5, accepted_tokens=3, deterministic=True)
 
 
 class ScriptedGenerate:
@@ -41,7 +42,7 @@ class ScriptedGenerate:
                 yield None  # let the engine notice cancellation while held
             last = i == request.max_tokens - 1
             yield Delta(text=f"t{i} ", prompt_tokens=n, completion_tokens=i + 1,
-                        finish_reason="length" if last else None, extension=EXTENSION if last else None)
+                        finish_reason="length" if last else None, report=REPORT if last else None)
 
 
 @pytest.fixture(scope="module")
@@ -339,8 +340,8 @@ def test_metrics_count_requests_errors_tokens_and_extensions(hardened, http):
     assert delta("lockstep_prompt_tokens_total") > 2  # the chat template's tokens + 2 ids
     assert delta("lockstep_time_to_first_token_seconds_count") == 2
     assert delta("lockstep_decode_tokens_per_second_count") == 2
-    assert delta("lockstep_speculative_drafted_tokens_total") == 2 * EXTENSION["drafted_tokens"]
-    assert delta("lockstep_speculative_accepted_tokens_total") == 2 * EXTENSION["accepted_tokens"]
+    assert delta("lockstep_speculative_drafted_tokens_total") == 2 * REPORT.drafted_tokens
+    assert delta("lockstep_speculative_accepted_tokens_total") == 2 * REPORT.accepted_tokens
     assert delta("lockstep_deterministic_requests_total") == 2
     assert "lockstep_queue_depth 0.0" in text
 

@@ -6,6 +6,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from lockstep.server.engine.speculative import (AdaptiveDraftLength, DraftModelDrafter, PromptLookupDrafter,
                                                 accept_drafts, draft_tokenizer_problem)
+from lockstep.server.engine.request_report import RequestReport
 
 
 def tiny_llama(seed: int, layers: int = 2) -> llama.Model:
@@ -172,13 +173,13 @@ def _adaptive_run(model, prompt, n, step_fn=None, room=lambda i: None, k=4, cost
     """Greedy adaptive prompt lookup: (tokens, k per step, passes, logits rows' bytes)."""
     import numpy as np
     from lockstep.server.engine.sampling import SamplingParams
-    from lockstep.server.engine.token_steps import SpeculationStats, make_source
+    from lockstep.server.engine.token_steps import DecodeInputs, Speculation, SpeculationStats, make_source
 
     cache = make_prompt_cache(model)
     model(mx.array(prompt[:-1])[None], cache=cache)
     stats = SpeculationStats()
-    source = make_source(cache, list(prompt), SamplingParams(temperature=0.0), stats, "prompt_lookup", k,
-                         adaptive=True, pass_costs=list(costs))
+    source = make_source(DecodeInputs(cache, list(prompt), SamplingParams(temperature=0.0)), stats,
+                         Speculation("prompt_lookup", k, adaptive=True, pass_costs=list(costs)))
     tokens, ks, rows_bytes, i = [], [], [], 0
     while len(tokens) < n:
         rows = source.rows(room(i))
@@ -322,11 +323,12 @@ def test_plans_carry_adaptive_k_from_the_deployment_with_k_as_its_bound():
 
     on = Deployment(guarantee=Guarantee(6, proven=True), adaptive_draft_tokens=True)
     plan = plan_request(on, deterministic=True, speculative="prompt_lookup", num_draft_tokens=None)
-    assert plan.adaptive and plan.num_draft_tokens == 4 and plan.extension(on)["adaptive_draft_tokens"]
+    assert plan.adaptive and plan.num_draft_tokens == 4
+    assert RequestReport.planned(plan, on).render()["adaptive_draft_tokens"]
     assert not plan_request(on, deterministic=False, speculative="none", num_draft_tokens=None).adaptive
     off = plan_request(Deployment(guarantee=Guarantee(6, proven=True)), deterministic=True, speculative="prompt_lookup",
                        num_draft_tokens=3)
-    assert not off.adaptive and "adaptive_draft_tokens" not in off.extension(Deployment())
+    assert not off.adaptive and "adaptive_draft_tokens" not in RequestReport.planned(off, Deployment()).render()
     target = tiny_llama(0, layers=3)
     assert draft_cost_estimate(target, EarlyExitModel(target, 1)) == pytest.approx(1 / 3)
 

@@ -48,6 +48,7 @@ from lockstep.server.api.errors import (APIError, RetryAfter, context_length_exc
                                install_error_handlers, model_not_found)
 from lockstep.server.engine.decode_plan import PREDICTION, DecodePlan, RequestRejected, plan_request
 from lockstep.server.engine.generate import Delta, GenerationRequest
+from lockstep.server.engine.request_report import rendered
 from lockstep.server.engine.logits_processors import logits_width
 from lockstep.server.engine.sampling import GREEDY_BELOW, SamplingParams
 from lockstep.server.api.tool_call_stream import ToolCallStream, call_stream
@@ -108,19 +109,19 @@ def _response_calls(calls: list[ParsedCall]) -> list[p.ResponseToolCall]:
 
 def _choice_lockstep(d: Delta, body: p.SamplingRequest) -> dict | None:
     """A finished choice's own `lockstep` object: its receipt, and its token ids when asked."""
-    if d.extension is None:
+    if d.report is None:
         return None
-    info = {"receipt": d.extension.get("receipt")}
+    info = {"receipt": d.report.receipt}
     if body.return_token_ids:
         info["token_ids"] = list(d.token_ids or ())
     return info
 
 
 def _final_lockstep(d: Delta, body: p.SamplingRequest) -> dict | None:
-    """A stream's `lockstep` object on a choice's final chunk (its own extension and receipt)."""
-    if d.extension is None or not body.return_token_ids:
-        return d.extension
-    return {**d.extension, "token_ids": list(d.token_ids or ())}
+    """A stream's `lockstep` object on a choice's final chunk (its own report and receipt)."""
+    if d.report is None or not body.return_token_ids:
+        return rendered(d.report)
+    return {**d.report.render(), "token_ids": list(d.token_ids or ())}
 
 
 def _finish_reason(reason: str | None, called: bool, legacy: bool = False) -> str | None:
@@ -369,7 +370,7 @@ class Routes:
             finals = await self.collect(handles, receive)
             return JSONResponse(p.ChatCompletion(
                 **common, choices=[self._chat_choice(i, d, body) for i, d in enumerate(finals)],
-                usage=choices.usage(finals), lockstep=finals[0].extension).model_dump())
+                usage=choices.usage(finals), lockstep=rendered(finals[0].report)).model_dump())
 
         async def chunks() -> AsyncIterator[p.ChatCompletionChunk | str]:
             role_due = [True] * len(handles)  # the role is sent once per choice, in its first chunk
@@ -428,7 +429,7 @@ class Routes:
         if not body.stream:
             finals = await self.collect(handles, receive)
             return JSONResponse(p.TextCompletion(**common, choices=[choice(i, d) for i, d in enumerate(finals)],
-                                                 usage=choices.usage(finals), lockstep=finals[0].extension).model_dump())
+                                                 usage=choices.usage(finals), lockstep=rendered(finals[0].report)).model_dump())
 
         async def chunks() -> AsyncIterator[p.TextCompletion | str]:
             finals: list[Delta] = []

@@ -10,7 +10,6 @@ import asyncio
 from typing import AsyncIterator
 
 from lockstep.server.api import protocol as p
-from lockstep.server.engine.decode_plan import PREDICTION
 from lockstep.server.engine.generate import Delta
 from lockstep.server.engine.sampling import splitmix64
 
@@ -36,7 +35,7 @@ def merge(deltas: list[Delta]) -> Delta:
         logprobs=[lp for d in deltas for lp in d.logprobs],
         text_offsets=[o for d in deltas for o in d.text_offsets],
         finish_reason=last.finish_reason,
-        extension=last.extension,
+        report=last.report,
         stop_sequence=last.stop_sequence,
         token_ids=last.token_ids,
         cached_tokens=last.cached_tokens,
@@ -44,13 +43,8 @@ def merge(deltas: list[Delta]) -> Delta:
 
 
 def prediction_counts(final: Delta) -> tuple[int, int]:
-    """(accepted, rejected) prediction tokens of one choice: its drafts, when they came from
-    the request's prediction, that verification accepted and rejected (docs/API.md)."""
-    ext = final.extension or {}
-    if ext.get("speculative") != PREDICTION:
-        return 0, 0
-    accepted = ext.get("accepted_tokens", 0)
-    return accepted, ext.get("drafted_tokens", 0) - accepted
+    """(accepted, rejected) prediction tokens of one choice (RequestReport.prediction_tokens)."""
+    return final.report.prediction_tokens if final.report is not None else (0, 0)
 
 
 def usage(finals: list[Delta]) -> p.Usage:

@@ -24,6 +24,7 @@ from lockstep.server.api.tool_call_stream import ToolCallStream
 from lockstep.server.api.tool_calls import ParsedCall, new_call_id
 from lockstep.server.engine import GenerationError
 from lockstep.server.engine.generate import Delta
+from lockstep.server.engine.request_report import rendered
 
 # Chat-request fields named in errors from the shared submission path -> the Messages field.
 PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "response_format": "output_config"}
@@ -277,7 +278,7 @@ class MessagesRoute:
         usage = mp.Usage(input_tokens=final.prompt_tokens, output_tokens=final.completion_tokens,
                          cache_read_input_tokens=final.cached_tokens)
         return message.model_copy(update={"content": list(blocks.blocks), "stop_reason": reason,
-                                          "stop_sequence": sequence, "usage": usage, "lockstep": final.extension})
+                                          "stop_sequence": sequence, "usage": usage, "lockstep": rendered(final.report)})
 
     async def _stream(self, handles, message: mp.Message, blocks: ContentBlocks) -> AsyncIterator[str]:
         final = None

@@ -93,8 +93,8 @@ class Metrics:
             return  # nothing was generated
         self.prompt_tokens.inc(record.prompt_tokens)
         self.completion_tokens.inc(record.completion_tokens or 0)
-        extension = record.extension or {}
-        if record.deterministic or extension.get("deterministic"):
+        report = record.report
+        if record.deterministic or (report is not None and report.deterministic):
             self.deterministic.inc()
         if record.first_token_at is not None:
             self.ttft.observe(record.first_token_at - record.started)
@@ -104,8 +104,9 @@ class Metrics:
                 self.decode_rate.observe(decoded / elapsed)
         for gap in record.token_gaps:
             self.inter_token.observe(gap)
-        self.drafted.inc(int(extension.get("drafted_tokens") or 0))
-        self.accepted.inc(int(extension.get("accepted_tokens") or 0))
+        if report is not None:
+            self.drafted.inc(report.drafted_tokens or 0)
+            self.accepted.inc(report.accepted_tokens or 0)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -90,7 +90,7 @@ def entry_for(body, finals) -> dict:
         "request": body.model_dump(mode="json", exclude_unset=True, by_alias=True),
         "choices": [{"index": i, "finish_reason": d.finish_reason,
                      "token_ids": list(d.token_ids or ()),
-                     "receipt": (d.extension or {}).get("receipt")} for i, d in enumerate(finals)],
+                     "receipt": d.report.receipt if d.report is not None else None} for i, d in enumerate(finals)],
     }
 
 

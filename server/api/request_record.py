@@ -3,7 +3,7 @@
 `RecordRequests` (ASGI middleware, outermost) opens the record, notes the response status
 and calls each sink (access log, metrics) once the response is finished. Route code adds
 generation facts through `current()`; `TrackedHandle` does so for an engine handle
-(first-token time, token counts, the final `lockstep` extension, cancellation).
+(first-token time, token counts, the final `RequestReport`, cancellation).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class RequestRecord:
     finish_reason: str | None = None
     cancelled: bool = False
     deterministic: bool = False
-    extension: dict | None = None  # the final Delta's `lockstep` object
+    report: object | None = None  # the final Delta's RequestReport
     prompt: object | None = None  # only kept when prompt logging is on
 
     @property
@@ -151,7 +151,7 @@ class TrackedHandle:
         record.prompt_tokens = delta.prompt_tokens
         if delta.finish_reason is not None:
             record.finish_reason = delta.finish_reason
-            record.extension = getattr(delta, "extension", None)
+            record.report = getattr(delta, "report", None)
 
 
 def track(handle) -> TrackedHandle:

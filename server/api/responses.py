@@ -25,6 +25,7 @@ from lockstep.server.api.tool_call_stream import ToolCallStream
 from lockstep.server.api.tool_calls import ParsedCall, new_call_id
 from lockstep.server.engine import GenerationError
 from lockstep.server.engine.generate import Delta
+from lockstep.server.engine.request_report import rendered
 
 # Chat-request fields named in errors from the shared submission path -> the Responses field.
 PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
@@ -263,7 +264,7 @@ class ResponsesRoute:
         return response.model_copy(update={
             "status": status, "completed_at": int(time.time()), "output": list(items.items), "usage": usage,
             "incomplete_details": rp.IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
-            "lockstep": final.extension})
+            "lockstep": rendered(final.report)})
 
     async def _events(self, handles, response: rp.ResponseObject, items: OutputItems) -> AsyncIterator[rp.StreamEvent]:
         yield rp.ResponseEvent(type="response.created", response=response)

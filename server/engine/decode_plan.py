@@ -54,23 +54,6 @@ class DecodePlan:
     def deterministic(self) -> bool:
         return self.determinism != Determinism.NONE
 
-    def extension(self, deployment: Deployment) -> dict:
-        """The `lockstep` object returned with the response (counts are added by the request)."""
-        info = {
-            "deterministic": self.deterministic,
-            "batch_invariant_limit": deployment.guarantee.call_rows,
-            "guaranteed": self.guaranteed,
-            "speculative": self.method,
-            "num_draft_tokens": self.num_draft_tokens,
-        }
-        if self.seed is not None:
-            info["seed"] = self.seed
-        if self.adaptive:
-            info["adaptive_draft_tokens"] = True
-        if self.note:
-            info["note"] = self.note
-        return info
-
 
 PLAIN = DecodePlan(Determinism.NONE, "none", 0)
 

@@ -291,9 +291,9 @@ class Engine:
         posts = self.scheduler.update_from_output(output, result)
         if output.prefill_shared and not isinstance(result.prefill_shared, Exception):
             self._notify("on_prefill", sum(result.prefill_shared), len(output.prefill_shared))
-        for decode_pass, done in zip(output.passes, result.passes):
-            if not isinstance(done, Exception):
-                self._notify("on_pass", decode_pass.rows, len(decode_pass.members))
+        for done in result.passes:
+            if not isinstance(done, Exception) and done.rows:
+                self._notify("on_pass", done.rows, done.requests)
         post_all(posts)
 
     def _fail(self, handle: RequestHandle, exc: Exception) -> None:

@@ -17,7 +17,7 @@ from lockstep.server.engine.model_runner import ModelRunner
 from lockstep.server.engine.prefix_cache import PrefixCache
 from lockstep.server.engine.request_state import Delta, GenerationRequest, RequestState
 from lockstep.server.engine.speculative import never
-from lockstep.server.engine.step_data import DecodePass
+from lockstep.server.engine.step_data import DecodeRows, ScheduledPass
 
 
 class _Alone:
@@ -48,11 +48,13 @@ def generate(loaded, request: GenerationRequest, *, plan: DecodePlan | None = No
             yield None
         alone = _Alone(state)
         while True:
-            rows = state.rows()
-            if cancelled():
+            scheduled = ScheduledPass([DecodeRows(alone, state.last_token, state.draft_length())])
+            sampled, = runner.run_pass(scheduled).members
+            if sampled is None:  # cancelled while drafting
                 return
-            result = runner.decode(DecodePass([(alone, rows)]))
-            deltas = state.take(result.logits, result.argmax, result.sampled[0])
+            if isinstance(sampled, Exception):
+                raise sampled
+            deltas = state.advance(sampled)
             if not deltas:
                 yield None
             yield from deltas

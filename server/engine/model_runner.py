@@ -4,9 +4,11 @@ scheduler describes.
 It holds the loaded model, its batched (ragged) passes, the KV pool and the choice of
 forms per pass (canonical forms only where a request asked for determinism, native
 otherwise). `execute(SchedulerOutput) -> ModelRunnerOutput` runs one engine step's prompt
-chunks and decode passes; every device round trip of a pass (logits, every row's argmax,
-every sampled request's sampling) happens here. Nothing here decides who runs (the
-scheduler) or what a token means (the request's state).
+chunks and decode passes: for each pass it asks the requests' drafters for the drafts the
+scheduler allowed, runs the pass (every device round trip: logits, every row's argmax, every
+sampled request's sampling) and chooses each request's tokens (sample and compare), which it
+returns as plain data. Nothing here decides who runs or how many drafts (the scheduler and
+the request's policy) or what a token means (the request's state).
 
 Decoding ahead (`Deployment.decode_ahead`, server/engine/decode_ahead.py): after a compiled
 decode pass the runner may build the next one on its tokens while the device still runs it,
@@ -30,8 +32,8 @@ from lockstep.kernels.invariance.prefill import chunk_end, resume_at
 from lockstep.server.engine import decode_ahead
 from lockstep.server.engine.decode_ahead import AheadPass
 from lockstep.server.engine.deployment import Deployment
-from lockstep.server.engine.step_data import (DecodePass, ModelRunnerOutput, PassResult, PrefillResult,
-                                              SchedulerOutput)
+from lockstep.server.engine.step_data import (DecodePass, ModelRunnerOutput, PassOutput, PassResult, PrefillResult,
+                                              SampledTokens, ScheduledPass, SchedulerOutput)
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +151,41 @@ class ModelRunner:
                 result.prefill_shared = self.prefill_shared([slot.state for slot in output.prefill_shared])
             except Exception as exc:
                 result.prefill_shared = exc
-        for decode_pass in output.passes:
+        for scheduled in output.passes:
             try:
-                result.passes.append(self.decode(decode_pass, look_ahead=output.decode_ahead))
+                result.passes.append(self.run_pass(scheduled, look_ahead=output.decode_ahead))
             except Exception as exc:
                 result.passes.append(exc)
         return result
+
+    def run_pass(self, scheduled: ScheduledPass, look_ahead: bool = False) -> PassOutput:
+        """Draft, run and sample one scheduled decode pass: each member's drafter proposes up
+        to its k drafts, the pass runs [last token, *drafts] of every member (`decode`), and
+        each member's tokens are chosen from its rows. A member whose drafting or sampling
+        fails fails alone; one whose client left while drafting does not run."""
+        members = [None] * len(scheduled.members)
+        running = []  # (index, slot, rows, drafts)
+        for i, member in enumerate(scheduled.members):
+            state = member.slot.state
+            try:
+                drafts = state.source.propose(member.k)
+            except Exception as exc:
+                members[i] = exc
+                continue
+            if state.cancelled():
+                continue  # no pass for nobody
+            running.append((i, member.slot, [member.token, *drafts], drafts))
+        if not running:
+            return PassOutput(0, members)
+        done = self.decode(DecodePass([(slot, rows) for _, slot, rows, _ in running]), look_ahead=look_ahead)
+        for (i, slot, _, drafts), (begin, end), pending in zip(running, done.spans, done.sampled):
+            try:
+                steps = slot.state.source.verify(done.logits[begin:end], drafts, done.argmax[begin:end], pending)
+            except Exception as exc:
+                members[i] = exc
+                continue
+            members[i] = SampledTokens([step.sampled for step in steps], drafts)
+        return PassOutput(sum(len(rows) for _, _, rows, _ in running), members)
 
     def set_deployment(self, deployment: Deployment) -> None:
         """Run with `deployment` from now on; passes traced under the model's forms before are

@@ -7,9 +7,10 @@ runner does, server/engine/model_runner.py):
   with a draft model, the draft's (chunked the same way, and no wider than its measured cost
   allows within a time budget, server/engine/draft_costs.py, so a long prompt never holds the
   engine for more than a chunk); `chunk_written()` records it;
-- then `rows()` names the tokens this request puts into the next forward pass (the last
-  token, plus drafts when speculating), and `take(logits)` turns that pass's rows into
-  `Delta`s: text (stop strings held back), logprobs, and a finish reason on the last one.
+- then `draft_length(room)` says how many drafts its next pass may verify (the scheduler
+  asks; the model runner drafts, runs and samples), and `advance(sampled)` turns the tokens
+  that pass chose (step_data.SampledTokens) into `Delta`s: text (stop strings held back),
+  logprobs, and a finish reason on the last one.
 
 The prompt's last token is the first decode row, so every logits row a token is chosen from
 comes from a decode pass.
@@ -32,9 +33,11 @@ from lockstep.server.engine.logits_processors import processors_for
 from lockstep.server.engine.prefix_cache import PrefixCache, copy_prefix, exact_length, namespace
 from lockstep.server.engine.sampling import SamplingParams
 from lockstep.server.engine.receipt import Receipt
+from lockstep.server.engine.request_report import RequestReport
 from lockstep.server.engine.stops import IncrementalDecoder, StopTextStream
 from lockstep.server.engine.speculative import never
-from lockstep.server.engine.token_steps import PlainSource, SpeculationStats, make_source
+from lockstep.server.engine.step_data import SampledTokens
+from lockstep.server.engine.token_steps import DecodeInputs, PlainSource, Speculation, SpeculationStats, make_source
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ class Delta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text_offsets: list[int] = field(default_factory=list)  # start of each token in the output
     finish_reason: str | None = None
-    extension: dict | None = None  # the `lockstep` response object, on the final Delta
+    report: RequestReport | None = None  # what the request reports (the `lockstep` object), on the final Delta
     stop_sequence: str | None = None  # the stop string that ended the output, on the final Delta
     token_ids: tuple[int, ...] | None = None  # every chosen token id, on the final Delta
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
@@ -108,6 +111,7 @@ class RequestState:
                  prefill_from: "RequestState | None" = None, cache: list | None = None):
         self.loaded = loaded
         self.request = request
+        self.cancelled = cancelled  # whether its client left (the runner drops it from a pass drafted meanwhile)
         self.plan = plan or PLAIN
         self.deployment = deployment
         self.prefix_cache = prefix_cache
@@ -119,8 +123,8 @@ class RequestState:
         self.token_ids: list[int] = []  # chosen so far (the final Delta carries them: records, replay)
         self.finished = False
         self.stats = SpeculationStats()
-        self.extension = plan.extension(deployment) if plan and deployment else None
-        self.receipt = Receipt(request, self.prompt, self.plan, deployment) if self.extension is not None else None
+        self.report = RequestReport.planned(plan, deployment) if plan and deployment else None
+        self.receipt = Receipt(request, self.prompt, self.plan, deployment) if self.report is not None else None
         self.determinism = self.plan.determinism
         self._canonical_chunk = canonical_chunk = deployment.prefill_chunk if deployment else PREFILL_CHUNK
         plain_chunk = deployment.plain_prefill_chunk if deployment else 0
@@ -169,14 +173,14 @@ class RequestState:
         self._wants_logprobs = request.sampling.top_logprobs is not None
         self.processors = processors_for(request, loaded)
         draft_model = deployment.draft_model if deployment else None
-        self.source = make_source(self.cache, list(self.prompt), request.sampling, self.stats, self.plan.method,
-                                  self.plan.num_draft_tokens, draft_model,
-                                  remaining=lambda: self.max_new_tokens - self.generated, cancelled=cancelled,
-                                  adaptive=self.plan.adaptive,
-                                  backoff=deployment.draft_backoff if deployment else True,
-                                  pass_costs=deployment.pass_costs if deployment else None,
-                                  target=model, processors=self.processors, prediction=request.prediction,
-                                  draft_cost=deployment.draft_step_cost if deployment else None)
+        speculation = Speculation(
+            self.plan.method, self.plan.num_draft_tokens, adaptive=self.plan.adaptive,
+            backoff=deployment.draft_backoff if deployment else True, prediction=request.prediction,
+            draft_model=draft_model, target=model, pass_costs=deployment.pass_costs if deployment else None,
+            draft_cost=deployment.draft_step_cost if deployment else None)
+        inputs = DecodeInputs(self.cache, list(self.prompt), request.sampling, self.processors,
+                              remaining=lambda: self.max_new_tokens - self.generated, cancelled=cancelled)
+        self.source = make_source(inputs, self.stats, speculation)
         # A draft model's own cache is prefilled chunk by chunk after the target's.
         self._drafter = getattr(self.source, "drafter", None) if self.plan.method == "draft" else None
         # Its chunks are bounded by their measured cost too (a draft may prefill far slower than
@@ -282,10 +286,15 @@ class RequestState:
 
     # ----------------------------------------------------------------------- decode
 
-    def rows(self, room: int | None = None) -> list[int]:
-        """Tokens for this request's rows in the next decode pass (may run a drafter); at most
-        `room` of them when the engine says the pass is nearly full."""
-        return self.source.rows(room)
+    @property
+    def last_token(self) -> int:
+        """The token its next decode pass starts from (the prompt's last, then the last chosen)."""
+        return self.source.context[-1]
+
+    def draft_length(self, room: int | None = None) -> int:
+        """Drafts its next decode pass may verify (its policy's k), within `room` rows (this
+        request's own included) when the scheduler says the pass is nearly full."""
+        return self.source.draft_length(room)
 
     def presample(self, logits: mx.array, ahead: int = 0):
         """Sampling for the pass's rows built lazily, for the engine to compute together with
@@ -308,13 +317,12 @@ class RequestState:
         """The token this pass chooses, as a (1,) array: the next row's input (`decodes_ahead`)."""
         return self.source.chosen(argmax, pending)
 
-    def take(self, logits: mx.array, argmax: list[int] | None = None, sampled=None) -> list[Delta]:
-        """The pass's logits rows for rows() -> Deltas to send (the last one may finish);
-        `sampled`: what `presample(logits)` returned."""
+    def advance(self, sampled: SampledTokens) -> list[Delta]:
+        """The tokens its pass chose -> Deltas to send (the last one may finish)."""
         deltas: list[Delta] = []
         pending = None  # releases of this pass not yet sent, merged into one Delta
-        steps = self.source.take(logits, argmax) if sampled is None else self.source.take(logits, argmax, sampled)
-        for chosen in (s.sampled for s in steps):
+        self.source.record(sampled.tokens, sampled.drafts)
+        for chosen in sampled.chosen:
             self.generated += 1
             self.token_ids.append(chosen.token)
             if self.receipt is not None:
@@ -351,11 +359,10 @@ class RequestState:
         return deltas
 
     def _delta(self, release, finish_reason=None) -> Delta:
-        ext = None
-        if finish_reason is not None and self.extension is not None:
-            ext = {**self.extension, "drafted_tokens": self.stats.drafted,
-                   "accepted_tokens": self.stats.accepted, "forward_passes": self.stats.passes,
-                   "receipt": self.receipt.as_dict()}
+        report = None
+        if finish_reason is not None and self.report is not None:
+            report = self.report.finished(drafted=self.stats.drafted, accepted=self.stats.accepted,
+                                          passes=self.stats.passes, receipt=self.receipt.as_dict())
         return Delta(
             text=release.text,
             prompt_tokens=len(self.prompt),
@@ -363,7 +370,7 @@ class RequestState:
             logprobs=release.items if self._wants_logprobs else [],
             text_offsets=release.offsets if self._wants_logprobs else [],
             finish_reason=finish_reason,
-            extension=ext,
+            report=report,
             stop_sequence=self._stream.matched if finish_reason is not None else None,
             token_ids=tuple(self.token_ids) if finish_reason is not None else None,
             cached_tokens=self.cached_tokens,

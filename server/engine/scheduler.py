@@ -15,9 +15,11 @@ runner's `ModelRunnerOutput`:
    many short prompts start together. On the CPU a plain prompt's chunks are smaller
    (deployment.py `plain_prefill_chunk`) and a long one skips every other step while
    others decode;
-3. every decoding request's rows (1, or k + 1 when speculating), grouped into passes by the
-   determinism rule (server/engine/passes.py), each pass one forward over all its requests'
-   rows; every request then turns its rows into tokens.
+3. every decoding request's rows (1, or at most k + 1 when speculating: its policy's k within
+   the room the pass has left), grouped into passes by the determinism rule
+   (server/engine/passes.py), each pass one forward over all its requests' rows; the model
+   runner drafts, runs and samples them, and `update_from_output` advances each request by
+   the tokens the runner chose.
 Until the kernel audit has covered every call width (`audited`, kernels/audit/widths.py: the
 narrow widths are audited after serving starts), no call of an unaudited width runs: prompt
 chunks are cut to audited widths and run alone, every request brings one decode row, and a
@@ -37,7 +39,8 @@ from lockstep.server.engine.kv_budget import KVBudget, reservation
 from lockstep.server.engine.passes import Demand, compose_passes
 from lockstep.server.engine.prefix_cache import PrefixCache
 from lockstep.server.engine.request_state import RequestState
-from lockstep.server.engine.step_data import DecodePass, ModelRunnerOutput, PrefillResult, SchedulerOutput
+from lockstep.server.engine.step_data import (DecodeRows, ModelRunnerOutput, PrefillResult, ScheduledPass,
+                                              SchedulerOutput)
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +289,9 @@ class Scheduler:
     # ------------------------------------------------------------------ decode passes
 
     def schedule_decode(self) -> SchedulerOutput:
-        """Every decoding request's rows (a drafter may propose here), grouped into passes."""
+        """Every decoding request's rows, grouped into passes: its last token and the drafts
+        its policy allows within the room the pass has left (the runner drafts them; a drafter
+        may propose fewer, so a pass is composed on the rows at most)."""
         decoding = [s for s in self._in_turn() if not s.state.prefilling and not s.handle.cancelled]
         gated = not self.audited.complete
         room = (_DraftRoom([s.state for s in decoding], self.shared_rows, self.call_rows, self.max_batch_rows)
@@ -294,15 +299,14 @@ class Scheduler:
         demands = []
         for slot in decoding:
             try:
-                rows = slot.state.rows(1 if gated else room.take(slot.state) if room else None)
+                k = slot.state.draft_length(1 if gated else room.take(slot.state) if room else None)
             except Exception as exc:
                 self._fail(slot, exc)
                 continue
+            member = DecodeRows(slot, slot.state.last_token, k)
             if room:
-                room.claim(slot.state, len(rows))
-            if slot.handle.cancelled:
-                continue
-            demands.append(Demand((slot, rows), len(rows), slot.state.determinism))
+                room.claim(slot.state, member.rows)
+            demands.append(Demand(member, member.rows, slot.state.determinism))
         if self.runner.batched:
             groups = compose_passes(demands, self.shared_rows, self.max_batch_rows)
         else:
@@ -313,7 +317,8 @@ class Scheduler:
         # waiting request gets the room of one finishing at its last token now.
         steady = (len(groups) == 1 and not any(s.state.prefilling for s in self.active)
                   and not (self.waiting and any(getattr(s.state, "at_last_token", False) for s in decoding)))
-        return SchedulerOutput(passes=[DecodePass([d.owner for d in group]) for group in groups], decode_ahead=steady)
+        return SchedulerOutput(passes=[ScheduledPass([d.owner for d in group]) for group in groups],
+                               decode_ahead=steady)
 
     def _audited_passes(self, group: list[Demand]) -> list[list[Demand]]:
         """A pass as passes of audited widths (while the audit is partial each demand is one row)."""
@@ -344,14 +349,20 @@ class Scheduler:
                 for slot, tokens in zip(output.prefill_shared, result.prefill_shared):
                     slot.state.chunk_written(tokens, alone=0 < rows <= tokens)
         posts = []
-        for decode_pass, done in zip(output.passes, result.passes):
+        for scheduled, done in zip(output.passes, result.passes):
             if isinstance(done, Exception):
-                for slot, _ in decode_pass.members:
-                    self._fail(slot, done)
+                for member in scheduled.members:
+                    self._fail(member.slot, done)
                 continue
-            for (slot, _), (begin, end), pending in zip(decode_pass.members, done.spans, done.sampled):
+            for member, sampled in zip(scheduled.members, done.members):
+                slot = member.slot
+                if sampled is None:
+                    continue  # its client left while the pass was drafted: dropped next step
+                if isinstance(sampled, Exception):
+                    self._fail(slot, sampled)
+                    continue
                 try:
-                    deltas = slot.state.take(done.logits[begin:end], done.argmax[begin:end], pending)
+                    deltas = slot.state.advance(sampled)
                 except Exception as exc:
                     self._fail(slot, exc)
                     continue

@@ -1,8 +1,9 @@
 """What passes between the scheduler and the model runner in one engine step.
 
-As in vLLM v1: the scheduler says what runs (`SchedulerOutput`), the model runner runs it
-(`ModelRunnerOutput`), and the scheduler updates its requests from the result. Members are
-the scheduler's slots: anything with a `.state` (a RequestState).
+As in vLLM v1: the scheduler says what runs (`SchedulerOutput`: which requests, how many
+rows each, whether it drafts), the model runner drafts, runs and samples it
+(`ModelRunnerOutput`: each request's chosen tokens), and the scheduler updates its requests
+from the result. Members are the scheduler's slots: anything with a `.state` (a RequestState).
 """
 from __future__ import annotations
 
@@ -11,11 +12,43 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from lockstep.server.engine.decode_plan import Determinism
+from lockstep.server.engine.sampling import Sampled
+
+
+@dataclass
+class DecodeRows:
+    """One request's part of a scheduled decode pass: its last token, then up to `k` drafts
+    the runner asks its drafter for (0: it does not draft this step)."""
+
+    slot: object
+    token: int
+    k: int = 0
+
+    @property
+    def rows(self) -> int:
+        """Rows at most (a drafter may propose fewer than k)."""
+        return 1 + self.k
+
+
+@dataclass
+class ScheduledPass:
+    """A decode pass as the scheduler composed it: the requests and their rows at most."""
+
+    members: list[DecodeRows]
+
+    @property
+    def rows(self) -> int:
+        return sum(member.rows for member in self.members)
+
+    @property
+    def canonical(self) -> bool:
+        return any(m.slot.state.determinism != Determinism.NONE for m in self.members)
 
 
 @dataclass
 class DecodePass:
-    """One forward pass over several requests' rows (each request's rows end to end)."""
+    """One forward pass over several requests' rows as it runs, drafts in (each request's
+    rows end to end)."""
 
     members: list  # (slot, rows: list[int])
 
@@ -34,7 +67,7 @@ class DecodePass:
 class SchedulerOutput:
     prefill_alone: list = field(default_factory=list)  # slots whose next prompt chunk runs in a pass of its own
     prefill_shared: list = field(default_factory=list)  # slots whose next target chunks share one pass
-    passes: list[DecodePass] = field(default_factory=list)
+    passes: list[ScheduledPass] = field(default_factory=list)
     # The scheduler expects the same requests to decode in one pass next step (nothing waits
     # or prefills to join them): the runner may build that pass ahead (decode_ahead.py).
     decode_ahead: bool = False
@@ -65,9 +98,40 @@ class PassResult:
 
 
 @dataclass
+class SampledTokens:
+    """What one request's rows of a pass gave: the tokens chosen in order (its accepted drafts,
+    then the target's own) and the drafts that were verified."""
+
+    chosen: list[Sampled]
+    drafts: list[int] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [c.token for c in self.chosen]
+
+    @property
+    def accepted(self) -> int:
+        return len(self.chosen) - 1
+
+
+@dataclass
+class PassOutput:
+    """A scheduled decode pass that ran: its rows, and per member (in the ScheduledPass's order)
+    its SampledTokens, the Exception its drafting or sampling raised, or None where its client
+    left while the pass was drafted (it did not run)."""
+
+    rows: int
+    members: list
+
+    @property
+    def requests(self) -> int:
+        return sum(isinstance(m, SampledTokens) for m in self.members)
+
+
+@dataclass
 class ModelRunnerOutput:
     """Aligned with the SchedulerOutput it answers; an exception where that work failed."""
 
     prefill_alone: list = field(default_factory=list)  # PrefillResult | Exception
     prefill_shared: list[int] | Exception = field(default_factory=list)  # tokens per member
-    passes: list = field(default_factory=list)  # PassResult | Exception
+    passes: list = field(default_factory=list)  # PassOutput | Exception

@@ -1,12 +1,15 @@
 """Where decoded tokens come from: one per forward pass, or several per speculative pass.
 
-A token source works in two halves, so the engine can put the rows of many requests into
-one forward pass: `rows()` names the tokens to run (the last token, plus drafts), the
-engine runs them against the request's own cache, and `take(logits)` turns that pass's
-logits rows into tokens. Both sources choose every token the same way: `sample` on a
-(1, vocab) row of the target's logits at its absolute position. With batch-invariant
-kernels a row's logits do not depend on how many rows shared its forward pass, so both
-give identical tokens, alone or batched.
+A token source works in steps, so the engine can put the rows of many requests into one
+forward pass. The request's policy: `draft_length(room)` says how many drafts this pass may
+verify (the scheduler asks it) and `record(tokens, drafts)` learns from what the pass gave
+(the scheduler's update). The model runner's mechanics: `propose(k)` asks the drafter,
+the runner runs [last token, *drafts] against the request's own cache, and `verify(logits,
+drafts)` chooses the tokens (sample and compare; rejected drafts' KV trimmed). `rows()` and
+`take(logits)` are the same four in order, for a source run solo. Both sources choose every
+token the same way: `sample` on a (1, vocab) row of the target's logits at its absolute
+position. With batch-invariant kernels a row's logits do not depend on how many rows shared
+its forward pass, so both give identical tokens, alone or batched.
 
 `drive` runs a source solo, one pass per step through a model runner's `forward_rows` (the
 pass the engine's runner makes for one request), for callers without an engine (verify,
@@ -75,6 +78,12 @@ class PlainSource:
         self.cache, self.context, self.params, self.stats = cache, context, params, stats
         self.processors = processors
 
+    def draft_length(self, room: int | None = None) -> int:
+        return 0
+
+    def propose(self, k: int) -> list[int]:
+        return []
+
     def rows(self, room: int | None = None) -> list[int]:
         return [self.context[-1]]
 
@@ -98,19 +107,28 @@ class PlainSource:
         `chooses_on_device` source): `argmax` is the row's argmax."""
         return argmax if pending is None else pending.tokens
 
-    def take(self, logits: mx.array, argmax: list[int] | None = None,
-             pending: PendingSample | None = None) -> list[Step]:
-        """`logits` (1, vocab) for rows(); `argmax` its row argmax, when already computed;
-        `pending` what `presample(logits)` built."""
-        self.stats.passes += 1
+    def verify(self, logits: mx.array, drafts: list[int], argmax: list[int] | None = None,
+               pending: PendingSample | None = None) -> list[Step]:
+        """The token chosen from `logits` (1, vocab) for rows(); `argmax` its row argmax, when
+        already computed; `pending` what `presample(logits)` built."""
         if argmax is not None and fast_argmax(self.params) and self.processors is None:
             chosen = Sampled(argmax[0])
         elif pending is not None:
             chosen = pending.result()[0]
         else:
             chosen = choose_row(logits[0], self.context, self.params, self.processors)
-        self.context.append(chosen.token)
         return [Step(chosen, logits[0])]
+
+    def record(self, tokens: list[int], drafts: list[int]) -> None:
+        self.stats.passes += 1
+        self.context.extend(tokens)
+
+    def take(self, logits: mx.array, argmax: list[int] | None = None,
+             pending: PendingSample | None = None) -> list[Step]:
+        """`verify` then `record`, for a source run solo."""
+        steps = self.verify(logits, [], argmax, pending)
+        self.record([s.sampled.token for s in steps], [])
+        return steps
 
 
 class SpeculativeSource:
@@ -161,7 +179,9 @@ class SpeculativeSource:
         self.stats.draft_seconds += time.perf_counter() - start
         return kind
 
-    def rows(self, room: int | None = None) -> list[int]:
+    def draft_length(self, room: int | None = None) -> int:
+        """Drafts this pass may verify: the policy's k, within what the request may still emit
+        and the `room` the pass has left (rows, this request's first one included)."""
         cheap = getattr(self.drafter, "cheap", False)
         if self.backoff is not None:
             k_now = min(self.k, self.backoff.choose())
@@ -174,14 +194,26 @@ class SpeculativeSource:
         k_now = min(k_now, self.remaining() - 1)
         if room is not None:
             k_now = min(k_now, room - 1)
-        self.drafts = self._propose(k_now) if k_now > 0 else []
+        return max(0, k_now)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to `k` drafts from the drafter (fewer where it has no guess)."""
+        return self._propose(k) if k > 0 else []
+
+    def rows(self, room: int | None = None) -> list[int]:
+        self.drafts = self.propose(self.draft_length(room))
+        return [self.context[-1], *self.drafts]
+
+    def _propose_shadow(self, drafts: list[int]) -> None:
+        """A cheap drafter's guess where this pass verified none, scored once the tokens it
+        guessed are known (acceptance keeps being learnt while k = 0)."""
         learning = self.adaptive is not None or self.backoff is not None
         shadow_k = min(self.k, self.remaining() - 1)  # no guess past the answer's end can be scored
-        if learning and cheap and not self.drafts and self._shadow is None and shadow_k > 0:
+        if (learning and getattr(self.drafter, "cheap", False) and not drafts and self._shadow is None
+                and shadow_k > 0):
             shadow = self._propose(shadow_k)
             if shadow:
                 self._shadow = (len(self.context), shadow, self._kind)
-        return [self.context[-1], *self.drafts]
 
     def _settle_shadow(self) -> None:
         """Score the pending shadow drafts once the tokens they guessed are known."""
@@ -196,8 +228,11 @@ class SpeculativeSource:
             self.adaptive.record(len(drafts), agreed, kind=kind)
             self._shadow = None
 
-    def take(self, logits: mx.array, argmax: list[int] | None = None) -> list[Step]:
-        """`logits` (len(rows()), vocab); rejected drafts' KV rows are trimmed from the cache."""
+    def verify(self, logits: mx.array, drafts: list[int], argmax: list[int] | None = None,
+               pending: PendingSample | None = None) -> list[Step]:
+        """The tokens chosen from `logits` (1 + len(drafts), vocab) for [last token, *drafts]:
+        the agreeing drafts, then the target's own; rejected drafts' KV rows are trimmed from
+        the cache. (`pending`: speculative sources build none.)"""
         base = len(self.context)
         use_argmax = argmax is not None and fast_argmax(self.params) and self.processors is None
         picked: list[Step] = []
@@ -213,18 +248,29 @@ class SpeculativeSource:
             picked.append(Step(chosen, row))
             return chosen.token
 
-        verified = accept_drafts(logits, self.cache, self.drafts, choose)
+        accept_drafts(logits, self.cache, drafts, choose)
+        return picked
+
+    def record(self, tokens: list[int], drafts: list[int]) -> None:
+        """The pass verified `drafts` and chose `tokens` (the accepted drafts, then the target's own)."""
+        self._propose_shadow(drafts)
+        drafted, accepted = len(drafts), len(tokens) - 1
         self.stats.passes += 1
-        self.stats.drafted += verified.drafted
-        self.stats.accepted += verified.accepted
-        self.context.extend(verified.tokens)
+        self.stats.drafted += drafted
+        self.stats.accepted += accepted
+        self.context.extend(tokens)
         if self.adaptive is not None:
-            self.adaptive.record(verified.drafted, verified.accepted, self._probed, self._kind)
+            self.adaptive.record(drafted, accepted, self._probed, self._kind)
         elif self.backoff is not None:
-            self.backoff.record(verified.drafted, verified.accepted)
+            self.backoff.record(drafted, accepted)
         if self._shadow is not None:
             self._settle_shadow()
-        return picked
+
+    def take(self, logits: mx.array, argmax: list[int] | None = None) -> list[Step]:
+        """`verify` then `record` for rows(), for a source run solo."""
+        steps = self.verify(logits, self.drafts, argmax)
+        self.record([s.sampled.token for s in steps], self.drafts)
+        return steps
 
 
 def draft_cost_estimate(target, draft) -> float:
@@ -237,36 +283,67 @@ def draft_cost_estimate(target, draft) -> float:
     return depth(draft) / depth(target) if target is not None else 1.0
 
 
-def make_source(cache, context: list[int], params: SamplingParams, stats: SpeculationStats,
-                method: str = "none", k: int = 0, draft_model=None,
-                remaining: Callable[[], int] = _unbounded, cancelled: Callable[[], bool] = never,
-                adaptive: bool = False, pass_costs=None, target=None, processors=None, prediction=(),
-                draft_cost: float | None = None, backoff: bool = False):
-    """The two-phase source for a speculative `method` ("none", "draft", "prompt_lookup",
-    "prediction": drafts from `prediction`, the client's predicted answer as token ids);
+@dataclass(frozen=True)
+class DecodeInputs:
+    """What one request decodes from: its cache, its tokens so far (extended as it decodes),
+    its sampling and logits processors (server/engine/logits_processors.py), how many tokens
+    it may still emit (`remaining()`) and whether its client left (`cancelled()`)."""
+
+    cache: list
+    context: list[int]
+    params: SamplingParams
+    processors: object | None = None
+    remaining: Callable[[], int] = _unbounded
+    cancelled: Callable[[], bool] = never
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How a request drafts: its speculative `method` ("none", "draft", "prompt_lookup",
+    "prediction": drafts from `prediction`, the client's predicted answer as token ids) and k;
     with `adaptive`, k is chosen per step up to `k` (AdaptiveDraftLength, weighing
-    `pass_costs`, the deployment's per-width pass costs, and `draft_cost`, a draft-model
-    pass in target passes as measured at startup; None: estimated from the models' depths);
-    without, a cheap drafter backs off after a miss where `backoff` (the server's default,
-    `Deployment.draft_backoff`; tools such as `lockstep verify` and `bench` keep fixed k, so
-    every pass width they check or time is exercised)."""
+    `pass_costs`, the deployment's per-width pass costs, and `draft_cost`, a draft-model pass
+    in target passes as measured at startup; None: estimated from the depths of `target` and
+    `draft_model`); without, a cheap drafter backs off after a miss where `backoff` (the
+    server's default, `Deployment.draft_backoff`; tools such as `lockstep verify` and `bench`
+    keep fixed k, so every pass width they check or time is exercised)."""
+
+    method: str = "none"
+    k: int = 0
+    adaptive: bool = False
+    backoff: bool = False
+    prediction: tuple[int, ...] = ()
+    draft_model: object | None = None
+    target: object | None = None
+    pass_costs: object | None = None
+    draft_cost: float | None = None
+
+
+NO_SPECULATION = Speculation()
+
+
+def make_source(inputs: DecodeInputs, stats: SpeculationStats, speculation: Speculation = NO_SPECULATION):
+    """The two-phase source decoding `inputs` as `speculation` says."""
+    cache, context, params = inputs.cache, inputs.context, inputs.params
+    method = speculation.method
     if method == "none":
-        return PlainSource(cache, context, params, stats, processors)
+        return PlainSource(cache, context, params, stats, inputs.processors)
     if method == "draft":
-        drafter = DraftModelDrafter(draft_model)
+        drafter = DraftModelDrafter(speculation.draft_model)
     elif method == "prediction":
-        drafter = PredictionDrafter(prediction, start=len(context))
+        drafter = PredictionDrafter(speculation.prediction, start=len(context))
     else:
         drafter = PromptLookupDrafter()
     policy = None
-    if adaptive:
+    if speculation.adaptive:
+        draft_cost = speculation.draft_cost
         if method != "draft":
             draft_cost = 0.0
         elif draft_cost is None:
-            draft_cost = draft_cost_estimate(target, draft_model)
-        policy = AdaptiveDraftLength(k, pass_costs, draft_cost)
-    return SpeculativeSource(cache, context, params, drafter, k, stats, remaining, cancelled, policy,
-                             processors, backoff)
+            draft_cost = draft_cost_estimate(speculation.target, speculation.draft_model)
+        policy = AdaptiveDraftLength(speculation.k, speculation.pass_costs, draft_cost)
+    return SpeculativeSource(cache, context, params, drafter, speculation.k, stats, inputs.remaining,
+                             inputs.cancelled, policy, inputs.processors, speculation.backoff)
 
 
 def drive(source, runner, cache) -> Iterator[list[Step]]:
@@ -294,7 +371,8 @@ def token_source(runner, cache, context: list[int], params: SamplingParams,
     `remaining()` is how many tokens the request may still emit; `cancelled()` whether its
     client is gone (checked between draft passes, so one step never runs k passes for nobody).
     """
-    source = make_source(cache, context, params, stats, method, k, draft_model, remaining, cancelled)
+    source = make_source(DecodeInputs(cache, context, params, remaining=remaining, cancelled=cancelled), stats,
+                         Speculation(method, k, draft_model=draft_model))
     return drive(source, runner, cache)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from lockstep.server.engine.model_runner import ModelRunner
 from lockstep.server.engine.sampling import SamplingParams
 from lockstep.server.engine.speculative import measure_pass_costs
-from lockstep.server.engine.token_steps import SpeculationStats, drive, make_source
+from lockstep.server.engine.token_steps import DecodeInputs, Speculation, SpeculationStats, drive, make_source
 
 # A copying task: the answer repeats the prompt, which is what prompt lookup drafts from.
 REPETITIVE = ("Copy the following text exactly, word for word:\n\n"
@@ -61,10 +61,10 @@ def decode(model, prompt: list[int], n: int, method="none", k=0, draft_model=Non
     try:
         for _ in runner.prefill_cache(cache, prompt[:-1]):
             pass
-        source = drive(make_source(cache, list(prompt), SamplingParams(temperature=0.0), stats, method, k,
-                                   draft_model, adaptive=adaptive, pass_costs=pass_costs, target=model,
-                                   prediction=prediction),
-                       runner, cache)
+        speculation = Speculation(method, k, adaptive=adaptive, prediction=prediction, draft_model=draft_model,
+                                  target=model, pass_costs=pass_costs)
+        source = drive(make_source(DecodeInputs(cache, list(prompt), SamplingParams(temperature=0.0)), stats,
+                                   speculation), runner, cache)
         tokens = []
         start = time.perf_counter()
         while len(tokens) < n:

@@ -31,6 +31,7 @@ from lockstep.server.engine import Engine
 from lockstep.server.engine.decode_plan import plan_request
 from lockstep.server.engine.deployment import proven_deployment
 from lockstep.server.engine.model_runner import ModelRunner
+from lockstep.server.engine.request_report import rendered
 from lockstep.server.engine.request_state import GenerationRequest
 from lockstep.server.engine.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded
@@ -185,7 +186,7 @@ def decode(loaded, deployment, requests: dict, plans: dict) -> dict:
             async for delta in handle:
                 text += delta.text
                 bits += [struct.pack(">d", v) for lp in delta.logprobs for v in [lp.logprob] + [v for _, v in lp.top]]
-                extension = delta.extension or extension
+                extension = rendered(delta.report) or extension
             out[name] = ([ord(ch) - 0x4E00 for ch in text], bits, extension)
 
         await asyncio.gather(*(consume(n, h) for n, h in handles.items()))
