@@ -30,10 +30,10 @@ from lockstep.kernels.batching.pool_mode import pool_mode  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from lockstep.models.load import load_model  # noqa: E402
 from lockstep.server.engine import Engine  # noqa: E402
-from lockstep.server.engine.decode_plan import plan_request  # noqa: E402
-from lockstep.server.engine.deployment import proven_deployment  # noqa: E402
-from lockstep.server.engine.request_state import GenerationRequest  # noqa: E402
-from lockstep.server.engine.sampling import SamplingParams  # noqa: E402
+from lockstep.server.engine.guarantee.decode_plan import plan_request  # noqa: E402
+from lockstep.server.engine.guarantee.deployment import proven_deployment  # noqa: E402
+from lockstep.server.engine.decoding.request_state import GenerationRequest  # noqa: E402
+from lockstep.server.engine.decoding.sampling import SamplingParams  # noqa: E402
 
 
 class ProfiledEngine(Engine):

@@ -16,12 +16,12 @@ from typing import Callable
 
 import mlx.core as mx
 
-from lockstep.server.engine.decode_plan import METHODS
+from lockstep.server.engine.guarantee.decode_plan import METHODS
 
-from lockstep.server.engine.deployment import (CPU_PLAIN_PREFILL_CHUNK, MAX_DRAFT_TOKENS, Deployment,
-                                               rewind_refusal)
-from lockstep.server.engine.guarantee import PENDING_STRATEGY, Guarantee
-from lockstep.server.engine.guarantee_state import OFF, PROVING, REFUSED, GuaranteeState, settled_state
+from lockstep.server.engine.guarantee.deployment import (CPU_PLAIN_PREFILL_CHUNK, MAX_DRAFT_TOKENS, Deployment,
+                                                         rewind_refusal)
+from lockstep.server.engine.guarantee.guarantee import PENDING_STRATEGY, Guarantee
+from lockstep.server.engine.guarantee.guarantee_state import OFF, PROVING, REFUSED, GuaranteeState, settled_state
 from lockstep.server.options import (AUDIT_MODES, DEFAULT_MAX_BATCH_ROWS, DEFAULT_NUM_DRAFT_TOKENS,
                                      DEFAULT_PREFILL_CHUNK)
 
@@ -86,7 +86,7 @@ class Options:
     async_eval_layers: int = 0
     # Plain decode passes over the pool's kernel as one compiled call per row count.
     compiled_passes: bool = True
-    # The next compiled decode pass built while the device runs this one (server/engine/decode_ahead.py).
+    # The next compiled decode pass built while the device runs this one (server/engine/runner/decode_ahead.py).
     decode_ahead: bool = True
 
 
@@ -147,10 +147,10 @@ class Runtime:
     # the call widths the kernel audit has covered (kernels/audit/widths.py); the engine's gate
     audited: object = field(default_factory=lambda: _all_audited())
     serving_after_s: float | None = None  # the phases before serving (the proofs' only when not deferred)
-    admission: object = None  # server.engine.admission.Admission the engine serves with (serve only)
+    admission: object = None  # server.engine.scheduling.admission.Admission the engine serves with (serve only)
 
     def set_admission(self, admission) -> None:
-        """Serve with `admission` (server/engine/admission.py): its pass width is the widest the
+        """Serve with `admission` (server/engine/scheduling/admission.py): its pass width is the widest the
         engine builds, so a ragged proof still to run covers every width up to it. A proof already
         made (not deferred) covered `Options.max_batch_rows`, which must then be that width."""
         self.admission = admission
@@ -198,7 +198,7 @@ class Runtime:
 
     def _speculation(self) -> dict:
         """Whether requests may speculate; where not, why (worded for the model's kind of state)
-        and what a request that asks for it gets (server/engine/decode_plan.py)."""
+        and what a request that asks for it gets (server/engine/guarantee/decode_plan.py)."""
         if self.deployment.speculation:
             return {"available": True}
         return {"available": False, "reason": self.deployment.speculation_refusal or self.state_refusal,
@@ -263,12 +263,12 @@ def no_cheap_draft(options: Options) -> str:
 
 
 def assess_draft(runtime: Runtime, options: Options) -> Deployment:
-    """The deployment with its draft model's measured costs (server/engine/draft_costs.py): its
+    """The deployment with its draft model's measured costs (server/engine/decoding/draft_costs.py): its
     per-token cost for adaptive speculation, its prompt chunk within the time budget, and
     whether drafting from it pays at all here (`draft_refusal` where it does not)."""
-    from lockstep.server.engine.draft_costs import drafting_refusal, measure_draft_costs
-    from lockstep.server.engine.model_runner import ModelRunner
-    from lockstep.server.engine.speculative import measure_pass_costs
+    from lockstep.server.engine.decoding.draft_costs import drafting_refusal, measure_draft_costs
+    from lockstep.server.engine.runner.model_runner import ModelRunner
+    from lockstep.server.engine.decoding.speculative import measure_pass_costs
 
     deployment, model = runtime.deployment, runtime.loaded.model
     k_max = options.max_draft_tokens
@@ -304,7 +304,7 @@ def load_draft(options: Options, loaded, timings: Phases) -> tuple:
         draft_loaded, _, _ = _load_audited(options.draft_model, "auto", None, None, None, options.audit, timings,
                                            phase_prefix="draft_")
         draft_name = draft_loaded.name
-        from lockstep.server.engine.speculative import draft_tokenizer_problem
+        from lockstep.server.engine.decoding.speculative import draft_tokenizer_problem
 
         problem = draft_tokenizer_problem(loaded.tokenizer, draft_loaded.tokenizer)
         if problem:
@@ -326,7 +326,7 @@ def plain_prefill_chunk(prefill_chunk: int) -> int:
 
 def rewindable(model) -> bool:
     """Every layer's cache is a plain KV cache, which can be cut back after rejected drafts
-    (and copied exactly by the prefix cache: server/engine/prefix_cache.py `storable`)."""
+    (and copied exactly by the prefix cache: server/engine/cache/prefix_cache.py `storable`)."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
     return all(type(c) is KVCache for c in make_prompt_cache(model))
@@ -496,7 +496,7 @@ class GuaranteeWork:
     Run before serving (`build_runtime`), or by the engine thread after serving started
     (`serve`: plain passes run between the proofs' steps, kernels/proof_steps.py), so a fresh
     machine answers plain requests while it proves. Deterministic requests wait for it
-    (server/engine/guarantee_state.py)."""
+    (server/engine/guarantee/guarantee_state.py)."""
 
     runtime: Runtime
     options: Options
@@ -530,7 +530,7 @@ class GuaranteeWork:
     def run(self) -> Deployment:
         from lockstep.kernels.batching.ragged_selftest import per_request_self_test
         from lockstep.kernels.invariance import set_batch_invariant_limit
-        from lockstep.server.engine.guarantee import decide_guarantee
+        from lockstep.server.engine.guarantee.guarantee import decide_guarantee
 
         runtime, options, timings = self.runtime, self.options, self.runtime.timings
         model, kv_pool = runtime.loaded.model, runtime.deployment.kv_pool
@@ -554,8 +554,8 @@ class GuaranteeWork:
                 build_kernels(model, invariance.limit)
         pass_costs = None
         if options.adaptive_speculation and runtime.deployment.speculation:
-            from lockstep.server.engine.model_runner import ModelRunner
-            from lockstep.server.engine.speculative import measure_pass_costs
+            from lockstep.server.engine.runner.model_runner import ModelRunner
+            from lockstep.server.engine.decoding.speculative import measure_pass_costs
 
             widest = options.max_draft_tokens + 1
             if invariance.guaranteed:

@@ -1,4 +1,4 @@
-"""A draft model is used only where it pays (server/engine/draft_costs.py, server/runtime.py
+"""A draft model is used only where it pays (server/engine/decoding/draft_costs.py, server/runtime.py
 `assess_draft`): its passes measured against the target's at startup, on a fake clock here
 (the models' costs are what the fake draft charges it, no sleeps), decide whether requests
 draft from it at all, what adaptive speculation weighs per proposed token, and how many of
@@ -9,14 +9,14 @@ import mlx.core as mx
 import pytest
 from openai import OpenAI
 
-import lockstep.server.engine.draft_costs as draft_costs
-from lockstep.server.engine.decode_plan import plan_request
-from lockstep.server.engine.deployment import Deployment
-from lockstep.server.engine.draft_costs import (DRAFT_PREFILL_BUDGET_S, DraftCosts, drafting_refusal,
-                                                measure_draft_costs)
+import lockstep.server.engine.decoding.draft_costs as draft_costs
+from lockstep.server.engine.guarantee.decode_plan import plan_request
+from lockstep.server.engine.guarantee.deployment import Deployment
+from lockstep.server.engine.decoding.draft_costs import (DRAFT_PREFILL_BUDGET_S, DraftCosts, drafting_refusal,
+                                                         measure_draft_costs)
 from lockstep.server.engine.generate import generate
-from lockstep.server.engine.request_state import GenerationRequest
-from lockstep.server.engine.sampling import SamplingParams
+from lockstep.server.engine.decoding.request_state import GenerationRequest
+from lockstep.server.engine.decoding.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded
 from tests.http_server import running
 from tests.test_deterministic_double import peaked_llama

@@ -4,7 +4,7 @@
 A Responses request runs as the chat request it translates to: the translation is checked
 directly, and live answers' input_tokens against the chat path's prompt for the same
 conversation (a second generation per test would double the file's time on the CPU).
-Tool-forcing and `text.format` tests need the grammar engine (server/engine/grammar.py).
+Tool-forcing and `text.format` tests need the grammar engine (server/engine/structured/grammar.py).
 """
 import json
 

@@ -24,7 +24,7 @@ from lockstep.server.api.tool_call_stream import call_stream, split_tool_calls
 from lockstep.server.api.tool_calls import mistral_call_id, tool_format
 from lockstep.server.engine import Engine
 from lockstep.server.engine.generate import Delta
-from lockstep.server.engine.grammar import compiler_for
+from lockstep.server.engine.structured.grammar import compiler_for
 from tests.doubles.scripted_engine import ScriptedEngine
 from tests.http_server import running
 from tests.synthetic import CHAT_FAMILIES, build_chat_model_dir

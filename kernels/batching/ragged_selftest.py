@@ -101,7 +101,7 @@ def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None,
                  on_width: Callable[[int], None] | None = None) -> RaggedProof:
     """Prove ragged passes of 1..max(limit, pass_rows) rows bit-identical to solo passes on
     this model (`kv_pool`: the requests' caches as the engine makes them, see
-    server/engine/deployment.py; `compiled`: the passes compiled, over the pool's kernel).
+    server/engine/guarantee/deployment.py; `compiled`: the passes compiled, over the pool's kernel).
     Widths are proven in order, each on its own: `on_width(w)` is called once 1..w are."""
     from ..invariance.layers import calls_in_blocks
     from .compiled_pass import CompiledPasses, NotCompilable

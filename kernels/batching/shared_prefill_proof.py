@@ -12,7 +12,7 @@ the narrowest shareable size and wider, all in one ragged pass and two of them i
 each compared with the same chunk run alone (the engine's own paths: `ragged_prompt_forward`
 and the plain prompt call), every layer's new KV as raw bits. Narrower chunks (those of at
 most L rows run canonical forms alone, natively in a shared pass) never share
-(server/engine/request_state.py).
+(server/engine/decoding/request_state.py).
 """
 from __future__ import annotations
 

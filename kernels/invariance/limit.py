@@ -86,7 +86,7 @@ def _uninstall(model) -> None:
 class InstalledInvariance:
     """What `set_batch_invariant_limit` installed on a model (`model._lockstep_invariance`):
     the mechanism and its self-test. What a deployment guarantees with it is decided above
-    (server/engine/guarantee.py)."""
+    (server/engine/guarantee/guarantee.py)."""
 
     limit: int  # L: the most rows one kernel call may hold, each row its one-row bits; 0 = off
     strategy: str

@@ -4,7 +4,7 @@ same KV cache and next-token logits, bit for bit, as a cold prefill of the whole
 Chunk boundaries sit at multiples of `chunk` counted from position 0, never from where the
 cached prefix happens to end: every position is computed in the same chunk shape either way.
 If a whole chunk's rows are proven canonical (`canonical_rows` >= chunk: the deployment's
-guarantee says so, server/engine/guarantee.py), every row is computed as it would be alone,
+guarantee says so, server/engine/guarantee/guarantee.py), every row is computed as it would be alone,
 so any cached prefix (from prefill or from decode) is already what a cold prefill writes.
 Otherwise a prefix ending mid-chunk is rewound to its chunk's start and that chunk
 recomputed whole.

@@ -46,10 +46,10 @@ from lockstep.server.api.responses import ResponsesRoute
 from lockstep.server.api.responses_protocol import ResponsesRequest
 from lockstep.server.api.errors import (APIError, RetryAfter, context_length_exceeded, generation_error,
                                install_error_handlers, model_not_found)
-from lockstep.server.engine.decode_plan import PREDICTION, DecodePlan, RequestRejected, plan_request
+from lockstep.server.engine.guarantee.decode_plan import PREDICTION, DecodePlan, RequestRejected, plan_request
 from lockstep.server.engine.generate import Delta, GenerationRequest
-from lockstep.server.engine.logits_processors import logits_width
-from lockstep.server.engine.sampling import GREEDY_BELOW, SamplingParams
+from lockstep.server.engine.decoding.logits_processors import logits_width
+from lockstep.server.engine.decoding.sampling import GREEDY_BELOW, SamplingParams
 from lockstep.server.api.tool_call_stream import ToolCallStream, call_stream
 from lockstep.server.api.tool_calls import ParsedCall, new_call_id, tool_format
 

@@ -10,9 +10,9 @@ import asyncio
 from typing import AsyncIterator
 
 from lockstep.server.api import protocol as p
-from lockstep.server.engine.decode_plan import PREDICTION
+from lockstep.server.engine.guarantee.decode_plan import PREDICTION
 from lockstep.server.engine.generate import Delta
-from lockstep.server.engine.sampling import splitmix64
+from lockstep.server.engine.decoding.sampling import splitmix64
 
 _INT64 = 1 << 63
 

@@ -4,8 +4,8 @@ tool_choice "required" or a named function: one call (or several, with
 parallel_tool_calls, where the format's answer can hold several) in the model's own tool-call
 format (`ToolFormat.grammar_tags` / `grammar_layout`); a format whose arguments are not one
 JSON object cannot be constrained (a 400). Otherwise `response_format`
-json_object / json_schema. The grammar engine (server/engine/grammar.py) compiles it; the
-engine masks each logits row with it (server/engine/logits_processors.py). Every offered
+json_object / json_schema. The grammar engine (server/engine/structured/grammar.py) compiles it; the
+engine masks each logits row with it (server/engine/decoding/logits_processors.py). Every offered
 tool's `parameters` must be an object schema, whatever tool_choice (a 400 naming the
 function otherwise).
 """
@@ -23,7 +23,7 @@ class Constraints:
         self.loaded, self.tool_format = loaded, tool_format
 
     def _grammars(self):
-        from lockstep.server.engine.grammar import compiler_for  # built at first use, then shared
+        from lockstep.server.engine.structured.grammar import compiler_for  # built at first use, then shared
 
         return compiler_for(self.loaded)
 
@@ -43,7 +43,7 @@ class Constraints:
             return None  # unconstrained: the grammar engine is not even imported
         mode = body.tool_mode() if isinstance(body, p.ChatCompletionRequest) else "none"
         response_format = getattr(body, "response_format", None)
-        from lockstep.server.engine.grammar import GrammarCheckerUnavailable, GrammarError
+        from lockstep.server.engine.structured.grammar import GrammarCheckerUnavailable, GrammarError
 
         param = "tools" if mode in ("required", "named") else "response_format"
         try:
@@ -73,7 +73,7 @@ class Constraints:
     def check_tools(body: p.SamplingRequest) -> None:
         """Every tool's parameters are an object schema (OpenAI's rule), whatever tool_choice:
         a tool whose arguments could not be a JSON object could never be called."""
-        from lockstep.server.engine.grammar_limits import parameters_problem
+        from lockstep.server.engine.structured.grammar_limits import parameters_problem
 
         for tool in getattr(body, "tools", None) or []:
             problem = parameters_problem(tool.function.name, tool.function.parameters)

@@ -49,7 +49,7 @@ def generation_error(exc: Exception) -> APIError:
     when the request's own asking stopped it, e.g. its output grammar past an engine limit)."""
     from lockstep.server.api.request_record import current
     from lockstep.server.engine import ShuttingDown
-    from lockstep.server.engine.errors import RequestInvalid
+    from lockstep.server.engine.scheduling.errors import RequestInvalid
 
     if isinstance(exc, RequestInvalid):  # the request's own doing (e.g. its grammar past an engine limit)
         return APIError(400, str(exc), param=exc.param, code=exc.code)

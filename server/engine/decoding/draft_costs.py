@@ -84,7 +84,7 @@ def expected_speedup(step_cost: float, k_max: int, pass_costs: Sequence[float] |
                      acceptance: float = ASSUMED_ACCEPTANCE) -> tuple[int, float]:
     """(the best k >= 1, its tokens per unit time relative to plain decoding) for drafts
     accepted with probability `acceptance` each, by the cost model adaptive speculation uses."""
-    from lockstep.server.engine.speculative import AdaptiveDraftLength
+    from lockstep.server.engine.decoding.speculative import AdaptiveDraftLength
 
     policy = AdaptiveDraftLength(k_max, pass_costs, step_cost)
     p = min(acceptance, 0.999)

@@ -8,7 +8,7 @@ chunks and decode passes; every device round trip of a pass (logits, every row's
 every sampled request's sampling) happens here. Nothing here decides who runs (the
 scheduler) or what a token means (the request's state).
 
-Decoding ahead (`Deployment.decode_ahead`, server/engine/decode_ahead.py): after a compiled
+Decoding ahead (`Deployment.decode_ahead`, server/engine/runner/decode_ahead.py): after a compiled
 decode pass the runner may build the next one on its tokens while the device still runs it,
 and take that pass over in the next step.
 
@@ -27,11 +27,11 @@ from lockstep.kernels.batching.kv_pool import KVPool, is_pooled
 from lockstep.kernels.batching.ragged import enable_ragged, ragged_logits, ragged_problem, ragged_prompt_forward
 from lockstep.kernels.invariance.layers import call_without_head, calls_in_blocks, native_forms
 from lockstep.kernels.invariance.prefill import chunk_end, resume_at
-from lockstep.server.engine import decode_ahead
-from lockstep.server.engine.decode_ahead import AheadPass
-from lockstep.server.engine.deployment import Deployment
-from lockstep.server.engine.step_data import (DecodePass, ModelRunnerOutput, PassResult, PrefillResult,
-                                              SchedulerOutput)
+from lockstep.server.engine.runner import decode_ahead
+from lockstep.server.engine.runner.decode_ahead import AheadPass
+from lockstep.server.engine.guarantee.deployment import Deployment
+from lockstep.server.engine.runner.step_data import (DecodePass, ModelRunnerOutput, PassResult, PrefillResult,
+                                                     SchedulerOutput)
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """The scheduler: which requests run, and what each engine step runs for them.
 
-It never runs the model (server/engine/model_runner.py does). Each step it describes work
-as a `SchedulerOutput` (server/engine/step_data.py) and updates its requests from the
+It never runs the model (server/engine/runner/model_runner.py does). Each step it describes work
+as a `SchedulerOutput` (server/engine/runner/step_data.py) and updates its requests from the
 runner's `ModelRunnerOutput`:
 1. admission: waiting requests take free slots (`max_active`) in FIFO order while their KV
-   fits the budget (server/engine/kv_budget.py). The choices of one request (n > 1) hold
+   fits the budget (server/engine/scheduling/kv_budget.py). The choices of one request (n > 1) hold
    at most `active_per_request` slots at once, and no choice of any n > 1 request takes the
    last free slot: its other choices wait, and other requests' may go ahead of them, so a
    request with n = 1 finds a slot whatever mix of n > 1 requests runs;
@@ -16,7 +16,7 @@ runner's `ModelRunnerOutput`:
    (deployment.py `plain_prefill_chunk`) and a long one skips every other step while
    others decode;
 3. every decoding request's rows (1, or k + 1 when speculating), grouped into passes by the
-   determinism rule (server/engine/passes.py), each pass one forward over all its requests'
+   determinism rule (server/engine/scheduling/passes.py), each pass one forward over all its requests'
    rows; every request then turns its rows into tokens.
 Until the kernel audit has covered every call width (`audited`, kernels/audit/widths.py: the
 narrow widths are audited after serving starts), no call of an unaudited width runs: prompt
@@ -30,14 +30,14 @@ import logging
 import time
 
 from lockstep.kernels.audit.widths import AuditedRows
-from lockstep.server.engine.decode_plan import Determinism
-from lockstep.server.engine.errors import GenerationError
-from lockstep.server.engine.handle import RequestHandle
-from lockstep.server.engine.kv_budget import KVBudget, reservation
-from lockstep.server.engine.passes import Demand, compose_passes
-from lockstep.server.engine.prefix_cache import PrefixCache
-from lockstep.server.engine.request_state import RequestState
-from lockstep.server.engine.step_data import DecodePass, ModelRunnerOutput, PrefillResult, SchedulerOutput
+from lockstep.server.engine.guarantee.decode_plan import Determinism
+from lockstep.server.engine.scheduling.errors import GenerationError
+from lockstep.server.engine.scheduling.handle import RequestHandle
+from lockstep.server.engine.scheduling.kv_budget import KVBudget, reservation
+from lockstep.server.engine.scheduling.passes import Demand, compose_passes
+from lockstep.server.engine.cache.prefix_cache import PrefixCache
+from lockstep.server.engine.decoding.request_state import RequestState
+from lockstep.server.engine.runner.step_data import DecodePass, ModelRunnerOutput, PrefillResult, SchedulerOutput
 
 log = logging.getLogger(__name__)
 

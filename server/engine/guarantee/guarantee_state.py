@@ -16,7 +16,7 @@ STATES = (PROVING, IN_FORCE, REFUSED, OFF)
 
 
 def settled_state(deployment) -> str:
-    """The state a proven `deployment` (server/engine/deployment.py) settles in."""
+    """The state a proven `deployment` (server/engine/guarantee/deployment.py) settles in."""
     guarantee = deployment.guarantee
     return IN_FORCE if guarantee.guaranteed else REFUSED if guarantee.call_rows else OFF
 

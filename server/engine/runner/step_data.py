@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from lockstep.server.engine.decode_plan import Determinism
+from lockstep.server.engine.guarantee.decode_plan import Determinism
 
 
 @dataclass
