@@ -1,5 +1,5 @@
 """A guarantee proven after serving starts (server/engine/guarantee/guarantee_state.py, the engine's
-proofs, server/runtime.py GuaranteeWork): plain requests are served while it is proven,
+proofs, server/startup_work.py GuaranteeWork): plain requests are served while it is proven,
 deterministic ones wait for it or get a 503 with Retry-After, and none is planned before it
 settles. The held-back proof steps like a real one (`step_done` between its steps). A proof that
 fails leaves the deployment serving with its guarantee refused, and every report says so."""

@@ -28,7 +28,7 @@ from lockstep.server.engine.guarantee.guarantee import Guarantee
 from lockstep.server.engine.cache.prefix_cache import PrefixCache
 from lockstep.server.engine.decoding.request_state import GenerationRequest
 from lockstep.server.engine.decoding.sampling import SamplingParams
-from lockstep.server.runtime import rewindable
+from lockstep.server.model_loading import rewindable
 from tests.deterministic_fixtures import TinyLoaded
 from tests.doubles.shape_variant import shape_variant_backend
 from tests.model_families import FAMILIES, tiny_family

@@ -298,6 +298,7 @@ def test_adaptive_k_keeps_acceptance_per_match_class():
 def test_build_runtime_refuses_a_draft_model_with_another_tokenizer(monkeypatch):
     from types import SimpleNamespace
 
+    import lockstep.server.model_loading as model_loading
     import lockstep.server.runtime as runtime
 
     target_vocab, draft_vocab = {"a": 0, "b": 1}, {"a": 1, "b": 0}
@@ -308,7 +309,7 @@ def test_build_runtime_refuses_a_draft_model_with_another_tokenizer(monkeypatch)
         vocab = draft_vocab if spec == "other-draft" else target_vocab
         return SimpleNamespace(name=spec, tokenizer=_Vocab(vocab), model=model, path=spec), None, None
 
-    monkeypatch.setattr(runtime, "_load_audited", fake_load)
+    monkeypatch.setattr(model_loading, "load_audited", fake_load)
     with pytest.raises(ValueError, match="--draft-model other-draft: the draft model's tokenizer differs"):
         runtime.build_runtime(runtime.Options(model="target", draft_model="other-draft"))
 

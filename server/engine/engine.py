@@ -56,7 +56,7 @@ class _Stopped(Exception):
 
 
 class Work:
-    """What `Engine.start` may run first, in order (server/runtime.py GuaranteeWork, DraftWork):
+    """What `Engine.start` may run first, in order (server/startup_work.py GuaranteeWork, DraftWork):
     `run()` returns the deployment to serve with from then on, `settle()` then says so to
     whoever waits for it. `install` (set by the engine before `run()`): a deployment to serve
     with at once, while the work goes on (the guarantee in force for the widths proven so far)."""

@@ -1,6 +1,6 @@
 """Whether a draft model pays on this backend: its passes' measured cost against the target's.
 
-Measured once, at startup (server/runtime.py `assess_draft`), so every request's use of the
+Measured once, at startup (server/draft_assessment.py `assess_draft`), so every request's use of the
 draft depends on constants of the deployment only:
 - `DraftCosts.step_cost`: one draft-model pass (one proposed token) in target decode steps,
   the per-token cost adaptive speculation weighs (speculative.py AdaptiveDraftLength);

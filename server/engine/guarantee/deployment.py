@@ -33,7 +33,7 @@ class Deployment:
     max_draft_tokens: int = MAX_DRAFT_TOKENS  # the largest k any request may use
     draft_model: object | None = None
     draft_name: str | None = None
-    # The draft model is loaded after serving started (`serve`: server/runtime.py DraftWork);
+    # The draft model is loaded after serving started (`serve`: server/startup_work.py DraftWork);
     # meanwhile requests that would draft from it decode without drafts. draft_problem: why
     # it could not be loaded.
     draft_loading: bool = False

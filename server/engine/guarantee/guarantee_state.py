@@ -1,6 +1,6 @@
 """Where the deployment's guarantee stands, for requests that need it.
 
-A server proves its guarantee after it starts serving (server/runtime.py `GuaranteeWork`, run
+A server proves its guarantee after it starts serving (server/startup_work.py `GuaranteeWork`, run
 on the engine thread between plain passes). Until then the state is "proving": plain requests
 are served, deterministic ones wait for the state to settle ("in_force" or "refused"), at most
 `--guarantee-timeout`, and are never planned before it settles. "off": the deployment has no
