@@ -40,6 +40,7 @@ from lockstep.server.api.metrics import Metrics
 # "default" names the (first) model; `<model>:deterministic` asks for deterministic mode by the
 # model's name, for clients that drop extra body fields (docs/API.md)
 from lockstep.server.api.model_pool import DETERMINISTIC_SUFFIX, MODEL_ALIAS, ModelPool  # noqa: F401
+from lockstep.server.api.model_routes import install_model_routes, install_pool_model_routes
 from lockstep.server.api.recorder import RecordedGroup, Recorder
 from lockstep.server.api.request_record import RecordRequests, current, track
 from lockstep.server.api.responses import ResponsesRoute
@@ -472,26 +473,6 @@ class Routes:
         return card
 
 
-def _pool_cards(pool: ModelPool, model, created: int) -> tuple[p.ModelCard, p.ModelCard]:
-    """A pooled model's /v1/models entries, plain and `:deterministic`: its state and load counts,
-    and, while loaded, its own details (audit, guarantee, batching) as a single-model server
-    lists them."""
-    service = model.service
-    status = pool.status(model)
-    details = {"state": status["state"], "loads": status["loads"], "unloads": status["unloads"],
-               **({"weights_bytes": status["weights_bytes"]} if "weights_bytes" in status else {}),
-               **({"load_problem": status["load_problem"]} if "load_problem" in status else {}),
-               **({"default": True} if model.name == pool.default else {})}
-    if service is not None and service.routes is not None:
-        card = service.routes.model_card(service.info)
-        card = card.model_copy(update={"lockstep": {**details, **card.lockstep}})
-    else:
-        card = p.ModelCard(id=model.name, created=created, lockstep=details)
-    deterministic = card.model_copy(update={"id": model.name + DETERMINISTIC_SUFFIX,
-                                            "lockstep": {**card.lockstep, "deterministic_by_name": True}})
-    return card, deterministic
-
-
 class OneModel:
     """The one model of a single-model server, behind the interface a `ModelPool` has."""
 
@@ -590,41 +571,9 @@ def create_app(
         return await messages.count_tokens(await request.body())
 
     if pool is None:
-        @app.get("/v1/models")
-        async def list_models():
-            return JSONResponse(routes.models(model_extras).model_dump())
-
-        @app.get("/v1/models/{model_id:path}")  # ids may hold slashes ("org/name")
-        async def retrieve_model(model_id: str):
-            return JSONResponse(routes.model(model_id, model_extras).model_dump())
-
-        @app.head("/health", include_in_schema=False)  # load balancers often probe with HEAD
-        @app.get("/health")
-        async def health():
-            return {"status": "ok", "model": engine.loaded.name, "guarantee": engine.guarantee.state,
-                    **engine.counts(), "audited_rows": engine.audited.describe()["audited_rows"],
-                    "starting": engine.starting}
+        install_model_routes(app, routes, model_extras)
     else:
-        created = int(time.time())
-
-        @app.get("/v1/models")
-        async def list_models():
-            cards = [card for model in pool.models.values() for card in _pool_cards(pool, model, created)]
-            return JSONResponse(p.ModelList(data=cards).model_dump())
-
-        @app.get("/v1/models/{model_id:path}")
-        async def retrieve_model(model_id: str):
-            plain, deterministic = _pool_cards(pool, pool.find(model_id), created)
-            return JSONResponse((deterministic if model_id.endswith(DETERMINISTIC_SUFFIX) else plain).model_dump())
-
-        @app.head("/health", include_in_schema=False)
-        @app.get("/health")
-        async def health():
-            default = pool.models[pool.default]
-            return {"status": "ok", "model": pool.default,
-                    # "proving" while any loaded model proves, so a caller waiting for it sees it
-                    "guarantee": "proving" if pool.proving() else pool.status(default)["guarantee"] or default.state,
-                    **pool.counts(), "models": {m.name: pool.status(m) for m in pool.models.values()}}
+        install_pool_model_routes(app, pool)
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics():
