@@ -152,7 +152,6 @@ def async_timed_send(app):
 def instrument() -> None:
     """Wrap the parts of the path in timers (thread CPU time)."""
     import lockstep.server.api.app as app_module
-    import lockstep.server.api.protocol as p
     import lockstep.server.engine.engine as engine_module
     import lockstep.server.engine.scheduling.handle as handle_module
     from lockstep.server.engine.scheduling.scheduler import Scheduler
@@ -170,8 +169,8 @@ def instrument() -> None:
     IncrementalDecoder.add = timed("engine: detokenization", IncrementalDecoder.add)
     engine_module.post_all = timed("engine: hand-off (post_all)", engine_module.post_all)
     for name in ("ChatDelta", "ChatChunkChoice", "ChatCompletionChunk", "TextCompletion", "CompletionChoice"):
-        if hasattr(p, name):
-            setattr(p, name, timed("loop: chunk objects (pydantic)", getattr(p, name)))
+        if hasattr(app_module, name):  # the routes' own names for the response bodies
+            setattr(app_module, name, timed("loop: chunk objects (pydantic)", getattr(app_module, name)))
     try:  # chunks rendered from a template (server/api/chunk_json.py), where the server has it
         from lockstep.server.api.chunk_json import ChunkTemplate
 

@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from lockstep.models.load import load_model
-from lockstep.server.api import protocol as p
+from lockstep.server.api.chat_protocol import ChatCompletionRequest
 from lockstep.server.api.app import create_app
 from lockstep.server.api.constraints import Constraints
 from lockstep.server.api.errors import APIError
@@ -349,8 +349,8 @@ def test_a_format_the_grammar_cannot_write_is_a_400_and_parsed_by_mlx_lm(models)
     assert split_tool_calls(text, fmt, NAMES)[0] == "Checking.\n"
     constraints = Constraints(models["qwen2.5"], fmt)
     for choice in ("required", {"type": "function", "function": {"name": "add"}}):
-        body = p.ChatCompletionRequest.model_validate({"model": "m", "messages": ASK, "tools": TOOLS,
-                                                       "tool_choice": choice})
+        body = ChatCompletionRequest.model_validate({"model": "m", "messages": ASK, "tools": TOOLS,
+                                                     "tool_choice": choice})
         with pytest.raises(APIError) as err:
             constraints.grammar_for(body)
         assert err.value.status == 400 and err.value.body.param == "tool_choice"

@@ -11,7 +11,9 @@ function otherwise).
 """
 from __future__ import annotations
 
-from lockstep.server.api import protocol as p
+from lockstep.server.api.chat_protocol import ChatCompletionRequest
+
+from lockstep.server.api.sampling_protocol import SamplingRequest
 from lockstep.server.api.errors import APIError
 from lockstep.server.api.tool_calls import ToolFormat
 
@@ -28,20 +30,20 @@ class Constraints:
         return compiler_for(self.loaded)
 
     @staticmethod
-    def needs_grammar(body: p.SamplingRequest) -> bool:
+    def needs_grammar(body: SamplingRequest) -> bool:
         """Whether `body`'s output is constrained: a forced tool call or a JSON response_format."""
-        mode = body.tool_mode() if isinstance(body, p.ChatCompletionRequest) else "none"
+        mode = body.tool_mode() if isinstance(body, ChatCompletionRequest) else "none"
         response_format = getattr(body, "response_format", None)
         return mode in ("required", "named") or (response_format is not None and response_format.type != "text")
 
-    def grammar_for(self, body: p.SamplingRequest):
+    def grammar_for(self, body: SamplingRequest):
         """The compiled grammar `body` asks for, or None. Runs off the event loop, on the grammar
         checks' threads (server/api/grammar_checks.py: checking and compiling take milliseconds
         to seconds); an unsupported schema is a 400 naming the problem."""
         self.check_tools(body)
         if not self.needs_grammar(body):
             return None  # unconstrained: the grammar engine is not even imported
-        mode = body.tool_mode() if isinstance(body, p.ChatCompletionRequest) else "none"
+        mode = body.tool_mode() if isinstance(body, ChatCompletionRequest) else "none"
         response_format = getattr(body, "response_format", None)
         from lockstep.server.engine.structured.grammar import GrammarCheckerUnavailable, GrammarError
 
@@ -70,7 +72,7 @@ class Constraints:
             raise APIError(503, str(exc), type="server_error") from exc
 
     @staticmethod
-    def check_tools(body: p.SamplingRequest) -> None:
+    def check_tools(body: SamplingRequest) -> None:
         """Every tool's parameters are an object schema (OpenAI's rule), whatever tool_choice:
         a tool whose arguments could not be a JSON object could never be called."""
         from lockstep.server.engine.structured.grammar_limits import parameters_problem

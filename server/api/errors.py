@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lockstep.server.api.protocol import ErrorBody, ErrorResponse
+from lockstep.server.api.response_bodies import ErrorBody, ErrorResponse
 
 log = logging.getLogger(__name__)
 

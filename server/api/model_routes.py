@@ -8,11 +8,11 @@ import time
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from lockstep.server.api import protocol as p
+from lockstep.server.api.response_bodies import ModelCard, ModelList
 from lockstep.server.api.model_pool import DETERMINISTIC_SUFFIX, ModelPool
 
 
-def pool_cards(pool: ModelPool, model, created: int) -> tuple[p.ModelCard, p.ModelCard]:
+def pool_cards(pool: ModelPool, model, created: int) -> tuple[ModelCard, ModelCard]:
     """A pooled model's /v1/models entries, plain and `:deterministic`: its state and load counts,
     and, while loaded, its own details (audit, guarantee, batching) as a single-model server
     lists them."""
@@ -26,7 +26,7 @@ def pool_cards(pool: ModelPool, model, created: int) -> tuple[p.ModelCard, p.Mod
         card = service.routes.model_card(service.info)
         card = card.model_copy(update={"lockstep": {**details, **card.lockstep}})
     else:
-        card = p.ModelCard(id=model.name, created=created, lockstep=details)
+        card = ModelCard(id=model.name, created=created, lockstep=details)
     deterministic = card.model_copy(update={"id": model.name + DETERMINISTIC_SUFFIX,
                                             "lockstep": {**card.lockstep, "deterministic_by_name": True}})
     return card, deterministic
@@ -60,7 +60,7 @@ def install_pool_model_routes(app: FastAPI, pool: ModelPool) -> None:
     @app.get("/v1/models")
     async def list_models():
         cards = [card for model in pool.models.values() for card in pool_cards(pool, model, created)]
-        return JSONResponse(p.ModelList(data=cards).model_dump())
+        return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str):
