@@ -128,7 +128,7 @@ def main() -> int:
                 for i in range(args.requests)]
     plans = {det: [plan_request(deployment, deterministic=det, speculative=None, num_draft_tokens=None)
                    for _ in requests] for det in (False, True)}
-    print(f"{mx.default_device()}, MLX {mx.__version__}, {loaded.name} {args.weights}, L = {invariance.limit} "
+    print(f"{mx.default_device()}, MLX {mx.__version__}, {loaded.name} {args.weights}, L = {invariance.call_rows} "
           f"({invariance.strategy}), kv pool {mode}, pass rows {deployment.guarantee.pass_rows}, compiled passes: plain "
           f"{engine.runner.compiled is not None}, deterministic {deployment.guarantee.compiled_canonical_passes}; "
           f"{args.requests} requests x "

@@ -91,7 +91,7 @@ def main() -> int:
     out = io.StringIO()
     pstats.Stats(engine.profile, stream=out).sort_stats("tottime").print_stats(args.top)
     print(out.getvalue())
-    print(f"{args.requests} requests x {args.tokens} tokens, kv_pool {mode}, L = {invariance.limit} "
+    print(f"{args.requests} requests x {args.tokens} tokens, kv_pool {mode}, L = {invariance.call_rows} "
           f"({invariance.strategy}), deterministic {args.deterministic}, temperature {args.temperature}: {tokens} tokens in {wall:.2f} s = "
           f"{tokens / wall:.1f} tok/s")
     return 0

@@ -56,7 +56,7 @@ class GuaranteeWork:
         runtime, options = self.runtime, self.options
 
         def proven(width: int) -> None:
-            if self.install is None or width < invariance.limit or width % invariance.limit:
+            if self.install is None or width < invariance.call_rows or width % invariance.call_rows:
                 return  # installed at multiples of L: each install retraces the compiled passes
             runtime.invariance = invariance
             guarantee = dataclasses.replace(Guarantee.installed(invariance), shared_passes=True, pass_rows=width)
@@ -89,12 +89,12 @@ class GuaranteeWork:
         if options.batch_invariant_limit:
             (log.info if invariance.guaranteed else log.warning)(
                 "batch invariance L=%d strategy=%s guaranteed=%s (%s)",
-                invariance.limit, invariance.strategy, invariance.guaranteed, invariance.reason)
+                invariance.call_rows, invariance.strategy, invariance.guaranteed, invariance.reason)
         if invariance.guaranteed:
             from lockstep.kernels.invariance.warmup import build_kernels
 
             with timings.timed("build_kernels"):  # compiled now, not during the first passes
-                build_kernels(model, invariance.limit)
+                build_kernels(model, invariance.call_rows)
         pass_costs = None
         if options.adaptive_speculation and runtime.deployment.speculation:
             from lockstep.server.engine.runner.model_runner import ModelRunner
@@ -102,7 +102,7 @@ class GuaranteeWork:
 
             widest = options.max_draft_tokens + 1
             if invariance.guaranteed:
-                widest = max(widest, invariance.limit)
+                widest = max(widest, invariance.call_rows)
             with timings.timed("pass_costs"):  # what a verification pass of w rows costs in the engine
                 pass_costs = tuple(measure_pass_costs(model, widest,
                                                       runner=ModelRunner.as_engine_runs(model, kv_pool)))

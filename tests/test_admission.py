@@ -49,7 +49,7 @@ def test_serve_sizes_its_engine_and_its_pending_proof_from_the_budget(monkeypatc
     def decide(model, plan, kv_pool="off", proofs=None, pass_rows=None, **_):
         proven_widths.append(pass_rows)
         proved.set()
-        return guarantee.Guarantee(plan.limit, False, "not proven here")
+        return guarantee.Guarantee(plan.call_rows, False, "not proven here")
 
     monkeypatch.setattr(serve, "on_gpu", lambda: True)
     monkeypatch.setattr(kv_budget, "default_kv_tokens", lambda model: 40 * TYPICAL_REQUEST_TOKENS)

@@ -156,7 +156,7 @@ def server(restarted, embedded_model, draft_model):
         assert cache_invariance_problem(make_prompt_cache(embedded_model.model)) is None
         transform = f"weights={embedded_model.weights}"
         fingerprint = system_fingerprint(embedded_model.path, transform=transform, strategy=invariance.strategy,
-                                         limit=invariance.limit, blas=cpu_blas.describe(), prefill_chunk=CHUNK)
+                                         limit=invariance.call_rows, blas=cpu_blas.describe(), prefill_chunk=CHUNK)
         deployment = proven_deployment(embedded_model.model, invariance, draft_model=draft_model,
                                        draft_name="4-bit copy", prefill_chunk=CHUNK, fingerprint=fingerprint)
         prefix_cache = PrefixCache(4)

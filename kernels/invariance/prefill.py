@@ -20,7 +20,7 @@ def canonical_rows(invariance) -> int:
     one for a model with per-request state (its chunk is not its one-row calls)."""
     if invariance is None or not invariance.guaranteed:
         return 0
-    return min(invariance.limit, invariance.request_rows or invariance.limit)
+    return min(invariance.call_rows, invariance.request_rows or invariance.call_rows)
 
 
 def rows_are_canonical(canonical: int, chunk: int) -> bool:

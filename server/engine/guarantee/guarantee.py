@@ -58,7 +58,7 @@ class Guarantee:
     def installed(cls, invariance) -> Guarantee:
         """What the installed `invariance` (kernels.invariance.limit.InstalledInvariance) gives
         on its own: L, proven or not, with no pass shared between requests."""
-        return cls(invariance.limit, invariance.guaranteed, invariance.strategy, invariance.reason,
+        return cls(invariance.call_rows, invariance.guaranteed, invariance.strategy, invariance.reason,
                    invariance.request_rows)
 
     @property
