@@ -36,7 +36,7 @@ from .ragged import enable_ragged, per_request, ragged_forward, ragged_problem
 @dataclass(frozen=True)
 class RaggedProof:
     passed: bool
-    call_rows: int
+    call_rows: int  # L: the most rows one kernel call may hold, each row its one-row bits
     widths: tuple
     reason: str = ""
     seconds: float = 0.0

@@ -55,7 +55,7 @@ class Mismatch:
 class SelfTestResult:
     passed: bool
     backend: str
-    call_rows: int
+    call_rows: int  # L: the most rows one kernel call may hold, each row its one-row bits
     widths: tuple
     prefixes: tuple
     mismatches: tuple = field(default=())
