@@ -30,8 +30,8 @@ import mlx.core as mx  # noqa: E402
 from lockstep.kernels.batching.pool_mode import pool_mode  # noqa: E402
 from lockstep.kernels.batching.ragged import ragged_logits  # noqa: E402
 from lockstep.models.load import load_model  # noqa: E402
-from lockstep.server.engine.deployment import Deployment  # noqa: E402
-from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
+from lockstep.server.engine.guarantee.deployment import Deployment  # noqa: E402
+from lockstep.server.engine.runner.model_runner import ModelRunner  # noqa: E402
 
 from harness import measure, median, paired_ratios, table  # noqa: E402
 

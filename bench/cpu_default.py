@@ -69,7 +69,7 @@ def worker(weights: str, limit: int, n_prompt: int, n_long: int, n_decode: int,
     from lockstep.kernels.invariance import set_batch_invariant_limit
     from lockstep.models.load import load_model
     from lockstep.server.tools.speed_ratios import decode, prefill_seconds
-    from lockstep.server.engine.model_runner import ModelRunner, forward
+    from lockstep.server.engine.runner.model_runner import ModelRunner, forward
 
     from lockstep.kernels.batching.ragged import enable_ragged
 

@@ -1,4 +1,4 @@
-"""Decoding ahead (server/engine/decode_ahead.py) through the engine, without HTTP, on the 8B
+"""Decoding ahead (server/engine/runner/decode_ahead.py) through the engine, without HTTP, on the 8B
 shape (bench/invariant_8b.py's model, random weights): N streams decoded together, the engine
 with decode ahead on and off, and (one stream) mlx-lm's own generate loop (`generate_step`,
 which overlaps its steps the same way), rounds rotating in one process after one unmeasured
@@ -44,11 +44,11 @@ from lockstep.kernels.batching.ragged import enable_ragged  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from lockstep.kernels.invariance.layers import uninstall  # noqa: E402
 from lockstep.server.engine import Engine  # noqa: E402
-from lockstep.server.engine.decode_plan import plan_request  # noqa: E402
-from lockstep.server.engine.deployment import Deployment  # noqa: E402
-from lockstep.server.engine.deployment import proven_deployment  # noqa: E402
-from lockstep.server.engine.request_state import GenerationRequest  # noqa: E402
-from lockstep.server.engine.sampling import SamplingParams  # noqa: E402
+from lockstep.server.engine.guarantee.decode_plan import plan_request  # noqa: E402
+from lockstep.server.engine.guarantee.deployment import Deployment  # noqa: E402
+from lockstep.server.engine.guarantee.deployment import proven_deployment  # noqa: E402
+from lockstep.server.engine.decoding.request_state import GenerationRequest  # noqa: E402
+from lockstep.server.engine.decoding.sampling import SamplingParams  # noqa: E402
 
 
 class CharTokenizer:

@@ -34,11 +34,11 @@ from lockstep.kernels.batching.pool_mode import pool_mode  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from lockstep.models.load import load_model  # noqa: E402
 from lockstep.server.engine import Engine  # noqa: E402
-from lockstep.server.engine import model_runner  # noqa: E402
-from lockstep.server.engine.decode_plan import plan_request  # noqa: E402
-from lockstep.server.engine.deployment import proven_deployment  # noqa: E402
-from lockstep.server.engine.request_state import GenerationRequest  # noqa: E402
-from lockstep.server.engine.sampling import SamplingParams  # noqa: E402
+from lockstep.server.engine.runner import model_runner  # noqa: E402
+from lockstep.server.engine.guarantee.decode_plan import plan_request  # noqa: E402
+from lockstep.server.engine.guarantee.deployment import proven_deployment  # noqa: E402
+from lockstep.server.engine.decoding.request_state import GenerationRequest  # noqa: E402
+from lockstep.server.engine.decoding.sampling import SamplingParams  # noqa: E402
 
 RECORD: dict[str, list] = {"build": [], "decode": [], "start": [], "end": [], "rows": []}
 
@@ -128,7 +128,7 @@ def main() -> int:
                 for i in range(args.requests)]
     plans = {det: [plan_request(deployment, deterministic=det, speculative=None, num_draft_tokens=None)
                    for _ in requests] for det in (False, True)}
-    print(f"{mx.default_device()}, MLX {mx.__version__}, {loaded.name} {args.weights}, L = {invariance.limit} "
+    print(f"{mx.default_device()}, MLX {mx.__version__}, {loaded.name} {args.weights}, L = {invariance.call_rows} "
           f"({invariance.strategy}), kv pool {mode}, pass rows {deployment.guarantee.pass_rows}, compiled passes: plain "
           f"{engine.runner.compiled is not None}, deterministic {deployment.guarantee.compiled_canonical_passes}; "
           f"{args.requests} requests x "

@@ -30,10 +30,10 @@ from lockstep.kernels.batching.pool_mode import pool_mode  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from lockstep.models.load import load_model  # noqa: E402
 from lockstep.server.engine import Engine  # noqa: E402
-from lockstep.server.engine.decode_plan import plan_request  # noqa: E402
-from lockstep.server.engine.deployment import proven_deployment  # noqa: E402
-from lockstep.server.engine.request_state import GenerationRequest  # noqa: E402
-from lockstep.server.engine.sampling import SamplingParams  # noqa: E402
+from lockstep.server.engine.guarantee.decode_plan import plan_request  # noqa: E402
+from lockstep.server.engine.guarantee.deployment import proven_deployment  # noqa: E402
+from lockstep.server.engine.decoding.request_state import GenerationRequest  # noqa: E402
+from lockstep.server.engine.decoding.sampling import SamplingParams  # noqa: E402
 
 
 class ProfiledEngine(Engine):
@@ -91,7 +91,7 @@ def main() -> int:
     out = io.StringIO()
     pstats.Stats(engine.profile, stream=out).sort_stats("tottime").print_stats(args.top)
     print(out.getvalue())
-    print(f"{args.requests} requests x {args.tokens} tokens, kv_pool {mode}, L = {invariance.limit} "
+    print(f"{args.requests} requests x {args.tokens} tokens, kv_pool {mode}, L = {invariance.call_rows} "
           f"({invariance.strategy}), deterministic {args.deterministic}, temperature {args.temperature}: {tokens} tokens in {wall:.2f} s = "
           f"{tokens / wall:.1f} tok/s")
     return 0

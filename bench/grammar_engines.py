@@ -314,8 +314,8 @@ def main() -> None:
     try:  # the server's wrapper on top of the chosen engine: bitmask → mx bool mask, and applying it
         import mlx.core as mx
 
-        from lockstep.server.engine.grammar import GrammarCompiler
-        from lockstep.server.engine.logits_processors import apply_mask
+        from lockstep.server.engine.structured.grammar import GrammarCompiler
+        from lockstep.server.engine.decoding.logits_processors import apply_mask
 
         compiler = GrammarCompiler(m.tokenizer, vocab_size, m.eos_token_ids)
         matcher = compiler.json_schema(REALISTIC_SCHEMA).matcher()
@@ -327,10 +327,10 @@ def main() -> None:
             times.append(time.perf_counter() - start)
             matcher.consume(token)
         mean_ms = statistics.mean(times) * 1e3
-        say(f"server.engine.grammar (allowed() + apply_mask, realistic walk): mean {mean_ms:.3f} ms, p99 {p99(times) * 1e3:.3f} ms, "
+        say(f"server.engine.structured.grammar (allowed() + apply_mask, realistic walk): mean {mean_ms:.3f} ms, p99 {p99(times) * 1e3:.3f} ms, "
             f"÷ decode {mean_ms / decode_ms:.2%}")
     except ImportError as exc:
-        say(f"server.engine.grammar not measured ({exc})")
+        say(f"server.engine.structured.grammar not measured ({exc})")
 
     say(f"load average at end {os.getloadavg()[0]:.2f}")
     Path(args.out).write_text(out.getvalue())

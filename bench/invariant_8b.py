@@ -42,7 +42,7 @@ from lockstep.kernels.custom import loop_order, mma_order, skinny, split_attenti
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from lockstep.kernels.invariance.layers import native_forms, uninstall  # noqa: E402
 from lockstep.kernels.invariance.selftest import bits_equal  # noqa: E402
-from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
+from lockstep.server.engine.runner.model_runner import ModelRunner  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 WEIGHTS = {"bf16": None, "nvfp4": ("nvfp4", 16, 4), "affine4": ("affine", 64, 4)}

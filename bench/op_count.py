@@ -28,7 +28,7 @@ from invariant_8b import build, context  # noqa: E402
 from lockstep.kernels import custom  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from lockstep.models.fused_projections import fuse_projections  # noqa: E402
-from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
+from lockstep.server.engine.runner.model_runner import ModelRunner  # noqa: E402
 
 _NODE = re.compile(r'\[label ="([^"]+)", shape=rectangle\]')
 

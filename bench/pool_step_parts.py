@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 from invariant_8b import build, context, forward, trim  # noqa: E402
 from lockstep.kernels.custom import attention  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
-from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
+from lockstep.server.engine.runner.model_runner import ModelRunner  # noqa: E402
 
 
 def measure(run, cache, tokens, repeats=9):

@@ -46,7 +46,7 @@ def profile(who: str, weights: str) -> None:
     if who == "lockstep":
         from lockstep.kernels.batching.compiled_pass import CompiledPasses
         from lockstep.kernels.invariance import set_batch_invariant_limit
-        from lockstep.server.engine.model_runner import ModelRunner
+        from lockstep.server.engine.runner.model_runner import ModelRunner
 
         set_batch_invariant_limit(model, 0)
         path = ModelRunner.as_engine_runs(model, "kernel")

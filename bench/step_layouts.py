@@ -55,7 +55,7 @@ from lockstep.kernels.batching.compiled_pass import CompiledPasses  # noqa: E402
 from lockstep.kernels.custom import attention, compiled, qmv_mma, qmv_mma_parts, qmv_split, split_attention  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from lockstep.kernels.invariance.layers import uninstall  # noqa: E402
-from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
+from lockstep.server.engine.runner.model_runner import ModelRunner  # noqa: E402
 
 LAYOUTS = ("lockstep", "lockstep_views", "lockstep_commits", "lockstep_busy")
 _SIZES_ARE_SCALARS = compiled.sizes_are_scalars

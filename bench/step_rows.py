@@ -36,7 +36,7 @@ import mlx.core as mx  # noqa: E402
 from invariant_8b import HBM_BYTES_PER_S, build, context, trim, weight_bytes  # noqa: E402
 from lockstep.kernels.batching.compiled_pass import CompiledPasses  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
-from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
+from lockstep.server.engine.runner.model_runner import ModelRunner  # noqa: E402
 
 
 def timed(run, caches, rounds_out: dict, name: str) -> None:

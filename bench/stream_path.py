@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from lockstep.server.engine.model_runner import ModelRunner  # noqa: E402
-from lockstep.server.engine.step_data import PassResult, PrefillResult  # noqa: E402
+from lockstep.server.engine.runner.model_runner import ModelRunner  # noqa: E402
+from lockstep.server.engine.runner.step_data import PassResult, PrefillResult  # noqa: E402
 
 TEXT = ("The quick brown fox jumps over the lazy dog. A stream of tokens leaves the engine, "
         "crosses the event loop, becomes a chunk of JSON, is framed as a server-sent event and "
@@ -56,7 +56,7 @@ class FixedStepRunner(ModelRunner):
 
     def __init__(self, model, script: list[int], step_s: float, host_s: float):
         self.model = model
-        from lockstep.server.engine.deployment import Deployment
+        from lockstep.server.engine.guarantee.deployment import Deployment
 
         self.deployment = Deployment()
         self.batching_problem = None
@@ -152,11 +152,10 @@ def async_timed_send(app):
 def instrument() -> None:
     """Wrap the parts of the path in timers (thread CPU time)."""
     import lockstep.server.api.app as app_module
-    import lockstep.server.api.protocol as p
     import lockstep.server.engine.engine as engine_module
-    import lockstep.server.engine.handle as handle_module
-    from lockstep.server.engine.scheduler import Scheduler
-    from lockstep.server.engine.stops import IncrementalDecoder
+    import lockstep.server.engine.scheduling.handle as handle_module
+    from lockstep.server.engine.scheduling.scheduler import Scheduler
+    from lockstep.server.engine.decoding.stops import IncrementalDecoder
 
     FixedStepRunner.decode = timed("engine: step (host build; model: the pass)", FixedStepRunner.decode)
     ModelRunner.decode = timed("engine: step (host build; model: the pass)", ModelRunner.decode)
@@ -170,8 +169,8 @@ def instrument() -> None:
     IncrementalDecoder.add = timed("engine: detokenization", IncrementalDecoder.add)
     engine_module.post_all = timed("engine: hand-off (post_all)", engine_module.post_all)
     for name in ("ChatDelta", "ChatChunkChoice", "ChatCompletionChunk", "TextCompletion", "CompletionChoice"):
-        if hasattr(p, name):
-            setattr(p, name, timed("loop: chunk objects (pydantic)", getattr(p, name)))
+        if hasattr(app_module, name):  # the routes' own names for the response bodies
+            setattr(app_module, name, timed("loop: chunk objects (pydantic)", getattr(app_module, name)))
     try:  # chunks rendered from a template (server/api/chunk_json.py), where the server has it
         from lockstep.server.api.chunk_json import ChunkTemplate
 
@@ -227,8 +226,8 @@ def serving(app):
 
 def engine_round(engine, prompt: list[int], tokens: int) -> tuple[float, str]:
     """ms a token from first to last, tokens straight from the engine's handle; the text."""
-    from lockstep.server.engine.request_state import GenerationRequest
-    from lockstep.server.engine.sampling import SamplingParams
+    from lockstep.server.engine.decoding.request_state import GenerationRequest
+    from lockstep.server.engine.decoding.sampling import SamplingParams
 
     async def run():
         handle = engine.submit(GenerationRequest(prompt_tokens=prompt, max_tokens=tokens,
@@ -300,7 +299,7 @@ def main() -> None:
     if args.runner == "model":  # as serve runs it: the KV pool's kernel where there is one, so
         # decode passes run compiled and are built ahead
         from lockstep.kernels.batching.pool_mode import pool_mode
-        from lockstep.server.engine.deployment import Deployment
+        from lockstep.server.engine.guarantee.deployment import Deployment
 
         deployment = Deployment(kv_pool=pool_mode(loaded.model, "auto"))
     engine = Engine(loaded, max_active=4, runner=runner, deployment=deployment).start()

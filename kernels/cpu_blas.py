@@ -300,22 +300,22 @@ def kernel_limit() -> int:
     return 0 if cell is None else cell.value
 
 
-def set_kernel_limit(limit: int) -> None:
-    """Route the shim's sgemm calls of M <= limit rows (decode's M = 1 included) to its
+def set_kernel_limit(call_rows: int) -> None:
+    """Route the shim's sgemm calls of M <= call_rows rows (decode's M = 1 included) to its
     invariant kernel; 0 = off. Process-wide; a no-op where the shim is not active."""
     global _logged_isa
     cell = _kernel_limit_cell()
     if cell is None:
         return
-    cell.value = max(0, int(limit))
-    if limit > 0 and not _logged_isa:
+    cell.value = max(0, int(call_rows))
+    if call_rows > 0 and not _logged_isa:
         _logged_isa = True
         isa = kernel_isa()
         if isa == "portable":
             log.warning("invariant CPU kernel: no AVX2+FMA on this CPU (or forced); running its "
                         "portable path (same reduction order, slower)")
         else:
-            log.info("invariant CPU kernel: %s path for sgemm calls of <= %d rows", isa, limit)
+            log.info("invariant CPU kernel: %s path for sgemm calls of <= %d rows", isa, call_rows)
 
 
 _reexeced: set[str] = set()  # choices this process was re-executed for

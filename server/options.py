@@ -14,10 +14,10 @@ from lockstep.kernels.cpu_blas import CHOICES as _BLAS_LIBRARIES
 from lockstep.kernels.invariance.ops import STRATEGIES
 from lockstep.models.gguf_import import WEIGHT_FORMATS
 from lockstep.models.quantize import Q_MODES
-from lockstep.server.engine.decode_plan import METHODS
-from lockstep.server.engine.deployment import MAX_DRAFT_TOKENS, PREFILL_CHUNK
+from lockstep.server.engine.guarantee.decode_plan import METHODS
+from lockstep.server.engine.guarantee.deployment import MAX_DRAFT_TOKENS, PREFILL_CHUNK
 # serve --max-active / --max-batch-rows, defined beside the rule they bound; re-exported
-from lockstep.server.engine.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS  # noqa: F401
+from lockstep.server.engine.scheduling.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS  # noqa: F401
 
 # --- choice lists ---
 WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)  # auto: the fastest format on this backend (models/resolve.py)

@@ -13,13 +13,13 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from lockstep.kernels.invariance.selftest import bits_equal
-from lockstep.server.engine.decode_plan import DecodePlan
-from lockstep.server.engine.deployment import Deployment
+from lockstep.server.engine.guarantee.decode_plan import DecodePlan
+from lockstep.server.engine.guarantee.deployment import Deployment
 from lockstep.server.engine.generate import GenerationRequest, generate
-from lockstep.server.engine.model_runner import ModelRunner
+from lockstep.server.engine.runner.model_runner import ModelRunner
 from lockstep.server.engine.request_report import rendered
-from lockstep.server.engine.sampling import SamplingParams
-from lockstep.server.engine.token_steps import PlainSource, SpeculationStats, drive, speculative_tokens
+from lockstep.server.engine.decoding.sampling import SamplingParams
+from lockstep.server.engine.decoding.token_steps import PlainSource, SpeculationStats, drive, speculative_tokens
 
 GREEDY = SamplingParams(temperature=0.0, top_logprobs=3)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, top_logprobs=3)

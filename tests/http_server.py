@@ -81,8 +81,8 @@ def deterministic_server(loaded, limit: int, prefill_chunk: int = 4, max_active:
     from lockstep.kernels.verdict_cache import VerdictCache
     from lockstep.server.api.app import create_app
     from lockstep.server.engine import Engine
-    from lockstep.server.engine.deployment import proven_deployment
-    from lockstep.server.engine.prefix_cache import PrefixCache
+    from lockstep.server.engine.guarantee.deployment import proven_deployment
+    from lockstep.server.engine.cache.prefix_cache import PrefixCache
 
     proofs = ProofCache(VerdictCache("selftest"), model_identity={"model": str(loaded.path), "weights": loaded.weights})
     invariance = set_batch_invariant_limit(loaded.model, limit, proof_cache=proofs)

@@ -11,10 +11,10 @@ import struct
 
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
-from lockstep.server.engine.decode_plan import plan_request
-from lockstep.server.engine.deployment import proven_deployment
-from lockstep.server.engine.request_state import GenerationRequest
-from lockstep.server.engine.sampling import SamplingParams
+from lockstep.server.engine.guarantee.decode_plan import plan_request
+from lockstep.server.engine.guarantee.deployment import proven_deployment
+from lockstep.server.engine.decoding.request_state import GenerationRequest
+from lockstep.server.engine.decoding.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded
 from tests.test_deterministic_double import peaked_llama
 from tests.test_batching import PassLog

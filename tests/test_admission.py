@@ -1,11 +1,11 @@
-"""server/engine/admission.py: --max-active / --max-batch-rows sized from the KV budget on a
+"""server/engine/scheduling/admission.py: --max-active / --max-batch-rows sized from the KV budget on a
 GPU, fixed on the CPU, explicit flags first; and the serve assembly serving with it."""
 import threading
 
 import pytest
 
-from lockstep.server.engine.admission import MAX_SIZED_ACTIVE, TYPICAL_REQUEST_TOKENS, admission_limits
-from lockstep.server.engine.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS
+from lockstep.server.engine.scheduling.admission import MAX_SIZED_ACTIVE, TYPICAL_REQUEST_TOKENS, admission_limits
+from lockstep.server.engine.scheduling.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS
 
 
 def test_the_cpu_keeps_the_fixed_defaults_whatever_the_budget():
@@ -39,8 +39,8 @@ def test_serve_sizes_its_engine_and_its_pending_proof_from_the_budget(monkeypatc
     number, the ragged proof (run by the engine thread) covers the sized pass width, and
     /v1/models says both and why."""
     import lockstep.server.commands.serve as serve
-    import lockstep.server.engine.guarantee as guarantee
-    import lockstep.server.engine.kv_budget as kv_budget
+    import lockstep.server.engine.guarantee.guarantee as guarantee
+    import lockstep.server.engine.scheduling.kv_budget as kv_budget
     from lockstep.kernels.invariance import set_batch_invariant_limit
     from lockstep.server import cli
 
@@ -49,7 +49,7 @@ def test_serve_sizes_its_engine_and_its_pending_proof_from_the_budget(monkeypatc
     def decide(model, plan, kv_pool="off", proofs=None, pass_rows=None, **_):
         proven_widths.append(pass_rows)
         proved.set()
-        return guarantee.Guarantee(plan.limit, False, "not proven here")
+        return guarantee.Guarantee(plan.call_rows, False, "not proven here")
 
     monkeypatch.setattr(serve, "on_gpu", lambda: True)
     monkeypatch.setattr(kv_budget, "default_kv_tokens", lambda model: 40 * TYPICAL_REQUEST_TOKENS)

@@ -1,6 +1,6 @@
 """kernels/audit/widths.py and the staged audit behind it: `serve` audits the calls a first plain
 answer takes (one row, prompt chunks of 33+ rows, lookups) before it serves and the narrow ones
-(2..32 rows) on the engine thread afterwards (server/runtime.py AuditWork); until then the
+(2..32 rows) on the engine thread afterwards (server/startup_work.py AuditWork); until then the
 scheduler runs no call of an unaudited width, and a fault found late is routed around before any
 pass takes it. Over HTTP with the official client; the background audit is held back by an event."""
 import threading

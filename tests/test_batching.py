@@ -20,10 +20,10 @@ from lockstep.kernels.batching.ragged import enable_ragged, ragged_forward
 from lockstep.kernels.batching.ragged_selftest import prove_ragged
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
-from lockstep.server.engine.deployment import Deployment
-from lockstep.server.engine.guarantee import Guarantee
-from lockstep.server.engine.passes import Demand, compose_passes
-from lockstep.server.engine.prefix_cache import PrefixCache
+from lockstep.server.engine.guarantee.deployment import Deployment
+from lockstep.server.engine.guarantee.guarantee import Guarantee
+from lockstep.server.engine.scheduling.passes import Demand, compose_passes
+from lockstep.server.engine.cache.prefix_cache import PrefixCache
 from tests.deterministic_fixtures import TinyLoaded
 from tests.http_server import running, wait_until
 from tests.test_deterministic_double import peaked_llama
@@ -159,7 +159,7 @@ def serve_tiny(limit: int, *, claim_without_proof: int = 0, max_batch_rows: int 
     that many shared deterministic rows instead (the negative control)."""
     from lockstep.server.api.app import create_app
     from lockstep.server.engine import Engine
-    from lockstep.server.engine.deployment import proven_deployment
+    from lockstep.server.engine.guarantee.deployment import proven_deployment
 
     model = peaked_llama()
     draft = peaked_llama(quant="affine")
@@ -364,7 +364,7 @@ def test_kv_budget_refuses_what_never_fits_and_queues_what_does_not_fit_yet():
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_between_decode_passes(monkeypatch):
-    from lockstep.server.engine.model_runner import ModelRunner
+    from lockstep.server.engine.runner.model_runner import ModelRunner
 
     app, engine, log = serve_tiny(0)
     events = []
@@ -432,7 +432,7 @@ def wide_runs(monkeypatch=None, blocks=True):
     if not blocks:  # the negative control: wide calls run natively in the engine's passes
         import contextlib
 
-        import lockstep.server.engine.model_runner as model_runner
+        import lockstep.server.engine.runner.model_runner as model_runner
 
         monkeypatch.setattr(model_runner, "calls_in_blocks", contextlib.nullcontext)
     engine.start()

@@ -6,7 +6,9 @@ import json
 import httpx2 as httpx
 import pytest
 
-from lockstep.server.api import protocol as p
+from lockstep.server.api.response_bodies import (ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionChoice,
+                                                 TextCompletion)
+from lockstep.server.api import app as app_module
 from lockstep.server.api.chunk_json import ChunkTemplate
 
 TEXTS = ["", "a", " the", 'quo"te \\ back', "é ü 中文 🦊", "\x00\x01\x1f\x7f", "line\nbreak\ttab\r",
@@ -14,13 +16,13 @@ TEXTS = ["", "a", " the", 'quo"te \\ back', "é ü 中文 🦊", "\x00\x01\x1f\x
 
 
 def chat_chunk(created, text, index=0, **common):
-    return p.ChatCompletionChunk(id="chatcmpl-1", model="m", system_fingerprint="fp_1", created=created, **common,
-                                 choices=[p.ChatChunkChoice(index=index, delta=p.ChatDelta(content=text))])
+    return ChatCompletionChunk(id="chatcmpl-1", model="m", system_fingerprint="fp_1", created=created, **common,
+                               choices=[ChatChunkChoice(index=index, delta=ChatDelta(content=text))])
 
 
 def completion_chunk(created, text, index=0):
-    return p.TextCompletion(id="cmpl-1", model="m", system_fingerprint=None, created=created,
-                            choices=[p.CompletionChoice(index=index, text=text)])
+    return TextCompletion(id="cmpl-1", model="m", system_fingerprint=None, created=created,
+                          choices=[CompletionChoice(index=index, text=text)])
 
 
 @pytest.mark.parametrize("build", [chat_chunk, completion_chunk,
@@ -47,15 +49,15 @@ MESSAGES = [{"role": "user", "content": "Write a short poem about the sea."}]
 
 
 @pytest.mark.parametrize("path,body,model", [
-    ("/v1/chat/completions", {"messages": MESSAGES}, p.ChatCompletionChunk),
-    ("/v1/chat/completions", {"messages": MESSAGES, "n": 2, "temperature": 1.0, "seed": 3}, p.ChatCompletionChunk),
-    ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 2}, p.ChatCompletionChunk),
+    ("/v1/chat/completions", {"messages": MESSAGES}, ChatCompletionChunk),
+    ("/v1/chat/completions", {"messages": MESSAGES, "n": 2, "temperature": 1.0, "seed": 3}, ChatCompletionChunk),
+    ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 2}, ChatCompletionChunk),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER],
-                              "tool_choice": "required", "max_tokens": 40}, p.ChatCompletionChunk),
-    ("/v1/chat/completions", {"messages": MESSAGES, "stream_options": {"include_usage": True}}, p.ChatCompletionChunk),
-    ("/v1/completions", {"prompt": "The capital of France is"}, p.TextCompletion),
-    ("/v1/completions", {"prompt": "The sea", "n": 2, "temperature": 1.0, "seed": 3}, p.TextCompletion),
-    ("/v1/completions", {"prompt": "The sea", "logprobs": 2}, p.TextCompletion),
+                              "tool_choice": "required", "max_tokens": 40}, ChatCompletionChunk),
+    ("/v1/chat/completions", {"messages": MESSAGES, "stream_options": {"include_usage": True}}, ChatCompletionChunk),
+    ("/v1/completions", {"prompt": "The capital of France is"}, TextCompletion),
+    ("/v1/completions", {"prompt": "The sea", "n": 2, "temperature": 1.0, "seed": 3}, TextCompletion),
+    ("/v1/completions", {"prompt": "The sea", "logprobs": 2}, TextCompletion),
 ])
 def test_every_streamed_event_is_pydantics_rendering_of_itself(live_server, path, body, model):
     body = {"model": "default", "max_tokens": 12, "temperature": 0, "stream": True, **body}
@@ -77,12 +79,12 @@ def test_every_streamed_event_is_pydantics_rendering_of_itself(live_server, path
 ])
 def test_a_text_stream_builds_its_chunk_objects_once_not_per_token(live_server, monkeypatch, path, body, name):
     built = []
-    model = getattr(p, name)
+    model = getattr(app_module, name)  # patched where the routes build them
 
     def counted(*args, **kwargs):
         built.append(kwargs.get("choices"))
         return model(*args, **kwargs)
-    monkeypatch.setattr(p, name, counted)
+    monkeypatch.setattr(app_module, name, counted)
     body = {"model": "default", "max_tokens": 16, "temperature": 0, "stream": True, **body}
     with httpx.Client(base_url=live_server.removesuffix("/v1"), timeout=300) as http:
         events = [e for e in http.post(path, json=body).text.split("\n\n") if e.startswith("data: {")]

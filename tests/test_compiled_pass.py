@@ -16,8 +16,8 @@ from lockstep.kernels.batching import compiled_pass
 from lockstep.kernels.batching.compiled_pass import CompiledPasses, NotCompilable, unavailable_reason
 from lockstep.kernels.batching.kv_pool import KVPool
 from lockstep.kernels.batching.ragged import enable_ragged, ragged_logits
-from lockstep.server.engine.deployment import Deployment
-from lockstep.server.engine.model_runner import ModelRunner
+from lockstep.server.engine.guarantee.deployment import Deployment
+from lockstep.server.engine.runner.model_runner import ModelRunner
 from tests.doubles.pool_kernel import pool_kernel_double
 from tests.tiny_models import tiny_llama
 
@@ -214,7 +214,7 @@ def test_a_compiled_pass_whose_rows_move_with_the_width_fails_the_proof(determin
 
 def test_deterministic_passes_run_compiled_where_the_guarantee_proved_them(deterministic_model):
     from lockstep.kernels.invariance import set_batch_invariant_limit
-    from lockstep.server.engine.deployment import proven_deployment
+    from lockstep.server.engine.guarantee.deployment import proven_deployment
 
     model = deterministic_model
     invariance = set_batch_invariant_limit(model, LIMIT)

@@ -1,4 +1,4 @@
-"""Decoding ahead (server/engine/decode_ahead.py, held by the model runner): the next compiled
+"""Decoding ahead (server/engine/runner/decode_ahead.py, held by the model runner): the next compiled
 decode pass built on the tokens of the one still running, taken over when its requests decode
 next. Driven through the real engine on the tiny random llama, over the KV pool with
 the CPU stand-in for its attention kernel (tests/doubles/pool_kernel.py), against the same
@@ -11,10 +11,10 @@ from dataclasses import replace
 import pytest
 
 from lockstep.server.engine import Engine
-from lockstep.server.engine.decode_plan import plan_request
-from lockstep.server.engine.deployment import Deployment
-from lockstep.server.engine.request_state import GenerationRequest
-from lockstep.server.engine.sampling import SamplingParams
+from lockstep.server.engine.guarantee.decode_plan import plan_request
+from lockstep.server.engine.guarantee.deployment import Deployment
+from lockstep.server.engine.decoding.request_state import GenerationRequest
+from lockstep.server.engine.decoding.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded
 from tests.doubles.pool_kernel import pool_kernel_double
 from tests.tiny_models import tiny_llama
@@ -77,7 +77,7 @@ def test_decoding_ahead_gives_every_request_the_tokens_and_logprobs_of_one_pass_
 def test_a_pass_ahead_sampling_at_the_wrong_position_diverges(tiny, monkeypatch):
     """Negative control: the comparison above sees a pass built ahead with its sampling keyed
     to the position of the pass before it."""
-    from lockstep.server.engine import decode_ahead
+    from lockstep.server.engine.runner import decode_ahead
 
     presample = decode_ahead.presample
     monkeypatch.setattr(decode_ahead, "presample",
@@ -89,7 +89,7 @@ def test_a_pass_ahead_sampling_at_the_wrong_position_diverges(tiny, monkeypatch)
 
 
 def test_a_pass_built_ahead_is_dropped_when_its_requests_are_not_the_next_pass(tiny, monkeypatch):
-    from lockstep.server.engine.decode_ahead import AheadPass
+    from lockstep.server.engine.runner.decode_ahead import AheadPass
 
     rows_for = AheadPass.rows_for
     monkeypatch.setattr(AheadPass, "rows_for", lambda self, members, canonical: None)
@@ -117,7 +117,7 @@ def test_deterministic_requests_decoded_ahead_keep_their_solo_bits():
     plain plans do not (the negative control)."""
     from lockstep.kernels.batching.ragged import enable_ragged
     from lockstep.kernels.invariance import set_batch_invariant_limit
-    from lockstep.server.engine.deployment import proven_deployment
+    from lockstep.server.engine.guarantee.deployment import proven_deployment
     from tests.doubles.shape_variant import shape_variant_backend
     from tests.test_deterministic_double import peaked_llama
 

@@ -1,11 +1,11 @@
-"""Decode plans (server/engine/decode_plan.py) and the limit's environment names
+"""Decode plans (server/engine/guarantee/decode_plan.py) and the limit's environment names
 (server/runtime.py). No model: fast."""
 import pytest
 
-from lockstep.server.engine.decode_plan import METHODS, DecodePlan, RequestRejected, plan_request
+from lockstep.server.engine.guarantee.decode_plan import METHODS, DecodePlan, RequestRejected, plan_request
 
-from lockstep.server.engine.deployment import Deployment
-from lockstep.server.engine.guarantee import Guarantee
+from lockstep.server.engine.guarantee.deployment import Deployment
+from lockstep.server.engine.guarantee.guarantee import Guarantee
 from lockstep.server.runtime import LIMIT_ENV, limit_from_env
 from lockstep.server.engine.request_report import RequestReport
 
@@ -111,7 +111,7 @@ def test_extension_reports_the_guarantee_only_for_deterministic_requests():
 
 
 def test_every_speculative_method_has_a_drafter():
-    from lockstep.server.engine.speculative import DraftModelDrafter, PromptLookupDrafter
+    from lockstep.server.engine.decoding.speculative import DraftModelDrafter, PromptLookupDrafter
 
     assert set(METHODS) == {"none", DraftModelDrafter.name, PromptLookupDrafter.name}
 
@@ -161,7 +161,7 @@ def test_serve_flag_beats_environment(monkeypatch):
 def test_adaptive_speculation_flag_reaches_the_deployment_with_measured_costs(monkeypatch):
     import argparse
 
-    import lockstep.server.engine.speculative as speculative
+    import lockstep.server.engine.decoding.speculative as speculative
     from lockstep.server.commands.runtime_args import add_determinism_arguments, add_model_arguments, options_from_args
     from lockstep.server.runtime import build_runtime
 

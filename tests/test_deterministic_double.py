@@ -13,10 +13,10 @@ import pytest
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.selftest import bits_equal
-from lockstep.server.engine.decode_plan import DecodePlan, plan_request
-from lockstep.server.engine.deployment import Deployment
-from lockstep.server.engine.guarantee import Guarantee
-from lockstep.server.engine.speculative import DraftModelDrafter, PromptLookupDrafter
+from lockstep.server.engine.guarantee.decode_plan import DecodePlan, plan_request
+from lockstep.server.engine.guarantee.deployment import Deployment
+from lockstep.server.engine.guarantee.guarantee import Guarantee
+from lockstep.server.engine.decoding.speculative import DraftModelDrafter, PromptLookupDrafter
 from tests.deterministic_fixtures import (GREEDY, SEEDED, TinyLoaded, chosen_rows, rows_bit_identical,
                                           run_generate, steps_from)
 from tests.tiny_models import QUANT_MODES, tiny_llama

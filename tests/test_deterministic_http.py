@@ -146,9 +146,9 @@ def server(restarted, embedded_model, draft_model):
     from lockstep.kernels.invariance import cache_invariance_problem, set_batch_invariant_limit
     from lockstep.server.api.app import create_app
     from lockstep.server.engine import Engine
-    from lockstep.server.engine.deployment import proven_deployment
+    from lockstep.server.engine.guarantee.deployment import proven_deployment
     from lockstep.server.fingerprint import system_fingerprint
-    from lockstep.server.engine.prefix_cache import PrefixCache
+    from lockstep.server.engine.cache.prefix_cache import PrefixCache
 
     invariance = set_batch_invariant_limit(embedded_model.model, L)
     try:
@@ -156,7 +156,7 @@ def server(restarted, embedded_model, draft_model):
         assert cache_invariance_problem(make_prompt_cache(embedded_model.model)) is None
         transform = f"weights={embedded_model.weights}"
         fingerprint = system_fingerprint(embedded_model.path, transform=transform, strategy=invariance.strategy,
-                                         limit=invariance.limit, blas=cpu_blas.describe(), prefill_chunk=CHUNK)
+                                         limit=invariance.call_rows, blas=cpu_blas.describe(), prefill_chunk=CHUNK)
         deployment = proven_deployment(embedded_model.model, invariance, draft_model=draft_model,
                                        draft_name="4-bit copy", prefill_chunk=CHUNK, fingerprint=fingerprint)
         prefix_cache = PrefixCache(4)
@@ -198,9 +198,9 @@ def assert_same(got: Answer, want: Answer):
 # ------------------------------------------------------------------ greedy, the repetitive prompt
 
 def test_greedy_baseline_is_cold_full_length_and_guaranteed(server, answer):
-    assert (server.engine.prefix_cache.hits, server.engine.prefix_cache.misses) == (0, 0)
+    assert (server.engine.cache.prefix_cache.hits, server.engine.cache.prefix_cache.misses) == (0, 0)
     base = answer("hello", "greedy")
-    assert (server.engine.prefix_cache.hits, server.engine.prefix_cache.misses) == (0, 1)  # computed cold
+    assert (server.engine.cache.prefix_cache.hits, server.engine.cache.prefix_cache.misses) == (0, 1)  # computed cold
     assert len(base.tokens) == base.completion_tokens == TOKENS and base.finish_reason == "length"
     assert len(set(base.tokens)) > 2 and all(len(t) == 3 for t in base.tops)
     assert base.fingerprint == server.fingerprint
@@ -211,9 +211,9 @@ def test_greedy_baseline_is_cold_full_length_and_guaranteed(server, answer):
 
 def test_second_identical_request_hits_the_prefix_cache_and_matches(server, answer):
     base = answer("hello", "greedy")
-    hits = server.engine.prefix_cache.hits
+    hits = server.engine.cache.prefix_cache.hits
     again = chat(server.client, HELLO, GREEDY)
-    assert server.engine.prefix_cache.hits == hits + 1
+    assert server.engine.cache.prefix_cache.hits == hits + 1
     assert_same(again, base)
 
 
@@ -334,9 +334,9 @@ def test_refusals_name_the_parameter(server):
 def l0_server(server, embedded_model):
     """A deployment with L = 0 and no draft model (same engine code, own prefix cache)."""
     from lockstep.server.api.app import create_app
-    from lockstep.server.engine.deployment import Deployment
+    from lockstep.server.engine.guarantee.deployment import Deployment
     from lockstep.server.engine import Engine
-    from lockstep.server.engine.prefix_cache import PrefixCache
+    from lockstep.server.engine.cache.prefix_cache import PrefixCache
 
     engine = Engine(embedded_model, max_active=4, deployment=Deployment(prefill_chunk=CHUNK),
                     prefix_cache=PrefixCache(2)).start()

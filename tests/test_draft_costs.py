@@ -1,4 +1,4 @@
-"""A draft model is used only where it pays (server/engine/draft_costs.py, server/runtime.py
+"""A draft model is used only where it pays (server/engine/decoding/draft_costs.py, server/draft_assessment.py
 `assess_draft`): its passes measured against the target's at startup, on a fake clock here
 (the models' costs are what the fake draft charges it, no sleeps), decide whether requests
 draft from it at all, what adaptive speculation weighs per proposed token, and how many of
@@ -9,15 +9,15 @@ import mlx.core as mx
 import pytest
 from openai import OpenAI
 
-import lockstep.server.engine.draft_costs as draft_costs
-from lockstep.server.engine.decode_plan import plan_request
-from lockstep.server.engine.deployment import Deployment
-from lockstep.server.engine.draft_costs import (DRAFT_PREFILL_BUDGET_S, DraftCosts, drafting_refusal,
-                                                measure_draft_costs)
+import lockstep.server.engine.decoding.draft_costs as draft_costs
+from lockstep.server.engine.guarantee.decode_plan import plan_request
+from lockstep.server.engine.guarantee.deployment import Deployment
+from lockstep.server.engine.decoding.draft_costs import (DRAFT_PREFILL_BUDGET_S, DraftCosts, drafting_refusal,
+                                                         measure_draft_costs)
 from lockstep.server.engine.generate import generate
 from lockstep.server.engine.request_report import rendered
-from lockstep.server.engine.request_state import GenerationRequest
-from lockstep.server.engine.sampling import SamplingParams
+from lockstep.server.engine.decoding.request_state import GenerationRequest
+from lockstep.server.engine.decoding.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded
 from tests.http_server import running
 from tests.test_deterministic_double import peaked_llama
@@ -92,7 +92,9 @@ def test_drafting_is_refused_where_even_high_acceptance_cannot_pay_for_the_draft
 def _runtime(loaded, draft, clock, monkeypatch, **options):
     """A Runtime around `loaded` whose draft model is assessed on `clock`."""
     from lockstep.kernels.invariance.limit import InstalledInvariance
-    from lockstep.server.runtime import Options, Phases, Runtime, assess_draft
+    from lockstep.server.draft_assessment import assess_draft
+    from lockstep.server.phases import Phases
+    from lockstep.server.runtime import Options, Runtime
 
     monkeypatch.setattr(draft_costs, "measure_draft_costs", functools.partial(measure_draft_costs, clock=clock))
     deployment = Deployment(draft_model=draft, draft_name="fake-draft", pass_costs=(1.0, 1.02, 1.04, 1.06, 1.08),
@@ -153,7 +155,8 @@ def test_a_cheap_draft_is_drafted_from(tiny, monkeypatch):
 
 
 def test_default_quantized_has_no_cheap_form_on_the_cpu():
-    from lockstep.server.runtime import Options, no_cheap_draft
+    from lockstep.server.draft_assessment import no_cheap_draft
+    from lockstep.server.runtime import Options
 
     assert mx.default_device().type == mx.DeviceType.cpu
     assert "no draft cheaper than the target" in no_cheap_draft(Options(draft_model="default-quantized"))

@@ -18,7 +18,7 @@ DRAIN_TIMEOUT_S = 120  # far longer than the test may take: the drain must end w
 def test_a_request_waiting_for_the_proof_gets_503_when_draining_starts(embedded_model, caplog):
     from lockstep.server.api.app import create_app
     from lockstep.server.api.shutdown import bind, draining_server
-    from lockstep.server.engine.guarantee_state import PROVING, GuaranteeState
+    from lockstep.server.engine.guarantee.guarantee_state import PROVING, GuaranteeState
 
     engine = ScriptedEngine(embedded_model, EndlessGenerate(), guarantee=GuaranteeState(PROVING)).start()
     sock = bind("127.0.0.1", 0)

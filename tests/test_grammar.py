@@ -1,4 +1,4 @@
-"""The grammar layer (server/engine/grammar.py) on the embedded model's tokenizer and weights."""
+"""The grammar layer (server/engine/structured/grammar.py) on the embedded model's tokenizer and weights."""
 import json
 import threading
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from lockstep.server.engine.grammar import GrammarCompiler, GrammarError
-from lockstep.server.engine.logits_processors import apply_mask
+from lockstep.server.engine.structured.grammar import GrammarCompiler, GrammarError
+from lockstep.server.engine.decoding.logits_processors import apply_mask
 
 START, END = "<tool_call>\n", "\n</tool_call>"
 

@@ -46,7 +46,7 @@ class BlockingChecker:
 @pytest.fixture
 def checker(monkeypatch):
     checker = BlockingChecker()
-    monkeypatch.setattr("lockstep.server.engine.grammar.compiler_for", lambda loaded: checker)
+    monkeypatch.setattr("lockstep.server.engine.structured.grammar.compiler_for", lambda loaded: checker)
     yield checker
     checker.release.set()
 

@@ -1,6 +1,6 @@
 """Regression tests for the constrained-decoding findings of issue 25's adversarial round: each
-test names the finding it guards. Grammar limits (server/engine/grammar_limits.py), the
-grammar checker process (server/engine/grammar_sandbox.py) and their errors over HTTP.
+test names the finding it guards. Grammar limits (server/engine/structured/grammar_limits.py), the
+grammar checker process (server/engine/structured/grammar_sandbox.py) and their errors over HTTP.
 """
 import json
 import logging
@@ -12,7 +12,7 @@ import httpx2 as httpx
 import llguidance
 import pytest
 
-from lockstep.server.engine.grammar import JSON_OPTIONS, GrammarCompiler, GrammarError
+from lockstep.server.engine.structured.grammar import JSON_OPTIONS, GrammarCompiler, GrammarError
 
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "Describe a person as JSON."}],
         "max_tokens": 24, "temperature": 0}
@@ -85,9 +85,9 @@ def test_a_chained_ref_schema_crashes_only_the_checker_process(embedded_model):
         import json, sys, threading
         from pathlib import Path
         from mlx_lm.utils import load_tokenizer
-        from lockstep.server.engine.grammar import GrammarCompiler, GrammarError
+        from lockstep.server.engine.structured.grammar import GrammarCompiler, GrammarError
         try:  # today's code has no static limits to lift
-            from lockstep.server.engine import grammar_limits
+            from lockstep.server.engine.structured import grammar_limits
             grammar_limits.schema_problem = lambda schema, what="": None
         except ImportError:
             pass
@@ -130,7 +130,7 @@ def test_a_chained_ref_schema_is_a_400_on_every_route_and_the_server_lives(http)
 
 
 def test_the_checker_survives_crashes_and_timeouts(compiler):
-    from lockstep.server.engine import grammar_sandbox
+    from lockstep.server.engine.structured import grammar_sandbox
 
     sandbox = compiler.sandbox
     crash = llguidance.LLMatcher.grammar_from_json_schema(chain(1000), overrides=JSON_OPTIONS)
@@ -159,7 +159,7 @@ def test_the_checker_survives_crashes_and_timeouts(compiler):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_the_checker_runs_under_its_memory_limit(compiler):
-    from lockstep.server.engine import grammar_sandbox
+    from lockstep.server.engine.structured import grammar_sandbox
 
     compiler.json_schema({"type": "object", "properties": {"m": {"type": "null"}}})  # a running child
     limits = open(f"/proc/{compiler.sandbox.pid}/limits").read()
@@ -173,7 +173,7 @@ def test_the_checker_compiles_on_a_smaller_stack_than_the_server(embedded_model,
     (tests/doubles/stack_reporting_checker.py runs the real child) and a server compile thread."""
     import os
 
-    from lockstep.server.engine import grammar, grammar_sandbox
+    from lockstep.server.engine.structured import grammar, grammar_sandbox
     from tests.doubles import stack_reporting_checker
 
     sandbox_file = os.path.abspath(grammar_sandbox.__file__)
@@ -210,15 +210,15 @@ def test_the_checker_compiles_on_a_smaller_stack_than_the_server(embedded_model,
     ({"type": "object", "patternProperties": {"(b{200}){51}": {"type": "integer"}}}, "MAX_REGEX_REPEAT"),
 ])
 def test_each_static_limit_is_refused_by_name(compiler, schema, constant):
-    from lockstep.server.engine import grammar_limits
-    from lockstep.server.engine.grammar import GrammarLimitError
+    from lockstep.server.engine.structured import grammar_limits
+    from lockstep.server.engine.structured.grammar import GrammarLimitError
 
     with pytest.raises(GrammarLimitError, match=f"{constant} = {getattr(grammar_limits, constant)}"):
         compiler.json_schema(schema)
 
 
 def test_schemas_within_the_static_limits_pass(compiler):
-    from lockstep.server.engine import grammar_limits
+    from lockstep.server.engine.structured import grammar_limits
 
     tree = {"$defs": {"node": {"type": "object", "properties": {"children": {"type": "array", "items": {
         "$ref": "#/$defs/node"}}}}}, "$ref": "#/$defs/node"}  # recursion is not depth

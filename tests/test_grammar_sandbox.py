@@ -1,4 +1,4 @@
-"""The grammar checker's verdict cache (server/engine/grammar_sandbox.py), issue 49 finding 6:
+"""The grammar checker's verdict cache (server/engine/structured/grammar_sandbox.py), issue 49 finding 6:
 only verdicts the grammar engine returned are cached. A check cut short by the OS (the child
 stopped past the timeout, or killed mid-check) says nothing about the grammar, so the same
 grammar is checked again, and compiles, when next asked.
@@ -9,8 +9,8 @@ import signal
 import llguidance
 import pytest
 
-from lockstep.server.engine import grammar_sandbox
-from lockstep.server.engine.grammar import JSON_OPTIONS, GrammarCompiler, GrammarLimitError
+from lockstep.server.engine.structured import grammar_sandbox
+from lockstep.server.engine.structured.grammar import JSON_OPTIONS, GrammarCompiler, GrammarLimitError
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 HANG_GUARD_S = 60

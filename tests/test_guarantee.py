@@ -1,13 +1,13 @@
-"""The one `Guarantee` (server/engine/guarantee.py) and what reads it through
+"""The one `Guarantee` (server/engine/guarantee/guarantee.py) and what reads it through
 `deployment.guarantee`: the settled state, the request plan, the prefill alignment bound and
 the scheduler's description. No model is loaded: the installed invariance is a stand-in."""
 import dataclasses
 
 from lockstep.kernels.invariance.limit import InstalledInvariance
-from lockstep.server.engine.decode_plan import Determinism, plan_request
-from lockstep.server.engine.deployment import Deployment
-from lockstep.server.engine.guarantee import Guarantee, decide_guarantee
-from lockstep.server.engine.guarantee_state import IN_FORCE, OFF, REFUSED, settled_state
+from lockstep.server.engine.guarantee.decode_plan import Determinism, plan_request
+from lockstep.server.engine.guarantee.deployment import Deployment
+from lockstep.server.engine.guarantee.guarantee import Guarantee, decide_guarantee
+from lockstep.server.engine.guarantee.guarantee_state import IN_FORCE, OFF, REFUSED, settled_state
 from lockstep.server.engine.request_report import RequestReport
 
 
@@ -61,8 +61,8 @@ def test_the_deployment_holds_l_in_its_guarantee_only():
 
 
 def test_the_scheduler_describes_call_rows_only_where_proven():
-    from lockstep.server.engine.kv_budget import KVBudget
-    from lockstep.server.engine.scheduler import Scheduler
+    from lockstep.server.engine.scheduling.kv_budget import KVBudget
+    from lockstep.server.engine.scheduling.scheduler import Scheduler
 
     class Runner:
         batched = True

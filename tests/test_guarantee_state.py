@@ -1,5 +1,5 @@
-"""A guarantee proven after serving starts (server/engine/guarantee_state.py, the engine's
-proofs, server/runtime.py GuaranteeWork): plain requests are served while it is proven,
+"""A guarantee proven after serving starts (server/engine/guarantee/guarantee_state.py, the engine's
+proofs, server/startup_work.py GuaranteeWork): plain requests are served while it is proven,
 deterministic ones wait for it or get a 503 with Retry-After, and none is planned before it
 settles. The held-back proof steps like a real one (`step_done` between its steps). A proof that
 fails leaves the deployment serving with its guarantee refused, and every report says so."""
@@ -10,7 +10,7 @@ import httpx2 as httpx
 import pytest
 
 from lockstep.kernels.proof_steps import between_steps, step_done
-from lockstep.server.engine.guarantee_state import (IN_FORCE, OFF, PROVING, REFUSED, GuaranteeState,
+from lockstep.server.engine.guarantee.guarantee_state import (IN_FORCE, OFF, PROVING, REFUSED, GuaranteeState,
                                                    settled_state)
 from tests.test_service import fake_launchctl, mac  # noqa: F401 (fixtures: a macOS host, its launchctl)
 
@@ -63,7 +63,7 @@ class HeldProof:
         from lockstep.kernels.invariance import set_batch_invariant_limit
         from lockstep.kernels.invariance.selftest import ProofCache
         from lockstep.kernels.verdict_cache import VerdictCache
-        from lockstep.server.engine.deployment import proven_deployment
+        from lockstep.server.engine.guarantee.deployment import proven_deployment
 
         while not self.release.is_set():
             step_done()
@@ -85,8 +85,8 @@ def test_plain_requests_are_served_while_the_proof_is_held_and_deterministic_one
     from lockstep.kernels.invariance import set_batch_invariant_limit
     from lockstep.server.api.app import create_app
     from lockstep.server.engine import Engine
-    from lockstep.server.engine.deployment import Deployment
-    from lockstep.server.engine.guarantee import Guarantee
+    from lockstep.server.engine.guarantee.deployment import Deployment
+    from lockstep.server.engine.guarantee.guarantee import Guarantee
     from tests.http_server import running, wait_until
 
     proof = HeldProof(embedded_model, limit=2)
@@ -300,7 +300,7 @@ class SteppingProof:
         self.steps = 0
 
     def run(self):
-        from lockstep.server.engine.deployment import Deployment
+        from lockstep.server.engine.guarantee.deployment import Deployment
 
         while not self.release.is_set():
             step_done()
@@ -322,9 +322,9 @@ def test_between_slow_proof_steps_a_request_is_served_as_long_as_a_step_took(mon
 
     import lockstep.server.engine.engine as engine_module
     from lockstep.server.engine import Engine
-    from lockstep.server.engine.model_runner import ModelRunner
-    from lockstep.server.engine.request_state import GenerationRequest
-    from lockstep.server.engine.sampling import SamplingParams
+    from lockstep.server.engine.runner.model_runner import ModelRunner
+    from lockstep.server.engine.decoding.request_state import GenerationRequest
+    from lockstep.server.engine.decoding.sampling import SamplingParams
     from tests.deterministic_fixtures import TinyLoaded
     from tests.test_deterministic_double import peaked_llama
 

@@ -76,7 +76,7 @@ def error_of(response, status, param):
 # ------------------------------------------------- 1. a request that stalls all others
 
 def test_draft_tokens_above_the_server_maximum_are_refused_naming_the_limit(http):
-    from lockstep.server.engine.deployment import MAX_DRAFT_TOKENS
+    from lockstep.server.engine.guarantee.deployment import MAX_DRAFT_TOKENS
 
     body = {**CHAT, "speculative": "prompt_lookup", "num_draft_tokens": 300, "max_tokens": 1}
     message = error_of(http.post("/v1/chat/completions", json=body), 400, "num_draft_tokens")
@@ -95,11 +95,11 @@ def test_the_num_draft_tokens_flag_is_bounded_by_the_maximum():
 
 
 def test_drafts_are_clipped_to_the_tokens_left(embedded_model, monkeypatch):
-    from lockstep.server.engine.decode_plan import DecodePlan
-    from lockstep.server.engine.deployment import Deployment
+    from lockstep.server.engine.guarantee.decode_plan import DecodePlan
+    from lockstep.server.engine.guarantee.deployment import Deployment
     from lockstep.server.engine.generate import GenerationRequest, generate
-    from lockstep.server.engine.sampling import SamplingParams
-    from lockstep.server.engine.speculative import PromptLookupDrafter
+    from lockstep.server.engine.decoding.sampling import SamplingParams
+    from lockstep.server.engine.decoding.speculative import PromptLookupDrafter
 
     asked = []
     original = PromptLookupDrafter.propose
@@ -125,7 +125,7 @@ def test_drafts_are_clipped_to_the_tokens_left(embedded_model, monkeypatch):
 
 
 def test_a_cancelled_request_stops_drafting_inside_the_step(embedded_model):
-    from lockstep.server.engine.speculative import DraftModelDrafter
+    from lockstep.server.engine.decoding.speculative import DraftModelDrafter
 
     drafter = DraftModelDrafter(embedded_model.model)
     feeds = []
@@ -181,7 +181,7 @@ def test_a_long_step_does_not_hold_the_engine_after_its_client_left(embedded_mod
 @pytest.mark.parametrize("params", [dict(temperature=1e-40), dict(temperature=1e-300),
                                     dict(temperature=1.0, top_p=1e-300), dict(temperature=1.0, top_p=1e-45)])
 def test_tiny_temperature_or_top_p_picks_the_top_token(params):
-    from lockstep.server.engine.sampling import SamplingParams, sample
+    from lockstep.server.engine.decoding.sampling import SamplingParams, sample
 
     logits = mx.random.normal((3, 1000), key=mx.random.key(3)) * 4
     chosen = sample(logits, [10, 11, 12], SamplingParams(seed=5, top_logprobs=1, **params))
@@ -214,7 +214,7 @@ def test_seeds_inside_int64_are_accepted(http, seed):
 
 
 def test_distinct_int64_seeds_give_distinct_keys():
-    from lockstep.server.engine.sampling import key_for
+    from lockstep.server.engine.decoding.sampling import key_for
 
     keys = {tuple(key_for(seed, 7).tolist()) for seed in (0, -1, 2**63 - 1, -(2**63), 1)}
     assert len(keys) == 5
@@ -388,10 +388,10 @@ def test_a_cancelled_prefill_stops_at_the_next_chunk(embedded_model, monkeypatch
     """Each prompt chunk is one engine step, so a disconnect frees the slot after one chunk."""
     import asyncio
 
-    import lockstep.server.engine.model_runner as model_runner
+    import lockstep.server.engine.runner.model_runner as model_runner
     from lockstep.server.engine import Engine
-    from lockstep.server.engine.deployment import Deployment
-    from lockstep.server.engine.request_state import GenerationRequest
+    from lockstep.server.engine.guarantee.deployment import Deployment
+    from lockstep.server.engine.decoding.request_state import GenerationRequest
 
     chunks = []
     release = threading.Event()

@@ -6,7 +6,9 @@ module may import from its own package and the ones below it, never above. Impor
 functions count too: a cycle hidden in a function body is still a cycle. Nor may the
 subpackages (kernels.audit, kernels.batching, kernels.custom, kernels.invariance, server.api,
 server.engine, server.distributed, ...) import each other in a cycle: a package's own modules
-(kernels/verdict_cache.py is `lockstep.kernels`) count as that package.
+(kernels/verdict_cache.py is `lockstep.kernels`) count as that package. server/engine's rooms
+(scheduling, decoding, runner, guarantee, cache, structured) are such packages, and none of
+them imports the engine's own modules: its __init__ imports `Engine`, and with it every room.
 """
 from __future__ import annotations
 
@@ -124,6 +126,29 @@ def test_imports_only_go_down_the_layers():
     assert upward == []
 
 
+ENGINE = "lockstep.server.engine"
+
+
+def engine_rooms(modules: dict[str, Path]) -> list[str]:
+    """The subpackages of server/engine."""
+    return sorted({package_of(m, modules) for m in modules if m.startswith(ENGINE + ".")} - {ENGINE})
+
+
+def rooms_importing_the_engine(edges: dict[str, set[str]], modules: dict[str, Path]) -> list[str]:
+    """Rooms whose modules import the engine's own package (engine.py, generate.py, ...)."""
+    packages = package_graph(edges, modules)
+    return sorted(room for room in engine_rooms(modules) if ENGINE in packages.get(room, ()))
+
+
+def test_engine_rooms_import_no_cycle_and_never_the_engine_itself():
+    modules = module_files()
+    rooms = engine_rooms(modules)
+    assert len(rooms) >= 2  # the check has rooms to look at
+    packages = package_graph(graph(), modules)
+    assert cycles({room: packages.get(room, set()) & set(rooms) for room in rooms}) == []
+    assert rooms_importing_the_engine(graph(), modules) == []
+
+
 def test_the_checks_see_a_cycle_and_an_upward_import():
     """Control: the same checks on a graph that has both."""
     made_up = {"lockstep.models.a": {"lockstep.kernels.b"}, "lockstep.kernels.b": {"lockstep.kernels.c"},
@@ -137,5 +162,10 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
               "lockstep.kernels.invariance.y": {"lockstep.kernels.batching.z"}, "lockstep.kernels.batching.z": set()}
     assert cycles(spread) == []
     assert cycles(package_graph(spread, files)) == [["lockstep.kernels.batching", "lockstep.kernels.invariance"]]
+    # a room that imports the engine's own package (whose __init__ imports every room)
+    files = {"lockstep.server.engine": Path("__init__.py"), "lockstep.server.engine.engine": Path("engine.py"),
+             "lockstep.server.engine.scheduling.scheduler": Path("scheduler.py")}
+    upward = {"lockstep.server.engine.scheduling.scheduler": {"lockstep.server.engine.engine"}}
+    assert rooms_importing_the_engine(upward, files) == ["lockstep.server.engine.scheduling"]
     # and the real graph is read: the server imports the kernels somewhere
     assert any(t.startswith("lockstep.kernels") for targets in graph().values() for t in targets)

@@ -148,7 +148,7 @@ def test_auto_picks_a_proven_strategy_and_records_why():
     with shape_variant_backend():
         invariance = set_batch_invariant_limit(model, 9, prefixes=(7,))
     assert invariance.guaranteed and invariance.strategy in CANONICAL
-    assert invariance.backend == str(mx.default_device()) and invariance.limit == 9
+    assert invariance.backend == str(mx.default_device()) and invariance.call_rows == 9
     tried = {name: passed for name, passed, _ in invariance.candidates}
     assert tried == {"native": False, "strided_gemv": True}  # first proven in speed order
     assert invariance.strategy == "strided_gemv" and "failed: ['native']" in invariance.reason
@@ -197,7 +197,7 @@ def test_limit_zero_restores_the_model_and_install_is_idempotent():
     assert first.layers == second.layers == {"InvariantLinear": 14, "InvariantEmbedding": 1, "attention_modules": 1}
     assert llama.scaled_dot_product_attention is invariant_sdpa
     off = set_batch_invariant_limit(model, 0)
-    assert off.limit == 0 and not off.guaranteed
+    assert off.call_rows == 0 and not off.guaranteed
     assert type(model) is llama.Model
     assert not [n for n, m in model.named_modules() if type(m).__name__.startswith("Invariant")]
     assert type(model.layers[0].self_attn.q_proj) is nn.Linear

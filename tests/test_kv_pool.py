@@ -205,8 +205,8 @@ def test_pool_mode_on_the_cpu(model):
 
 def test_speculation_over_the_engine_path_is_exact_and_gives_its_ranges_back(model):
     from lockstep.server.tools.speed_ratios import decode
-    from lockstep.server.engine.model_runner import ModelRunner
-    from lockstep.server.engine.speculative import measure_pass_costs
+    from lockstep.server.engine.runner.model_runner import ModelRunner
+    from lockstep.server.engine.decoding.speculative import measure_pass_costs
 
     path = ModelRunner.as_engine_runs(model, "reference")
     prompt = [11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11, 12]

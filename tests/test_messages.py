@@ -12,7 +12,7 @@ import anthropic
 import pytest
 
 from lockstep.server.api import messages_protocol as mp
-from lockstep.server.api import protocol as p
+from lockstep.server.api.chat_protocol import ChatCompletionRequest
 from lockstep.server.api.auth import _presented_key
 from lockstep.server.api.chat_prompt import chat_prompt_tokens
 from lockstep.server.api.messages import chat_request
@@ -39,7 +39,7 @@ def create(client, content, **kwargs):  # greedy and short unless told
 
 
 def chat_prompt_length(model, messages, **fields) -> int:
-    body = p.ChatCompletionRequest.model_validate({"model": "default", "messages": messages, **fields})
+    body = ChatCompletionRequest.model_validate({"model": "default", "messages": messages, **fields})
     return len(chat_prompt_tokens(model.tokenizer, body, tool_format(model.tokenizer)))
 
 

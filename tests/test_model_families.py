@@ -20,15 +20,15 @@ from lockstep.kernels.batching.ragged import ragged_problem
 from lockstep.kernels.batching.ragged_selftest import per_request_self_test
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.server.engine import Engine
-from lockstep.server.engine.decode_plan import RequestRejected, plan_request
-from lockstep.server.engine.deployment import Deployment, rewind_refusal
+from lockstep.server.engine.guarantee.decode_plan import RequestRejected, plan_request
+from lockstep.server.engine.guarantee.deployment import Deployment, rewind_refusal
 from lockstep.server.engine.generate import generate
-from lockstep.server.engine.deployment import proven_deployment
-from lockstep.server.engine.guarantee import Guarantee
-from lockstep.server.engine.prefix_cache import PrefixCache
-from lockstep.server.engine.request_state import GenerationRequest
-from lockstep.server.engine.sampling import SamplingParams
-from lockstep.server.runtime import rewindable
+from lockstep.server.engine.guarantee.deployment import proven_deployment
+from lockstep.server.engine.guarantee.guarantee import Guarantee
+from lockstep.server.engine.cache.prefix_cache import PrefixCache
+from lockstep.server.engine.decoding.request_state import GenerationRequest
+from lockstep.server.engine.decoding.sampling import SamplingParams
+from lockstep.server.model_loading import rewindable
 from tests.deterministic_fixtures import TinyLoaded
 from tests.doubles.shape_variant import shape_variant_backend
 from tests.model_families import FAMILIES, tiny_family

@@ -1,4 +1,4 @@
-"""The prefix cache (server/engine/prefix_cache.py) and prefix reuse inside generate().
+"""The prefix cache (server/engine/cache/prefix_cache.py) and prefix reuse inside generate().
 
 A hit must not change a single bit: under the shape-variant double (rows reduce differently
 when a call has several), generate() with a cached prefix, whole or ending mid-chunk, gives
@@ -10,14 +10,14 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import lockstep.kernels.invariance.prefill as prefill_module
 import lockstep.server.engine.generate as generate_module
-import lockstep.server.engine.model_runner as model_runner
+import lockstep.server.engine.runner.model_runner as model_runner
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.selftest import bits_equal
-from lockstep.server.engine.deployment import Deployment
-from lockstep.server.engine.guarantee import Guarantee
+from lockstep.server.engine.guarantee.deployment import Deployment
+from lockstep.server.engine.guarantee.guarantee import Guarantee
 from lockstep.server.engine.generate import GenerationRequest
-from lockstep.server.engine.prefix_cache import PrefixCache
+from lockstep.server.engine.cache.prefix_cache import PrefixCache
 from tests.deterministic_fixtures import GREEDY, SEEDED, TinyLoaded, rows_bit_identical, run_generate
 from tests.tiny_models import tiny_llama
 
@@ -248,7 +248,7 @@ def test_a_deterministic_request_never_starts_from_a_plain_prompts_smaller_chunk
     the engine less per step), which writes other KV bits under the double: a deterministic
     request after it must still get its cold bits (it does not start from that entry), while
     a plain request reuses it."""
-    from lockstep.server.engine.decode_plan import plan_request
+    from lockstep.server.engine.guarantee.decode_plan import plan_request
 
     deployment = Deployment(prefill_chunk=CHUNK, plain_prefill_chunk=CHUNK // 2)
     det = plan_request(deployment, deterministic=True, speculative=None, num_draft_tokens=None)

@@ -1,5 +1,5 @@
-"""The prompt cache's disk tier (server/engine/prompt_cache_disk.py, prompt_cache_file.py) and
-the byte bounds of both tiers (server/engine/prefix_cache.py).
+"""The prompt cache's disk tier (server/engine/cache/prompt_cache_disk.py, prompt_cache_file.py) and
+the byte bounds of both tiers (server/engine/cache/prefix_cache.py).
 
 A "restart" is a second PrefixCache + DiskPromptCache over the same directory (nothing of the
 first kept in memory); answers are compared by token ids and logprob bits with the same
@@ -13,13 +13,13 @@ import struct
 import numpy as np
 import pytest
 
-from lockstep.server.engine.deployment import Deployment
+from lockstep.server.engine.guarantee.deployment import Deployment
 from lockstep.server.engine.generate import generate
-from lockstep.server.engine.prefix_cache import PrefixCache, namespace
-from lockstep.server.engine.prompt_cache_disk import BLOCK, DiskPromptCache, block_keys
-from lockstep.server.engine.prompt_cache_file import encode
-from lockstep.server.engine.request_state import GenerationRequest
-from lockstep.server.engine.sampling import SamplingParams
+from lockstep.server.engine.cache.prefix_cache import PrefixCache, namespace
+from lockstep.server.engine.cache.prompt_cache_disk import BLOCK, DiskPromptCache, block_keys
+from lockstep.server.engine.cache.prompt_cache_file import encode
+from lockstep.server.engine.decoding.request_state import GenerationRequest
+from lockstep.server.engine.decoding.sampling import SamplingParams
 from tests.deterministic_fixtures import float_bits
 
 CHUNK = 2 * BLOCK  # rows are not canonical here (no invariance installed): whole chunks only go to disk

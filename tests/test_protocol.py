@@ -7,7 +7,15 @@ sent as raw JSON, for the escapes a client library would not produce (lone surro
 import httpx2 as httpx
 import pytest
 
-from lockstep.server.api import protocol as p
+from lockstep.server.api.chat_protocol import (AssistantMessageParam, ChatCompletionRequest, DeveloperMessage,
+                                               FunctionMessage, Prediction, PromptCacheOptions, SystemMessage,
+                                               TextContentPart, ToolMessage, UserMessage, WebSearchOptions)
+
+from lockstep.server.api.completions_protocol import CompletionRequest
+
+from lockstep.server.api.sampling_protocol import StreamOptions
+
+from lockstep.server.api.tools_protocol import ToolCall
 from lockstep.server.api import responses_protocol as rp
 from lockstep.server.api.errors import APIError
 from lockstep.server.api.responses import chat_request
@@ -60,7 +68,7 @@ def test_logit_bias_keys_must_be_ascii_token_ids(http, path, body):
 
 
 def test_logit_bias_token_ids_parse_as_decimal():
-    body = p.ChatCompletionRequest.model_validate({**CHAT, "logit_bias": {"0": -100, "007": 5, "49151": 1}})
+    body = ChatCompletionRequest.model_validate({**CHAT, "logit_bias": {"0": -100, "007": 5, "49151": 1}})
     assert body.bias_items() == ((0, -100), (7, 5), (49151, 1))
 
 
@@ -167,20 +175,20 @@ def test_every_field_of_the_clients_request_types_is_known():
     from openai.types.chat import completion_create_params as chat
 
     pairs = [
-        (chat.CompletionCreateParamsStreaming, p.ChatCompletionRequest),
-        (completion.CompletionCreateParamsStreaming, p.CompletionRequest),
-        (system.ChatCompletionSystemMessageParam, p.SystemMessage),
-        (developer.ChatCompletionDeveloperMessageParam, p.DeveloperMessage),
-        (user.ChatCompletionUserMessageParam, p.UserMessage),
-        (assistant.ChatCompletionAssistantMessageParam, p.AssistantMessageParam),
-        (tool.ChatCompletionToolMessageParam, p.ToolMessage),
-        (function.ChatCompletionFunctionMessageParam, p.FunctionMessage),
-        (tool_call.ChatCompletionMessageFunctionToolCallParam, p.ToolCall),
-        (text_part.ChatCompletionContentPartTextParam, p.TextContentPart),
-        (prediction.ChatCompletionPredictionContentParam, p.Prediction),
-        (stream_options.ChatCompletionStreamOptionsParam, p.StreamOptions),
-        (chat.WebSearchOptions, p.WebSearchOptions),
-        (chat.PromptCacheOptions, p.PromptCacheOptions),
+        (chat.CompletionCreateParamsStreaming, ChatCompletionRequest),
+        (completion.CompletionCreateParamsStreaming, CompletionRequest),
+        (system.ChatCompletionSystemMessageParam, SystemMessage),
+        (developer.ChatCompletionDeveloperMessageParam, DeveloperMessage),
+        (user.ChatCompletionUserMessageParam, UserMessage),
+        (assistant.ChatCompletionAssistantMessageParam, AssistantMessageParam),
+        (tool.ChatCompletionToolMessageParam, ToolMessage),
+        (function.ChatCompletionFunctionMessageParam, FunctionMessage),
+        (tool_call.ChatCompletionMessageFunctionToolCallParam, ToolCall),
+        (text_part.ChatCompletionContentPartTextParam, TextContentPart),
+        (prediction.ChatCompletionPredictionContentParam, Prediction),
+        (stream_options.ChatCompletionStreamOptionsParam, StreamOptions),
+        (chat.WebSearchOptions, WebSearchOptions),
+        (chat.PromptCacheOptions, PromptCacheOptions),
     ]
     for spec, model in pairs:
         assert _spec_keys(spec) <= _fields(model), (spec.__name__, _spec_keys(spec) - _fields(model))
@@ -192,7 +200,7 @@ REPLAYED = {"content": "Hello", "refusal": None, "role": "assistant", "annotatio
 
 def test_history_as_the_client_dumps_it_is_accepted():
     call = {"id": "call_1", "function": {"arguments": "{}", "name": "weather"}, "type": "function", "index": 0}
-    body = p.ChatCompletionRequest.model_validate({**CHAT, "tools": [TOOL], "messages": [
+    body = ChatCompletionRequest.model_validate({**CHAT, "tools": [TOOL], "messages": [
         {"role": "developer", "content": [{"type": "text", "text": "Be brief.",
                                            "prompt_cache_breakpoint": {"mode": "explicit"}}], "name": "ops"},
         {"role": "user", "content": "hi", "name": "ann"}, REPLAYED,
@@ -223,7 +231,7 @@ def test_a_parsed_answer_and_a_named_tool_result_are_accepted_and_ignored():
     dumped = parsed.model_dump()
     assert {"parsed", "refusal", "audio", "annotations", "function_call"} <= set(dumped)
     assert "parsed_arguments" in dumped["tool_calls"][0]["function"]
-    body = p.ChatCompletionRequest.model_validate({**CHAT, "tools": [TOOL], "messages": [
+    body = ChatCompletionRequest.model_validate({**CHAT, "tools": [TOOL], "messages": [
         {"role": "user", "content": "weather?"}, dumped,
         {"role": "tool", "tool_call_id": "call_1", "name": "weather", "content": "sunny"}]})
     assert [m.text() for m in body.messages] == ["weather?", arguments, "sunny"]
@@ -232,21 +240,21 @@ def test_a_parsed_answer_and_a_named_tool_result_are_accepted_and_ignored():
     for message, field in [({**dumped, "parsed_output": None}, "parsed_output"),
                            ({"role": "tool", "tool_call_id": "call_1", "content": "x", "title": "t"}, "title")]:
         with pytest.raises(ValueError, match=field):
-            p.ChatCompletionRequest.model_validate({**CHAT, "messages": [message]})
+            ChatCompletionRequest.model_validate({**CHAT, "messages": [message]})
 
 
 def test_nulls_are_the_defaults():
-    body = p.ChatCompletionRequest.model_validate({**CHAT, **dict.fromkeys(
+    body = ChatCompletionRequest.model_validate({**CHAT, **dict.fromkeys(
         ["temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "logprobs", "audio",
          "modalities", "prediction", "web_search_options", "metadata", "store", "service_tier"])})
     assert (body.temperature, body.top_p, body.n, body.stream, body.logprobs) == (1.0, 1.0, 1, False, False)
-    assert p.CompletionRequest.model_validate({"model": "m", "prompt": "x", "echo": None, "logprobs": None,
-                                               "best_of": 1}).echo is False
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "echo": None, "logprobs": None,
+                                             "best_of": 1}).echo is False
 
 
 def test_deprecated_functions_become_tools_and_function_messages_tool_results():
-    body = p.ChatCompletionRequest.model_validate({**CHAT, "functions": [{"name": "weather"}, {"name": "time"}],
-                                                   "function_call": {"name": "time"}, "messages": [
+    body = ChatCompletionRequest.model_validate({**CHAT, "functions": [{"name": "weather"}, {"name": "time"}],
+                                                 "function_call": {"name": "time"}, "messages": [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": None, "function_call": {"name": "time", "arguments": "{}"}},
         {"role": "function", "name": "time", "content": "noon"}]})
@@ -255,20 +263,20 @@ def test_deprecated_functions_become_tools_and_function_messages_tool_results():
     call, result = body.messages[1], body.messages[2]
     assert call.tool_calls[0].function.name == "time" and result.role == "tool"
     assert result.tool_call_id == call.tool_calls[0].id and result.text() == "noon"
-    assert p.ChatCompletionRequest.model_validate({**CHAT, "functions": [{"name": "f"}]}).tool_mode() == "auto"
+    assert ChatCompletionRequest.model_validate({**CHAT, "functions": [{"name": "f"}]}).tool_mode() == "auto"
 
 
 def test_allowed_tools_offers_only_the_tools_it_names():
-    body = p.ChatCompletionRequest.model_validate({**CHAT, "tools": [TOOL, {"type": "function", "function": {
+    body = ChatCompletionRequest.model_validate({**CHAT, "tools": [TOOL, {"type": "function", "function": {
         "name": "clock"}}], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
             "mode": "required", "tools": [{"type": "function", "function": {"name": "clock"}}]}}})
     assert [t.function.name for t in body.tools] == ["clock"] and body.tool_mode() == "required"
 
 
 def test_the_prediction_text_joins_its_parts():
-    body = p.ChatCompletionRequest.model_validate({**CHAT, "prediction": {"type": "content", "content": [
+    body = ChatCompletionRequest.model_validate({**CHAT, "prediction": {"type": "content", "content": [
         {"type": "text", "text": "a "}, {"type": "text", "text": "b"}]}})
-    assert body.prediction_text() == "a b" and p.ChatCompletionRequest.model_validate(CHAT).prediction_text() is None
+    assert body.prediction_text() == "a b" and ChatCompletionRequest.model_validate(CHAT).prediction_text() is None
 
 
 FUNCTION_CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}

@@ -1,4 +1,4 @@
-"""A deterministic answer anyone can check again (server/engine/receipt.py, server/api/app.py):
+"""A deterministic answer anyone can check again (server/engine/guarantee/receipt.py, server/api/app.py):
 a seed drawn when none is sent and reported back, deterministic mode asked for by the model's
 name or by the deployment's default, and the receipt every response carries.
 
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 from lockstep.server.api.app import create_app
-from lockstep.server.engine.receipt import Receipt, token_digest
-from lockstep.server.engine.sampling import SamplingParams
+from lockstep.server.engine.guarantee.receipt import Receipt, token_digest
+from lockstep.server.engine.decoding.sampling import SamplingParams
 from lockstep.server.engine.generate import GenerationRequest
-from lockstep.server.engine.decode_plan import PLAIN
+from lockstep.server.engine.guarantee.decode_plan import PLAIN
 from tests.deterministic_fixtures import float_bits
 from tests.http_server import deterministic_server, running
 
@@ -90,7 +90,7 @@ def test_a_receipt_names_the_deployment_the_request_and_digests_of_both_sides(se
     response = server.client.completions.create(model="default", prompt=prompt, max_tokens=5, temperature=0,
                                                 logprobs=1, extra_body={"deterministic": True})
     receipt = response.model_extra["lockstep"]["receipt"]
-    deployment = server.engine.deployment
+    deployment = server.engine.guarantee.deployment
     assert receipt["prompt"] == token_digest(prompt)
     assert receipt["answer_tokens"] == response.usage.completion_tokens == 5
     assert receipt["batch_invariant_limit"] == L and receipt["guaranteed"] is True

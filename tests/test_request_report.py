@@ -2,12 +2,12 @@
 object byte for byte as the string-keyed dict it replaces."""
 import json
 
-from lockstep.server.engine.decode_plan import PREDICTION, DecodePlan, Determinism, plan_request
-from lockstep.server.engine.deployment import Deployment
+from lockstep.server.engine.guarantee.decode_plan import PREDICTION, DecodePlan, Determinism, plan_request
+from lockstep.server.engine.guarantee.deployment import Deployment
 from lockstep.server.engine.generate import GenerationRequest, generate
-from lockstep.server.engine.guarantee import Guarantee
+from lockstep.server.engine.guarantee.guarantee import Guarantee
 from lockstep.server.engine.request_report import RequestReport, rendered
-from lockstep.server.engine.sampling import SamplingParams
+from lockstep.server.engine.decoding.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded
 from tests.test_deterministic_double import peaked_llama
 

@@ -4,7 +4,7 @@
 A Responses request runs as the chat request it translates to: the translation is checked
 directly, and live answers' input_tokens against the chat path's prompt for the same
 conversation (a second generation per test would double the file's time on the CPU).
-Tool-forcing and `text.format` tests need the grammar engine (server/engine/grammar.py).
+Tool-forcing and `text.format` tests need the grammar engine (server/engine/structured/grammar.py).
 """
 import json
 
@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 from openai import BadRequestError, OpenAI
 
-from lockstep.server.api import protocol as p
+from lockstep.server.api.chat_protocol import ChatCompletionRequest
 from lockstep.server.api import responses_protocol as rp
 from lockstep.server.api.chat_prompt import chat_prompt_tokens
 from lockstep.server.api.responses import chat_request
@@ -40,7 +40,7 @@ def respond(client, input, **kwargs):  # greedy and short unless told
 
 def chat_prompt_length(model, messages, **fields) -> int:
     """Prompt tokens the chat path builds for `messages` (what a Responses request must match)."""
-    body = p.ChatCompletionRequest.model_validate({"model": "default", "messages": messages, **fields})
+    body = ChatCompletionRequest.model_validate({"model": "default", "messages": messages, **fields})
     return len(chat_prompt_tokens(model.tokenizer, body, tool_format(model.tokenizer)))
 
 
@@ -64,7 +64,7 @@ def test_translation_to_a_chat_request():
         return chat_request(rp.ResponsesRequest.model_validate({"model": "default", **fields}))
 
     def expected(**fields):
-        return p.ChatCompletionRequest.model_validate({"model": "default", **fields})
+        return ChatCompletionRequest.model_validate({"model": "default", **fields})
 
     assert translated(input="Hi").messages == expected(messages=[{"role": "user", "content": "Hi"}]).messages
     assert (translated(input=PIRATE_TURNS, instructions="You are a pirate.").messages

@@ -2,7 +2,7 @@
 import mlx.core as mx
 import numpy as np
 
-from lockstep.server.engine.sampling import SamplingParams, choose_tokens, key_for, sample
+from lockstep.server.engine.decoding.sampling import SamplingParams, choose_tokens, key_for, sample
 
 VOCAB = 64
 

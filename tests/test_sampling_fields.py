@@ -8,7 +8,7 @@ import pytest
 from openai import BadRequestError
 
 from lockstep.server.api.choices import choice_seed
-from lockstep.server.engine.logits_processors import LogitBias, Penalties
+from lockstep.server.engine.decoding.logits_processors import LogitBias, Penalties
 from tests.deterministic_fixtures import float_bits
 from tests.http_server import deterministic_server
 
@@ -67,9 +67,9 @@ def test_streamed_n_choices_equal_the_non_streamed_ones(server):
 def test_n_choices_share_one_prompt_prefill(server, monkeypatch):
     from collections import OrderedDict
 
-    from lockstep.server.engine import model_runner
+    from lockstep.server.engine.runner import model_runner
 
-    cache = server.engine.prefix_cache  # off here, so each request's own prefill is counted
+    cache = server.engine.cache.prefix_cache  # off here, so each request's own prefill is counted
     monkeypatch.setattr(cache, "entries", 0)
     monkeypatch.setattr(cache, "_store", OrderedDict())
     chunks = []

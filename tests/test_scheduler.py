@@ -1,4 +1,4 @@
-"""The scheduler's fairness (server/engine/scheduler.py): no single request's work holds the
+"""The scheduler's fairness (server/engine/scheduling/scheduler.py): no single request's work holds the
 engine or its slots, and requests are counted as requests, not choices.
 
 Each test replays a finding of the third adversarial round (issue 25) on the tiny random
@@ -11,13 +11,13 @@ import struct
 import httpx2 as httpx
 import pytest
 
-import lockstep.server.engine.model_runner as model_runner
-from lockstep.server.engine.decode_plan import plan_request
-from lockstep.server.engine.deployment import Deployment
+import lockstep.server.engine.runner.model_runner as model_runner
+from lockstep.server.engine.guarantee.decode_plan import plan_request
+from lockstep.server.engine.guarantee.deployment import Deployment
 from lockstep.server.engine.generate import generate
-from lockstep.server.engine.model_runner import ModelRunner
-from lockstep.server.engine.request_state import GenerationRequest
-from lockstep.server.engine.sampling import SamplingParams
+from lockstep.server.engine.runner.model_runner import ModelRunner
+from lockstep.server.engine.decoding.request_state import GenerationRequest
+from lockstep.server.engine.decoding.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded
 from tests.doubles.shape_variant import shape_variant_backend
 from tests.http_server import running, wait_until

@@ -100,7 +100,7 @@ def test_a_sliding_window_model_is_proven_for_one_row_per_request():
         assert {m.what for m in native.mismatches} >= {"logits", "layer 1 state"}  # the full-attention layer's KV
         invariance = set_batch_invariant_limit(model, 4, "strided_gemv", prefixes=(7, 12),
                                          per_request_proof=per_request_self_test)
-    assert invariance.guaranteed and invariance.request_rows == 1 and invariance.limit == 4
+    assert invariance.guaranteed and invariance.request_rows == 1 and invariance.call_rows == 4
     assert invariance.per_request_state.startswith("layer 0: RotatingKVCache") and "one row per request" in invariance.reason
     assert invariance.self_test.widths == (2, 3, 4) and invariance.self_test.prefixes == (7, 12)
     set_batch_invariant_limit(model, 0)

@@ -18,12 +18,12 @@ import pytest
 from lockstep.kernels.batching.ragged import enable_ragged, ragged_prompt_forward
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
-from lockstep.server.engine.decode_plan import plan_request
-from lockstep.server.engine.deployment import proven_deployment
-from lockstep.server.engine.prefix_cache import PrefixCache
-from lockstep.server.engine.model_runner import prompt_forward
-from lockstep.server.engine.request_state import GenerationRequest
-from lockstep.server.engine.sampling import SamplingParams
+from lockstep.server.engine.guarantee.decode_plan import plan_request
+from lockstep.server.engine.guarantee.deployment import proven_deployment
+from lockstep.server.engine.cache.prefix_cache import PrefixCache
+from lockstep.server.engine.runner.model_runner import prompt_forward
+from lockstep.server.engine.decoding.request_state import GenerationRequest
+from lockstep.server.engine.decoding.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded
 from tests.test_deterministic_double import peaked_llama
 

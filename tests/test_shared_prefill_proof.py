@@ -18,7 +18,7 @@ from openai import OpenAI
 from lockstep.kernels.batching.ragged import enable_ragged
 from lockstep.kernels.batching.shared_prefill_proof import MIN_SHARED_CHUNK, members, prove_shared_prefill
 from lockstep.kernels.invariance import set_batch_invariant_limit
-from lockstep.server.engine.model_runner import ModelRunner
+from lockstep.server.engine.runner.model_runner import ModelRunner
 from tests.deterministic_fixtures import TinyLoaded
 from tests.doubles.shape_variant import shape_variant_backend
 from tests.http_server import running
@@ -76,7 +76,7 @@ def serve(dense_rows: int, claim: bool = False):
     solo runs would otherwise leave every prompt's KV for the load)."""
     from lockstep.server.api.app import create_app
     from lockstep.server.engine import Engine
-    from lockstep.server.engine.deployment import proven_deployment
+    from lockstep.server.engine.guarantee.deployment import proven_deployment
 
     model = peaked_llama()
     with shape_variant_backend(dense_rows=dense_rows):
@@ -157,7 +157,7 @@ def test_without_the_proof_deterministic_chunks_run_alone_and_keep_their_bits(mo
 def test_kv_of_a_proven_shared_pass_reaches_the_prefix_cache_and_unproven_kv_never(dense_rows, stored):
     """Three requests' prompts (chunks of 16, 20 and 24 rows) prefilled in one shared pass:
     their KV is stored for later requests only where the proof said such chunks keep it."""
-    from lockstep.server.engine.prefix_cache import PrefixCache
+    from lockstep.server.engine.cache.prefix_cache import PrefixCache
     from tests.test_shared_prefill import request, run_together
 
     cache = PrefixCache(8)

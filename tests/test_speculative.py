@@ -4,7 +4,7 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-from lockstep.server.engine.speculative import (AdaptiveDraftLength, DraftModelDrafter, PromptLookupDrafter,
+from lockstep.server.engine.decoding.speculative import (AdaptiveDraftLength, DraftModelDrafter, PromptLookupDrafter,
                                                 accept_drafts, draft_tokenizer_problem)
 from lockstep.server.engine.request_report import RequestReport
 
@@ -172,8 +172,8 @@ def test_adaptive_k_probes_an_expensive_drafter_less_often_after_failed_probes()
 def _adaptive_run(model, prompt, n, step_fn=None, room=lambda i: None, k=4, costs=(1.0, 1.0, 1.0, 1.0, 1.0)):
     """Greedy adaptive prompt lookup: (tokens, k per step, passes, logits rows' bytes)."""
     import numpy as np
-    from lockstep.server.engine.sampling import SamplingParams
-    from lockstep.server.engine.token_steps import DecodeInputs, Speculation, SpeculationStats, make_source
+    from lockstep.server.engine.decoding.sampling import SamplingParams
+    from lockstep.server.engine.decoding.token_steps import DecodeInputs, Speculation, SpeculationStats, make_source
 
     cache = make_prompt_cache(model)
     model(mx.array(prompt[:-1])[None], cache=cache)
@@ -259,7 +259,7 @@ def test_a_draft_with_another_tokenizer_is_refused():
 # ------------------------------------------------------------ self-speculation
 
 def test_early_exit_draft_shares_the_targets_weights_and_keeps_speculation_exact():
-    from lockstep.server.engine.speculative import EarlyExitModel
+    from lockstep.server.engine.decoding.speculative import EarlyExitModel
 
     target = tiny_llama(0, layers=3)
     draft = EarlyExitModel(target, 1)
@@ -274,7 +274,7 @@ def test_early_exit_draft_shares_the_targets_weights_and_keeps_speculation_exact
 def test_early_exit_wrapper_given_every_layer_reproduces_the_target_bitwise():
     """The wrapper's embedding, mask, norm and head are the target's own: with all layers
     put back it must give the target's logits exactly."""
-    from lockstep.server.engine.speculative import EarlyExitModel
+    from lockstep.server.engine.decoding.speculative import EarlyExitModel
 
     target = tiny_llama(0, layers=3)
     full = EarlyExitModel(target, 2)
@@ -299,6 +299,7 @@ def test_adaptive_k_keeps_acceptance_per_match_class():
 def test_build_runtime_refuses_a_draft_model_with_another_tokenizer(monkeypatch):
     from types import SimpleNamespace
 
+    import lockstep.server.model_loading as model_loading
     import lockstep.server.runtime as runtime
 
     target_vocab, draft_vocab = {"a": 0, "b": 1}, {"a": 1, "b": 0}
@@ -309,17 +310,17 @@ def test_build_runtime_refuses_a_draft_model_with_another_tokenizer(monkeypatch)
         vocab = draft_vocab if spec == "other-draft" else target_vocab
         return SimpleNamespace(name=spec, tokenizer=_Vocab(vocab), model=model, path=spec), None, None
 
-    monkeypatch.setattr(runtime, "_load_audited", fake_load)
+    monkeypatch.setattr(model_loading, "load_audited", fake_load)
     with pytest.raises(ValueError, match="--draft-model other-draft: the draft model's tokenizer differs"):
         runtime.build_runtime(runtime.Options(model="target", draft_model="other-draft"))
 
 
 def test_plans_carry_adaptive_k_from_the_deployment_with_k_as_its_bound():
-    from lockstep.server.engine.decode_plan import plan_request
-    from lockstep.server.engine.deployment import Deployment
-    from lockstep.server.engine.guarantee import Guarantee
-    from lockstep.server.engine.speculative import EarlyExitModel
-    from lockstep.server.engine.token_steps import draft_cost_estimate
+    from lockstep.server.engine.guarantee.decode_plan import plan_request
+    from lockstep.server.engine.guarantee.deployment import Deployment
+    from lockstep.server.engine.guarantee.guarantee import Guarantee
+    from lockstep.server.engine.decoding.speculative import EarlyExitModel
+    from lockstep.server.engine.decoding.token_steps import draft_cost_estimate
 
     on = Deployment(guarantee=Guarantee(6, proven=True), adaptive_draft_tokens=True)
     plan = plan_request(on, deterministic=True, speculative="prompt_lookup", num_draft_tokens=None)
@@ -337,7 +338,7 @@ def test_plans_carry_adaptive_k_from_the_deployment_with_k_as_its_bound():
 
 def _predicted(prediction, output, k=4, prompt=(90, 91)):
     """Drafts of a PredictionDrafter after `output` followed `prompt`."""
-    from lockstep.server.engine.speculative import PredictionDrafter
+    from lockstep.server.engine.decoding.speculative import PredictionDrafter
 
     drafter = PredictionDrafter(prediction, start=len(prompt))
     return drafter.propose([*prompt, *output], k)
@@ -374,7 +375,7 @@ def test_realignment_prefers_long_matches_and_ignores_far_one_token_ones():
 
 
 def test_a_drafter_state_follows_the_output_incrementally():
-    from lockstep.server.engine.speculative import PredictionDrafter
+    from lockstep.server.engine.decoding.speculative import PredictionDrafter
 
     prediction = [1, 2, 3, 4, 5, 6, 7, 8]
     drafter = PredictionDrafter(prediction, start=1)
@@ -388,7 +389,7 @@ def test_a_drafter_state_follows_the_output_incrementally():
 
 @pytest.mark.parametrize("edit", ["exact", "edited", "unrelated"])
 def test_speculation_from_a_prediction_equals_plain_greedy(edit):
-    from lockstep.server.engine.speculative import PredictionDrafter
+    from lockstep.server.engine.decoding.speculative import PredictionDrafter
 
     target = tiny_llama(0)
     prompt = [3, 14, 15, 92, 65, 35]
@@ -409,7 +410,7 @@ class LinearRealignment:
 
     @staticmethod
     def make(prediction, start, **kw):
-        from lockstep.server.engine.speculative import PredictionDrafter
+        from lockstep.server.engine.decoding.speculative import PredictionDrafter
 
         class Linear(PredictionDrafter):
             def _realign(self, suffix):
@@ -455,7 +456,7 @@ def test_realignment_examines_a_bounded_number_of_positions_however_long_the_pre
     """Finding 3 of issue 49: a prediction of one phrase repeated, and an output that keeps
     leaving it, made every step scan each occurrence of the last token (~210k positions a step
     for 1 MB). Through the index a step examines at most two positions per suffix length."""
-    from lockstep.server.engine.speculative import PredictionDrafter
+    from lockstep.server.engine.decoding.speculative import PredictionDrafter
 
     phrase = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
     drafter = PredictionDrafter(phrase * repeats, start=2)
@@ -470,7 +471,7 @@ def test_the_indexed_realignment_drafts_what_the_linear_scan_drafted():
     and match equals the linear scan's, step by step."""
     import random
 
-    from lockstep.server.engine.speculative import PredictionDrafter
+    from lockstep.server.engine.decoding.speculative import PredictionDrafter
 
     rng = random.Random(49)
     for case in range(60):
@@ -501,7 +502,7 @@ def test_speculation_through_the_index_emits_the_tokens_of_the_linear_scan():
     prompt = [3, 14, 15, 92, 65, 35]
     plain = plain_greedy(target, prompt, 24)
     prediction = plain[:5] + [1, 2] + plain[6:14] + plain[16:]
-    from lockstep.server.engine.speculative import PredictionDrafter
+    from lockstep.server.engine.decoding.speculative import PredictionDrafter
 
     indexed = speculative_greedy(target, PredictionDrafter(prediction, len(prompt)), prompt, 24, 5)
     linear = speculative_greedy(target, LinearRealignment.make(prediction, len(prompt)), prompt, 24, 5)
@@ -510,9 +511,9 @@ def test_speculation_through_the_index_emits_the_tokens_of_the_linear_scan():
 
 
 def test_a_prediction_makes_the_plan_draft_from_it():
-    from lockstep.server.engine.decode_plan import RequestRejected, plan_request
-    from lockstep.server.engine.deployment import Deployment
-    from lockstep.server.engine.guarantee import Guarantee
+    from lockstep.server.engine.guarantee.decode_plan import RequestRejected, plan_request
+    from lockstep.server.engine.guarantee.deployment import Deployment
+    from lockstep.server.engine.guarantee.guarantee import Guarantee
 
     dep = Deployment(guarantee=Guarantee(8, proven=True, shared_passes=True), speculative="prompt_lookup")
     free = plan_request(dep, deterministic=False, speculative=None, num_draft_tokens=None, prediction=True)
@@ -559,8 +560,8 @@ def _scripted_run(right, n: int = 40, k: int = 4, backoff: bool = True):
     ScriptedDrafter, the default policy (no adaptive speculation): (stats, drafts per step)."""
     from mlx_lm.models.cache import KVCache
 
-    from lockstep.server.engine.sampling import SamplingParams
-    from lockstep.server.engine.token_steps import SpeculationStats, SpeculativeSource
+    from lockstep.server.engine.decoding.sampling import SamplingParams
+    from lockstep.server.engine.decoding.token_steps import SpeculationStats, SpeculativeSource
 
     context = [truth(p) for p in range(5)]
     stats = SpeculationStats()

@@ -22,8 +22,8 @@ def test_events_are_held_while_the_next_is_queued():
 
 
 def test_a_handle_says_when_it_holds_unread_events():
-    from lockstep.server.engine.handle import RequestHandle
-    from lockstep.server.engine.request_state import Delta, GenerationRequest
+    from lockstep.server.engine.scheduling.handle import RequestHandle
+    from lockstep.server.engine.decoding.request_state import Delta, GenerationRequest
 
     async def run():
         handle = RequestHandle(GenerationRequest(prompt_tokens=[1], max_tokens=1), asyncio.get_running_loop())

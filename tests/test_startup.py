@@ -163,7 +163,7 @@ def float_dir(tmp_path_factory):
 def test_default_quantized_on_the_cpu_loads_no_draft_and_says_why(float_dir, verdicts, caplog):
     """On the CPU a 4-bit copy decodes slower than the target: none is loaded, and requests
     asking for drafts get the plain answer with the reason."""
-    from lockstep.server.engine.decode_plan import plan_request
+    from lockstep.server.engine.guarantee.decode_plan import plan_request
 
     with caplog.at_level(logging.WARNING, logger="lockstep.runtime"):
         runtime = build_runtime(Options(model=str(float_dir), draft_model="default-quantized"), defer_guarantee=True)
@@ -181,13 +181,14 @@ def test_default_quantized_on_the_cpu_loads_no_draft_and_says_why(float_dir, ver
 
 def test_a_deferred_draft_model_is_loaded_after_the_guarantee_and_drafts_wait_for_it(float_dir, verdicts,
                                                                                       monkeypatch):
-    from lockstep.server import runtime as runtime_module
-    from lockstep.server.engine import Engine, draft_costs
-    from lockstep.server.engine.decode_plan import RequestRejected, plan_request
+    from lockstep.server import draft_assessment
+    from lockstep.server.engine import Engine
+    from lockstep.server.engine.decoding import draft_costs
+    from lockstep.server.engine.guarantee.decode_plan import RequestRejected, plan_request
     from tests.http_server import wait_until
 
     # as on a GPU: the 4-bit copy is the cheap draft, measured far cheaper than the target
-    monkeypatch.setattr(runtime_module, "no_cheap_draft", lambda options: "")
+    monkeypatch.setattr(draft_assessment, "no_cheap_draft", lambda options: "")
     monkeypatch.setattr(draft_costs, "measure_draft_costs",
                         lambda target, draft: draft_costs.DraftCosts(0.01, 0.001, 0.001))
     runtime = build_runtime(Options(model=str(float_dir), batch_invariant_limit=2, max_batch_rows=2,

@@ -3,15 +3,15 @@ plain data: the scheduler says which requests run how many rows, the runner retu
 tokens it chose, and the scheduler's update alone advances the requests."""
 from types import SimpleNamespace
 
-from lockstep.server.engine.decode_plan import PLAIN, DecodePlan, Determinism
-from lockstep.server.engine.deployment import Deployment
+from lockstep.server.engine.guarantee.decode_plan import PLAIN, DecodePlan, Determinism
+from lockstep.server.engine.guarantee.deployment import Deployment
 from lockstep.server.engine.generate import generate
-from lockstep.server.engine.kv_budget import KVBudget
-from lockstep.server.engine.model_runner import ModelRunner
-from lockstep.server.engine.request_state import GenerationRequest, RequestState
-from lockstep.server.engine.sampling import Sampled, SamplingParams
-from lockstep.server.engine.scheduler import Scheduler, Slot
-from lockstep.server.engine.step_data import (DecodeRows, ModelRunnerOutput, PassOutput, PrefillResult,
+from lockstep.server.engine.scheduling.kv_budget import KVBudget
+from lockstep.server.engine.runner.model_runner import ModelRunner
+from lockstep.server.engine.decoding.request_state import GenerationRequest, RequestState
+from lockstep.server.engine.decoding.sampling import Sampled, SamplingParams
+from lockstep.server.engine.scheduling.scheduler import Scheduler, Slot
+from lockstep.server.engine.runner.step_data import (DecodeRows, ModelRunnerOutput, PassOutput, PrefillResult,
                                               SampledTokens, ScheduledPass, SchedulerOutput)
 from tests.deterministic_fixtures import TinyLoaded
 from tests.test_deterministic_double import peaked_llama

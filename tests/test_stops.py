@@ -1,7 +1,7 @@
 """Incremental decoding (real tokenizer) and stop-sequence matching with hold-back."""
 import random
 
-from lockstep.server.engine.stops import IncrementalDecoder, StopTextStream
+from lockstep.server.engine.decoding.stops import IncrementalDecoder, StopTextStream
 
 
 class PieceDecoder:
@@ -112,7 +112,7 @@ def test_incremental_decoding_matches_decoding_all_at_once(embedded_model):
 
 
 def test_direct_decode_gives_the_wrapper_text(embedded_model):
-    from lockstep.server.engine.stops import direct_decode
+    from lockstep.server.engine.decoding.stops import direct_decode
 
     tokenizer = embedded_model.tokenizer
     ids = tokenizer.encode("<|im_start|>user\nHi — 青い空 🌤️\n```py\nx  =  1\n```<|im_end|>")
@@ -123,7 +123,7 @@ def test_direct_decode_gives_the_wrapper_text(embedded_model):
 
 
 def test_direct_decode_keeps_the_wrapper_where_it_would_differ(embedded_model, monkeypatch):
-    from lockstep.server.engine.stops import direct_decode
+    from lockstep.server.engine.decoding.stops import direct_decode
 
     tokenizer = embedded_model.tokenizer
     hf = tokenizer._tokenizer

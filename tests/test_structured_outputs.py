@@ -1,5 +1,5 @@
 """Structured outputs and tool calls over HTTP with the official client: constrained decoding
-(server/engine/grammar.py) makes even the 135M embedded model answer valid JSON and valid
+(server/engine/structured/grammar.py) makes even the 135M embedded model answer valid JSON and valid
 calls, and deterministic constrained answers stay bit-identical with speculation."""
 import json
 from types import SimpleNamespace

@@ -1,9 +1,9 @@
 """token_steps.make_source: a request's decode inputs and its speculation, grouped."""
 import inspect
 
-from lockstep.server.engine.sampling import SamplingParams
-from lockstep.server.engine.speculative import DraftModelDrafter, PredictionDrafter, PromptLookupDrafter
-from lockstep.server.engine.token_steps import (DecodeInputs, PlainSource, Speculation, SpeculationStats,
+from lockstep.server.engine.decoding.sampling import SamplingParams
+from lockstep.server.engine.decoding.speculative import DraftModelDrafter, PredictionDrafter, PromptLookupDrafter
+from lockstep.server.engine.decoding.token_steps import (DecodeInputs, PlainSource, Speculation, SpeculationStats,
                                                 SpeculativeSource, make_source)
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from lockstep.models.load import load_model
-from lockstep.server.api import protocol as p
+from lockstep.server.api.chat_protocol import ChatCompletionRequest
 from lockstep.server.api.app import create_app
 from lockstep.server.api.constraints import Constraints
 from lockstep.server.api.errors import APIError
@@ -24,7 +24,7 @@ from lockstep.server.api.tool_call_stream import call_stream, split_tool_calls
 from lockstep.server.api.tool_calls import mistral_call_id, tool_format
 from lockstep.server.engine import Engine
 from lockstep.server.engine.generate import Delta
-from lockstep.server.engine.grammar import compiler_for
+from lockstep.server.engine.structured.grammar import compiler_for
 from tests.doubles.scripted_engine import ScriptedEngine
 from tests.http_server import running
 from tests.synthetic import CHAT_FAMILIES, build_chat_model_dir
@@ -349,8 +349,8 @@ def test_a_format_the_grammar_cannot_write_is_a_400_and_parsed_by_mlx_lm(models)
     assert split_tool_calls(text, fmt, NAMES)[0] == "Checking.\n"
     constraints = Constraints(models["qwen2.5"], fmt)
     for choice in ("required", {"type": "function", "function": {"name": "add"}}):
-        body = p.ChatCompletionRequest.model_validate({"model": "m", "messages": ASK, "tools": TOOLS,
-                                                       "tool_choice": choice})
+        body = ChatCompletionRequest.model_validate({"model": "m", "messages": ASK, "tools": TOOLS,
+                                                     "tool_choice": choice})
         with pytest.raises(APIError) as err:
             constraints.grammar_for(body)
         assert err.value.status == 400 and err.value.body.param == "tool_choice"

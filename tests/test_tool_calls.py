@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from lockstep.server.api import protocol as p
+from lockstep.server.api.chat_protocol import ChatCompletionRequest
 from lockstep.server.api.chat_prompt import template_messages
 from lockstep.server.api.tool_call_stream import ToolCallStream, split_tool_calls
 from lockstep.server.api.tool_calls import FALLBACK_END, FALLBACK_START, tool_format
@@ -87,7 +87,7 @@ def test_streamed_pieces_give_the_same_split_and_never_leak_a_tag(size):
 
 
 def _chat(messages, **extra):
-    return p.ChatCompletionRequest.model_validate({"model": "m", "messages": messages, **extra})
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": messages, **extra})
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -6,7 +6,7 @@ import sys
 import textwrap
 
 from lockstep.server.engine import Engine
-from lockstep.server.engine.deployment import Deployment
+from lockstep.server.engine.guarantee.deployment import Deployment
 from lockstep.server.engine.worker_thread import idle_threads
 from tests.deterministic_fixtures import TinyLoaded
 from tests.tiny_models import tiny_llama

@@ -18,7 +18,7 @@ A pass is traced under the forms it runs with, and each kind keeps its own trace
 (`native_forms`, the engine's passes of non-deterministic rows) or canonical
 (`calls_in_blocks` under the model's installed setting, the engine's deterministic passes).
 Canonical passes run here only where the ragged proof ran them compiled and found every row
-equal to its solo pass (kernels/batching/ragged_selftest.py, server/engine/guarantee.py). The
+equal to its solo pass (kernels/batching/ragged_selftest.py, server/engine/guarantee/guarantee.py). The
 pool's attention must be its kernel (the reference form slices by Python ints, which a trace
 would freeze).
 """

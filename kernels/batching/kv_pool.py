@@ -12,7 +12,7 @@ write per layer and runs one attention launch for all rows (kernels/custom/atten
 plain pass, where the GPU has it, kernels/custom/split_attention.py: `pass_attention`).
 
 A request holds one contiguous range of slots for its whole life, sized by its KV
-reservation (prompt + max_tokens + drafts, server/engine/kv_budget.py), so it never grows
+reservation (prompt + max_tokens + drafts, server/engine/scheduling/kv_budget.py), so it never grows
 mid-request. Ranges are handed out first-fit; when none fits, the pool doubles (between
 passes, copying what it holds). `PooledLayerCache` speaks the part of mlx-lm's KVCache API
 the engine, the prefix cache and speculative rewinds use (offset, keys/values, state,

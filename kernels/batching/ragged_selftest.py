@@ -36,7 +36,7 @@ from .ragged import enable_ragged, per_request, ragged_forward, ragged_problem
 @dataclass(frozen=True)
 class RaggedProof:
     passed: bool
-    limit: int
+    call_rows: int  # L: the most rows one kernel call may hold, each row its one-row bits
     widths: tuple
     reason: str = ""
     seconds: float = 0.0
@@ -54,11 +54,11 @@ def _same(a: mx.array, b: mx.array) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(_bits(a), _bits(b)))
 
 
-def _pool(limit: int, widest: int) -> list[tuple[int, int]]:
+def _pool(call_rows: int, widest: int) -> list[tuple[int, int]]:
     """(prefix length, rows) per member: `widest` one-row decoders, and multi-row members of
-    at most `limit` rows (a request's own rows: speculative verification)."""
+    at most `call_rows` rows (a request's own rows: speculative verification)."""
     singles = [(3 + 2 * i, 1) for i in range(widest)]
-    multi = [(5 + i, r) for i, r in enumerate(sorted({min(limit, 2), min(limit, 4)})) if r > 1]
+    multi = [(5 + i, r) for i, r in enumerate(sorted({min(call_rows, 2), min(call_rows, 4)})) if r > 1]
     return singles + multi
 
 
@@ -96,25 +96,25 @@ class _Caches:
         return copy.deepcopy(cache) if self.pool is None else self.pool.clone(cache)
 
 
-def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None,
+def prove_ragged(model, call_rows: int, *, seed: int = 0, vocab: int | None = None,
                  kv_pool: str = "off", pass_rows: int | None = None, compiled: bool = False,
                  on_width: Callable[[int], None] | None = None) -> RaggedProof:
-    """Prove ragged passes of 1..max(limit, pass_rows) rows bit-identical to solo passes on
+    """Prove ragged passes of 1..max(call_rows, pass_rows) rows bit-identical to solo passes on
     this model (`kv_pool`: the requests' caches as the engine makes them, see
-    server/engine/deployment.py; `compiled`: the passes compiled, over the pool's kernel).
+    server/engine/guarantee/deployment.py; `compiled`: the passes compiled, over the pool's kernel).
     Widths are proven in order, each on its own: `on_width(w)` is called once 1..w are."""
     from ..invariance.layers import calls_in_blocks
     from .compiled_pass import CompiledPasses, NotCompilable
 
     start = time.perf_counter()
-    if limit < 1:
-        return RaggedProof(False, limit, (), "the limit is 0")
+    if call_rows < 1:
+        return RaggedProof(False, call_rows, (), "the limit is 0")
     if compiled and kv_pool != "kernel":
-        return RaggedProof(False, limit, (), "compiled passes run over the pool's kernel only")
-    widest = max(limit, pass_rows or limit)
+        return RaggedProof(False, call_rows, (), "compiled passes run over the pool's kernel only")
+    widest = max(call_rows, pass_rows or call_rows)
     vocab = vocab or _vocab_size(model)
     key = mx.random.key(seed)
-    pool = _pool(limit, widest)
+    pool = _pool(call_rows, widest)
     made = _Caches(model, kv_pool, max(prefix + rows for prefix, rows in pool))
     prompts, caches = [], []
     for i, (prefix, rows) in enumerate(pool):
@@ -143,7 +143,7 @@ def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None,
             try:
                 outs = per_request(passes.logits(requests, canonical=True), requests)
             except NotCompilable as exc:
-                return RaggedProof(False, limit, widths, f"compiled passes: {exc}", time.perf_counter() - start)
+                return RaggedProof(False, call_rows, widths, f"compiled passes: {exc}", time.perf_counter() - start)
         else:
             with calls_in_blocks():
                 outs = ragged_forward(model, requests)
@@ -151,44 +151,44 @@ def prove_ragged(model, limit: int, *, seed: int = 0, vocab: int | None = None,
         for j, i in enumerate(members):
             logits, kv = solo[i]
             if not _same(outs[j], logits):
-                return RaggedProof(False, limit, widths, f"logits of a {pool[i][1]}-row request differ "
+                return RaggedProof(False, call_rows, widths, f"logits of a {pool[i][1]}-row request differ "
                                    f"in a ragged pass of {width} rows", time.perf_counter() - start)
             layer = differing_layer(kv, new_state(fresh[j], pool[i][0]))
             if layer is not None:
-                return RaggedProof(False, limit, widths, f"layer {layer} state of a {pool[i][1]}-row "
+                return RaggedProof(False, call_rows, widths, f"layer {layer} state of a {pool[i][1]}-row "
                                    f"request differs in a ragged pass of {width} rows",
                                    time.perf_counter() - start)
         if on_width is not None:
             on_width(width)
         step_done()
-    return RaggedProof(True, limit, widths, "", time.perf_counter() - start)
+    return RaggedProof(True, call_rows, widths, "", time.perf_counter() - start)
 
 
-def prove_ragged_cached(model, limit: int, proof_cache=None, *, seed: int = 0,
+def prove_ragged_cached(model, call_rows: int, proof_cache=None, *, seed: int = 0,
                         kv_pool: str = "off", pass_rows: int | None = None, compiled: bool = False,
                         on_width: Callable[[int], None] | None = None) -> RaggedProof:
     """`prove_ragged`, re-using a result proven earlier on this machine (a
     kernels.invariance.selftest.ProofCache: same model, strategy, L, widths, code, MLX and device;
     `on_width` is called only while proving)."""
     if proof_cache is None:
-        return prove_ragged(model, limit, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows, compiled=compiled,
+        return prove_ragged(model, call_rows, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows, compiled=compiled,
                             on_width=on_width)
     from ..invariance.selftest import proof_key
 
-    widths = tuple(range(1, max(limit, pass_rows or limit) + 1))
-    key = {**proof_key(model, limit, widths, (), seed, True, proof_cache.model_identity),
+    widths = tuple(range(1, max(call_rows, pass_rows or call_rows) + 1))
+    key = {**proof_key(model, call_rows, widths, (), seed, True, proof_cache.model_identity),
            "what": "ragged pass proof", **({"kv_pool": kv_pool} if kv_pool != "off" else {}),
            **({"compiled": True} if compiled else {})}
-    return cached_proof(proof_cache, key, limit, widths,
-                        lambda: prove_ragged(model, limit, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows,
+    return cached_proof(proof_cache, key, call_rows, widths,
+                        lambda: prove_ragged(model, call_rows, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows,
                                              compiled=compiled, on_width=on_width))
 
 
-def cached_proof(proof_cache, key: dict, limit: int, widths: tuple, prove) -> RaggedProof:
+def cached_proof(proof_cache, key: dict, call_rows: int, widths: tuple, prove) -> RaggedProof:
     """The proof kept under `key` in `proof_cache` (a ProofCache), else prove() and keep it."""
     value = None if proof_cache.fresh else proof_cache.store.get(key)
     if isinstance(value, dict) and isinstance(value.get("passed"), bool):
-        return RaggedProof(value["passed"], limit, widths, str(value.get("reason", "")), 0.0, cached=True)
+        return RaggedProof(value["passed"], call_rows, widths, str(value.get("reason", "")), 0.0, cached=True)
     proof = prove()
     proof_cache.store.put(key, {"passed": proof.passed, "reason": proof.reason, "seconds": proof.seconds})
     return proof
@@ -207,7 +207,7 @@ def _vocab_size(model) -> int:
     return int(getattr(args, "vocab_size", 256))
 
 
-def per_request_self_test(model, limit: int, *, prefixes=None, widths=None, seed: int = 0,
+def per_request_self_test(model, call_rows: int, *, prefixes=None, widths=None, seed: int = 0,
                           stop_at_first: bool = True,
                           proof_cache: ProofCache | None = None) -> SelfTestResult:
     """The self-test of a model with per-request state: for each length p in `prefixes`,
@@ -215,16 +215,16 @@ def per_request_self_test(model, limit: int, *, prefixes=None, widths=None, seed
     (default: sample_widths(L)) the decode rows of M of them in one ragged pass, each
     request's logits and new state compared with its one-row pass alone (from copies of the
     same caches). Proves what such a model's guarantee claims: one row per request per pass."""
-    return proven(_per_request_self_test, "one row per request", model, limit, prefixes, widths,
+    return proven(_per_request_self_test, "one row per request", model, call_rows, prefixes, widths,
                    seed, stop_at_first, proof_cache)
 
 
-def _per_request_self_test(model, limit: int, prefixes, widths: tuple, seed: int,
+def _per_request_self_test(model, call_rows: int, prefixes, widths: tuple, seed: int,
                            stop_at_first: bool) -> SelfTestResult:
-    result = result_maker(limit, widths, prefixes)
+    result = result_maker(call_rows, widths, prefixes)
 
     if not widths:
-        return result(reason=f"nothing to prove for L={limit}")
+        return result(reason=f"nothing to prove for L={call_rows}")
     problem = cache_refusal(make_prompt_cache(model))
     if problem:
         return result(reason=f"cache: {problem}")

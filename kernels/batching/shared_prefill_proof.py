@@ -12,7 +12,7 @@ the narrowest shareable size and wider, all in one ragged pass and two of them i
 each compared with the same chunk run alone (the engine's own paths: `ragged_prompt_forward`
 and the plain prompt call), every layer's new KV as raw bits. Narrower chunks (those of at
 most L rows run canonical forms alone, natively in a shared pass) never share
-(server/engine/request_state.py).
+(server/engine/decoding/request_state.py).
 """
 from __future__ import annotations
 
@@ -32,23 +32,23 @@ from .ragged_selftest import RaggedProof, _Caches, _vocab_size, cached_proof, di
 MIN_SHARED_CHUNK = 16
 
 
-def shared_chunk_rows(limit: int) -> int:
+def shared_chunk_rows(call_rows: int) -> int:
     """The fewest rows a deterministic prompt chunk needs to share a prefill pass."""
-    return max(limit + 1, MIN_SHARED_CHUNK)
+    return max(call_rows + 1, MIN_SHARED_CHUNK)
 
 
-def members(limit: int) -> list[tuple[int, int]]:
+def members(call_rows: int) -> list[tuple[int, int]]:
     """(cached prefix, chunk rows) of each request: the narrowest chunk that may share,
     wider ones, and prefixes that put chunks at other positions."""
-    rows = shared_chunk_rows(limit)
+    rows = shared_chunk_rows(call_rows)
     return [(0, rows), (11, rows + 1), (0, 2 * rows + 3), (37, max(33, rows))]
 
 
-def prove_shared_prefill(model, limit: int, *, seed: int = 0, kv_pool: str = "off") -> RaggedProof:
+def prove_shared_prefill(model, call_rows: int, *, seed: int = 0, kv_pool: str = "off") -> RaggedProof:
     start = time.perf_counter()
-    if limit < 1:
-        return RaggedProof(False, limit, (), "the limit is 0")
-    pool = members(limit)
+    if call_rows < 1:
+        return RaggedProof(False, call_rows, (), "the limit is 0")
+    pool = members(call_rows)
     made = _Caches(model, kv_pool, max(prefix + rows for prefix, rows in pool))
     vocab = _vocab_size(model)
     keys = mx.random.split(mx.random.key(seed), len(pool))
@@ -81,23 +81,23 @@ def prove_shared_prefill(model, limit: int, *, seed: int = 0, kv_pool: str = "of
             layer = differing_layer(alone[i], got)
             if layer is not None:
                 rows = sum(pool[k][1] for k in group)
-                return RaggedProof(False, limit, groups, f"layer {layer} KV of a {pool[i][1]}-row prompt "
+                return RaggedProof(False, call_rows, groups, f"layer {layer} KV of a {pool[i][1]}-row prompt "
                                    f"chunk differs in a shared pass of {rows} rows",
                                    time.perf_counter() - start)
         step_done()
-    return RaggedProof(True, limit, groups, "", time.perf_counter() - start)
+    return RaggedProof(True, call_rows, groups, "", time.perf_counter() - start)
 
 
-def prove_shared_prefill_cached(model, limit: int, proof_cache=None, *, seed: int = 0,
+def prove_shared_prefill_cached(model, call_rows: int, proof_cache=None, *, seed: int = 0,
                                 kv_pool: str = "off") -> RaggedProof:
     """`prove_shared_prefill`, re-using a result proven earlier on this machine (a
     kernels.invariance.selftest.ProofCache: same model, strategy, L, code, MLX and device)."""
     if proof_cache is None:
-        return prove_shared_prefill(model, limit, seed=seed, kv_pool=kv_pool)
+        return prove_shared_prefill(model, call_rows, seed=seed, kv_pool=kv_pool)
     from ..invariance.selftest import proof_key
 
-    key = {**proof_key(model, limit, tuple(r for _, r in members(limit)), (), seed, True,
+    key = {**proof_key(model, call_rows, tuple(r for _, r in members(call_rows)), (), seed, True,
                        proof_cache.model_identity),
            "what": "shared prefill proof", **({"kv_pool": kv_pool} if kv_pool != "off" else {})}
-    return cached_proof(proof_cache, key, limit, (), lambda: prove_shared_prefill(model, limit, seed=seed,
+    return cached_proof(proof_cache, key, call_rows, (), lambda: prove_shared_prefill(model, call_rows, seed=seed,
                                                                                    kv_pool=kv_pool))

@@ -5,7 +5,7 @@ model's layers will launch at the widths it serves, all at once and concurrently
     from lockstep.kernels.custom.precompile import linear_shapes, precompile_for
     st = setting.strategy
     precompile_for(linear_shapes(model, dense=st.dense, quantized=st.quantized_form),
-                   range(1, setting.limit + 1), attention=[(mx.float16, 64)])
+                   range(1, setting.call_rows + 1), attention=[(mx.float16, 64)])
 
 Elsewhere than CUDA, or where the precompiled path is off, this does nothing (returns 0)
 and the kernels compile on first use as before. Not imported by the package's __init__

@@ -41,7 +41,7 @@ from .ops import (SplitRows, Strategy, attention_per_query, dense_rows, dense_ro
 
 @dataclass(frozen=True)
 class Setting:
-    limit: int  # L: a call of at most this many rows runs the canonical form (M > L: native)
+    call_rows: int  # L: the most rows one kernel call may hold, each row its one-row bits (M > L: native)
     strategy: Strategy
     # What each layer kind does with a call, worked out once here rather than per call
     # (the linears' host cost is per layer per token): the model's own call (native), and
@@ -105,11 +105,11 @@ def calls_in_blocks():
     return _thread_value("blocks", True)
 
 
-def _in_blocks(x: mx.array, limit: int, call) -> mx.array:
-    """`call` (rows (M, K) -> (M, N)) on x's rows in blocks of at most `limit`, in order."""
+def _in_blocks(x: mx.array, call_rows: int, call) -> mx.array:
+    """`call` (rows (M, K) -> (M, N)) on x's rows in blocks of at most `call_rows`, in order."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
-    out = mx.concatenate([call(rows[i:i + limit]) for i in range(0, rows.shape[0], limit)], axis=0)
+    out = mx.concatenate([call(rows[i:i + call_rows]) for i in range(0, rows.shape[0], call_rows)], axis=0)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -145,26 +145,26 @@ _embedding_as_linear = nn.Embedding.as_linear
 _quantized_embedding_as_linear = nn.QuantizedEmbedding.as_linear
 
 
-def _canonical(x, limit: int, call):
-    """`call(x)` for a call of at most `limit` rows; under `calls_in_blocks` a wider call runs
-    in blocks of at most `limit` rows (its callers first try it as one launch of a kernel whose
+def _canonical(x, call_rows: int, call):
+    """`call(x)` for a call of at most `call_rows` rows; under `calls_in_blocks` a wider call runs
+    in blocks of at most `call_rows` rows (its callers first try it as one launch of a kernel whose
     rows do not depend on the call's width); None: the call is wider than L and runs natively
     (a prompt chunk)."""
-    if rows_of(x) <= limit:
+    if rows_of(x) <= call_rows:
         return call(x)
     if not _local.blocks:
         return None
-    return _in_blocks(x, limit, call)
+    return _in_blocks(x, call_rows, call)
 
 
 def _dense_canonical(x, weight, s: Setting):
     """_canonical for a dense weight (N, K) under `s`'s dense form."""
     form = s.strategy.dense
-    if _local.blocks and rows_of(x) > s.limit:  # a wide deterministic call: one launch where it can
+    if _local.blocks and rows_of(x) > s.call_rows:  # a wide deterministic call: one launch where it can
         y = dense_rows_in_one_launch(x, weight, form)
         if y is not None:
             return y
-    return _canonical(x, s.limit, lambda r: dense_rows(r, weight, form))
+    return _canonical(x, s.call_rows, lambda r: dense_rows(r, weight, form))
 
 
 class InvariantLinear(nn.Linear):
@@ -184,13 +184,13 @@ class InvariantLinear(nn.Linear):
 def _quantized_canonical(x, layer, s: Setting):
     """_canonical for a quantized layer under `s`'s quantized form."""
     args = (layer["weight"], layer["scales"], layer.get("biases"))
-    if _local.blocks and rows_of(x) > s.limit:  # a wide deterministic call: one launch where it can
+    if _local.blocks and rows_of(x) > s.call_rows:  # a wide deterministic call: one launch where it can
         y = quantized_rows_in_one_launch(x, *args, group_size=layer.group_size, bits=layer.bits, mode=layer.mode,
                                          form=s.strategy.quantized_form)
         if y is not None:
             return y
     kw = dict(group_size=layer.group_size, bits=layer.bits, mode=layer.mode, form=s.strategy.quantized_form)
-    return _canonical(x, s.limit, lambda r: quantized_rows(r, *args, rows_per_call=s.strategy.quantized_rows, **kw))
+    return _canonical(x, s.call_rows, lambda r: quantized_rows(r, *args, rows_per_call=s.strategy.quantized_rows, **kw))
 
 
 def _split(layer, x, s):
@@ -198,7 +198,7 @@ def _split(layer, x, s):
     call a setting makes canonical (its rows at any width: the kernels' rows never depend on
     it); None where they do not run them. A sibling group's launch (sibling_rows.py) first,
     else the layer's own (ops.SplitRows); custom/split_rows.py decides which plain calls."""
-    if s is not None and (s.quantized_native or (rows_of(x) > s.limit and not _local.blocks)):
+    if s is not None and (s.quantized_native or (rows_of(x) > s.call_rows and not _local.blocks)):
         return None  # the model's own calls, or a prompt chunk (its native call)
     if layer._siblings is not None:
         y = layer._siblings(layer, x, canonical=s is not None)
@@ -258,7 +258,7 @@ def _expert_rows(self, call, x, indices):
     block's own. x: (..., D) hidden states, indices: (..., k) experts per row."""
     s = _local.active
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
-    if s is None or rows <= 1 or (rows > s.limit and not _local.blocks):
+    if s is None or rows <= 1 or (rows > s.call_rows and not _local.blocks):
         return call(self, x, indices)
     lead, k = x.shape[:-1], indices.shape[-1]
     xs, idx = x.reshape(1, rows, x.shape[-1]), indices.reshape(1, rows, k)
@@ -329,7 +329,7 @@ def invariant_sdpa(*args, **kwargs):
     s = active_setting()
     if s is not None and s.strategy.attention == "composed":
         a = _sdpa_arguments(args, kwargs)
-        if (is_positional(a.get("cache")) and a["queries"].shape[2] <= s.limit
+        if (is_positional(a.get("cache")) and a["queries"].shape[2] <= s.call_rows
                 and composed_serves(a.get("mask"), a.get("sinks"))):
             return composed_attention(a["queries"], a["keys"], a["values"], a["scale"])
     queries = args[0] if args else kwargs.get("queries")
@@ -346,7 +346,7 @@ def invariant_sdpa(*args, **kwargs):
         a = _sdpa_arguments(args, kwargs)
         q = a.pop("queries")
         # Per-query slicing is only meaningful on keys stored in position order.
-        if q.shape[2] <= s.limit and is_positional(a.get("cache")):
+        if q.shape[2] <= s.call_rows and is_positional(a.get("cache")):
             k, v, mask = a.pop("keys"), a.pop("values"), a.pop("mask", None)
             return attention_per_query(_NATIVE_SDPA, q, k, v, mask=mask, contiguous=packed, **a)
     if mx.default_device() == mx.cpu:  # a long prompt chunk on the CPU attends in blocks

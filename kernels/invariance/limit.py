@@ -70,7 +70,7 @@ _cpu_kernel_settings: dict[int, Setting] = {}
 
 
 def _cpu_kernel_limit() -> int:
-    return max((setting.limit for setting in _cpu_kernel_settings.values()), default=0)
+    return max((setting.call_rows for setting in _cpu_kernel_settings.values()), default=0)
 
 
 def _install(model, setting: Setting) -> dict:
@@ -90,9 +90,9 @@ def _uninstall(model) -> None:
 class InstalledInvariance:
     """What `set_batch_invariant_limit` installed on a model (`model._lockstep_invariance`):
     the mechanism and its self-test. What a deployment guarantees with it is decided above
-    (server/engine/guarantee.py)."""
+    (server/engine/guarantee/guarantee.py)."""
 
-    limit: int  # L: the most rows one kernel call may hold, each row its one-row bits; 0 = off
+    call_rows: int  # L: the most rows one kernel call may hold, each row its one-row bits; 0 = off
     strategy: str
     backend: str
     guaranteed: bool  # self-test passed and nothing in the model is left uncovered
@@ -144,8 +144,8 @@ def installed_invariance(model) -> InstalledInvariance | None:
     return getattr(model, "_lockstep_invariance", None)
 
 
-def _no_per_request_proof(model, limit: int, **options) -> SelfTestResult:
-    return SelfTestResult(False, str(mx.default_device()), limit, (), (), reason="a model with per-request state is proven "
+def _no_per_request_proof(model, call_rows: int, **options) -> SelfTestResult:
+    return SelfTestResult(False, str(mx.default_device()), call_rows, (), (), reason="a model with per-request state is proven "
                           "in ragged passes: no per_request_proof was given")
 
 
@@ -159,10 +159,10 @@ def _resolve(strategy, model) -> tuple:
     raise ValueError(f"strategy {strategy!r}: use 'auto', a Strategy, or one of {sorted(STRATEGIES)}")
 
 
-def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: bool = True,
+def set_batch_invariant_limit(model, call_rows: int, strategy="auto", *, verify: bool = True,
                               measure: bool = False, per_request_proof=None,
                               **self_test_options) -> InstalledInvariance:
-    """Install batch invariance for M <= `limit` rows (0 restores native). Idempotent.
+    """Install batch invariance for M <= `call_rows` rows (0 restores native). Idempotent.
 
     strategy: "auto" (auto_candidates(model): expected-speed order, the first proven one; with
     measure=True every candidate is proven and timed and the fastest proven one kept; none
@@ -175,7 +175,7 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
     """
     _uninstall(model)
     backend = str(mx.default_device())
-    if limit <= 0:
+    if call_rows <= 0:
         invariance = InstalledInvariance(0, "native", backend, False, "off (L = 0)", layers=install_plain_kernels(model))
         model._lockstep_invariance = invariance
         return invariance
@@ -191,15 +191,15 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
     tried = []  # (strategy, self-test result or None, seconds per step or None)
     skipped = {}  # strategy name -> why it cannot run here (never installed, never proven)
     for candidate in candidates:
-        missing = candidate.unavailable_reason(limit)
+        missing = candidate.unavailable_reason(call_rows)
         if missing:
             skipped[candidate.name] = missing
             continue
-        _install(model, Setting(limit, candidate))
-        precompile_kernels(model, limit)  # every width's instances at once, before the proof launches them
-        result = prove(model, limit, **self_test_options) if verify else None
+        _install(model, Setting(call_rows, candidate))
+        precompile_kernels(model, call_rows)  # every width's instances at once, before the proof launches them
+        result = prove(model, call_rows, **self_test_options) if verify else None
         # Timed only when asked to choose by measurement: an L-row step plus a decode step.
-        seconds = (seconds_per_step(model, limit) + seconds_per_step(model, 1)
+        seconds = (seconds_per_step(model, call_rows) + seconds_per_step(model, 1)
                    if result and measure else None)
         tried.append((candidate, result, seconds))
         _uninstall(model)
@@ -223,7 +223,7 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
                else "not verified (verify=False)" if result is None
                else f"self-test failed on {backend}: {result.reason}")
 
-    layers = _install(model, Setting(limit, chosen))
+    layers = _install(model, Setting(call_rows, chosen))
     guaranteed = bool(result) and not uncovered
     if skipped and chosen.name not in skipped:
         why += "; skipped: " + ", ".join(f"{name} ({reason})" for name, reason in skipped.items())
@@ -231,8 +231,8 @@ def set_batch_invariant_limit(model, limit: int, strategy="auto", *, verify: boo
         why += f"; not guaranteed: {len(uncovered)} uncovered part(s), first: {uncovered[0]}"
     elif per_request is not None:
         why += f"; one row per request ({per_request} runs per request)"
-    invariance = InstalledInvariance(limit, chosen.name, backend, guaranteed, why, uncovered, result,
+    invariance = InstalledInvariance(call_rows, chosen.name, backend, guaranteed, why, uncovered, result,
                                      tuple((c.name, None if r is None else bool(r), s) for c, r, s in tried),
-                                     layers, limit if per_request is None else 1, per_request)
+                                     layers, call_rows if per_request is None else 1, per_request)
     model._lockstep_invariance = invariance
     return invariance

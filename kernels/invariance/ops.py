@@ -73,8 +73,8 @@ class Strategy:
     def uses_custom_kernels(self) -> bool:
         return self.dense in ("skinny", "gemv_rows", "mma_rows") or self.quantized_form in ("skinny", "qmv_rows")
 
-    def unavailable_reason(self, limit: int) -> str | None:
-        """Why this strategy cannot run here for L = limit (None: it can)."""
+    def unavailable_reason(self, call_rows: int) -> str | None:
+        """Why this strategy cannot run here for L = call_rows (None: it can)."""
         if self.dense == "cpu_kernel":
             from .. import cpu_blas
 
@@ -83,8 +83,8 @@ class Strategy:
             return cpu_blas.kernel_unavailable_reason()
         if not self.uses_custom_kernels:
             return None
-        if limit > custom.MAX_ROWS:
-            return f"custom kernels take at most {custom.MAX_ROWS} rows, L = {limit}"
+        if call_rows > custom.MAX_ROWS:
+            return f"custom kernels take at most {custom.MAX_ROWS} rows, L = {call_rows}"
         if self.dense in ("gemv_rows", "mma_rows"):
             # its quantized layers keep the chunks where qmv_rows is not proven
             reason = custom.gemv_rows.unavailable_reason()

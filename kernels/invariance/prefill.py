@@ -4,7 +4,7 @@ same KV cache and next-token logits, bit for bit, as a cold prefill of the whole
 Chunk boundaries sit at multiples of `chunk` counted from position 0, never from where the
 cached prefix happens to end: every position is computed in the same chunk shape either way.
 If a whole chunk's rows are proven canonical (`canonical_rows` >= chunk: the deployment's
-guarantee says so, server/engine/guarantee.py), every row is computed as it would be alone,
+guarantee says so, server/engine/guarantee/guarantee.py), every row is computed as it would be alone,
 so any cached prefix (from prefill or from decode) is already what a cold prefill writes.
 Otherwise a prefix ending mid-chunk is rewound to its chunk's start and that chunk
 recomputed whole.
@@ -20,7 +20,7 @@ def canonical_rows(invariance) -> int:
     one for a model with per-request state (its chunk is not its one-row calls)."""
     if invariance is None or not invariance.guaranteed:
         return 0
-    return min(invariance.limit, invariance.request_rows or invariance.limit)
+    return min(invariance.call_rows, invariance.request_rows or invariance.call_rows)
 
 
 def rows_are_canonical(canonical: int, chunk: int) -> bool:

@@ -55,7 +55,7 @@ class Mismatch:
 class SelfTestResult:
     passed: bool
     backend: str
-    limit: int
+    call_rows: int  # L: the most rows one kernel call may hold, each row its one-row bits
     widths: tuple
     prefixes: tuple
     mismatches: tuple = field(default=())
@@ -85,15 +85,15 @@ def bits_equal(a: mx.array, b: mx.array) -> bool:
     return bool(mx.array_equal(a.view(u), b.view(u)))
 
 
-def sample_widths(limit: int, most: int = 6) -> tuple:
+def sample_widths(call_rows: int, most: int = 6) -> tuple:
     """Block widths to test: all of 2..L when few, else 2, L, 8 (where CUDA's quantized
     matmul leaves its per-row kernel) and evenly spaced ones between."""
-    if limit < 2:
+    if call_rows < 2:
         return ()
-    if limit - 1 <= most:
-        return tuple(range(2, limit + 1))
-    picks = {2, limit} | ({8} if limit >= 8 else set())
-    step = (limit - 2) / (most - 1)
+    if call_rows - 1 <= most:
+        return tuple(range(2, call_rows + 1))
+    picks = {2, call_rows} | ({8} if call_rows >= 8 else set())
+    step = (call_rows - 2) / (most - 1)
     picks |= {round(2 + i * step) for i in range(most)}
     return tuple(sorted(picks))
 
@@ -146,7 +146,7 @@ def kernels_code_version() -> str:
     return digest.hexdigest()[:16]
 
 
-def proof_key(model, limit: int, widths, prefixes, seed: int, stop_at_first: bool,
+def proof_key(model, call_rows: int, widths, prefixes, seed: int, stop_at_first: bool,
               model_identity: dict) -> dict:
     from lockstep.kernels.verdict_cache import environment, function_identity
 
@@ -157,7 +157,7 @@ def proof_key(model, limit: int, widths, prefixes, seed: int, stop_at_first: boo
         "model": model_identity,
         "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
         "strategy": strategy,
-        "limit": limit,
+        "limit": call_rows,  # the key stored proofs were filed under
         "widths": list(widths),
         "prefixes": list(prefixes),
         "seed": seed,
@@ -177,12 +177,12 @@ def _result_to_json(r: SelfTestResult) -> dict:
             "mismatches": [dataclasses.asdict(m) for m in r.mismatches]}
 
 
-def _cached_result(value: dict, backend: str, limit: int, widths, prefixes) -> SelfTestResult:
+def _cached_result(value: dict, backend: str, call_rows: int, widths, prefixes) -> SelfTestResult:
     mismatches = tuple(Mismatch(**m) for m in value["mismatches"])
     passed = value["passed"]
     if not isinstance(passed, bool) or (passed and mismatches):
         raise ValueError("a passing result with mismatches")
-    return SelfTestResult(passed, backend, limit, tuple(widths), tuple(prefixes), mismatches,
+    return SelfTestResult(passed, backend, call_rows, tuple(widths), tuple(prefixes), mismatches,
                           str(value["reason"]), 0.0, cached=True)
 
 
@@ -194,55 +194,55 @@ def default_prefixes() -> tuple:
     return (11, 70) if mx.default_device() == mx.cpu else (11, 70, 250)
 
 
-def self_test(model, limit: int, *, prefixes=None, widths=None, seed: int = 0,
+def self_test(model, call_rows: int, *, prefixes=None, widths=None, seed: int = 0,
               stop_at_first: bool = True, proof_cache: ProofCache | None = None) -> SelfTestResult:
     """Feed fresh random tokens after a random prefix of each length in `prefixes`; for each
     width M in `widths` (default: sample_widths(L)) compare a block of M tokens against the
     same M tokens fed one at a time from the same cache state (rewound between).
     proof_cache: re-use a result proven earlier on this machine, store a new one there."""
-    return proven(_self_test, None, model, limit, prefixes, widths, seed, stop_at_first, proof_cache)
+    return proven(_self_test, None, model, call_rows, prefixes, widths, seed, stop_at_first, proof_cache)
 
 
-def proven(run, form, model, limit, prefixes, widths, seed, stop_at_first, proof_cache) -> SelfTestResult:
-    widths = tuple(widths) if widths is not None else sample_widths(limit)
+def proven(run, form, model, call_rows, prefixes, widths, seed, stop_at_first, proof_cache) -> SelfTestResult:
+    widths = tuple(widths) if widths is not None else sample_widths(call_rows)
     prefixes = tuple(prefixes) if prefixes is not None else default_prefixes()
     if proof_cache is None or not widths:
-        return run(model, limit, prefixes, widths, seed, stop_at_first)
-    key = proof_key(model, limit, widths, prefixes, seed, stop_at_first,
+        return run(model, call_rows, prefixes, widths, seed, stop_at_first)
+    key = proof_key(model, call_rows, widths, prefixes, seed, stop_at_first,
                     proof_cache.model_identity)
     if form is not None:
         key["form"] = form
     value = None if proof_cache.fresh else proof_cache.store.get(key)
     if value is not None:
         try:
-            return _cached_result(value, str(mx.default_device()), limit, widths, prefixes)
+            return _cached_result(value, str(mx.default_device()), call_rows, widths, prefixes)
         except (ValueError, TypeError, KeyError) as exc:
             log.warning("ignoring malformed cached self-test result: %s", exc)
-    result = run(model, limit, prefixes, widths, seed, stop_at_first)
+    result = run(model, call_rows, prefixes, widths, seed, stop_at_first)
     proof_cache.store.put(key, _result_to_json(result))
     return result
 
 
-def result_maker(limit: int, widths: tuple, prefixes):
+def result_maker(call_rows: int, widths: tuple, prefixes):
     """A function of (mismatches, reason) giving the SelfTestResult of a proof started now."""
     t0 = time.perf_counter()
     backend = str(mx.default_device())
 
     def result(mismatches=(), reason=""):
         passed = not mismatches and not reason
-        return SelfTestResult(passed, backend, limit, widths, tuple(prefixes), tuple(mismatches),
+        return SelfTestResult(passed, backend, call_rows, widths, tuple(prefixes), tuple(mismatches),
                               reason or ("; ".join(map(str, mismatches[:3])) if mismatches else "ok"),
                               time.perf_counter() - t0)
 
     return result
 
 
-def _self_test(model, limit: int, prefixes, widths: tuple, seed: int,
+def _self_test(model, call_rows: int, prefixes, widths: tuple, seed: int,
                stop_at_first: bool) -> SelfTestResult:
-    result = result_maker(limit, widths, prefixes)
+    result = result_maker(call_rows, widths, prefixes)
 
     if not widths:
-        return result(reason=f"nothing to prove for L={limit}")
+        return result(reason=f"nothing to prove for L={call_rows}")
     vocab = _vocab_size(model)
     key = mx.random.key(seed)
     mismatches = []

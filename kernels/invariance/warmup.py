@@ -17,12 +17,12 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..proof_steps import step_done
 
 
-def precompile_kernels(model, limit: int) -> int:
-    """Every custom-kernel instance the installed setting launches at widths 1..limit (its
+def precompile_kernels(model, call_rows: int) -> int:
+    """Every custom-kernel instance the installed setting launches at widths 1..call_rows (its
     linears, and the pooled attention at the model's head size), compiled or read from this
     machine's cache, concurrently. Returns how many are ready (0: none to build, or not CUDA)."""
     setting = getattr(model, "_lockstep_setting", None)
-    if setting is None or limit < 1 or not setting.strategy.uses_custom_kernels:
+    if setting is None or call_rows < 1 or not setting.strategy.uses_custom_kernels:
         return 0
     from ..custom.precompile import activation_dtype, linear_shapes, precompile_for
 
@@ -33,16 +33,16 @@ def precompile_kernels(model, limit: int) -> int:
     dtype = activation_dtype(model)
     attention = [(dtype, head_dim)] if head_dim and dtype is not None else []
     return precompile_for(linear_shapes(model, dense=strategy.dense, quantized=strategy.quantized_form),
-                          range(1, min(limit, setting.limit) + 1), attention=attention)
+                          range(1, min(call_rows, setting.call_rows) + 1), attention=attention)
 
 
-def build_kernels(model, limit: int) -> int:
-    """Run the model once at every width 1..limit under its installed setting, when that
+def build_kernels(model, call_rows: int) -> int:
+    """Run the model once at every width 1..call_rows under its installed setting, when that
     setting's forms launch custom kernels. Returns the widths run (0: nothing to build)."""
     setting = getattr(model, "_lockstep_setting", None)
-    if setting is None or limit < 1 or not setting.strategy.uses_custom_kernels:
+    if setting is None or call_rows < 1 or not setting.strategy.uses_custom_kernels:
         return 0
-    widths = min(limit, setting.limit)
+    widths = min(call_rows, setting.call_rows)
     for rows in range(1, widths + 1):
         mx.eval(model(mx.zeros((1, rows), dtype=mx.int32), cache=make_prompt_cache(model)))
         step_done()

@@ -22,7 +22,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lockstep.server.api import choices
-from lockstep.server.api import protocol as p
+from lockstep.server.api.chat_protocol import ChatCompletionRequest
+from lockstep.server.api.completions_protocol import CompletionRequest
+from lockstep.server.api.response_bodies import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
+                                                 ChatCompletionChunk, ChatDelta, ChatLogprobs, ChatTokenLogprob,
+                                                 CompletionChoice, CompletionLogprobs, ErrorResponse, ModelCard,
+                                                 ModelList, ResponseBody, ResponseFunctionCall, ResponseToolCall,
+                                                 TextCompletion, ToolCallDelta, TopLogprob, new_id)
+from lockstep.server.api.sampling_protocol import SamplingRequest
 from lockstep.server.api import sse
 from lockstep.server.api.access_log import AccessLog
 from lockstep.server.api.chat_prompt import chat_prompt_tokens
@@ -40,17 +47,18 @@ from lockstep.server.api.metrics import Metrics
 # "default" names the (first) model; `<model>:deterministic` asks for deterministic mode by the
 # model's name, for clients that drop extra body fields (docs/API.md)
 from lockstep.server.api.model_pool import DETERMINISTIC_SUFFIX, MODEL_ALIAS, ModelPool  # noqa: F401
+from lockstep.server.api.model_routes import install_model_routes, install_pool_model_routes
 from lockstep.server.api.recorder import RecordedGroup, Recorder
 from lockstep.server.api.request_record import RecordRequests, current, track
 from lockstep.server.api.responses import ResponsesRoute
 from lockstep.server.api.responses_protocol import ResponsesRequest
 from lockstep.server.api.errors import (APIError, RetryAfter, context_length_exceeded, generation_error,
                                install_error_handlers, model_not_found)
-from lockstep.server.engine.decode_plan import PREDICTION, DecodePlan, RequestRejected, plan_request
+from lockstep.server.engine.guarantee.decode_plan import PREDICTION, DecodePlan, RequestRejected, plan_request
 from lockstep.server.engine.generate import Delta, GenerationRequest
 from lockstep.server.engine.request_report import rendered
-from lockstep.server.engine.logits_processors import logits_width
-from lockstep.server.engine.sampling import GREEDY_BELOW, SamplingParams
+from lockstep.server.engine.decoding.logits_processors import logits_width
+from lockstep.server.engine.decoding.sampling import GREEDY_BELOW, SamplingParams
 from lockstep.server.api.tool_call_stream import ToolCallStream, call_stream
 from lockstep.server.api.tool_calls import ParsedCall, new_call_id, tool_format
 
@@ -73,18 +81,18 @@ def _extras(extras: dict | Callable[[], dict] | None) -> dict:
     return (extras() if callable(extras) else extras) or {}
 
 
-def _sse(payload: p.Response | str) -> str:
+def _sse(payload: ResponseBody | str) -> str:
     """One event: a chunk, or its JSON already rendered (server/api/chunk_json.py)."""
     return f"data: {payload if isinstance(payload, str) else payload.model_dump_json()}\n\n"
 
 
-def _chat_logprobs(delta: Delta) -> p.ChatLogprobs:
-    def top(token: str, logprob: float) -> p.TopLogprob:
-        return p.TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+def _chat_logprobs(delta: Delta) -> ChatLogprobs:
+    def top(token: str, logprob: float) -> TopLogprob:
+        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
 
-    return p.ChatLogprobs(
+    return ChatLogprobs(
         content=[
-            p.ChatTokenLogprob(
+            ChatTokenLogprob(
                 token=lp.token, logprob=lp.logprob, bytes=list(lp.token.encode()),
                 top_logprobs=[top(t, v) for t, v in lp.top],
             )
@@ -93,8 +101,8 @@ def _chat_logprobs(delta: Delta) -> p.ChatLogprobs:
     )
 
 
-def _completion_logprobs(delta: Delta) -> p.CompletionLogprobs:
-    return p.CompletionLogprobs(
+def _completion_logprobs(delta: Delta) -> CompletionLogprobs:
+    return CompletionLogprobs(
         tokens=[lp.token for lp in delta.logprobs],
         token_logprobs=[lp.logprob for lp in delta.logprobs],
         top_logprobs=[dict(lp.top) for lp in delta.logprobs],
@@ -102,12 +110,12 @@ def _completion_logprobs(delta: Delta) -> p.CompletionLogprobs:
     )
 
 
-def _response_calls(calls: list[ParsedCall]) -> list[p.ResponseToolCall]:
-    return [p.ResponseToolCall(id=new_call_id(), function=p.ResponseFunctionCall(name=c.name, arguments=c.arguments))
+def _response_calls(calls: list[ParsedCall]) -> list[ResponseToolCall]:
+    return [ResponseToolCall(id=new_call_id(), function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
             for c in calls]
 
 
-def _choice_lockstep(d: Delta, body: p.SamplingRequest) -> dict | None:
+def _choice_lockstep(d: Delta, body: SamplingRequest) -> dict | None:
     """A finished choice's own `lockstep` object: its receipt, and its token ids when asked."""
     if d.report is None:
         return None
@@ -117,7 +125,7 @@ def _choice_lockstep(d: Delta, body: p.SamplingRequest) -> dict | None:
     return info
 
 
-def _final_lockstep(d: Delta, body: p.SamplingRequest) -> dict | None:
+def _final_lockstep(d: Delta, body: SamplingRequest) -> dict | None:
     """A stream's `lockstep` object on a choice's final chunk (its own report and receipt)."""
     if d.report is None or not body.return_token_ids:
         return rendered(d.report)
@@ -164,7 +172,7 @@ class Routes:
         if model.removesuffix(DETERMINISTIC_SUFFIX) not in (self.name, MODEL_ALIAS):
             raise model_not_found(model)
 
-    def _settle_determinism(self, body: p.SamplingRequest) -> None:
+    def _settle_determinism(self, body: SamplingRequest) -> None:
         """Whether `body` is deterministic (its field; else the model name's suffix; else the
         deployment's default), and the seed a sampled deterministic request runs with: the one it
         sent, else one drawn here and reported back (`lockstep.seed`), so the answer can be
@@ -174,10 +182,10 @@ class Routes:
         if body.deterministic and body.temperature >= GREEDY_BELOW and body.seed is None:
             body.seed = secrets.randbits(63)
 
-    def _chat_tokens(self, body: p.ChatCompletionRequest) -> list[int]:
+    def _chat_tokens(self, body: ChatCompletionRequest) -> list[int]:
         return chat_prompt_tokens(self.loaded.tokenizer, body, self.tool_format)
 
-    def _completion_tokens(self, body: p.CompletionRequest) -> list[int]:
+    def _completion_tokens(self, body: CompletionRequest) -> list[int]:
         prompt = body.prompt
         if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
@@ -188,28 +196,28 @@ class Routes:
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         return list(prompt)
 
-    def _prepare(self, body: p.SamplingRequest, tokenize: Callable) -> tuple[list[int], tuple[int, ...]]:
+    def _prepare(self, body: SamplingRequest, tokenize: Callable) -> tuple[list[int], tuple[int, ...]]:
         """Prompt tokens and the prediction's tokens, the offered tools checked (CPU work, run off
         the event loop)."""
         prompt = tokenize(body)
         self.constraints.check_tools(body)
         return prompt, self._prediction_tokens(body)
 
-    async def _grammar(self, body: p.SamplingRequest):
+    async def _grammar(self, body: SamplingRequest):
         """The output grammar, or None. Checked and compiled on the grammar checks' own threads
         (a 429 when their queue is full), so a plain request never waits behind them."""
         if not self.constraints.needs_grammar(body):
             return None
         return await self.grammar_checks.run(self.constraints.grammar_for, body)
 
-    def _prediction_tokens(self, body: p.SamplingRequest) -> tuple[int, ...]:
+    def _prediction_tokens(self, body: SamplingRequest) -> tuple[int, ...]:
         """Predicted Outputs: the predicted answer as the tokens the model would write it in."""
         text = body.prediction_text()
         if not text:
             return ()
         return tuple(self.loaded.tokenizer.encode(text, add_special_tokens=False))
 
-    async def _submit(self, body: p.SamplingRequest, tokenize: Callable, param: str) -> list:
+    async def _submit(self, body: SamplingRequest, tokenize: Callable, param: str) -> list:
         """Submit `body`'s n choices; returns their engine handles."""
         self._check_model(body.model)
         self._settle_determinism(body)
@@ -255,7 +263,7 @@ class Routes:
         ]
         record = current()
         if self.log_prompts and record is not None:
-            record.prompt = body.messages if isinstance(body, p.ChatCompletionRequest) else body.prompt
+            record.prompt = body.messages if isinstance(body, ChatCompletionRequest) else body.prompt
         try:
             handles = [track(handle) for handle in self.engine.submit_group(requests, plan)]
         except QueueFull as exc:
@@ -280,19 +288,19 @@ class Routes:
                        type="server_error", param="deterministic", code="guarantee_pending",
                        headers={"Retry-After": str(GUARANTEE_RETRY_AFTER_S)})
 
-    def _tool_stops(self, body: p.SamplingRequest) -> tuple[str, ...]:
+    def _tool_stops(self, body: SamplingRequest) -> tuple[str, ...]:
         """A format whose turn ends with a call (gpt-oss's <|call|>, which not every config makes an
         eos token) stops there: the tool answers next, not the model."""
-        offered = isinstance(body, p.ChatCompletionRequest) and body.tool_mode() != "none"
+        offered = isinstance(body, ChatCompletionRequest) and body.tool_mode() != "none"
         return (self.tool_format.stop,) if offered and self.tool_format and self.tool_format.stop else ()
 
     @staticmethod
-    def _sampling(body: p.SamplingRequest, choice: int) -> SamplingParams:
+    def _sampling(body: SamplingRequest, choice: int) -> SamplingParams:
         seed = {} if body.seed is None else {"seed": choices.choice_seed(body.seed, choice)}
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                               min_p=body.min_p, top_logprobs=body.logprobs_count(), **seed)
 
-    def _plan(self, body: p.SamplingRequest, prediction: bool = False) -> DecodePlan:
+    def _plan(self, body: SamplingRequest, prediction: bool = False) -> DecodePlan:
         try:
             plan = plan_request(self.engine.deployment, deterministic=body.deterministic,
                                 speculative=body.speculative, num_draft_tokens=body.num_draft_tokens,
@@ -302,7 +310,7 @@ class Routes:
         sampled = body.deterministic and body.temperature >= GREEDY_BELOW
         return dataclasses.replace(plan, seed=body.seed) if sampled else plan
 
-    async def submit_chat(self, body: p.ChatCompletionRequest) -> list:
+    async def submit_chat(self, body: ChatCompletionRequest) -> list:
         """Submit a chat request's n choices (also what /v1/responses runs as)."""
         return await self._submit(body, self._chat_tokens, "messages")
 
@@ -315,7 +323,7 @@ class Routes:
         except GenerationError as exc:
             raise generation_error(exc) from exc
 
-    async def _stream(self, handles, chunks: AsyncIterator[p.Response | str], gather: bool = False) -> AsyncIterator[str]:
+    async def _stream(self, handles, chunks: AsyncIterator[ResponseBody | str], gather: bool = False) -> AsyncIterator[str]:
         """SSE framing for `chunks` (made from `handles`' deltas), ending in [DONE]. `gather`:
         every delta makes a chunk, so the events of deltas already queued go out in one write
         (server/api/sse.py); where a delta may make none (text held back), each goes alone."""
@@ -326,14 +334,14 @@ class Routes:
                 if write is not None:
                     yield write
         except GenerationError as exc:  # headers are sent: report it as an event
-            yield writes.take() + _sse(p.ErrorResponse(error=generation_error(exc).body))
+            yield writes.take() + _sse(ErrorResponse(error=generation_error(exc).body))
         finally:
             choices.cancel_all(handles)  # the client went away (or we are done): free the slots
         yield writes.take() + sse.DONE
 
     # ------------------------------------------------------------------- endpoints
 
-    def tool_calls_stream(self, body: p.ChatCompletionRequest) -> ToolCallStream | None:
+    def tool_calls_stream(self, body: ChatCompletionRequest) -> ToolCallStream | None:
         """What splits this request's output into content and tool calls (None: no tools, the
         output is all content). A call the output ends inside is dropped (docs/API.md, Tools)."""
         if body.tool_mode() == "none":
@@ -344,35 +352,35 @@ class Routes:
         return call_stream(self.tool_format, {t.function.name for t in body.tools},
                            None if body.parallel_tool_calls else 1, tools)
 
-    def _chat_choice(self, index: int, d: Delta, body: p.ChatCompletionRequest) -> p.ChatChoice:
+    def _chat_choice(self, index: int, d: Delta, body: ChatCompletionRequest) -> ChatChoice:
         stream = self.tool_calls_stream(body)
         content, calls = (d.text, []) if stream is None else stream.split(d.text)
         legacy = body.legacy_functions()  # deprecated functions: the call as message.function_call
         cut_off = stream is not None and stream.cut_off
-        message = p.AssistantMessage(
+        message = AssistantMessage(
             content=(content or None) if calls or cut_off else content,  # null, not "", beside a call
             tool_calls=None if legacy else _response_calls(calls) or None,
-            function_call=p.ResponseFunctionCall(name=calls[0].name, arguments=calls[0].arguments)
+            function_call=ResponseFunctionCall(name=calls[0].name, arguments=calls[0].arguments)
             if legacy and calls else None)
-        return p.ChatChoice(index=index, message=message,
-                            finish_reason=_finish_reason(d.finish_reason, bool(calls), legacy),
-                            logprobs=_chat_logprobs(d) if body.logprobs else None,
-                            lockstep=_choice_lockstep(d, body))
+        return ChatChoice(index=index, message=message,
+                          finish_reason=_finish_reason(d.finish_reason, bool(calls), legacy),
+                          logprobs=_chat_logprobs(d) if body.logprobs else None,
+                          lockstep=_choice_lockstep(d, body))
 
-    async def chat(self, body: p.ChatCompletionRequest, receive=None):
+    async def chat(self, body: ChatCompletionRequest, receive=None):
         handles = await self.submit_chat(body)
-        common = {"id": p.new_id("chatcmpl"), "model": self.name, "system_fingerprint": self.fingerprint}
+        common = {"id": new_id("chatcmpl"), "model": self.name, "system_fingerprint": self.fingerprint}
         if body.service_tier is not None:  # one tier here, named as OpenAI names its standard one
             common["service_tier"] = "default"
         legacy = body.legacy_functions()
 
         if not body.stream:
             finals = await self.collect(handles, receive)
-            return JSONResponse(p.ChatCompletion(
+            return JSONResponse(ChatCompletion(
                 **common, choices=[self._chat_choice(i, d, body) for i, d in enumerate(finals)],
                 usage=choices.usage(finals), lockstep=rendered(finals[0].report)).model_dump())
 
-        async def chunks() -> AsyncIterator[p.ChatCompletionChunk | str]:
+        async def chunks() -> AsyncIterator[ChatCompletionChunk | str]:
             role_due = [True] * len(handles)  # the role is sent once per choice, in its first chunk
             calls = [self.tool_calls_stream(body) for _ in handles]
             sent = [0] * len(handles)  # tool calls sent per choice
@@ -388,81 +396,81 @@ class Routes:
                 if text and not (d.logprobs or role_due[i] or new_calls or body.logprobs):
                     # a chunk of text alone, most of a stream's: its JSON from the choice's template
                     if i not in templates:
-                        templates[i] = ChunkTemplate(lambda created, content, i=i: p.ChatCompletionChunk(
+                        templates[i] = ChunkTemplate(lambda created, content, i=i: ChatCompletionChunk(
                             **common, created=created,
-                            choices=[p.ChatChunkChoice(index=i, delta=p.ChatDelta(content=content))]))
+                            choices=[ChatChunkChoice(index=i, delta=ChatDelta(content=content))]))
                     yield templates[i].render(text)
                 elif text or d.logprobs or role_due[i] or new_calls:
-                    tool_deltas = [p.ToolCallDelta(index=sent[i] + k, id=c.id, function=c.function)
+                    tool_deltas = [ToolCallDelta(index=sent[i] + k, id=c.id, function=c.function)
                                    for k, c in enumerate(_response_calls(new_calls))] or None
                     sent[i] += len(new_calls)
                     function_call = None
                     if legacy and tool_deltas:  # at most one call (parallel_tool_calls is off)
                         function_call, tool_deltas = tool_deltas[0].function, None
-                    delta = p.ChatDelta(role="assistant" if role_due[i] else None,
-                                        content=text if text or not (tool_deltas or function_call) else None,
-                                        tool_calls=tool_deltas, function_call=function_call)
+                    delta = ChatDelta(role="assistant" if role_due[i] else None,
+                                      content=text if text or not (tool_deltas or function_call) else None,
+                                      tool_calls=tool_deltas, function_call=function_call)
                     logprobs = _chat_logprobs(d) if body.logprobs else None
-                    yield p.ChatCompletionChunk(**common, choices=[p.ChatChunkChoice(index=i, delta=delta, logprobs=logprobs)])
+                    yield ChatCompletionChunk(**common, choices=[ChatChunkChoice(index=i, delta=delta, logprobs=logprobs)])
                     role_due[i] = False
                 if d.finish_reason is not None:
-                    finish = p.ChatChunkChoice(index=i, delta=p.ChatDelta(),
-                                               finish_reason=_finish_reason(d.finish_reason, sent[i] > 0, legacy))
-                    yield p.ChatCompletionChunk(**common, choices=[finish], lockstep=_final_lockstep(d, body))
+                    finish = ChatChunkChoice(index=i, delta=ChatDelta(),
+                                             finish_reason=_finish_reason(d.finish_reason, sent[i] > 0, legacy))
+                    yield ChatCompletionChunk(**common, choices=[finish], lockstep=_final_lockstep(d, body))
                     finals.append(d)
             if body.include_usage():
-                yield p.ChatCompletionChunk(**common, choices=[], usage=choices.usage(finals))
+                yield ChatCompletionChunk(**common, choices=[], usage=choices.usage(finals))
 
         # tool calls and gpt-oss channels hold text back: a delta may then make no chunk
         gather = self.tool_calls_stream(body) is None
         return StreamingResponse(self._stream(handles, chunks(), gather), media_type="text/event-stream")
 
-    async def completions(self, body: p.CompletionRequest, receive=None):
+    async def completions(self, body: CompletionRequest, receive=None):
         handles = await self._submit(body, self._completion_tokens, "prompt")
-        common = {"id": p.new_id("cmpl"), "model": self.name, "system_fingerprint": self.fingerprint}
+        common = {"id": new_id("cmpl"), "model": self.name, "system_fingerprint": self.fingerprint}
 
-        def choice(i: int, d: Delta) -> p.CompletionChoice:
+        def choice(i: int, d: Delta) -> CompletionChoice:
             logprobs = _completion_logprobs(d) if body.logprobs is not None else None
-            return p.CompletionChoice(index=i, text=d.text, finish_reason=d.finish_reason, logprobs=logprobs,
-                                      lockstep=_choice_lockstep(d, body) if not body.stream else None)
+            return CompletionChoice(index=i, text=d.text, finish_reason=d.finish_reason, logprobs=logprobs,
+                                    lockstep=_choice_lockstep(d, body) if not body.stream else None)
 
         if not body.stream:
             finals = await self.collect(handles, receive)
-            return JSONResponse(p.TextCompletion(**common, choices=[choice(i, d) for i, d in enumerate(finals)],
-                                                 usage=choices.usage(finals), lockstep=rendered(finals[0].report)).model_dump())
+            return JSONResponse(TextCompletion(**common, choices=[choice(i, d) for i, d in enumerate(finals)],
+                                               usage=choices.usage(finals), lockstep=rendered(finals[0].report)).model_dump())
 
-        async def chunks() -> AsyncIterator[p.TextCompletion | str]:
+        async def chunks() -> AsyncIterator[TextCompletion | str]:
             finals: list[Delta] = []
             templates: dict[int, ChunkTemplate] = {}  # per choice
             async for i, d in choices.interleave(handles):
                 if d.finish_reason is None and body.logprobs is None:
                     # text alone, most of a stream's chunks: their JSON from the choice's template
                     if i not in templates:
-                        templates[i] = ChunkTemplate(lambda created, text, i=i: p.TextCompletion(
-                            **common, created=created, choices=[p.CompletionChoice(index=i, text=text)]))
+                        templates[i] = ChunkTemplate(lambda created, text, i=i: TextCompletion(
+                            **common, created=created, choices=[CompletionChoice(index=i, text=text)]))
                     yield templates[i].render(d.text)
                     continue
-                yield p.TextCompletion(**common, choices=[choice(i, d)], lockstep=_final_lockstep(d, body))
+                yield TextCompletion(**common, choices=[choice(i, d)], lockstep=_final_lockstep(d, body))
                 if d.finish_reason is not None:
                     finals.append(d)
             if body.include_usage():
-                yield p.TextCompletion(**common, choices=[], usage=choices.usage(finals))
+                yield TextCompletion(**common, choices=[], usage=choices.usage(finals))
 
         return StreamingResponse(self._stream(handles, chunks(), gather=True), media_type="text/event-stream")
 
-    def model_card(self, extras: dict | Callable[[], dict] | None) -> p.ModelCard:
+    def model_card(self, extras: dict | Callable[[], dict] | None) -> ModelCard:
         extras = _extras(extras)
         info = {"weights": self.loaded.weights, "context_length": self.loaded.context_length,
                 "batching": self.engine.describe()}
-        return p.ModelCard(id=self.name, created=self.created, lockstep={**info, **extras})
+        return ModelCard(id=self.name, created=self.created, lockstep={**info, **extras})
 
-    def models(self, extras: dict | None) -> p.ModelList:
+    def models(self, extras: dict | None) -> ModelList:
         card = self.model_card(extras)
         deterministic = card.model_copy(update={"id": card.id + DETERMINISTIC_SUFFIX,
                                                 "lockstep": {**card.lockstep, "deterministic_by_name": True}})
-        return p.ModelList(data=[card, deterministic])
+        return ModelList(data=[card, deterministic])
 
-    def model(self, model_id: str, extras: dict | None) -> p.ModelCard:
+    def model(self, model_id: str, extras: dict | None) -> ModelCard:
         """One model by id (the served model's name or the alias "default", either with the
         deterministic suffix); 404 otherwise."""
         self._check_model(model_id)
@@ -471,26 +479,6 @@ class Routes:
             card = card.model_copy(update={"id": card.id + DETERMINISTIC_SUFFIX,
                                            "lockstep": {**card.lockstep, "deterministic_by_name": True}})
         return card
-
-
-def _pool_cards(pool: ModelPool, model, created: int) -> tuple[p.ModelCard, p.ModelCard]:
-    """A pooled model's /v1/models entries, plain and `:deterministic`: its state and load counts,
-    and, while loaded, its own details (audit, guarantee, batching) as a single-model server
-    lists them."""
-    service = model.service
-    status = pool.status(model)
-    details = {"state": status["state"], "loads": status["loads"], "unloads": status["unloads"],
-               **({"weights_bytes": status["weights_bytes"]} if "weights_bytes" in status else {}),
-               **({"load_problem": status["load_problem"]} if "load_problem" in status else {}),
-               **({"default": True} if model.name == pool.default else {})}
-    if service is not None and service.routes is not None:
-        card = service.routes.model_card(service.info)
-        card = card.model_copy(update={"lockstep": {**details, **card.lockstep}})
-    else:
-        card = p.ModelCard(id=model.name, created=created, lockstep=details)
-    deterministic = card.model_copy(update={"id": model.name + DETERMINISTIC_SUFFIX,
-                                            "lockstep": {**card.lockstep, "deterministic_by_name": True}})
-    return card, deterministic
 
 
 class OneModel:
@@ -565,12 +553,12 @@ def create_app(
     app.add_middleware(RetryAfter)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
         async with models.use(body.model) as routes:
             return await routes.chat(body, request.receive)
 
     @app.post("/v1/completions")
-    async def completions(body: p.CompletionRequest, request: Request):
+    async def completions(body: CompletionRequest, request: Request):
         async with models.use(body.model) as routes:
             return await routes.completions(body, request.receive)
 
@@ -591,41 +579,9 @@ def create_app(
         return await messages.count_tokens(await request.body())
 
     if pool is None:
-        @app.get("/v1/models")
-        async def list_models():
-            return JSONResponse(routes.models(model_extras).model_dump())
-
-        @app.get("/v1/models/{model_id:path}")  # ids may hold slashes ("org/name")
-        async def retrieve_model(model_id: str):
-            return JSONResponse(routes.model(model_id, model_extras).model_dump())
-
-        @app.head("/health", include_in_schema=False)  # load balancers often probe with HEAD
-        @app.get("/health")
-        async def health():
-            return {"status": "ok", "model": engine.loaded.name, "guarantee": engine.guarantee.state,
-                    **engine.counts(), "audited_rows": engine.audited.describe()["audited_rows"],
-                    "starting": engine.starting}
+        install_model_routes(app, routes, model_extras)
     else:
-        created = int(time.time())
-
-        @app.get("/v1/models")
-        async def list_models():
-            cards = [card for model in pool.models.values() for card in _pool_cards(pool, model, created)]
-            return JSONResponse(p.ModelList(data=cards).model_dump())
-
-        @app.get("/v1/models/{model_id:path}")
-        async def retrieve_model(model_id: str):
-            plain, deterministic = _pool_cards(pool, pool.find(model_id), created)
-            return JSONResponse((deterministic if model_id.endswith(DETERMINISTIC_SUFFIX) else plain).model_dump())
-
-        @app.head("/health", include_in_schema=False)
-        @app.get("/health")
-        async def health():
-            default = pool.models[pool.default]
-            return {"status": "ok", "model": pool.default,
-                    # "proving" while any loaded model proves, so a caller waiting for it sees it
-                    "guarantee": "proving" if pool.proving() else pool.status(default)["guarantee"] or default.state,
-                    **pool.counts(), "models": {m.name: pool.status(m) for m in pool.models.values()}}
+        install_pool_model_routes(app, pool)
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics():

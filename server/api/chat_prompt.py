@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 
-from lockstep.server.api import protocol as p
+from lockstep.server.api.chat_protocol import ChatCompletionRequest, ChatMessage
+
+from lockstep.server.api.tools_protocol import ToolCall
 from lockstep.server.api.tool_calls import ToolFormat, fallback_system_prompt, mistral_call_id
 
 
-def _tool_dicts(body: p.ChatCompletionRequest, fmt: ToolFormat | None = None) -> list[dict]:
+def _tool_dicts(body: ChatCompletionRequest, fmt: ToolFormat | None = None) -> list[dict]:
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
     if fmt is not None and fmt.name == "gpt_oss":  # its template writes "// " + description unguarded
         for tool in tools:
@@ -23,7 +25,7 @@ def _tool_dicts(body: p.ChatCompletionRequest, fmt: ToolFormat | None = None) ->
     return tools
 
 
-def _call_json(call: p.ToolCall) -> dict:
+def _call_json(call: ToolCall) -> dict:
     try:
         arguments = json.loads(call.function.arguments)
     except ValueError:
@@ -31,7 +33,7 @@ def _call_json(call: p.ToolCall) -> dict:
     return {"name": call.function.name, "arguments": arguments}
 
 
-def _native_message(m: p.ChatMessage, fmt: ToolFormat) -> dict:
+def _native_message(m: ChatMessage, fmt: ToolFormat) -> dict:
     call_id = mistral_call_id if fmt.name == "mistral" else str
     message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
     if m.tool_calls:
@@ -42,7 +44,7 @@ def _native_message(m: p.ChatMessage, fmt: ToolFormat) -> dict:
     return message
 
 
-def _fallback_message(m: p.ChatMessage, fmt: ToolFormat) -> dict:
+def _fallback_message(m: ChatMessage, fmt: ToolFormat) -> dict:
     if m.role == "tool":
         return {"role": "user", "content": f"<tool_response>\n{m.text()}\n</tool_response>"}
     content = m.text()
@@ -51,7 +53,7 @@ def _fallback_message(m: p.ChatMessage, fmt: ToolFormat) -> dict:
     return {"role": "system" if m.role == "developer" else m.role, "content": content}
 
 
-def template_messages(body: p.ChatCompletionRequest, fmt: ToolFormat) -> tuple[list[dict], dict]:
+def template_messages(body: ChatCompletionRequest, fmt: ToolFormat) -> tuple[list[dict], dict]:
     """(messages, extra keyword arguments) for `apply_chat_template`."""
     offered = body.tool_mode() != "none"
     if fmt.native:
@@ -67,6 +69,6 @@ def template_messages(body: p.ChatCompletionRequest, fmt: ToolFormat) -> tuple[l
     return messages, {}
 
 
-def chat_prompt_tokens(tokenizer, body: p.ChatCompletionRequest, fmt: ToolFormat) -> list[int]:
+def chat_prompt_tokens(tokenizer, body: ChatCompletionRequest, fmt: ToolFormat) -> list[int]:
     messages, kwargs = template_messages(body, fmt)
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
-from lockstep.server.api import protocol as p
+from lockstep.server.api.response_bodies import CompletionTokensDetails, PromptTokensDetails, Usage
 from lockstep.server.engine.generate import Delta
-from lockstep.server.engine.sampling import splitmix64
+from lockstep.server.engine.decoding.sampling import splitmix64
 
 _INT64 = 1 << 63
 
@@ -47,16 +47,16 @@ def prediction_counts(final: Delta) -> tuple[int, int]:
     return final.report.prediction_tokens if final.report is not None else (0, 0)
 
 
-def usage(finals: list[Delta]) -> p.Usage:
+def usage(finals: list[Delta]) -> Usage:
     """The prompt counts once; completion tokens and prediction tokens add up over the choices."""
     prompt = finals[0].prompt_tokens
     completion = sum(d.completion_tokens for d in finals)
     counts = [prediction_counts(d) for d in finals]
-    details = p.CompletionTokensDetails(accepted_prediction_tokens=sum(a for a, _ in counts),
-                                        rejected_prediction_tokens=sum(r for _, r in counts))
-    return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                   prompt_tokens_details=p.PromptTokensDetails(cached_tokens=finals[0].cached_tokens),
-                   completion_tokens_details=details)
+    details = CompletionTokensDetails(accepted_prediction_tokens=sum(a for a, _ in counts),
+                                      rejected_prediction_tokens=sum(r for _, r in counts))
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=finals[0].cached_tokens),
+                 completion_tokens_details=details)
 
 
 def cancel_all(handles) -> None:

@@ -13,7 +13,7 @@ from typing import Callable
 
 import pydantic_core
 
-from lockstep.server.api import protocol as p
+from lockstep.server.api.response_bodies import ResponseBody
 
 # Marker values, rendered once: an int no `created` second reaches and a string no model writes.
 _CREATED = 9_087_123_456_789
@@ -24,7 +24,7 @@ class ChunkTemplate:
     """`build(created, text)` -> the chunk (a pydantic model) whose JSON this renders; `render(text)`
     is then `build(int(time.time()), text).model_dump_json()`."""
 
-    def __init__(self, build: Callable[[int, str], p.Response]):
+    def __init__(self, build: Callable[[int, str], ResponseBody]):
         rendered = build(_CREATED, _TEXT).model_dump_json()
         created = f'"created":{_CREATED}'
         text = pydantic_core.to_json(_TEXT).decode()

@@ -4,14 +4,16 @@ tool_choice "required" or a named function: one call (or several, with
 parallel_tool_calls, where the format's answer can hold several) in the model's own tool-call
 format (`ToolFormat.grammar_tags` / `grammar_layout`); a format whose arguments are not one
 JSON object cannot be constrained (a 400). Otherwise `response_format`
-json_object / json_schema. The grammar engine (server/engine/grammar.py) compiles it; the
-engine masks each logits row with it (server/engine/logits_processors.py). Every offered
+json_object / json_schema. The grammar engine (server/engine/structured/grammar.py) compiles it; the
+engine masks each logits row with it (server/engine/decoding/logits_processors.py). Every offered
 tool's `parameters` must be an object schema, whatever tool_choice (a 400 naming the
 function otherwise).
 """
 from __future__ import annotations
 
-from lockstep.server.api import protocol as p
+from lockstep.server.api.chat_protocol import ChatCompletionRequest
+
+from lockstep.server.api.sampling_protocol import SamplingRequest
 from lockstep.server.api.errors import APIError
 from lockstep.server.api.tool_calls import ToolFormat
 
@@ -23,27 +25,27 @@ class Constraints:
         self.loaded, self.tool_format = loaded, tool_format
 
     def _grammars(self):
-        from lockstep.server.engine.grammar import compiler_for  # built at first use, then shared
+        from lockstep.server.engine.structured.grammar import compiler_for  # built at first use, then shared
 
         return compiler_for(self.loaded)
 
     @staticmethod
-    def needs_grammar(body: p.SamplingRequest) -> bool:
+    def needs_grammar(body: SamplingRequest) -> bool:
         """Whether `body`'s output is constrained: a forced tool call or a JSON response_format."""
-        mode = body.tool_mode() if isinstance(body, p.ChatCompletionRequest) else "none"
+        mode = body.tool_mode() if isinstance(body, ChatCompletionRequest) else "none"
         response_format = getattr(body, "response_format", None)
         return mode in ("required", "named") or (response_format is not None and response_format.type != "text")
 
-    def grammar_for(self, body: p.SamplingRequest):
+    def grammar_for(self, body: SamplingRequest):
         """The compiled grammar `body` asks for, or None. Runs off the event loop, on the grammar
         checks' threads (server/api/grammar_checks.py: checking and compiling take milliseconds
         to seconds); an unsupported schema is a 400 naming the problem."""
         self.check_tools(body)
         if not self.needs_grammar(body):
             return None  # unconstrained: the grammar engine is not even imported
-        mode = body.tool_mode() if isinstance(body, p.ChatCompletionRequest) else "none"
+        mode = body.tool_mode() if isinstance(body, ChatCompletionRequest) else "none"
         response_format = getattr(body, "response_format", None)
-        from lockstep.server.engine.grammar import GrammarCheckerUnavailable, GrammarError
+        from lockstep.server.engine.structured.grammar import GrammarCheckerUnavailable, GrammarError
 
         param = "tools" if mode in ("required", "named") else "response_format"
         try:
@@ -70,10 +72,10 @@ class Constraints:
             raise APIError(503, str(exc), type="server_error") from exc
 
     @staticmethod
-    def check_tools(body: p.SamplingRequest) -> None:
+    def check_tools(body: SamplingRequest) -> None:
         """Every tool's parameters are an object schema (OpenAI's rule), whatever tool_choice:
         a tool whose arguments could not be a JSON object could never be called."""
-        from lockstep.server.engine.grammar_limits import parameters_problem
+        from lockstep.server.engine.structured.grammar_limits import parameters_problem
 
         for tool in getattr(body, "tools", None) or []:
             problem = parameters_problem(tool.function.name, tool.function.parameters)

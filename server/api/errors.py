@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lockstep.server.api.protocol import ErrorBody, ErrorResponse
+from lockstep.server.api.response_bodies import ErrorBody, ErrorResponse
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def generation_error(exc: Exception) -> APIError:
     when the request's own asking stopped it, e.g. its output grammar past an engine limit)."""
     from lockstep.server.api.request_record import current
     from lockstep.server.engine import ShuttingDown
-    from lockstep.server.engine.errors import RequestInvalid
+    from lockstep.server.engine.scheduling.errors import RequestInvalid
 
     if isinstance(exc, RequestInvalid):  # the request's own doing (e.g. its grammar past an engine limit)
         return APIError(400, str(exc), param=exc.param, code=exc.code)

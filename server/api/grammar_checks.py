@@ -1,7 +1,7 @@
 """Grammar checks on threads of their own: at most `workers` at once and `queue` more waiting.
 
 Checking and compiling a request's output grammar (server/api/constraints.py, then
-server/engine/grammar.py) takes milliseconds to seconds, and the checker process takes one
+server/engine/structured/grammar.py) takes milliseconds to seconds, and the checker process takes one
 grammar at a time. On the event loop's default thread pool, which also tokenizes every request,
 a burst of large schemas held every thread and plain requests waited behind them. Here grammar
 checks wait only for each other, and one that finds `workers + queue` already admitted is a 429

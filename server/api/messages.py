@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from lockstep.server.api import choices
 from lockstep.server.api import messages_protocol as mp
-from lockstep.server.api import protocol as p
+from lockstep.server.api.chat_protocol import ChatCompletionRequest
 from lockstep.server.api.errors import APIError, generation_error, validation_text
 from lockstep.server.api.tool_call_stream import ToolCallStream
 from lockstep.server.api.tool_calls import ParsedCall, new_call_id
@@ -79,7 +79,7 @@ def _tool_choice(choice) -> tuple[object, bool]:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
 
 
-def chat_request(body: mp.MessagesRequest | mp.CountTokensRequest) -> p.ChatCompletionRequest:
+def chat_request(body: mp.MessagesRequest | mp.CountTokensRequest) -> ChatCompletionRequest:
     """The /v1/chat/completions request that generates `body`'s answer."""
     tool_choice, parallel = _tool_choice(body.tool_choice)
     tools = [{"type": "function", "function": {k: v for k, v in {
@@ -106,7 +106,7 @@ def chat_request(body: mp.MessagesRequest | mp.CountTokensRequest) -> p.ChatComp
     if "deterministic" in body.model_fields_set:  # unsent: the model name or the deployment decides
         fields["deterministic"] = body.deterministic
     try:
-        return p.ChatCompletionRequest.model_validate(fields)
+        return ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:
         error = exc.errors()[0]
         field = error["loc"][0] if error["loc"] else None

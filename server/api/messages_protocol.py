@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from lockstep.server.api.protocol import MAX_STOP_SEQUENCES, SEED_MAX, SEED_MIN, unicode_checked
+from lockstep.server.api.sampling_protocol import MAX_STOP_SEQUENCES, SEED_MAX, SEED_MIN, unicode_checked
 
 
 def new_id(prefix: str) -> str:

@@ -142,7 +142,7 @@ class _Startup:
         return []  # collected at scrape time only (values change after registration)
 
     def collect(self):
-        from lockstep.server.engine.guarantee_state import STATES
+        from lockstep.server.engine.guarantee.guarantee_state import STATES
 
         startup = self.startup()
         for name, key, what in (("lockstep_startup_phase_seconds", "phases_s", "Seconds each startup phase took"),
@@ -171,7 +171,7 @@ class _ModelStates:
 
     def collect(self):
         from lockstep.server.api.model_pool import STATES as MODEL_STATES
-        from lockstep.server.engine.guarantee_state import STATES
+        from lockstep.server.engine.guarantee.guarantee_state import STATES
 
         states = GaugeMetricFamily("lockstep_model_state", "Each model's state (1: current)",
                                    labels=["model", "state"])

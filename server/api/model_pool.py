@@ -24,7 +24,7 @@ from typing import Callable
 
 from lockstep.server.api.errors import APIError, model_not_found
 from lockstep.server.engine import worker_thread
-from lockstep.server.engine.guarantee_state import PROVING
+from lockstep.server.engine.guarantee.guarantee_state import PROVING
 
 log = logging.getLogger("lockstep.models")
 

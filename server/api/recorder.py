@@ -77,9 +77,9 @@ class Recorder:
 
 
 def endpoint_of(body) -> str:
-    from lockstep.server.api import protocol as p
+    from lockstep.server.api.chat_protocol import ChatCompletionRequest
 
-    return "/v1/chat/completions" if isinstance(body, p.ChatCompletionRequest) else "/v1/completions"
+    return "/v1/chat/completions" if isinstance(body, ChatCompletionRequest) else "/v1/completions"
 
 
 def entry_for(body, finals) -> dict:

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from lockstep.server.api import choices
-from lockstep.server.api import protocol as p
+from lockstep.server.api.chat_protocol import ChatCompletionRequest
 from lockstep.server.api import responses_protocol as rp
 from lockstep.server.api.errors import APIError, generation_error, validation_text
 from lockstep.server.api.tool_call_stream import ToolCallStream
@@ -75,7 +75,7 @@ def _response_format(text: rp.TextConfig | None) -> dict | None:
     return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
 
 
-def chat_request(body: rp.ResponsesRequest) -> p.ChatCompletionRequest:
+def chat_request(body: rp.ResponsesRequest) -> ChatCompletionRequest:
     """The /v1/chat/completions request that generates `body`'s answer."""
     tool_choice = body.tool_choice
     if isinstance(tool_choice, rp.ToolChoiceFunction):
@@ -99,7 +99,7 @@ def chat_request(body: rp.ResponsesRequest) -> p.ChatCompletionRequest:
     if "deterministic" in body.model_fields_set:  # unsent: the model name or the deployment decides
         fields["deterministic"] = body.deterministic
     try:
-        return p.ChatCompletionRequest.model_validate(fields)
+        return ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:
         # ResponsesRequest is meant to refuse all such input first; if some slips through,
         # the error names the Responses field, never the chat model or pydantic's dump.
@@ -222,7 +222,7 @@ class ResponsesRoute:
         async with self.models.use(chat.model) as routes:
             return await self._create(routes, body, chat, receive)
 
-    async def _create(self, routes, body: rp.ResponsesRequest, chat: p.ChatCompletionRequest, receive):
+    async def _create(self, routes, body: rp.ResponsesRequest, chat: ChatCompletionRequest, receive):
         try:
             handles = await routes.submit_chat(chat)
         except APIError as exc:
@@ -238,7 +238,7 @@ class ResponsesRoute:
         return StreamingResponse(self._stream(handles, response, items), media_type="text/event-stream")
 
     @staticmethod
-    def _response(routes, body: rp.ResponsesRequest, chat: p.ChatCompletionRequest) -> rp.ResponseObject:
+    def _response(routes, body: rp.ResponsesRequest, chat: ChatCompletionRequest) -> rp.ResponseObject:
         """The in-progress response: the request's settings echoed, no output yet."""
         tool_choice = body.tool_choice or "auto"
         return rp.ResponseObject(

@@ -17,10 +17,10 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from lockstep.server.api.protocol import (
-    FUNCTION_NAME, SEED_MAX, SEED_MIN, Request, Response, _choice_names_a_tool, _omit_if_none, _unique_names,
-    shown, unicode_checked,
-)
+from lockstep.server.api.response_bodies import ResponseBody
+from lockstep.server.api.sampling_protocol import (SEED_MAX, SEED_MIN, Request, _omit_if_none, shown,
+                                                   unicode_checked)
+from lockstep.server.api.tools_protocol import FUNCTION_NAME, _choice_names_a_tool, _unique_names
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
@@ -280,14 +280,14 @@ class ResponsesRequest(Request):
 
 # ----------------------------------------------------------------------------- response
 
-class OutputTextPart(Response):
+class OutputTextPart(ResponseBody):
     type: Literal["output_text"] = "output_text"
     text: str = ""
     annotations: list = []
     logprobs: list = []
 
 
-class OutputMessage(Response):
+class OutputMessage(ResponseBody):
     type: Literal["message"] = "message"
     id: str
     role: Literal["assistant"] = "assistant"
@@ -295,7 +295,7 @@ class OutputMessage(Response):
     content: list[OutputTextPart] = []
 
 
-class FunctionCallItem(Response):
+class FunctionCallItem(ResponseBody):
     type: Literal["function_call"] = "function_call"
     id: str
     call_id: str
@@ -307,16 +307,16 @@ class FunctionCallItem(Response):
 OutputItem = OutputMessage | FunctionCallItem
 
 
-class InputTokensDetails(Response):
+class InputTokensDetails(ResponseBody):
     cached_tokens: int = 0
     cache_write_tokens: int = 0
 
 
-class OutputTokensDetails(Response):
+class OutputTokensDetails(ResponseBody):
     reasoning_tokens: int = 0  # no reasoning models are served
 
 
-class ResponseUsage(Response):
+class ResponseUsage(ResponseBody):
     input_tokens: int
     output_tokens: int
     total_tokens: int
@@ -324,16 +324,16 @@ class ResponseUsage(Response):
     output_tokens_details: OutputTokensDetails = OutputTokensDetails()
 
 
-class IncompleteDetails(Response):
+class IncompleteDetails(ResponseBody):
     reason: Literal["max_output_tokens"]
 
 
-class ResponseError(Response):
+class ResponseError(ResponseBody):
     code: str
     message: str
 
 
-class ResponseObject(Response):
+class ResponseObject(ResponseBody):
     id: str
     object: Literal["response"] = "response"
     created_at: int
@@ -366,7 +366,7 @@ class ResponseObject(Response):
 
 # ----------------------------------------------------------------------------- stream events
 
-class StreamEvent(Response):
+class StreamEvent(ResponseBody):
     type: str
     sequence_number: int = 0  # numbered as the stream sends them
 

@@ -58,7 +58,7 @@ class ToolFormat:
 
     def grammar_layout(self) -> dict:
         """How constrained decoding writes a call's name and arguments, and joins calls
-        (server/engine/grammar.py `tool_calls`); {} is `{"name": ..., "arguments": ...}`."""
+        (server/engine/structured/grammar.py `tool_calls`); {} is `{"name": ..., "arguments": ...}`."""
         if self.name == "llama3_json":
             return {"arguments_prefix": ', "parameters": '}
         if self.name == "mistral" and self.header_calls:

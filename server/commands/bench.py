@@ -105,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
         lines += run_exit_layer_bench(model, runtime.loaded.tokenizer, layers, k, args.tokens, args.rounds)
         return _report(lines, args.out)
     if args.tasks:
-        from lockstep.server.engine.model_runner import ModelRunner
-        from lockstep.server.engine.speculative import measure_pass_costs
+        from lockstep.server.engine.runner.model_runner import ModelRunner
+        from lockstep.server.engine.decoding.speculative import measure_pass_costs
         from lockstep.server.tools.speed_ratios import (prediction_table, run_prediction_bench, run_task_bench,
                                                         task_table)
 

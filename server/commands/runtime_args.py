@@ -5,7 +5,7 @@ import argparse
 
 from lockstep.kernels import cuda_graphs
 from lockstep.server.early_blas import auto_cpu_blas
-from lockstep.server.engine.deployment import CPU_PLAIN_PREFILL_CHUNK
+from lockstep.server.engine.guarantee.deployment import CPU_PLAIN_PREFILL_CHUNK
 from lockstep.server.options import (AUDIT_MODES, CPU_BLAS_CHOICES, DEFAULT_AUDIT, DEFAULT_CPU_BLAS,
                                      DEFAULT_KV_POOL, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MODEL,
                                      DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK, DEFAULT_SPECULATIVE,

@@ -16,7 +16,7 @@ import sys
 from lockstep.server.commands.models_config import add_models_arguments, several_models, single_model
 from lockstep.server.commands.runtime_args import (add_determinism_arguments, add_model_arguments,
                                                    apply_cpu_blas, apply_cuda_graphs, options_from_args)
-from lockstep.server.engine.admission import MAX_SIZED_ACTIVE, TYPICAL_REQUEST_TOKENS
+from lockstep.server.engine.scheduling.admission import MAX_SIZED_ACTIVE, TYPICAL_REQUEST_TOKENS
 from lockstep.server.options import (DEFAULT_HOST, DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, DEFAULT_PORT,
                                      DEFAULT_PREFIX_CACHE_ENTRIES, DEFAULT_PROMPT_CACHE_BYTES,
                                      DEFAULT_PROMPT_CACHE_DIR, DEFAULT_PROMPT_CACHE_DISK_BYTES)
@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-cache-disk-bytes", type=byte_size, default=DEFAULT_PROMPT_CACHE_DISK_BYTES,
                         metavar="BYTES", help="most bytes of prompt KV on disk, least recently used deleted "
                                               "first (suffixes K, M, G; default 8G)")
-    from lockstep.server.engine.grammar_sandbox import DEFAULT_TIMEOUT_S
+    from lockstep.server.engine.structured.grammar_sandbox import DEFAULT_TIMEOUT_S
 
     parser.add_argument("--grammar-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help="longest a request's response_format schema or tools grammar may take to compile "
@@ -124,12 +124,12 @@ def byte_size(text: str) -> int:
 def prompt_cache_from_args(args: argparse.Namespace):
     """The engine's prefix cache: the memory tier, and the disk tier where --prompt-cache-dir
     names one (a directory that cannot be made: one warning, no disk tier)."""
-    from lockstep.server.engine.prefix_cache import PrefixCache
+    from lockstep.server.engine.cache.prefix_cache import PrefixCache
 
     disk = None
     if args.prompt_cache_dir != "off":
         from lockstep.models.cache_dir import reason, user_root
-        from lockstep.server.engine.prompt_cache_disk import DiskPromptCache
+        from lockstep.server.engine.cache.prompt_cache_disk import DiskPromptCache
 
         root = user_root() / "prompt_kv" if args.prompt_cache_dir == "auto" else args.prompt_cache_dir
         try:
@@ -172,7 +172,7 @@ def start_engine(args: argparse.Namespace, world=None, watchdog=None):
     of the model, proofs every rank agrees on, rank 0's KV budget and pass costs and the
     topology in the fingerprint, a `ReplicatedEngine` whose failure reaches the clients.
     """
-    from lockstep.server.engine.kv_budget import default_kv_tokens
+    from lockstep.server.engine.scheduling.kv_budget import default_kv_tokens
     from lockstep.server.runtime import build_runtime
 
     options = options_from_args(args)
@@ -216,11 +216,11 @@ def on_gpu() -> bool:
 
 
 def serve_admission(args: argparse.Namespace, runtime, kv_tokens: int | None, gpu: bool):
-    """The engine's admission (server/engine/admission.py: sized from the KV budget on a GPU,
+    """The engine's admission (server/engine/scheduling/admission.py: sized from the KV budget on a GPU,
     explicit flags win), given to the runtime (its pending ragged proof covers the pass width;
     /v1/models says it) and logged. A world keeps the fixed defaults: its ranks must agree,
     and its proofs ran before the KV budget was known."""
-    from lockstep.server.engine.admission import admission_limits
+    from lockstep.server.engine.scheduling.admission import admission_limits
 
     admission = admission_limits(kv_tokens, gpu=gpu, max_active=args.max_active, max_batch_rows=args.max_batch_rows)
     check_per_request(args.max_active_per_request, admission.max_active)
@@ -271,7 +271,7 @@ def build_app_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from lockstep.server.api import shutdown
-    from lockstep.server.engine import grammar_sandbox
+    from lockstep.server.engine.structured import grammar_sandbox
 
     try:
         grammar_sandbox.configure(timeout_s=args.grammar_timeout)

@@ -39,15 +39,15 @@ def agreed_proofs(world: World):
 
     own_self_test, own_prove, own_cached = invariant.self_test, ragged.prove_ragged, ragged.prove_ragged_cached
 
-    def self_test(model, limit, **options):
+    def self_test(model, call_rows, **options):
         options["stop_at_first"] = False
-        return _agree(world, own_self_test(model, limit, **options))
+        return _agree(world, own_self_test(model, call_rows, **options))
 
-    def prove_ragged(model, limit, **options):
-        return _agree(world, own_prove(model, limit, **options))
+    def prove_ragged(model, call_rows, **options):
+        return _agree(world, own_prove(model, call_rows, **options))
 
-    def prove_ragged_cached(model, limit, proof_cache=None, **options):
-        return _agree(world, own_cached(model, limit, proof_cache, **options))
+    def prove_ragged_cached(model, call_rows, proof_cache=None, **options):
+        return _agree(world, own_cached(model, call_rows, proof_cache, **options))
 
     invariant.self_test, ragged.prove_ragged, ragged.prove_ragged_cached = self_test, prove_ragged, prove_ragged_cached
     try:

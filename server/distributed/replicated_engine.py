@@ -29,8 +29,8 @@ from lockstep.server.distributed.collectives import broadcast_bytes
 from lockstep.server.distributed.watchdog import Watchdog
 from lockstep.server.distributed.world import World
 from lockstep.server.engine import Engine
-from lockstep.server.engine.errors import GenerationError, ShuttingDown
-from lockstep.server.engine.handle import RequestHandle
+from lockstep.server.engine.scheduling.errors import GenerationError, ShuttingDown
+from lockstep.server.engine.scheduling.handle import RequestHandle
 
 log = logging.getLogger("lockstep.distributed")
 
@@ -98,7 +98,7 @@ class ReplicatedEngine(Engine):
         self._iteration_digest = hashlib.sha256()  # what this rank's last iteration posted
         self._iterations = 0
         if loaded is not None:
-            from lockstep.server.engine.grammar import compiler_for
+            from lockstep.server.engine.structured.grammar import compiler_for
 
             compiler_for(loaded)  # constrained requests arrive pickled: their grammars recompile here
 

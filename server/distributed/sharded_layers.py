@@ -24,7 +24,7 @@ from lockstep.server.distributed.collectives import ordered_all_sum
 
 def _setting(x):
     s = active_setting()
-    return s if s is not None and rows_of(x) <= s.limit else None
+    return s if s is not None and rows_of(x) <= s.call_rows else None
 
 
 def _dense(layer, x):

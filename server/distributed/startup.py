@@ -86,7 +86,7 @@ def _agree_on_runtime(world, runtime, kv_tokens: int):
     return shared
 
 
-# The draft model's measured costs and whether it is drafted from (server/runtime.py assess_draft).
+# The draft model's measured costs and whether it is drafted from (server/draft_assessment.py assess_draft).
 DRAFT_DECISION = ("draft_refusal", "draft_step_cost", "draft_prefill_tokens", "draft_costs")
 
 

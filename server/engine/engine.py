@@ -9,8 +9,8 @@ and installs the deployment it returns (deterministic requests are planned with 
         SchedulerOutput = scheduler.schedule_prefill()  -> runner.execute -> scheduler.update_from_output
         SchedulerOutput = scheduler.schedule_decode()   -> runner.execute -> scheduler.update_from_output
 
-The scheduler (server/engine/scheduler.py) decides what runs, the model runner
-(server/engine/model_runner.py) runs it, and each request's output goes back to asyncio
+The scheduler (server/engine/scheduling/scheduler.py) decides what runs, the model runner
+(server/engine/runner/model_runner.py) runs it, and each request's output goes back to asyncio
 through its `RequestHandle`, one event-loop wake-up per pass. Nothing here knows HTTP; all
 MLX work happens on the worker thread, never on the event loop.
 """
@@ -22,20 +22,20 @@ import threading
 import time
 
 from lockstep.kernels.audit.widths import AuditedRows
-from lockstep.server.engine.decode_plan import DecodePlan
+from lockstep.server.engine.guarantee.decode_plan import DecodePlan
 
-from lockstep.server.engine.deployment import Deployment
+from lockstep.server.engine.guarantee.deployment import Deployment
 from lockstep.kernels.proof_steps import between_steps
-from lockstep.server.engine.errors import GenerationError, QueueFull, ShuttingDown, TooLargeForMemory
-from lockstep.server.engine.guarantee_state import REFUSED, GuaranteeState, settled_state
-from lockstep.server.engine.handle import RequestHandle, post_all
-from lockstep.server.engine.kv_budget import KVBudget
-from lockstep.server.engine.model_runner import ModelRunner
-from lockstep.server.engine.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, default_active_per_request
-from lockstep.server.engine.prefix_cache import PrefixCache
-from lockstep.server.engine.request_state import GenerationRequest
-from lockstep.server.engine.scheduler import Scheduler
-from lockstep.server.engine.step_data import SchedulerOutput
+from lockstep.server.engine.scheduling.errors import GenerationError, QueueFull, ShuttingDown, TooLargeForMemory
+from lockstep.server.engine.guarantee.guarantee_state import REFUSED, GuaranteeState, settled_state
+from lockstep.server.engine.scheduling.handle import RequestHandle, post_all
+from lockstep.server.engine.scheduling.kv_budget import KVBudget
+from lockstep.server.engine.runner.model_runner import ModelRunner
+from lockstep.server.engine.scheduling.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, default_active_per_request
+from lockstep.server.engine.cache.prefix_cache import PrefixCache
+from lockstep.server.engine.decoding.request_state import GenerationRequest
+from lockstep.server.engine.scheduling.scheduler import Scheduler
+from lockstep.server.engine.runner.step_data import SchedulerOutput
 from lockstep.server.engine import worker_thread
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class _Stopped(Exception):
 
 
 class Work:
-    """What `Engine.start` may run first, in order (server/runtime.py GuaranteeWork, DraftWork):
+    """What `Engine.start` may run first, in order (server/startup_work.py GuaranteeWork, DraftWork):
     `run()` returns the deployment to serve with from then on, `settle()` then says so to
     whoever waits for it. `install` (set by the engine before `run()`): a deployment to serve
     with at once, while the work goes on (the guarantee in force for the widths proven so far)."""

@@ -1,8 +1,8 @@
 """One request run alone: the model runner with one request, stepped here instead of by the
 engine's thread (verify, bench and tests).
 
-`generate()` is a generator stepping a `RequestState` (server/engine/request_state.py) one
-unit of work at a time through a `ModelRunner` (server/engine/model_runner.py), exactly the
+`generate()` is a generator stepping a `RequestState` (server/engine/decoding/request_state.py) one
+unit of work at a time through a `ModelRunner` (server/engine/runner/model_runner.py), exactly the
 calls the engine's runner makes for that request; it yields `None` after work that produced
 nothing to send and a `Delta` otherwise (the last has a finish reason).
 """
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from lockstep.server.engine.decode_plan import DecodePlan
+from lockstep.server.engine.guarantee.decode_plan import DecodePlan
 
-from lockstep.server.engine.deployment import Deployment
-from lockstep.server.engine.model_runner import ModelRunner
-from lockstep.server.engine.prefix_cache import PrefixCache
-from lockstep.server.engine.request_state import Delta, GenerationRequest, RequestState
-from lockstep.server.engine.speculative import never
-from lockstep.server.engine.step_data import DecodeRows, ScheduledPass
+from lockstep.server.engine.guarantee.deployment import Deployment
+from lockstep.server.engine.runner.model_runner import ModelRunner
+from lockstep.server.engine.cache.prefix_cache import PrefixCache
+from lockstep.server.engine.decoding.request_state import Delta, GenerationRequest, RequestState
+from lockstep.server.engine.decoding.speculative import never
+from lockstep.server.engine.runner.step_data import DecodeRows, ScheduledPass
 
 
 class _Alone:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from lockstep.server.engine.decode_plan import PREDICTION, DecodePlan
+from lockstep.server.engine.guarantee.decode_plan import PREDICTION, DecodePlan
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ import numpy as np
 
 from lockstep.kernels.invariance.selftest import UINT_OF_SIZE
 
-from lockstep.server.engine.model_runner import ModelRunner
-from lockstep.server.engine.sampling import SamplingParams
-from lockstep.server.engine.token_steps import SpeculationStats, token_source
+from lockstep.server.engine.runner.model_runner import ModelRunner
+from lockstep.server.engine.decoding.sampling import SamplingParams
+from lockstep.server.engine.decoding.token_steps import SpeculationStats, token_source
 
 PROMPTS = (
     "Write the numbers from 1 to 40 separated by commas, then write them again.",

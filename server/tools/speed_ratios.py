@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from lockstep.server.engine.model_runner import ModelRunner
-from lockstep.server.engine.sampling import SamplingParams
-from lockstep.server.engine.speculative import measure_pass_costs
-from lockstep.server.engine.token_steps import DecodeInputs, Speculation, SpeculationStats, drive, make_source
+from lockstep.server.engine.runner.model_runner import ModelRunner
+from lockstep.server.engine.decoding.sampling import SamplingParams
+from lockstep.server.engine.decoding.speculative import measure_pass_costs
+from lockstep.server.engine.decoding.token_steps import DecodeInputs, Speculation, SpeculationStats, drive, make_source
 
 # A copying task: the answer repeats the prompt, which is what prompt lookup drafts from.
 REPETITIVE = ("Copy the following text exactly, word for word:\n\n"
@@ -268,7 +268,7 @@ def run_exit_layer_bench(model, tokenizer, exit_layers: list[int], k: int, n_tok
     """Self-speculation (EarlyExitModel: the target's first layers and its own head as the
     draft), fixed k, deterministic, ÷ plain per exit layer and task, tokens checked
     identical: the measurement an exit layer is chosen by."""
-    from lockstep.server.engine.speculative import EarlyExitModel
+    from lockstep.server.engine.decoding.speculative import EarlyExitModel
 
     chat = lambda text: chat_tokens(tokenizer, text)  # noqa: E731
     depth = len(model.model.layers)

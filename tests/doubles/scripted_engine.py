@@ -9,8 +9,8 @@ loop: each admitted request steps `script(loaded, request, plan=..., cancelled=.
 from __future__ import annotations
 
 from lockstep.server.engine.engine import Engine
-from lockstep.server.engine.errors import GenerationError
-from lockstep.server.engine.scheduler import Slot
+from lockstep.server.engine.scheduling.errors import GenerationError
+from lockstep.server.engine.scheduling.scheduler import Slot
 
 
 class _NoModel:

@@ -1,4 +1,4 @@
-"""Test double: the grammar checker's child (server/engine/grammar_sandbox.py `_child_main`, run
+"""Test double: the grammar checker's child (server/engine/structured/grammar_sandbox.py `_child_main`, run
 unchanged) whose check, instead of compiling, reports the stack of the thread it runs on: the
 stack the child really gives a grammar compile, not the constant it is configured with.
 

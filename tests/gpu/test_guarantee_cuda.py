@@ -28,12 +28,12 @@ from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.layers import calls_in_blocks
 from lockstep.kernels.invariance.selftest import bits_equal
 from lockstep.server.engine import Engine
-from lockstep.server.engine.decode_plan import plan_request
-from lockstep.server.engine.deployment import proven_deployment
-from lockstep.server.engine.model_runner import ModelRunner
+from lockstep.server.engine.guarantee.decode_plan import plan_request
+from lockstep.server.engine.guarantee.deployment import proven_deployment
+from lockstep.server.engine.runner.model_runner import ModelRunner
 from lockstep.server.engine.request_report import rendered
-from lockstep.server.engine.request_state import GenerationRequest
-from lockstep.server.engine.sampling import SamplingParams
+from lockstep.server.engine.decoding.request_state import GenerationRequest
+from lockstep.server.engine.decoding.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded
 from tests.gpu.cuda_cases import HIDDEN, INTERMEDIATE, SMOL_HIDDEN, SMOL_INTERMEDIATE, SMOL_VOCAB
 

@@ -1,11 +1,11 @@
 """One request's progress: prefill its prompt in chunks, then decode rows the engine batches.
 
 A `RequestState` holds a request's progress; it runs no forward pass itself (the model
-runner does, server/engine/model_runner.py):
+runner does, server/engine/runner/model_runner.py):
 - while `prefilling`, `next_prefill()` names the next prompt chunk (aligned to absolute
   positions, kernels/invariance/prefill.py) and the cache it goes to: the target's, then,
   with a draft model, the draft's (chunked the same way, and no wider than its measured cost
-  allows within a time budget, server/engine/draft_costs.py, so a long prompt never holds the
+  allows within a time budget, server/engine/decoding/draft_costs.py, so a long prompt never holds the
   engine for more than a chunk); `chunk_written()` records it;
 - then `draft_length(room)` says how many drafts its next pass may verify (the scheduler
   asks; the model runner drafts, runs and samples), and `advance(sampled)` turns the tokens
@@ -26,18 +26,18 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from lockstep.kernels.batching.kv_pool import fill_prefix, is_pooled
 from lockstep.kernels.invariance.prefill import chunk_end, resume_at
 
-from lockstep.server.engine.decode_plan import PLAIN, DecodePlan, Determinism
+from lockstep.server.engine.guarantee.decode_plan import PLAIN, DecodePlan, Determinism
 
-from lockstep.server.engine.deployment import PREFILL_CHUNK, Deployment
-from lockstep.server.engine.logits_processors import processors_for
-from lockstep.server.engine.prefix_cache import PrefixCache, copy_prefix, exact_length, namespace
-from lockstep.server.engine.sampling import SamplingParams
-from lockstep.server.engine.receipt import Receipt
+from lockstep.server.engine.guarantee.deployment import PREFILL_CHUNK, Deployment
+from lockstep.server.engine.decoding.logits_processors import processors_for
+from lockstep.server.engine.cache.prefix_cache import PrefixCache, copy_prefix, exact_length, namespace
+from lockstep.server.engine.decoding.sampling import SamplingParams
+from lockstep.server.engine.guarantee.receipt import Receipt
 from lockstep.server.engine.request_report import RequestReport
-from lockstep.server.engine.stops import IncrementalDecoder, StopTextStream
-from lockstep.server.engine.speculative import never
-from lockstep.server.engine.step_data import SampledTokens
-from lockstep.server.engine.token_steps import DecodeInputs, PlainSource, Speculation, SpeculationStats, make_source
+from lockstep.server.engine.decoding.stops import IncrementalDecoder, StopTextStream
+from lockstep.server.engine.decoding.speculative import never
+from lockstep.server.engine.runner.step_data import SampledTokens
+from lockstep.server.engine.decoding.token_steps import DecodeInputs, PlainSource, Speculation, SpeculationStats, make_source
 
 
 @dataclass(frozen=True)
@@ -46,14 +46,14 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
-    # Determinism and speculation are the request's DecodePlan (server/engine/decode_plan.py).
-    # Per-row logits processing (server/engine/logits_processors.py).
+    # Determinism and speculation are the request's DecodePlan (server/engine/guarantee/decode_plan.py).
+    # Per-row logits processing (server/engine/decoding/logits_processors.py).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
-    grammar: object | None = None  # a compiled server.engine.grammar.Grammar
+    grammar: object | None = None  # a compiled server.engine.structured.grammar.Grammar
     # Predicted Outputs: the client's draft of the answer as token ids, drafted from when the
-    # plan's method is "prediction" (server/engine/speculative.py PredictionDrafter).
+    # plan's method is "prediction" (server/engine/decoding/speculative.py PredictionDrafter).
     prediction: tuple[int, ...] = ()
 
 
@@ -298,14 +298,14 @@ class RequestState:
 
     def presample(self, logits: mx.array, ahead: int = 0):
         """Sampling for the pass's rows built lazily, for the engine to compute together with
-        other requests' (a server.engine.sampling.PendingSample), or None. `ahead`: for the
+        other requests' (a server.engine.decoding.sampling.PendingSample), or None. `ahead`: for the
         row after the next one (`decodes_ahead`)."""
         presample = getattr(self.source, "presample", None)
         return presample(logits, ahead) if presample is not None else None
 
     def decodes_ahead(self) -> bool:
         """Whether this request's next row may run before the token of the pass now running
-        reaches the host (server/engine/decode_ahead.py): one token a pass, chosen on the device."""
+        reaches the host (server/engine/runner/decode_ahead.py): one token a pass, chosen on the device."""
         return isinstance(self.source, PlainSource) and self.source.chooses_on_device and not self.finished
 
     @property

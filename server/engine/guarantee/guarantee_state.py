@@ -1,6 +1,6 @@
 """Where the deployment's guarantee stands, for requests that need it.
 
-A server proves its guarantee after it starts serving (server/runtime.py `GuaranteeWork`, run
+A server proves its guarantee after it starts serving (server/startup_work.py `GuaranteeWork`, run
 on the engine thread between plain passes). Until then the state is "proving": plain requests
 are served, deterministic ones wait for the state to settle ("in_force" or "refused"), at most
 `--guarantee-timeout`, and are never planned before it settles. "off": the deployment has no
@@ -16,7 +16,7 @@ STATES = (PROVING, IN_FORCE, REFUSED, OFF)
 
 
 def settled_state(deployment) -> str:
-    """The state a proven `deployment` (server/engine/deployment.py) settles in."""
+    """The state a proven `deployment` (server/engine/guarantee/deployment.py) settles in."""
     guarantee = deployment.guarantee
     return IN_FORCE if guarantee.guaranteed else REFUSED if guarantee.call_rows else OFF
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from lockstep.server.engine.decode_plan import Determinism
-from lockstep.server.engine.sampling import Sampled
+from lockstep.server.engine.guarantee.decode_plan import Determinism
+from lockstep.server.engine.decoding.sampling import Sampled
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lockstep.server.engine.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS
+from lockstep.server.engine.scheduling.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS
 
 # The KV one request is expected to hold (prompt + answer, in tokens) when sizing admission;
 # the KV budget still gates each request by its own reservation.

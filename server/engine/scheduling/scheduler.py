@@ -1,10 +1,10 @@
 """The scheduler: which requests run, and what each engine step runs for them.
 
-It never runs the model (server/engine/model_runner.py does). Each step it describes work
-as a `SchedulerOutput` (server/engine/step_data.py) and updates its requests from the
+It never runs the model (server/engine/runner/model_runner.py does). Each step it describes work
+as a `SchedulerOutput` (server/engine/runner/step_data.py) and updates its requests from the
 runner's `ModelRunnerOutput`:
 1. admission: waiting requests take free slots (`max_active`) in FIFO order while their KV
-   fits the budget (server/engine/kv_budget.py). The choices of one request (n > 1) hold
+   fits the budget (server/engine/scheduling/kv_budget.py). The choices of one request (n > 1) hold
    at most `active_per_request` slots at once, and no choice of any n > 1 request takes the
    last free slot: its other choices wait, and other requests' may go ahead of them, so a
    request with n = 1 finds a slot whatever mix of n > 1 requests runs;
@@ -32,14 +32,14 @@ import logging
 import time
 
 from lockstep.kernels.audit.widths import AuditedRows
-from lockstep.server.engine.decode_plan import Determinism
-from lockstep.server.engine.errors import GenerationError
-from lockstep.server.engine.handle import RequestHandle
-from lockstep.server.engine.kv_budget import KVBudget, reservation
-from lockstep.server.engine.passes import Demand, compose_passes
-from lockstep.server.engine.prefix_cache import PrefixCache
-from lockstep.server.engine.request_state import RequestState
-from lockstep.server.engine.step_data import (DecodeRows, ModelRunnerOutput, PrefillResult, ScheduledPass,
+from lockstep.server.engine.guarantee.decode_plan import Determinism
+from lockstep.server.engine.scheduling.errors import GenerationError
+from lockstep.server.engine.scheduling.handle import RequestHandle
+from lockstep.server.engine.scheduling.kv_budget import KVBudget, reservation
+from lockstep.server.engine.scheduling.passes import Demand, compose_passes
+from lockstep.server.engine.cache.prefix_cache import PrefixCache
+from lockstep.server.engine.decoding.request_state import RequestState
+from lockstep.server.engine.runner.step_data import (DecodeRows, ModelRunnerOutput, PrefillResult, ScheduledPass,
                                               SchedulerOutput)
 
 log = logging.getLogger(__name__)

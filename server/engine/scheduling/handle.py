@@ -7,7 +7,7 @@ import threading
 import time
 from typing import AsyncIterator
 
-from lockstep.server.engine.request_state import Delta, GenerationRequest
+from lockstep.server.engine.decoding.request_state import Delta, GenerationRequest
 
 
 class RequestHandle:
@@ -15,7 +15,7 @@ class RequestHandle:
 
     def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, plan=None):
         self.request = request
-        self.plan = plan  # server.engine.decode_plan.DecodePlan, or None for plain decoding
+        self.plan = plan  # server.engine.guarantee.decode_plan.DecodePlan, or None for plain decoding
         self.submitted_at = time.monotonic()
         self._loop = loop
         self._events: asyncio.Queue[Delta | Exception] = asyncio.Queue()

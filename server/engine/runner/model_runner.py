@@ -10,7 +10,7 @@ sampled request's sampling) and chooses each request's tokens (sample and compar
 returns as plain data. Nothing here decides who runs or how many drafts (the scheduler and
 the request's policy) or what a token means (the request's state).
 
-Decoding ahead (`Deployment.decode_ahead`, server/engine/decode_ahead.py): after a compiled
+Decoding ahead (`Deployment.decode_ahead`, server/engine/runner/decode_ahead.py): after a compiled
 decode pass the runner may build the next one on its tokens while the device still runs it,
 and take that pass over in the next step.
 
@@ -29,10 +29,10 @@ from lockstep.kernels.batching.kv_pool import KVPool, is_pooled
 from lockstep.kernels.batching.ragged import enable_ragged, ragged_logits, ragged_problem, ragged_prompt_forward
 from lockstep.kernels.invariance.layers import call_without_head, calls_in_blocks, native_forms
 from lockstep.kernels.invariance.prefill import chunk_end, resume_at
-from lockstep.server.engine import decode_ahead
-from lockstep.server.engine.decode_ahead import AheadPass
-from lockstep.server.engine.deployment import Deployment
-from lockstep.server.engine.step_data import (DecodePass, ModelRunnerOutput, PassOutput, PassResult, PrefillResult,
+from lockstep.server.engine.runner import decode_ahead
+from lockstep.server.engine.runner.decode_ahead import AheadPass
+from lockstep.server.engine.guarantee.deployment import Deployment
+from lockstep.server.engine.runner.step_data import (DecodePass, ModelRunnerOutput, PassOutput, PassResult, PrefillResult,
                                               SampledTokens, ScheduledPass, SchedulerOutput)
 
 log = logging.getLogger(__name__)

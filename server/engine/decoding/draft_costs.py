@@ -1,6 +1,6 @@
 """Whether a draft model pays on this backend: its passes' measured cost against the target's.
 
-Measured once, at startup (server/runtime.py `assess_draft`), so every request's use of the
+Measured once, at startup (server/draft_assessment.py `assess_draft`), so every request's use of the
 draft depends on constants of the deployment only:
 - `DraftCosts.step_cost`: one draft-model pass (one proposed token) in target decode steps,
   the per-token cost adaptive speculation weighs (speculative.py AdaptiveDraftLength);
@@ -84,7 +84,7 @@ def expected_speedup(step_cost: float, k_max: int, pass_costs: Sequence[float] |
                      acceptance: float = ASSUMED_ACCEPTANCE) -> tuple[int, float]:
     """(the best k >= 1, its tokens per unit time relative to plain decoding) for drafts
     accepted with probability `acceptance` each, by the cost model adaptive speculation uses."""
-    from lockstep.server.engine.speculative import AdaptiveDraftLength
+    from lockstep.server.engine.decoding.speculative import AdaptiveDraftLength
 
     policy = AdaptiveDraftLength(k_max, pass_costs, step_cost)
     p = min(acceptance, 0.999)

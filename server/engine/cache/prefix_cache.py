@@ -7,7 +7,7 @@ in canonical chunks (`--prefill-chunk`); a plain prompt's smaller chunks (on the
 deployment.py `plain_prefill_chunk`) write other bits, so such entries are marked
 non-canonical and given to plain requests only (on disk under a namespace of their grid). Two tiers: snapshots
 in memory (LRU, bounded in entries and bytes) and, optionally, blocks on disk that outlive the
-process (server/engine/prompt_cache_disk.py).
+process (server/engine/cache/prompt_cache_disk.py).
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class PrefixCache:
     """LRU of (prompt tokens -> KV) snapshots of plain KVCache lists or KV pool ranges (stored
     as plain KVCache copies either way), each marked whether canonical chunks wrote it, at
     most `entries` of them and `max_bytes` of KV, in front of an optional disk tier
-    (server/engine/prompt_cache_disk.py).
+    (server/engine/cache/prompt_cache_disk.py).
 
     Entries belong to a namespace (`namespace`: the deployment's fingerprint and whether rows
     are canonical): a lookup finds only entries of its own. The disk tier keeps only

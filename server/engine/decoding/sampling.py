@@ -158,6 +158,6 @@ def sample(logits: mx.array, positions: list[int], params: SamplingParams,
     """Choose one token per row of `logits` (rows, vocab), with logprobs if requested.
 
     `model_logits` are the rows before per-request processing (penalties, bias, a grammar
-    mask; server/engine/logits_processors.py): logprobs report the model's own distribution.
+    mask; server/engine/decoding/logits_processors.py): logprobs report the model's own distribution.
     """
     return sample_pending(logits, positions, params, model_logits).result()

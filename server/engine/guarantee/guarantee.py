@@ -18,7 +18,7 @@ row per request (`Guarantee.request_rows` = 1): its deterministic requests share
 passes of at most L rows, one row each, and never speculate (k = 0); its state is neither
 rewound nor stored in the prefix cache.
 
-The `Deployment` holds it as `deployment.guarantee` (server/engine/deployment.py);
+The `Deployment` holds it as `deployment.guarantee` (server/engine/guarantee/deployment.py);
 `plan_request` turns it into each request's plan, and the engine reads nothing else.
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Guarantee:
     def installed(cls, invariance) -> Guarantee:
         """What the installed `invariance` (kernels.invariance.limit.InstalledInvariance) gives
         on its own: L, proven or not, with no pass shared between requests."""
-        return cls(invariance.limit, invariance.guaranteed, invariance.strategy, invariance.reason,
+        return cls(invariance.call_rows, invariance.guaranteed, invariance.strategy, invariance.reason,
                    invariance.request_rows)
 
     @property

@@ -1,12 +1,12 @@
 """A deployment's decoding settings: what `lockstep serve` was started with, and the
-guarantee its startup proofs established (`guarantee`: server/engine/guarantee.py decides it,
-once). Requests read it through their plan (server/engine/decode_plan.py), nothing else.
+guarantee its startup proofs established (`guarantee`: server/engine/guarantee/guarantee.py decides it,
+once). Requests read it through their plan (server/engine/guarantee/decode_plan.py), nothing else.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lockstep.server.engine.guarantee import Guarantee, decide_guarantee
+from lockstep.server.engine.guarantee.guarantee import Guarantee, decide_guarantee
 
 # Drafts proposed in one engine step (a draft model runs k passes in it), so k bounds how
 # long one request can hold the engine: a server maximum, `--max-draft-tokens`.
@@ -25,7 +25,7 @@ CPU_PLAIN_PREFILL_CHUNK = 64
 class Deployment:
     """Per-deployment decoding settings (from `lockstep serve` flags and the startup proofs)."""
 
-    # L and what the startup proofs established, decided once (server/engine/guarantee.py)
+    # L and what the startup proofs established, decided once (server/engine/guarantee/guarantee.py)
     # and read from here only
     guarantee: Guarantee = Guarantee()
     speculative: str = "none"  # default method for requests that do not choose
@@ -33,13 +33,13 @@ class Deployment:
     max_draft_tokens: int = MAX_DRAFT_TOKENS  # the largest k any request may use
     draft_model: object | None = None
     draft_name: str | None = None
-    # The draft model is loaded after serving started (`serve`: server/runtime.py DraftWork);
+    # The draft model is loaded after serving started (`serve`: server/startup_work.py DraftWork);
     # meanwhile requests that would draft from it decode without drafts. draft_problem: why
     # it could not be loaded.
     draft_loading: bool = False
     draft_problem: str = ""
     # Why the deployment does not draft from its draft model although one was asked for ("":
-    # it does): drafting was measured not to pay on this backend (server/engine/draft_costs.py),
+    # it does): drafting was measured not to pay on this backend (server/engine/decoding/draft_costs.py),
     # or `default-quantized` has no form cheaper than the target here. Requests asking for
     # drafts from it decode without them, with this as their note.
     draft_refusal: str = ""
@@ -51,7 +51,7 @@ class Deployment:
     draft_prefill_tokens: int = 0
     draft_costs: object | None = None  # the measurement (draft_costs.DraftCosts), for /v1/models
     # Adaptive speculation: k chosen per step from the request's own acceptance, up to the
-    # plan's k (server/engine/speculative.py AdaptiveDraftLength). pass_costs[w - 1] is the
+    # plan's k (server/engine/decoding/speculative.py AdaptiveDraftLength). pass_costs[w - 1] is the
     # measured cost of a target pass of w rows (measure_pass_costs); None: linear in w.
     adaptive_draft_tokens: bool = False
     # Without adaptive speculation, a cheap drafter's drafts stop being verified after a miss
@@ -78,7 +78,7 @@ class Deployment:
     # (kernels/batching/compiled_pass.py); `serve --compiled-passes off` builds them op by op.
     compiled_passes: bool = True
     # A compiled decode pass is followed at once by the next one, built on its tokens while the
-    # device runs it, where every member's next row is known there (server/engine/decode_ahead.py);
+    # device runs it, where every member's next row is known there (server/engine/runner/decode_ahead.py);
     # `serve --decode-ahead off` runs one pass at a time.
     decode_ahead: bool = True
     fingerprint: str = ""

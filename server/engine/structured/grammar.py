@@ -41,8 +41,8 @@ import llguidance
 import mlx.core as mx
 import numpy as np
 
-from lockstep.server.engine import grammar_limits, grammar_sandbox
-from lockstep.server.engine.errors import RequestInvalid
+from lockstep.server.engine.structured import grammar_limits, grammar_sandbox
+from lockstep.server.engine.scheduling.errors import RequestInvalid
 
 # Applied over a schema's own "x-guidance" options, so a request cannot loosen them. No "u"
 # among the escapes: one spelling per string (module docstring).
@@ -354,7 +354,7 @@ _COMPILERS_LOCK = threading.Lock()
 
 def compiler_for(loaded) -> GrammarCompiler:
     """The process's compiler for a loaded model (built at first use, then shared)."""
-    from lockstep.server.engine.logits_processors import logits_width
+    from lockstep.server.engine.decoding.logits_processors import logits_width
 
     width, eos = logits_width(loaded), tuple(sorted({int(t) for t in loaded.eos_token_ids}))
     with _COMPILERS_LOCK:  # two first requests build one compiler

@@ -476,7 +476,7 @@ def measure_pass_costs(model, widths: int, context: int = 64, repeats: int = 3, 
     startup or by the bench; the choice of k then depends on it only as a constant.
     `runner`: passes as the engine runs them (ModelRunner.as_engine_runs: its KV pool, ragged
     passes); None: plain model calls on plain caches."""
-    from lockstep.server.engine.model_runner import ModelRunner
+    from lockstep.server.engine.runner.model_runner import ModelRunner
 
     runner = runner or ModelRunner(model, batched=False)
     base = runner.new_cache(context + widths + 1)

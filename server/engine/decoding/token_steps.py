@@ -23,9 +23,9 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from lockstep.server.engine.sampling import PendingSample, Sampled, SamplingParams, sample, sample_pending
-from lockstep.server.engine.speculative import (AdaptiveDraftLength, DraftBackoff, DraftModelDrafter, PredictionDrafter,
-                                                PromptLookupDrafter, accept_drafts, agreeing_prefix, never)
+from lockstep.server.engine.decoding.sampling import PendingSample, Sampled, SamplingParams, sample, sample_pending
+from lockstep.server.engine.decoding.speculative import (AdaptiveDraftLength, DraftBackoff, DraftModelDrafter, PredictionDrafter,
+                                                         PromptLookupDrafter, accept_drafts, agreeing_prefix, never)
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def choose_row(row: mx.array, context: list[int], params: SamplingParams, proces
 
 class PlainSource:
     """One token per forward pass. `context` is the whole sequence so far (extended here).
-    `processors` (server/engine/logits_processors.py) change each row before sampling."""
+    `processors` (server/engine/decoding/logits_processors.py) change each row before sampling."""
 
     def __init__(self, cache: list, context: list[int], params: SamplingParams, stats: SpeculationStats,
                  processors=None):
@@ -348,7 +348,7 @@ def make_source(inputs: DecodeInputs, stats: SpeculationStats, speculation: Spec
 
 def drive(source, runner, cache) -> Iterator[list[Step]]:
     """Run `source` solo: each pass is `runner.forward_rows(cache, rows)` (a ModelRunner's
-    pass for one request, server/engine/model_runner.py)."""
+    pass for one request, server/engine/runner/model_runner.py)."""
     while True:
         rows = source.rows()
         if source_cancelled(source):

@@ -1,6 +1,6 @@
 """Which requests' rows share a forward pass: the scheduler's determinism rule, on its own.
 
-Each demand carries its request's plan's determinism (server/engine/decode_plan.py):
+Each demand carries its request's plan's determinism (server/engine/guarantee/decode_plan.py):
 - "alone": its rows get a pass of their own;
 - "shared": a pass that holds such a row has at most `shared_rows` rows (the widest pass the
   ragged proof covered: L bounds one kernel call, and wider calls run in blocks of at most L,
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from lockstep.server.engine.decode_plan import Determinism
+from lockstep.server.engine.guarantee.decode_plan import Determinism
 
 T = TypeVar("T")
 

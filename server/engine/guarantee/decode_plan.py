@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from lockstep.server.engine.deployment import Deployment
+from lockstep.server.engine.guarantee.deployment import Deployment
 
 METHODS = ("none", "draft", "prompt_lookup")
 # Drafts from the client's predicted answer (OpenAI's Predicted Outputs): the method of every

@@ -2,7 +2,7 @@
 later process with the same model and guarantee finds again.
 
 A block's key chains the namespace (the deployment's fingerprint and whether rows are
-canonical: server/engine/prefix_cache.py `namespace`) with every token id up to the block's
+canonical: server/engine/cache/prefix_cache.py `namespace`) with every token id up to the block's
 end, so a key names a whole prefix and one file never serves another model, guarantee or
 history. A lookup walks a prompt's blocks from the first while their files are known, reading
 and verifying each (prompt_cache_file.py): a damaged one is deleted and the walk stops there,
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from lockstep.models.cache_dir import make_dirs, write_atomic
-from lockstep.server.engine.prompt_cache_file import DamagedEntry, decode, encode
+from lockstep.server.engine.cache.prompt_cache_file import DamagedEntry, decode, encode
 
 log = logging.getLogger("lockstep.prompt_cache")
 

@@ -11,7 +11,7 @@ past every offset, are written over later. The pass taken over is the one `decod
 built, under the same forms, so it has the same bits; a request that finished leaves its row
 unused, which a deterministic row's bits do not depend on (the ragged proof).
 
-The model runner (server/engine/model_runner.py) decides when to build one and holds it; the
+The model runner (server/engine/runner/model_runner.py) decides when to build one and holds it; the
 scheduler says when the same requests are expected next (`SchedulerOutput.decode_ahead`).
 """
 from __future__ import annotations

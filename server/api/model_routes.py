@@ -1,0 +1,77 @@
+"""The model listing and health routes (`/v1/models`, `/v1/models/{id}`, `/health`): of a
+single-model server (its one `Routes`), or of a `ModelPool`'s several models, each listed with
+its state and load counts and, while loaded, its own card."""
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from lockstep.server.api.response_bodies import ModelCard, ModelList
+from lockstep.server.api.model_pool import DETERMINISTIC_SUFFIX, ModelPool
+
+
+def pool_cards(pool: ModelPool, model, created: int) -> tuple[ModelCard, ModelCard]:
+    """A pooled model's /v1/models entries, plain and `:deterministic`: its state and load counts,
+    and, while loaded, its own details (audit, guarantee, batching) as a single-model server
+    lists them."""
+    service = model.service
+    status = pool.status(model)
+    details = {"state": status["state"], "loads": status["loads"], "unloads": status["unloads"],
+               **({"weights_bytes": status["weights_bytes"]} if "weights_bytes" in status else {}),
+               **({"load_problem": status["load_problem"]} if "load_problem" in status else {}),
+               **({"default": True} if model.name == pool.default else {})}
+    if service is not None and service.routes is not None:
+        card = service.routes.model_card(service.info)
+        card = card.model_copy(update={"lockstep": {**details, **card.lockstep}})
+    else:
+        card = ModelCard(id=model.name, created=created, lockstep=details)
+    deterministic = card.model_copy(update={"id": model.name + DETERMINISTIC_SUFFIX,
+                                            "lockstep": {**card.lockstep, "deterministic_by_name": True}})
+    return card, deterministic
+
+
+def install_model_routes(app: FastAPI, routes, model_extras) -> None:
+    """The routes of one model: `routes` is its `app.Routes`, `model_extras` what its card adds."""
+    engine = routes.engine
+
+    @app.get("/v1/models")
+    async def list_models():
+        return JSONResponse(routes.models(model_extras).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")  # ids may hold slashes ("org/name")
+    async def retrieve_model(model_id: str):
+        return JSONResponse(routes.model(model_id, model_extras).model_dump())
+
+    @app.head("/health", include_in_schema=False)  # load balancers often probe with HEAD
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": engine.loaded.name, "guarantee": engine.guarantee.state,
+                **engine.counts(), "audited_rows": engine.audited.describe()["audited_rows"],
+                "starting": engine.starting}
+
+
+def install_pool_model_routes(app: FastAPI, pool: ModelPool) -> None:
+    """The routes of a pool's several models (server/api/model_pool.py): each listed whether
+    loaded or not; /health reports every model's state."""
+    created = int(time.time())
+
+    @app.get("/v1/models")
+    async def list_models():
+        cards = [card for model in pool.models.values() for card in pool_cards(pool, model, created)]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        plain, deterministic = pool_cards(pool, pool.find(model_id), created)
+        return JSONResponse((deterministic if model_id.endswith(DETERMINISTIC_SUFFIX) else plain).model_dump())
+
+    @app.head("/health", include_in_schema=False)
+    @app.get("/health")
+    async def health():
+        default = pool.models[pool.default]
+        return {"status": "ok", "model": pool.default,
+                # "proving" while any loaded model proves, so a caller waiting for it sees it
+                "guarantee": "proving" if pool.proving() else pool.status(default)["guarantee"] or default.state,
+                **pool.counts(), "models": {m.name: pool.status(m) for m in pool.models.values()}}

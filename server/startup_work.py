@@ -1,0 +1,223 @@
+"""The startup work left for the engine thread once serving started (`Runtime.pending`):
+the kernel audit's later stages (`AuditWork`), the guarantee's proofs (`GuaranteeWork`) and
+the draft model (`DraftWork`). Each `run()`s on the engine thread and then `settle()`s."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+
+from lockstep.server.draft_assessment import assess_draft
+from lockstep.server.engine.guarantee.deployment import Deployment
+from lockstep.server.engine.guarantee.guarantee import Guarantee
+from lockstep.server.engine.guarantee.guarantee_state import REFUSED, settled_state
+from lockstep.server.model_loading import load_draft, workarounds_label
+from lockstep.server.phases import Phases
+
+log = logging.getLogger("lockstep.runtime")
+
+
+def deployment_fingerprint(loaded, transform: str, guarantee: Guarantee, options, kv_pool: str) -> str:
+    """The deployment's `system_fingerprint`: what it serves, how, and under which guarantee."""
+    from lockstep.kernels import cpu_blas
+    from lockstep.server.fingerprint import system_fingerprint
+
+    return system_fingerprint(loaded.path, transform=transform, strategy=guarantee.strategy, limit=guarantee.call_rows,
+                              blas=cpu_blas.describe(), prefill_chunk=options.prefill_chunk, kv_pool=kv_pool)
+
+
+@dataclass
+class GuaranteeWork:
+    """What proves a deployment's guarantee: the self-test (installing the proven forms), the
+    kernel builds, the pass costs and the ragged proof; then the deployment that carries it.
+
+    Run before serving (`build_runtime`), or by the engine thread after serving started
+    (`serve`: plain passes run between the proofs' steps, kernels/proof_steps.py), so a fresh
+    machine answers plain requests while it proves. Deterministic requests wait for it
+    (server/engine/guarantee/guarantee_state.py)."""
+
+    runtime: object  # server.runtime.Runtime
+    options: object  # server.runtime.Options
+    proofs: object  # kernels.invariance.selftest.ProofCache
+    # Set by the engine that runs this work: serve with a deployment from now on (engine thread).
+    # A first ragged proof then puts the guarantee in force for the widths proven so far.
+    install: Callable[[Deployment], None] | None = None
+
+    def _proven_widths(self, invariance, pass_costs) -> Callable[[int], None]:
+        """What a first ragged proof calls once passes of 1..w rows are proven: from w = L on, the
+        guarantee is in force for deterministic passes of at most w rows (each width is proven on
+        its own, so those stay proven whatever a wider one shows), its prompt chunks alone and its
+        passes op by op until the shared-prefill and compiled proofs that follow."""
+        runtime, options = self.runtime, self.options
+
+        def proven(width: int) -> None:
+            if self.install is None or width < invariance.call_rows or width % invariance.call_rows:
+                return  # installed at multiples of L: each install retraces the compiled passes
+            runtime.invariance = invariance
+            guarantee = dataclasses.replace(Guarantee.installed(invariance), shared_passes=True, pass_rows=width)
+            runtime.deployment = dataclasses.replace(
+                runtime.deployment, guarantee=guarantee, pass_costs=pass_costs,
+                fingerprint=deployment_fingerprint(runtime.loaded, runtime.transform, guarantee, options,
+                                         runtime.deployment.kv_pool))
+            self.install(runtime.deployment)
+            if not runtime.guarantee.settled:
+                runtime.guarantee.settle(settled_state(runtime.deployment))
+            log.info("guarantee in force for passes of 1..%d rows; the ragged proof goes on", width)
+        return proven
+
+    def run(self) -> Deployment:
+        from lockstep.kernels.batching.ragged_selftest import per_request_self_test
+        from lockstep.kernels.invariance import set_batch_invariant_limit
+        from lockstep.server.engine.guarantee.guarantee import decide_guarantee
+
+        runtime, options, timings = self.runtime, self.options, self.runtime.timings
+        model, kv_pool = runtime.loaded.model, runtime.deployment.kv_pool
+        if options.batch_invariant_limit and not runtime.audited.complete:
+            # the proofs call the layers at every width up to L
+            raise RuntimeError("the kernel audit passed only calls of "
+                               f"{runtime.audited.describe()['audited_rows']} rows")
+        started = time.perf_counter()
+        with timings.timed("self_test"):
+            invariance = set_batch_invariant_limit(model, options.batch_invariant_limit,
+                                             options.invariant_strategy, proof_cache=self.proofs,
+                                             per_request_proof=per_request_self_test)
+        if options.batch_invariant_limit:
+            (log.info if invariance.guaranteed else log.warning)(
+                "batch invariance L=%d strategy=%s guaranteed=%s (%s)",
+                invariance.call_rows, invariance.strategy, invariance.guaranteed, invariance.reason)
+        if invariance.guaranteed:
+            from lockstep.kernels.invariance.warmup import build_kernels
+
+            with timings.timed("build_kernels"):  # compiled now, not during the first passes
+                build_kernels(model, invariance.call_rows)
+        pass_costs = None
+        if options.adaptive_speculation and runtime.deployment.speculation:
+            from lockstep.server.engine.runner.model_runner import ModelRunner
+            from lockstep.server.engine.decoding.speculative import measure_pass_costs
+
+            widest = options.max_draft_tokens + 1
+            if invariance.guaranteed:
+                widest = max(widest, invariance.call_rows)
+            with timings.timed("pass_costs"):  # what a verification pass of w rows costs in the engine
+                pass_costs = tuple(measure_pass_costs(model, widest,
+                                                      runner=ModelRunner.as_engine_runs(model, kv_pool)))
+        # the deployment's guarantee, decided here only (its ragged proof timed where one is made)
+        with timings.timed("ragged_proof") if invariance.guaranteed else contextlib.nullcontext():
+            guarantee = decide_guarantee(model, invariance, kv_pool, self.proofs, options.max_batch_rows,
+                                         shared_prefill=options.prepare_model is None,
+                                         compiled=runtime.deployment.compiled_passes,
+                                         on_width=self._proven_widths(invariance, pass_costs))
+        deployment = dataclasses.replace(
+            runtime.deployment, guarantee=guarantee, pass_costs=pass_costs,
+            fingerprint=deployment_fingerprint(runtime.loaded, runtime.transform, guarantee, options, kv_pool))
+        runtime.invariance, runtime.deployment = invariance, deployment
+        runtime.guarantee_seconds = time.perf_counter() - started
+        return deployment
+
+    def settle(self) -> None:
+        """Say the proofs' outcome to whoever waits for it: once the deployment that carries it
+        is the one requests are planned with."""
+        guarantee, timings = self.runtime.deployment.guarantee, self.runtime.timings
+        self.runtime.guarantee.settle(settled_state(self.runtime.deployment),
+                                      "" if guarantee.guaranteed else guarantee.reason)
+        if self.runtime.guarantee_seconds is not None and guarantee.call_rows:
+            proofs = Phases({k: v for k, v in timings.items() if k in PROOF_PHASES})
+            proofs.compile = {k: v for k, v in timings.compile.items() if k in PROOF_PHASES}
+            log.info("guarantee %s after %.1fs of proofs: %s", self.runtime.guarantee.state.replace("_", " "),
+                     self.runtime.guarantee_seconds, proofs.line())
+
+
+PROOF_PHASES = ("self_test", "build_kernels", "pass_costs", "ragged_proof")
+
+
+@dataclass
+class AuditWork:
+    """The kernel audit's stages left when serving started (kernels/audit/widths.py: calls of
+    2..32 rows), run by the engine thread between passes before the guarantee's proofs (they
+    call the layers at those widths). Each configuration's workaround is swapped in as soon as
+    its verdict is in, before any pass runs; the widths become audited (the scheduler's gate)
+    only once every configuration passed them. A refusal leaves them unaudited: serving goes
+    on at the audited widths, and the guarantee is refused."""
+
+    runtime: object  # server.runtime.Runtime
+    options: object  # server.runtime.Options
+    proofs: object  # kernels.invariance.selftest.ProofCache: its model identity names the workarounds
+
+    def run(self) -> Deployment:
+        from lockstep.kernels.audit import audit_model, audit_verdict_cache, merge_reports, patch_config
+        from lockstep.kernels.audit.report import OK, REFUSED as REFUSED_VERDICT
+
+        runtime = self.runtime
+        model, first = runtime.loaded.model, runtime.audit
+        self.stages = first.deferred
+
+        def patch(result, layers) -> None:
+            if result.verdict not in (OK, REFUSED_VERDICT):
+                patch_config(model, result.config, layers, result.verdict)
+                mx.eval(model.parameters())
+
+        with runtime.timings.timed("audit_after_start"):
+            later = audit_model(model, cache=audit_verdict_cache(), fresh=self.options.audit == "fresh",
+                                stages=first.deferred, on_result=patch)
+        report = merge_reports(first, later)
+        if report.refused:
+            report.deferred = first.deferred
+            log.error("kernel audit: %s; serving goes on with calls of %s rows only",
+                      "; ".join(f"{c.config.label()} refused" for c in report.refused),
+                      runtime.audited.describe()["audited_rows"])
+        transform = runtime.transform
+        old, new = workarounds_label(first), workarounds_label(report)
+        transform = transform.replace(old, new) if old else transform + new
+        runtime.audit, runtime.transform = report, transform
+        self.proofs.model_identity["transform"] = transform
+        runtime.deployment = dataclasses.replace(runtime.deployment, fingerprint=deployment_fingerprint(
+            runtime.loaded, transform, runtime.deployment.guarantee, self.options, runtime.deployment.kv_pool))
+        return runtime.deployment
+
+    def settle(self) -> None:
+        runtime = self.runtime
+        if runtime.audit.refused:
+            if not self.options.batch_invariant_limit:
+                runtime.guarantee.settle(REFUSED, "the kernel audit refused calls of several rows")
+            return
+        for stage in self.stages:
+            runtime.audited.add(stage)
+        log.info("kernel audit complete (%.1fs on the engine thread after serving started): "
+                 "calls of every width audited", runtime.timings.get("audit_after_start", 0.0))
+        if not self.options.batch_invariant_limit:
+            runtime.guarantee.settle(settled_state(runtime.deployment))
+
+
+@dataclass
+class DraftWork:
+    """Loading the draft model (load, quantize, audit) after serving started: the engine runs it
+    after the guarantee's proofs, serving between the audit's configurations. Until it is done,
+    requests that would draft from it decode without drafts (the same tokens for deterministic
+    requests: drafts change the speed only)."""
+
+    runtime: object  # server.runtime.Runtime
+    options: object  # server.runtime.Options
+
+    def run(self) -> Deployment:
+        runtime = self.runtime
+        try:
+            draft, name = load_draft(self.options, runtime.loaded, runtime.timings)
+            runtime.deployment = dataclasses.replace(runtime.deployment, draft_model=draft, draft_name=name)
+            if self.options.draft_where_it_pays:
+                runtime.deployment = assess_draft(runtime, self.options)
+            deployment = dataclasses.replace(runtime.deployment, draft_loading=False)
+        except Exception as exc:  # a draft that cannot draft: serving goes on without one
+            log.error("--draft-model %s not loaded: %s", self.options.draft_model, exc)
+            deployment = dataclasses.replace(runtime.deployment, draft_loading=False,
+                                             draft_problem=f"{type(exc).__name__}: {exc}")
+        runtime.deployment = deployment
+        return deployment
+
+    def settle(self) -> None:
+        if self.runtime.deployment.draft_model is not None and not self.runtime.deployment.draft_refusal:
+            log.info("draft model %s loaded: requests draft from it", self.runtime.deployment.draft_name)
