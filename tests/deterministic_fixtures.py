@@ -17,7 +17,7 @@ from lockstep.server.engine.guarantee.decode_plan import DecodePlan
 from lockstep.server.engine.guarantee.deployment import Deployment
 from lockstep.server.engine.generate import GenerationRequest, generate
 from lockstep.server.engine.runner.model_runner import ModelRunner
-from lockstep.server.engine.request_report import rendered
+from lockstep.server.engine.decoding.request_report import rendered
 from lockstep.server.engine.decoding.sampling import SamplingParams
 from lockstep.server.engine.decoding.token_steps import PlainSource, SpeculationStats, drive, speculative_tokens
 

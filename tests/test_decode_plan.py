@@ -7,7 +7,7 @@ from lockstep.server.engine.guarantee.decode_plan import METHODS, DecodePlan, Re
 from lockstep.server.engine.guarantee.deployment import Deployment
 from lockstep.server.engine.guarantee.guarantee import Guarantee
 from lockstep.server.runtime import LIMIT_ENV, limit_from_env
-from lockstep.server.engine.request_report import RequestReport
+from lockstep.server.engine.decoding.request_report import RequestReport
 
 DRAFT = object()  # stands in for a draft model: plan_request only checks it is there
 PROVEN = Deployment(guarantee=Guarantee(6, proven=True, shared_passes=True), num_draft_tokens=4,

@@ -198,9 +198,9 @@ def assert_same(got: Answer, want: Answer):
 # ------------------------------------------------------------------ greedy, the repetitive prompt
 
 def test_greedy_baseline_is_cold_full_length_and_guaranteed(server, answer):
-    assert (server.engine.cache.prefix_cache.hits, server.engine.cache.prefix_cache.misses) == (0, 0)
+    assert (server.engine.prefix_cache.hits, server.engine.prefix_cache.misses) == (0, 0)
     base = answer("hello", "greedy")
-    assert (server.engine.cache.prefix_cache.hits, server.engine.cache.prefix_cache.misses) == (0, 1)  # computed cold
+    assert (server.engine.prefix_cache.hits, server.engine.prefix_cache.misses) == (0, 1)  # computed cold
     assert len(base.tokens) == base.completion_tokens == TOKENS and base.finish_reason == "length"
     assert len(set(base.tokens)) > 2 and all(len(t) == 3 for t in base.tops)
     assert base.fingerprint == server.fingerprint
@@ -211,9 +211,9 @@ def test_greedy_baseline_is_cold_full_length_and_guaranteed(server, answer):
 
 def test_second_identical_request_hits_the_prefix_cache_and_matches(server, answer):
     base = answer("hello", "greedy")
-    hits = server.engine.cache.prefix_cache.hits
+    hits = server.engine.prefix_cache.hits
     again = chat(server.client, HELLO, GREEDY)
-    assert server.engine.cache.prefix_cache.hits == hits + 1
+    assert server.engine.prefix_cache.hits == hits + 1
     assert_same(again, base)
 
 

@@ -15,7 +15,7 @@ from lockstep.server.engine.guarantee.deployment import Deployment
 from lockstep.server.engine.decoding.draft_costs import (DRAFT_PREFILL_BUDGET_S, DraftCosts, drafting_refusal,
                                                          measure_draft_costs)
 from lockstep.server.engine.generate import generate
-from lockstep.server.engine.request_report import rendered
+from lockstep.server.engine.decoding.request_report import rendered
 from lockstep.server.engine.decoding.request_state import GenerationRequest
 from lockstep.server.engine.decoding.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded

@@ -8,7 +8,7 @@ from lockstep.server.engine.guarantee.decode_plan import Determinism, plan_reque
 from lockstep.server.engine.guarantee.deployment import Deployment
 from lockstep.server.engine.guarantee.guarantee import Guarantee, decide_guarantee
 from lockstep.server.engine.guarantee.guarantee_state import IN_FORCE, OFF, REFUSED, settled_state
-from lockstep.server.engine.request_report import RequestReport
+from lockstep.server.engine.decoding.request_report import RequestReport
 
 
 def installed(limit: int, guaranteed: bool, request_rows: int | None = None) -> InstalledInvariance:

@@ -14,7 +14,7 @@ from openai import AuthenticationError, OpenAI
 
 from lockstep.server.api.errors import RETRY_AFTER_S
 from lockstep.server.engine.generate import Delta
-from lockstep.server.engine.request_report import RequestReport
+from lockstep.server.engine.decoding.request_report import RequestReport
 from tests.doubles.scripted_engine import ScriptedEngine
 from tests.http_server import running, wait_until
 

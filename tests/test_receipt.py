@@ -90,7 +90,7 @@ def test_a_receipt_names_the_deployment_the_request_and_digests_of_both_sides(se
     response = server.client.completions.create(model="default", prompt=prompt, max_tokens=5, temperature=0,
                                                 logprobs=1, extra_body={"deterministic": True})
     receipt = response.model_extra["lockstep"]["receipt"]
-    deployment = server.engine.guarantee.deployment
+    deployment = server.engine.deployment
     assert receipt["prompt"] == token_digest(prompt)
     assert receipt["answer_tokens"] == response.usage.completion_tokens == 5
     assert receipt["batch_invariant_limit"] == L and receipt["guaranteed"] is True

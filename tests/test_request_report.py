@@ -6,7 +6,7 @@ from lockstep.server.engine.guarantee.decode_plan import PREDICTION, DecodePlan,
 from lockstep.server.engine.guarantee.deployment import Deployment
 from lockstep.server.engine.generate import GenerationRequest, generate
 from lockstep.server.engine.guarantee.guarantee import Guarantee
-from lockstep.server.engine.request_report import RequestReport, rendered
+from lockstep.server.engine.decoding.request_report import RequestReport, rendered
 from lockstep.server.engine.decoding.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded
 from tests.test_deterministic_double import peaked_llama

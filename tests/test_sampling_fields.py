@@ -69,7 +69,7 @@ def test_n_choices_share_one_prompt_prefill(server, monkeypatch):
 
     from lockstep.server.engine.runner import model_runner
 
-    cache = server.engine.cache.prefix_cache  # off here, so each request's own prefill is counted
+    cache = server.engine.prefix_cache  # off here, so each request's own prefill is counted
     monkeypatch.setattr(cache, "entries", 0)
     monkeypatch.setattr(cache, "_store", OrderedDict())
     chunks = []

@@ -6,7 +6,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from lockstep.server.engine.decoding.speculative import (AdaptiveDraftLength, DraftModelDrafter, PromptLookupDrafter,
                                                 accept_drafts, draft_tokenizer_problem)
-from lockstep.server.engine.request_report import RequestReport
+from lockstep.server.engine.decoding.request_report import RequestReport
 
 
 def tiny_llama(seed: int, layers: int = 2) -> llama.Model:

@@ -56,7 +56,7 @@ from lockstep.server.api.errors import (APIError, RetryAfter, context_length_exc
                                install_error_handlers, model_not_found)
 from lockstep.server.engine.guarantee.decode_plan import PREDICTION, DecodePlan, RequestRejected, plan_request
 from lockstep.server.engine.generate import Delta, GenerationRequest
-from lockstep.server.engine.request_report import rendered
+from lockstep.server.engine.decoding.request_report import rendered
 from lockstep.server.engine.decoding.logits_processors import logits_width
 from lockstep.server.engine.decoding.sampling import GREEDY_BELOW, SamplingParams
 from lockstep.server.api.tool_call_stream import ToolCallStream, call_stream

@@ -24,7 +24,7 @@ from lockstep.server.api.tool_call_stream import ToolCallStream
 from lockstep.server.api.tool_calls import ParsedCall, new_call_id
 from lockstep.server.engine import GenerationError
 from lockstep.server.engine.generate import Delta
-from lockstep.server.engine.request_report import rendered
+from lockstep.server.engine.decoding.request_report import rendered
 
 # Chat-request fields named in errors from the shared submission path -> the Messages field.
 PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "response_format": "output_config"}

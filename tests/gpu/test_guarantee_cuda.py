@@ -31,7 +31,7 @@ from lockstep.server.engine import Engine
 from lockstep.server.engine.guarantee.decode_plan import plan_request
 from lockstep.server.engine.guarantee.deployment import proven_deployment
 from lockstep.server.engine.runner.model_runner import ModelRunner
-from lockstep.server.engine.request_report import rendered
+from lockstep.server.engine.decoding.request_report import rendered
 from lockstep.server.engine.decoding.request_state import GenerationRequest
 from lockstep.server.engine.decoding.sampling import SamplingParams
 from tests.deterministic_fixtures import TinyLoaded

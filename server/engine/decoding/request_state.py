@@ -33,7 +33,7 @@ from lockstep.server.engine.decoding.logits_processors import processors_for
 from lockstep.server.engine.cache.prefix_cache import PrefixCache, copy_prefix, exact_length, namespace
 from lockstep.server.engine.decoding.sampling import SamplingParams
 from lockstep.server.engine.guarantee.receipt import Receipt
-from lockstep.server.engine.request_report import RequestReport
+from lockstep.server.engine.decoding.request_report import RequestReport
 from lockstep.server.engine.decoding.stops import IncrementalDecoder, StopTextStream
 from lockstep.server.engine.decoding.speculative import never
 from lockstep.server.engine.runner.step_data import SampledTokens

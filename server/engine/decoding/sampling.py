@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from lockstep.server.engine.runner.step_data import Sampled  # the step contract's token; re-exported
+
 _MASK64 = (1 << 64) - 1
 # Temperatures below this are greedy: logits / 1e-6 stays finite in float32 for any logit
 # a model produces, while far smaller ones overflow (documented in docs/DETERMINISM.md).
@@ -36,13 +38,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
-
-
-@dataclass(frozen=True)
-class Sampled:
-    token: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
 def splitmix64(x: int) -> int:

@@ -12,7 +12,15 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from lockstep.server.engine.guarantee.decode_plan import Determinism
-from lockstep.server.engine.decoding.sampling import Sampled
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One chosen token, with its logprob and top alternatives when asked."""
+
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
