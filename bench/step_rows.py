@@ -34,7 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
 from invariant_8b import HBM_BYTES_PER_S, build, context, trim, weight_bytes  # noqa: E402
-from lockstep.kernels.batching.compiled_pass import CompiledPasses  # noqa: E402
+from lockstep.kernels.batching.compiled_pass import CompiledPasses, unavailable_reason  # noqa: E402
+from lockstep.kernels.batching.ragged import ragged_logits  # noqa: E402
+from lockstep.kernels.invariance.layers import calls_in_blocks, native_forms  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
 from lockstep.server.engine.runner.model_runner import ModelRunner  # noqa: E402
 
@@ -50,6 +52,14 @@ def timed(run, caches, rounds_out: dict, name: str) -> None:
     for cache in caches:
         trim(cache, 1)
     rounds_out.setdefault(name, []).append((1e3 * (t3 - t0), 1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t3 - t2)))
+
+
+def op_by_op(model, caches, canonical: bool):
+    """A pass as the engine runs it where it cannot compile one (the pool's reference attention)."""
+    def run():
+        with (calls_in_blocks() if canonical else native_forms()):
+            return ragged_logits(model, [(c, [11]) for c in caches])
+    return run
 
 
 def main():
@@ -99,11 +109,14 @@ def main():
                       f"({getattr(installed, 'strategy', installed)})", flush=True)
             else:
                 set_batch_invariant_limit(model, 0)
-            passes = CompiledPasses(model, path.kv_pool)
+            not_compiled = unavailable_reason(path.kv_pool)
+            passes = None if not_compiled else CompiledPasses(model, path.kv_pool)
+            if not_compiled:
+                print(f"{kind}: passes run op by op ({not_compiled})", flush=True)
             for r in widths:
                 caches = pooled[:r]
                 run = (lambda p, cs, canon: lambda: p.logits([(c, [11]) for c in cs], canonical=canon))(
-                    passes, caches, kind in det)
+                    passes, caches, kind in det) if passes else op_by_op(model, caches, kind in det)
                 mx.eval(run())  # traced and compiled now
                 for c in caches:
                     trim(c, 1)
