@@ -4,12 +4,18 @@ the first call of a path on a configuration (MLX's JIT compile of that kernel sh
 run) against a second call of the same inputs (the run alone), and the reference (NumPy
 dequantization and product) apart. Prints a table by configuration and path, and the totals.
 
-    python bench/audit_cost.py [--weights nvfp4] [--layers 32]
+    python bench/audit_cost.py [--weights nvfp4] [--layers 32] [--repeat 3] [--slicing-as cuda]
+
+`--slicing-as cuda` makes the audit choose its slices and whole-layer probes as it does on CUDA
+(the decode probes of the 128,256-row head and embedding run on the whole layer) while the
+kernels run here: on the CPU that measures the reference's NumPy part of a GPU audit.
+`--repeat N` audits N times and prints each part's median.
 
 Measures and prints; asserts nothing.
 """
 import argparse
 import collections
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,7 +39,12 @@ def main():
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--intermediate", type=int, default=14336)
     ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--slicing-as", choices=("cpu", "cuda", "metal"), default=None,
+                    help="the backend whose slicing the audit follows (default: this one's)")
     a = ap.parse_args()
+    if a.slicing_as:
+        patch.backend_kind = lambda: a.slicing_as
     t = time.perf_counter()
     model = build(a.weights, a.layers, hidden=a.hidden, intermediate=a.intermediate, vocab=a.vocab)
     print(f"backend {mx.default_device()}, MLX {mx.__version__}; built in {time.perf_counter() - t:.1f} s",
@@ -68,9 +79,9 @@ def main():
         spent["second call"] += 0 if second != second else second
         return result
 
-    def timed_reference(module):
+    def timed_reference(*args, **kwargs):
         t0 = time.perf_counter()
-        w = reference_weight(module)
+        w = reference_weight(*args, **kwargs)
         spent["dequantize (NumPy)"] += time.perf_counter() - t0
         return w
 
@@ -87,18 +98,28 @@ def main():
     probes._measure = timed_measure
     patch.reference_weight = timed_reference
     patch._audit_config = timed_config
-    t = time.perf_counter()
-    report = patch.audit_model(model, cache=None)
-    total = time.perf_counter() - t
-    print(f"\naudit {total:.1f} s for {len(report.configs)} configurations")
+    runs = []
+    for _ in range(a.repeat):
+        spent.clear()
+        rows_out.clear()
+        t = time.perf_counter()
+        report = patch.audit_model(model, cache=None)
+        total = time.perf_counter() - t
+        refs = sum(r[5] for r in rows_out)
+        deq = spent["dequantize (NumPy)"]
+        runs.append({"audit": total, "first calls": spent["first call"], "references": refs,
+                     "dequantization": deq, "the rest": total - spent["first call"] - refs - deq})
+        print(f"\naudit {total:.1f} s for {len(report.configs)} configurations")
+        print(f"first calls {spent['first call']:.1f} s, the same calls again {spent['second call']:.1f} s, "
+              f"references {refs:.1f} s, dequantization {deq:.1f} s, "
+              f"the rest {runs[-1]['the rest']:.1f} s", flush=True)
     print("| configuration | path | rows | first call s | second call s | reference s |")
     print("|---|---|---|---|---|---|")
     for label, path, rows, first, second, ref in rows_out:
         print(f"| {label} | {path} | {rows} | {first:.3f} | {second:.3f} | {ref:.3f} |")
-    refs = sum(r[5] for r in rows_out)
-    print(f"\nfirst calls {spent['first call']:.1f} s, the same calls again {spent['second call']:.1f} s, "
-          f"references {refs:.1f} s, dequantization {spent['dequantize (NumPy)']:.1f} s, "
-          f"the rest {total - spent['first call'] - refs - spent['dequantize (NumPy)']:.1f} s")
+    if a.repeat > 1:
+        print(f"\nmedian of {a.repeat}: " + ", ".join(
+            f"{k} {statistics.median(r[k] for r in runs):.2f} s" for k in runs[0]))
 
 
 if __name__ == "__main__":
