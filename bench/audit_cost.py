@@ -52,7 +52,7 @@ def main():
 
     measure, reference_weight = probes._measure, probes.reference_weight
 
-    def timed_measure(path, rows, tol, run, out_rows):
+    def timed_measure(path, rows, tol, run, *rest):
         calls = []
 
         def split_run():
@@ -63,7 +63,7 @@ def main():
             t2 = time.perf_counter()
             calls.append((t1 - t0, t2 - t1))
             return out, ref
-        result = measure(path, rows, tol, split_run, out_rows)
+        result = measure(path, rows, tol, split_run, *rest)
         again = time.perf_counter()
         try:
             out, _ = run()

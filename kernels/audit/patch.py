@@ -14,7 +14,8 @@ is refused, naming the layer and the path.
 
 Probes run on a slice of the layer's output rows, exact because quantization groups run
 along K; a path whose kernel choice depends on N on this backend runs on the whole
-layer as well (`slicing`, which says which and why). With a `VerdictCache` a
+layer as well (`slicing`, which says which and why), compared with the reference on a fixed
+sample of its rows (`row_sample`: the reference decodes only those). With a `VerdictCache` a
 configuration's result is stored per machine and re-used (`kernels.verdict_cache`).
 """
 from __future__ import annotations
@@ -30,9 +31,10 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import verdict_cache
 from ..verdict_cache import VerdictCache, code_version, environment, function_identity
-from . import probes, reference, slicing, widths, workarounds
+from . import probes, reference, row_sample, slicing, widths, workarounds
 from . import report as report_module
 from .probes import describe, layer_kind, probe, probe_paths, reference_weight
+from .row_sample import compared_rows
 from .report import (OK, REFUSED, AuditReport, ConfigResult, LayerConfig, PathResult,
                      format_table, summary)
 from .slicing import backend_kind, full_size, sliced_layer, sliced_rows
@@ -77,7 +79,7 @@ def _probe_every_path(layer, cfg: LayerConfig, seed: int, prompt_rows: int, back
                   workaround: str | None = None, stages=STAGES) -> list[PathResult] | None:
     """Every path of `stages` (kernels/audit/widths.py) of `layer` (or of its `workaround`
     stand-in; None: not applicable): on a slice of its output rows, and on the whole layer
-    where `full_size` says so."""
+    where `full_size` says so, that one compared on the rows `compared_rows` picks."""
     n = cfg.shape[-2]
     rows = sliced_rows(n, backend)
     staged = lambda path, r: stage_of(path, r) in stages
@@ -91,12 +93,16 @@ def _probe_every_path(layer, cfg: LayerConfig, seed: int, prompt_rows: int, back
     for part, select in parts:
         if not any(select(p, r) for p, r in paths):
             continue
-        dense = reference_weight(part)
-        target = part if workaround is None else workarounds.build(workaround, part,
-                                                                   cfg.kind, dense)
+        compared = compared_rows(part["weight"].shape[-2])
+        dense = reference_weight(part, compared)
+        if workaround is None:
+            target = part
+        else:  # the dequantized stand-in serves every row: it needs them all decoded
+            whole = dense if compared is None or workaround != "dequantized" else reference_weight(part)
+            target = workarounds.build(workaround, part, cfg.kind, whole)
         if target is None:
             return None
-        results += probe(target, cfg, dense, seed, prompt_rows, select)
+        results += probe(target, cfg, dense, seed, prompt_rows, select, compared)
     order = {key: i for i, key in enumerate(paths)}
     return sorted(results, key=lambda p: order[(p.path, p.rows)])
 
@@ -144,7 +150,7 @@ def verdict_key(cfg: LayerConfig, seed: int, prompt_rows: int, stages=STAGES) ->
         "prompt_rows": prompt_rows,
         "environment": environment(),
         "code": code_version(sys.modules[__name__], verdict_cache, probes, reference,
-                             report_module, slicing, workarounds, widths),
+                             report_module, row_sample, slicing, workarounds, widths),
         "workarounds": list(workarounds.WORKAROUNDS),
         "ops": [function_identity(f) for f in (mx.quantized_matmul, mx.dequantize, mx.gather_qmm)],
     }

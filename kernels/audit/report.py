@@ -35,6 +35,7 @@ class PathResult:
     tolerance: float
     exception: str | None = None
     out_rows: int = 0         # output rows (N) the probe ran on: a slice or the whole layer
+    compared_rows: int | None = None  # of those, how many were compared (row_sample); None: all
 
     @property
     def ok(self) -> bool:
