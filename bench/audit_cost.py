@@ -9,7 +9,9 @@ dequantization and product) apart. Prints a table by configuration and path, and
 `--slicing-as cuda` makes the audit choose its slices and whole-layer probes as it does on CUDA
 (the decode probes of the 128,256-row head and embedding run on the whole layer) while the
 kernels run here: on the CPU that measures the reference's NumPy part of a GPU audit.
-`--repeat N` audits N times and prints each part's median.
+`--repeat N` audits N times and prints each part's median. `--head-only` audits just an nvfp4
+head and embedding of `--vocab` × `--hidden` made from random codes (no float weights: the
+8B shapes within a small machine's memory).
 
 Measures and prints; asserts nothing.
 """
@@ -24,12 +26,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
 
 from invariant_8b import build  # noqa: E402
 from lockstep.kernels.audit import patch, probes  # noqa: E402
 
 spent = collections.defaultdict(float)
 rows_out = []
+
+
+class HeadOnly(nn.Module):
+    """An nvfp4 embedding and head of random codes (scales: E4M3 codes of 2^-4..2^-1), bf16."""
+
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden)
+        self.norm.set_dtype(mx.bfloat16)
+        self.embed_tokens = nn.QuantizedEmbedding(vocab, hidden, group_size=16, bits=4, mode="nvfp4")
+        self.lm_head = nn.QuantizedLinear(hidden, vocab, bias=False, group_size=16, bits=4, mode="nvfp4")
+        for layer in (self.embed_tokens, self.lm_head):  # replaced before the float init is evaluated
+            layer.weight = mx.random.randint(0, 2**31, (vocab, hidden // 8)).astype(mx.uint32)
+            layer.scales = mx.random.randint(0x18, 0x38, (vocab, hidden // 16)).astype(mx.uint8)
+        mx.eval(self.parameters())
 
 
 def main():
@@ -40,13 +58,15 @@ def main():
     ap.add_argument("--intermediate", type=int, default=14336)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--head-only", action="store_true")
     ap.add_argument("--slicing-as", choices=("cpu", "cuda", "metal"), default=None,
                     help="the backend whose slicing the audit follows (default: this one's)")
     a = ap.parse_args()
     if a.slicing_as:
         patch.backend_kind = lambda: a.slicing_as
     t = time.perf_counter()
-    model = build(a.weights, a.layers, hidden=a.hidden, intermediate=a.intermediate, vocab=a.vocab)
+    model = (HeadOnly(a.vocab, a.hidden) if a.head_only else
+             build(a.weights, a.layers, hidden=a.hidden, intermediate=a.intermediate, vocab=a.vocab))
     print(f"backend {mx.default_device()}, MLX {mx.__version__}; built in {time.perf_counter() - t:.1f} s",
           flush=True)
 
@@ -88,10 +108,10 @@ def main():
     current = ["?"]
     audit_config = patch._audit_config
 
-    def timed_config(cfg, layers, seed, prompt_rows, *rest):
+    def timed_config(cfg, layers, seed, prompt_rows, *rest, **kwargs):
         current[0] = cfg.label()
         t0 = time.perf_counter()
-        result = audit_config(cfg, layers, seed, prompt_rows, *rest)
+        result = audit_config(cfg, layers, seed, prompt_rows, *rest, **kwargs)
         print(f"config {cfg.label()}: {time.perf_counter() - t0:.1f} s, verdict {result.verdict}", flush=True)
         return result
 

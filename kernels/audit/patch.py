@@ -7,7 +7,7 @@
 
 Each distinct configuration (kind, shape, mode, bits, group size, dtype, bias) is
 probed once, on the first layer that has it, on every path the model will take
-(`probes`). A configuration with a failing path (wrong values or an exception)
+(`probes`; an embedding's `as_linear` only where it is the head: `untaken_paths`). A configuration with a failing path (wrong values or an exception)
 tries the workarounds in order (`workarounds.WORKAROUNDS`), each probed again on
 every path; the first that passes everywhere is the verdict. If none does, the model
 is refused, naming the layer and the path.
@@ -70,19 +70,29 @@ def quantized_layers(model: nn.Module) -> dict[LayerConfig, list[tuple[str, nn.M
     return groups
 
 
+def untaken_paths(model: nn.Module, cfg: LayerConfig) -> tuple[str, ...]:
+    """Path prefixes of `cfg` the model never calls: an embedding's `as_linear` where the model
+    has its own head (mlx-lm builds `lm_head` only when the embeddings are not tied)."""
+    args = getattr(model, "args", None)
+    own_head = (getattr(args, "tie_word_embeddings", True) is False
+                and isinstance(getattr(model, "lm_head", None), nn.Module))
+    return ("as_linear",) if cfg.kind == "embedding" and own_head else ()
+
+
 def backend_name() -> str:
     device = mx.default_device()
     return f"mlx {mx.__version__} {device.type.name if hasattr(device.type, 'name') else device}"
 
 
 def _probe_every_path(layer, cfg: LayerConfig, seed: int, prompt_rows: int, backend: str,
-                  workaround: str | None = None, stages=STAGES) -> list[PathResult] | None:
+                      workaround: str | None = None, stages=STAGES,
+                      untaken: tuple[str, ...] = ()) -> list[PathResult] | None:
     """Every path of `stages` (kernels/audit/widths.py) of `layer` (or of its `workaround`
     stand-in; None: not applicable): on a slice of its output rows, and on the whole layer
     where `full_size` says so, that one compared on the rows `compared_rows` picks."""
     n = cfg.shape[-2]
     rows = sliced_rows(n, backend)
-    staged = lambda path, r: stage_of(path, r) in stages
+    staged = lambda path, r: stage_of(path, r) in stages and not path.startswith(untaken)
     on_whole = lambda path, r: full_size(path, r, n, backend)
     parts = [(sliced_layer(layer, rows) if rows < n else layer,
               lambda path, r: staged(path, r) and not on_whole(path, r))]
@@ -107,17 +117,21 @@ def _probe_every_path(layer, cfg: LayerConfig, seed: int, prompt_rows: int, back
     return sorted(results, key=lambda p: order[(p.path, p.rows)])
 
 
-def _audit_config(cfg: LayerConfig, layers, seed: int, prompt_rows: int, stages=STAGES) -> ConfigResult:
-    """The kernel on the paths of `stages`; where one fails, the workarounds on every path
-    (a stand-in replaces the layer at every width), so a verdict other than OK is final."""
+def _audit_config(cfg: LayerConfig, layers, seed: int, prompt_rows: int, stages=STAGES,
+                  untaken: tuple[str, ...] = ()) -> ConfigResult:
+    """The kernel on the paths of `stages` (less those `untaken`); where one fails, the
+    workarounds on every such path (a stand-in replaces the layer at every width), so a verdict
+    other than OK is final."""
     path0, layer = layers[0]
     backend = backend_kind()
     result = ConfigResult(cfg, [p for p, _ in layers],
-                          _probe_every_path(layer, cfg, seed, prompt_rows, backend, stages=stages))
+                          _probe_every_path(layer, cfg, seed, prompt_rows, backend, stages=stages,
+                                            untaken=untaken))
     if not result.failing:
         return result
     for name in workarounds.WORKAROUNDS:
-        attempt = _probe_every_path(layer, cfg, seed + 1, prompt_rows, backend, workaround=name)
+        attempt = _probe_every_path(layer, cfg, seed + 1, prompt_rows, backend, workaround=name,
+                                    untaken=untaken)
         if attempt is None:
             continue
         result.attempts.append((name, attempt))
@@ -137,12 +151,14 @@ def audit_verdict_cache(root=None) -> VerdictCache:
     return VerdictCache("audit", root)
 
 
-def verdict_key(cfg: LayerConfig, seed: int, prompt_rows: int, stages=STAGES) -> dict:
-    """Everything a configuration's verdict on the paths of `stages` depends on (see
-    kernels/verdict_cache.py)."""
+def verdict_key(cfg: LayerConfig, seed: int, prompt_rows: int, stages=STAGES,
+                untaken: tuple[str, ...] = ()) -> dict:
+    """Everything a configuration's verdict on the paths of `stages` (less those `untaken`)
+    depends on (see kernels/verdict_cache.py)."""
     return {
         "what": "quantized kernel audit",
         "stages": list(stages),
+        "untaken": list(untaken),
         "config": {"kind": cfg.kind, "shape": list(cfg.shape), "mode": cfg.mode,
                    "bits": cfg.bits, "group_size": cfg.group_size, "dtype": cfg.dtype,
                    "transpose": cfg.transpose, "has_bias": cfg.has_bias},
@@ -216,10 +232,11 @@ def audit_model(model: nn.Module, *, seed: int = 0, prompt_rows: int = DEFAULT_P
     units = [(stage,) for stage in stages] if defer else [tuple(stages)]
     for cfg, layers in quantized_layers(model).items():
         result, from_cache = None, True
+        untaken = untaken_paths(model, cfg)
         for unit in units:
             if result is not None and result.verdict != OK:
                 break  # a workaround or refusal is judged on every path already
-            key = verdict_key(cfg, seed, prompt_rows, unit) if cache is not None else None
+            key = verdict_key(cfg, seed, prompt_rows, unit, untaken) if cache is not None else None
             part = _cached(cache, key, cfg, layers) if cache is not None and not fresh else None
             if part is None and set(unit) <= set(defer):
                 deferred.update(unit)
@@ -228,7 +245,7 @@ def audit_model(model: nn.Module, *, seed: int = 0, prompt_rows: int = DEFAULT_P
             probed = part is None
             if probed:
                 from_cache = False
-                part = _audit_config(cfg, layers, seed, prompt_rows, unit)
+                part = _audit_config(cfg, layers, seed, prompt_rows, unit, untaken)
                 if cache is not None:
                     cache.put(key, result_to_json(part))
             if on_result is not None:
