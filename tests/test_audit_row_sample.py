@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.utils import load_model as mlx_load_model
 
 import lockstep.kernels.audit.patch as audit
-from lockstep.kernels.audit import audit_model, probes
+from lockstep.kernels.audit import audit_model, format_table, probes
 from lockstep.kernels.audit.row_sample import BLOCK_ROWS, EDGE_ROWS, WHOLE_BELOW, compared_rows
 from lockstep.kernels.audit.slicing import CUDA_SM90_QMV_MAX_N
 from tests.doubles.faulty_kernels import faulty_tiled_qmm
@@ -93,12 +93,14 @@ def test_a_whole_layer_probe_decodes_only_the_compared_rows(kind, on_cuda, monke
     real = probes.reference_dequantize
     monkeypatch.setattr(probes, "reference_dequantize",
                         lambda w, *a, **k: decoded.append(w.shape[0]) or real(w, *a, **k))
-    (config,) = audit_model(Head(kind), prompt_rows=PROMPT_ROWS).configs
+    report = audit_model(Head(kind), prompt_rows=PROMPT_ROWS)
+    (config,) = report.configs
     assert config.verdict == "ok"
     decode = next(p for p in config.paths if p.rows == 1 and "lookup" not in p.path)
     sample = len(compared_rows(HEAD_ROWS))
     assert (decode.out_rows, decode.compared_rows) == (HEAD_ROWS, sample)
     assert max(decoded) == sample < HEAD_ROWS  # never the whole weight
+    assert f"{HEAD_ROWS} ({sample} compared)" in format_table(report)
 
 
 @pytest.mark.parametrize("fault", FAULTS)
