@@ -7,9 +7,10 @@
 
 Each distinct configuration (kind, shape, mode, bits, group size, dtype, bias) is
 probed once, on the first layer that has it, on every path the model will take
-(`probes`; an embedding's `as_linear` only where it is the head: `untaken_paths`). A configuration with a failing path (wrong values or an exception)
-tries the workarounds in order (`workarounds.WORKAROUNDS`), each probed again on
-every path; the first that passes everywhere is the verdict. If none does, the model
+(`probes`; an embedding's `as_linear` only where it is the head: `untaken_paths`). A
+configuration with a failing path (wrong values or an exception) tries the workarounds in
+order (`workarounds.WORKAROUNDS`), each probed again on every path; the first that passes
+everywhere is the verdict. If none does, the model
 is refused, naming the layer and the path.
 
 Probes run on a slice of the layer's output rows, exact because quantization groups run
@@ -108,7 +109,8 @@ def _probe_every_path(layer, cfg: LayerConfig, seed: int, prompt_rows: int, back
         if workaround is None:
             target = part
         else:  # the dequantized stand-in serves every row: it needs them all decoded
-            whole = dense if compared is None or workaround != "dequantized" else reference_weight(part)
+            whole = (reference_weight(part) if compared is not None and workaround == "dequantized"
+                     else dense)
             target = workarounds.build(workaround, part, cfg.kind, whole)
         if target is None:
             return None
