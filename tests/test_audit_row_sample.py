@@ -135,3 +135,43 @@ def test_same_verdicts_as_comparing_every_row_under_the_faulty_doubles(nvfp4_dir
     assert any(p.compared_rows for c in sampled.configs for p in c.paths)
     assert outcome(sampled) == outcome(every_row)
     assert any(c.verdict != "ok" for c in sampled.configs)
+
+
+def test_a_switch_layer_compares_its_sample_on_every_expert(monkeypatch):
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    experts, n = 4, WHOLE_BELOW + 16
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            mx.random.seed(7)
+            self.experts = SwitchLinear(K, n, experts, bias=True).to_quantized(16, 4, "nvfp4")
+
+    # Metal's slicing: every gather path runs on the whole layer only (its kernel choice
+    # depends on N there), so each is compared on the sample.
+    monkeypatch.setattr(audit, "backend_kind", lambda: "metal")
+    decoded = []
+    real_decode = probes.reference_dequantize
+    monkeypatch.setattr(probes, "reference_dequantize",
+                        lambda w, *a, **k: decoded.append(w.shape) or real_decode(w, *a, **k))
+    (config,) = audit_model(Experts(), prompt_rows=PROMPT_ROWS).configs
+    sample = len(compared_rows(n))
+    assert config.verdict == "ok" and len(config.paths) == 4
+    assert {(p.out_rows, p.compared_rows) for p in config.paths} == {(n, sample)}
+    assert decoded == [(experts, sample, K * 4 // 32)]  # the sample's rows of every expert
+
+    real = mx.gather_qmm
+
+    def last_row_of_last_expert_wrong(*args, rhs_indices, **kwargs):
+        y = real(*args, rhs_indices=rhs_indices, **kwargs)
+        if y.shape[-1] != n:
+            return y
+        hit = mx.expand_dims(rhs_indices == experts - 1, -1)  # beside y's one-row axis
+        return y.at[..., -1].add(mx.where(hit, 1e3, 0.0).astype(y.dtype))
+    monkeypatch.setattr(mx, "gather_qmm", last_row_of_last_expert_wrong)
+    (config,) = audit_model(Experts(), prompt_rows=PROMPT_ROWS).configs
+    # every gather path routes the last expert, and its last row is in the sample
+    assert [p.path for p in config.failing] == [p.path for p in config.paths]
+    assert all(p.compared_rows == sample for p in config.failing)
+    assert config.verdict == "dequantized" and all(p.ok for p in config.accepted)

@@ -199,6 +199,13 @@ def probe_embedding(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: i
                                    compared, prefix="as_linear")
 
 
+def _expert_order(rng, experts: int) -> np.ndarray:
+    """Every expert once, the last one first, the rest shuffled: a gather probe routes as many
+    of them as its rows hold, so each expert's (compared) rows are checked where the rows allow
+    and the end of the expert stack always (as the row sample keeps a layer's last rows)."""
+    return np.concatenate([[experts - 1], rng.permutation(experts - 1)]).astype(np.int64)
+
+
 def probe_switch(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: int,
                  select: Select = _all, compared: np.ndarray | None = None) -> list[PathResult]:
     tol = tolerance(cfg.mode, cfg.dtype)
@@ -220,7 +227,9 @@ def probe_switch(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: int,
         def run(tokens=tokens):
             # SwitchGLU's unsorted layout: x (B, L, 1, 1, K), indices (B, L, top_k).
             x, xn = _inputs(rng, (1, tokens, 1, 1, k), cfg.dtype)
-            idx = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])[None]
+            # consecutive slots of the order: a token's top_k experts are distinct
+            slots = np.arange(tokens * top_k).reshape(1, tokens, top_k)
+            idx = _expert_order(rng, experts)[slots % experts]
             ref = ref_rows(np.repeat(xn[0, :, 0, 0], top_k, 0), idx.reshape(-1))
             return module(x, mx.array(idx)), ref.reshape(1, tokens, top_k, 1, -1)
         results.append(_measure(f"gather {name}", tokens, tol, run, n, compared))
@@ -233,7 +242,8 @@ def probe_switch(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: int,
             # Sorted layout (mlx-lm sorts once indices.size >= 64): x (N, 1, K), sorted ids.
             n = tokens * top_k
             x, xn = _inputs(rng, (n, 1, k), cfg.dtype)
-            idx = np.sort(rng.integers(0, experts, size=n))
+            covered = _expert_order(rng, experts)[:n]
+            idx = np.sort(np.concatenate([covered, rng.integers(0, experts, size=n - len(covered))]))
             ref = ref_rows(xn[:, 0], idx)[:, None]
             return module(x, mx.array(idx), sorted_indices=True), ref
         results.append(_measure(f"gather {name}", tokens, tol, run, n, compared))
