@@ -217,7 +217,11 @@ def probe_switch(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: int,
     results = []
 
     def ref_rows(xn: np.ndarray, idx: np.ndarray) -> np.ndarray:
-        out = np.einsum("nk,nok->no", xn, w[idx])
+        # one product per expert routed: w[idx] would copy an expert's weight for every row
+        out = np.empty((len(idx), w.shape[1]), dtype=np.float32)
+        for e in np.unique(idx):
+            at = idx == e
+            out[at] = xn[at] @ w[e].T
         return out + bias[idx] if bias is not None else out
 
     for name, tokens in GATHER_ROWS:
