@@ -272,3 +272,24 @@ def test_cli_audit_reuses_verdicts_unless_fresh(nvfp4_dir, tmp_path, monkeypatch
     assert "from the audit cache" not in runs["first"] + runs["fresh"]
     assert "(5 from the audit cache)" in runs["restart"]
     assert all("pad32" in out and "lookup odd" in out for out in runs.values())
+
+
+# ------------------------------------------------------- the paths this model takes
+
+def test_an_untied_embedding_is_audited_on_its_lookups_only(tmp_path, cache):
+    untied = mlx_load_model(build_llama_dir(tmp_path / "untied", q_mode="nvfp4",
+                                            tie_word_embeddings=False))[0]
+    report = audit_model(untied, prompt_rows=PROMPT_ROWS, cache=cache)
+    embed = next(c for c in report.configs if c.config.kind == "embedding")
+    untied_config = embed.config
+    assert {p.path for p in embed.paths} == {"lookup odd", "lookup even"}
+    assert embed.verdict == "pad32"  # the real CPU lookup fault is still found
+    head = next(c for c in report.configs if "lm_head" in c.layers)
+    assert any(p.path == "matmul decode" for p in head.paths)
+
+    tied = mlx_load_model(build_llama_dir(tmp_path / "tied", q_mode="nvfp4"))[0]
+    report = audit_model(tied, prompt_rows=PROMPT_ROWS, cache=cache)
+    embed = next(c for c in report.configs if c.config.kind == "embedding")
+    assert embed.config == untied_config
+    assert report.cached == len(report.configs) - 1  # its verdict is not the head-less embedding's
+    assert any(p.path.startswith("as_linear") for p in embed.paths)

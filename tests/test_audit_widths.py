@@ -3,6 +3,7 @@ answer takes (one row, prompt chunks of 33+ rows, lookups) before it serves and 
 (2..32 rows) on the engine thread afterwards (server/startup_work.py AuditWork); until then the
 scheduler runs no call of an unaudited width, and a fault found late is routed around before any
 pass takes it. Over HTTP with the official client; the background audit is held back by an event."""
+import collections
 import threading
 
 import httpx2 as httpx
@@ -242,3 +243,25 @@ def test_a_fault_the_background_audit_finds_is_routed_around_before_any_pass_tak
     served_narrow = [rows for rows, probing in calls if 2 <= rows <= 32 and not probing]
     assert served_narrow == []  # never through the faulty kernel: the stand-in was in place first
     assert any(2 <= rows <= 32 and probing for rows, probing in calls)  # the audit did find it
+
+
+def test_a_restart_runs_no_audit_work_for_the_configurations_cached(affine_dir, verdicts, monkeypatch):
+    from lockstep.server.runtime import AuditWork
+
+    work = collections.Counter()
+    for name in ("_audit_config", "probe", "reference_weight"):
+        real = getattr(audit_patch, name)
+        monkeypatch.setattr(audit_patch, name, lambda *a, _real=real, _name=name, **k:
+                            work.update([_name]) or _real(*a, **k))
+    first = build_runtime(Options(model=str(affine_dir)), defer_guarantee=True)
+    assert first.audit.cached == 0 and first.audit.deferred == (NARROW,)
+    (later,) = [w for w in first.pending if isinstance(w, AuditWork)]
+    later.run()  # the narrow stage, as the engine thread runs it
+    configs = len(first.audit.configs)
+    assert work["_audit_config"] == 2 * configs and work["probe"] and work["reference_weight"]
+
+    work.clear()
+    restart = build_runtime(Options(model=str(affine_dir)), defer_guarantee=True)
+    assert sum(work.values()) == 0, work  # no probe, no reference, no configuration audited
+    assert restart.audit.cached == configs and restart.audit.deferred == ()
+    assert restart.audited.complete and not any(isinstance(w, AuditWork) for w in restart.pending or ())

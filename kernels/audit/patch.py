@@ -7,14 +7,16 @@
 
 Each distinct configuration (kind, shape, mode, bits, group size, dtype, bias) is
 probed once, on the first layer that has it, on every path the model will take
-(`probes`). A configuration with a failing path (wrong values or an exception)
-tries the workarounds in order (`workarounds.WORKAROUNDS`), each probed again on
-every path; the first that passes everywhere is the verdict. If none does, the model
+(`probes`; an embedding's `as_linear` only where it is the head: `untaken_paths`). A
+configuration with a failing path (wrong values or an exception) tries the workarounds in
+order (`workarounds.WORKAROUNDS`), each probed again on every path; the first that passes
+everywhere is the verdict. If none does, the model
 is refused, naming the layer and the path.
 
 Probes run on a slice of the layer's output rows, exact because quantization groups run
 along K; a path whose kernel choice depends on N on this backend runs on the whole
-layer as well (`slicing`, which says which and why). With a `VerdictCache` a
+layer as well (`slicing`, which says which and why), compared with the reference on a fixed
+sample of its rows (`row_sample`: the reference decodes only those). With a `VerdictCache` a
 configuration's result is stored per machine and re-used (`kernels.verdict_cache`).
 """
 from __future__ import annotations
@@ -30,9 +32,10 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import verdict_cache
 from ..verdict_cache import VerdictCache, code_version, environment, function_identity
-from . import probes, reference, slicing, widths, workarounds
+from . import probes, reference, row_sample, slicing, widths, workarounds
 from . import report as report_module
 from .probes import describe, layer_kind, probe, probe_paths, reference_weight
+from .row_sample import compared_rows
 from .report import (OK, REFUSED, AuditReport, ConfigResult, LayerConfig, PathResult,
                      format_table, summary)
 from .slicing import backend_kind, full_size, sliced_layer, sliced_rows
@@ -68,19 +71,29 @@ def quantized_layers(model: nn.Module) -> dict[LayerConfig, list[tuple[str, nn.M
     return groups
 
 
+def untaken_paths(model: nn.Module, cfg: LayerConfig) -> tuple[str, ...]:
+    """Path prefixes of `cfg` the model never calls: an embedding's `as_linear` where the model
+    has its own head (mlx-lm builds `lm_head` only when the embeddings are not tied)."""
+    args = getattr(model, "args", None)
+    own_head = (getattr(args, "tie_word_embeddings", True) is False
+                and isinstance(getattr(model, "lm_head", None), nn.Module))
+    return ("as_linear",) if cfg.kind == "embedding" and own_head else ()
+
+
 def backend_name() -> str:
     device = mx.default_device()
     return f"mlx {mx.__version__} {device.type.name if hasattr(device.type, 'name') else device}"
 
 
 def _probe_every_path(layer, cfg: LayerConfig, seed: int, prompt_rows: int, backend: str,
-                  workaround: str | None = None, stages=STAGES) -> list[PathResult] | None:
+                      workaround: str | None = None, stages=STAGES,
+                      untaken: tuple[str, ...] = ()) -> list[PathResult] | None:
     """Every path of `stages` (kernels/audit/widths.py) of `layer` (or of its `workaround`
     stand-in; None: not applicable): on a slice of its output rows, and on the whole layer
-    where `full_size` says so."""
+    where `full_size` says so, that one compared on the rows `compared_rows` picks."""
     n = cfg.shape[-2]
     rows = sliced_rows(n, backend)
-    staged = lambda path, r: stage_of(path, r) in stages
+    staged = lambda path, r: stage_of(path, r) in stages and not path.startswith(untaken)
     on_whole = lambda path, r: full_size(path, r, n, backend)
     parts = [(sliced_layer(layer, rows) if rows < n else layer,
               lambda path, r: staged(path, r) and not on_whole(path, r))]
@@ -91,27 +104,36 @@ def _probe_every_path(layer, cfg: LayerConfig, seed: int, prompt_rows: int, back
     for part, select in parts:
         if not any(select(p, r) for p, r in paths):
             continue
-        dense = reference_weight(part)
-        target = part if workaround is None else workarounds.build(workaround, part,
-                                                                   cfg.kind, dense)
+        compared = compared_rows(part["weight"].shape[-2])
+        dense = reference_weight(part, compared)
+        if workaround is None:
+            target = part
+        else:  # the dequantized stand-in serves every row: it needs them all decoded
+            whole = (reference_weight(part) if compared is not None and workaround == "dequantized"
+                     else dense)
+            target = workarounds.build(workaround, part, cfg.kind, whole)
         if target is None:
             return None
-        results += probe(target, cfg, dense, seed, prompt_rows, select)
+        results += probe(target, cfg, dense, seed, prompt_rows, select, compared)
     order = {key: i for i, key in enumerate(paths)}
     return sorted(results, key=lambda p: order[(p.path, p.rows)])
 
 
-def _audit_config(cfg: LayerConfig, layers, seed: int, prompt_rows: int, stages=STAGES) -> ConfigResult:
-    """The kernel on the paths of `stages`; where one fails, the workarounds on every path
-    (a stand-in replaces the layer at every width), so a verdict other than OK is final."""
+def _audit_config(cfg: LayerConfig, layers, seed: int, prompt_rows: int, stages=STAGES,
+                  untaken: tuple[str, ...] = ()) -> ConfigResult:
+    """The kernel on the paths of `stages` (less those `untaken`); where one fails, the
+    workarounds on every such path (a stand-in replaces the layer at every width), so a verdict
+    other than OK is final."""
     path0, layer = layers[0]
     backend = backend_kind()
     result = ConfigResult(cfg, [p for p, _ in layers],
-                          _probe_every_path(layer, cfg, seed, prompt_rows, backend, stages=stages))
+                          _probe_every_path(layer, cfg, seed, prompt_rows, backend, stages=stages,
+                                            untaken=untaken))
     if not result.failing:
         return result
     for name in workarounds.WORKAROUNDS:
-        attempt = _probe_every_path(layer, cfg, seed + 1, prompt_rows, backend, workaround=name)
+        attempt = _probe_every_path(layer, cfg, seed + 1, prompt_rows, backend, workaround=name,
+                                    untaken=untaken)
         if attempt is None:
             continue
         result.attempts.append((name, attempt))
@@ -131,12 +153,14 @@ def audit_verdict_cache(root=None) -> VerdictCache:
     return VerdictCache("audit", root)
 
 
-def verdict_key(cfg: LayerConfig, seed: int, prompt_rows: int, stages=STAGES) -> dict:
-    """Everything a configuration's verdict on the paths of `stages` depends on (see
-    kernels/verdict_cache.py)."""
+def verdict_key(cfg: LayerConfig, seed: int, prompt_rows: int, stages=STAGES,
+                untaken: tuple[str, ...] = ()) -> dict:
+    """Everything a configuration's verdict on the paths of `stages` (less those `untaken`)
+    depends on (see kernels/verdict_cache.py)."""
     return {
         "what": "quantized kernel audit",
         "stages": list(stages),
+        "untaken": list(untaken),
         "config": {"kind": cfg.kind, "shape": list(cfg.shape), "mode": cfg.mode,
                    "bits": cfg.bits, "group_size": cfg.group_size, "dtype": cfg.dtype,
                    "transpose": cfg.transpose, "has_bias": cfg.has_bias},
@@ -144,7 +168,7 @@ def verdict_key(cfg: LayerConfig, seed: int, prompt_rows: int, stages=STAGES) ->
         "prompt_rows": prompt_rows,
         "environment": environment(),
         "code": code_version(sys.modules[__name__], verdict_cache, probes, reference,
-                             report_module, slicing, workarounds, widths),
+                             report_module, row_sample, slicing, workarounds, widths),
         "workarounds": list(workarounds.WORKAROUNDS),
         "ops": [function_identity(f) for f in (mx.quantized_matmul, mx.dequantize, mx.gather_qmm)],
     }
@@ -210,10 +234,11 @@ def audit_model(model: nn.Module, *, seed: int = 0, prompt_rows: int = DEFAULT_P
     units = [(stage,) for stage in stages] if defer else [tuple(stages)]
     for cfg, layers in quantized_layers(model).items():
         result, from_cache = None, True
+        untaken = untaken_paths(model, cfg)
         for unit in units:
             if result is not None and result.verdict != OK:
                 break  # a workaround or refusal is judged on every path already
-            key = verdict_key(cfg, seed, prompt_rows, unit) if cache is not None else None
+            key = verdict_key(cfg, seed, prompt_rows, unit, untaken) if cache is not None else None
             part = _cached(cache, key, cfg, layers) if cache is not None and not fresh else None
             if part is None and set(unit) <= set(defer):
                 deferred.update(unit)
@@ -222,7 +247,7 @@ def audit_model(model: nn.Module, *, seed: int = 0, prompt_rows: int = DEFAULT_P
             probed = part is None
             if probed:
                 from_cache = False
-                part = _audit_config(cfg, layers, seed, prompt_rows, unit)
+                part = _audit_config(cfg, layers, seed, prompt_rows, unit, untaken)
                 if cache is not None:
                     cache.put(key, result_to_json(part))
             if on_result is not None:

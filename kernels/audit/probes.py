@@ -8,6 +8,8 @@ counts (the gather+dequantize path) plus `as_linear` for tied heads; gather_qmm 
 MoE switch layers, unsorted at decode and sorted (mlx-lm sorts from 64 rows) for prompts.
 `select(path, rows)` picks which of them run, so the audit can probe some on a slice of
 the layer's output rows and others on the whole layer (`kernels/audit/slicing.py`).
+`compared` (output rows, `kernels/audit/row_sample.py`) limits the comparison, and so the
+reference's decode, to those rows of a large layer; every output must still be finite.
 """
 from __future__ import annotations
 
@@ -81,9 +83,21 @@ def describe(module: nn.Module, kind: str, model_dtype: mx.Dtype) -> LayerConfig
                        dtype=dtype_name(dtype), has_bias="bias" in module)
 
 
-def reference_weight(module: nn.Module) -> np.ndarray:
-    return reference_dequantize(module["weight"], module["scales"], module.get("biases"),
-                                module.mode, module.bits, module.group_size)
+def reference_weight(module: nn.Module, rows: np.ndarray | None = None) -> np.ndarray:
+    """The decoded weight of `module`, only its output `rows` (None: all): a quantized weight's
+    rows decode independently (groups run along K)."""
+    arrays = [module["weight"], module["scales"], module.get("biases")]
+    if rows is not None:
+        index, axis = mx.array(rows), module["weight"].ndim - 2
+        arrays = [None if a is None else mx.take(a, index, axis=axis) for a in arrays]
+    return reference_dequantize(*arrays, module.mode, module.bits, module.group_size)
+
+
+def _bias(module, cfg: LayerConfig, compared: np.ndarray | None) -> np.ndarray | None:
+    if not cfg.has_bias:
+        return None
+    bias = np.array(module["bias"].astype(mx.float32))
+    return bias if compared is None else bias[..., compared]
 
 
 def _round_to(a: np.ndarray, dtype: str) -> np.ndarray:
@@ -108,15 +122,26 @@ def _all(path: str, rows: int) -> bool:
     return True
 
 
+def _compared_part(out: mx.array, compared: np.ndarray | None) -> mx.array:
+    if compared is None:
+        return out
+    picked = mx.take(out, mx.array(compared), axis=-1)
+    # the rows not compared must still hold numbers: a NaN or inf anywhere fails the path
+    return mx.where(mx.isfinite(out).all(), picked, mx.nan)
+
+
 def _measure(path: str, rows: int, tol: float, run: Callable[[], tuple[mx.array, np.ndarray]],
-             out_rows: int) -> PathResult:
+             out_rows: int, compared: np.ndarray | None = None) -> PathResult:
+    sampled = None if compared is None else len(compared)
     try:
         out, ref = run()
+        out = _compared_part(out, compared)
         mx.eval(out)
-        return PathResult(path, rows, _rel_error(out, ref), tol, out_rows=out_rows)
+        return PathResult(path, rows, _rel_error(out, ref), tol, out_rows=out_rows,
+                          compared_rows=sampled)
     except Exception as exc:  # a kernel that raises is a failing path, not a crash
         return PathResult(path, rows, None, tol, exception=f"{type(exc).__name__}: {exc}",
-                          out_rows=out_rows)
+                          out_rows=out_rows, compared_rows=sampled)
 
 
 def _inputs(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> tuple[mx.array, np.ndarray]:
@@ -124,8 +149,9 @@ def _inputs(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> tup
     return mx.array(x).astype(getattr(mx, dtype)), x
 
 
-def _matmul_paths(call, w: np.ndarray, bias: np.ndarray | None, cfg: LayerConfig,
-                  rng, rows_list, select: Select, prefix: str = "matmul") -> list[PathResult]:
+def _matmul_paths(call, w: np.ndarray, bias: np.ndarray | None, cfg: LayerConfig, rng, rows_list,
+                  select: Select, out_rows: int, compared: np.ndarray | None,
+                  prefix: str = "matmul") -> list[PathResult]:
     tol = tolerance(cfg.mode, cfg.dtype)
     results = []
     for name, rows in rows_list:
@@ -136,22 +162,27 @@ def _matmul_paths(call, w: np.ndarray, bias: np.ndarray | None, cfg: LayerConfig
             x, xn = _inputs(rng, (1, rows, w.shape[1]), cfg.dtype)
             ref = xn @ w.T + (bias if bias is not None else 0.0)
             return call(x), ref
-        results.append(_measure(f"{prefix} {name}", rows, tol, run, w.shape[0]))
+        results.append(_measure(f"{prefix} {name}", rows, tol, run, out_rows, compared))
     return results
 
 
+def _out_rows(module) -> int:
+    return module["weight"].shape[-2]
+
+
 def probe_linear(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: int,
-                 select: Select = _all) -> list[PathResult]:
-    bias = np.array(module["bias"].astype(mx.float32)) if cfg.has_bias else None
+                 select: Select = _all, compared: np.ndarray | None = None) -> list[PathResult]:
     w = _round_to(w, cfg.dtype)
     rows = (*MATMUL_ROWS, ("prompt", prompt_rows))
-    return _matmul_paths(module, w, bias, cfg, rng, rows, select)
+    return _matmul_paths(module, w, _bias(module, cfg, compared), cfg, rng, rows, select,
+                         _out_rows(module), compared)
 
 
 def probe_embedding(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: int,
-                    select: Select = _all) -> list[PathResult]:
+                    select: Select = _all, compared: np.ndarray | None = None) -> list[PathResult]:
     tol = tolerance(cfg.mode, cfg.dtype)
     w = _round_to(w, cfg.dtype)
+    n = _out_rows(module)
     results = []
     for rows in LOOKUP_ROWS:
         path = f"lookup {'odd' if rows % 2 else 'even'}"
@@ -159,25 +190,38 @@ def probe_embedding(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: i
             continue
 
         def run(rows=rows):
-            idx = rng.integers(0, w.shape[0], size=(1, rows))
-            return module(mx.array(idx)), w[idx]
-        results.append(_measure(path, rows, tol, run, w.shape[0]))
+            at = rng.integers(0, w.shape[0], size=(1, rows))  # rows of w: of the sample, if one
+            ids = at if compared is None else compared[at]
+            return module(mx.array(ids)), w[at]
+        results.append(_measure(path, rows, tol, run, n))
     rows = (*MATMUL_ROWS, ("prompt", prompt_rows))
-    return results + _matmul_paths(module.as_linear, w, None, cfg, rng, rows, select,
-                                   prefix="as_linear")
+    return results + _matmul_paths(module.as_linear, w, None, cfg, rng, rows, select, n,
+                                   compared, prefix="as_linear")
+
+
+def _expert_order(rng, experts: int) -> np.ndarray:
+    """Every expert once, the last one first, the rest shuffled: a gather probe routes as many
+    of them as its rows hold, so each expert's (compared) rows are checked where the rows allow
+    and the end of the expert stack always (as the row sample keeps a layer's last rows)."""
+    return np.concatenate([[experts - 1], rng.permutation(experts - 1)]).astype(np.int64)
 
 
 def probe_switch(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: int,
-                 select: Select = _all) -> list[PathResult]:
+                 select: Select = _all, compared: np.ndarray | None = None) -> list[PathResult]:
     tol = tolerance(cfg.mode, cfg.dtype)
     w = _round_to(w, cfg.dtype)
     experts, _, k = w.shape
-    bias = np.array(module["bias"].astype(mx.float32)) if cfg.has_bias else None
+    n = _out_rows(module)
+    bias = _bias(module, cfg, compared)
     top_k = min(TOP_K, experts)
     results = []
 
     def ref_rows(xn: np.ndarray, idx: np.ndarray) -> np.ndarray:
-        out = np.einsum("nk,nok->no", xn, w[idx])
+        # one product per expert routed: w[idx] would copy an expert's weight for every row
+        out = np.empty((len(idx), w.shape[1]), dtype=np.float32)
+        for e in np.unique(idx):
+            at = idx == e
+            out[at] = xn[at] @ w[e].T
         return out + bias[idx] if bias is not None else out
 
     for name, tokens in GATHER_ROWS:
@@ -187,10 +231,12 @@ def probe_switch(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: int,
         def run(tokens=tokens):
             # SwitchGLU's unsorted layout: x (B, L, 1, 1, K), indices (B, L, top_k).
             x, xn = _inputs(rng, (1, tokens, 1, 1, k), cfg.dtype)
-            idx = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])[None]
+            # consecutive slots of the order: a token's top_k experts are distinct
+            slots = np.arange(tokens * top_k).reshape(1, tokens, top_k)
+            idx = _expert_order(rng, experts)[slots % experts]
             ref = ref_rows(np.repeat(xn[0, :, 0, 0], top_k, 0), idx.reshape(-1))
             return module(x, mx.array(idx)), ref.reshape(1, tokens, top_k, 1, -1)
-        results.append(_measure(f"gather {name}", tokens, tol, run, w.shape[1]))
+        results.append(_measure(f"gather {name}", tokens, tol, run, n, compared))
     for name, tokens in SORTED_GATHER_ROWS:
         tokens = tokens or prompt_rows
         if not select(f"gather {name}", tokens):
@@ -200,10 +246,11 @@ def probe_switch(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: int,
             # Sorted layout (mlx-lm sorts once indices.size >= 64): x (N, 1, K), sorted ids.
             n = tokens * top_k
             x, xn = _inputs(rng, (n, 1, k), cfg.dtype)
-            idx = np.sort(rng.integers(0, experts, size=n))
+            covered = _expert_order(rng, experts)[:n]
+            idx = np.sort(np.concatenate([covered, rng.integers(0, experts, size=n - len(covered))]))
             ref = ref_rows(xn[:, 0], idx)[:, None]
             return module(x, mx.array(idx), sorted_indices=True), ref
-        results.append(_measure(f"gather {name}", tokens, tol, run, w.shape[1]))
+        results.append(_measure(f"gather {name}", tokens, tol, run, n, compared))
     return results
 
 
@@ -211,8 +258,9 @@ PROBES = {"linear": probe_linear, "embedding": probe_embedding, "switch": probe_
 
 
 def probe(module, cfg: LayerConfig, w: np.ndarray, seed: int, prompt_rows: int,
-          select: Select = _all) -> list[PathResult]:
+          select: Select = _all, compared: np.ndarray | None = None) -> list[PathResult]:
     """The paths `select` picks (default all) for `module` (a quantized layer or a wrapper
-    standing in for one) whose decoded weight is `w`."""
+    standing in for one) whose decoded weight is `w`: all its output rows, or (`compared`
+    given) only those rows, in that order."""
     rng = np.random.default_rng(seed)
-    return PROBES[cfg.kind](module, cfg, w, rng, prompt_rows, select)
+    return PROBES[cfg.kind](module, cfg, w, rng, prompt_rows, select, compared)

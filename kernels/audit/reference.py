@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 _E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+_FP4 = np.concatenate([_E2M1, -_E2M1])  # by the whole 4-bit code: sign bit 8
 
 
 def _e4m3_table() -> np.ndarray:
@@ -39,8 +40,7 @@ def _unpack(words: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _fp4(codes: np.ndarray) -> np.ndarray:
-    mag = _E2M1[codes & 0x7]
-    return np.where(codes & 0x8, -mag, mag)
+    return _FP4[codes]
 
 
 def _per_group(scales: np.ndarray, group_size: int) -> np.ndarray:

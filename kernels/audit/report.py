@@ -35,6 +35,7 @@ class PathResult:
     tolerance: float
     exception: str | None = None
     out_rows: int = 0         # output rows (N) the probe ran on: a slice or the whole layer
+    compared_rows: int | None = None  # of those, how many were compared (row_sample); None: all
 
     @property
     def ok(self) -> bool:
@@ -91,6 +92,12 @@ def _error_cell(p: PathResult) -> str:
     return f"{p.error:.2e}"
 
 
+def _n_cell(p: PathResult) -> str:
+    if p.compared_rows is None:
+        return str(p.out_rows or "")
+    return f"{p.out_rows} ({p.compared_rows} compared)"
+
+
 def format_table(report: AuditReport) -> str:
     """A plain-text table: configuration, path, error vs tolerance, verdict."""
     header = ("configuration", "layers", "path", "rows", "N", "error", "tol", "result")
@@ -101,7 +108,7 @@ def format_table(report: AuditReport) -> str:
             for p in results:
                 name = p.path if label == "kernel" else f"{label}: {p.path}"
                 rows.append((c.config.label() if first else "", str(len(c.layers)) if first else "",
-                             name, str(p.rows), str(p.out_rows or ""), _error_cell(p),
+                             name, str(p.rows), _n_cell(p), _error_cell(p),
                              f"{p.tolerance:.0e}", "pass" if p.ok else "FAIL"))
                 first = False
         rows.append(("", "", "=> verdict", "", "", "", "", c.verdict))
