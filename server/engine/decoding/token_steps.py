@@ -286,8 +286,8 @@ def draft_cost_estimate(target, draft) -> float:
 @dataclass(frozen=True)
 class DecodeInputs:
     """What one request decodes from: its cache, its tokens so far (extended as it decodes),
-    its sampling and logits processors (server/engine/logits_processors.py), how many tokens
-    it may still emit (`remaining()`) and whether its client left (`cancelled()`)."""
+    its sampling and logits processors (server/engine/decoding/logits_processors.py), how
+    many tokens it may still emit (`remaining()`) and whether its client left (`cancelled()`)."""
 
     cache: list
     context: list[int]
