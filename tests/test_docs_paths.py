@@ -45,7 +45,7 @@ class Tree:
         """A file (or, with `*`, some file) at this repository path."""
         path = str(Path(path))
         if "*" in path:
-            return any(True for _ in glob.iglob(str(self.root / path)))
+            return any(True for _ in glob.iglob(str(self.root / path), recursive=True))
         return path in self.files or (self.root / path).is_file()
 
     def folders_named(self, name: str) -> list[str]:
