@@ -375,10 +375,3 @@ def token_source(runner, cache, context: list[int], params: SamplingParams,
                          Speculation(method, k, draft_model=draft_model))
     return drive(source, runner, cache)
 
-
-def speculative_tokens(runner, cache, context: list[int], params: SamplingParams, drafter, k: int,
-                       stats: SpeculationStats, remaining: Callable[[], int] = _unbounded,
-                       cancelled: Callable[[], bool] = never) -> Iterator[list[Step]]:
-    """Speculative decoding with a given drafter, solo (tests and tools pick their drafter)."""
-    source = SpeculativeSource(cache, context, params, drafter, k, stats, remaining, cancelled)
-    return drive(source, runner, cache)
