@@ -28,10 +28,14 @@ TABLE_BASE = re.compile(r"^(?:`([\w./-]+/)`|\*\*([\w./-]+/)\*\*)")
 
 
 def tree_files(root: Path) -> list[str]:
-    """The tracked and untracked (not ignored) files, as repository paths."""
+    """The tracked and untracked (not ignored) files, as repository paths; outside a git
+    checkout (a `git archive` copy), every file but hidden folders' and caches'."""
     listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=root,
-                            capture_output=True, text=True, check=True).stdout.split()
-    return [p for p in listed if (root / p).exists()]
+                            capture_output=True, text=True)
+    if listed.returncode == 0:
+        return [p for p in listed.stdout.split() if (root / p).exists()]
+    return [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()
+            and not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(root).parts)]
 
 
 class Tree:
