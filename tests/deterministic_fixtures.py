@@ -19,7 +19,7 @@ from lockstep.server.engine.generate import GenerationRequest, generate
 from lockstep.server.engine.runner.model_runner import ModelRunner
 from lockstep.server.engine.decoding.request_report import rendered
 from lockstep.server.engine.decoding.sampling import SamplingParams
-from lockstep.server.engine.decoding.token_steps import PlainSource, SpeculationStats, drive, speculative_tokens
+from lockstep.server.engine.decoding.token_steps import PlainSource, SpeculationStats, SpeculativeSource, drive
 
 GREEDY = SamplingParams(temperature=0.0, top_logprobs=3)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, top_logprobs=3)
@@ -142,7 +142,7 @@ def steps_from(model, prompt: list[int], n: int, params: SamplingParams, *, draf
     if drafter is None:
         source = drive(PlainSource(cache, context, params, stats), runner, cache)
     else:
-        source = speculative_tokens(runner, cache, context, params, drafter, k, stats)
+        source = drive(SpeculativeSource(cache, context, params, drafter, k, stats), runner, cache)
     steps = []
     for batch in source:
         steps.extend(batch)

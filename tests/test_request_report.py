@@ -1,4 +1,4 @@
-"""RequestReport (server/engine/request_report.py): typed fields, rendered as the `lockstep`
+"""RequestReport (server/engine/decoding/request_report.py): typed fields, rendered as the `lockstep`
 object byte for byte as the string-keyed dict it replaces."""
 import json
 

@@ -1,4 +1,4 @@
-"""What passes between the scheduler and the model runner (server/engine/step_data.py) is
+"""What passes between the scheduler and the model runner (server/engine/runner/step_data.py) is
 plain data: the scheduler says which requests run how many rows, the runner returns the
 tokens it chose, and the scheduler's update alone advances the requests."""
 from types import SimpleNamespace

@@ -1,6 +1,6 @@
 """Pipeline parallel for mlx-lm's llama, from outside its model file.
 
-mlx-lm pipelines some architectures (models/pipeline.py `PipelineMixin`, e.g. qwen2); its
+mlx-lm pipelines some architectures (mlx_lm/models/pipeline.py `PipelineMixin`, e.g. qwen2); its
 llama has no `pipeline()`. `pipeline_llama` gives a loaded llama the same behaviour by a
 class swap of its inner `LlamaModel` (same parameters), following mlx-lm's convention:
 - the layers are split evenly, the low ranks taking any extra, in reverse: the last rank

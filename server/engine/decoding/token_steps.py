@@ -286,8 +286,8 @@ def draft_cost_estimate(target, draft) -> float:
 @dataclass(frozen=True)
 class DecodeInputs:
     """What one request decodes from: its cache, its tokens so far (extended as it decodes),
-    its sampling and logits processors (server/engine/logits_processors.py), how many tokens
-    it may still emit (`remaining()`) and whether its client left (`cancelled()`)."""
+    its sampling and logits processors (server/engine/decoding/logits_processors.py), how
+    many tokens it may still emit (`remaining()`) and whether its client left (`cancelled()`)."""
 
     cache: list
     context: list[int]
@@ -375,10 +375,3 @@ def token_source(runner, cache, context: list[int], params: SamplingParams,
                          Speculation(method, k, draft_model=draft_model))
     return drive(source, runner, cache)
 
-
-def speculative_tokens(runner, cache, context: list[int], params: SamplingParams, drafter, k: int,
-                       stats: SpeculationStats, remaining: Callable[[], int] = _unbounded,
-                       cancelled: Callable[[], bool] = never) -> Iterator[list[Step]]:
-    """Speculative decoding with a given drafter, solo (tests and tools pick their drafter)."""
-    source = SpeculativeSource(cache, context, params, drafter, k, stats, remaining, cancelled)
-    return drive(source, runner, cache)

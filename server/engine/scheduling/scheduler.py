@@ -17,9 +17,9 @@ runner's `ModelRunnerOutput`:
    others decode;
 3. every decoding request's rows (1, or at most k + 1 when speculating: its policy's k within
    the room the pass has left), grouped into passes by the determinism rule
-   (server/engine/passes.py), each pass one forward over all its requests' rows; the model
-   runner drafts, runs and samples them, and `update_from_output` advances each request by
-   the tokens the runner chose.
+   (server/engine/scheduling/passes.py), each pass one forward over all its requests' rows;
+   the model runner drafts, runs and samples them, and `update_from_output` advances each
+   request by the tokens the runner chose.
 Until the kernel audit has covered every call width (`audited`, kernels/audit/widths.py: the
 narrow widths are audited after serving starts), no call of an unaudited width runs: prompt
 chunks are cut to audited widths and run alone, every request brings one decode row, and a

@@ -1,7 +1,7 @@
 """Grammars for constrained decoding: JSON objects, JSON schemas and tool calls → token masks.
 
 Engine: llguidance (a maintained Rust engine; Earley parser over a lazily built token trie),
-chosen by measurement (bench/grammar_engines.py, docs/grammar_engines.txt) over xgrammar and
+chosen by measurement (bench/grammar_engines.py, bench/results/grammar_engines.txt) over xgrammar and
 outlines-core on SmolLM2's tokenizer: it honours all 14 structured-output schemas of the bench
 and refuses unsupported keywords with a named error (xgrammar silently ignores them, so its
 output can fail the caller's schema; outlines-core ignores integer bounds); it compiles a
