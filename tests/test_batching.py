@@ -334,6 +334,28 @@ def test_negative_control_the_same_batching_without_invariant_kernels_diverges()
 
 # ------------------------------------------------------------------ capacity and prefill
 
+def test_without_a_prompt_cap_a_prompt_fills_what_the_kv_budget_holds():
+    """No --max-prompt-tokens: a long prompt is answered as far as the KV budget holds it
+    (max_tokens, when the request sets none, is what the budget leaves beside it), and one
+    the budget cannot hold with a single token is a 400 naming the longest prompt it can."""
+    app, engine, _ = serve_tiny(0, max_kv_tokens=700)
+    engine.start()
+    try:
+        with running(app) as url:
+            # 420 prompt tokens + 256 (a KV allocation step) leave 24 tokens of the 700
+            fits = httpx.post(url + "/v1/completions", timeout=120,
+                              json={"model": "default", "prompt": [(i % 90) + 5 for i in range(420)]})
+            assert fits.status_code == 200, fits.text
+            assert 1 <= fits.json()["usage"]["completion_tokens"] <= 24
+            too_long = httpx.post(url + "/v1/completions", json={"model": "default",
+                                                                 "prompt": [(i % 90) + 5 for i in range(450)]})
+            assert too_long.status_code == 400
+            error = too_long.json()["error"]
+            assert error["code"] == "prompt_too_long" and error["param"] == "prompt" and "at most 443" in error["message"]
+    finally:
+        engine.stop()
+
+
 def test_kv_budget_refuses_what_never_fits_and_queues_what_does_not_fit_yet():
     app, engine, log = serve_tiny(0, max_kv_tokens=700)
     engine.start()
