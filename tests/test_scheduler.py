@@ -247,6 +247,33 @@ def test_a_long_deterministic_prompt_yields_steps_to_decoding_requests_in_canoni
     assert between and min(between) >= 32 // 8  # the short request's decode steps between two chunks
 
 
+def test_the_cpu_deployment_chunks_deterministic_prompts_narrower_unless_told(monkeypatch):
+    """Issue 54: a 512-token deterministic chunk held a short request beside it for 3-5 s on
+    the CPU. Without --prefill-chunk the CPU deployment (serve's own flags, the embedded
+    model) chunks deterministic prompts at CPU_PREFILL_CHUNK, and says so in its fingerprint;
+    a given --prefill-chunk is kept."""
+    import argparse
+
+    import mlx.core as mx
+
+    from lockstep.server.commands.runtime_args import add_determinism_arguments, add_model_arguments, options_from_args
+    from lockstep.server.engine.deployment import CPU_PLAIN_PREFILL_CHUNK, CPU_PREFILL_CHUNK, PREFILL_CHUNK
+    from lockstep.server.runtime import build_runtime
+
+    assert mx.default_device().type == mx.DeviceType.cpu
+    monkeypatch.delenv("LOCKSTEP_BATCH_INVARIANT_LIMIT", raising=False)
+    monkeypatch.delenv("MLX_METAL_BATCH_INVARIANT_LIMIT", raising=False)
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    add_determinism_arguments(parser)
+    default = build_runtime(options_from_args(parser.parse_args([]))).deployment
+    told = build_runtime(options_from_args(parser.parse_args(["--prefill-chunk", str(PREFILL_CHUNK)]))).deployment
+    assert CPU_PLAIN_PREFILL_CHUNK < CPU_PREFILL_CHUNK < PREFILL_CHUNK
+    assert (default.prefill_chunk, default.plain_prefill_chunk) == (CPU_PREFILL_CHUNK, CPU_PLAIN_PREFILL_CHUNK)
+    assert (told.prefill_chunk, told.plain_prefill_chunk) == (PREFILL_CHUNK, CPU_PLAIN_PREFILL_CHUNK)
+    assert default.fingerprint != told.fingerprint  # the chunk width changes prompt KV bits
+
+
 # ------------------------------------------------------ 3. n fills every slot
 
 def test_one_request_with_a_large_n_leaves_a_slot_for_others(tiny):
