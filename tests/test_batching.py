@@ -137,6 +137,32 @@ def test_ragged_proof_passes_with_canonical_forms_and_fails_natively(tiny_model)
     set_batch_invariant_limit(tiny_model, 0)
 
 
+@pytest.mark.parametrize("proof", ["ragged", "per_request"])
+def test_a_proof_lets_its_caller_serve_after_every_pass_it_evaluates(tiny_model, monkeypatch, proof):
+    """Issue 54: a restart whose ragged proof was not cached held a plain request ~13 s on the
+    CPU: the proof ran its pool's prefills and solo passes (two per member, 34 members at 32
+    pass rows) before its first step, where the engine serves requests. Every pass the proofs
+    evaluate is a step now: no two evaluations without a step between them."""
+    from lockstep.kernels.batching.ragged_selftest import per_request_self_test
+    from lockstep.kernels.proof_steps import between_steps
+
+    assert set_batch_invariant_limit(tiny_model, LIMIT).guaranteed  # the proofs pass: every width runs
+    events = []
+    evaluate = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *arrays: events.append("e") or evaluate(*arrays))
+    try:
+        with between_steps(lambda: events.append("s")):
+            if proof == "ragged":
+                assert prove_ragged(tiny_model, LIMIT, pass_rows=16)
+            else:
+                assert per_request_self_test(tiny_model, LIMIT, prefixes=(3, 9))
+    finally:
+        monkeypatch.undo()
+        set_batch_invariant_limit(tiny_model, 0)
+    runs = "".join(events)
+    assert runs.count("e") > 2 * LIMIT and "ee" not in runs
+
+
 # ------------------------------------------------------------- the engine under load (HTTP)
 
 class PassLog:
