@@ -69,6 +69,15 @@ class Loaded:
     weights: str = ""
 
 
+def guarantee_words(guarantee) -> str:
+    """The deployment's guarantee as the run's header says it: L is "guaranteed rows" only
+    where the self-test proved it."""
+    if not guarantee.guaranteed:
+        return f"L = {guarantee.call_rows} not proven (deterministic requests run plain, in passes of their own)"
+    return (f"guaranteed rows {guarantee.call_rows}, shared passes {guarantee.shared_passes}, "
+            f"compiled canonical passes {guarantee.compiled_canonical_passes}")
+
+
 def _gaps(times: list[float]) -> float:
     """ms of the median gap between consecutive tokens."""
     return 1e3 * statistics.median(b - a for a, b in zip(times, times[1:]))
@@ -133,9 +142,7 @@ def main():
         deployment = Deployment(kv_pool=kv_pool)
         if deterministic:
             deployment = proven_deployment(model, invariance, kv_pool=kv_pool)
-            print(f"{weights}: strategy {invariance.strategy}, guaranteed rows {deployment.guarantee.call_rows}, shared "
-                  f"passes {deployment.guarantee.shared_passes}, compiled canonical passes "
-                  f"{deployment.guarantee.compiled_canonical_passes}")
+            print(f"{weights}: strategy {invariance.strategy}, {guarantee_words(deployment.guarantee)}")
         loaded = Loaded(model, weights=weights)
         widest = max(8, *(int(s) for s in a.streams.split(",")))  # every stream decodes in each step
         engines = {name: Engine(loaded, max_active=widest, max_batch_rows=widest,

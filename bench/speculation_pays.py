@@ -18,7 +18,10 @@ its speed relative to its own `none`): e.g. `--compare "--batch-invariant-limit 
 Then a 4-token request alone (median of `--rounds`) and sent while a ~1,300-token prompt with
 `speculative: draft` is being served: how long it waits beyond its idle time (goal <= 2 s).
 Each round's long prompt starts differently, so none reuses an earlier one's cached prefix
-(a cold prefill every time), after one warm-up round. `--only-beside` runs just this part.
+(a cold prefill every time), after one warm-up round; with `--compare`, the second server's
+rounds interleaved with the first's, and each long request's own seconds (its prefill's cost)
+beside. `--only-beside` runs just this part. `--long-mode deterministic` sends the long prompt with `deterministic: true` instead
+(`deterministic-draft`: and `speculative: draft`): its canonical `--prefill-chunk` chunks.
 """
 from __future__ import annotations
 
@@ -101,30 +104,47 @@ def side_by_side(clients: list, rounds: int) -> list[str]:
     return lines
 
 
-def beside_long_prompt(client, rounds: int) -> list[str]:
-    short = lambda: ask(client, "Say hi.", 4, False, "none", "")[0]  # noqa: E731
-    idle = statistics.median([short() for _ in range(rounds)])
-    waits = []
+LONG_MODES = {"draft": (False, "draft"), "deterministic": (True, "none"), "deterministic-draft": (True, "draft")}
+
+
+def beside_long_prompt(clients: list, rounds: int, long_mode: str = "draft") -> list[str]:
+    """Per server (their rounds interleaved): the 4-token request alone, and beside a cold long
+    prompt, with the long request's own seconds (what its prefill costs)."""
+    deterministic, choice = LONG_MODES[long_mode]
+    idle = {s: [] for s in range(len(clients))}
+    waits = {s: [] for s in range(len(clients))}
+    longs = {s: [] for s in range(len(clients))}
     for r in range(rounds + 1):  # round 0 warms up
-        started = threading.Event()
-        long_prompt = f"Chronicle {r + 1} of {rounds + 1}. " + LONG_PARAGRAPH * 40
+        for s, client in enumerate(clients):
+            alone = ask(client, "Say hi.", 4, False, "none", "")[0]
+            started = threading.Event()
+            # distinct per round and server: no cached prefix (in memory or on disk) serves it
+            long_prompt = f"Chronicle {r + 1}.{s} of {rounds + 1}. " + LONG_PARAGRAPH * 40
+            long_seconds = []
 
-        def long_request():
-            started.set()
-            ask(client, long_prompt + "\nSummarise this in one line.", 8, False, "draft", "")
+            def long_request():
+                started.set()
+                long_seconds.append(ask(client, long_prompt + "\nSummarise this in one line.", 8,
+                                        deterministic, choice, "")[0])
 
-        worker = threading.Thread(target=long_request)
-        worker.start()
-        started.wait()
-        time.sleep(0.5)  # the long prompt is admitted and prefilling
-        wait = short()
-        if r:
-            waits.append(wait)
-        worker.join()
-    beside = statistics.median(waits)
-    return ["", "| 4-token request | median s |", "|---|---|", f"| alone | {idle:.2f} |",
-            f"| beside a ~1,300-token drafted prompt (cold) | {beside:.2f} (+{beside - idle:.2f}; "
-            f"rounds {', '.join(f'{w:.2f}' for w in waits)}) |"]
+            worker = threading.Thread(target=long_request)
+            worker.start()
+            started.wait()
+            time.sleep(0.5)  # the long prompt is admitted and prefilling
+            wait = ask(client, "Say hi.", 4, False, "none", "")[0]
+            worker.join()
+            if r:
+                idle[s].append(alone)
+                waits[s].append(wait)
+                longs[s].extend(long_seconds)
+    lines = ["", f"4-token request alone and beside a ~1,300-token {'deterministic' if deterministic else 'plain'} "
+             f"prompt (speculative {choice}, cold), median of {rounds} after a warm round",
+             "| server | alone s | beside s | waited s | rounds beside | long request s |", "|---|---|---|---|---|---|"]
+    for s in range(len(clients)):
+        alone, beside = statistics.median(idle[s]), statistics.median(waits[s])
+        lines.append(f"| {'[1]' if s == 0 else f'[{s + 1}]'} | {alone:.2f} | {beside:.2f} | +{beside - alone:.2f} | "
+                     f"{', '.join(f'{w:.2f}' for w in waits[s])} | {statistics.median(longs[s]):.2f} |")
+    return lines
 
 
 def main() -> int:
@@ -135,6 +155,8 @@ def main() -> int:
     parser.add_argument("--compare", help="a second server's serve arguments, its requests interleaved")
     parser.add_argument("--skip-beside", action="store_true", help="leave out the 4-token request beside a long one")
     parser.add_argument("--only-beside", action="store_true", help="only the 4-token request beside a long one")
+    parser.add_argument("--long-mode", choices=sorted(LONG_MODES), default="draft",
+                        help="the long prompt's request: plain drafted (default) or deterministic")
     parser.add_argument("serve_args", nargs="*", default=DEFAULT_SERVE)
     args = parser.parse_args()
     from openai import OpenAI
@@ -162,13 +184,13 @@ def main() -> int:
         print("\n".join(header), flush=True)
         lines = header + ([] if args.only_beside else side_by_side([client, *clients], args.rounds))
         if not args.skip_beside:
-            lines += beside_long_prompt(client, args.rounds)
+            lines += beside_long_prompt([client, *clients], args.rounds, args.long_mode)
     finally:
         for p in (proc, compare_proc):
             if p is not None:
                 p.terminate()
                 p.wait(timeout=60)
-    print("\n".join(lines[-5:]))
+    print("\n".join(lines[-6:]))
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
     return 0

@@ -11,7 +11,9 @@ On the GPU machine (a source tree at /tmp/src, docs/DESIGN.md's "Device runs"), 
 
 Each start is a real server process (`python -m lockstep.server.cli serve`, with this
 interpreter and environment). Measured from the moment the process is spawned:
-- health: the first 200 from /health;
+- health: the first 200 from /health, and the CPU seconds the server process had used by then
+  (Linux /proc; its own and its re-exec's, not its children's): on a machine other work
+  shares, the wall time stretches with the load and the CPU seconds much less;
 - first plain answer: one plain chat request, sent as soon as /health answers;
 - guarantee: when /health's "guarantee" leaves "proving", and the state it settles in
   (a server without that key is taken as "in_force" once /health answers);
@@ -183,6 +185,7 @@ class Start:
     label: str
     log: Path
     health_s: float | None = None
+    health_cpu_s: float | None = None  # the server process's CPU seconds at its first /health 200
     first_plain_s: float | None = None
     plain_error: str | None = None
     guarantee_s: float | None = None
@@ -253,6 +256,16 @@ def stop(proc: subprocess.Popen) -> str | None:
         return f"SIGKILLed {STOP_GRACE_S} s after SIGTERM"
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process `pid` has used (its children not counted), or None
+    where /proc does not say."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def get_json(url: str, timeout: float) -> dict:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         if r.status != 200:
@@ -319,6 +332,7 @@ def measure_start(label: str, serve_args: list[str], env: dict, log: Path, timeo
     try:
         health = wait_for_health(base, proc, deadline)
         result.health_s = time.perf_counter() - t0
+        result.health_cpu_s = cpu_seconds(proc.pid)
         plain = PlainRequest(base, t0, timeout=max(1.0, deadline - time.perf_counter()),
                              model="default_model" if serve_args[:1] == [MLX_LM] else "default")
         plain.start()
@@ -369,6 +383,7 @@ def median_start(starts: list[Start], prefix: str = "") -> Start:
     return Start(
         f"{prefix}restart (median of {len(starts)})", starts[0].log,
         health_s=med(s.health_s for s in starts),
+        health_cpu_s=med(s.health_cpu_s for s in starts),
         first_plain_s=med(s.first_plain_s for s in starts),
         guarantee_s=med(s.guarantee_s for s in starts),
         state="/".join(states) or None,
@@ -430,7 +445,7 @@ def row(s: Start) -> list[str]:
     if s.models_state and s.state and s.models_state != s.state:
         state += f"; /v1/models {s.models_state}"
     guarantee = f"{seconds(s.guarantee_s)} ({state})"
-    health = seconds(s.health_s)
+    health = seconds(s.health_s) + ("" if s.health_cpu_s is None else f" (cpu {s.health_cpu_s:.1f} s)")
     if s.failure:
         health += f" [{s.failure}]"
     return [s.label, health, plain, guarantee, largest_phases(s.phases)]

@@ -18,12 +18,10 @@ from typing import Callable
 
 import mlx.core as mx
 import numpy as np
-from gguf import GGUFReader
 from tqdm import tqdm
 
 from lockstep.models import cache_dir
 from lockstep.models.errors import ModelError
-from lockstep.models.gguf_tensors import GROUP_SIZE, NATIVE_BITS, dequantized, native_affine, unpermute_rope_rows
 from lockstep.models.gguf_tokenizer import GGUFVocab, write_tokenizer
 
 log = logging.getLogger(__name__)
@@ -128,6 +126,8 @@ class GGUFFile:
     """A parsed GGUF: metadata as plain Python values plus the tensor list."""
 
     def __init__(self, path: Path):
+        from gguf import GGUFReader  # only an import reads a GGUF: a start from the cache never does
+
         self.path = path
         try:
             self.reader = GGUFReader(path)
@@ -159,6 +159,8 @@ def read_gguf(path: Path) -> GGUFFile:
 
 def _convert_tensors(gguf: GGUFFile, config: dict, weights: str, progress: bool):
     """All tensors as HF-named numpy arrays, plus mlx-lm per-layer quantization entries."""
+    from lockstep.models.gguf_tensors import GROUP_SIZE, NATIVE_BITS, dequantized, native_affine, unpermute_rope_rows
+
     arch = gguf.architecture
     out: dict[str, np.ndarray] = {}
     quantized: dict[str, dict | bool] = {}
@@ -203,6 +205,8 @@ def imported_dir(path: Path, weights: str, cache_root: Path | None = None) -> Pa
 
 
 def _write_model_dir(gguf: GGUFFile, weights: str, out: Path, progress: bool) -> None:
+    from lockstep.models.gguf_tensors import GROUP_SIZE
+
     vocab = GGUFVocab(gguf.meta, gguf.path)
     config = gguf.architecture.config(gguf.meta, gguf)
     tensors, quantized = _convert_tensors(gguf, config, weights, progress)

@@ -49,12 +49,21 @@ def _context_length(config: dict, tokenizer) -> int:
     return FALLBACK_CONTEXT_LENGTH
 
 
+def quantization_label(quant: dict) -> str:
+    """An mlx-lm `quantization` entry in words: "affine 4-bit g64"; the mx/nv float formats
+    name their bit count already ("nvfp4 g16")."""
+    mode = quant.get("mode", "affine")
+    bits, group = quant.get("bits"), quant.get("group_size")
+    label = mode if mode[-1:].isdigit() or bits is None else f"{mode} {bits}-bit"
+    return f"{label} g{group}" if group else label
+
+
 def _weights_label(config: dict) -> str:
     if "lockstep" in config:  # our GGUF import records its format
         return config["lockstep"]["weights"]
     quant = config.get("quantization")
     if quant:
-        return f"{quant.get('mode', 'affine')}{quant.get('bits', '')}"
+        return quantization_label(quant)
     return config.get("torch_dtype") or config.get("dtype") or "as stored"
 
 

@@ -31,13 +31,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def requested_log_level(argv: list[str]) -> int:
+    """The level --log-level asks for, read from the raw arguments before the parser exists
+    (the early re-exec logs before it), INFO where it is absent or not a level; the parser
+    reads it again."""
+    early = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    early.add_argument("--log-level", default="INFO")
+    try:
+        known, _ = early.parse_known_args(argv[:_command_index(argv)])
+    except (argparse.ArgumentError, SystemExit):
+        return logging.INFO
+    level = logging.getLevelName(str(known.log_level).upper())
+    return level if isinstance(level, int) else logging.INFO
+
+
+def _command_index(argv: list[str]) -> int:
+    """Where the subcommand starts: --log-level is the CLI's only option before it."""
+    from lockstep.server.early_blas import command_and_rest
+
+    command, rest = command_and_rest(argv)
+    return len(argv) - len(rest) - 1 if command is not None else len(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     from lockstep.server.torchless import keep_torch_out
 
     # one log format from the first line on (the early re-exec below may already warn); a
     # process whose logging is set up already (a host program, a test) keeps its own
     ours = not logging.getLogger().handlers
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    raw = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=requested_log_level(raw), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if argv is None:  # from the command line: a re-exec re-runs it (sys.orig_argv)
         from lockstep.server.early_blas import apply_early
 

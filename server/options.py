@@ -15,7 +15,7 @@ from lockstep.kernels.invariance.ops import STRATEGIES
 from lockstep.models.gguf_import import WEIGHT_FORMATS
 from lockstep.models.quantize import Q_MODES
 from lockstep.server.engine.guarantee.decode_plan import METHODS
-from lockstep.server.engine.guarantee.deployment import MAX_DRAFT_TOKENS, PREFILL_CHUNK
+from lockstep.server.engine.guarantee.deployment import MAX_DRAFT_TOKENS
 # serve --max-active / --max-batch-rows, defined beside the rule they bound; re-exported
 from lockstep.server.engine.scheduling.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS  # noqa: F401
 
@@ -46,7 +46,7 @@ DEFAULT_CPU_BLAS = "auto"
 DEFAULT_SPECULATIVE = "none"
 DEFAULT_NUM_DRAFT_TOKENS = 4
 DEFAULT_MAX_DRAFT_TOKENS = MAX_DRAFT_TOKENS
-DEFAULT_PREFILL_CHUNK = PREFILL_CHUNK
+DEFAULT_PREFILL_CHUNK = None  # the backend's: runtime.default_prefill_chunk()
 DEFAULT_PREFIX_CACHE_ENTRIES = 4
 DEFAULT_PROMPT_CACHE_BYTES = 2 << 30  # memory tier
 DEFAULT_PROMPT_CACHE_DISK_BYTES = 8 << 30  # disk tier, when --prompt-cache-dir is on

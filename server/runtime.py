@@ -16,8 +16,8 @@ import mlx.core as mx
 
 from lockstep.server import draft_assessment, model_loading
 from lockstep.server.engine.guarantee.decode_plan import METHODS
-from lockstep.server.engine.guarantee.deployment import (CPU_PLAIN_PREFILL_CHUNK, MAX_DRAFT_TOKENS, Deployment,
-                                                         rewind_refusal)
+from lockstep.server.engine.guarantee.deployment import (CPU_PLAIN_PREFILL_CHUNK, CPU_PREFILL_CHUNK, MAX_DRAFT_TOKENS,
+                                                         PREFILL_CHUNK, Deployment, rewind_refusal)
 from lockstep.server.engine.guarantee.guarantee import PENDING_STRATEGY, Guarantee
 from lockstep.server.engine.guarantee.guarantee_state import OFF, PROVING, GuaranteeState
 from lockstep.server.model_loading import AUDIT_OFF_WARNING, load_draft, rewindable
@@ -69,7 +69,7 @@ class Options:
     draft_where_it_pays: bool = True
     # q/k/v and gate/up each as one matmul (models/fused_projections.py), before the audit
     fuse_projections: bool = False
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK  # None: default_prefill_chunk()
     audit: str = "cached"  # one of AUDIT_MODES (server/options.py says what each does)
     # Applied to the loaded, audited model before batch invariance (distributed sharding,
     # server/distributed/sharding.py); returns a label appended to the model's transform.
@@ -177,6 +177,12 @@ class Runtime:
                              "other requests that name a method get a 400"}
 
 
+def default_prefill_chunk() -> int:
+    """`--prefill-chunk` where none is given: narrower on the CPU, where a deterministic
+    prompt's chunk holds every other request for as long as it runs."""
+    return CPU_PREFILL_CHUNK if mx.default_device().type == mx.DeviceType.cpu else PREFILL_CHUNK
+
+
 def plain_prefill_chunk(prefill_chunk: int) -> int:
     """Tokens a plain prompt's chunk holds on this backend (0: the prefill chunk): smaller on
     the CPU, where a full chunk would hold every other request for seconds."""
@@ -223,6 +229,8 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     if options.num_draft_tokens is not None and options.num_draft_tokens > options.max_draft_tokens:
         raise ValueError(f"--num-draft-tokens {options.num_draft_tokens} is above --max-draft-tokens "
                          f"{options.max_draft_tokens}")
+    if options.prefill_chunk is None:
+        options = dataclasses.replace(options, prefill_chunk=default_prefill_chunk())
     if options.prefill_chunk < 1:
         raise ValueError("--prefill-chunk must be >= 1")
     if options.audit not in AUDIT_MODES:

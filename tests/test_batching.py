@@ -137,6 +137,32 @@ def test_ragged_proof_passes_with_canonical_forms_and_fails_natively(tiny_model)
     set_batch_invariant_limit(tiny_model, 0)
 
 
+@pytest.mark.parametrize("proof", ["ragged", "per_request"])
+def test_a_proof_lets_its_caller_serve_after_every_pass_it_evaluates(tiny_model, monkeypatch, proof):
+    """Issue 54: a restart whose ragged proof was not cached held a plain request ~13 s on the
+    CPU: the proof ran its pool's prefills and solo passes (two per member, 34 members at 32
+    pass rows) before its first step, where the engine serves requests. Every pass the proofs
+    evaluate is a step now: no two evaluations without a step between them."""
+    from lockstep.kernels.batching.ragged_selftest import per_request_self_test
+    from lockstep.kernels.proof_steps import between_steps
+
+    assert set_batch_invariant_limit(tiny_model, LIMIT).guaranteed  # the proofs pass: every width runs
+    events = []
+    evaluate = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *arrays: events.append("e") or evaluate(*arrays))
+    try:
+        with between_steps(lambda: events.append("s")):
+            if proof == "ragged":
+                assert prove_ragged(tiny_model, LIMIT, pass_rows=16)
+            else:
+                assert per_request_self_test(tiny_model, LIMIT, prefixes=(3, 9))
+    finally:
+        monkeypatch.undo()
+        set_batch_invariant_limit(tiny_model, 0)
+    runs = "".join(events)
+    assert runs.count("e") > 2 * LIMIT and "ee" not in runs
+
+
 # ------------------------------------------------------------- the engine under load (HTTP)
 
 class PassLog:
@@ -333,6 +359,28 @@ def test_negative_control_the_same_batching_without_invariant_kernels_diverges()
 
 
 # ------------------------------------------------------------------ capacity and prefill
+
+def test_without_a_prompt_cap_a_prompt_fills_what_the_kv_budget_holds():
+    """No --max-prompt-tokens: a long prompt is answered as far as the KV budget holds it
+    (max_tokens, when the request sets none, is what the budget leaves beside it), and one
+    the budget cannot hold with a single token is a 400 naming the longest prompt it can."""
+    app, engine, _ = serve_tiny(0, max_kv_tokens=700)
+    engine.start()
+    try:
+        with running(app) as url:
+            # 420 prompt tokens + 256 (a KV allocation step) leave 24 tokens of the 700
+            fits = httpx.post(url + "/v1/completions", timeout=120,
+                              json={"model": "default", "prompt": [(i % 90) + 5 for i in range(420)]})
+            assert fits.status_code == 200, fits.text
+            assert 1 <= fits.json()["usage"]["completion_tokens"] <= 24
+            too_long = httpx.post(url + "/v1/completions", json={"model": "default",
+                                                                 "prompt": [(i % 90) + 5 for i in range(450)]})
+            assert too_long.status_code == 400
+            error = too_long.json()["error"]
+            assert error["code"] == "prompt_too_long" and error["param"] == "prompt" and "at most 443" in error["message"]
+    finally:
+        engine.stop()
+
 
 def test_kv_budget_refuses_what_never_fits_and_queues_what_does_not_fit_yet():
     app, engine, log = serve_tiny(0, max_kv_tokens=700)

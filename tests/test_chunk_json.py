@@ -91,3 +91,80 @@ def test_a_text_stream_builds_its_chunk_objects_once_not_per_token(live_server, 
     assert len(events) >= 16
     # the template's one rendering, the role's first chunk (chat) and the final chunk
     assert len(built) <= 3
+
+
+# ------------------------------------------------- /v1/responses and /v1/messages text deltas
+
+def test_a_responses_delta_renders_what_pydantic_renders():
+    from lockstep.server.api import responses_protocol as rp
+    from lockstep.server.api.responses import delta_template
+
+    template = delta_template("msg_1", 2)
+    for sequence, text in enumerate(TEXTS):
+        event = rp.TextDeltaEvent(item_id="msg_1", output_index=2, content_index=0, delta=text,
+                                  sequence_number=sequence + 1000)
+        assert template.fill(text, sequence + 1000) == event.model_dump_json()
+
+
+def test_a_messages_delta_is_the_event_its_framing_writes():
+    from lockstep.server.api import messages_protocol as mp
+    from lockstep.server.api.messages import delta_template
+
+    template = delta_template(1)
+    for text in TEXTS:
+        assert template.fill(text) == mp.event("content_block_delta", index=1,
+                                               delta={"type": "text_delta", "text": text})
+
+
+def _sse_events(text: str) -> list[tuple[str, str]]:
+    events = []
+    for block in text.split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.split("\n") if ": " in line)
+        if "event" in lines:
+            events.append((lines["event"], lines["data"]))
+    return events
+
+
+def test_a_responses_stream_builds_no_delta_object_per_token(live_server, monkeypatch):
+    """Each text delta is its message's template filled in (one TextDeltaEvent built, for the
+    template), and every event is pydantic's rendering of itself."""
+    from lockstep.server.api import responses_protocol as rp
+
+    built = []
+    original = rp.TextDeltaEvent
+
+    def counted(*args, **kwargs):
+        built.append(kwargs.get("delta"))
+        return original(*args, **kwargs)
+    monkeypatch.setattr(rp, "TextDeltaEvent", counted)
+    body = {"model": "default", "input": "Write a short poem about the sea.", "max_output_tokens": 16,
+            "temperature": 0, "stream": True}
+    with httpx.Client(base_url=live_server.removesuffix("/v1"), timeout=300) as http:
+        response = http.post("/v1/responses", json=body)
+    assert response.status_code == 200
+    events = _sse_events(response.text)
+    deltas = [data for kind, data in events if kind == "response.output_text.delta"]
+    assert len(deltas) >= 8 and len(built) <= 1
+    assert [json.loads(data)["sequence_number"] for _, data in events] == list(range(len(events)))
+    for data in deltas:
+        assert original.model_validate_json(data).model_dump_json() == data
+
+
+def test_a_messages_stream_builds_no_delta_dict_per_token(live_server, monkeypatch):
+    """Each text delta is its block's template filled in (`mp.event` called once for it), and
+    every event's data is what json.dumps writes for it."""
+    from lockstep.server.api import messages_protocol as mp
+
+    kinds = []
+    original = mp.event
+    monkeypatch.setattr(mp, "event", lambda kind, **fields: kinds.append(kind) or original(kind, **fields))
+    body = {"model": "default", "max_tokens": 16, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": "Write a short poem about the sea."}]}
+    with httpx.Client(base_url=live_server.removesuffix("/v1"), timeout=300) as http:
+        response = http.post("/v1/messages", json=body)
+    assert response.status_code == 200
+    events = _sse_events(response.text)
+    deltas = [data for kind, data in events if kind == "content_block_delta"]
+    assert len(deltas) >= 8 and kinds.count("content_block_delta") <= 1
+    for data in deltas:
+        assert json.dumps(json.loads(data), ensure_ascii=False) == data

@@ -372,3 +372,18 @@ def test_embedded_answers_capital_of_france(embedded_model):
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
     answer = generate(embedded_model.model, tok, ids, max_tokens=20, sampler=make_sampler(temp=0.0))
     assert "Paris" in answer
+
+
+def test_a_start_from_the_cached_import_reads_no_gguf(embedded_model, tmp_path):
+    """Issue 54 (a restart's imports): a model already imported is loaded without the `gguf`
+    package (its reader and dequantizers are imported by an import only)."""
+    import subprocess
+    import sys
+
+    weights = json.loads((embedded_model.path / "config.json").read_text())["lockstep"]["weights"]
+    code = ("import sys; from lockstep.models.load import load_model; "
+            f"load_model('default', weights={weights!r}); "
+            "print(sorted(m for m in sys.modules if m == 'gguf' or m.startswith(('gguf.', 'lockstep.models.gguf_t'))))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "['lockstep.models.gguf_tokenizer']"

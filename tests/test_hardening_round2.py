@@ -368,18 +368,19 @@ def test_openapi_schema_needs_the_key_when_keys_are_set(app_url):
     assert httpx.get(app_url[0] + "/openapi.json", headers=AUTH).status_code == 200
 
 
-def test_cpu_gets_a_default_prompt_cap_and_the_flag_overrides_it(monkeypatch):
+def test_the_cpu_takes_a_long_history_by_default_and_the_flag_caps_it(monkeypatch):
+    """Agents send long conversations: without --max-prompt-tokens a prompt may fill the
+    model's context on the CPU too (it was capped at 2,048 tokens there)."""
     import argparse
 
     from lockstep.server.commands.http_args import add_http_arguments, http_settings_from_args
-    from lockstep.server.api.limits import DEFAULT_CPU_MAX_PROMPT_TOKENS
 
     monkeypatch.delenv("LOCKSTEP_API_KEYS", raising=False)
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", default="127.0.0.1")
     add_http_arguments(parser)
     assert mx.default_device() == mx.cpu  # CI's backend
-    assert http_settings_from_args(parser.parse_args([]))["limits"].max_prompt_tokens == DEFAULT_CPU_MAX_PROMPT_TOKENS
+    assert http_settings_from_args(parser.parse_args([]))["limits"].max_prompt_tokens is None
     settings = http_settings_from_args(parser.parse_args(["--max-prompt-tokens", "7000"]))
     assert settings["limits"].max_prompt_tokens == 7000
 

@@ -206,6 +206,74 @@ def test_a_long_plain_prompt_leaves_every_other_step_to_decoding_requests(tiny, 
     assert 4 <= window.count(8) <= 6
 
 
+def test_a_long_deterministic_prompt_yields_steps_to_decoding_requests_in_canonical_chunks(tiny, monkeypatch):
+    """Issue 54: beside a long deterministic prompt a short request got one token per
+    canonical chunk. The chunks keep --prefill-chunk's shape (the bits depend on it), but
+    while a request decodes each waits as many steps as the plain chunks it spans: the short
+    request's decode passes run between two of the long prompt's chunks, and the long
+    answer's tokens and logprob bits are those it gets alone."""
+    from lockstep.server.engine import Engine
+
+    events = []
+    original = model_runner.prompt_forward
+    original_decode = ModelRunner.decode
+    monkeypatch.setattr(model_runner, "prompt_forward",
+                        lambda model, cache, tokens: events.append(len(tokens)) or original(model, cache, tokens))
+
+    def decode(self, decode_pass, **kwargs):
+        events.append("decode")
+        return original_decode(self, decode_pass, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "decode", decode)
+    deployment = Deployment(prefill_chunk=32, plain_prefill_chunk=8)
+    det = plan_request(deployment, deterministic=True, speculative=None, num_draft_tokens=None)
+    greedy = SamplingParams(temperature=0.0, top_logprobs=0)
+    long_prompt = [(i * 7) % 200 + 1 for i in range(200)]
+    engine = Engine(tiny, max_active=4, deployment=deployment).start()
+    try:
+        _, alone = finish_order(engine, [("long", GenerationRequest(long_prompt, 6, greedy), det)])
+        events.clear()
+        order, beside = finish_order(engine, [("short", GenerationRequest([5, 6, 7], 12, greedy), plain(deployment)),
+                                              ("long", GenerationRequest(long_prompt, 6, greedy), det)])
+    finally:
+        engine.stop()
+    assert order == ["short", "long"]
+    assert beside["long"] == alone["long"] and alone["long"][1]  # the same tokens and logprob bits
+    chunks = [i for i, event in enumerate(events) if event == 32]
+    assert len(chunks) == 6  # 199 prompt tokens: canonical chunks from position 0 (6 x 32, then 7)
+    # the short request's 12 decode passes come first (the long one decodes after its prompt)
+    last_short = [i for i, event in enumerate(events) if event == "decode"][11]
+    between = [events[a:b].count("decode") for a, b in zip(chunks, chunks[1:]) if b < last_short]
+    assert between and min(between) >= 32 // 8  # the short request's decode steps between two chunks
+
+
+def test_the_cpu_deployment_chunks_deterministic_prompts_narrower_unless_told(monkeypatch):
+    """Issue 54: a 512-token deterministic chunk held a short request beside it for 3-5 s on
+    the CPU. Without --prefill-chunk the CPU deployment (serve's own flags, the embedded
+    model) chunks deterministic prompts at CPU_PREFILL_CHUNK, and says so in its fingerprint;
+    a given --prefill-chunk is kept."""
+    import argparse
+
+    import mlx.core as mx
+
+    from lockstep.server.commands.runtime_args import add_determinism_arguments, add_model_arguments, options_from_args
+    from lockstep.server.engine.guarantee.deployment import CPU_PLAIN_PREFILL_CHUNK, CPU_PREFILL_CHUNK, PREFILL_CHUNK
+    from lockstep.server.runtime import build_runtime
+
+    assert mx.default_device().type == mx.DeviceType.cpu
+    monkeypatch.delenv("LOCKSTEP_BATCH_INVARIANT_LIMIT", raising=False)
+    monkeypatch.delenv("MLX_METAL_BATCH_INVARIANT_LIMIT", raising=False)
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    add_determinism_arguments(parser)
+    default = build_runtime(options_from_args(parser.parse_args([]))).deployment
+    told = build_runtime(options_from_args(parser.parse_args(["--prefill-chunk", str(PREFILL_CHUNK)]))).deployment
+    assert CPU_PLAIN_PREFILL_CHUNK < CPU_PREFILL_CHUNK < PREFILL_CHUNK
+    assert (default.prefill_chunk, default.plain_prefill_chunk) == (CPU_PREFILL_CHUNK, CPU_PLAIN_PREFILL_CHUNK)
+    assert (told.prefill_chunk, told.plain_prefill_chunk) == (PREFILL_CHUNK, CPU_PLAIN_PREFILL_CHUNK)
+    assert default.fingerprint != told.fingerprint  # the chunk width changes prompt KV bits
+
+
 # ------------------------------------------------------ 3. n fills every slot
 
 def test_one_request_with_a_large_n_leaves_a_slot_for_others(tiny):

@@ -124,6 +124,7 @@ def prove_ragged(model, call_rows: int, *, seed: int = 0, vocab: int | None = No
         mx.eval([c.state for c in cache])
         prompts.append(tokens[prefix:])
         caches.append(cache)
+        step_done()  # the pool's passes before the first width are many: each is a step
 
     solo = []
     for i, (prefix, _) in enumerate(pool):
@@ -132,6 +133,7 @@ def prove_ragged(model, call_rows: int, *, seed: int = 0, vocab: int | None = No
         kv = new_state(cache, prefix)
         mx.eval(logits, kv)
         solo.append((logits, kv))
+        step_done()
 
     widths = tuple(range(1, widest + 1))
     passes = CompiledPasses(model, made.pool) if compiled else None
@@ -246,6 +248,7 @@ def _per_request_self_test(model, call_rows: int, prefixes, widths: tuple, seed:
             model(prompts[j : j + 1, : prefix + j], cache=cache)
             mx.eval([c.state for c in cache])
             caches.append(cache)
+            step_done()  # each pass before the widths' is a step too
         alone = []
         for j in range(members):
             own = copy.deepcopy(caches[j])
@@ -253,6 +256,7 @@ def _per_request_self_test(model, call_rows: int, prefixes, widths: tuple, seed:
             state = new_state(own, prefix + j)
             mx.eval(logits, state)
             alone.append((logits, state))
+            step_done()
         for w in widths:
             together = [copy.deepcopy(caches[j]) for j in range(w)]
             outs = ragged_forward(model, [(together[j], [rows[j]]) for j in range(w)])

@@ -235,6 +235,10 @@ class Routes:
             raise context_length_exceeded(len(prompt), context, param)
         if self.limits.max_prompt_tokens is not None and len(prompt) > self.limits.max_prompt_tokens:
             raise prompt_too_long(len(prompt), self.limits.max_prompt_tokens, param)
+        # without --max-prompt-tokens a prompt may fill the context, as far as KV memory holds it
+        kv_room = self.engine.kv_room(len(prompt)) if hasattr(self.engine, "kv_room") else None
+        if self.limits.max_prompt_tokens is None and kv_room is not None and kv_room < 1:
+            raise prompt_too_long(len(prompt), len(prompt) + kv_room - 1, param)
         if len(prediction) > self.limits.max_prediction_tokens:
             raise prediction_too_long(len(prediction), self.limits.max_prediction_tokens)
         requested = body.token_limit()
@@ -250,7 +254,7 @@ class Routes:
         requests = [
             GenerationRequest(
                 prompt_tokens=prompt,
-                max_tokens=requested or min(self.limits.max_tokens, context - len(prompt)),
+                max_tokens=requested or self._default_max_tokens(len(prompt), plan, kv_room),
                 sampling=self._sampling(body, i),
                 stop=tuple(body.stop_list()) + self._tool_stops(body),
                 presence_penalty=body.presence_penalty,
@@ -275,6 +279,15 @@ class Routes:
         if self.recorder is not None:  # `serve --record`: written once every choice has finished
             handles = RecordedGroup(self.recorder, body, handles).handles
         return handles
+
+    def _default_max_tokens(self, prompt_tokens: int, plan: DecodePlan, kv_room: int | None) -> int:
+        """max_tokens for a request that sets none: --max-tokens-limit, within the context and
+        what the KV budget leaves beside the prompt (a long conversation is answered, not
+        refused for a limit it did not ask for)."""
+        tokens = min(self.limits.max_tokens, self.loaded.context_length - prompt_tokens)
+        if kv_room is not None:
+            tokens = min(tokens, kv_room - plan.num_draft_tokens)
+        return max(1, tokens)
 
     async def _await_guarantee(self) -> None:
         """A deterministic request is planned only once the guarantee's proof has settled (it

@@ -21,25 +21,13 @@ DEFAULT_GRAMMAR_QUEUE = 16
 # A prediction's tokens are indexed per request (server/engine/decoding/speculative.py PredictionIndex):
 # twice the default max_tokens leaves room for an answer that deletes much of its prediction.
 DEFAULT_MAX_PREDICTION_TOKENS = 8192
-# On MLX's CPU backend a prompt of the full 8192-token context holds a slot for minutes
-# (prefill there is orders of magnitude slower than on a GPU: docs/BENCHMARKS.md, CPU), so the
-# CPU gets a default cap.
-# Set --max-prompt-tokens to raise it.
-DEFAULT_CPU_MAX_PROMPT_TOKENS = 2048
-
-
-def default_max_prompt_tokens() -> int | None:
-    """The prompt cap when --max-prompt-tokens is not given: the CPU's default, else none."""
-    import mlx.core as mx
-
-    return DEFAULT_CPU_MAX_PROMPT_TOKENS if mx.default_device() == mx.cpu else None
-
-
 @dataclass(frozen=True)
 class Limits:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_tokens: int = DEFAULT_MAX_TOKENS  # per-request generation cap (max_tokens above it: 400)
-    max_prompt_tokens: int | None = None  # None: only the model's context length applies
+    # None: the model's context length, as far as the KV budget holds the prompt (agents send
+    # long histories; a long prompt's chunks yield to decoding requests, so it holds none up)
+    max_prompt_tokens: int | None = None
     max_queue: int | None = DEFAULT_MAX_QUEUE  # waiting requests before new ones get 429
     grammar_workers: int = DEFAULT_GRAMMAR_WORKERS  # grammar checks running at once
     grammar_queue: int = DEFAULT_GRAMMAR_QUEUE  # grammar checks waiting before new ones get 429

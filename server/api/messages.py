@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from lockstep.server.api import choices
 from lockstep.server.api import messages_protocol as mp
 from lockstep.server.api.chat_protocol import ChatCompletionRequest
+from lockstep.server.api.chunk_json import EventTemplate
 from lockstep.server.api.errors import APIError, generation_error, validation_text
 from lockstep.server.api.tool_call_stream import ToolCallStream
 from lockstep.server.api.tool_calls import ParsedCall, new_call_id
@@ -168,6 +169,7 @@ class ContentBlocks:
         self._calls_stream = calls
         self._calls: list[ParsedCall] = []
         self._text: mp.OutputText | None = None
+        self._delta_event: EventTemplate | None = None  # the open text block's deltas
         self._held = ""
 
     @property
@@ -208,14 +210,15 @@ class ContentBlocks:
     def _open_text(self) -> list[str]:
         self._text = mp.OutputText()
         self.blocks.append(self._text)
-        return [mp.event("content_block_start", index=len(self.blocks) - 1, content_block={"type": "text", "text": ""})]
+        index = len(self.blocks) - 1
+        self._delta_event = delta_template(index)
+        return [mp.event("content_block_start", index=index, content_block={"type": "text", "text": ""})]
 
     def _delta(self, text: str) -> list[str]:
         if not text:
             return []
         self._text.text += text
-        return [mp.event("content_block_delta", index=self.blocks.index(self._text),
-                         delta={"type": "text_delta", "text": text})]
+        return [self._delta_event.fill(text)]
 
     def _tool_use(self, call: ParsedCall) -> list[str]:
         block = mp.OutputToolUse(id=new_call_id().replace("call_", "toolu_", 1), name=call.name,
@@ -227,6 +230,14 @@ class ContentBlocks:
                 mp.event("content_block_delta", index=index,
                          delta={"type": "input_json_delta", "partial_json": json.dumps(block.input)}),
                 mp.event("content_block_stop", index=index)]
+
+
+def delta_template(index: int) -> EventTemplate:
+    """A text block's content_block_delta events as `mp.event` frames them, built once per block
+    (a stream's most frequent event builds and encodes no dict)."""
+    return EventTemplate(lambda _, text: mp.event("content_block_delta", index=index,
+                                                  delta={"type": "text_delta", "text": text}),
+                         text_json=lambda text: json.dumps(text, ensure_ascii=False))
 
 
 # ----------------------------------------------------------------------------- route

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from lockstep.server.api import choices
 from lockstep.server.api.chat_protocol import ChatCompletionRequest
 from lockstep.server.api import responses_protocol as rp
+from lockstep.server.api.chunk_json import EventTemplate
 from lockstep.server.api.errors import APIError, generation_error, validation_text
 from lockstep.server.api.tool_call_stream import ToolCallStream
 from lockstep.server.api.tool_calls import ParsedCall, new_call_id
@@ -132,6 +133,7 @@ class OutputItems:
         self._calls_stream = calls
         self._calls: list[ParsedCall] = []
         self._message: rp.OutputMessage | None = None
+        self._delta_json: EventTemplate | None = None  # the open message's text deltas
         self._held = ""
 
     def add(self, text: str) -> list[rp.StreamEvent]:
@@ -169,6 +171,7 @@ class OutputItems:
         self._message = rp.OutputMessage(id=rp.new_id("msg"), content=[rp.OutputTextPart()])
         self.items.append(self._message)
         index = len(self.items) - 1
+        self._delta_json = delta_template(self._message.id, index)
         return [rp.OutputItemEvent(type="response.output_item.added", output_index=index,
                                    item=self._message.model_copy(deep=True)),
                 rp.ContentPartEvent(type="response.content_part.added", item_id=self._message.id,
@@ -178,8 +181,7 @@ class OutputItems:
         if not text:
             return []
         self._message.content[0].text += text
-        return [rp.TextDeltaEvent(item_id=self._message.id, output_index=self.items.index(self._message),
-                                  content_index=0, delta=text)]
+        return [TextDelta(self._delta_json, text)]
 
     def _close_message(self, status: str) -> list[rp.StreamEvent]:
         message, self._message = self._message, None
@@ -202,6 +204,28 @@ class OutputItems:
                 rp.ArgumentsDoneEvent(item_id=item.id, output_index=index, name=item.name,
                                       arguments=item.arguments),
                 rp.OutputItemEvent(type="response.output_item.done", output_index=index, item=item)]
+
+
+def delta_template(item_id: str, output_index: int) -> EventTemplate:
+    """A message's text delta events as pydantic renders them, built once per message."""
+    return EventTemplate(lambda sequence, text: rp.TextDeltaEvent(
+        item_id=item_id, output_index=output_index, content_index=0, delta=text,
+        sequence_number=sequence).model_dump_json(), number_field="sequence_number")
+
+
+class TextDelta:
+    """A response.output_text.delta event, its JSON filled into its message's template (a
+    stream's most frequent event builds no pydantic object); numbered as the stream sends it."""
+
+    type = "response.output_text.delta"
+
+    def __init__(self, template: EventTemplate, text: str):
+        self.template = template
+        self.delta = text
+        self.sequence_number = 0
+
+    def model_dump_json(self) -> str:
+        return self.template.fill(self.delta, self.sequence_number)
 
 
 # ----------------------------------------------------------------------------- route

@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 
 from lockstep.server.api.auth import KEYS_ENV, api_keys, warn_if_exposed
-from lockstep.server.api.limits import (DEFAULT_CPU_MAX_PROMPT_TOKENS, DEFAULT_GRAMMAR_QUEUE, DEFAULT_GRAMMAR_WORKERS,
+from lockstep.server.api.limits import (DEFAULT_GRAMMAR_QUEUE, DEFAULT_GRAMMAR_WORKERS,
                            DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PREDICTION_TOKENS, DEFAULT_MAX_QUEUE,
-                           DEFAULT_MAX_TOKENS, Limits, default_max_prompt_tokens)
+                           DEFAULT_MAX_TOKENS, Limits)
 from lockstep.server.api.connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                              DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, ConnectionLimits)
 from lockstep.server.api.file_limit import RESERVED_FDS, max_connections
@@ -44,8 +44,8 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"largest max_tokens a request may ask for; larger gets 400, and it is the "
                              f"default when a request sets none (default {DEFAULT_MAX_TOKENS})")
     parser.add_argument("--max-prompt-tokens", type=_positive_int, default=None,
-                        help=f"longest prompt in tokens; longer gets 400 (default: "
-                             f"{DEFAULT_CPU_MAX_PROMPT_TOKENS} on the CPU backend, else the model's context)")
+                        help="longest prompt in tokens; longer gets 400 (default: the model's context "
+                             "length, as far as the KV budget holds the prompt)")
     parser.add_argument("--max-prediction-tokens", type=_positive_int, default=DEFAULT_MAX_PREDICTION_TOKENS,
                         help=f"longest `prediction` (Predicted Outputs) in tokens; longer gets 400 "
                              f"(default {DEFAULT_MAX_PREDICTION_TOKENS})")
@@ -82,11 +82,8 @@ def http_settings_from_args(args: argparse.Namespace) -> dict:
     """`create_app` keyword arguments; warns when exposed beyond loopback without a key."""
     keys = api_keys(args.api_key)
     warn_if_exposed(args.host, keys)
-    max_prompt_tokens = args.max_prompt_tokens
-    if max_prompt_tokens is None:
-        max_prompt_tokens = default_max_prompt_tokens()
     limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit,
-                    max_prompt_tokens=max_prompt_tokens, max_queue=args.max_queue,
+                    max_prompt_tokens=args.max_prompt_tokens, max_queue=args.max_queue,
                     grammar_workers=args.grammar_workers, grammar_queue=args.grammar_queue,
                     max_prediction_tokens=args.max_prediction_tokens)
     return {"api_keys": keys, "limits": limits, "log_prompts": args.log_prompts}

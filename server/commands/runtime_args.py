@@ -5,7 +5,7 @@ import argparse
 
 from lockstep.kernels import cuda_graphs
 from lockstep.server.early_blas import auto_cpu_blas
-from lockstep.server.engine.guarantee.deployment import CPU_PLAIN_PREFILL_CHUNK
+from lockstep.server.engine.guarantee.deployment import CPU_PLAIN_PREFILL_CHUNK, CPU_PREFILL_CHUNK, PREFILL_CHUNK
 from lockstep.server.options import (AUDIT_MODES, CPU_BLAS_CHOICES, DEFAULT_AUDIT, DEFAULT_CPU_BLAS,
                                      DEFAULT_KV_POOL, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MODEL,
                                      DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK, DEFAULT_SPECULATIVE,
@@ -104,9 +104,10 @@ def add_determinism_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default=None,
                         help='draft model for speculative decoding: a model spec or "default-quantized"')
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
-                        help=f"prompt tokens per prefill pass (default {DEFAULT_PREFILL_CHUNK}); part of the fingerprint. "
-                             f"On the CPU a plain (non-deterministic) prompt goes in chunks of at most "
-                             f"{CPU_PLAIN_PREFILL_CHUNK}, so a long one holds other requests less")
+                        help=f"prompt tokens per prefill pass (default {PREFILL_CHUNK}; {CPU_PREFILL_CHUNK} on the CPU, "
+                             f"where a wider deterministic chunk holds other requests for seconds); part of "
+                             f"the fingerprint. On the CPU a plain (non-deterministic) prompt goes in chunks "
+                             f"of at most {CPU_PLAIN_PREFILL_CHUNK}, so a long one holds other requests less")
     add_kv_pool_argument(parser, "keep all requests' KV in one pool so a batched pass runs one attention "
                                  "launch per layer (auto: where the GPU kernel is available; on: also "
                                  "elsewhere, one attention call per row; default auto)")

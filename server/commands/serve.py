@@ -200,7 +200,7 @@ def start_engine(args: argparse.Namespace, world=None, watchdog=None):
             from lockstep.server.distributed.replicated_engine import ReplicatedEngine
             from lockstep.server.distributed.startup import agreed_deployment
 
-            kv_tokens, deployment = agreed_deployment(world, runtime, kv_tokens, args.prefill_chunk)
+            kv_tokens, deployment = agreed_deployment(world, runtime, kv_tokens, runtime.deployment.prefill_chunk)
             engine = ReplicatedEngine(runtime.loaded, world=world, watchdog=watchdog, deployment=deployment,
                                       max_kv_tokens=kv_tokens, **settings)
     if watchdog is not None:

@@ -29,7 +29,7 @@ from lockstep.kernels.proof_steps import between_steps
 from lockstep.server.engine.scheduling.errors import GenerationError, QueueFull, ShuttingDown, TooLargeForMemory
 from lockstep.server.engine.guarantee.guarantee_state import REFUSED, GuaranteeState, settled_state
 from lockstep.server.engine.scheduling.handle import RequestHandle, post_all
-from lockstep.server.engine.scheduling.kv_budget import KVBudget
+from lockstep.server.engine.scheduling.kv_budget import KVBudget, reservation
 from lockstep.server.engine.runner.model_runner import ModelRunner
 from lockstep.server.engine.scheduling.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, default_active_per_request
 from lockstep.server.engine.cache.prefix_cache import PrefixCache
@@ -129,6 +129,13 @@ class Engine:
     def describe(self) -> dict:
         """Batching settings, for /v1/models."""
         return self.scheduler.describe()
+
+    def kv_room(self, prompt_tokens: int, draft_tokens: int = 0) -> int | None:
+        """Tokens the KV budget leaves a request of `prompt_tokens` to generate (None:
+        unbounded; below 1: the prompt alone does not fit)."""
+        if self.kv_budget.capacity is None:
+            return None
+        return self.kv_budget.capacity - reservation(prompt_tokens, 0, draft_tokens)
 
     def start(self, work: list[Work] | None = None) -> "Engine":
         """Start the worker thread; it runs `work` first (the deployment's proofs, then its draft

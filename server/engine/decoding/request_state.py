@@ -207,6 +207,16 @@ class RequestState:
         return (self.determinism == "none" and self._chunk < self._canonical_chunk
                 and len(self.prompt) - 1 - self._prefill_pos > self._chunk)
 
+    def steps_to_yield(self, plain_chunk: int) -> int:
+        """Steps this request's next target chunk leaves to decoding requests first, where
+        plain prompts go in `plain_chunk`-token chunks: a canonical chunk wider than that keeps
+        its shape (its bits depend on it) and waits as many steps as the plain chunks it spans
+        would, so decoding requests beside it get the share they get beside a plain prompt."""
+        if plain_chunk <= 0 or self._chunk < self._canonical_chunk or not self._target_prefilling:
+            return 0
+        tokens = self.next_chunk_tokens()
+        return tokens // plain_chunk if tokens > plain_chunk else 0
+
     def next_chunk_tokens(self) -> int:
         """Tokens the next prompt chunk holds (none while a leader prefills for this one)."""
         if self._target_prefilling:

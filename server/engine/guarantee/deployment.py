@@ -19,6 +19,10 @@ PREFILL_CHUNK = 512
 # fast per token (docs/BENCHMARKS.md, issue 54), so a short request beside a long prompt waits
 # a fraction of that per step. Their KV then differs in bits from canonical chunks' (prefix_cache.py).
 CPU_PLAIN_PREFILL_CHUNK = 64
+# `--prefill-chunk`'s default on the CPU: a deterministic prompt's chunk keeps this width (its
+# bits depend on it), and a 512-token one held a short request beside it for 3-5 s there; a
+# 128-token one prefills about as fast per token (docs/BENCHMARKS.md, issue 54).
+CPU_PREFILL_CHUNK = 128
 
 
 @dataclass(frozen=True)

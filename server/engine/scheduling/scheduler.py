@@ -52,6 +52,7 @@ class Slot:
         self.handle = handle
         self.state = state
         self.reserved = reserved
+        self.yielded = 0  # steps its next canonical prompt chunk has left to decoding requests
 
 
 def request_of(handle: RequestHandle) -> RequestHandle:
@@ -251,7 +252,8 @@ class Scheduler:
         budget = chunk
         output = SchedulerOutput()
         gated = not self.audited.complete
-        yield_to_decode = self._yield_to_decode()
+        someone_decodes = self._someone_decodes()
+        yield_to_decode = someone_decodes and self.deployment.plain_prefill_chunk > 0 and self.turn % 2 == 1
         for slot in self._in_turn():
             if budget <= 0:
                 break
@@ -260,6 +262,9 @@ class Scheduler:
                 continue
             if yield_to_decode and state.long_plain_prompt:
                 continue  # this step is the decoding requests'
+            if someone_decodes and slot.yielded < state.steps_to_yield(self.deployment.plain_prefill_chunk):
+                slot.yielded += 1  # a wide canonical chunk: decoding requests' steps come first
+                continue
             if gated:  # the chunk cut to an audited width (its rest comes in later steps)
                 state.chunk_limit = None
                 state.chunk_limit = self.audited.widest(state.next_chunk_tokens())
@@ -268,6 +273,7 @@ class Scheduler:
             tokens = state.next_chunk_tokens()
             if tokens > budget and budget < chunk:
                 continue  # too big for what is left of this step; its turn to go first comes
+            slot.yielded = 0
             if tokens and state.shares_prefill and self.runner.batched and not gated:
                 output.prefill_shared.append(slot)
             else:
@@ -278,13 +284,14 @@ class Scheduler:
             output.prefill_shared = []
         return output
 
-    def _yield_to_decode(self) -> bool:
-        """Whether long plain prompts skip this step's prefill: every other step while some
-        request decodes, where plain chunks are small (deployment.plain_prefill_chunk), so a
-        short request beside a long prompt waits one small chunk per two of its tokens. A
-        function of the step count and the requests only: replicas stay in step."""
-        return (self.deployment.plain_prefill_chunk > 0 and self.turn % 2 == 1
-                and any(not s.state.prefilling and not s.handle.cancelled for s in self.active))
+    def _someone_decodes(self) -> bool:
+        """Whether some request decodes, so prompts yield steps to it: a long plain prompt
+        every other step, where plain chunks are small (deployment.plain_prefill_chunk), so a
+        short request beside a long prompt waits one small chunk per two of its tokens; a
+        wider canonical chunk as many steps as the plain chunks it spans
+        (`RequestState.steps_to_yield`). Functions of the step count and the requests only:
+        replicas stay in step."""
+        return any(not s.state.prefilling and not s.handle.cancelled for s in self.active)
 
     # ------------------------------------------------------------------ decode passes
 
