@@ -29,6 +29,9 @@ TOKENS = 8
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the OpenBLAS shim is Linux-only")
 
 
+SERVER_LOG = {}
+
+
 @pytest.fixture(scope="module")
 def openblas_server(tmp_path_factory):
     try:
@@ -46,6 +49,7 @@ def openblas_server(tmp_path_factory):
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for_health(proc, base, log_path, timeout=600)
+        SERVER_LOG["path"] = log_path
         yield base
     finally:
         proc.kill()
@@ -80,9 +84,14 @@ def test_deterministic_answers_survive_openblas_batching_and_native_ones_do_not(
     assert info["batch_invariance"]["guaranteed"] is True
     assert info["batch_invariance"]["strategy"] != "native"  # OpenBLAS fails the proof natively
     assert info["batching"]["deterministic_rows_shared"] is True
-    # the shared-prefill proof passed on OpenBLAS: deterministic prompt chunks (the chat
-    # prompts' single chunks, 16 rows and more) share prefill passes below
-    assert info["batching"]["deterministic_prefill_rows"] == 16
+    # Whether a 16-row prompt chunk keeps its KV bits in a wider native OpenBLAS call depends on
+    # the CPU OpenBLAS picked its kernels for: where the shared-prefill proof passed, deterministic
+    # prompt chunks share prefill passes below; where it found a difference, they run alone, and
+    # the log says which layer differed (never a refusal for another reason).
+    shared = info["batching"]["deterministic_prefill_rows"]
+    if shared != 16:
+        assert shared == 0
+        assert "prompt chunks are prefilled in passes of their own: layer" in SERVER_LOG["path"].read_text()
     client = OpenAI(base_url=openblas_server + "/v1", api_key="x", max_retries=0, timeout=600)
 
     solo_det = {i: chat(client, PROMPTS[p], True, m, k, s) for i, (p, m, k, s) in enumerate(DETERMINISTIC)}
