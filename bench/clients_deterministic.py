@@ -43,6 +43,8 @@ MAX_TOKENS = 12
 
 
 def version(dist: str) -> str:
+    if dist.startswith("npm:"):
+        return js_version()
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -245,6 +247,36 @@ def ask_mirascope(base, extra, model):
     return colour().content
 
 
+JS_DIR = Path(os.environ.get("CLIENTS_JS_DIR", "/work/clientenv_js"))  # `npm install openai` there
+JS_ASK = """
+const OpenAI = require("openai");
+const [base, extra, model, maxTokens, prompt] = process.argv.slice(1);
+const client = new (OpenAI.OpenAI || OpenAI)({baseURL: base + "/v1", apiKey: "x", maxRetries: 0});
+client.chat.completions.create({model, messages: [{role: "user", content: prompt}],
+                                max_tokens: Number(maxTokens), ...JSON.parse(extra)})
+  .then(r => process.stdout.write(JSON.stringify({text: r.choices[0].message.content,
+                                                  seed: r.lockstep ? r.lockstep.seed : null})))
+  .catch(e => { process.stderr.write(String(e)); process.exit(1); });
+"""
+
+
+def ask_openai_node(base, extra, model):
+    """openai-node: its JSON numbers are doubles, so the seed it read is the one it sends back."""
+    done = subprocess.run(["node", "-e", JS_ASK, base, json.dumps(extra or {}), model, str(MAX_TOKENS), PROMPT],
+                          cwd=JS_DIR, capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "node failed")
+    out = json.loads(done.stdout)
+    return out["text"], out["seed"]
+
+
+def js_version() -> str:
+    try:
+        return json.loads((JS_DIR / "node_modules/openai/package.json").read_text())["version"]
+    except (OSError, ValueError, KeyError):
+        return "not installed"
+
+
 CLIENTS = [
     ("raw httpx", "httpx", "body field", ask_httpx),
     ("openai", "openai", "extra_body", ask_openai),
@@ -264,6 +296,7 @@ CLIENTS = [
     ("marvin", "marvin", "model_settings={extra_body} (pydantic-ai)", ask_marvin),
     ("mirascope", "mirascope", "call params extra_body", ask_mirascope),
     ("pydantic-ai", "pydantic-ai", "model_settings={extra_body}", ask_pydantic_ai),
+    ("openai (node)", "npm:openai", "body field", ask_openai_node),
 ]
 SUFFIX = "default:deterministic"
 
@@ -327,6 +360,8 @@ def check(name, ask, how, base, rec):
         again["note"] = f"{how} did not arrive (not deterministic); " + again.get("note", "")
         return again
     seed = seeds[0] if seeds else None
+    if isinstance(text, tuple):  # (text, the seed as the client itself read it)
+        text, seed = text
     if extra is not None:
         extra2 = {**extra, **({"seed": seed} if seed is not None else {})}
         text2, lines2, error2 = attempt(base, rec, ask, extra2, model)
@@ -335,6 +370,8 @@ def check(name, ask, how, base, rec):
     # One seed goes with every request of a client call: where a client sent several (a parse
     # retry with another adapter, say), the later ones drew seeds of their own the first time,
     # so only the first request is compared and the text only for a single request.
+    if isinstance(text2, tuple):
+        text2 = text2[0]
     same_tokens = answer_of(lines[:1]) == answer_of(lines2[:1])
     same_text = len(lines) > 1 or (text == text2 and error == error2)
     row.update(reproduced=same_tokens and same_text,
