@@ -219,7 +219,7 @@ def ask_marvin(base, extra, model):
 
     settings = {"max_tokens": MAX_TOKENS, **({"extra_body": extra} if extra else {})}
     agent = marvin.Agent(model=_pydantic_ai_model(base, model), model_settings=settings)
-    return str(marvin.run(PROMPT, agent=agent))
+    return str(marvin.run(PROMPT, agents=[agent]))
 
 
 def ask_mirascope(base, extra, model):
