@@ -1,21 +1,33 @@
 """Issue 57: do the clients people use get deterministic answers from lockstep at their defaults?
 
     python3 -m venv /work/clientenv && /work/clientenv/bin/pip install openai httpx instructor \
-        openai-agents langchain-openai langgraph litellm dspy llama-index-llms-openai-like smolagents \
-        haystack-ai autogen-agentchat 'autogen-ext[openai]' outlines marvin mirascope pydantic-ai
+        openai-agents langchain-openai langgraph 'litellm[proxy]' dspy llama-index-llms-openai-like \
+        smolagents haystack-ai autogen-agentchat 'autogen-ext[openai]' outlines mirascope
+    (cd /work/clientenv_js && npm install openai ai @ai-sdk/openai)   # CLIENTS_JS_DIR
     /work/clientenv/bin/python bench/clients_deterministic.py [--lockstep .venv/bin/lockstep] \
-        [-- serve args, default: --batch-invariant-limit 4]
+        [--only NAME,NAME] [-- serve args, default: --batch-invariant-limit 4]
+
+marvin and pydantic-ai in a venv of their own: beside the rest pip picked pydantic-ai 1.30.1,
+which cannot be imported beside the OpenTelemetry API 1.45 it also picked (`opentelemetry._events`
+is gone); alone, pip picks pydantic-ai 2, which marvin 3.2.7 cannot import (`pydantic_ai.usage.Usage`
+is gone), and on 1.107 marvin fails before its request (`ModelResponsePartsManager()` lacks a
+required argument). 1.30.1 with an older OpenTelemetry API works:
+    python3 -m venv /work/clientenv_marvin && /work/clientenv_marvin/bin/pip install marvin httpx \
+        'pydantic-ai==1.30.1' 'opentelemetry-api<1.40'
+    /work/clientenv_marvin/bin/python bench/clients_deterministic.py --only marvin,pydantic-ai
 
 (run with the clients' own venv, never the project's: it starts `lockstep serve` from
 `--lockstep`). One server of the embedded model with `--record DIR`. Each client is used at
 its defaults (its own default temperature and so on) with only `deterministic: true` added
-through its own extra-body mechanism, or, where it has none, the model name
+through its own extra-body mechanism, or, where it has none or drops it, the model name
 `default:deterministic`. What the server did is read from the recording (a client may drop
 the response's `lockstep` object): the request's status, whether the guarantee covered every
 answer (`receipt.guaranteed`), and the seed (drawn by the server when the client sent none).
 Then the same client asks again with that seed (through the same mechanism, or its own seed
 setting), and the answer must be the same: the token ids and the receipt's `answer` and
-`logprobs` digests recorded for both, and the text the client returned.
+`logprobs` digests recorded for both, and the text the client returned. A client that writes
+another prompt each call (ids drawn per call) is checked by `lockstep replay` of its recorded
+request instead.
 
 Prints a markdown table: client, version, how deterministic was asked, status, guaranteed,
 reproduced, and a note (the error, when a client failed).
@@ -43,8 +55,12 @@ MAX_TOKENS = 12
 
 
 def version(dist: str) -> str:
-    if dist.startswith("npm:"):
-        return js_version()
+    if dist.startswith("npm:"):  # "npm:a+b": each package's version
+        names = dist[4:].split("+")
+        found = [js_version(name) for name in names]
+        if "not installed" in found:
+            return "not installed"
+        return found[0] if len(names) == 1 else " + ".join(f"{n} {v}" for n, v in zip(names, found))
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -95,13 +111,22 @@ def ask_instructor(base, extra, model):
     return r.colour
 
 
-def ask_openai_agents(base, extra, model):
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
+def ask_openai_agents(api):
+    """`api`: "chat" (OpenAIChatCompletionsModel) or "responses" (OpenAIResponsesModel, the SDK's
+    default model class)."""
+    def ask(base, extra, model):
+        from agents import OpenAIChatCompletionsModel, OpenAIResponsesModel
+
+        return _run_agent(base, extra, model, OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel)
+    return ask
+
+
+def _run_agent(base, extra, model, model_class):
+    from agents import Agent, ModelSettings, Runner, set_tracing_disabled
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)
-    llm = OpenAIChatCompletionsModel(model=model, openai_client=AsyncOpenAI(base_url=base + "/v1", api_key="x",
-                                                                           max_retries=0))
+    llm = model_class(model=model, openai_client=AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0))
     agent = Agent(name="a", instructions="Answer briefly.", model=llm,
                   model_settings=ModelSettings(max_tokens=MAX_TOKENS, extra_body=extra))
     return Runner.run_sync(agent, PROMPT).final_output
@@ -136,14 +161,89 @@ def ask_litellm(base, extra, model):
     return r.choices[0].message.content
 
 
-def ask_dspy(base, extra, model):
+def _dspy_lm(base, extra, model, max_tokens, provider="openai"):
     import dspy
 
-    # its adapter parses "[[ ## answer ## ]]" fields out of the text: give the small model room
-    lm = dspy.LM("openai/" + model, api_base=base + "/v1", api_key="x", cache=False, max_tokens=64,
-                 **({"extra_body": extra} if extra else {}))
-    with dspy.context(lm=lm):
-        return dspy.Predict("question -> answer")(question=PROMPT).answer
+    return dspy.LM(f"{provider}/{model}", api_base=base + "/v1", api_key="x", cache=False, max_tokens=max_tokens,
+                   **({"extra_body": extra} if extra else {}))
+
+
+def ask_dspy_lm(base, extra, model):
+    """A plain `dspy.LM` call: no adapter, one request."""
+    return _dspy_lm(base, extra, model, MAX_TOKENS)(PROMPT)[0]
+
+
+def ask_dspy(adapter, provider="openai"):
+    """`dspy.Predict("question -> answer")` with dspy's default adapter (None: ChatAdapter, which
+    asks once more through JSONAdapter when it cannot parse) or with `adapter`. `provider`: the
+    LiteLLM provider prefix; JSONAdapter sends a `json_schema` response_format only where
+    LiteLLM says the provider supports one (`lm_studio` does, `openai` for an unknown model does not)."""
+    def ask(base, extra, model):
+        import dspy
+
+        # the adapters parse "[[ ## answer ## ]]" headers or a JSON object out of the text: give the small model room
+        with dspy.context(lm=_dspy_lm(base, extra, model, 64, provider), **({"adapter": adapter()} if adapter else {})):
+            return dspy.Predict("question -> answer")(question=PROMPT).answer
+    return ask
+
+
+def _json_adapter():
+    import dspy
+
+    return dspy.JSONAdapter()
+
+
+def ask_openai_responses(base, extra, model):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+    return client.responses.create(model=model, input=PROMPT, max_output_tokens=MAX_TOKENS, extra_body=extra).output_text
+
+
+class LiteLLMProxy:
+    """`litellm --config` on loopback, every model name passed through to lockstep (`openai/*`),
+    started on first use; the openai client asks it."""
+    proc = None
+    url = None
+
+    @classmethod
+    def start(cls, base):
+        if cls.proc is not None:
+            return cls.url
+        import httpx
+
+        directory = Path(tempfile.mkdtemp(prefix="litellm_proxy_"))
+        (directory / "config.yaml").write_text(
+            'model_list:\n  - model_name: "*"\n    litellm_params:\n      model: "openai/*"\n'
+            f'      api_base: "{base}/v1"\n      api_key: "x"\n')
+        port = free_port()
+        litellm = Path(sys.executable).with_name("litellm")
+        cls.log = directory / "proxy.log"
+        cls.proc = subprocess.Popen([str(litellm), "--config", str(directory / "config.yaml"), "--host", "127.0.0.1",
+                                     "--port", str(port)], stdout=cls.log.open("w"), stderr=subprocess.STDOUT)
+        cls.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            if cls.proc.poll() is not None:
+                raise RuntimeError(f"litellm proxy exited: {cls.log.read_text()[-300:]}")
+            try:
+                if httpx.get(cls.url + "/health/liveliness", timeout=5).status_code == 200:
+                    return cls.url
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("litellm proxy did not start")
+            time.sleep(0.5)
+
+    @classmethod
+    def stop(cls):
+        if cls.proc is not None:
+            cls.proc.terminate()
+            cls.proc.wait(timeout=60)
+
+
+def ask_litellm_proxy(base, extra, model):
+    return ask_openai(LiteLLMProxy.start(base), extra, model)
 
 
 def ask_llama_index(base, extra, model):
@@ -217,7 +317,8 @@ def ask_marvin(base, extra, model):
     import marvin
     from pydantic_ai import Agent as _  # noqa: F401 - marvin's agents are pydantic-ai agents
 
-    settings = {"max_tokens": MAX_TOKENS, **({"extra_body": extra} if extra else {})}
+    # its answer is a tool call ending the task: give the small model room
+    settings = {"max_tokens": 256, **({"extra_body": extra} if extra else {})}
     agent = marvin.Agent(model=_pydantic_ai_model(base, model), model_settings=settings)
     return str(marvin.run(PROMPT, agents=[agent]))
 
@@ -247,7 +348,7 @@ def ask_mirascope(base, extra, model):
     return colour().content
 
 
-JS_DIR = Path(os.environ.get("CLIENTS_JS_DIR", "/work/clientenv_js"))  # `npm install openai` there
+JS_DIR = Path(os.environ.get("CLIENTS_JS_DIR", "/work/clientenv_js"))  # `npm install openai ai @ai-sdk/openai` there
 JS_ASK = """
 const OpenAI = require("openai");
 const [base, extra, model, maxTokens, prompt] = process.argv.slice(1);
@@ -262,17 +363,50 @@ client.chat.completions.create({model, messages: [{role: "user", content: prompt
 
 def ask_openai_node(base, extra, model):
     """openai-node: its JSON numbers are doubles, so the seed it read is the one it sends back."""
-    done = subprocess.run(["node", "-e", JS_ASK, base, json.dumps(extra or {}), model, str(MAX_TOKENS), PROMPT],
-                          cwd=JS_DIR, capture_output=True, text=True, timeout=600)
-    if done.returncode:
-        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "node failed")
-    out = json.loads(done.stdout)
+    out = run_node(JS_ASK, base, json.dumps(extra or {}), model, str(MAX_TOKENS), PROMPT)
     return out["text"], out["seed"]
 
 
-def js_version() -> str:
+# The Vercel AI SDK: `generateText` with `@ai-sdk/openai`'s provider at its defaults (`provider(id)`
+# asks /v1/responses, `provider.chat(id)` /v1/chat/completions). Its only way to add body fields
+# is `providerOptions.openai`, which the provider reads through its own schema; a seed is
+# `generateText`'s own setting. The warnings it returned are printed for the note.
+JS_AI_SDK = """
+const {generateText} = require("ai");
+const {createOpenAI} = require("@ai-sdk/openai");
+const [base, extra, model, maxTokens, prompt, api] = process.argv.slice(1);
+const {seed, ...fields} = JSON.parse(extra);
+const provider = createOpenAI({baseURL: base + "/v1", apiKey: "x"});
+generateText({model: api === "chat" ? provider.chat(model) : provider(model), prompt, maxRetries: 0,
+              maxOutputTokens: Number(maxTokens), seed,
+              ...(Object.keys(fields).length ? {providerOptions: {openai: fields}} : {})})
+  .then(r => process.stdout.write(JSON.stringify({text: r.text, warnings: r.warnings || []})))
+  .catch(e => { process.stderr.write(String(e)); process.exit(1); });
+"""
+
+
+def run_node(script: str, *args: str) -> dict:
+    done = subprocess.run(["node", "-e", script, *args], cwd=JS_DIR, capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "node failed")
+    return json.loads(done.stdout.strip().splitlines()[-1])  # the AI SDK prints a notice before it
+
+
+def ask_ai_sdk(api):
+    def ask(base, extra, model):
+        out = run_node(JS_AI_SDK, base, json.dumps(extra or {}), model, str(MAX_TOKENS), PROMPT, api)
+        dropped = [w.get("feature") or w.get("setting") for w in out["warnings"]
+                   if w.get("type") in ("unsupported", "unsupported-setting")]
+        if dropped and (extra or {}).get("seed") is not None:
+            # the seed never left the client: say so rather than compare an unseeded answer
+            raise RuntimeError(f"the AI SDK dropped {', '.join(map(str, dropped))} (warning: unsupported)")
+        return out["text"]
+    return ask
+
+
+def js_version(package: str = "openai") -> str:
     try:
-        return json.loads((JS_DIR / "node_modules/openai/package.json").read_text())["version"]
+        return json.loads((JS_DIR / "node_modules" / package / "package.json").read_text())["version"]
     except (OSError, ValueError, KeyError):
         return "not installed"
 
@@ -281,12 +415,20 @@ CLIENTS = [
     ("raw httpx", "httpx", "body field", ask_httpx),
     ("openai", "openai", "extra_body", ask_openai),
     ("openai (stream)", "openai", "extra_body", ask_openai_stream),
+    ("openai (responses)", "openai", "extra_body", ask_openai_responses),
     ("instructor", "instructor", "extra_body", ask_instructor),
-    ("openai-agents", "openai-agents", "ModelSettings(extra_body=)", ask_openai_agents),
+    ("openai-agents", "openai-agents", "ModelSettings(extra_body=)", ask_openai_agents("chat")),
+    ("openai-agents responses (its default)", "openai-agents", "ModelSettings(extra_body=)",
+     ask_openai_agents("responses")),
     ("langchain-openai", "langchain-openai", "ChatOpenAI(extra_body=)", ask_langchain),
     ("langgraph", "langgraph", "ChatOpenAI(extra_body=) in a graph node", ask_langgraph),
     ("litellm", "litellm", "extra_body", ask_litellm),
-    ("dspy", "dspy", "LM(extra_body=)", ask_dspy),
+    ("litellm proxy", "litellm", "openai client's extra_body, through the proxy", ask_litellm_proxy),
+    ("dspy LM call", "dspy", "LM(extra_body=)", ask_dspy_lm),
+    ("dspy Predict", "dspy", "LM(extra_body=)", ask_dspy(None)),
+    ("dspy Predict JSONAdapter", "dspy", "LM(extra_body=)", ask_dspy(_json_adapter)),
+    ("dspy Predict lm_studio/", "dspy", "LM(extra_body=)", ask_dspy(None, "lm_studio")),
+    ("dspy Predict JSONAdapter lm_studio/", "dspy", "LM(extra_body=)", ask_dspy(_json_adapter, "lm_studio")),
     ("llama-index-llms-openai-like", "llama-index-llms-openai-like", "additional_kwargs={extra_body}",
      ask_llama_index),
     ("smolagents", "smolagents", "OpenAIServerModel(extra_body=)", ask_smolagents),
@@ -297,6 +439,8 @@ CLIENTS = [
     ("mirascope", "mirascope", "call params extra_body", ask_mirascope),
     ("pydantic-ai", "pydantic-ai", "model_settings={extra_body}", ask_pydantic_ai),
     ("openai (node)", "npm:openai", "body field", ask_openai_node),
+    ("AI SDK (node) responses (its default)", "npm:ai+@ai-sdk/openai", "providerOptions.openai", ask_ai_sdk("responses")),
+    ("AI SDK (node) .chat", "npm:ai+@ai-sdk/openai", "providerOptions.openai", ask_ai_sdk("chat")),
 ]
 SUFFIX = "default:deterministic"
 
@@ -372,6 +516,15 @@ def check(name, ask, how, base, rec):
     # so only the first request is compared and the text only for a single request.
     if isinstance(text2, tuple):
         text2 = text2[0]
+    if prompts_of(lines[:1]) != prompts_of(lines2[:1]):
+        # the client wrote another prompt the second time (ids or names drawn per call): asking
+        # again tests nothing; the recorded request, sent again by `lockstep replay`, does
+        outcome = replay_first(base, lines[0])
+        row.update(reproduced=f"by replay: {outcome}" if outcome != "identical" else "by replay",
+                   note=f"{len(lines)} request(s), seed {seed}; asked again, the client sent another prompt "
+                        f"(the receipts' prompt digests differ); `lockstep replay` of the first recorded "
+                        f"request: {outcome}" + (f"; again: {error2}" if error2 and error2 != error else ""))
+        return row
     same_tokens = answer_of(lines[:1]) == answer_of(lines2[:1])
     same_text = len(lines) > 1 or (text == text2 and error == error2)
     row.update(reproduced=same_tokens and same_text,
@@ -380,6 +533,27 @@ def check(name, ask, how, base, rec):
                     + ("text not compared" if len(lines) > 1 else f"text {'same' if same_text else 'differs'}")
                     + (f"; again: {error2}" if error2 and error2 != error else ""))
     return row
+
+
+def prompts_of(lines):
+    return [[(c["receipt"] or {}).get("prompt") for c in line["choices"]] for line in lines]
+
+
+LOCKSTEP = str(ROOT / ".venv/bin/lockstep")
+
+
+def replay_first(base, line) -> str:
+    """`lockstep replay --url` of one recorded request: its verdicts, or why it failed."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "one.jsonl"
+        path.write_text(json.dumps(line) + "\n")
+        done = subprocess.run([LOCKSTEP, "replay", str(path), "--url", base, "--json"], capture_output=True,
+                              text=True, timeout=600)
+    try:
+        outcomes = {v["outcome"] for v in json.loads(done.stdout)}
+    except ValueError:
+        return f"replay failed ({done.returncode}): {done.stderr.strip()[-200:]}"
+    return ", ".join(sorted(outcomes))
 
 
 def ask_with_seed(ask, seed):
@@ -393,19 +567,25 @@ def ask_with_seed(ask, seed):
     return seeded
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lockstep", default=str(ROOT / ".venv/bin/lockstep"))
     parser.add_argument("--only", help="comma-separated client names")
     parser.add_argument("serve", nargs="*")
     args = parser.parse_args()
+    global LOCKSTEP
+    LOCKSTEP = args.lockstep
     serve = args.serve or ["--batch-invariant-limit", "4"]
     directory = Path(tempfile.mkdtemp(prefix="clients_deterministic_"))
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = (directory / "serve.log").open("w")
     proc = subprocess.Popen([args.lockstep, "serve", "--port", str(port), *serve, "--record", str(directory)],
                             stdout=log, stderr=subprocess.STDOUT)
@@ -440,6 +620,7 @@ def main() -> int:
                          row.get("reproduced", "-"), row.get("note", "")))
             print(" | ".join(str(x) for x in rows[-1]), flush=True)
     finally:
+        LiteLLMProxy.stop()
         proc.terminate()
         proc.wait(timeout=120)
     print("\n| client | version | how deterministic was asked | status | guaranteed | reproduced | note |")
