@@ -520,6 +520,7 @@ def check(name, ask, how, base, rec):
         # the client wrote another prompt the second time (ids or names drawn per call): asking
         # again tests nothing; the recorded request, sent again by `lockstep replay`, does
         outcome = replay_first(base, lines[0])
+        rec.new()  # the replayed request's own line: not the next client's
         row.update(reproduced=f"by replay: {outcome}" if outcome != "identical" else "by replay",
                    note=f"{len(lines)} request(s), seed {seed}; asked again, the client sent another prompt "
                         f"(the receipts' prompt digests differ); `lockstep replay` of the first recorded "
@@ -527,11 +528,15 @@ def check(name, ask, how, base, rec):
         return row
     same_tokens = answer_of(lines[:1]) == answer_of(lines2[:1])
     same_text = len(lines) > 1 or (text == text2 and error == error2)
+    replayed = ""
+    if not (same_tokens and same_text):  # the client's doing or the server's? the recorded request says
+        replayed = f"; `lockstep replay` of the first recorded request: {replay_first(base, lines[0])}"
+        rec.new()
     row.update(reproduced=same_tokens and same_text,
                note=f"{len(lines)} request(s), seed {seed}; first request's tokens "
                     f"{'same' if same_tokens else 'differ'}, "
                     + ("text not compared" if len(lines) > 1 else f"text {'same' if same_text else 'differs'}")
-                    + (f"; again: {error2}" if error2 and error2 != error else ""))
+                    + (f"; again: {error2}" if error2 and error2 != error else "") + replayed)
     return row
 
 
