@@ -7,14 +7,15 @@
     /work/clientenv/bin/python bench/clients_deterministic.py [--lockstep .venv/bin/lockstep] \
         [--only NAME,NAME] [-- serve args, default: --batch-invariant-limit 4]
 
-marvin and pydantic-ai in a venv of their own: beside the rest pip picked pydantic-ai 1.30.1,
-which cannot be imported beside the OpenTelemetry API 1.45 it also picked (`opentelemetry._events`
+instructor, marvin and pydantic-ai in a venv of their own (beside the rest pip picked instructor
+1.3.2, which imports a mistralai module that is gone, and pydantic-ai 1.30.1,
+which cannot be imported beside the OpenTelemetry API 1.45 it also picked: `opentelemetry._events`
 is gone); alone, pip picks pydantic-ai 2, which marvin 3.2.7 cannot import (`pydantic_ai.usage.Usage`
 is gone), and on 1.107 marvin fails before its request (`ModelResponsePartsManager()` lacks a
 required argument). 1.30.1 with an older OpenTelemetry API works:
     python3 -m venv /work/clientenv_marvin && /work/clientenv_marvin/bin/pip install marvin httpx \
-        'pydantic-ai==1.30.1' 'opentelemetry-api<1.40'
-    /work/clientenv_marvin/bin/python bench/clients_deterministic.py --only marvin,pydantic-ai
+        instructor 'pydantic-ai==1.30.1' 'opentelemetry-api<1.40'
+    /work/clientenv_marvin/bin/python bench/clients_deterministic.py --only openai,instructor,marvin,pydantic-ai
 
 (run with the clients' own venv, never the project's: it starts `lockstep serve` from
 `--lockstep`). One server of the embedded model with `--record DIR`. Each client is used at
