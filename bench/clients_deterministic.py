@@ -3,7 +3,8 @@
     python3 -m venv /work/clientenv && /work/clientenv/bin/pip install openai httpx instructor \
         openai-agents langchain-openai langgraph 'litellm[proxy]' dspy llama-index-llms-openai-like \
         smolagents haystack-ai autogen-agentchat 'autogen-ext[openai]' outlines mirascope
-    (cd /work/clientenv_js && npm install openai ai @ai-sdk/openai)   # CLIENTS_JS_DIR
+    (cd /work/clientenv_js && npm install openai ai @ai-sdk/openai @ai-sdk/openai-compatible \
+        @langchain/openai @langchain/core)   # CLIENTS_JS_DIR
     /work/clientenv/bin/python bench/clients_deterministic.py [--lockstep .venv/bin/lockstep] \
         [--only NAME,NAME] [-- serve args, default: --batch-invariant-limit 4]
 
@@ -118,7 +119,8 @@ def ask_openai_agents(api):
     def ask(base, extra, model):
         from agents import OpenAIChatCompletionsModel, OpenAIResponsesModel
 
-        return _run_agent(base, extra, model, OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel)
+        model_class = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
+        return _run_agent(base, extra, model, model_class)
     return ask
 
 
@@ -198,7 +200,8 @@ def ask_openai_responses(base, extra, model):
     from openai import OpenAI
 
     client = OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
-    return client.responses.create(model=model, input=PROMPT, max_output_tokens=MAX_TOKENS, extra_body=extra).output_text
+    r = client.responses.create(model=model, input=PROMPT, max_output_tokens=MAX_TOKENS, extra_body=extra)
+    return r.output_text
 
 
 class LiteLLMProxy:
@@ -349,7 +352,7 @@ def ask_mirascope(base, extra, model):
     return colour().content
 
 
-JS_DIR = Path(os.environ.get("CLIENTS_JS_DIR", "/work/clientenv_js"))  # `npm install openai ai @ai-sdk/openai` there
+JS_DIR = Path(os.environ.get("CLIENTS_JS_DIR", "/work/clientenv_js"))  # the npm packages: see the docstring
 JS_ASK = """
 const OpenAI = require("openai");
 const [base, extra, model, maxTokens, prompt] = process.argv.slice(1);
@@ -369,21 +372,44 @@ def ask_openai_node(base, extra, model):
 
 
 # The Vercel AI SDK: `generateText` with `@ai-sdk/openai`'s provider at its defaults (`provider(id)`
-# asks /v1/responses, `provider.chat(id)` /v1/chat/completions). Its only way to add body fields
-# is `providerOptions.openai`, which the provider reads through its own schema; a seed is
-# `generateText`'s own setting. The warnings it returned are printed for the note.
+# asks /v1/responses, `provider.chat(id)` /v1/chat/completions), or with `@ai-sdk/openai-compatible`'s
+# (`createOpenAICompatible`, the SDK's provider for other OpenAI-compatible servers). Its only
+# way to add body fields is `providerOptions[provider name]`, which `@ai-sdk/openai` reads through
+# its own schema; a seed is `generateText`'s own setting. The warnings it returned go to the note.
 JS_AI_SDK = """
 const {generateText} = require("ai");
-const {createOpenAI} = require("@ai-sdk/openai");
 const [base, extra, model, maxTokens, prompt, api] = process.argv.slice(1);
 const {seed, ...fields} = JSON.parse(extra);
-const provider = createOpenAI({baseURL: base + "/v1", apiKey: "x"});
-generateText({model: api === "chat" ? provider.chat(model) : provider(model), prompt, maxRetries: 0,
-              maxOutputTokens: Number(maxTokens), seed,
-              ...(Object.keys(fields).length ? {providerOptions: {openai: fields}} : {})})
+let llm, name;
+if (api === "compatible") {
+  const {createOpenAICompatible} = require("@ai-sdk/openai-compatible");
+  name = "lockstep";
+  llm = createOpenAICompatible({name, baseURL: base + "/v1", apiKey: "x"}).chatModel(model);
+} else {
+  const provider = require("@ai-sdk/openai").createOpenAI({baseURL: base + "/v1", apiKey: "x"});
+  name = "openai";
+  llm = api === "chat" ? provider.chat(model) : provider(model);
+}
+generateText({model: llm, prompt, maxRetries: 0, maxOutputTokens: Number(maxTokens), seed,
+              ...(Object.keys(fields).length ? {providerOptions: {[name]: fields}} : {})})
   .then(r => process.stdout.write(JSON.stringify({text: r.text, warnings: r.warnings || []})))
   .catch(e => { process.stderr.write(String(e)); process.exit(1); });
 """
+
+# LangChain.js: ChatOpenAI's `modelKwargs` are its extra body fields (the seed goes there too).
+JS_LANGCHAIN = """
+const {ChatOpenAI} = require("@langchain/openai");
+const [base, extra, model, maxTokens, prompt] = process.argv.slice(1);
+const llm = new ChatOpenAI({model, apiKey: "x", configuration: {baseURL: base + "/v1"}, maxTokens: Number(maxTokens),
+                            maxRetries: 0, modelKwargs: JSON.parse(extra)});
+llm.invoke(prompt)
+  .then(r => process.stdout.write(JSON.stringify({text: r.content})))
+  .catch(e => { process.stderr.write(String(e)); process.exit(1); });
+"""
+
+
+def ask_langchain_js(base, extra, model):
+    return run_node(JS_LANGCHAIN, base, json.dumps(extra or {}), model, str(MAX_TOKENS), PROMPT)["text"]
 
 
 def run_node(script: str, *args: str) -> dict:
@@ -440,8 +466,12 @@ CLIENTS = [
     ("mirascope", "mirascope", "call params extra_body", ask_mirascope),
     ("pydantic-ai", "pydantic-ai", "model_settings={extra_body}", ask_pydantic_ai),
     ("openai (node)", "npm:openai", "body field", ask_openai_node),
-    ("AI SDK (node) responses (its default)", "npm:ai+@ai-sdk/openai", "providerOptions.openai", ask_ai_sdk("responses")),
+    ("AI SDK (node) responses (its default)", "npm:ai+@ai-sdk/openai", "providerOptions.openai",
+     ask_ai_sdk("responses")),
     ("AI SDK (node) .chat", "npm:ai+@ai-sdk/openai", "providerOptions.openai", ask_ai_sdk("chat")),
+    ("AI SDK (node) openai-compatible", "npm:ai+@ai-sdk/openai-compatible", "providerOptions.lockstep",
+     ask_ai_sdk("compatible")),
+    ("langchain (node)", "npm:@langchain/openai", "modelKwargs", ask_langchain_js),
 ]
 SUFFIX = "default:deterministic"
 

@@ -77,7 +77,8 @@ def replayed(recording, embedded_model):
     assert len(lines) == 2
     altered = [json.loads(line) for line in lines]
     altered[1]["choices"][0]["token_ids"][3] += 1
-    (recording / "altered.jsonl").write_text("".join(json.dumps(e) + "\n" for e in altered))  # beside: same deployment.json
+    # beside the original: the same deployment.json
+    (recording / "altered.jsonl").write_text("".join(json.dumps(e) + "\n" for e in altered))
     here, cuda = other_backend_fingerprint(embedded_model.path)
     assert here != cuda  # the backend is part of the fingerprint
     other_host = [json.loads(line) for line in lines]
