@@ -5,7 +5,9 @@ name or by the deployment's default, and the receipt every response carries.
 Over HTTP with the official client on a deterministic server (L = 6); receipts' digests are
 compared with digests computed here from what the server returned.
 """
+import json
 import struct
+from decimal import Decimal
 from types import SimpleNamespace
 
 import pytest
@@ -48,6 +50,27 @@ def test_a_seedless_deterministic_request_is_served_with_a_drawn_seed_that_repro
     other = chat(server.client, extra_body={"deterministic": True}, **SAMPLED)
     assert other.model_extra["lockstep"]["seed"] != seed
     assert other.model_extra["lockstep"]["receipt"]["answer"] != first.model_extra["lockstep"]["receipt"]["answer"]
+
+
+def js_number(value) -> int:
+    """What a JavaScript client sends back for a JSON integer it read: the nearest double,
+    written as JSON.stringify writes it (shortest round-trip digits)."""
+    return int(Decimal(repr(float(value))))
+
+
+def test_a_drawn_seed_read_and_sent_back_by_a_javascript_client_is_the_same_seed(server):
+    # JavaScript's JSON numbers are doubles (openai-node, fetch): a seed beyond 2**53 comes back
+    # as another seed, another answer (or, rounded past 2**63 - 1, a 400).
+    for _ in range(3):  # each drawn seed of 63 bits is beyond 2**53 with odds 1 - 2**-10
+        raw = server.client.chat.completions.with_raw_response.create(
+            model="default", messages=STORY, extra_body={"deterministic": True}, **SAMPLED)
+        first = raw.parse().model_extra["lockstep"]
+        seed_read = json.loads(raw.text, parse_int=float)["lockstep"]["seed"]
+        again = chat(server.client, seed=js_number(seed_read), extra_body={"deterministic": True}, **SAMPLED)
+        assert again.model_extra["lockstep"]["receipt"] == first["receipt"]
+    # the seed a plain request samples with, which its receipt reports, too
+    plain = chat(server.client, **SAMPLED).model_extra["lockstep"]["receipt"]["seed"]
+    assert js_number(plain) == plain
 
 
 def test_a_plain_request_draws_no_reported_seed(server):

@@ -143,9 +143,11 @@ def test_answers_the_guarantee_did_not_cover_are_not_comparable(recorded, tmp_pa
 def test_answers_of_another_deployment_are_not_comparable_and_say_why(recorded, field, value, words):
     entry = lines(recorded.file)[0]
     receipt = entry["choices"][0]["receipt"]
-    replayed = {"lockstep": {"receipt": {**receipt, field: value}, "token_ids": entry["choices"][0]["token_ids"]}}
-    verdict = replay.judge(entry["choices"][0], replayed, ("f", 1))
-    assert verdict.outcome == replay.NOT_COMPARABLE and words in verdict.reason
+    for tokens in (entry["choices"][0]["token_ids"], [t + 1 for t in entry["choices"][0]["token_ids"]]):
+        # other tokens from another deployment are no divergence, the same ones no match
+        replayed = {"lockstep": {"receipt": {**receipt, field: value}, "token_ids": tokens}}
+        verdict = replay.judge(entry["choices"][0], replayed, ("f", 1))
+        assert verdict.outcome == replay.NOT_COMPARABLE and words in verdict.reason
     # control: the same receipt is compared (and identical)
     same = {"lockstep": {"receipt": receipt, "token_ids": entry["choices"][0]["token_ids"]}}
     assert replay.judge(entry["choices"][0], same, ("f", 1)).outcome == replay.IDENTICAL

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
-import secrets
 import logging
 import time
 from importlib import metadata
@@ -58,7 +57,7 @@ from lockstep.server.engine.guarantee.decode_plan import PREDICTION, DecodePlan,
 from lockstep.server.engine.generate import Delta, GenerationRequest
 from lockstep.server.engine.decoding.request_report import rendered
 from lockstep.server.engine.decoding.logits_processors import logits_width
-from lockstep.server.engine.decoding.sampling import GREEDY_BELOW, SamplingParams
+from lockstep.server.engine.decoding.sampling import GREEDY_BELOW, SamplingParams, draw_seed
 from lockstep.server.api.tool_call_stream import ToolCallStream, call_stream
 from lockstep.server.api.tool_calls import ParsedCall, new_call_id, tool_format
 
@@ -180,7 +179,7 @@ class Routes:
         if "deterministic" not in body.model_fields_set:
             body.deterministic = body.model.endswith(DETERMINISTIC_SUFFIX) or self.deterministic_by_default
         if body.deterministic and body.temperature >= GREEDY_BELOW and body.seed is None:
-            body.seed = secrets.randbits(63)
+            body.seed = draw_seed()
 
     def _chat_tokens(self, body: ChatCompletionRequest) -> list[int]:
         return chat_prompt_tokens(self.loaded.tokenizer, body, self.tool_format)

@@ -26,13 +26,22 @@ _MASK64 = (1 << 64) - 1
 GREEDY_BELOW = 1e-6
 
 
+# A seed the server draws is reported back (`lockstep.seed`, the receipt) for the client to send
+# again: within 2**53 it is exact in every JSON parser, JavaScript's doubles included.
+DRAWN_SEED_BITS = 53
+
+
+def draw_seed() -> int:
+    return secrets.randbits(DRAWN_SEED_BITS)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     min_p: float = 0.0  # 0 = off
-    seed: int = field(default_factory=lambda: secrets.randbits(63))
+    seed: int = field(default_factory=draw_seed)
     top_logprobs: int | None = None  # None = no logprobs; n = the n most likely alternatives
 
     @property
