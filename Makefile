@@ -22,9 +22,12 @@ serve: setup
 
 # Two sessions: the suite on OpenBLAS (the CPU default), then the tests whose premise is the
 # reference BLAS's native invariance under it (tests/cpu_blas_session.py). pytest exits 5
-# when a selection has no such test.
+# when a selection has no such test. The first runs on TEST_WORKERS pytest-xdist processes,
+# each test file whole on one of them (a module's shared server or model is built once), the
+# slowest files first (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 	LOCKSTEP_TEST_CPU_BLAS=reference $(PY) -m pytest -q -m reference_blas $(ARGS) || [ $$? -eq 5 ]
 
 # The GPU suite (tests/gpu/README.md): lockstep's CUDA kernels against their order models and

@@ -32,3 +32,18 @@ def live_server(embedded_model):
             yield f"{url}/v1"
     finally:
         engine.stop()
+
+
+# The files that start servers or prove at startup, slowest first. `make test` runs them
+# first on its xdist workers (--dist loadfile, collection order kept), so that neither worker
+# ends the run alone on one of them.
+SLOW_FILES_FIRST = (
+    "test_deterministic_http.py", "test_distributed.py", "test_quant_modes.py",
+    "test_batching_openblas.py", "test_replay_server.py", "test_structured_outputs.py",
+    "test_prompt_cache_disk.py", "test_replay.py", "test_compiled_pass.py", "test_startup.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest as collected

@@ -42,6 +42,19 @@ def pytest_collection_modifyitems(config, items):
         config.stash[_LEFT_OUT] = len(deselected)
 
 
+def pytest_sessionfinish(session):
+    # an xdist worker collects on its own: it hands its count to the controller, which reports
+    worker_output = getattr(session.config, "workeroutput", None)
+    if worker_output is not None:
+        worker_output["reference_blas_left_out"] = session.config.stash.get(_LEFT_OUT, 0)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    left_out = getattr(node, "workeroutput", {}).get("reference_blas_left_out", 0)
+    node.config.stash[_LEFT_OUT] = max(node.config.stash.get(_LEFT_OUT, 0), left_out)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     left_out = config.stash.get(_LEFT_OUT, 0)
     if left_out:
