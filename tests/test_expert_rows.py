@@ -133,9 +133,9 @@ def test_the_proof_picks_one_call_where_elements_keep_their_bits():
         with backend():
             invariance = set_batch_invariant_limit(model, 4, "rowwise", prefixes=(7,))
             assert invariance.guaranteed, invariance.reason
-            assert invariance.expert_rows.one_call_rows == expert_rows.PASS_ROWS
-            assert model._lockstep_setting.expert_call_rows == expert_rows.PASS_ROWS
-            assert "MoE experts: one call for 1..64 rows" in invariance.reason
+            assert invariance.expert_rows.one_call_rows == expert_rows.default_pass_rows()
+            assert model._lockstep_setting.expert_call_rows == expert_rows.default_pass_rows()
+            assert f"MoE experts: one call for 1..{expert_rows.default_pass_rows()} rows" in invariance.reason
             assert all(_decode_rows_of_a_pass(model, 70))
     set_batch_invariant_limit(model, 0)
 
@@ -151,7 +151,7 @@ def test_a_batch_variant_gather_kernel_makes_the_proof_pick_per_row():
             in invariance.reason
         assert all(_decode_rows_of_a_pass(model, 12))
         # negative control: the one-call form forced in, the self-test fails
-        model._lockstep_setting = Setting(4, ROWWISE, expert_call_rows=64)
+        model._lockstep_setting = Setting(4, ROWWISE, expert_call_rows=32)
         from lockstep.kernels.invariance.selftest import self_test
 
         assert not self_test(model, 4, prefixes=(7,)).passed

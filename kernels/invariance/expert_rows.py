@@ -29,10 +29,14 @@ from ..proof_steps import step_done
 log = logging.getLogger(__name__)
 
 EXPERT_BLOCKS = (SwitchGLU, SwitchMLP)
-# The widest pass the one-call form is proven for when L is smaller: the most rows the engine
-# puts in a pass by default (server/engine/scheduling/admission.py: at most 64 on a GPU). A wider
-# pass runs one call per block of this many rows.
-PASS_ROWS = 64
+
+
+def default_pass_rows() -> int:
+    """The widest pass the one-call form is proven for when L is smaller: the most rows the
+    engine puts in a pass by default here (server/engine/scheduling/admission.py: at most 64 on
+    a GPU, 32 on the CPU). A wider pass runs one call per block of this many rows."""
+    return 32 if mx.default_device() == mx.cpu else 64
+
 # Attributes naming the experts a token routes to, on the block's parent or the model's args.
 _TOP_K_NAMES = ("num_experts_per_tok", "top_k", "num_experts_per_token", "experts_per_token", "moe_topk")
 

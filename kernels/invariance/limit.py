@@ -29,7 +29,7 @@ from .. import cpu_blas, custom
 from ..custom.precompile import activation_dtype
 from ..proof_steps import step_done
 from .cache_check import cache_invariance_problem, cache_refusal, per_request_state  # noqa: F401 (re-exported)
-from .expert_rows import PASS_ROWS, ExpertRowsProof, expert_blocks, prove_one_call
+from .expert_rows import ExpertRowsProof, default_pass_rows, expert_blocks, prove_one_call
 from .layers import EXPERT_BLOCKS, LAYER_SWAPS, Setting, install, install_plain_kernels, model_module_names, uninstall
 from .ops import ROWWISE, STRATEGIES, Strategy
 from .warmup import precompile_kernels
@@ -174,7 +174,7 @@ def _expert_setting(model, call_rows: int, candidate: Strategy, verify: bool, ex
         return setting, ExpertRowsProof(0, "asked for")
     if not verify:
         return setting, ExpertRowsProof(0, "not verified (verify=False)")
-    widest = max(call_rows, PASS_ROWS if pass_rows is None else pass_rows)
+    widest = max(call_rows, default_pass_rows() if pass_rows is None else pass_rows)
     proof = prove_one_call(model, widest, proof_cache=proof_cache, strategy=candidate.name)
     if proof.one_call_rows:
         setting = Setting(call_rows, candidate, proof.one_call_rows)
@@ -198,7 +198,7 @@ def set_batch_invariant_limit(model, call_rows: int, strategy="auto", *, verify:
     expert_rows: how MoE expert blocks run a deterministic call's rows: "auto" (one unsorted
     gather call for every width the expert proof covers, kernels/invariance/expert_rows.py,
     else per row) or "per_row". expert_pass_rows: the widest pass that proof covers beyond L
-    (default expert_rows.PASS_ROWS); wider passes run one call per block of that many rows.
+    (default expert_rows.default_pass_rows()); wider passes run one call per block of that many rows.
     self_test_options go to kernels.invariance.selftest.self_test (prefixes, widths, seed).
     """
     if expert_rows not in ("auto", "per_row"):
