@@ -9,6 +9,7 @@ one-row element keeps its bits, a sorted call does not), where mlx-lm's own call
 expert) pairs or more diverges, and as a backend whose gather kernel is batch-variant
 (`gather="rows"`), where the proof must pick per-row calls.
 """
+import copy
 from contextlib import nullcontext
 
 import mlx.core as mx
@@ -194,3 +195,32 @@ def test_the_proof_is_kept_per_machine_and_not_reused_under_another_gather(tmp_p
     with shape_variant_backend():  # other gather ops: a new key, proven again
         variant = expert_rows.prove_one_call(model, 8, proof_cache=proofs)
     assert (variant.one_call_rows, variant.cached) == (0, False)
+
+
+def test_a_ragged_deterministic_pass_launches_each_projection_once_a_layer(monkeypatch):
+    """Ten requests' decode rows in one ragged pass wider than L, as the engine runs
+    deterministic decode passes: each expert projection of each layer is one gather call (per
+    row: ten), and every request's logits are its solo pass's bits."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from lockstep.kernels.batching.ragged import enable_ragged, ragged_forward
+
+    model = _tiny_moe()
+    invariance = set_batch_invariant_limit(model, 4, "rowwise", prefixes=(7,))
+    assert invariance.guaranteed and model._lockstep_setting.expert_call_rows >= 10, invariance.reason
+    enable_ragged(model)
+    launches = []
+    real = mx.gather_mm
+    monkeypatch.setattr(mx, "gather_mm", lambda *a, **kw: launches.append(a[0].shape) or real(*a, **kw))
+    caches = [make_prompt_cache(model) for _ in range(10)]
+    for i, cache in enumerate(caches):
+        mx.eval(ragged_forward(model, [(cache, list(range(1, 3 + i)))]))
+    solo = [ragged_forward(model, [(copy.deepcopy(cache), [7])])[0] for cache in caches]
+    mx.eval(solo)
+    launches.clear()
+    with calls_in_blocks():
+        outs = ragged_forward(model, [(cache, [7]) for cache in caches])
+    mx.eval(outs)
+    assert len(launches) == 3 * len(model.layers)  # gate, up and down, once a layer
+    assert all(bits_equal(out, alone) for out, alone in zip(outs, solo))
+    set_batch_invariant_limit(model, 0)
