@@ -162,18 +162,17 @@ def _resolve(strategy, model) -> tuple:
     raise ValueError(f"strategy {strategy!r}: use 'auto', a Strategy, or one of {sorted(STRATEGIES)}")
 
 
-def _expert_setting(model, call_rows: int, candidate: Strategy, verify: bool, expert_form: str,
+def _expert_setting(model, call_rows: int, candidate: Strategy, expert_form: str,
                     pass_rows: int | None, proof_cache) -> tuple[Setting, ExpertRowsProof | None]:
     """The setting of `candidate` (installed) with its MoE expert rows' form: one call for the
     widths prove_one_call showed keep every row's per-row bits under this candidate, else per
-    row. The one place that form is decided."""
+    row. The one place that form is decided. It runs with verify=False too: it picks a form (as
+    the custom kernels' smoke tests do), so a re-install runs the rows as the proven one did."""
     setting = Setting(call_rows, candidate)
     if candidate.is_native or not expert_blocks(model):
         return setting, None
     if expert_form == "per_row":
         return setting, ExpertRowsProof(0, "asked for")
-    if not verify:
-        return setting, ExpertRowsProof(0, "not verified (verify=False)")
     widest = max(call_rows, default_pass_rows() if pass_rows is None else pass_rows)
     proof = prove_one_call(model, widest, proof_cache=proof_cache, strategy=candidate.name)
     if proof.one_call_rows:
@@ -191,7 +190,7 @@ def set_batch_invariant_limit(model, call_rows: int, strategy="auto", *, verify:
     strategy: "auto" (auto_candidates(model): expected-speed order, the first proven one; with
     measure=True every candidate is proven and timed and the fastest proven one kept; none
     proven: rowwise, unclaimed), a name in STRATEGIES, or a Strategy.
-    verify=False skips the proof (nothing is claimed).
+    verify=False skips the self-test (nothing is claimed; the MoE expert form's proof still runs).
     per_request_proof: the self-test of a model with per-request state, which runs ragged
     passes (kernels.batching.ragged_selftest.per_request_self_test: batching sits above this
     package, so the caller hands it in); without it such a model is installed unproven.
@@ -227,7 +226,7 @@ def set_batch_invariant_limit(model, call_rows: int, strategy="auto", *, verify:
             continue
         _install(model, Setting(call_rows, candidate))
         precompile_kernels(model, call_rows)  # every width's instances at once, before the proof launches them
-        setting, experts = _expert_setting(model, call_rows, candidate, verify, expert_rows, expert_pass_rows,
+        setting, experts = _expert_setting(model, call_rows, candidate, expert_rows, expert_pass_rows,
                                            self_test_options.get("proof_cache"))
         result = prove(model, call_rows, **self_test_options) if verify else None
         # Timed only when asked to choose by measurement: an L-row step plus a decode step.
