@@ -25,6 +25,7 @@ import mlx.core as mx
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from ..proof_steps import step_done
+from .selftest import bits_equal
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +102,6 @@ class ExpertRowsProof:
     reason: str
     cached: bool = False
 
-    @property
-    def form(self) -> str:
-        return "one_call" if self.one_call_rows else "per_row"
-
     def describe(self) -> str:
         if self.one_call_rows:
             return f"MoE experts: one call for 1..{self.one_call_rows} rows ({self.reason})"
@@ -159,8 +156,6 @@ def _routes(rows: int, experts: int, k: int, seed: int) -> mx.array:
 def first_divergence(block, widest: int, dtype, k: int, seed: int = 0) -> tuple[int, int] | None:
     """One block: for every width 1..widest, the one call's rows against each row's own call,
     bit for bit. None: all equal; else the (width, row) where they first differ."""
-    from .selftest import bits_equal
-
     k = min(k, _num_experts(block))
     x = mx.random.normal((1, widest, _input_dims(block)), key=mx.random.key(seed)).astype(dtype)
     idx = _routes(widest, _num_experts(block), k, seed + 1)
@@ -169,9 +164,8 @@ def first_divergence(block, widest: int, dtype, k: int, seed: int = 0) -> tuple[
     for width in range(1, widest + 1):
         together = one_call(block, x[:, :width], idx[:, :width])
         mx.eval(together)
-        for row in range(width):
-            if not bits_equal(together[:, row], alone[:, row]):
-                return width, row
+        if not bits_equal(together, alone[:, :width]):
+            return width, next(row for row in range(width) if not bits_equal(together[:, row], alone[:, row]))
     return None
 
 
@@ -197,6 +191,7 @@ def prove_one_call(model, widest: int, *, dtype=None, proof_cache=None, strategy
         if isinstance(value, dict) and isinstance(value.get("one_call_rows"), int) and isinstance(value.get("reason"), str):
             return ExpertRowsProof(value["one_call_rows"], value["reason"], cached=True)
     result = _prove(configs, widest, dtype)
+    log.info("%s", result.describe())
     if key is not None:
         proof_cache.store.put(key, {"one_call_rows": result.one_call_rows, "reason": result.reason})
     return result
