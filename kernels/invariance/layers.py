@@ -6,10 +6,11 @@ Nothing in MLX or the mlx-lm model files is changed. Instead:
   untouched) whose call / as_linear routes M <= L rows through the canonical form;
 - each MoE expert block of mlx-lm (`SwitchGLU`, `SwitchMLP`: the gather_mm / gather_qmm
   calls of their SwitchLinear / QuantizedSwitchLinear experts, dense or quantized in any
-  mode) gets a subclass whose call runs each of M <= L token rows as its own call, the one a
-  decode row makes: a row's expert matmuls then never depend on how many rows the router
-  sends to an expert, nor on whether the rows are sorted by expert (mlx-lm sorts from 64
-  (row, expert) pairs up);
+  mode) gets a subclass whose call runs M <= L token rows in the form the setting names
+  (expert_rows.py: all rows in one unsorted call where the proof showed each (row, expert)
+  element keeps its bits, else each row as its own call, the one a decode row makes): a row's
+  expert matmuls then never depend on how many rows the router sends to an expert, nor on
+  whether the rows are sorted by expert (mlx-lm sorts from 64 (row, expert) pairs up);
 - the model's module namespace gets a wrapper in place of the `scaled_dot_product_attention`
   name it imported from mlx_lm.models.base;
 - the model instance gets a subclass whose __call__ makes its setting (L, strategy) the
@@ -30,6 +31,7 @@ import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
+from . import expert_rows
 from .composed_attention import composed_attention, composed_serves
 from .cache_check import is_positional
 from .prefill_attention import blocked_causal, wants_blocks
@@ -43,6 +45,9 @@ from .ops import (SplitRows, Strategy, attention_per_query, dense_rows, dense_ro
 class Setting:
     call_rows: int  # L: the most rows one kernel call may hold, each row its one-row bits (M > L: native)
     strategy: Strategy
+    # MoE expert rows: the widest call run as one unsorted gather call per projection (proven by
+    # expert_rows.prove_one_call; a wider call, one per block of this many rows); 0: per row
+    expert_call_rows: int = 0
     # What each layer kind does with a call, worked out once here rather than per call
     # (the linears' host cost is per layer per token): the model's own call (native), and
     # whether one row is the plain op (every form but the skinny kernel's; mma_rows: per layer).
@@ -253,18 +258,14 @@ class InvariantQuantizedEmbedding(nn.QuantizedEmbedding):
 
 
 def _expert_rows(self, call, x, indices):
-    """`call(self, x, indices)` (an MoE expert block's own call) once per token row when the
-    active setting covers the call's rows, else once for all; outputs (..., k, D) as the
-    block's own. x: (..., D) hidden states, indices: (..., k) experts per row."""
+    """An MoE expert block's call: `call(self, x, indices)` (its own) unless the active setting
+    covers the call's rows, else the rows in the setting's form (expert_rows.canonical); outputs
+    (..., k, D) as the block's own. x: (..., D) hidden states, indices: (..., k) experts per row."""
     s = _local.active
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
     if s is None or rows <= 1 or (rows > s.call_rows and not _local.blocks):
         return call(self, x, indices)
-    lead, k = x.shape[:-1], indices.shape[-1]
-    xs, idx = x.reshape(1, rows, x.shape[-1]), indices.reshape(1, rows, k)
-    # each row exactly as decode calls the block: x (1, 1, D), indices (1, 1, k)
-    out = mx.concatenate([call(self, xs[:, i:i + 1], idx[:, i:i + 1]) for i in range(rows)], axis=1)
-    return out.reshape(*lead, *out.shape[2:])
+    return expert_rows.canonical(self, x, indices, s.expert_call_rows)
 
 
 _switch_glu_call = SwitchGLU.__call__
@@ -292,7 +293,7 @@ LAYER_SWAPS = {
 # The quantized layers, whose large 4-bit ones may run qmv_split (SplitRows).
 QUANTIZED_SWAPS = (InvariantQuantizedLinear, InvariantQuantizedEmbedding)
 # The MoE expert blocks: the SwitchLinear / QuantizedSwitchLinear experts they call are covered.
-EXPERT_BLOCKS = (SwitchGLU, SwitchMLP)
+EXPERT_BLOCKS = expert_rows.EXPERT_BLOCKS
 _LAYER_RESTORES = {v: k for k, v in LAYER_SWAPS.items()}
 
 _NATIVE_SDPA = mlx_base.scaled_dot_product_attention

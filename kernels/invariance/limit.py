@@ -29,6 +29,7 @@ from .. import cpu_blas, custom
 from ..custom.precompile import activation_dtype
 from ..proof_steps import step_done
 from .cache_check import cache_invariance_problem, cache_refusal, per_request_state  # noqa: F401 (re-exported)
+from .expert_rows import ExpertRowsProof, default_pass_rows, expert_blocks, prove_one_call
 from .layers import EXPERT_BLOCKS, LAYER_SWAPS, Setting, install, install_plain_kernels, model_module_names, uninstall
 from .ops import ROWWISE, STRATEGIES, Strategy
 from .warmup import precompile_kernels
@@ -105,6 +106,8 @@ class InstalledInvariance:
     # state (its multi-row call is not its one-row calls: no speculation, no canonical chunks).
     request_rows: int = 0
     per_request_state: str | None = None  # the first such layer, described
+    # MoE expert rows: one call for 1..n rows where proven, else per row (expert_rows.py)
+    expert_rows: ExpertRowsProof | None = None
 
 
 def uncovered_parts(model) -> tuple:
@@ -159,20 +162,46 @@ def _resolve(strategy, model) -> tuple:
     raise ValueError(f"strategy {strategy!r}: use 'auto', a Strategy, or one of {sorted(STRATEGIES)}")
 
 
+def _expert_setting(model, call_rows: int, candidate: Strategy, expert_form: str,
+                    pass_rows: int | None, proof_cache) -> tuple[Setting, ExpertRowsProof | None]:
+    """The setting of `candidate` (installed) with its MoE expert rows' form: one call for the
+    widths prove_one_call showed keep every row's per-row bits under this candidate, else per
+    row. The one place that form is decided. It runs with verify=False too: it picks a form (as
+    the custom kernels' smoke tests do), so a re-install runs the rows as the proven one did."""
+    setting = Setting(call_rows, candidate)
+    if candidate.is_native or not expert_blocks(model):
+        return setting, None
+    if expert_form == "per_row":
+        return setting, ExpertRowsProof(0, "asked for")
+    widest = max(call_rows, default_pass_rows() if pass_rows is None else pass_rows)
+    proof = prove_one_call(model, widest, proof_cache=proof_cache, strategy=candidate.name)
+    if proof.one_call_rows:
+        setting = Setting(call_rows, candidate, proof.one_call_rows)
+        model._lockstep_setting = setting  # what the installed model's calls read
+    return setting, proof
+
+
 def set_batch_invariant_limit(model, call_rows: int, strategy="auto", *, verify: bool = True,
-                              measure: bool = False, per_request_proof=None,
+                              measure: bool = False, per_request_proof=None, expert_rows: str = "auto",
+                              expert_pass_rows: int | None = None,
                               **self_test_options) -> InstalledInvariance:
     """Install batch invariance for M <= `call_rows` rows (0 restores native). Idempotent.
 
     strategy: "auto" (auto_candidates(model): expected-speed order, the first proven one; with
     measure=True every candidate is proven and timed and the fastest proven one kept; none
     proven: rowwise, unclaimed), a name in STRATEGIES, or a Strategy.
-    verify=False skips the proof (nothing is claimed).
+    verify=False skips the self-test (nothing is claimed; the MoE expert form's proof still runs).
     per_request_proof: the self-test of a model with per-request state, which runs ragged
     passes (kernels.batching.ragged_selftest.per_request_self_test: batching sits above this
     package, so the caller hands it in); without it such a model is installed unproven.
+    expert_rows: how MoE expert blocks run a deterministic call's rows: "auto" (one unsorted
+    gather call for every width the expert proof covers, kernels/invariance/expert_rows.py,
+    else per row) or "per_row". expert_pass_rows: the widest pass that proof covers beyond L
+    (default expert_rows.default_pass_rows()); wider passes run one call per block of that many rows.
     self_test_options go to kernels.invariance.selftest.self_test (prefixes, widths, seed).
     """
+    if expert_rows not in ("auto", "per_row"):
+        raise ValueError(f"expert_rows {expert_rows!r}: use 'auto' or 'per_row'")
     _uninstall(model)
     backend = str(mx.default_device())
     if call_rows <= 0:
@@ -197,11 +226,13 @@ def set_batch_invariant_limit(model, call_rows: int, strategy="auto", *, verify:
             continue
         _install(model, Setting(call_rows, candidate))
         precompile_kernels(model, call_rows)  # every width's instances at once, before the proof launches them
+        setting, experts = _expert_setting(model, call_rows, candidate, expert_rows, expert_pass_rows,
+                                           self_test_options.get("proof_cache"))
         result = prove(model, call_rows, **self_test_options) if verify else None
         # Timed only when asked to choose by measurement: an L-row step plus a decode step.
         seconds = (seconds_per_step(model, call_rows) + seconds_per_step(model, 1)
                    if result and measure else None)
-        tried.append((candidate, result, seconds))
+        tried.append((candidate, result, seconds, setting, experts))
         _uninstall(model)
         step_done()
         if result and not measure:
@@ -209,30 +240,33 @@ def set_batch_invariant_limit(model, call_rows: int, strategy="auto", *, verify:
 
     passing = [t for t in tried if t[1]]
     if passing:
-        chosen, result, _ = min(passing, key=lambda t: t[2] or 0.0)
+        chosen, result, _, setting, experts = min(passing, key=lambda t: t[2] or 0.0)
         why = f"self-test passed on {backend}"
         if len(candidates) > 1:
-            failed = [c.name for c, r, _ in tried if not r]
-            why += (f"; measured fastest of {[c.name for c, _, _ in passing]}" if measure
+            failed = [t[0].name for t in tried if not t[1]]
+            why += (f"; measured fastest of {[t[0].name for t in passing]}" if measure
                     else f"; first proven in speed order" + (f" (failed: {failed})" if failed else ""))
     else:
         chosen = ROWWISE if strategy == "auto" else candidates[0]
-        result = next((r for c, r, _ in tried if c == chosen), None)
+        result, setting, experts = next((t[1:2] + t[3:] for t in tried if t[0] == chosen),
+                                        (None, Setting(call_rows, chosen), None))
         why = (f"{chosen.name} cannot run on {backend} ({skipped[chosen.name]}); its layers run"
                " today's forms, unproven" if chosen.name in skipped
                else "not verified (verify=False)" if result is None
                else f"self-test failed on {backend}: {result.reason}")
 
-    layers = _install(model, Setting(call_rows, chosen))
+    layers = _install(model, setting)
     guaranteed = bool(result) and not uncovered
     if skipped and chosen.name not in skipped:
         why += "; skipped: " + ", ".join(f"{name} ({reason})" for name, reason in skipped.items())
+    if experts is not None:
+        why += "; " + experts.describe()
     if uncovered:
         why += f"; not guaranteed: {len(uncovered)} uncovered part(s), first: {uncovered[0]}"
     elif per_request is not None:
         why += f"; one row per request ({per_request} runs per request)"
     invariance = InstalledInvariance(call_rows, chosen.name, backend, guaranteed, why, uncovered, result,
-                                     tuple((c.name, None if r is None else bool(r), s) for c, r, s in tried),
-                                     layers, call_rows if per_request is None else 1, per_request)
+                                     tuple((t[0].name, None if t[1] is None else bool(t[1]), t[2]) for t in tried),
+                                     layers, call_rows if per_request is None else 1, per_request, experts)
     model._lockstep_invariance = invariance
     return invariance

@@ -157,6 +157,7 @@ def proof_key(model, call_rows: int, widths, prefixes, seed: int, stop_at_first:
         "model": model_identity,
         "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
         "strategy": strategy,
+        "expert_call_rows": setting.expert_call_rows if setting is not None else 0,
         "limit": call_rows,  # the key stored proofs were filed under
         "widths": list(widths),
         "prefixes": list(prefixes),

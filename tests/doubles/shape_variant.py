@@ -17,14 +17,20 @@ native:
 - mx.gather_mm / mx.gather_qmm (MoE experts): with more than one token row in the call (the
   rows a backend may group per expert, sorted or not), the K reduction is split in two, for
   gather_qmm at a quantization-group boundary. A one-row call (decode: one token against its
-  k experts) stays native.
+  k experts) stays native. `gather="sorted"` models a backend like CUDA instead: a batch
+  element of one row, unsorted, keeps its bits in a call of any size (a per-element GEMV),
+  while a sorted call (tiled kernels grouping rows per expert) or an element of several rows
+  splits; `gather_elements=n` (with "sorted") also splits every call of more than n batch
+  elements (a kernel chosen by the batch's size).
 
 These are the narrowest points both mlx-lm's own modules and kernels/invariance/ops.py go
 through. Results stay close to native (tests can check outputs are sane), just not bitwise.
 """
+import math
 from contextlib import contextmanager
 
 import mlx.core as mx
+import numpy as np
 
 
 def _dense_rows(a: mx.array, b: mx.array) -> int:
@@ -39,10 +45,15 @@ def _dense_rows(a: mx.array, b: mx.array) -> int:
 
 
 @contextmanager
-def shape_variant_backend(quantized_rows: int = 8, dense_rows: int = 1):
+def shape_variant_backend(quantized_rows: int = 8, dense_rows: int = 1, gather: str = "rows",
+                          gather_elements: int | None = None):
     """Within this context, calls with several rows reduce in a different order: dense calls
     of more than `dense_rows` rows (1: every multi-row call; more: a backend whose rows also
-    change between a narrow and a wide GEMM), quantized calls from `quantized_rows` rows."""
+    change between a narrow and a wide GEMM), quantized calls from `quantized_rows` rows,
+    gather calls as `gather` says ("rows": every call of several token rows; "sorted": sorted
+    calls, elements of several rows and, given `gather_elements`, calls of more elements)."""
+    if gather not in ("rows", "sorted"):
+        raise ValueError(f"gather {gather!r}: 'rows' or 'sorted'")
     native_matmul = mx.matmul
     native_dunder = mx.array.__matmul__
     native_addmm = mx.addmm
@@ -110,9 +121,18 @@ def shape_variant_backend(quantized_rows: int = 8, dense_rows: int = 1):
         out = native_matmul(p[..., :h], vg[..., :h, :]) + native_matmul(p[..., h:], vg[..., h:, :])
         return out.reshape(b, heads, t, -1)
 
+    def gather_splits(x, lhs_indices, rhs_indices, sorted_indices=False) -> bool:
+        if gather == "rows":
+            return x.size // max(x.shape[-1], 1) > 1
+        lhs = x.shape[:-2] if lhs_indices is None else lhs_indices.shape
+        batches = [lhs] + ([] if rhs_indices is None else [rhs_indices.shape])
+        elements = math.prod(np.broadcast_shapes(*batches))
+        return (sorted_indices or (x.ndim >= 2 and x.shape[-2] > 1)
+                or (gather_elements is not None and elements > gather_elements))
+
     def gather_mm(a, b, lhs_indices=None, rhs_indices=None, **kwargs):
         k = a.shape[-1]
-        if a.size // max(k, 1) <= 1 or k < 2:
+        if not gather_splits(a, lhs_indices, rhs_indices, kwargs.get("sorted_indices", False)) or k < 2:
             return native_gather_mm(a, b, lhs_indices, rhs_indices, **kwargs)
         h = k // 2
         return (native_gather_mm(a[..., :h], b[..., :h, :], lhs_indices, rhs_indices, **kwargs)
@@ -127,7 +147,8 @@ def shape_variant_backend(quantized_rows: int = 8, dense_rows: int = 1):
 
         k = x.shape[-1]
         h = (k // 2) // group_size * group_size if group_size else 0
-        if x.size // max(k, 1) <= 1 or not transpose or h == 0 or (h * bits) % 32:
+        splits = gather_splits(x, lhs_indices, rhs_indices, kwargs.get("sorted_indices", False))
+        if not splits or not transpose or h == 0 or (h * bits) % 32:
             return native(x, w, scales, biases)
         wc, sc = h * bits // 32, h // group_size
         low = native(x[..., :h], w[..., :wc], scales[..., :sc], None if biases is None else biases[..., :sc])
