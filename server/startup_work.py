@@ -85,7 +85,8 @@ class GuaranteeWork:
         with timings.timed("self_test"):
             invariance = set_batch_invariant_limit(model, options.batch_invariant_limit,
                                              options.invariant_strategy, proof_cache=self.proofs,
-                                             per_request_proof=per_request_self_test)
+                                             per_request_proof=per_request_self_test,
+                                             expert_pass_rows=options.max_batch_rows)
         if options.batch_invariant_limit:
             (log.info if invariance.guaranteed else log.warning)(
                 "batch invariance L=%d strategy=%s guaranteed=%s (%s)",
