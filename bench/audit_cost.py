@@ -14,14 +14,15 @@ head and embedding of `--vocab` × `--hidden` made from random codes (no float w
 8B shapes within a small machine's memory); `--experts E` just an nvfp4 switch layer of E
 experts × `--intermediate` × `--hidden` made the same way (with `--slicing-as metal` its gather
 paths run on the whole layer). `--against-every-row` audits each round twice, compared on
-`row_sample`'s rows and on every row (`compared_rows` → None), in alternating order after one
-unmeasured round of both, and prints the medians side by side with their ratio.
+`row_sample`'s rows and on every row (`compared_rows` → None), in rotating order after one
+unmeasured round of both (bench/harness.py), and prints the medians side by side with the
+median of the rounds' own ratios. Without it, the rounds are not warmed up: the first audit is
+the fresh one whose first calls compile (the table of paths is the last audit's).
 
 Measures and prints; asserts nothing.
 """
 import argparse
 import collections
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
+from harness import measure, median, paired_ratios, table  # noqa: E402
 from invariant_8b import build  # noqa: E402
 from lockstep.kernels.audit import patch, probes  # noqa: E402
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear  # noqa: E402
@@ -93,7 +95,7 @@ def main():
     print(f"backend {mx.default_device()}, MLX {mx.__version__}; built in {time.perf_counter() - t:.1f} s",
           flush=True)
 
-    measure, reference_weight = probes._measure, probes.reference_weight
+    probe_measure, reference_weight = probes._measure, probes.reference_weight
 
     def timed_measure(path, rows, tol, run, *rest):
         calls = []
@@ -106,7 +108,7 @@ def main():
             t2 = time.perf_counter()
             calls.append((t1 - t0, t2 - t1))
             return out, ref
-        result = measure(path, rows, tol, split_run, *rest)
+        result = probe_measure(path, rows, tol, split_run, *rest)
         again = time.perf_counter()
         try:
             out, _ = run()
@@ -164,29 +166,24 @@ def main():
         return run
 
     if a.against_every_row:
-        both = {False: [], True: []}
-        for round_ in range(a.repeat + 1):
-            order = (False, True) if round_ % 2 else (True, False)
-            print(f"\nround {round_}{' (unmeasured)' if round_ == 0 else ''}", flush=True)
-            for every_row in order:
-                run = one_audit(every_row)
-                if round_:
-                    both[every_row].append(run)
+        both = measure({"sampled": lambda: one_audit(False), "every row": lambda: one_audit(True)},
+                       rounds=a.repeat)
         print(f"\nmedians of {a.repeat} (after one unmeasured round):")
-        print("| part | sampled rows s | every row s | every row / sampled |")
-        print("|---|---|---|---|")
-        for k in both[False][0]:
-            med = [statistics.median(r[k] for r in both[e]) for e in (False, True)]
-            print(f"| {k} | {med[0]:.2f} | {med[1]:.2f} | {med[1] / med[0]:.2f}x |")
+        rows = []
+        for k in both["sampled"][0]:
+            part = lambda run, k=k: run[k]  # noqa: E731
+            ratio = median(paired_ratios(both, "every row", "sampled", part))
+            rows.append([k, f"{median(both['sampled'], part):.2f}", f"{median(both['every row'], part):.2f}",
+                         f"{ratio:.2f}x"])
+        print(table(["part", "sampled rows s", "every row s", "every row / sampled (paired median)"], rows))
         return
-    runs = [one_audit() for _ in range(a.repeat)]
-    print("| configuration | path | rows | first call s | second call s | reference s |")
-    print("|---|---|---|---|---|---|")
-    for label, path, rows, first, second, ref in rows_out:
-        print(f"| {label} | {path} | {rows} | {first:.3f} | {second:.3f} | {ref:.3f} |")
+    runs = measure({"audit": one_audit}, rounds=a.repeat, warmup=0)["audit"]
+    print(table(["configuration", "path", "rows", "first call s", "second call s", "reference s"],
+                [[label, path, rows, f"{first:.3f}", f"{second:.3f}", f"{ref:.3f}"]
+                 for label, path, rows, first, second, ref in rows_out]))
     if a.repeat > 1:
         print(f"\nmedian of {a.repeat}: " + ", ".join(
-            f"{k} {statistics.median(r[k] for r in runs):.2f} s" for k in runs[0]))
+            f"{k} {median(runs, lambda run, k=k: run[k]):.2f} s" for k in runs[0]))
 
 
 if __name__ == "__main__":

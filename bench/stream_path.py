@@ -151,7 +151,9 @@ def async_timed_send(app):
 
 def instrument() -> None:
     """Wrap the parts of the path in timers (thread CPU time)."""
-    import lockstep.server.api.app as app_module
+    import lockstep.server.api.chat as chat_module
+    import lockstep.server.api.completions as completions_module
+    import lockstep.server.api.sse as sse_module
     import lockstep.server.engine.engine as engine_module
     import lockstep.server.engine.scheduling.handle as handle_module
     from lockstep.server.engine.scheduling.scheduler import Scheduler
@@ -168,17 +170,17 @@ def instrument() -> None:
     Scheduler.schedule_decode = timed("engine: scheduler schedule", Scheduler.schedule_decode)
     IncrementalDecoder.add = timed("engine: detokenization", IncrementalDecoder.add)
     engine_module.post_all = timed("engine: hand-off (post_all)", engine_module.post_all)
-    for name in ("ChatDelta", "ChatChunkChoice", "ChatCompletionChunk", "TextCompletion", "CompletionChoice"):
-        if hasattr(app_module, name):  # the routes' own names for the response bodies
-            setattr(app_module, name, timed("loop: chunk objects (pydantic)", getattr(app_module, name)))
+    for module in (chat_module, completions_module):
+        for name in ("ChatDelta", "ChatChunkChoice", "ChatCompletionChunk", "TextCompletion", "CompletionChoice"):
+            if hasattr(module, name):  # the endpoints' own names for the response bodies
+                setattr(module, name, timed("loop: chunk objects (pydantic)", getattr(module, name)))
     try:  # chunks rendered from a template (server/api/chunk_json.py), where the server has it
         from lockstep.server.api.chunk_json import ChunkTemplate
 
         ChunkTemplate.render = timed("loop: chunk JSON (template)", ChunkTemplate.render)
     except ImportError:
         pass
-    if hasattr(app_module, "_sse"):
-        app_module._sse = timed("loop: JSON + SSE framing", app_module._sse)
+    sse_module.event = timed("loop: JSON + SSE framing", sse_module.event)
     original_deliver = handle_module._deliver
 
     def deliver(items, posted=None):

@@ -8,7 +8,7 @@ import pytest
 
 from lockstep.server.api.response_bodies import (ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionChoice,
                                                  TextCompletion)
-from lockstep.server.api import app as app_module
+from lockstep.server.api import chat, completions
 from lockstep.server.api.chunk_json import ChunkTemplate
 
 TEXTS = ["", "a", " the", 'quo"te \\ back', "é ü 中文 🦊", "\x00\x01\x1f\x7f", "line\nbreak\ttab\r",
@@ -73,18 +73,19 @@ def test_every_streamed_event_is_pydantics_rendering_of_itself(live_server, path
                for c in choices)
 
 
-@pytest.mark.parametrize("path,body,name", [
-    ("/v1/chat/completions", {"messages": MESSAGES}, "ChatCompletionChunk"),
-    ("/v1/completions", {"prompt": "The capital of France is"}, "TextCompletion"),
+@pytest.mark.parametrize("path,body,module,name", [
+    ("/v1/chat/completions", {"messages": MESSAGES}, chat, "ChatCompletionChunk"),
+    ("/v1/completions", {"prompt": "The capital of France is"}, completions, "TextCompletion"),
 ])
-def test_a_text_stream_builds_its_chunk_objects_once_not_per_token(live_server, monkeypatch, path, body, name):
+def test_a_text_stream_builds_its_chunk_objects_once_not_per_token(live_server, monkeypatch, path, body, module,
+                                                                   name):
     built = []
-    model = getattr(app_module, name)  # patched where the routes build them
+    model = getattr(module, name)  # patched where the endpoint builds them
 
     def counted(*args, **kwargs):
         built.append(kwargs.get("choices"))
         return model(*args, **kwargs)
-    monkeypatch.setattr(app_module, name, counted)
+    monkeypatch.setattr(module, name, counted)
     body = {"model": "default", "max_tokens": 16, "temperature": 0, "stream": True, **body}
     with httpx.Client(base_url=live_server.removesuffix("/v1"), timeout=300) as http:
         events = [e for e in http.post(path, json=body).text.split("\n\n") if e.startswith("data: {")]

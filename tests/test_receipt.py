@@ -1,4 +1,4 @@
-"""A deterministic answer anyone can check again (server/engine/guarantee/receipt.py, server/api/app.py):
+"""A deterministic answer anyone can check again (server/engine/guarantee/receipt.py, server/api/submission.py):
 a seed drawn when none is sent and reported back, deterministic mode asked for by the model's
 name or by the deployment's default, and the receipt every response carries.
 

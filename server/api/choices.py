@@ -2,7 +2,8 @@
 
 Non-streamed, all are collected (`collect`); streamed, their Deltas are interleaved as they
 arrive, tagged with the choice index (`interleave`). Either way every handle is cancelled
-when the reader stops, so a client that leaves frees all its slots.
+when the reader stops, so a client that leaves frees all its slots. A finished choice carries
+its own `lockstep` object (`choice_lockstep`, `final_lockstep`), chat's and completions' alike.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import asyncio
 from typing import AsyncIterator
 
 from lockstep.server.api.response_bodies import CompletionTokensDetails, PromptTokensDetails, Usage
+from lockstep.server.api.sampling_protocol import SamplingRequest
+from lockstep.server.engine.decoding.request_report import rendered
 from lockstep.server.engine.generate import Delta
 from lockstep.server.engine.decoding.sampling import splitmix64
 
@@ -57,6 +60,23 @@ def usage(finals: list[Delta]) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=finals[0].cached_tokens),
                  completion_tokens_details=details)
+
+
+def choice_lockstep(d: Delta, body: SamplingRequest) -> dict | None:
+    """A finished choice's own `lockstep` object: its receipt, and its token ids when asked."""
+    if d.report is None:
+        return None
+    info = {"receipt": d.report.receipt}
+    if body.return_token_ids:
+        info["token_ids"] = list(d.token_ids or ())
+    return info
+
+
+def final_lockstep(d: Delta, body: SamplingRequest) -> dict | None:
+    """A stream's `lockstep` object on a choice's final chunk (its own report and receipt)."""
+    if d.report is None or not body.return_token_ids:
+        return rendered(d.report)
+    return {**d.report.render(), "token_ids": list(d.token_ids or ())}
 
 
 def cancel_all(handles) -> None:

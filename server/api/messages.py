@@ -244,7 +244,7 @@ def delta_template(index: int) -> EventTemplate:
 
 class MessagesRoute:
     """/v1/messages on top of the chat route's submission (`models.use(name)` gives the named
-    model's server.api.app.Routes)."""
+    model's `Routes`, server/api/submission.py)."""
 
     def __init__(self, models):
         self.models = models
@@ -277,8 +277,8 @@ class MessagesRoute:
             body = parse(mp.CountTokensRequest, raw)
             chat = chat_request(body)
             async with self.models.use(body.model) as routes:
-                routes._check_model(body.model)
-                tokens = routes._chat_tokens(chat)
+                routes.check_model(body.model)
+                tokens = routes.chat_tokens(chat)
         except APIError as exc:
             return anthropic_error(exc)
         return JSONResponse({"input_tokens": len(tokens)})

@@ -10,7 +10,7 @@ threads of their own; requests wait for a loading model on the event loop (at mo
 
     pool = ModelPool(entries, load, stop, reclaim, budget_bytes=..., idle_unload_s=...)
     async with pool.use(body.model) as routes:   # 404, or waits for the load, or 503
-        return await routes.chat(body)
+        return await chat_completion(routes, body)
 """
 from __future__ import annotations
 

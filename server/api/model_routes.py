@@ -1,15 +1,37 @@
 """The model listing and health routes (`/v1/models`, `/v1/models/{id}`, `/health`): of a
 single-model server (its one `Routes`), or of a `ModelPool`'s several models, each listed with
-its state and load counts and, while loaded, its own card."""
+its state and load counts and, while loaded, its own card. Every model is listed twice: as
+itself and by its `:deterministic` name."""
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from lockstep.server.api.response_bodies import ModelCard, ModelList
 from lockstep.server.api.model_pool import DETERMINISTIC_SUFFIX, ModelPool
+from lockstep.server.api.submission import Routes
+
+
+def current_extras(extras: dict | Callable[[], dict] | None) -> dict:
+    """/v1/models' extra details; a function gives those that change (the guarantee's state)."""
+    return (extras() if callable(extras) else extras) or {}
+
+
+def model_card(routes: Routes, extras: dict | Callable[[], dict] | None) -> ModelCard:
+    """A loaded model's card: its weights, context, batching, and `extras`."""
+    extras = current_extras(extras)
+    info = {"weights": routes.loaded.weights, "context_length": routes.loaded.context_length,
+            "batching": routes.engine.describe()}
+    return ModelCard(id=routes.name, created=routes.created, lockstep={**info, **extras})
+
+
+def deterministic_card(card: ModelCard) -> ModelCard:
+    """`card` as its `:deterministic` name lists it."""
+    return card.model_copy(update={"id": card.id + DETERMINISTIC_SUFFIX,
+                                   "lockstep": {**card.lockstep, "deterministic_by_name": True}})
 
 
 def pool_cards(pool: ModelPool, model, created: int) -> tuple[ModelCard, ModelCard]:
@@ -23,26 +45,30 @@ def pool_cards(pool: ModelPool, model, created: int) -> tuple[ModelCard, ModelCa
                **({"load_problem": status["load_problem"]} if "load_problem" in status else {}),
                **({"default": True} if model.name == pool.default else {})}
     if service is not None and service.routes is not None:
-        card = service.routes.model_card(service.info)
+        card = model_card(service.routes, service.info)
         card = card.model_copy(update={"lockstep": {**details, **card.lockstep}})
     else:
         card = ModelCard(id=model.name, created=created, lockstep=details)
-    deterministic = card.model_copy(update={"id": model.name + DETERMINISTIC_SUFFIX,
-                                            "lockstep": {**card.lockstep, "deterministic_by_name": True}})
-    return card, deterministic
+    return card, deterministic_card(card)
 
 
-def install_model_routes(app: FastAPI, routes, model_extras) -> None:
-    """The routes of one model: `routes` is its `app.Routes`, `model_extras` what its card adds."""
+def install_model_routes(app: FastAPI, routes: Routes, model_extras) -> None:
+    """The routes of one model: `routes` is its `Routes`, `model_extras` what its card adds."""
     engine = routes.engine
 
     @app.get("/v1/models")
     async def list_models():
-        return JSONResponse(routes.models(model_extras).model_dump())
+        card = model_card(routes, model_extras)
+        return JSONResponse(ModelList(data=[card, deterministic_card(card)]).model_dump())
 
     @app.get("/v1/models/{model_id:path}")  # ids may hold slashes ("org/name")
     async def retrieve_model(model_id: str):
-        return JSONResponse(routes.model(model_id, model_extras).model_dump())
+        # the served model's name or the alias "default", either with the deterministic suffix; else 404
+        routes.check_model(model_id)
+        card = model_card(routes, model_extras)
+        if model_id.endswith(DETERMINISTIC_SUFFIX):
+            card = deterministic_card(card)
+        return JSONResponse(card.model_dump())
 
     @app.head("/health", include_in_schema=False)  # load balancers often probe with HEAD
     @app.get("/health")

@@ -236,7 +236,7 @@ def _sse(event: rp.StreamEvent) -> str:
 
 class ResponsesRoute:
     """/v1/responses on top of the chat route's submission (`models.use(name)` gives the named
-    model's server.api.app.Routes)."""
+    model's `Routes`, server/api/submission.py)."""
 
     def __init__(self, models):
         self.models = models

@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "in the grammar checker process; slower ones are a 400 (default "
                              f"{DEFAULT_TIMEOUT_S:g})")
 
-    from lockstep.server.api.app import DEFAULT_GUARANTEE_TIMEOUT_S
+    from lockstep.server.api.submission import DEFAULT_GUARANTEE_TIMEOUT_S
 
     parser.add_argument("--guarantee-timeout", type=float, default=DEFAULT_GUARANTEE_TIMEOUT_S, metavar="SECONDS",
                         help="the server answers plain requests while it proves its determinism guarantee; a "
