@@ -215,6 +215,14 @@ def test_a_resumed_proof_reports_the_kept_widths_first_and_proves_the_rest(model
     assert widths == [1, 2, 3, 4]
 
 
+def test_a_proof_stopped_after_its_last_width_runs_no_pass_again(model, tmp_path, monkeypatch):
+    interrupted(model, proofs(tmp_path), at=WIDEST)  # stopped at the step after the last width
+    with counted_widths(monkeypatch) as widths:
+        proof = ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST)
+    assert proof.passed and proof.resumed == WIDEST and widths == []
+    assert ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST).cached
+
+
 @pytest.mark.parametrize("change", ["weights", "limit", "pass_rows", "kv_pool", "kernel code"])
 def test_a_partial_record_of_another_key_gives_no_credit(model, tmp_path, monkeypatch, change):
     interrupted(model, proofs(tmp_path), at=3)
