@@ -130,6 +130,10 @@ class VerdictCache:
         blob = json.dumps({"format": FORMAT, **key}, sort_keys=True, default=str)
         return self.dir / (hashlib.sha256(blob.encode()).hexdigest()[:32] + ".json"), blob
 
+    def path(self, key: dict) -> Path:
+        """The file `key`'s verdict is kept in (for messages)."""
+        return self._file(key)[0]
+
     def get(self, key: dict) -> dict | None:
         """The stored value for `key`, or None (missing, unreadable or not this key)."""
         path, blob = self._file(key)

@@ -52,12 +52,15 @@ class GuaranteeWork:
         """What a first ragged proof calls once passes of 1..w rows are proven: from w = L on, the
         guarantee is in force for deterministic passes of at most w rows (each width is proven on
         its own, so those stay proven whatever a wider one shows), its prompt chunks alone and its
-        passes op by op until the shared-prefill and compiled proofs that follow."""
+        passes op by op until the shared-prefill and compiled proofs that follow. A proof resumed
+        from an interrupted one calls it first with the widths kept: those are in force at once."""
         runtime, options = self.runtime, self.options
+        installed = []
 
         def proven(width: int) -> None:
-            if self.install is None or width < invariance.call_rows or width % invariance.call_rows:
-                return  # installed at multiples of L: each install retraces the compiled passes
+            if self.install is None or width < invariance.call_rows or (width % invariance.call_rows and installed):
+                return  # then at multiples of L: each install retraces the compiled passes
+            installed.append(width)
             runtime.invariance = invariance
             guarantee = dataclasses.replace(Guarantee.installed(invariance), shared_passes=True, pass_rows=width)
             runtime.deployment = dataclasses.replace(

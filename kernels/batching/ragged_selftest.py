@@ -15,10 +15,16 @@ per-request state too (their layers run per request either way).
 `compiled`: the passes of every width run as the engine's compiled canonical passes
 (kernels/batching/compiled_pass.py) over the pool's kernel, each row still compared with its
 solo pass built op by op (as a request alone, the solo paths and prompt chunks run).
+
+`prove_ragged_cached` keeps every width as soon as it is proven (a partial record under the
+finished proof's key, which a finished proof then replaces), so a start stopped mid-proof
+leaves its proven widths to the next start: that one puts them in force at once and proves only
+the wider ones. A record that is not one of the two shapes is ignored with a warning.
 """
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -32,6 +38,8 @@ from ..invariance.selftest import (UINT_OF_SIZE, Mismatch, ProofCache, SelfTestR
                                    new_state, proven, result_maker)
 from .ragged import enable_ragged, per_request, ragged_forward, ragged_problem
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class RaggedProof:
@@ -41,6 +49,7 @@ class RaggedProof:
     reason: str = ""
     seconds: float = 0.0
     cached: bool = False  # re-used from the proof cache
+    resumed: int = 0  # widths 1..resumed were kept from an interrupted proof, not proven again
 
     def __bool__(self):
         return self.passed
@@ -98,11 +107,13 @@ class _Caches:
 
 def prove_ragged(model, call_rows: int, *, seed: int = 0, vocab: int | None = None,
                  kv_pool: str = "off", pass_rows: int | None = None, compiled: bool = False,
-                 on_width: Callable[[int], None] | None = None) -> RaggedProof:
+                 on_width: Callable[[int], None] | None = None, proven: int = 0) -> RaggedProof:
     """Prove ragged passes of 1..max(call_rows, pass_rows) rows bit-identical to solo passes on
     this model (`kv_pool`: the requests' caches as the engine makes them, see
     server/engine/guarantee/deployment.py; `compiled`: the passes compiled, over the pool's kernel).
-    Widths are proven in order, each on its own: `on_width(w)` is called once 1..w are."""
+    Widths are proven in order, each on its own: `on_width(w)` is called once 1..w are.
+    `proven`: widths 1..proven were proven before (a partial record): only wider ones run, and only
+    the pool members they use are prefilled."""
     from ..invariance.layers import calls_in_blocks
     from .compiled_pass import CompiledPasses, NotCompilable
 
@@ -112,32 +123,37 @@ def prove_ragged(model, call_rows: int, *, seed: int = 0, vocab: int | None = No
     if compiled and kv_pool != "kernel":
         return RaggedProof(False, call_rows, (), "compiled passes run over the pool's kernel only")
     widest = max(call_rows, pass_rows or call_rows)
+    widths = tuple(range(1, widest + 1))
+    if not 0 <= proven <= widest:
+        raise ValueError(f"proven widths 1..{proven} outside 1..{widest}")
     vocab = vocab or _vocab_size(model)
     key = mx.random.key(seed)
     pool = _pool(call_rows, widest)
+    used = sorted({i for width in widths[proven:] for i in _members_for(width, pool)})
     made = _Caches(model, kv_pool, max(prefix + rows for prefix, rows in pool))
-    prompts, caches = [], []
-    for i, (prefix, rows) in enumerate(pool):
+    prompts, caches = {}, {}
+    for i in used:  # each member's tokens depend on its index only, whichever members run
+        prefix, rows = pool[i]
         tokens = mx.random.randint(0, vocab, (prefix + rows,), key=mx.random.split(key, len(pool))[i]).tolist()
         cache = made.new()
         model(mx.array(tokens[:prefix])[None], cache=cache)
         mx.eval([c.state for c in cache])
-        prompts.append(tokens[prefix:])
-        caches.append(cache)
+        prompts[i] = tokens[prefix:]
+        caches[i] = cache
         step_done()  # the pool's passes before the first width are many: each is a step
 
-    solo = []
-    for i, (prefix, _) in enumerate(pool):
+    solo = {}
+    for i in used:
+        prefix = pool[i][0]
         cache = made.copy(caches[i])
         logits = ragged_forward(model, [(cache, prompts[i])])[0]
         kv = new_state(cache, prefix)
         mx.eval(logits, kv)
-        solo.append((logits, kv))
+        solo[i] = (logits, kv)
         step_done()
 
-    widths = tuple(range(1, widest + 1))
     passes = CompiledPasses(model, made.pool) if compiled else None
-    for width in widths:
+    for width in widths[proven:]:
         members = _members_for(width, pool)
         fresh = [made.copy(caches[i]) for i in members]
         requests = [(fresh[j], prompts[i]) for j, i in enumerate(members)]
@@ -171,7 +187,9 @@ def prove_ragged_cached(model, call_rows: int, proof_cache=None, *, seed: int = 
                         on_width: Callable[[int], None] | None = None) -> RaggedProof:
     """`prove_ragged`, re-using a result proven earlier on this machine (a
     kernels.invariance.selftest.ProofCache: same model, strategy, L, widths, code, MLX and device;
-    `on_width` is called only while proving)."""
+    `on_width` is called only while proving). Each width proven is kept at once under the same
+    key, marked partial: a proof stopped after width w resumes from w + 1, calling `on_width(w)`
+    first, before any pass."""
     if proof_cache is None:
         return prove_ragged(model, call_rows, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows, compiled=compiled,
                             on_width=on_width)
@@ -181,19 +199,64 @@ def prove_ragged_cached(model, call_rows: int, proof_cache=None, *, seed: int = 
     key = {**proof_key(model, call_rows, widths, (), seed, True, proof_cache.model_identity),
            "what": "ragged pass proof", **({"kv_pool": kv_pool} if kv_pool != "off" else {}),
            **({"compiled": True} if compiled else {})}
-    return cached_proof(proof_cache, key, call_rows, widths,
-                        lambda: prove_ragged(model, call_rows, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows,
-                                             compiled=compiled, on_width=on_width))
+    store = proof_cache.store
+    value = None if proof_cache.fresh else store.get(key)
+    finished = _finished(value, call_rows, widths)
+    if finished is not None:
+        return finished
+    resumed = _proven_before(value, store, key, len(widths))
+    if resumed:
+        log.info("ragged proof: passes of 1..%d rows were proven by an earlier start that stopped mid-proof; "
+                 "proving %s", resumed, f"{resumed + 1}..{len(widths)} rows" if resumed < len(widths) else "no more")
+        if on_width is not None:
+            on_width(resumed)
+    start = time.perf_counter()
+
+    def kept(width: int) -> None:  # called once 1..width passed their comparisons
+        store.put(key, {"partial": True, "proven_widths": width, "seconds": time.perf_counter() - start})
+        if on_width is not None:
+            on_width(width)
+
+    proof = prove_ragged(model, call_rows, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows, compiled=compiled,
+                         on_width=kept, proven=resumed)
+    proof = RaggedProof(proof.passed, proof.call_rows, proof.widths, proof.reason, proof.seconds, resumed=resumed)
+    store.put(key, _record(proof))
+    return proof
 
 
 def cached_proof(proof_cache, key: dict, call_rows: int, widths: tuple, prove) -> RaggedProof:
     """The proof kept under `key` in `proof_cache` (a ProofCache), else prove() and keep it."""
     value = None if proof_cache.fresh else proof_cache.store.get(key)
+    finished = _finished(value, call_rows, widths)
+    if finished is not None:
+        return finished
+    proof = prove()
+    proof_cache.store.put(key, _record(proof))
+    return proof
+
+
+def _record(proof: RaggedProof) -> dict:
+    return {"passed": proof.passed, "reason": proof.reason, "seconds": proof.seconds}
+
+
+def _finished(value: dict | None, call_rows: int, widths: tuple) -> RaggedProof | None:
+    """The finished proof a stored value holds, or None (nothing stored, or a partial record)."""
     if isinstance(value, dict) and isinstance(value.get("passed"), bool):
         return RaggedProof(value["passed"], call_rows, widths, str(value.get("reason", "")), 0.0, cached=True)
-    proof = prove()
-    proof_cache.store.put(key, {"passed": proof.passed, "reason": proof.reason, "seconds": proof.seconds})
-    return proof
+    return None
+
+
+def _proven_before(value: dict | None, store, key: dict, widest: int) -> int:
+    """The widths 1..w a partial record says were proven (0: none, or a record of another
+    shape, ignored with a warning)."""
+    if value is None:
+        return 0
+    width = value.get("proven_widths")
+    if value.get("partial") is True and type(width) is int and 1 <= width <= widest:
+        return width
+    log.warning("ignoring a ragged proof record that is neither finished nor a partial proof of 1..%d rows "
+                "(%s): proving every width again", widest, store.path(key))
+    return 0
 
 
 def differing_layer(want: list, got: list) -> int | None:

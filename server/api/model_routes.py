@@ -75,6 +75,8 @@ def install_model_routes(app: FastAPI, routes: Routes, model_extras) -> None:
     async def health():
         return {"status": "ok", "model": engine.loaded.name, "guarantee": engine.guarantee.state,
                 **engine.counts(), "audited_rows": engine.audited.describe()["audited_rows"],
+                # the widest pass deterministic rows may share now (grows while a ragged proof goes on)
+                "deterministic_pass_rows": engine.describe()["deterministic_pass_rows"],
                 "starting": engine.starting}
 
 

@@ -111,8 +111,8 @@ def decide_guarantee(model, invariance, kv_pool: str = "off", proofs=None, pass_
         log.warning("ragged passes not proven (%s): deterministic requests get passes of their own",
                     proof.reason)
         return installed
-    log.info("ragged passes of 1..%d rows proven bit-identical to solo passes (%.1f s)",
-             widest, proof.seconds)
+    log.info("ragged passes of 1..%d rows proven bit-identical to solo passes (%.1f s%s)", widest, proof.seconds,
+             f"; 1..{proof.resumed} rows kept from an interrupted proof" if proof.resumed else "")
     return dataclasses.replace(
         installed, shared_passes=True, pass_rows=widest,
         shared_prefill_rows=_shared_prefill(model, limit, kv_pool, proofs) if shared_prefill else 0,

@@ -1,0 +1,290 @@
+"""An interrupted ragged proof keeps the widths it proved (kernels/batching/ragged_selftest.py
+`prove_ragged_cached`): each width is stored once its comparisons passed, so a start stopped
+mid-proof leaves them to the next start, which puts them in force before any pass and proves only
+the wider ones. A record of another key, or a damaged one, gives no credit. The embedded model,
+its real proofs; proof passes are counted by width (the passes the proof runs in blocks)."""
+import contextlib
+import json
+import logging
+import threading
+
+import httpx2 as httpx
+import pytest
+
+import lockstep.kernels.batching.ragged_selftest as ragged_selftest
+import lockstep.kernels.invariance.layers as layers
+from lockstep.kernels.verdict_cache import ROOT_ENV, VerdictCache
+
+LIMIT, WIDEST = 2, 4
+
+
+@contextlib.contextmanager
+def counted_widths(monkeypatch, on_pass=None):
+    """The widths of the ragged proof's passes, in the order they run (its solo passes are not
+    counted: a width's pass runs inside `calls_in_blocks`). `on_pass(width)` runs before each."""
+    widths, inside = [], threading.local()
+    blocks, forward = layers.calls_in_blocks, ragged_selftest.ragged_forward
+
+    @contextlib.contextmanager
+    def marked():
+        inside.on = True
+        try:
+            with blocks():
+                yield
+        finally:
+            inside.on = False
+
+    def spy(model, requests, *args, **kwargs):
+        if getattr(inside, "on", False):
+            width = sum(len(tokens) for _, tokens in requests)
+            if on_pass is not None:
+                on_pass(width)
+            widths.append(width)
+        return forward(model, requests, *args, **kwargs)
+
+    monkeypatch.setattr(layers, "calls_in_blocks", marked)
+    monkeypatch.setattr(ragged_selftest, "ragged_forward", spy)
+    try:
+        yield widths
+    finally:
+        monkeypatch.setattr(layers, "calls_in_blocks", blocks)
+        monkeypatch.setattr(ragged_selftest, "ragged_forward", forward)
+
+
+def records(store: VerdictCache) -> list[dict]:
+    return [json.loads(p.read_text())["value"] for p in store.dir.glob("*.json")
+            if json.loads(p.read_text())["key"].get("what") == "ragged pass proof"]
+
+
+# ------------------------------------------------------------------ a server stopped mid-proof
+
+def start(verdicts):
+    from lockstep.server.runtime import Options, build_runtime
+    from lockstep.server.startup_work import GuaranteeWork
+
+    runtime = build_runtime(Options(model="default", batch_invariant_limit=LIMIT, max_batch_rows=WIDEST),
+                            defer_guarantee=True)
+    (work,) = [w for w in runtime.pending if isinstance(w, GuaranteeWork)]
+    return runtime, work
+
+
+def engine_for(runtime):
+    from lockstep.server.engine import Engine
+
+    return Engine(runtime.loaded, deployment=runtime.deployment, guarantee=runtime.guarantee,
+                  audited=runtime.audited, max_active=4, max_batch_rows=WIDEST)
+
+
+def test_a_restart_after_a_stop_mid_proof_starts_in_force_for_the_widths_proven_and_proves_only_wider(
+        tmp_path, monkeypatch, caplog):
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+    from lockstep.server.api.app import create_app
+    from lockstep.server.engine.guarantee.guarantee_state import IN_FORCE
+    from tests.http_server import running
+
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path / "verdicts"))  # a first start: nothing proven yet
+    store = VerdictCache("selftest")
+    stop_after = 3  # not a multiple of L: a first proof had put only 1..2 in force
+
+    # first start: stopped (Engine.stop, as a launchd restart or Ctrl-C) once width 3 is proven
+    runtime, work = start(tmp_path)
+    engine = engine_for(runtime)
+    proven_widths, stopper, stopping = work._proven_widths, threading.Thread(target=lambda: engine.stop()), \
+        threading.Event()
+
+    def stopping_after(invariance, pass_costs):
+        proven = proven_widths(invariance, pass_costs)
+
+        def hook(width):
+            proven(width)
+            if width == stop_after:  # the proof's next step_done() ends it, as a stop does
+                stopper.start()
+                with engine._wake:
+                    assert engine._wake.wait_for(lambda: engine._stopping, timeout=600)
+                stopping.set()
+        return hook
+    work._proven_widths = stopping_after
+    try:
+        with counted_widths(monkeypatch) as first:
+            engine.start(runtime.pending)
+            assert stopping.wait(600)
+            stopper.join(timeout=600)
+        assert not stopper.is_alive()
+    finally:
+        engine.stop()
+    assert first == [1, 2, 3]
+    assert records(store) == [{"partial": True, "proven_widths": 3, "seconds": records(store)[0]["seconds"]}]
+
+    # the restart: 1..3 in force before any proof pass; only width 4 runs
+    runtime, work = start(tmp_path)
+    engine = engine_for(runtime)
+    at_first_pass, checked, settled, seen = threading.Event(), threading.Event(), threading.Event(), []
+    settle = work.settle
+    work.settle = lambda: (settle(), settled.set())  # the whole proof's deployment is installed
+
+    def hold_first(width):
+        if not at_first_pass.is_set():
+            seen.append((runtime.guarantee.state, engine.deployment.guarantee.pass_rows))
+            at_first_pass.set()
+            assert checked.wait(600)
+
+    try:
+        with counted_widths(monkeypatch, on_pass=hold_first) as again, caplog.at_level(logging.INFO):
+            engine.start(runtime.pending)
+            with running(create_app(engine, model_extras=runtime.model_info, guarantee_timeout=20)) as base:
+                try:
+                    assert at_first_pass.wait(600)
+                    health = httpx.get(base + "/health").json()
+                finally:
+                    checked.set()
+                assert health["guarantee"] == IN_FORCE and health["deterministic_pass_rows"] == 3
+                assert seen == [(IN_FORCE, 3)]
+                assert settled.wait(600)
+                assert engine.deployment.guarantee.pass_rows == WIDEST
+                assert httpx.get(base + "/health").json()["deterministic_pass_rows"] == WIDEST
+    finally:
+        checked.set()
+        engine.stop()
+        set_batch_invariant_limit(runtime.loaded.model, 0)
+    assert again == [4]
+    assert "1..3 rows were proven by an earlier start" in caplog.text
+    assert "1..3 rows kept from an interrupted proof" in caplog.text
+    (finished,) = records(store)  # the finished proof replaced the partial record
+    assert finished["passed"] is True and "partial" not in finished
+
+
+# ------------------------------------------------------------------ the record, proof by proof
+
+class Stop(Exception):
+    """What a stop raises at the proof's next step."""
+
+
+def install_limit(loaded):
+    """Batch invariance for L on the embedded model, its self-test kept in the session's
+    verdict cache (tests/conftest.py): made once."""
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+    from lockstep.kernels.invariance.selftest import ProofCache
+
+    session = ProofCache(VerdictCache("selftest"), {"model": "embedded", "weights": loaded.weights})
+    assert set_batch_invariant_limit(loaded.model, LIMIT, proof_cache=session).guaranteed
+
+
+@pytest.fixture(scope="module")
+def loaded(embedded_model):
+    from lockstep.kernels.batching.ragged import enable_ragged
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+
+    install_limit(embedded_model)
+    enable_ragged(embedded_model.model)
+    yield embedded_model
+    set_batch_invariant_limit(embedded_model.model, 0)
+
+
+@pytest.fixture
+def model(loaded):
+    return loaded.model
+
+
+def proofs(tmp_path, weights="digest-a", fresh=False):
+    from lockstep.kernels.invariance.selftest import ProofCache
+
+    return ProofCache(VerdictCache("selftest", tmp_path), {"weights": weights}, fresh)
+
+
+def interrupted(model, proof_cache, at: int, **options) -> None:
+    def stop(width):
+        if width == at:
+            raise Stop
+    with pytest.raises(Stop):
+        ragged_selftest.prove_ragged_cached(model, LIMIT, proof_cache, pass_rows=WIDEST, on_width=stop, **options)
+
+
+def test_a_resumed_proof_reports_the_kept_widths_first_and_proves_the_rest(model, tmp_path, monkeypatch):
+    interrupted(model, proofs(tmp_path), at=2)
+    called = []
+    with counted_widths(monkeypatch, on_pass=lambda w: called.append(("pass", w))) as widths:
+        proof = ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST,
+                                                    on_width=lambda w: called.append(("proven", w)))
+    assert proof.passed and proof.resumed == 2 and not proof.cached
+    assert widths == [3, 4]
+    assert called == [("proven", 2), ("pass", 3), ("proven", 3), ("pass", 4), ("proven", 4)]
+    again = ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST)
+    assert again.passed and again.cached  # finished: nothing proven again
+    with counted_widths(monkeypatch) as widths:  # fresh proofs take no credit either
+        assert ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path, fresh=True), pass_rows=WIDEST)
+    assert widths == [1, 2, 3, 4]
+
+
+def test_a_proof_stopped_after_its_last_width_runs_no_pass_again(model, tmp_path, monkeypatch):
+    interrupted(model, proofs(tmp_path), at=WIDEST)  # stopped at the step after the last width
+    with counted_widths(monkeypatch) as widths:
+        proof = ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST)
+    assert proof.passed and proof.resumed == WIDEST and widths == []
+    assert ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST).cached
+
+
+@pytest.mark.parametrize("change", ["weights", "limit", "pass_rows", "kv_pool", "kernel code"])
+def test_a_partial_record_of_another_key_gives_no_credit(model, tmp_path, monkeypatch, change):
+    interrupted(model, proofs(tmp_path), at=3)
+    limit, options, cache = LIMIT, {"pass_rows": WIDEST}, proofs(tmp_path)
+    if change == "weights":
+        cache = proofs(tmp_path, weights="digest-b")
+    elif change == "limit":
+        limit = 1  # widths 1..4 still: pass_rows
+    elif change == "pass_rows":
+        options["pass_rows"] = WIDEST + 1
+    elif change == "kv_pool":
+        options["kv_pool"] = "reference"
+    else:
+        import lockstep.kernels.invariance.selftest as selftest
+
+        monkeypatch.setattr(selftest, "kernels_code_version", lambda: "another kernel source")
+    with counted_widths(monkeypatch) as widths:
+        proof = ragged_selftest.prove_ragged_cached(model, limit, cache, **options)
+    assert proof.passed and proof.resumed == 0
+    assert widths == list(range(1, max(limit, options["pass_rows"]) + 1))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "width out of range", "width as text", "not partial",
+                                    "width zero"])
+def test_a_damaged_partial_record_is_ignored_with_a_warning(model, tmp_path, monkeypatch, caplog, damage):
+    cache = proofs(tmp_path)
+    interrupted(model, cache, at=3)
+    (path,) = cache.store.dir.glob("*.json")
+    record = json.loads(path.read_text())
+    if damage == "truncated":  # a write cut short
+        path.write_text(path.read_text()[:40])
+    elif damage == "empty":
+        path.write_bytes(b"")
+    else:
+        record["value"].update({"width out of range": {"proven_widths": WIDEST + 1},
+                                "width as text": {"proven_widths": "3"},
+                                "not partial": {"partial": False},
+                                "width zero": {"proven_widths": 0}}[damage])
+        path.write_text(json.dumps(record))
+    with counted_widths(monkeypatch) as widths, caplog.at_level(logging.WARNING):
+        proof = ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST)
+    assert proof.passed and proof.resumed == 0
+    assert widths == [1, 2, 3, 4]
+    assert "ignoring" in caplog.text
+
+
+def test_a_width_that_fails_is_never_kept_as_proven(loaded, model, tmp_path, monkeypatch):
+    """Natively on the shape-variant double width 2 differs: only width 1 is kept before it,
+    then the failure replaces it."""
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+    from tests.doubles.shape_variant import shape_variant_backend
+
+    cache = proofs(tmp_path)
+    stored = []
+    put = cache.store.put
+    monkeypatch.setattr(cache.store, "put", lambda key, value: stored.append(dict(value)) or put(key, value))
+    set_batch_invariant_limit(model, 0)
+    try:
+        with shape_variant_backend():
+            proof = ragged_selftest.prove_ragged_cached(model, LIMIT, cache, pass_rows=WIDEST)
+    finally:
+        install_limit(loaded)
+    assert not proof.passed and "ragged pass of 2 rows" in proof.reason
+    assert [v.get("proven_widths") for v in stored if v.get("partial")] == [1]
+    assert stored[-1]["passed"] is False
