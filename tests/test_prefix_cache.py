@@ -264,3 +264,29 @@ def test_a_deterministic_request_never_starts_from_a_plain_prompts_smaller_chunk
     assert pc.hits == 1  # a plain request does reuse it
     assert not bits_equal(sorted_rows(plain_run)[0], sorted_rows(cold)[0])  # the small chunks' bits differ
     assert same_run(cold, after)
+
+
+def test_a_chunk_cut_to_an_audited_width_is_never_stored(tiny):
+    """While the kernel audit is partial the scheduler cuts a prompt chunk to an audited width
+    (`RequestState.chunk_limit`): that KV is not what an aligned prefill writes, so it is never
+    stored for reuse (a deterministic request would start from other bits). Control: the same
+    prompt in aligned chunks is stored."""
+    from lockstep.server.engine.decoding.request_state import RequestState
+    from lockstep.server.engine.decoding.sampling import SamplingParams
+
+    def prefilled(limit):
+        pc = PrefixCache(4)
+        request = GenerationRequest(prompt_tokens=PROMPT, max_tokens=1, sampling=SamplingParams(temperature=0))
+        state = RequestState(tiny, request, prefix_cache=pc)
+        chunks = 0
+        while state.prefilling:
+            state.chunk_limit = limit
+            step = state.next_prefill()
+            tiny.model(mx.array([step.tokens]), cache=step.cache)
+            state.chunk_written(len(step.tokens), alone=True)
+            chunks += 1
+        return chunks, pc.lookup(PROMPT[:-1])[1]
+
+    assert prefilled(None) == (1, len(PROMPT) - 1)  # control: one aligned chunk, stored
+    chunks, stored = prefilled(5)
+    assert chunks > 1 and stored == 0

@@ -102,6 +102,8 @@ def test_a_plain_prompts_smaller_chunks_go_to_disk_under_their_own_grid(embedded
     tokens, bits, cached = run(embedded_model, prompts[1], second, deployment=plain)
     assert second.disk_hits == 1 and cached == first.disk.blocks_written * BLOCK
     assert (tokens, bits) == cold_plain[:2]
+    # the disk hit is in memory now, still as the plain grid's: a canonical request finds none
+    assert second.lookup(prompts[1][:-1], namespace(plain), canonical_only=True) == (None, 0)
     third = restarted(tmp_path)
     assert run(embedded_model, prompts[1], third)[2] == 0 and third.disk_hits == 0  # the canonical grid's: none
 

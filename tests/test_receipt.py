@@ -92,6 +92,25 @@ def test_the_model_names_suffix_asks_for_deterministic_mode(server):
     assert told.model_extra["lockstep"]["deterministic"] is False
 
 
+def test_the_model_names_suffix_holds_for_streams_and_for_responses(server):
+    # every way a request reaches the engine reads its model name alike
+    def streamed_chat(model):
+        chunks = list(chat(server.client, model=model, stream=True, **SAMPLED))
+        return [c for c in chunks if c.choices and c.choices[0].finish_reason][0].model_extra["lockstep"]
+
+    def response(model, stream):
+        asked = dict(model=model, input="Say hi.", max_output_tokens=4)
+        if stream:
+            return list(server.client.responses.create(stream=True, **asked))[-1].response.model_extra["lockstep"]
+        return server.client.responses.create(**asked).model_extra["lockstep"]
+
+    assert streamed_chat("default:deterministic")["deterministic"] is True
+    assert streamed_chat("default")["deterministic"] is False  # control
+    for stream in (False, True):
+        assert response("default:deterministic", stream)["deterministic"] is True, stream
+        assert response("default", stream)["deterministic"] is False, stream  # control
+
+
 def test_a_deployment_can_make_deterministic_the_default(server):
     with running(create_app(server.engine, deterministic_by_default=True)) as url:
         from openai import OpenAI
@@ -123,6 +142,21 @@ def test_a_receipt_names_the_deployment_the_request_and_digests_of_both_sides(se
     logprobs = response.choices[0].logprobs.token_logprobs
     expected = "sha256:" + __import__("hashlib").sha256(b"".join(struct.pack("<d", lp) for lp in logprobs)).hexdigest()
     assert receipt["logprobs"] == expected
+
+
+def test_an_answer_ended_by_the_end_token_is_digested_whole(server, embedded_model):
+    # The end token is answered (it is in token_ids, and counted in usage): the receipt's digest
+    # and count cover it too, or two answers that differ only in how they end share a receipt.
+    response = server.client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Say hi."}], max_tokens=64, temperature=0,
+        extra_body={"deterministic": True, "return_token_ids": True})
+    choice = response.choices[0]
+    ids = choice.model_extra["lockstep"]["token_ids"]
+    assert choice.finish_reason == "stop" and ids[-1] in embedded_model.eos_token_ids  # what this test is about
+    receipt = choice.model_extra["lockstep"]["receipt"]
+    assert receipt["answer_tokens"] == len(ids) == response.usage.completion_tokens
+    assert receipt["answer"] == token_digest(ids)
+    assert receipt["answer"] != token_digest(ids[:-1])  # control: the digest tells the end token apart
 
 
 def test_a_streams_final_chunk_carries_the_same_receipt(server):

@@ -132,6 +132,19 @@ def test_logit_bias_bans_and_forces_tokens(server):
     assert forced.message.content == forced_text * 3
 
 
+def test_logprobs_are_the_models_own_before_the_bias(server):
+    # docs/API.md: logprobs stay the model's own distribution (before penalties, bias and
+    # grammar masks). Deterministic, so both answers' first rows are the same bits.
+    asked = dict(max_tokens=1, temperature=0, logprobs=True, top_logprobs=5, extra_body={"deterministic": True})
+    plain = chat(server, **asked).choices[0].logprobs.content[0]
+    top = [(t.token, float_bits(t.logprob)) for t in plain.top_logprobs]
+    first = server.engine.loaded.tokenizer.encode(plain.token, add_special_tokens=False)[0]
+    banned = chat(server, logit_bias={str(first): -100}, **asked).choices[0].logprobs.content[0]
+    assert banned.token == top[1][0] != plain.token  # control: the bias changed the choice
+    assert float_bits(banned.logprob) == top[1][1]
+    assert [(t.token, float_bits(t.logprob)) for t in banned.top_logprobs] == top
+
+
 @pytest.mark.parametrize("bias, error", [({"x": 1}, "token ids"), ({"5": 101}, "[-100, 100]"),
                                          ({"99999999": 1}, "token ids must be in")])
 def test_bad_logit_bias_is_a_400_naming_it(server, bias, error):

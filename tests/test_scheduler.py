@@ -522,3 +522,36 @@ def test_negative_control_the_same_request_sharing_passes_changes_its_answer(tin
         finally:
             engine.stop()
     assert out["shared"][1] != solo
+
+
+# ------------------------------------------- admission under the KV budget is first come, first served
+
+def test_a_request_the_kv_budget_cannot_hold_yet_keeps_its_place_in_the_queue(tiny):
+    """A request waiting for KV to be released is not overtaken by a later one that fits now:
+    a stream of small requests would otherwise keep a large one waiting for ever."""
+    import time
+    from types import SimpleNamespace
+
+    from lockstep.server.engine.scheduling.kv_budget import KVBudget, reservation
+    from lockstep.server.engine.scheduling.scheduler import Scheduler
+
+    deployment = Deployment()
+    runner = SimpleNamespace(kv_pool=None, batched=True, release=lambda cache: None)
+
+    def handle(max_tokens):
+        return SimpleNamespace(request=GenerationRequest([1, 2, 3], max_tokens, SamplingParams(temperature=0)),
+                               plan=plain(deployment), leader=None, cancelled=False, client_cancelled=False,
+                               submitted_at=time.monotonic(), state=None)
+
+    def admitted(*queue):
+        # room for the large request alone, or for two small ones, never for a large and a small
+        budget = KVBudget(reservation(3, 300, 0) + reservation(3, 4, 0) - 1)
+        scheduler = Scheduler(tiny, runner, deployment=deployment, max_active=4, active_per_request=4,
+                              max_batch_rows=16, kv_budget=budget)
+        scheduler.waiting = list(queue)
+        scheduler.admit()
+        return [queue.index(slot.handle) for slot in scheduler.active]
+
+    small, large, later = handle(4), handle(300), handle(4)
+    assert admitted(small, later) == [0, 1]  # control: two small ones fit together
+    assert admitted(small, large, later) == [0]  # the large one waits first in line, the later one behind it

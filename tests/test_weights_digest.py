@@ -95,6 +95,18 @@ def test_a_changed_weight_file_changes_the_fingerprint(model_dir, hashed):
     assert len(hashed) == 2
 
 
+@pytest.mark.parametrize("setting, value", [
+    ("transform", "q4"), ("strategy", "cpu_kernel"), ("limit", 4), ("blas", "openblas"),
+    ("prefill_chunk", 128), ("topology", "tensor/2/ring"), ("kv_pool", "kernel"),
+])
+def test_every_setting_that_changes_output_bits_changes_the_fingerprint(model_dir, setting, value):
+    # the fingerprint keys the prompt cache's disk tier and decides what replay compares
+    settings = dict(transform="none", strategy="s", limit=8, blas="reference", prefill_chunk=8)
+    base = system_fingerprint(model_dir, **settings)
+    assert system_fingerprint(model_dir, **settings) == base  # control: the same settings, the same one
+    assert system_fingerprint(model_dir, **{**settings, setting: value}) != base
+
+
 @pytest.mark.parametrize("change", ["touched", "replaced", "added"])
 def test_an_entry_whose_identity_no_longer_matches_is_recomputed(model_dir, hashed, change):
     digest = _restart(model_dir)
