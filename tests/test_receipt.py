@@ -125,6 +125,16 @@ def test_a_deployment_can_make_deterministic_the_default(server):
         refused = client.chat.completions.create(model="default", messages=STORY, max_tokens=4,
                                                  extra_body={"deterministic": False})
         assert refused.model_extra["lockstep"]["deterministic"] is False
+        # /v1/responses too, streamed or not
+        for stream in (False, True):
+            asked = dict(model="default", input="Say hi.", max_output_tokens=4)
+            for extra, expected in (({}, True), ({"deterministic": False}, False)):
+                if stream:
+                    events = list(client.responses.create(stream=True, extra_body=extra, **asked))
+                    lockstep = events[-1].response.model_extra["lockstep"]
+                else:
+                    lockstep = client.responses.create(extra_body=extra, **asked).model_extra["lockstep"]
+                assert lockstep["deterministic"] is expected, (stream, extra)
 
 
 def test_a_receipt_names_the_deployment_the_request_and_digests_of_both_sides(server, embedded_model):
