@@ -313,6 +313,11 @@ class RequestState:
         presample = getattr(self.source, "presample", None)
         return presample(logits, ahead) if presample is not None else None
 
+    @property
+    def presamples(self) -> bool:
+        """Whether `presample` builds anything (its rows need slicing from the pass)."""
+        return getattr(self.source, "presamples", False)
+
     def decodes_ahead(self) -> bool:
         """Whether this request's next row may run before the token of the pass now running
         reaches the host (server/engine/runner/decode_ahead.py): one token a pass, chosen on the device."""

@@ -81,9 +81,18 @@ def presample(members: list, logits: mx.array, spans: list, ahead: int = 0) -> l
     """Each member's sampling of its rows, built lazily (`ahead`: for the row after its next
     one); None where building it fails (the pass then samples as without decoding ahead)."""
     try:
-        return [state.presample(logits[b:e], ahead) for (state, _), (b, e) in zip(members, spans)]
+        return [presample_rows(state, logits, span, ahead) for (state, _), span in zip(members, spans)]
     except Exception:
         return None
+
+
+def presample_rows(state, logits: mx.array, span: tuple[int, int], ahead: int = 0):
+    """`state.presample` of its rows `span` of the pass's `logits`, sliced only where it builds
+    something (greedy rows build nothing, and a slice a row is a graph node a row)."""
+    if not getattr(state, "presamples", True):
+        return None
+    begin, end = span
+    return state.presample(logits[begin:end], ahead)
 
 
 def submit_next(compiled, rows: list, canonical: bool, argmax: mx.array, sampled: list) -> AheadPass | None:
