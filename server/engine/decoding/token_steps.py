@@ -23,7 +23,8 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from lockstep.server.engine.decoding.sampling import PendingSample, Sampled, SamplingParams, sample, sample_pending
+from lockstep.server.engine.decoding.sampling import (PendingSample, RowSampling, Sampled, SamplingParams, sample,
+                                                      sample_pending)
 from lockstep.server.engine.decoding.speculative import (AdaptiveDraftLength, DraftBackoff, DraftModelDrafter, PredictionDrafter,
                                                          PromptLookupDrafter, accept_drafts, agreeing_prefix, never)
 
@@ -105,6 +106,11 @@ class PlainSource:
     def presamples(self) -> bool:
         """Whether `presample` builds anything (else the pass's argmax or `verify` chooses)."""
         return not fast_argmax(self.params) and self.processors is None
+
+    def row_sampling(self, ahead: int = 0) -> RowSampling | None:
+        """What `presample` of its one row builds, for a pass to build it with other rows' in
+        one batch (None: it builds nothing)."""
+        return RowSampling(self.params, len(self.context) + ahead) if self.presamples else None
 
     @property
     def chooses_on_device(self) -> bool:
