@@ -73,7 +73,7 @@ class IncrementalDecoder:
     last `PROMPT_CONTEXT` as context."""
 
     PROMPT_CONTEXT = 4  # tokens kept at the window's start so spaces decode as in context
-    WINDOW = 32  # the window's most tokens before it moves on
+    WINDOW = 8  # the window's most tokens before it moves on (a decode costs by its length too)
     PROBE = 64  # prompt tokens the direct decode is checked on
 
     def __init__(self, tokenizer, prompt_tokens: list[int]):
