@@ -262,7 +262,7 @@ class SpeculativeSource:
             else:  # row i follows the context and the i drafts accepted before it
                 chosen = choose_row(row, self.context + [s.sampled.token for s in picked],
                                     self.params, self.processors)
-            picked.append(Step(chosen, row))
+            picked.append(Step(chosen, logits, i))
             return chosen.token
 
         accept_drafts(logits, self.cache, drafts, choose)
