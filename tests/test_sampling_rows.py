@@ -36,10 +36,10 @@ def bits(sampled) -> tuple:
     return (sampled.token, pack(sampled.logprob), tuple((t, pack(v)) for t, v in sampled.top_logprobs))
 
 
-@pytest.fixture(scope="module")
-def logits():
+@pytest.fixture(scope="module", params=[mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+def logits(request):
     # spread out like a model's (std ~3) so the masks keep different numbers of tokens per row
-    out = mx.random.normal((ROWS, VOCAB), key=mx.random.key(1)) * 3
+    out = (mx.random.normal((ROWS, VOCAB), key=mx.random.key(1)) * 3).astype(request.param)
     mx.eval(out)
     return out
 
