@@ -66,7 +66,17 @@ def main() -> int:
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--pool-kernel-double", action="store_true",
+                        help="on the CPU, the GPU's decode path: the KV pool's kernel by tests/doubles/pool_kernel.py's "
+                             "stand-in (passes compiled and decoded ahead); with --kv-pool auto")
     args = parser.parse_args()
+    if args.pool_kernel_double:
+        from tests.doubles.pool_kernel import pool_kernel_double
+
+        pool_kernel_double().__enter__()  # for the process's life
+        from lockstep.kernels.batching import pool_mode as pool_mode_module
+
+        pool_mode_module.kernel_unavailable_reason = lambda *args, **kwargs: None  # its own name for it
 
     loaded = load_model(args.model, args.weights)
     invariance = set_batch_invariant_limit(loaded.model, args.limit)

@@ -1,6 +1,8 @@
 """Incremental decoding (real tokenizer) and stop-sequence matching with hold-back."""
 import random
 
+import pytest
+
 from lockstep.server.engine.decoding.stops import IncrementalDecoder, StopTextStream
 
 
@@ -109,6 +111,21 @@ def test_incremental_decoding_matches_decoding_all_at_once(embedded_model):
     assert text == tokenizer.decode(prompt + generated)[len(tokenizer.decode(prompt)) :]
     assert text.startswith(" blue")  # the leading space of a continuation is kept
     assert not any("\ufffd" in piece for piece in pieces)  # split characters wait
+
+
+@pytest.mark.parametrize("window", [5, 6, IncrementalDecoder.WINDOW])
+def test_incremental_decoding_matches_decoding_all_at_once_as_its_window_moves(embedded_model, monkeypatch, window):
+    """A long answer: the window moves on many times, also inside split characters."""
+    monkeypatch.setattr(IncrementalDecoder, "WINDOW", window)
+    tokenizer = embedded_model.tokenizer
+    prompt = tokenizer.encode("The sky is")
+    generated = tokenizer.encode(" blue, 青い空 🌤️ and\nvery   wide. " * 12, add_special_tokens=False)
+    assert len(generated) > 4 * IncrementalDecoder.WINDOW
+    decoder = IncrementalDecoder(tokenizer, prompt)
+    pieces = [decoder.add(t) for t in generated]
+    text = "".join(pieces) + decoder.finish()
+    assert text == tokenizer.decode(prompt + generated)[len(tokenizer.decode(prompt)) :]
+    assert not any("\ufffd" in piece for piece in pieces)
 
 
 def test_direct_decode_gives_the_wrapper_text(embedded_model):

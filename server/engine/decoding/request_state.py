@@ -313,6 +313,17 @@ class RequestState:
         presample = getattr(self.source, "presample", None)
         return presample(logits, ahead) if presample is not None else None
 
+    @property
+    def presamples(self) -> bool:
+        """Whether `presample` builds anything (its rows need slicing from the pass)."""
+        return getattr(self.source, "presamples", False)
+
+    def row_sampling(self, ahead: int = 0):
+        """What its one-row `presample` builds, for a pass to build with others' (a
+        sampling.RowSampling; None: nothing)."""
+        row_sampling = getattr(self.source, "row_sampling", None)
+        return row_sampling(ahead) if row_sampling is not None else None
+
     def decodes_ahead(self) -> bool:
         """Whether this request's next row may run before the token of the pass now running
         reaches the host (server/engine/runner/decode_ahead.py): one token a pass, chosen on the device."""

@@ -13,8 +13,9 @@ reports them.
 """
 from __future__ import annotations
 
+import functools
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
@@ -56,9 +57,31 @@ def splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def _key_value(seed: int, position: int) -> int:
+    return splitmix64((seed & _MASK64) ^ splitmix64(position))
+
+
 def key_for(seed: int, position: int) -> mx.array:
     """A PRNG key that depends only on (seed, position)."""
-    return mx.random.key(splitmix64((seed & _MASK64) ^ splitmix64(position)))
+    return mx.random.key(_key_value(seed, position))
+
+
+def keys_for(seeds: list[int], positions: list[int]) -> mx.array:
+    """`key_for` of each (seed, position) as one (rows, 2) array (mx.random.key's two words)."""
+    values = [_key_value(seed, position) for seed, position in zip(seeds, positions)]
+    return mx.array([[v >> 32, v & 0xFFFFFFFF] for v in values], dtype=mx.uint32)
+
+
+@functools.lru_cache(maxsize=None)
+def _gumbel_rows(vocab: int):
+    # one row of noise per key: the random bits are counter-based, so row i is exactly
+    # gumbel((vocab,), key=keys[i]) (tests/test_sampling_rows.py)
+    return mx.vmap(lambda key: mx.random.gumbel((vocab,), key=key))
+
+
+def gumbel_noise(seeds: list[int], positions: list[int], vocab: int) -> mx.array:
+    """(rows, vocab) Gumbel noise, row i keyed on (seeds[i], positions[i]) alone."""
+    return _gumbel_rows(vocab)(keys_for(seeds, positions))
 
 
 def _mask_top_k(logprobs: mx.array, k: int) -> mx.array:
@@ -99,14 +122,15 @@ def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
     return _mask_min_p(logprobs, params.min_p)
 
 
-def choose_tokens(logits: mx.array, positions: list[int], params: SamplingParams) -> mx.array:
-    """Token ids for logits of shape (len(positions), vocab); row i is for positions[i]."""
+def choose_tokens(logits: mx.array, positions: list[int], params: SamplingParams,
+                  seeds: list[int] | None = None) -> mx.array:
+    """Token ids for logits of shape (len(positions), vocab); row i is for positions[i], keyed
+    on seeds[i] (default: params.seed for every row)."""
     if params.greedy:
         return mx.argmax(logits, axis=-1)
     masked = filtered_logprobs(logits, params)
-    vocab = logits.shape[-1]
-    noise = mx.stack([mx.random.gumbel((vocab,), key=key_for(params.seed, t)) for t in positions])
-    return mx.argmax(masked + noise, axis=-1)
+    seeds = [params.seed] * len(positions) if seeds is None else seeds
+    return mx.argmax(masked + gumbel_noise(seeds, positions, logits.shape[-1]), axis=-1)
 
 
 def _top_n(logprobs: mx.array, n: int) -> tuple[mx.array, mx.array]:
@@ -126,28 +150,74 @@ class PendingSample:
     def __init__(self, tokens: mx.array, logprob_parts: tuple | None):
         self.tokens = tokens
         self.logprob_parts = logprob_parts  # (chosen, top ids, top values) or None
+        self._result: list[Sampled] | None = None
 
     @property
     def arrays(self) -> list[mx.array]:
         return [self.tokens, *(self.logprob_parts or ())]
 
     def result(self) -> list[Sampled]:
-        mx.eval(self.arrays)  # nothing left to compute when the engine evaluated them already
-        if self.logprob_parts is None:
-            return [Sampled(token) for token in self.tokens.tolist()]
-        chosen, top_ids, top_values = self.logprob_parts
-        return [
-            Sampled(token, logprob, list(zip(ids, values)))
-            for token, logprob, ids, values in zip(
-                self.tokens.tolist(), chosen.tolist(), top_ids.tolist(), top_values.tolist()
-            )
-        ]
+        if self._result is None:  # read back once: a batch's rows share it (PendingRow)
+            mx.eval(self.arrays)  # nothing left to compute when the engine evaluated them already
+            if self.logprob_parts is None:
+                self._result = [Sampled(token) for token in self.tokens.tolist()]
+            else:
+                chosen, top_ids, top_values = self.logprob_parts
+                self._result = [
+                    Sampled(token, logprob, list(zip(ids, values)))
+                    for token, logprob, ids, values in zip(
+                        self.tokens.tolist(), chosen.tolist(), top_ids.tolist(), top_values.tolist()
+                    )
+                ]
+        return self._result
+
+
+class PendingRow:
+    """Row `index` of a batch's PendingSample (`sample_rows_pending`), as a PendingSample of
+    one row: its arrays are the batch's (evaluated once for all), its result that row's."""
+
+    def __init__(self, batch: PendingSample, index: int):
+        self.batch, self.index = batch, index
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return self.batch.arrays
+
+    @property
+    def tokens(self) -> mx.array:
+        return self.batch.tokens[self.index:self.index + 1]
+
+    def result(self) -> list[Sampled]:
+        return [self.batch.result()[self.index]]
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """One row's sampling as a pass builds it with other requests' rows (`batch`): rows of one
+    `group` share every sampling field but the seed."""
+
+    params: SamplingParams
+    position: int
+
+    @property
+    def group(self) -> SamplingParams:
+        return replace(self.params, seed=0)
+
+    @staticmethod
+    def batch(logits: mx.array, rows: list["RowSampling"]) -> list[PendingRow]:
+        """The sampling of `rows` (one group) from `logits` (len(rows), vocab), row i's bits
+        what `sample_pending(logits[i:i + 1], [position], params)` gives it alone."""
+        batch = sample_pending(logits, [row.position for row in rows], rows[0].params,
+                               seeds=[row.params.seed for row in rows])
+        return [PendingRow(batch, j) for j in range(len(rows))]
 
 
 def sample_pending(logits: mx.array, positions: list[int], params: SamplingParams,
-                   model_logits: mx.array | None = None) -> PendingSample:
-    """`sample`'s computation, built lazily (see PendingSample)."""
-    tokens = choose_tokens(logits, positions, params)
+                   model_logits: mx.array | None = None, seeds: list[int] | None = None) -> PendingSample:
+    """`sample`'s computation, built lazily (see PendingSample). `seeds`: row i's seed (several
+    requests' rows sampled as one batch, each row's bits its own: every operation here works
+    on each row alone); default params.seed for every row."""
+    tokens = choose_tokens(logits, positions, params, seeds)
     if params.top_logprobs is None:
         return PendingSample(tokens, None)
     logprobs = (logits if model_logits is None else model_logits).astype(mx.float32)

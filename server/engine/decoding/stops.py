@@ -66,9 +66,14 @@ def direct_decode(tokenizer, probe: list[int]):
 
 
 class IncrementalDecoder:
-    """Text of generated tokens, one token at a time, decoded with prompt context."""
+    """Text of generated tokens, one token at a time, decoded with prompt context.
 
-    PROMPT_CONTEXT = 4  # prompt tokens kept in the window so spaces decode as in context
+    The window's text up to `_read` is kept from the decode that read it, so a token costs one
+    decode; the window moves on (one decode more) once it holds `WINDOW` tokens, keeping the
+    last `PROMPT_CONTEXT` as context."""
+
+    PROMPT_CONTEXT = 4  # tokens kept at the window's start so spaces decode as in context
+    WINDOW = 8  # the window's most tokens before it moves on (a decode costs by its length too)
     PROBE = 64  # prompt tokens the direct decode is checked on
 
     def __init__(self, tokenizer, prompt_tokens: list[int]):
@@ -76,23 +81,29 @@ class IncrementalDecoder:
         self._tokens = list(prompt_tokens[-self.PROMPT_CONTEXT :])
         self._start = 0  # window start: text before `_read` was already returned
         self._read = len(self._tokens)
+        self._read_text = self._decode(self._tokens)  # the window's text up to `_read`
 
-    def _new_text(self) -> str:
-        before = self._decode(self._tokens[self._start : self._read])
-        return self._decode(self._tokens[self._start :])[len(before) :]
+    def _new_text(self) -> tuple[str, str]:
+        """The window's whole text and the part of it past `_read`."""
+        text = self._decode(self._tokens[self._start :])
+        return text, text[len(self._read_text) :]
 
     def add(self, token: int) -> str:
         self._tokens.append(token)
-        text = self._new_text()
+        whole, text = self._new_text()
         if not text or text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait
             return ""
-        self._start, self._read = self._read, len(self._tokens)
+        self._read, self._read_text = len(self._tokens), whole
+        if self._read - self._start >= self.WINDOW:
+            self._start = self._read - self.PROMPT_CONTEXT
+            self._read_text = self._decode(self._tokens[self._start : self._read])
         return text
 
     def finish(self) -> str:
         """Whatever is still held back (incomplete characters become U+FFFD)."""
-        text = self._new_text()
+        _, text = self._new_text()
         self._start = self._read = len(self._tokens)
+        self._read_text = ""
         return text
 
 

@@ -23,17 +23,24 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from lockstep.server.engine.decoding.sampling import PendingSample, Sampled, SamplingParams, sample, sample_pending
+from lockstep.server.engine.decoding.sampling import (PendingSample, RowSampling, Sampled, SamplingParams, sample,
+                                                      sample_pending)
 from lockstep.server.engine.decoding.speculative import (AdaptiveDraftLength, DraftBackoff, DraftModelDrafter, PredictionDrafter,
                                                          PromptLookupDrafter, accept_drafts, agreeing_prefix, never)
 
 
 @dataclass(frozen=True)
 class Step:
-    """One decoded token and the target logits row it was chosen from."""
+    """One decoded token and the target logits row it was chosen from: row `index` of `rows`
+    (sliced when read: most steps never read it, and a slice is a graph node)."""
 
     sampled: Sampled
-    logits: mx.array
+    rows: mx.array
+    index: int = 0
+
+    @property
+    def logits(self) -> mx.array:
+        return self.rows[self.index]
 
 
 @dataclass
@@ -91,9 +98,19 @@ class PlainSource:
         """The sampling `take` would do for `logits`, built lazily so the engine can compute
         it together with other requests' (None: nothing to build: greedy, or processors).
         `ahead`: for a row that many tokens past the one `take` chooses next."""
-        if fast_argmax(self.params) or self.processors is not None:
+        if not self.presamples:
             return None
         return sample_pending(logits, [len(self.context) + ahead], self.params)
+
+    @property
+    def presamples(self) -> bool:
+        """Whether `presample` builds anything (else the pass's argmax or `verify` chooses)."""
+        return not fast_argmax(self.params) and self.processors is None
+
+    def row_sampling(self, ahead: int = 0) -> RowSampling | None:
+        """What `presample` of its one row builds, for a pass to build it with other rows' in
+        one batch (None: it builds nothing)."""
+        return RowSampling(self.params, len(self.context) + ahead) if self.presamples else None
 
     @property
     def chooses_on_device(self) -> bool:
@@ -117,7 +134,7 @@ class PlainSource:
             chosen = pending.result()[0]
         else:
             chosen = choose_row(logits[0], self.context, self.params, self.processors)
-        return [Step(chosen, logits[0])]
+        return [Step(chosen, logits)]
 
     def record(self, tokens: list[int], drafts: list[int]) -> None:
         self.stats.passes += 1
@@ -245,7 +262,7 @@ class SpeculativeSource:
             else:  # row i follows the context and the i drafts accepted before it
                 chosen = choose_row(row, self.context + [s.sampled.token for s in picked],
                                     self.params, self.processors)
-            picked.append(Step(chosen, row))
+            picked.append(Step(chosen, logits, i))
             return chosen.token
 
         accept_drafts(logits, self.cache, drafts, choose)

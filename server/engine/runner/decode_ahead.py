@@ -81,9 +81,44 @@ def presample(members: list, logits: mx.array, spans: list, ahead: int = 0) -> l
     """Each member's sampling of its rows, built lazily (`ahead`: for the row after its next
     one); None where building it fails (the pass then samples as without decoding ahead)."""
     try:
-        return [state.presample(logits[b:e], ahead) for (state, _), (b, e) in zip(members, spans)]
+        return presample_pass(members, logits, spans, ahead)
     except Exception:
         return None
+
+
+def presample_pass(members: list, logits: mx.array, spans: list, ahead: int = 0) -> list:
+    """Each member's sampling of its rows, built lazily: one-row members whose sampling is of
+    one group (every field but the seed the same) as one batch over their rows, each row's
+    bits what it gets alone (their `row_sampling()`'s `batch`); the others each on its own
+    (a batch's graph does not grow by a sampling per row)."""
+    out = [None] * len(members)
+    groups: dict = {}
+    for i, ((state, _), span) in enumerate(zip(members, spans)):
+        row_sampling = getattr(state, "row_sampling", None)
+        row = row_sampling(ahead) if row_sampling is not None and span[1] - span[0] == 1 else None
+        if row is None:
+            out[i] = presample_rows(state, logits, span, ahead)
+        else:
+            groups.setdefault(row.group, []).append((i, row, span[0]))
+    for group in groups.values():
+        if len(group) == 1:
+            i, _, begin = group[0]
+            out[i] = presample_rows(members[i][0], logits, (begin, begin + 1), ahead)
+            continue
+        rows = [row for _, row, _ in group]
+        batch = rows[0].batch(logits[mx.array([begin for _, _, begin in group])], rows)
+        for (i, _, _), pending in zip(group, batch):
+            out[i] = pending
+    return out
+
+
+def presample_rows(state, logits: mx.array, span: tuple[int, int], ahead: int = 0):
+    """`state.presample` of its rows `span` of the pass's `logits`, sliced only where it builds
+    something (greedy rows build nothing, and a slice a row is a graph node a row)."""
+    if not getattr(state, "presamples", True):
+        return None
+    begin, end = span
+    return state.presample(logits[begin:end], ahead)
 
 
 def submit_next(compiled, rows: list, canonical: bool, argmax: mx.array, sampled: list) -> AheadPass | None:

@@ -276,7 +276,7 @@ class ModelRunner:
         mx.eval(logits, argmax)
         try:
             if sampled is None:
-                sampled = [state.presample(logits[b:e]) for (state, _), (b, e) in zip(members, spans)]
+                sampled = decode_ahead.presample_pass(members, logits, spans)
             mx.eval([x for s in sampled if s is not None for x in s.arrays])
         except Exception:  # each request then samples (and fails, if it must) on its own
             log.exception("batched sampling failed")

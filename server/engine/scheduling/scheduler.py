@@ -161,6 +161,8 @@ class Scheduler:
 
     def admit(self) -> None:
         """Move waiting requests into free slots (caller holds the engine's lock)."""
+        if not self.waiting:
+            return  # every step asks: nothing to count then
         held: dict[int, int] = {}
         for slot in self.active:
             key = id(request_of(slot.handle))
