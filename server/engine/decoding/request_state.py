@@ -31,7 +31,7 @@ from lockstep.server.engine.guarantee.decode_plan import PLAIN, DecodePlan, Dete
 from lockstep.server.engine.guarantee.deployment import PREFILL_CHUNK, Deployment
 from lockstep.server.engine.decoding.logits_processors import processors_for
 from lockstep.server.engine.cache.prefix_cache import PrefixCache, copy_prefix, exact_length, namespace
-from lockstep.server.engine.decoding.sampling import SamplingParams
+from lockstep.server.engine.decoding.sampling import SamplingParams, batch_keeps_rows
 from lockstep.server.engine.guarantee.receipt import Receipt
 from lockstep.server.engine.decoding.request_report import RequestReport
 from lockstep.server.engine.decoding.stops import IncrementalDecoder, StopTextStream
@@ -322,7 +322,9 @@ class RequestState:
         """What its one-row `presample` builds, for a pass to build with others' (a
         sampling.RowSampling; None: nothing)."""
         row_sampling = getattr(self.source, "row_sampling", None)
-        return row_sampling(ahead) if row_sampling is not None else None
+        if row_sampling is None or (self.determinism != Determinism.NONE and not batch_keeps_rows()):
+            return None  # a deterministic row's bits never rest on a batch not known to keep them
+        return row_sampling(ahead)
 
     def decodes_ahead(self) -> bool:
         """Whether this request's next row may run before the token of the pass now running

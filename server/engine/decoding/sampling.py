@@ -191,6 +191,15 @@ class PendingRow:
         return [self.batch.result()[self.index]]
 
 
+def batch_keeps_rows() -> bool:
+    """Whether sampling rows as one batch (`RowSampling.batch`) is known to give each row the
+    bits it gets alone on this backend. On the CPU it is (tests/test_sampling_rows.py, in CI).
+    On a GPU a batch's row reductions, sorts and scans may take other kernels than one row's,
+    and tests/gpu/test_sampling_rows_cuda.py has not run there yet: deterministic rows sample
+    alone, plain rows (no bits promised) in batches."""
+    return mx.default_device() == mx.cpu
+
+
 @dataclass(frozen=True)
 class RowSampling:
     """One row's sampling as a pass builds it with other requests' rows (`batch`): rows of one
