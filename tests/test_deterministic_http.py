@@ -8,7 +8,9 @@ system_fingerprint. Every answer is compared bitwise: token strings and bytes, l
 
 Cost (2 CPU cores): every request is reused across assertions; the draft model (a 4-bit
 copy of the target, made in memory from the float32 import) is as deep as the target, so a
-draft request costs about twice a plain one. Prompts were picked to run the full 64 tokens.
+draft token costs several plain ones: draft requests run DRAFTED tokens, compared
+with plain answers of the same length (each verifies drafts, accepts and rejects some). Prompts
+were picked to run the full 64 tokens.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from tests.http_server import running, wait_for_health
 L = 6
 CHUNK = 4  # prefill chunk <= L: a prefix-cache hit resumes exactly where the cached prefix ends
 TOKENS = 64
+DRAFTED = 32  # a draft-model request's tokens: enough drafts verified, accepted and rejected
 ROOT = Path(__file__).resolve().parent.parent
 
 HELLO = [{"role": "user", "content": "Write the word 'hello' forty times, separated by spaces."}]
@@ -174,14 +177,14 @@ def server(restarted, embedded_model, draft_model):
 
 @pytest.fixture(scope="module")
 def answer(server):
-    """Memoised deterministic answers: (prompt name, sampling name, method, k, stream)."""
+    """Memoised deterministic answers: (prompt name, sampling name, method, k, stream, tokens)."""
     prompts = {"hello": HELLO, "story": STORY}
     samplings = {"greedy": GREEDY, "seeded": SEEDED}
 
-    def get(prompt, sampling, method="none", k=None, stream=False) -> Answer:
-        key = (prompt, sampling, method, k, stream)
+    def get(prompt, sampling, method="none", k=None, stream=False, tokens=TOKENS) -> Answer:
+        key = (prompt, sampling, method, k, stream, tokens)
         if key not in server.answers:
-            server.answers[key] = chat(server.client, prompts[prompt], samplings[sampling],
+            server.answers[key] = chat(server.client, prompts[prompt], {**samplings[sampling], "max_tokens": tokens},
                                        method=method, k=k, stream=stream)
         return server.answers[key]
 
@@ -217,15 +220,17 @@ def test_second_identical_request_hits_the_prefix_cache_and_matches(server, answ
     assert_same(again, base)
 
 
-@pytest.mark.parametrize("method, k", [("draft", 1), ("draft", 5), ("prompt_lookup", 3)])
-def test_greedy_tokens_do_not_depend_on_speculation(answer, method, k):
-    base = answer("hello", "greedy")
-    spec = answer("hello", "greedy", method, k)
+@pytest.mark.parametrize("method, k, tokens", [("draft", 1, DRAFTED), ("draft", 5, DRAFTED),
+                                               ("prompt_lookup", 3, TOKENS)])
+def test_greedy_tokens_do_not_depend_on_speculation(answer, method, k, tokens):
+    base = answer("hello", "greedy", tokens=tokens)
+    spec = answer("hello", "greedy", method, k, tokens=tokens)
     assert_same(spec, base)
+    assert len(spec.tokens) == tokens
     ext = spec.lockstep
     assert (ext["speculative"], ext["num_draft_tokens"], ext["guaranteed"]) == (method, k, True)
     assert ext["drafted_tokens"] > 0 and ext["accepted_tokens"] > 0
-    assert ext["forward_passes"] < TOKENS  # accepted drafts saved target passes
+    assert ext["forward_passes"] < tokens  # accepted drafts saved target passes
 
 
 def test_streamed_equals_non_streamed(answer):
@@ -244,11 +249,12 @@ def test_seeded_baseline_runs_full_length(answer):
     assert base.lockstep["speculative"] == "none" and base.lockstep["guaranteed"] is True
 
 
-@pytest.mark.parametrize("method, k", [("draft", 3), ("prompt_lookup", 1)])
-def test_seeded_tokens_do_not_depend_on_speculation(answer, method, k):
-    base = answer("story", "seeded")
-    spec = answer("story", "seeded", method, k)
+@pytest.mark.parametrize("method, k, tokens", [("draft", 3, DRAFTED), ("prompt_lookup", 1, TOKENS)])
+def test_seeded_tokens_do_not_depend_on_speculation(answer, method, k, tokens):
+    base = answer("story", "seeded", tokens=tokens)
+    spec = answer("story", "seeded", method, k, tokens=tokens)
     assert_same(spec, base)
+    assert len(spec.tokens) == tokens
     assert spec.lockstep["drafted_tokens"] > 0
     if method == "draft":  # a greedy draft against a sampled target: some rejected
         assert 0 < spec.lockstep["accepted_tokens"] < spec.lockstep["drafted_tokens"]
@@ -277,7 +283,7 @@ class ActiveAtPasses:
 
 
 def test_concurrent_with_other_requests_equals_alone(server, answer):
-    base = answer("hello", "greedy")
+    base = answer("hello", "greedy", tokens=DRAFTED)
     results, errors = {}, []
     start = threading.Barrier(3)
 
@@ -290,7 +296,7 @@ def test_concurrent_with_other_requests_equals_alone(server, answer):
 
     loose = dict(temperature=1.0, max_tokens=24)
     jobs = {
-        "main": lambda: chat(server.client, HELLO, GREEDY, method="draft", k=3),
+        "main": lambda: chat(server.client, HELLO, {**GREEDY, "max_tokens": DRAFTED}, method="draft", k=3),
         "other": lambda: server.client.chat.completions.create(model="default", messages=OTHER, **loose),
         "story": lambda: server.client.chat.completions.create(  # non-deterministic: k may exceed L - 1
             model="default", messages=STORY, extra_body={"speculative": "prompt_lookup", "num_draft_tokens": 8},

@@ -17,7 +17,8 @@ from openai import OpenAI
 from lockstep.server.commands import replay as replay_command
 from lockstep.server.tools import replay_server
 
-SERVE = ["--batch-invariant-limit", "4", "--max-active", "2", "--prefill-chunk", "16"]
+SERVE = ["--batch-invariant-limit", "4", "--max-active", "2", "--prefill-chunk", "16",
+         "--max-batch-rows", "8"]  # two requests of at most L rows each: the ragged proof covers 1..8, not 1..32
 
 
 def test_deployment_args_leave_out_address_keys_and_the_recording():
