@@ -34,21 +34,9 @@ from lockstep.server.engine.runner.decode_ahead import presample_pass  # noqa: E
 PASSES = 20  # passes a round
 
 
-class Member:
-    """A pass member as the runner sees a RequestState: its source's sampling at its position."""
-
-    def __init__(self, params: SamplingParams, context: int):
-        self.source = PlainSource([], list(range(context)), params, SpeculationStats())
-
-    @property
-    def presamples(self) -> bool:
-        return self.source.presamples
-
-    def row_sampling(self, ahead: int = 0):
-        return self.source.row_sampling(ahead)
-
-    def presample(self, logits, ahead: int = 0):
-        return self.source.presample(logits, ahead)
+def member(params: SamplingParams, context: int) -> PlainSource:
+    """A pass member as the runner reads one: a PlainSource has the sampling hooks."""
+    return PlainSource([], list(range(context)), params, SpeculationStats())
 
 
 def timed(fn):
@@ -64,7 +52,7 @@ def sampling_variants(rows: int, vocab: int) -> dict:
     logits = mx.random.normal((rows, vocab), key=mx.random.key(0)) * 3
     mx.eval(logits)
     params = SamplingParams(temperature=0.8, top_p=0.95)
-    members = [(Member(replace(params, seed=i), 100 + i), [0]) for i in range(rows)]
+    members = [(member(replace(params, seed=i), 100 + i), [0]) for i in range(rows)]
     spans = [(i, i + 1) for i in range(rows)]
 
     def per_request():
@@ -84,18 +72,18 @@ def sampling_variants(rows: int, vocab: int) -> dict:
 def greedy_variants(rows: int, vocab: int) -> dict:
     logits = mx.random.normal((rows, vocab), key=mx.random.key(0))
     mx.eval(logits)
-    members = [(Member(SamplingParams(temperature=0.0), 10), [0]) for _ in range(rows)]
+    members = [(member(SamplingParams(temperature=0.0), 10), [0]) for _ in range(rows)]
     spans = [(i, i + 1) for i in range(rows)]
     argmax = list(range(rows))
 
     def sliced():  # before: the presample listcomp sliced every row, then run_pass and Step
         [state.presample(logits[b:e]) for (state, _), (b, e) in zip(members, spans)]
-        steps = [state.source.verify(logits[b:e], [], argmax[b:e]) for (state, _), (b, e) in zip(members, spans)]
+        steps = [state.verify(logits[b:e], [], argmax[b:e]) for (state, _), (b, e) in zip(members, spans)]
         return [step[0].logits for step in steps]  # the row the Step sliced when made
 
     def unsliced():
         presample_pass(members, logits, spans)
-        return [state.source.verify(logits[b:e], [], argmax[b:e]) for (state, _), (b, e) in zip(members, spans)]
+        return [state.verify(logits[b:e], [], argmax[b:e]) for (state, _), (b, e) in zip(members, spans)]
 
     return {"slices a row": timed(sliced), "none": timed(unsliced)}
 

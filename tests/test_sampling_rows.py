@@ -73,21 +73,9 @@ def test_the_batched_noise_is_the_noise_each_row_always_drew():
     assert np.array(batched).tobytes() == np.array(per_row).tobytes()
 
 
-class FakeState:
-    """A one-row member of a pass: a PlainSource's sampling at its position."""
-
-    def __init__(self, params: SamplingParams, context_length: int, processors=None):
-        self.source = PlainSource([], list(range(context_length)), params, SpeculationStats(), processors)
-
-    @property
-    def presamples(self) -> bool:
-        return self.source.presamples
-
-    def row_sampling(self, ahead: int = 0):
-        return self.source.row_sampling(ahead)
-
-    def presample(self, logits, ahead: int = 0):
-        return self.source.presample(logits, ahead)
+def member(params: SamplingParams, context_length: int) -> PlainSource:
+    """A one-row member of a pass: a PlainSource has the sampling hooks the runner reads."""
+    return PlainSource([], list(range(context_length)), params, SpeculationStats())
 
 
 @pytest.mark.parametrize("ahead", [0, 1])
@@ -96,7 +84,7 @@ def test_a_pass_batches_rows_by_their_sampling_fields_and_each_keeps_its_bits(lo
     a group of one; every built row as alone, at its position (`ahead` past its next)."""
     kinds = [PARAMS["seeded"], PARAMS["all masks"], PARAMS["seeded"], SamplingParams(temperature=0.0),
              PARAMS["all masks"], PARAMS["top_p"], PARAMS["seeded"]]
-    states = [FakeState(replace(params, seed=SEEDS[i]), POSITIONS[i] - ahead) for i, params in enumerate(kinds)]
+    states = [member(replace(params, seed=SEEDS[i]), POSITIONS[i] - ahead) for i, params in enumerate(kinds)]
     pending = presample_pass([(state, [0]) for state in states], logits, [(i, i + 1) for i in range(ROWS)], ahead)
     assert pending[3] is None
     mx.eval([x for p in pending if p is not None for x in p.arrays])
