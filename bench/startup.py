@@ -254,6 +254,13 @@ def spawn(serve_args: list[str], port: int, env: dict, log: Path) -> subprocess.
                                 start_new_session=True)
 
 
+def launch(serve_args: list[str], env: dict, log: Path, timeout: float):
+    """A server spawned on a free port: (process, base URL, spawn time, deadline)."""
+    port = free_port()
+    t0 = time.perf_counter()
+    return spawn(serve_args, port, env, log), f"http://127.0.0.1:{port}", t0, t0 + timeout
+
+
 def stop(proc: subprocess.Popen) -> str | None:
     """SIGTERM and wait; SIGKILL (its process group) after STOP_GRACE_S. Returns a note if killed."""
     if proc.poll() is not None:
@@ -335,11 +342,7 @@ def model_details(base: str) -> tuple[dict, str | None]:
 def measure_start(label: str, serve_args: list[str], env: dict, log: Path, timeout: float) -> Start:
     """One server start, timed from its spawn; the server is stopped before this returns."""
     result = Start(label, log)
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    t0 = time.perf_counter()
-    deadline = t0 + timeout
-    proc = spawn(serve_args, port, env, log)
+    proc, base, t0, deadline = launch(serve_args, env, log, timeout)
     plain = None
     try:
         health = wait_for_health(base, proc, deadline)
@@ -484,10 +487,7 @@ def batching(base: str) -> dict | None:
 def stop_mid_proof(serve_args: list[str], env: dict, log: Path, timeout: float, fraction: float) -> int:
     """A start stopped once deterministic passes of `fraction` of the widest pass are in force;
     returns the width it had reached."""
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.perf_counter() + timeout
-    proc = spawn(serve_args, port, env, log)
+    proc, base, _, deadline = launch(serve_args, env, log, timeout)
     try:
         while True:
             check_alive(proc, deadline, "the ragged proof to reach the stopping width")
@@ -503,11 +503,7 @@ def stop_mid_proof(serve_args: list[str], env: dict, log: Path, timeout: float, 
 
 def measure_resumed(label: str, serve_args: list[str], env: dict, log: Path, timeout: float) -> Resumed:
     result = Resumed(label, log)
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    t0 = time.perf_counter()
-    deadline = t0 + timeout
-    proc = spawn(serve_args, port, env, log)
+    proc, base, t0, deadline = launch(serve_args, env, log, timeout)
     asked = None
     try:
         wait_for_health(base, proc, deadline)
