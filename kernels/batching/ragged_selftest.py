@@ -132,9 +132,10 @@ def prove_ragged(model, call_rows: int, *, seed: int = 0, vocab: int | None = No
     used = sorted({i for width in widths[proven:] for i in _members_for(width, pool)})
     made = _Caches(model, kv_pool, max(prefix + rows for prefix, rows in pool))
     prompts, caches = {}, {}
+    member_keys = mx.random.split(key, len(pool))
     for i in used:  # each member's tokens depend on its index only, whichever members run
         prefix, rows = pool[i]
-        tokens = mx.random.randint(0, vocab, (prefix + rows,), key=mx.random.split(key, len(pool))[i]).tolist()
+        tokens = mx.random.randint(0, vocab, (prefix + rows,), key=member_keys[i]).tolist()
         cache = made.new()
         model(mx.array(tokens[:prefix])[None], cache=cache)
         mx.eval([c.state for c in cache])
