@@ -71,7 +71,7 @@ def load_draft(options, loaded, timings: Phases) -> tuple:
         draft_loaded, _, _ = load_audited(options.draft_model, "auto", None, None, None, options.audit, timings,
                                            phase_prefix="draft_")
         draft_name = draft_loaded.name
-        from lockstep.server.engine.decoding.speculative import draft_tokenizer_problem
+        from lockstep.server.engine.decoding.drafters import draft_tokenizer_problem
 
         problem = draft_tokenizer_problem(loaded.tokenizer, draft_loaded.tokenizer)
         if problem:

@@ -111,7 +111,7 @@ def test_extension_reports_the_guarantee_only_for_deterministic_requests():
 
 
 def test_every_speculative_method_has_a_drafter():
-    from lockstep.server.engine.decoding.speculative import DraftModelDrafter, PromptLookupDrafter
+    from lockstep.server.engine.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
 
     assert set(METHODS) == {"none", DraftModelDrafter.name, PromptLookupDrafter.name}
 

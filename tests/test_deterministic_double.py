@@ -16,7 +16,7 @@ from lockstep.kernels.invariance.selftest import bits_equal
 from lockstep.server.engine.guarantee.decode_plan import DecodePlan, plan_request
 from lockstep.server.engine.guarantee.deployment import Deployment
 from lockstep.server.engine.guarantee.guarantee import Guarantee
-from lockstep.server.engine.decoding.speculative import DraftModelDrafter, PromptLookupDrafter
+from lockstep.server.engine.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
 from tests.deterministic_fixtures import (GREEDY, SEEDED, TinyLoaded, chosen_rows, rows_bit_identical,
                                           run_generate, steps_from)
 from tests.tiny_models import QUANT_MODES, tiny_llama

@@ -99,7 +99,7 @@ def test_drafts_are_clipped_to_the_tokens_left(embedded_model, monkeypatch):
     from lockstep.server.engine.guarantee.deployment import Deployment
     from lockstep.server.engine.generate import GenerationRequest, generate
     from lockstep.server.engine.decoding.sampling import SamplingParams
-    from lockstep.server.engine.decoding.speculative import PromptLookupDrafter
+    from lockstep.server.engine.decoding.drafters import PromptLookupDrafter
 
     asked = []
     original = PromptLookupDrafter.propose
@@ -125,7 +125,7 @@ def test_drafts_are_clipped_to_the_tokens_left(embedded_model, monkeypatch):
 
 
 def test_a_cancelled_request_stops_drafting_inside_the_step(embedded_model):
-    from lockstep.server.engine.decoding.speculative import DraftModelDrafter
+    from lockstep.server.engine.decoding.drafters import DraftModelDrafter
 
     drafter = DraftModelDrafter(embedded_model.model)
     feeds = []

@@ -1,11 +1,12 @@
-"""Speculative decoding core: drafters and the verify step, on a tiny random llama."""
+"""Speculative decoding core: the drafters (drafters.py) and the verify step and k policy
+(speculative.py), on a tiny random llama."""
 import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-from lockstep.server.engine.decoding.speculative import (AdaptiveDraftLength, DraftModelDrafter, PromptLookupDrafter,
-                                                accept_drafts, draft_tokenizer_problem)
+from lockstep.server.engine.decoding.drafters import DraftModelDrafter, PromptLookupDrafter, draft_tokenizer_problem
+from lockstep.server.engine.decoding.speculative import AdaptiveDraftLength, accept_drafts
 from lockstep.server.engine.decoding.request_report import RequestReport
 
 
@@ -259,7 +260,7 @@ def test_a_draft_with_another_tokenizer_is_refused():
 # ------------------------------------------------------------ self-speculation
 
 def test_early_exit_draft_shares_the_targets_weights_and_keeps_speculation_exact():
-    from lockstep.server.engine.decoding.speculative import EarlyExitModel
+    from lockstep.server.engine.decoding.drafters import EarlyExitModel
 
     target = tiny_llama(0, layers=3)
     draft = EarlyExitModel(target, 1)
@@ -274,7 +275,7 @@ def test_early_exit_draft_shares_the_targets_weights_and_keeps_speculation_exact
 def test_early_exit_wrapper_given_every_layer_reproduces_the_target_bitwise():
     """The wrapper's embedding, mask, norm and head are the target's own: with all layers
     put back it must give the target's logits exactly."""
-    from lockstep.server.engine.decoding.speculative import EarlyExitModel
+    from lockstep.server.engine.decoding.drafters import EarlyExitModel
 
     target = tiny_llama(0, layers=3)
     full = EarlyExitModel(target, 2)
@@ -319,7 +320,7 @@ def test_plans_carry_adaptive_k_from_the_deployment_with_k_as_its_bound():
     from lockstep.server.engine.guarantee.decode_plan import plan_request
     from lockstep.server.engine.guarantee.deployment import Deployment
     from lockstep.server.engine.guarantee.guarantee import Guarantee
-    from lockstep.server.engine.decoding.speculative import EarlyExitModel
+    from lockstep.server.engine.decoding.drafters import EarlyExitModel
     from lockstep.server.engine.decoding.token_steps import draft_cost_estimate
 
     on = Deployment(guarantee=Guarantee(6, proven=True), adaptive_draft_tokens=True)
@@ -338,7 +339,7 @@ def test_plans_carry_adaptive_k_from_the_deployment_with_k_as_its_bound():
 
 def _predicted(prediction, output, k=4, prompt=(90, 91)):
     """Drafts of a PredictionDrafter after `output` followed `prompt`."""
-    from lockstep.server.engine.decoding.speculative import PredictionDrafter
+    from lockstep.server.engine.decoding.drafters import PredictionDrafter
 
     drafter = PredictionDrafter(prediction, start=len(prompt))
     return drafter.propose([*prompt, *output], k)
@@ -375,7 +376,7 @@ def test_realignment_prefers_long_matches_and_ignores_far_one_token_ones():
 
 
 def test_a_drafter_state_follows_the_output_incrementally():
-    from lockstep.server.engine.decoding.speculative import PredictionDrafter
+    from lockstep.server.engine.decoding.drafters import PredictionDrafter
 
     prediction = [1, 2, 3, 4, 5, 6, 7, 8]
     drafter = PredictionDrafter(prediction, start=1)
@@ -389,7 +390,7 @@ def test_a_drafter_state_follows_the_output_incrementally():
 
 @pytest.mark.parametrize("edit", ["exact", "edited", "unrelated"])
 def test_speculation_from_a_prediction_equals_plain_greedy(edit):
-    from lockstep.server.engine.decoding.speculative import PredictionDrafter
+    from lockstep.server.engine.decoding.drafters import PredictionDrafter
 
     target = tiny_llama(0)
     prompt = [3, 14, 15, 92, 65, 35]
@@ -410,7 +411,7 @@ class LinearRealignment:
 
     @staticmethod
     def make(prediction, start, **kw):
-        from lockstep.server.engine.decoding.speculative import PredictionDrafter
+        from lockstep.server.engine.decoding.drafters import PredictionDrafter
 
         class Linear(PredictionDrafter):
             def _realign(self, suffix):
@@ -456,7 +457,7 @@ def test_realignment_examines_a_bounded_number_of_positions_however_long_the_pre
     """Finding 3 of issue 49: a prediction of one phrase repeated, and an output that keeps
     leaving it, made every step scan each occurrence of the last token (~210k positions a step
     for 1 MB). Through the index a step examines at most two positions per suffix length."""
-    from lockstep.server.engine.decoding.speculative import PredictionDrafter
+    from lockstep.server.engine.decoding.drafters import PredictionDrafter
 
     phrase = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
     drafter = PredictionDrafter(phrase * repeats, start=2)
@@ -471,7 +472,7 @@ def test_the_indexed_realignment_drafts_what_the_linear_scan_drafted():
     and match equals the linear scan's, step by step."""
     import random
 
-    from lockstep.server.engine.decoding.speculative import PredictionDrafter
+    from lockstep.server.engine.decoding.drafters import PredictionDrafter
 
     rng = random.Random(49)
     for case in range(60):
@@ -502,7 +503,7 @@ def test_speculation_through_the_index_emits_the_tokens_of_the_linear_scan():
     prompt = [3, 14, 15, 92, 65, 35]
     plain = plain_greedy(target, prompt, 24)
     prediction = plain[:5] + [1, 2] + plain[6:14] + plain[16:]
-    from lockstep.server.engine.decoding.speculative import PredictionDrafter
+    from lockstep.server.engine.decoding.drafters import PredictionDrafter
 
     indexed = speculative_greedy(target, PredictionDrafter(prediction, len(prompt)), prompt, 24, 5)
     linear = speculative_greedy(target, LinearRealignment.make(prediction, len(prompt)), prompt, 24, 5)

@@ -2,7 +2,7 @@
 import inspect
 
 from lockstep.server.engine.decoding.sampling import SamplingParams
-from lockstep.server.engine.decoding.speculative import DraftModelDrafter, PredictionDrafter, PromptLookupDrafter
+from lockstep.server.engine.decoding.drafters import DraftModelDrafter, PredictionDrafter, PromptLookupDrafter
 from lockstep.server.engine.decoding.token_steps import (DecodeInputs, PlainSource, Speculation, SpeculationStats,
                                                 SpeculativeSource, make_source)
 

@@ -255,7 +255,7 @@ class ChatAudioOutput(Request):
 
 
 class Prediction(Request):
-    """Predicted Outputs: the client's draft of the answer (server/engine/decoding/speculative.py)."""
+    """Predicted Outputs: the client's draft of the answer (server/engine/decoding/drafters.py)."""
 
     type: Literal["content"]
     content: str | list[TextContentPart]

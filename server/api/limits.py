@@ -18,7 +18,7 @@ DEFAULT_MAX_QUEUE = 64
 # time, so a second worker only overlaps one request's in-server compile with the next's check.
 DEFAULT_GRAMMAR_WORKERS = 2
 DEFAULT_GRAMMAR_QUEUE = 16
-# A prediction's tokens are indexed per request (server/engine/decoding/speculative.py PredictionIndex):
+# A prediction's tokens are indexed per request (server/engine/decoding/drafters.py PredictionIndex):
 # twice the default max_tokens leaves room for an answer that deletes much of its prediction.
 DEFAULT_MAX_PREDICTION_TOKENS = 8192
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from lockstep.server.engine.guarantee.deployment import Deployment
 from lockstep.server.engine.runner.model_runner import ModelRunner
 from lockstep.server.engine.cache.prefix_cache import PrefixCache
 from lockstep.server.engine.decoding.request_state import Delta, GenerationRequest, RequestState
-from lockstep.server.engine.decoding.speculative import never
+from lockstep.server.engine.decoding.drafters import never
 from lockstep.server.engine.runner.step_data import DecodeRows, ScheduledPass
 
 

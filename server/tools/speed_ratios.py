@@ -268,7 +268,7 @@ def run_exit_layer_bench(model, tokenizer, exit_layers: list[int], k: int, n_tok
     """Self-speculation (EarlyExitModel: the target's first layers and its own head as the
     draft), fixed k, deterministic, ÷ plain per exit layer and task, tokens checked
     identical: the measurement an exit layer is chosen by."""
-    from lockstep.server.engine.decoding.speculative import EarlyExitModel
+    from lockstep.server.engine.decoding.drafters import EarlyExitModel
 
     chat = lambda text: chat_tokens(tokenizer, text)  # noqa: E731
     depth = len(model.model.layers)

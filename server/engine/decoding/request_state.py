@@ -35,7 +35,7 @@ from lockstep.server.engine.decoding.sampling import SamplingParams, batch_keeps
 from lockstep.server.engine.guarantee.receipt import Receipt
 from lockstep.server.engine.decoding.request_report import RequestReport
 from lockstep.server.engine.decoding.stops import IncrementalDecoder, StopTextStream
-from lockstep.server.engine.decoding.speculative import never
+from lockstep.server.engine.decoding.drafters import never
 from lockstep.server.engine.runner.step_data import SampledTokens
 from lockstep.server.engine.decoding.token_steps import DecodeInputs, PlainSource, Speculation, SpeculationStats, make_source
 
@@ -53,7 +53,7 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: object | None = None  # a compiled server.engine.structured.grammar.Grammar
     # Predicted Outputs: the client's draft of the answer as token ids, drafted from when the
-    # plan's method is "prediction" (server/engine/decoding/speculative.py PredictionDrafter).
+    # plan's method is "prediction" (server/engine/decoding/drafters.py PredictionDrafter).
     prediction: tuple[int, ...] = ()
 
 

@@ -25,8 +25,8 @@ import mlx.core as mx
 
 from lockstep.server.engine.decoding.sampling import (PendingSample, RowSampling, Sampled, SamplingParams, sample,
                                                       sample_pending)
-from lockstep.server.engine.decoding.speculative import (AdaptiveDraftLength, DraftBackoff, DraftModelDrafter, PredictionDrafter,
-                                                         PromptLookupDrafter, accept_drafts, agreeing_prefix, never)
+from lockstep.server.engine.decoding.drafters import DraftModelDrafter, PredictionDrafter, PromptLookupDrafter, never
+from lockstep.server.engine.decoding.speculative import AdaptiveDraftLength, DraftBackoff, accept_drafts, agreeing_prefix
 
 
 @dataclass(frozen=True)
