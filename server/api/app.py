@@ -2,7 +2,7 @@
 (/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models, /health,
 /metrics) behind the middleware (body size, auth, draining, request records, Retry-After).
 
-A route names its model (`models.use(body.model)`: the model's `Routes`, submission.py) and
+A route names its model (`models.use(body.model)`: the model's `Submissions`, submission.py) and
 hands the request to its endpoint's module: chat.py, completions.py, responses.py, messages.py;
 model_routes.py lists the models.
 """
@@ -32,7 +32,7 @@ from lockstep.server.api.recorder import Recorder
 from lockstep.server.api.request_record import RecordRequests
 from lockstep.server.api.responses import ResponsesRoute
 from lockstep.server.api.responses_protocol import ResponsesRequest
-from lockstep.server.api.submission import DEFAULT_GUARANTEE_TIMEOUT_S, Routes
+from lockstep.server.api.submission import DEFAULT_GUARANTEE_TIMEOUT_S, Submissions
 from lockstep.server.engine import Engine
 
 SHUTTING_DOWN = "the server is shutting down; this request was cut off"
@@ -41,13 +41,13 @@ SHUTTING_DOWN = "the server is shutting down; this request was cut off"
 class OneModel:
     """The one model of a single-model server, behind the interface a `ModelPool` has."""
 
-    def __init__(self, routes: Routes):
-        self.routes = routes
+    def __init__(self, submissions: Submissions):
+        self.submissions = submissions
 
     @contextlib.asynccontextmanager
     async def use(self, name: str):
-        self.routes.check_model(name)
-        yield self.routes
+        self.submissions.check_model(name)
+        yield self.submissions
 
 
 def create_app(
@@ -80,9 +80,9 @@ def create_app(
     app.state.drain = drain
     metrics = Metrics()
     if pool is None:
-        routes = Routes(engine, fingerprint, limits, log_prompts, guarantee_timeout, drain, deterministic_by_default,
-                        recorder)
-        models = OneModel(routes)
+        submissions = Submissions(engine, fingerprint, limits, log_prompts, guarantee_timeout, drain,
+                                  deterministic_by_default, recorder)
+        models = OneModel(submissions)
         app.state.engine = engine
         metrics.watch_engine(engine)
         metrics.watch_startup(lambda: current_extras(model_extras).get("startup", {}), engine.guarantee)
@@ -91,12 +91,12 @@ def create_app(
     else:
         grammar_checks = GrammarChecks(limits.grammar_workers, limits.grammar_queue)  # one pool for every model
 
-        def make_routes(service, name: str) -> Routes:
+        def make_submissions(service, name: str) -> Submissions:
             service.engine.max_waiting = limits.max_queue
-            return Routes(service.engine, fingerprint, limits, log_prompts, guarantee_timeout, drain,
-                          deterministic_by_default, recorder, name=name, grammar_checks=grammar_checks)
+            return Submissions(service.engine, fingerprint, limits, log_prompts, guarantee_timeout, drain,
+                               deterministic_by_default, recorder, name=name, grammar_checks=grammar_checks)
 
-        pool.make_routes = make_routes
+        pool.make_submissions = make_submissions
         models = pool
         app.state.pool = pool
         metrics.watch_pool(pool)
@@ -111,13 +111,13 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        async with models.use(body.model) as routes:
-            return await chat_completion(routes, body, request.receive)
+        async with models.use(body.model) as submissions:
+            return await chat_completion(submissions, body, request.receive)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        async with models.use(body.model) as routes:
-            return await text_completion(routes, body, request.receive)
+        async with models.use(body.model) as submissions:
+            return await text_completion(submissions, body, request.receive)
 
     responses = ResponsesRoute(models)
 
@@ -136,7 +136,7 @@ def create_app(
         return await messages.count_tokens(await request.body())
 
     if pool is None:
-        install_model_routes(app, routes, model_extras)
+        install_model_routes(app, submissions, model_extras)
     else:
         install_pool_model_routes(app, pool)
 

@@ -1,6 +1,6 @@
 """POST /v1/chat/completions' answer: each choice's message (content, tool calls or a legacy
 `function_call`), finish reason and logprobs, as one `chat.completion` or as its stream of
-`chat.completion.chunk`s. The request is submitted by the model's `Routes` (submission.py).
+`chat.completion.chunk`s. The request is submitted by the model's `Submissions` (submission.py).
 
 Streamed, a choice's role comes in its first chunk, tool calls as `tool_calls` deltas once
 whole, and a chunk of text alone (most of a stream's) is rendered from the choice's template
@@ -19,7 +19,7 @@ from lockstep.server.api.response_bodies import (AssistantMessage, ChatChoice, C
                                                  ChatCompletionChunk, ChatDelta, ChatLogprobs, ChatTokenLogprob,
                                                  ResponseFunctionCall, ResponseToolCall, ToolCallDelta, TopLogprob,
                                                  new_id)
-from lockstep.server.api.submission import Routes
+from lockstep.server.api.submission import Submissions
 from lockstep.server.api.tool_calls import ParsedCall, new_call_id
 from lockstep.server.engine.decoding.request_report import rendered
 from lockstep.server.engine.generate import Delta
@@ -51,8 +51,8 @@ def _finish_reason(reason: str | None, called: bool, legacy: bool = False) -> st
     return reason
 
 
-def _choice(routes: Routes, index: int, d: Delta, body: ChatCompletionRequest) -> ChatChoice:
-    stream = routes.tool_calls_stream(body)
+def _choice(submissions: Submissions, index: int, d: Delta, body: ChatCompletionRequest) -> ChatChoice:
+    stream = submissions.tool_calls_stream(body)
     content, calls = (d.text, []) if stream is None else stream.split(d.text)
     legacy = body.legacy_functions()  # deprecated functions: the call as message.function_call
     cut_off = stream is not None and stream.cut_off
@@ -67,23 +67,23 @@ def _choice(routes: Routes, index: int, d: Delta, body: ChatCompletionRequest) -
                       lockstep=choices.choice_lockstep(d, body))
 
 
-async def chat_completion(routes: Routes, body: ChatCompletionRequest, receive=None):
-    """The answer to `body`, submitted to `routes`' model: JSON, or an SSE stream when asked."""
-    handles = await routes.submit_chat(body)
-    common = {"id": new_id("chatcmpl"), "model": routes.name, "system_fingerprint": routes.fingerprint}
+async def chat_completion(submissions: Submissions, body: ChatCompletionRequest, receive=None):
+    """The answer to `body`, submitted to `submissions`' model: JSON, or an SSE stream when asked."""
+    handles = await submissions.submit_chat(body)
+    common = {"id": new_id("chatcmpl"), "model": submissions.name, "system_fingerprint": submissions.fingerprint}
     if body.service_tier is not None:  # one tier here, named as OpenAI names its standard one
         common["service_tier"] = "default"
     legacy = body.legacy_functions()
 
     if not body.stream:
-        finals = await routes.collect(handles, receive)
+        finals = await submissions.collect(handles, receive)
         return JSONResponse(ChatCompletion(
-            **common, choices=[_choice(routes, i, d, body) for i, d in enumerate(finals)],
+            **common, choices=[_choice(submissions, i, d, body) for i, d in enumerate(finals)],
             usage=choices.usage(finals), lockstep=rendered(finals[0].report)).model_dump())
 
     async def chunks() -> AsyncIterator[ChatCompletionChunk | str]:
         role_due = [True] * len(handles)  # the role is sent once per choice, in its first chunk
-        calls = [routes.tool_calls_stream(body) for _ in handles]
+        calls = [submissions.tool_calls_stream(body) for _ in handles]
         sent = [0] * len(handles)  # tool calls sent per choice
         templates: dict[int, ChunkTemplate] = {}  # per choice
         finals: list[Delta] = []
@@ -123,5 +123,5 @@ async def chat_completion(routes: Routes, body: ChatCompletionRequest, receive=N
             yield ChatCompletionChunk(**common, choices=[], usage=choices.usage(finals))
 
     # tool calls and gpt-oss channels hold text back: a delta may then make no chunk
-    gather = routes.tool_calls_stream(body) is None
+    gather = submissions.tool_calls_stream(body) is None
     return StreamingResponse(sse.stream(handles, chunks(), gather), media_type="text/event-stream")

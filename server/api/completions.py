@@ -1,6 +1,6 @@
 """POST /v1/completions' answer: each choice's text, finish reason and logprobs (with their text
 offsets), as one `text_completion` or as its stream of `text_completion` chunks. The request
-is submitted by the model's `Routes` (submission.py).
+is submitted by the model's `Submissions` (submission.py).
 
 Streamed, a chunk of text alone (most of a stream's) is rendered from the choice's template
 (chunk_json.py); a choice's final chunk carries its finish reason and `lockstep` object.
@@ -15,7 +15,7 @@ from lockstep.server.api import choices, sse
 from lockstep.server.api.chunk_json import ChunkTemplate
 from lockstep.server.api.completions_protocol import CompletionRequest
 from lockstep.server.api.response_bodies import CompletionChoice, CompletionLogprobs, TextCompletion, new_id
-from lockstep.server.api.submission import Routes
+from lockstep.server.api.submission import Submissions
 from lockstep.server.engine.decoding.request_report import rendered
 from lockstep.server.engine.generate import Delta
 
@@ -29,10 +29,10 @@ def _logprobs(delta: Delta) -> CompletionLogprobs:
     )
 
 
-async def text_completion(routes: Routes, body: CompletionRequest, receive=None):
-    """The answer to `body`, submitted to `routes`' model: JSON, or an SSE stream when asked."""
-    handles = await routes.submit_completion(body)
-    common = {"id": new_id("cmpl"), "model": routes.name, "system_fingerprint": routes.fingerprint}
+async def text_completion(submissions: Submissions, body: CompletionRequest, receive=None):
+    """The answer to `body`, submitted to `submissions`' model: JSON, or an SSE stream when asked."""
+    handles = await submissions.submit_completion(body)
+    common = {"id": new_id("cmpl"), "model": submissions.name, "system_fingerprint": submissions.fingerprint}
 
     def choice(i: int, d: Delta) -> CompletionChoice:
         logprobs = _logprobs(d) if body.logprobs is not None else None
@@ -40,7 +40,7 @@ async def text_completion(routes: Routes, body: CompletionRequest, receive=None)
                                 lockstep=choices.choice_lockstep(d, body) if not body.stream else None)
 
     if not body.stream:
-        finals = await routes.collect(handles, receive)
+        finals = await submissions.collect(handles, receive)
         return JSONResponse(TextCompletion(
             **common, choices=[choice(i, d) for i, d in enumerate(finals)],
             usage=choices.usage(finals), lockstep=rendered(finals[0].report)).model_dump())

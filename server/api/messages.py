@@ -244,7 +244,7 @@ def delta_template(index: int) -> EventTemplate:
 
 class MessagesRoute:
     """/v1/messages on top of the chat route's submission (`models.use(name)` gives the named
-    model's `Routes`, server/api/submission.py)."""
+    model's `Submissions`, server/api/submission.py)."""
 
     def __init__(self, models):
         self.models = models
@@ -253,18 +253,18 @@ class MessagesRoute:
         try:
             body = parse(mp.MessagesRequest, raw)
             chat = chat_request(body)
-            async with self.models.use(chat.model) as routes:
-                handles = await routes.submit_chat(chat)
+            async with self.models.use(chat.model) as submissions:
+                handles = await submissions.submit_chat(chat)
         except APIError as exc:
             exc.body.param = PARAMS.get(exc.body.param, exc.body.param)
             exc.body.message = _renamed(exc.body.message)
             return anthropic_error(exc)
-        blocks = ContentBlocks(routes.tool_calls_stream(chat))
-        message = mp.Message(id=mp.new_id("msg"), model=routes.name,
+        blocks = ContentBlocks(submissions.tool_calls_stream(chat))
+        message = mp.Message(id=mp.new_id("msg"), model=submissions.name,
                              usage=mp.Usage(input_tokens=0, output_tokens=0))
         if not body.stream:
             try:
-                final = (await routes.collect(handles, receive))[0]
+                final = (await submissions.collect(handles, receive))[0]
             except APIError as exc:
                 return anthropic_error(exc)
             blocks.add(final.text)
@@ -276,9 +276,9 @@ class MessagesRoute:
         try:
             body = parse(mp.CountTokensRequest, raw)
             chat = chat_request(body)
-            async with self.models.use(body.model) as routes:
-                routes.check_model(body.model)
-                tokens = routes.chat_tokens(chat)
+            async with self.models.use(body.model) as submissions:
+                submissions.check_model(body.model)
+                tokens = submissions.chat_tokens(chat)
         except APIError as exc:
             return anthropic_error(exc)
         return JSONResponse({"input_tokens": len(tokens)})

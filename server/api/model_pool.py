@@ -9,8 +9,8 @@ threads of their own; requests wait for a loading model on the event loop (at mo
 `load_timeout` seconds, then a 503 with Retry-After).
 
     pool = ModelPool(entries, load, stop, reclaim, budget_bytes=..., idle_unload_s=...)
-    async with pool.use(body.model) as routes:   # 404, or waits for the load, or 503
-        return await chat_completion(routes, body)
+    async with pool.use(body.model) as submissions:   # 404, or waits for the load, or 503
+        return await chat_completion(submissions, body)
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class LoadedService:
     engine: object
     info: Callable[[], dict]
     nbytes: int
-    routes: object = None  # set by the pool (`make_routes`)
+    submissions: object = None  # set by the pool (`make_submissions`)
 
 
 class PooledModel:
@@ -107,7 +107,7 @@ class ModelPool:
         self._load, self._stop, self._reclaim = load, stop, reclaim
         self.budget_bytes, self.idle_unload_s, self.load_timeout_s = budget_bytes, idle_unload_s, load_timeout_s
         self.clock = clock
-        self.make_routes: Callable[[LoadedService, str], object] = lambda service, name: None
+        self.make_submissions: Callable[[LoadedService, str], object] = lambda service, name: None
         self.on_load: list[Callable[[LoadedService], None]] = []  # e.g. metrics observe its engine
         self.cancelled_before = 0  # cancellations counted by engines since unloaded (a counter never falls)
         self._lock = threading.Condition()
@@ -153,7 +153,7 @@ class ModelPool:
 
     @contextlib.asynccontextmanager
     async def use(self, name: str):
-        """The routes of model `name`, loaded (a load started here where it is unloaded, waited
+        """The submissions of model `name`, loaded (a load started here where it is unloaded, waited
         for at most the load timeout); it is not unloaded before the block ends."""
         model = self.find(name)
         deadline = time.monotonic() + self.load_timeout_s
@@ -162,7 +162,7 @@ class ModelPool:
             with self._lock:
                 if model.state == LOADED:
                     model.leases += 1
-                    routes = model.service.routes
+                    submissions = model.service.submissions
                     break
                 if model.state == UNLOADED:
                     self._start_load(model)  # 503 where the budget has no room
@@ -181,7 +181,7 @@ class ModelPool:
                     raise APIError(500, f"the model {model.name!r} could not be loaded: {model.problem}",
                                    type="server_error", param="model", code="model_load_failed")
         try:
-            yield routes
+            yield submissions
         finally:
             with self._lock:
                 model.leases -= 1
@@ -244,7 +244,7 @@ class ModelPool:
         started = time.perf_counter()
         try:
             service = self._load(model.entry)
-            service.routes = self.make_routes(service, model.name)
+            service.submissions = self.make_submissions(service, model.name)
             for hook in self.on_load:
                 hook(service)
         except Exception as exc:  # the model stays unloaded; its requests get the reason

@@ -1,5 +1,5 @@
 """The model listing and health routes (`/v1/models`, `/v1/models/{id}`, `/health`): of a
-single-model server (its one `Routes`), or of a `ModelPool`'s several models, each listed with
+single-model server (its one `Submissions`), or of a `ModelPool`'s several models, each listed with
 its state and load counts and, while loaded, its own card. Every model is listed twice: as
 itself and by its `:deterministic` name."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from lockstep.server.api.response_bodies import ModelCard, ModelList
 from lockstep.server.api.model_pool import DETERMINISTIC_SUFFIX, ModelPool
-from lockstep.server.api.submission import Routes
+from lockstep.server.api.submission import Submissions
 
 
 def current_extras(extras: dict | Callable[[], dict] | None) -> dict:
@@ -20,12 +20,12 @@ def current_extras(extras: dict | Callable[[], dict] | None) -> dict:
     return (extras() if callable(extras) else extras) or {}
 
 
-def model_card(routes: Routes, extras: dict | Callable[[], dict] | None) -> ModelCard:
+def model_card(submissions: Submissions, extras: dict | Callable[[], dict] | None) -> ModelCard:
     """A loaded model's card: its weights, context, batching, and `extras`."""
     extras = current_extras(extras)
-    info = {"weights": routes.loaded.weights, "context_length": routes.loaded.context_length,
-            "batching": routes.engine.describe()}
-    return ModelCard(id=routes.name, created=routes.created, lockstep={**info, **extras})
+    info = {"weights": submissions.loaded.weights, "context_length": submissions.loaded.context_length,
+            "batching": submissions.engine.describe()}
+    return ModelCard(id=submissions.name, created=submissions.created, lockstep={**info, **extras})
 
 
 def deterministic_card(card: ModelCard) -> ModelCard:
@@ -44,28 +44,28 @@ def pool_cards(pool: ModelPool, model, created: int) -> tuple[ModelCard, ModelCa
                **({"weights_bytes": status["weights_bytes"]} if "weights_bytes" in status else {}),
                **({"load_problem": status["load_problem"]} if "load_problem" in status else {}),
                **({"default": True} if model.name == pool.default else {})}
-    if service is not None and service.routes is not None:
-        card = model_card(service.routes, service.info)
+    if service is not None and service.submissions is not None:
+        card = model_card(service.submissions, service.info)
         card = card.model_copy(update={"lockstep": {**details, **card.lockstep}})
     else:
         card = ModelCard(id=model.name, created=created, lockstep=details)
     return card, deterministic_card(card)
 
 
-def install_model_routes(app: FastAPI, routes: Routes, model_extras) -> None:
-    """The routes of one model: `routes` is its `Routes`, `model_extras` what its card adds."""
-    engine = routes.engine
+def install_model_routes(app: FastAPI, submissions: Submissions, model_extras) -> None:
+    """The routes of one model: `submissions` is its `Submissions`, `model_extras` what its card adds."""
+    engine = submissions.engine
 
     @app.get("/v1/models")
     async def list_models():
-        card = model_card(routes, model_extras)
+        card = model_card(submissions, model_extras)
         return JSONResponse(ModelList(data=[card, deterministic_card(card)]).model_dump())
 
     @app.get("/v1/models/{model_id:path}")  # ids may hold slashes ("org/name")
     async def retrieve_model(model_id: str):
         # the served model's name or the alias "default", either with the deterministic suffix; else 404
-        routes.check_model(model_id)
-        card = model_card(routes, model_extras)
+        submissions.check_model(model_id)
+        card = model_card(submissions, model_extras)
         if model_id.endswith(DETERMINISTIC_SUFFIX):
             card = deterministic_card(card)
         return JSONResponse(card.model_dump())

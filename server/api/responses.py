@@ -236,37 +236,37 @@ def _sse(event: rp.StreamEvent) -> str:
 
 class ResponsesRoute:
     """/v1/responses on top of the chat route's submission (`models.use(name)` gives the named
-    model's `Routes`, server/api/submission.py)."""
+    model's `Submissions`, server/api/submission.py)."""
 
     def __init__(self, models):
         self.models = models
 
     async def create(self, body: rp.ResponsesRequest, receive=None):
         chat = chat_request(body)
-        async with self.models.use(chat.model) as routes:
-            return await self._create(routes, body, chat, receive)
+        async with self.models.use(chat.model) as submissions:
+            return await self._create(submissions, body, chat, receive)
 
-    async def _create(self, routes, body: rp.ResponsesRequest, chat: ChatCompletionRequest, receive):
+    async def _create(self, submissions, body: rp.ResponsesRequest, chat: ChatCompletionRequest, receive):
         try:
-            handles = await routes.submit_chat(chat)
+            handles = await submissions.submit_chat(chat)
         except APIError as exc:
             _rename_param(exc)
             raise
-        response = self._response(routes, body, chat)
-        items = OutputItems(routes.tool_calls_stream(chat))
+        response = self._response(submissions, body, chat)
+        items = OutputItems(submissions.tool_calls_stream(chat))
         if not body.stream:
-            final = (await routes.collect(handles, receive))[0]
+            final = (await submissions.collect(handles, receive))[0]
             items.add(final.text)
             items.finish(self._status(final))
             return JSONResponse(self._finished(response, items, final).model_dump())
         return StreamingResponse(self._stream(handles, response, items), media_type="text/event-stream")
 
     @staticmethod
-    def _response(routes, body: rp.ResponsesRequest, chat: ChatCompletionRequest) -> rp.ResponseObject:
+    def _response(submissions, body: rp.ResponsesRequest, chat: ChatCompletionRequest) -> rp.ResponseObject:
         """The in-progress response: the request's settings echoed, no output yet."""
         tool_choice = body.tool_choice or "auto"
         return rp.ResponseObject(
-            id=rp.new_id("resp"), created_at=int(time.time()), status="in_progress", model=routes.name,
+            id=rp.new_id("resp"), created_at=int(time.time()), status="in_progress", model=submissions.name,
             instructions=body.instructions, max_output_tokens=body.max_output_tokens,
             temperature=chat.temperature, top_p=chat.top_p, parallel_tool_calls=chat.parallel_tool_calls,
             tool_choice=tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(),

@@ -1,4 +1,4 @@
-"""One served model's requests as the generating endpoints submit them (`Routes`).
+"""One served model's requests as the generating endpoints submit them (`Submissions`).
 
 `submit_chat` / `submit_completion` turn a request into its n `GenerationRequest`s and submit
 them: the model name checked, determinism settled (and a seed drawn for a sampled
@@ -55,7 +55,7 @@ def _fingerprint(loaded) -> str:
     return "fp_" + hashlib.sha256(recipe.encode()).hexdigest()[:10]
 
 
-class Routes:
+class Submissions:
     """One served model's request handling: requests in, engine handles out."""
 
     def __init__(self, engine: Engine, fingerprint: str | None, limits: Limits = Limits(), log_prompts: bool = False,
