@@ -23,8 +23,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
+from harness import drive  # noqa: E402
 
 from lockstep.kernels.batching.pool_mode import pool_mode  # noqa: E402
 from lockstep.kernels.invariance import set_batch_invariant_limit  # noqa: E402
@@ -41,18 +43,6 @@ class ProfiledEngine(Engine):
 
     def _run(self) -> None:
         self.profile.runcall(super()._run)
-
-
-async def drive(engine: Engine, requests: list[GenerationRequest], plans) -> int:
-    handles = [engine.submit(r, plan) for r, plan in zip(requests, plans)]
-
-    async def consume(handle):
-        last = None
-        async for delta in handle:
-            last = delta
-        return last.completion_tokens
-
-    return sum(await asyncio.gather(*(consume(h) for h in handles)))
 
 
 def main() -> int:

@@ -14,10 +14,13 @@ median of the rounds' own ratios (round i of a variant over round i of the basel
 cancels what drifts between rounds.
 
 A variant is a callable that returns its measurement (a number, or a tuple / dict of them:
-`value=` picks one). Nothing here imports MLX.
+`value=` picks one). `drive` is the in-process load the engine benches measure: N requests
+submitted to an engine at once, every answer read to its end. Nothing here imports MLX or
+lockstep (a script measuring another source tree's engine can import it).
 """
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 from typing import Callable, Iterable
@@ -84,3 +87,17 @@ def summary(results: dict, baseline: str, unit: str = "s", scale: float = 1.0,
                      " ".join(f"{value(v) * scale:.{digits}f}" for v in got),
                      f"{median(ratios):.3f}"])
     return table(["variant", f"median {unit}", f"rounds {unit}", f"÷ {baseline} (paired median)"], rows)
+
+
+async def drive(engine, requests: list, plans: list) -> int:
+    """Submit every request (with its plan) to `engine` before reading any answer, so they
+    decode together, then read every answer to its end; the completion tokens of all."""
+    handles = [engine.submit(request, plan) for request, plan in zip(requests, plans)]
+
+    async def consume(handle) -> int:
+        last = None
+        async for delta in handle:
+            last = delta
+        return last.completion_tokens
+
+    return sum(await asyncio.gather(*(consume(handle) for handle in handles)))

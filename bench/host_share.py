@@ -32,8 +32,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "server" / "tools"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import http_load  # noqa: E402  (stdlib only: the load side never imports lockstep or MLX)
+from harness import drive  # noqa: E402  (imports no lockstep: the server side runs any --tree's)
 
 
 # ----------------------------------------------------------------------------- server side
@@ -109,16 +111,7 @@ def serve_child(args) -> None:
             sampling = SamplingParams(temperature=extra.get("temperature", 0.0), seed=extra.get("seed", i))
             requests.append(GenerationRequest(prompt_tokens=prompt, max_tokens=tokens, sampling=sampling))
 
-        async def drive():
-            handles = [engine.submit(r, plan) for r in requests]
-
-            async def consume(handle):
-                last = None
-                async for delta in handle:
-                    last = delta
-                return last.completion_tokens
-            return sum(await asyncio.gather(*(consume(h) for h in handles)))
-        return asyncio.run(drive())
+        return asyncio.run(drive(engine, requests, [plan] * len(requests)))
 
     for line in sys.stdin:
         command = json.loads(line)

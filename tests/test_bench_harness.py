@@ -62,3 +62,36 @@ def test_nothing_to_measure_is_an_error():
         harness.measure({"a": lambda: 1.0}, rounds=0)
     with pytest.raises(ValueError):
         harness.measure({}, rounds=1)
+
+
+class _Delta:
+    def __init__(self, completion_tokens: int):
+        self.completion_tokens = completion_tokens
+
+
+class _Engine:
+    """Submissions and reads in the order they happen; request r's answer is r deltas, its
+    last one counting r completion tokens."""
+
+    def __init__(self):
+        self.events = []
+
+    def submit(self, request, plan):
+        self.events.append(("submit", request, plan))
+        return self._answer(request)
+
+    async def _answer(self, request):
+        for n in range(1, request + 1):
+            self.events.append(("read", request))
+            yield _Delta(n)
+
+
+def test_drive_submits_every_request_before_reading_and_counts_their_tokens():
+    import asyncio
+
+    engine = _Engine()
+    tokens = asyncio.run(harness.drive(engine, [2, 3, 1], ["p0", "p1", "p2"]))
+    assert tokens == 2 + 3 + 1  # each answer's last delta
+    assert engine.events[:3] == [("submit", 2, "p0"), ("submit", 3, "p1"), ("submit", 1, "p2")]
+    assert sorted(e for e in engine.events[3:]) == [("read", 1), ("read", 2), ("read", 2), ("read", 3),
+                                                    ("read", 3), ("read", 3)]
