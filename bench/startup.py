@@ -621,9 +621,9 @@ def median_resumed(runs: list[Resumed], prefix: str) -> Resumed:
 
 def resumed_row(r: Resumed) -> list[str]:
     stopped = "—" if r.stopped_at is None else f"1..{r.stopped_at:g} in force"
-    if r.stopped_at is not None and r.widest is not None and r.stopped_at >= r.widest:
-        stopped += ", its proofs done"
     kept = "none" if r.kept is None else f"1..{r.kept:g}"
+    if r.stopped_at is not None and r.widest is not None and r.stopped_at >= r.widest:
+        stopped, kept = stopped + ", its proofs done", "every width (finished records)"
     answer = seconds(r.first_deterministic_s) + ("" if r.guaranteed is None else
                                                  " (guaranteed)" if r.guaranteed else " (not guaranteed)")
     widths = seconds(r.all_widths_s) + ("" if r.widest is None else f" (1..{r.widest})")
@@ -635,7 +635,9 @@ def resumed_table(name: str, serve_args: list[str], runs: list[Resumed], baselin
     header = ["restart", "first start stopped at", "widths kept", "health", "first plain answer",
               "first deterministic answer", "every width in force"]
     before = f"; before: the tree at `{baseline}`" if baseline else ""
-    lines = [f"### {name}, a restart after a start stopped mid-proof", "",
+    finished = any(r.stopped_at is not None and r.widest is not None and r.stopped_at >= r.widest for r in runs)
+    after = "a start that finished its proofs" if finished else "a start stopped mid-proof"
+    lines = [f"### {name}, a restart after {after}", "",
              f"`lockstep serve {' '.join(serve_args)}`{before}", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(resumed_row(r)) + " |" for r in runs]
