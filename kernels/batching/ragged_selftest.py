@@ -19,7 +19,10 @@ solo pass built op by op (as a request alone, the solo paths and prompt chunks r
 `prove_ragged_cached` keeps every width as soon as it is proven (a partial record under the
 finished proof's key, which a finished proof then replaces), so a start stopped mid-proof
 leaves its proven widths to the next start: that one puts them in force at once and proves only
-the wider ones. A record that is not one of the two shapes is ignored with a warning.
+the wider ones, setting up (prefills, solo passes, caches) only the members those use; with
+every width kept, nothing. A failed proof's record keeps the widths proven before the failure:
+the fallback to passes of at most L (`credit_from`) proves only those it lacks. A record that
+is not one of these shapes is ignored with a warning.
 """
 from __future__ import annotations
 
