@@ -168,7 +168,9 @@ def test_a_restart_after_a_stop_mid_proof_starts_in_force_for_the_widths_proven_
                 assert seen == [(IN_FORCE, 3)]
                 assert settled.wait(600)
                 assert engine.deployment.guarantee.pass_rows == WIDEST
-                assert httpx.get(base + "/health").json()["deterministic_pass_rows"] == WIDEST
+                proven_health = in_force_fields(httpx.get(base + "/health").json())
+                assert proven_health["deterministic_pass_rows"] == WIDEST
+        proven_deployment = engine.deployment
     finally:
         checked.set()
         engine.stop()
@@ -178,6 +180,29 @@ def test_a_restart_after_a_stop_mid_proof_starts_in_force_for_the_widths_proven_
     assert "1..3 rows kept from an earlier proof" in caplog.text
     (finished,) = records(store)  # the finished proof replaced the partial record
     assert finished["passed"] is True and "partial" not in finished
+
+    # a third start, every width recorded: no proof pass or setup, the same guarantee and /health
+    runtime, work = start(tmp_path)
+    engine, settled, setup = engine_for(runtime), threading.Event(), {}
+    settle = work.settle
+    work.settle = lambda: (settle(), settled.set())
+    try:
+        with counted_widths(monkeypatch, setup=setup) as third:
+            engine.start(runtime.pending)
+            with running(create_app(engine, model_extras=runtime.model_info, guarantee_timeout=20)) as base:
+                assert settled.wait(600)
+                assert in_force_fields(httpx.get(base + "/health").json()) == proven_health
+        assert engine.deployment.guarantee == proven_deployment.guarantee
+        assert engine.deployment.fingerprint == proven_deployment.fingerprint
+    finally:
+        engine.stop()
+        set_batch_invariant_limit(runtime.loaded.model, 0)
+    assert third == [] and setup == {"caches": 0, "prefills": 0, "solo": [], "members": set()}
+
+
+def in_force_fields(health: dict) -> dict:
+    """What /health says of the guarantee (not the request counts)."""
+    return {k: health[k] for k in ("guarantee", "deterministic_pass_rows", "audited_rows")}
 
 
 # ------------------------------------------------------------------ the record, proof by proof
