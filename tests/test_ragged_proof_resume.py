@@ -443,3 +443,19 @@ def test_the_fallback_never_credits_the_width_the_wider_proof_failed_at(model, t
         proof = ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=LIMIT,
                                                     credit_from=WIDEST)
     assert proof.passed and proof.resumed == LIMIT - 1 and widths == [LIMIT]
+
+
+def test_a_distributed_fallback_takes_no_credit(model, tmp_path, monkeypatch):
+    """Each rank keeps its own widths, not the agreed ones: ranks crediting different widths would
+    run different passes (collectives), so under `agreed_proofs` the fallback proves 1..L itself."""
+    import types
+
+    import lockstep.server.distributed.proofs as distributed_proofs
+
+    with counted_widths(monkeypatch, broken_width=WIDEST):
+        assert not ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST)
+    monkeypatch.setattr(distributed_proofs, "gather_bytes", lambda group, blob: [blob])  # one rank
+    with distributed_proofs.agreed_proofs(types.SimpleNamespace(group=None)), counted_widths(monkeypatch) as widths:
+        proof = ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=LIMIT,
+                                                    credit_from=WIDEST)
+    assert proof.passed and proof.resumed == 0 and widths == list(range(1, LIMIT + 1))
