@@ -45,9 +45,11 @@ The h200 and 8b cases pass `--cpu-blas reference`, as docs/DESIGN.md asks for de
 `--interrupted` (issue 54): a restart after a start stopped mid-proof. Each round, with empty
 caches: a start stopped (SIGTERM, as launchd or Ctrl-C) once `/v1/models`'
 `batching.deterministic_pass_rows` reaches `--interrupt-at` of the widest pass, then the measured
-restart: its first /health 200, its first deterministic answer (one deterministic chat request
-sent at /health) and the moment every width is in force (`deterministic_pass_rows` = the widest
+restart: its first /health 200, its first plain and first deterministic answers (one chat request
+each, sent at /health) and the moment every width is in force (`deterministic_pass_rows` = the widest
 pass). One warm round first, unmeasured, then `--restarts` rounds and their median.
+`--interrupt-at 1`: the first start runs until its startup work is all done (a restart whose proofs
+are all recorded).
 `--baseline-src DIR`: the same rounds also for another source tree (e.g. `git archive main`),
 its packages linked into a namespace on PYTHONPATH; the two alternate within each round.
 
@@ -454,6 +456,7 @@ class Resumed:
     stopped_at: int | None = None      # deterministic_pass_rows seen when the first start was stopped
     kept: int | None = None            # widths the restart took from the record (its log), None: none
     health_s: float | None = None
+    first_plain_s: float | None = None
     first_deterministic_s: float | None = None
     guaranteed: bool | None = None     # the deterministic answer's lockstep.guaranteed
     all_widths_s: float | None = None  # deterministic_pass_rows reached the widest pass
@@ -486,11 +489,18 @@ def batching(base: str) -> dict | None:
 
 def stop_mid_proof(serve_args: list[str], env: dict, log: Path, timeout: float, fraction: float) -> int:
     """A start stopped once deterministic passes of `fraction` of the widest pass are in force;
-    returns the width it had reached."""
+    returns the width it had reached. `fraction` 1 or more: stopped once its startup work is all
+    done (/health's "starting" false: every proof recorded)."""
     proc, base, _, deadline = launch(serve_args, env, log, timeout)
     try:
         while True:
             check_alive(proc, deadline, "the ragged proof to reach the stopping width")
+            if fraction >= 1:
+                health, seen = poll_health(base), batching(base)
+                if health and health.get("starting") is False and seen:
+                    return seen["deterministic_pass_rows"]
+                time.sleep(POLL_S)
+                continue
             seen = batching(base)
             if seen and seen.get("deterministic_pass_rows", 0) >= max(1, int(fraction * seen["max_batch_rows"])):
                 if seen["deterministic_pass_rows"] >= seen["max_batch_rows"]:
@@ -504,12 +514,14 @@ def stop_mid_proof(serve_args: list[str], env: dict, log: Path, timeout: float, 
 def measure_resumed(label: str, serve_args: list[str], env: dict, log: Path, timeout: float) -> Resumed:
     result = Resumed(label, log)
     proc, base, t0, deadline = launch(serve_args, env, log, timeout)
-    asked = None
+    asked = plain = None
     try:
         wait_for_health(base, proc, deadline)
         result.health_s = time.perf_counter() - t0
         asked = DeterministicRequest(base, t0, timeout=max(1.0, deadline - time.perf_counter()))
+        plain = PlainRequest(base, t0, timeout=max(1.0, deadline - time.perf_counter()))
         asked.start()
+        plain.start()
         while True:
             check_alive(proc, deadline, "every width in force")
             seen = batching(base)
@@ -517,9 +529,10 @@ def measure_resumed(label: str, serve_args: list[str], env: dict, log: Path, tim
                 result.all_widths_s, result.widest = time.perf_counter() - t0, seen["max_batch_rows"]
                 break
             time.sleep(POLL_S)
-        asked.join(timeout=max(0.0, deadline - time.perf_counter()))
-        if asked.is_alive():
-            raise StartFailed("timed out waiting for the deterministic answer")
+        for request in (asked, plain):
+            request.join(timeout=max(0.0, deadline - time.perf_counter()))
+        if asked.is_alive() or plain.is_alive():
+            raise StartFailed("timed out waiting for the first answers")
     except StartFailed as exc:
         result.failure = str(exc)
     finally:
@@ -531,6 +544,10 @@ def measure_resumed(label: str, serve_args: list[str], env: dict, log: Path, tim
         result.guaranteed = getattr(asked, "guaranteed", None)
         if asked.error:
             result.failure = "; ".join(filter(None, (result.failure, asked.error)))
+    if plain is not None and not plain.is_alive():
+        result.first_plain_s = plain.seconds
+        if plain.error:
+            result.failure = "; ".join(filter(None, (result.failure, plain.error)))
     try:
         for line in log.read_text(errors="replace").splitlines():
             if RESUMED in line:
@@ -594,7 +611,7 @@ def median_resumed(runs: list[Resumed], prefix: str) -> Resumed:
     failures = [r.failure for r in runs if r.failure]
     return Resumed(f"{prefix}restart (median of {len(runs)})", runs[0].log,
                    stopped_at=med(r.stopped_at for r in runs), kept=med(r.kept for r in runs),
-                   health_s=med(r.health_s for r in runs),
+                   health_s=med(r.health_s for r in runs), first_plain_s=med(r.first_plain_s for r in runs),
                    first_deterministic_s=med(r.first_deterministic_s for r in runs),
                    guaranteed=all(r.guaranteed for r in runs) if all(r.guaranteed is not None for r in runs)
                    else None,
@@ -605,18 +622,22 @@ def median_resumed(runs: list[Resumed], prefix: str) -> Resumed:
 def resumed_row(r: Resumed) -> list[str]:
     stopped = "—" if r.stopped_at is None else f"1..{r.stopped_at:g} in force"
     kept = "none" if r.kept is None else f"1..{r.kept:g}"
+    if r.stopped_at is not None and r.widest is not None and r.stopped_at >= r.widest:
+        stopped, kept = stopped + ", its proofs done", "every width (finished records)"
     answer = seconds(r.first_deterministic_s) + ("" if r.guaranteed is None else
                                                  " (guaranteed)" if r.guaranteed else " (not guaranteed)")
     widths = seconds(r.all_widths_s) + ("" if r.widest is None else f" (1..{r.widest})")
     health = seconds(r.health_s) + (f" [{r.failure}]" if r.failure else "")
-    return [r.label, stopped, kept, health, answer, widths]
+    return [r.label, stopped, kept, health, seconds(r.first_plain_s), answer, widths]
 
 
 def resumed_table(name: str, serve_args: list[str], runs: list[Resumed], baseline: Path | None) -> str:
-    header = ["restart", "first start stopped at", "widths kept", "health", "first deterministic answer",
-              "every width in force"]
+    header = ["restart", "first start stopped at", "widths kept", "health", "first plain answer",
+              "first deterministic answer", "every width in force"]
     before = f"; before: the tree at `{baseline}`" if baseline else ""
-    lines = [f"### {name}, a restart after a start stopped mid-proof", "",
+    finished = any(r.stopped_at is not None and r.widest is not None and r.stopped_at >= r.widest for r in runs)
+    after = "a start that finished its proofs" if finished else "a start stopped mid-proof"
+    lines = [f"### {name}, a restart after {after}", "",
              f"`lockstep serve {' '.join(serve_args)}`{before}", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(resumed_row(r)) + " |" for r in runs]
@@ -684,7 +705,8 @@ def main() -> int:
                         help="measure a restart after a start stopped mid-proof (see above)")
     parser.add_argument("--interrupt-at", type=float, default=0.5,
                         help="with --interrupted: stop the first start once this share of the widest pass "
-                             "is in force (default 0.5)")
+                             "is in force (default 0.5; 1: once its startup work is all done, so the "
+                             "restart finds every proof recorded)")
     parser.add_argument("--baseline-src", default=None,
                         help="with --interrupted: a source tree measured beside this one (before)")
     parser.add_argument("--build-model", default=None, help=argparse.SUPPRESS)  # the child writing an 8b model

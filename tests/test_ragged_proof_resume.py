@@ -19,10 +19,28 @@ LIMIT, WIDEST = 2, 4
 
 
 @contextlib.contextmanager
-def counted_widths(monkeypatch, on_pass=None):
+def counted_widths(monkeypatch, on_pass=None, broken_width=None, setup=None):
     """The widths of the ragged proof's passes, in the order they run (its solo passes are not
-    counted: a width's pass runs inside `calls_in_blocks`). `on_pass(width)` runs before each."""
+    counted: a width's pass runs inside `calls_in_blocks`). `on_pass(width)` runs before each.
+    `broken_width`: that width's pass gives its first request other logits (a kernel that breaks
+    invariance there). `setup`: a dict that gets the proof's setup work, "caches" (the proof's
+    caches made: a KV pool where it uses one), "prefills" (each pool member's prompt) and "solo"
+    (each member's rows run alone), and "members": the requests of the widths' passes (by their
+    rows), so what was set up can be matched with what the passes needed."""
     widths, inside = [], threading.local()
+    if setup is not None:
+        setup.update(caches=0, prefills=0, solo=[], members=set())
+        caches = ragged_selftest._Caches
+
+        class CountedCaches(caches):
+            def __init__(self, *args, **kwargs):
+                setup["caches"] += 1
+                super().__init__(*args, **kwargs)
+
+            def new(self):
+                setup["prefills"] += 1
+                return super().new()
+        monkeypatch.setattr(ragged_selftest, "_Caches", CountedCaches)
     blocks, forward = layers.calls_in_blocks, ragged_selftest.ragged_forward
 
     @contextlib.contextmanager
@@ -35,12 +53,19 @@ def counted_widths(monkeypatch, on_pass=None):
             inside.on = False
 
     def spy(model, requests, *args, **kwargs):
-        if getattr(inside, "on", False):
-            width = sum(len(tokens) for _, tokens in requests)
-            if on_pass is not None:
-                on_pass(width)
-            widths.append(width)
-        return forward(model, requests, *args, **kwargs)
+        rows = [tuple(tokens) for _, tokens in requests]
+        if not getattr(inside, "on", False):
+            if setup is not None:
+                setup["solo"] += rows
+            return forward(model, requests, *args, **kwargs)
+        width = sum(map(len, rows))
+        if on_pass is not None:
+            on_pass(width)
+        widths.append(width)
+        if setup is not None:
+            setup["members"] |= set(rows)
+        outs = forward(model, requests, *args, **kwargs)
+        return [outs[0] + 1, *outs[1:]] if width == broken_width else outs
 
     monkeypatch.setattr(layers, "calls_in_blocks", marked)
     monkeypatch.setattr(ragged_selftest, "ragged_forward", spy)
@@ -49,6 +74,8 @@ def counted_widths(monkeypatch, on_pass=None):
     finally:
         monkeypatch.setattr(layers, "calls_in_blocks", blocks)
         monkeypatch.setattr(ragged_selftest, "ragged_forward", forward)
+        if setup is not None:
+            monkeypatch.setattr(ragged_selftest, "_Caches", caches)
 
 
 def records(store: VerdictCache) -> list[dict]:
@@ -141,16 +168,41 @@ def test_a_restart_after_a_stop_mid_proof_starts_in_force_for_the_widths_proven_
                 assert seen == [(IN_FORCE, 3)]
                 assert settled.wait(600)
                 assert engine.deployment.guarantee.pass_rows == WIDEST
-                assert httpx.get(base + "/health").json()["deterministic_pass_rows"] == WIDEST
+                proven_health = in_force_fields(httpx.get(base + "/health").json())
+                assert proven_health["deterministic_pass_rows"] == WIDEST
+        proven_deployment = engine.deployment
     finally:
         checked.set()
         engine.stop()
         set_batch_invariant_limit(runtime.loaded.model, 0)
     assert again == [4]
     assert "1..3 rows were proven by an earlier start" in caplog.text
-    assert "1..3 rows kept from an interrupted proof" in caplog.text
+    assert "1..3 rows kept from an earlier proof" in caplog.text
     (finished,) = records(store)  # the finished proof replaced the partial record
     assert finished["passed"] is True and "partial" not in finished
+
+    # a third start, every width recorded: no proof pass or setup, the same guarantee and /health
+    runtime, work = start(tmp_path)
+    engine, settled, setup = engine_for(runtime), threading.Event(), {}
+    settle = work.settle
+    work.settle = lambda: (settle(), settled.set())
+    try:
+        with counted_widths(monkeypatch, setup=setup) as third:
+            engine.start(runtime.pending)
+            with running(create_app(engine, model_extras=runtime.model_info, guarantee_timeout=20)) as base:
+                assert settled.wait(600)
+                assert in_force_fields(httpx.get(base + "/health").json()) == proven_health
+        assert engine.deployment.guarantee == proven_deployment.guarantee
+        assert engine.deployment.fingerprint == proven_deployment.fingerprint
+    finally:
+        engine.stop()
+        set_batch_invariant_limit(runtime.loaded.model, 0)
+    assert third == [] and setup == {"caches": 0, "prefills": 0, "solo": [], "members": set()}
+
+
+def in_force_fields(health: dict) -> dict:
+    """What /health says of the guarantee (not the request counts)."""
+    return {k: health[k] for k in ("guarantee", "deterministic_pass_rows", "audited_rows")}
 
 
 # ------------------------------------------------------------------ the record, proof by proof
@@ -288,3 +340,122 @@ def test_a_width_that_fails_is_never_kept_as_proven(loaded, model, tmp_path, mon
     assert not proof.passed and "ragged pass of 2 rows" in proof.reason
     assert [v.get("proven_widths") for v in stored if v.get("partial")] == [1]
     assert stored[-1]["passed"] is False
+
+
+# ------------------------------------------------------------------ setup: only what is left to prove
+
+@pytest.mark.parametrize("record", ["finished", "every width kept"])
+def test_a_record_of_every_width_sets_up_nothing(model, tmp_path, monkeypatch, record):
+    """Over the KV pool (the proof's setup then makes a pool too): no cache, prefill, solo or
+    width pass; the proof holds for every width."""
+    options = {"pass_rows": WIDEST, "kv_pool": "reference"}
+    if record == "finished":
+        assert ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), **options)
+    else:
+        interrupted(model, proofs(tmp_path), at=WIDEST, kv_pool="reference")
+    setup, called = {}, []
+    with counted_widths(monkeypatch, setup=setup) as widths:
+        proof = ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), on_width=called.append, **options)
+    assert proof.passed and proof.widths == tuple(range(1, WIDEST + 1))
+    assert widths == [] and setup == {"caches": 0, "prefills": 0, "solo": [], "members": set()}
+    assert called == ([] if record == "finished" else [WIDEST])  # the kept widths in force at once
+
+
+def test_a_resumed_proof_sets_up_only_the_members_of_the_widths_left(model, tmp_path, monkeypatch):
+    """Each request the remaining widths' passes hold is prefilled and run alone once; no other."""
+    interrupted(model, proofs(tmp_path), at=WIDEST - 1)
+    setup = {}
+    with counted_widths(monkeypatch, setup=setup) as widths:
+        assert ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST)
+    assert widths == [WIDEST]
+    assert sorted(setup["solo"]) == sorted(setup["members"])
+    assert setup["prefills"] == len(setup["members"]) and setup["caches"] == 1
+
+
+# ------------------------------------------------------------------ the fallback to 1..L credits the wider proof
+
+def test_a_failed_wider_proof_keeps_its_proven_widths_and_the_fallback_to_l_runs_none_of_them(
+        loaded, model, tmp_path, monkeypatch, caplog):
+    """decide_guarantee as a start runs it: passes of 1..WIDEST fail at WIDEST (a kernel broken
+    there), so the guarantee falls back to passes of at most L, whose widths the wider proof
+    proved: no pass or setup of the fallback runs. A restart reads both records: nothing runs."""
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+    from lockstep.kernels.invariance.selftest import ProofCache
+    from lockstep.server.engine.guarantee.guarantee import decide_guarantee
+
+    session = ProofCache(VerdictCache("selftest"), {"model": "embedded", "weights": loaded.weights})
+    invariance = set_batch_invariant_limit(model, LIMIT, proof_cache=session)  # already installed: cached
+
+    def decide():
+        return decide_guarantee(model, invariance, "off", proofs(tmp_path), pass_rows=WIDEST, shared_prefill=False)
+
+    setup = {}
+    with counted_widths(monkeypatch, broken_width=WIDEST, setup=setup) as widths, caplog.at_level(logging.INFO):
+        guarantee = decide()
+    assert widths == list(range(1, WIDEST + 1))  # the fallback's widths 1..L not again
+    assert setup["caches"] == 1  # the wider proof's; the fallback's set up nothing
+    assert guarantee.shared_passes and guarantee.pass_rows == LIMIT
+    assert f"passes of 1..{LIMIT} rows were proven by the proof of 1..{WIDEST} rows" in caplog.text
+    wider, fallback = sorted(records(proofs(tmp_path).store), key=lambda r: "proven_widths" not in r)
+    assert wider["passed"] is False and wider["proven_widths"] == WIDEST - 1
+    assert fallback["passed"] is True
+    with counted_widths(monkeypatch, broken_width=WIDEST, setup=setup) as widths:
+        assert decide() == guarantee
+    assert widths == [] and setup["caches"] == 0
+
+
+@pytest.mark.parametrize("change", ["weights", "limit", "pass_rows", "kv_pool", "kernel code", "damaged"])
+def test_the_fallback_takes_no_credit_from_a_record_of_another_key(model, tmp_path, monkeypatch, caplog, change):
+    """A wider proof that failed at WIDEST with 1..WIDEST-1 proven; the fallback to 1..L of another
+    deployment (or against a damaged record) proves every width of its own."""
+    with counted_widths(monkeypatch, broken_width=WIDEST):
+        assert not ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST)
+    limit, options, cache = LIMIT, {"credit_from": WIDEST}, proofs(tmp_path)
+    if change == "weights":
+        cache = proofs(tmp_path, weights="digest-b")
+    elif change == "limit":
+        limit = 1
+    elif change == "pass_rows":
+        options["credit_from"] = WIDEST + 1  # a wider pass than the one whose record is kept
+    elif change == "kv_pool":
+        options["kv_pool"] = "reference"
+    elif change == "kernel code":
+        import lockstep.kernels.invariance.selftest as selftest
+
+        monkeypatch.setattr(selftest, "kernels_code_version", lambda: "another kernel source")
+    else:
+        (path,) = cache.store.dir.glob("*.json")
+        record = json.loads(path.read_text())
+        record["value"]["proven_widths"] = "3"
+        path.write_text(json.dumps(record))
+    with counted_widths(monkeypatch) as widths, caplog.at_level(logging.WARNING):
+        proof = ragged_selftest.prove_ragged_cached(model, limit, cache, pass_rows=limit, **options)
+    assert proof.passed and proof.resumed == 0
+    assert widths == list(range(1, limit + 1))
+    assert ("ignoring" in caplog.text) == (change == "damaged")
+
+
+def test_the_fallback_never_credits_the_width_the_wider_proof_failed_at(model, tmp_path, monkeypatch):
+    """The wider proof fails at width L: the fallback is credited 1..L-1 and proves L itself."""
+    with counted_widths(monkeypatch, broken_width=LIMIT):
+        assert not ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST)
+    with counted_widths(monkeypatch) as widths:
+        proof = ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=LIMIT,
+                                                    credit_from=WIDEST)
+    assert proof.passed and proof.resumed == LIMIT - 1 and widths == [LIMIT]
+
+
+def test_a_distributed_fallback_takes_no_credit(model, tmp_path, monkeypatch):
+    """Each rank keeps its own widths, not the agreed ones: ranks crediting different widths would
+    run different passes (collectives), so under `agreed_proofs` the fallback proves 1..L itself."""
+    import types
+
+    import lockstep.server.distributed.proofs as distributed_proofs
+
+    with counted_widths(monkeypatch, broken_width=WIDEST):
+        assert not ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST)
+    monkeypatch.setattr(distributed_proofs, "gather_bytes", lambda group, blob: [blob])  # one rank
+    with distributed_proofs.agreed_proofs(types.SimpleNamespace(group=None)), counted_widths(monkeypatch) as widths:
+        proof = ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=LIMIT,
+                                                    credit_from=WIDEST)
+    assert proof.passed and proof.resumed == 0 and widths == list(range(1, LIMIT + 1))

@@ -19,7 +19,10 @@ solo pass built op by op (as a request alone, the solo paths and prompt chunks r
 `prove_ragged_cached` keeps every width as soon as it is proven (a partial record under the
 finished proof's key, which a finished proof then replaces), so a start stopped mid-proof
 leaves its proven widths to the next start: that one puts them in force at once and proves only
-the wider ones. A record that is not one of the two shapes is ignored with a warning.
+the wider ones, setting up (prefills, solo passes, caches) only the members those use; with
+every width kept, nothing. A failed proof's record keeps the widths proven before the failure:
+the fallback to passes of at most L (`credit_from`) proves only those it lacks. A record that
+is not one of these shapes is ignored with a warning.
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ class RaggedProof:
     reason: str = ""
     seconds: float = 0.0
     cached: bool = False  # re-used from the proof cache
-    resumed: int = 0  # widths 1..resumed were kept from an interrupted proof, not proven again
+    resumed: int = 0  # widths 1..resumed were kept from an interrupted or a wider proof, not proven again
 
     def __bool__(self):
         return self.passed
@@ -126,6 +129,8 @@ def prove_ragged(model, call_rows: int, *, seed: int = 0, vocab: int | None = No
     widths = tuple(range(1, widest + 1))
     if not 0 <= proven <= widest:
         raise ValueError(f"proven widths 1..{proven} outside 1..{widest}")
+    if proven == widest:  # nothing left to prove: no caches, prefills or compiled passes either
+        return RaggedProof(True, call_rows, widths, "", time.perf_counter() - start)
     vocab = vocab or _vocab_size(model)
     key = mx.random.key(seed)
     pool = _pool(call_rows, widest)
@@ -185,21 +190,21 @@ def prove_ragged(model, call_rows: int, *, seed: int = 0, vocab: int | None = No
 
 def prove_ragged_cached(model, call_rows: int, proof_cache=None, *, seed: int = 0,
                         kv_pool: str = "off", pass_rows: int | None = None, compiled: bool = False,
-                        on_width: Callable[[int], None] | None = None) -> RaggedProof:
+                        on_width: Callable[[int], None] | None = None,
+                        credit_from: int | None = None) -> RaggedProof:
     """`prove_ragged`, re-using a result proven earlier on this machine (a
     kernels.invariance.selftest.ProofCache: same model, strategy, L, widths, code, MLX and device;
     `on_width` is called only while proving). Each width proven is kept at once under the same
     key, marked partial: a proof stopped after width w resumes from w + 1, calling `on_width(w)`
-    first, before any pass."""
+    first, before any pass. A failed proof's record keeps the widths proven before the failure.
+    `credit_from`: the widest pass of a wider proof of this deployment (its key this one's but for
+    its widths, 1..credit_from): the widths its record holds as proven count here too (the
+    fallback to 1..L after a wider proof failed)."""
     if proof_cache is None:
         return prove_ragged(model, call_rows, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows, compiled=compiled,
                             on_width=on_width)
-    from ..invariance.selftest import proof_key
-
     widths = tuple(range(1, max(call_rows, pass_rows or call_rows) + 1))
-    key = {**proof_key(model, call_rows, widths, (), seed, True, proof_cache.model_identity),
-           "what": "ragged pass proof", **({"kv_pool": kv_pool} if kv_pool != "off" else {}),
-           **({"compiled": True} if compiled else {})}
+    key = ragged_proof_key(model, call_rows, widths, proof_cache, seed=seed, kv_pool=kv_pool, compiled=compiled)
     store = proof_cache.store
     value = None if proof_cache.fresh else store.get(key)
     finished = _finished(value, call_rows, widths)
@@ -209,11 +214,22 @@ def prove_ragged_cached(model, call_rows: int, proof_cache=None, *, seed: int = 
     if resumed:
         log.info("ragged proof: passes of 1..%d rows were proven by an earlier start that stopped mid-proof; "
                  "proving %s", resumed, f"{resumed + 1}..{len(widths)} rows" if resumed < len(widths) else "no more")
-        if on_width is not None:
-            on_width(resumed)
+    credited = 0
+    if credit_from is not None and credit_from > len(widths) and not proof_cache.fresh:
+        wider = {**key, "widths": list(range(1, credit_from + 1))}
+        credited = min(len(widths), _proven_by(store.get(wider), store, wider, credit_from))
+        if credited > resumed:
+            log.info("ragged proof: passes of 1..%d rows were proven by the proof of 1..%d rows; proving %s",
+                     credited, credit_from,
+                     f"{credited + 1}..{len(widths)} rows" if credited < len(widths) else "no more")
+    resumed = max(resumed, credited)
+    if resumed and on_width is not None:
+        on_width(resumed)
     start = time.perf_counter()
+    proven = [resumed]
 
     def kept(width: int) -> None:  # called once 1..width passed their comparisons
+        proven.append(width)
         store.put(key, {"partial": True, "proven_widths": width, "seconds": time.perf_counter() - start})
         if on_width is not None:
             on_width(width)
@@ -221,8 +237,19 @@ def prove_ragged_cached(model, call_rows: int, proof_cache=None, *, seed: int = 
     proof = prove_ragged(model, call_rows, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows, compiled=compiled,
                          on_width=kept, proven=resumed)
     proof = RaggedProof(proof.passed, proof.call_rows, proof.widths, proof.reason, proof.seconds, resumed=resumed)
-    store.put(key, _record(proof))
+    store.put(key, {**_record(proof), **({} if proof.passed else {"proven_widths": proven[-1]})})
     return proof
+
+
+def ragged_proof_key(model, call_rows: int, widths: tuple, proof_cache, *, seed: int = 0, kv_pool: str = "off",
+                     compiled: bool = False) -> dict:
+    """The key a ragged proof of `widths` is kept under: the self-test's (model, strategy, L,
+    code, MLX, device) and the KV layout, and whether its passes are compiled."""
+    from ..invariance.selftest import proof_key
+
+    return {**proof_key(model, call_rows, widths, (), seed, True, proof_cache.model_identity),
+            "what": "ragged pass proof", **({"kv_pool": kv_pool} if kv_pool != "off" else {}),
+            **({"compiled": True} if compiled else {})}
 
 
 def cached_proof(proof_cache, key: dict, call_rows: int, widths: tuple, prove) -> RaggedProof:
@@ -258,6 +285,23 @@ def _proven_before(value: dict | None, store, key: dict, widest: int) -> int:
     log.warning("ignoring a ragged proof record that is neither finished nor a partial proof of 1..%d rows "
                 "(%s): proving every width again", widest, store.path(key))
     return 0
+
+
+def _proven_by(value: dict | None, store, key: dict, widest: int) -> int:
+    """The widths 1..w a record of a proof of 1..widest holds as proven: all of them if it
+    passed, those before the failure if it failed, those kept if partial (0: none, an older
+    failed record, or a record of another shape, ignored with a warning)."""
+    if value is None:
+        return 0
+    if value.get("passed") is True:
+        return widest
+    if value.get("passed") is False:
+        width = value.get("proven_widths", 0)
+        if type(width) is int and 0 <= width < widest:
+            return width
+        log.warning("ignoring the widths a failed ragged proof record says were proven (%s)", store.path(key))
+        return 0
+    return _proven_before(value, store, key, widest)
 
 
 def differing_layer(want: list, got: list) -> int | None:

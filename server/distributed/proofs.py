@@ -47,6 +47,9 @@ def agreed_proofs(world: World):
         return _agree(world, own_prove(model, call_rows, **options))
 
     def prove_ragged_cached(model, call_rows, proof_cache=None, **options):
+        # a failed wider proof's record holds this rank's widths, not the agreed ones: a fallback
+        # credited by it could run fewer passes (collectives) than another rank's
+        options.pop("credit_from", None)
         return _agree(world, own_cached(model, call_rows, proof_cache, **options))
 
     invariant.self_test, ragged.prove_ragged, ragged.prove_ragged_cached = self_test, prove_ragged, prove_ragged_cached

@@ -105,14 +105,15 @@ def decide_guarantee(model, invariance, kv_pool: str = "off", proofs=None, pass_
     if not proof and widest > limit:
         log.warning("ragged passes of up to %d rows not proven (%s): trying passes of at most L = %d",
                     widest, proof.reason, limit)
+        # the widths 1..L the wider proof passed count: only the rest is proven
+        proof = prove_ragged_cached(model, limit, proofs, kv_pool=kv_pool, pass_rows=limit, credit_from=widest)
         widest = limit
-        proof = prove_ragged_cached(model, limit, proofs, kv_pool=kv_pool, pass_rows=widest)
     if not proof:
         log.warning("ragged passes not proven (%s): deterministic requests get passes of their own",
                     proof.reason)
         return installed
     log.info("ragged passes of 1..%d rows proven bit-identical to solo passes (%.1f s%s)", widest, proof.seconds,
-             f"; 1..{proof.resumed} rows kept from an interrupted proof" if proof.resumed else "")
+             f"; 1..{proof.resumed} rows kept from an earlier proof" if proof.resumed else "")
     return dataclasses.replace(
         installed, shared_passes=True, pass_rows=widest,
         shared_prefill_rows=_shared_prefill(model, limit, kv_pool, proofs) if shared_prefill else 0,
