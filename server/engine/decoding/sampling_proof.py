@@ -1,0 +1,169 @@
+"""The proof that sampling several requests' rows as one batch (`sampling.RowSampling.batch`)
+gives every row the bits it gets sampled alone, at widths 2..the widest pass the deployment
+proved for deterministic rows, on the backend it runs on.
+
+Whether a batch's reductions, sorts and scans take the same kernels as one row's is a fact
+about the backend, not its name, so it is compared here, bit for bit, on logits of the served
+model's vocabulary size and dtype: each sampling form the batch path takes (greedy with
+logprobs, seeded temperature, top-k, top-p, min-p, each with or without logprobs and top
+alternatives; rows with penalties, logit_bias or a grammar never join a batch) on random
+logits, every row its own seed and position (two rows one seed, two rows one position), so a
+row sampled with another row's key shows. The batch takes its rows in shuffled order from a
+pass's logits, as the engine gathers them. Each row alone is computed once per form; each width
+is then one batch per form, compared with those rows. A width is proven on its own: the first
+width that differs ends the proof, and the widths below it stay proven. The verdict is kept in
+the verdict cache keyed by what can change it (backend, device, MLX, vocabulary, dtype, widest
+width, this code and the sampler's, the identity of the functions compared), and the proof
+yields to serving between widths (kernels/proof_steps.py).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+import numpy as np
+
+from lockstep.kernels.invariance.selftest import bits_equal
+from lockstep.kernels.proof_steps import step_done
+from lockstep.server.engine.decoding import sampling
+from lockstep.server.engine.decoding.sampling import RowSampling, SamplingParams
+
+log = logging.getLogger(__name__)
+
+# The forms the batch path takes (token_steps.fast_argmax: greedy without logprobs takes a
+# pass's argmax, no batch), with and without logprobs; top alternatives of several counts,
+# since their sort's shape is n. A form's tokens are the same ops with logprobs or without.
+FORMS = {
+    "greedy, logprobs": SamplingParams(temperature=0.0, top_logprobs=5),
+    "seeded, logprobs": SamplingParams(temperature=1.3, top_logprobs=1),
+    "top_k": SamplingParams(temperature=0.8, top_k=40, top_logprobs=2),
+    "top_p": SamplingParams(temperature=1.0, top_p=0.9, top_logprobs=20),
+    "min_p": SamplingParams(temperature=1.1, min_p=0.05),
+}
+# Spread like a model's logits (std ~3), so masks keep different numbers of tokens per row
+LOGIT_SCALE = 3.0
+# The sampler's parts a proof is about, looked up when it is keyed: a verdict made with a
+# stand-in for one of them (a test double) is never a real one's
+_SAMPLER_PARTS = ("sample_pending", "choose_tokens", "filtered_logprobs", "gumbel_noise", "_top_n")
+_OPS = ("logsumexp", "argmax", "argsort", "argpartition", "partition", "cumsum", "take_along_axis",
+        "put_along_axis")
+
+
+@dataclass(frozen=True)
+class SamplingProof:
+    """What `prove_batched_sampling` found: the widest batch (every width 2..rows proven; 0:
+    none, deterministic rows sample alone) and why."""
+
+    rows: int
+    reason: str
+    cached: bool = False
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        if self.rows >= 2:
+            return f"batched sampling: deterministic rows in batches of 2..{self.rows} ({self.reason})"
+        return f"batched sampling: deterministic rows sample alone ({self.reason})"
+
+
+def rows_of(width: int) -> list[tuple[int, int]]:
+    """(seed, position) of each of `width` rows: all seeds differ but rows 0 and 1's, whose
+    positions differ; rows 2 and 3 share a position (their seeds differ)."""
+    seeds = [1000 + 7919 * r for r in range(width)]
+    positions = [100 + 13 * r for r in range(width)]
+    if width > 1:
+        seeds[1] = seeds[0]
+    if width > 3:
+        positions[3] = positions[2]
+    return list(zip(seeds, positions))
+
+
+def _pending_alone(logits: mx.array, row: int, params: SamplingParams, seed: int, position: int):
+    # module attribute: what the engine's sampler is now
+    return sampling.sample_pending(logits[row:row + 1], [position], replace(params, seed=seed))
+
+
+def _stacked(pendings: list) -> list[mx.array]:
+    return [mx.concatenate(parts) for parts in zip(*(p.arrays for p in pendings))]
+
+
+def _form_seeds(form: int, rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    # each form its own seeds, so every row is sampled under several
+    return [(seed + 104729 * form, position) for seed, position in rows]
+
+
+def first_divergence(vocab: int, dtype, widest: int) -> tuple[int, int, str] | None:
+    """Every width 2..widest, every form: the batch's rows against each row alone, bit for
+    bit. None: all equal; else (width, row, form) where they first differ."""
+    logits = (mx.random.normal((widest, vocab), key=mx.random.key(0)) * LOGIT_SCALE).astype(dtype)
+    order = np.random.default_rng(0).permutation(widest).tolist()  # the batch's rows, shuffled
+    rows = rows_of(widest)
+    forms = [(name, params, _form_seeds(f, rows)) for f, (name, params) in enumerate(FORMS.items())]
+    alone = {name: _stacked([_pending_alone(logits, r, params, *seeds[r]) for r in range(widest)])
+             for name, params, seeds in forms}
+    mx.eval(logits, alone)
+    step_done()
+    for width in range(2, widest + 1):
+        picked = order[:width]
+        index = mx.array(picked)
+        batches = {}
+        for name, params, seeds in forms:
+            specs = [RowSampling(replace(params, seed=seeds[r][0]), seeds[r][1]) for r in picked]
+            batches[name] = RowSampling.batch(logits[index], specs)[0].arrays
+        mx.eval(batches)
+        for name, params, seeds in forms:
+            expected = [part[index] for part in alone[name]]
+            got = batches[name]
+            if not all(bits_equal(a, b) for a, b in zip(got, expected)):
+                row = next(j for j in range(width)
+                           if not all(bits_equal(a[j], b[j]) for a, b in zip(got, expected)))
+                return width, picked[row], name
+        step_done()
+    return None
+
+
+def prove_batched_sampling(vocab: int, dtype, widest: int, *, proof_cache=None) -> SamplingProof:
+    """Prove batches of 2..widest rows keep every row's bits alone, for logits of `vocab`
+    entries of `dtype`; where a width differs, the widths below it are proven (under 2: none).
+    `proof_cache` (kernels.invariance.selftest.ProofCache): the verdict kept per machine."""
+    if widest < 2:
+        return SamplingProof(0, "no pass holds several deterministic rows")
+    key = proof_key(vocab, dtype, widest) if proof_cache is not None else None
+    if key is not None and not proof_cache.fresh:
+        value = proof_cache.store.get(key)
+        if isinstance(value, dict) and isinstance(value.get("rows"), int) and isinstance(value.get("reason"), str):
+            return SamplingProof(value["rows"], value["reason"], cached=True)
+    started = time.perf_counter()
+    where = first_divergence(vocab, dtype, widest)
+    seconds = time.perf_counter() - started
+    if where is None:
+        result = SamplingProof(widest, f"proven bit-identical to each row alone at widths 2..{widest}, "
+                                        f"{len(FORMS)} forms, vocabulary {vocab}, {dtype}", seconds=seconds)
+    else:
+        width, row, form = where
+        proven = width - 1 if width > 2 else 0
+        below = f"proven at widths 2..{proven}; " if proven else ""
+        result = SamplingProof(proven, f"{below}a batch of {width} rows differs from row {row} alone "
+                                       f"({form}, vocabulary {vocab}, {dtype})", seconds=seconds)
+    log.info("%s (%.1f s)", result.describe(), seconds)
+    if key is not None:
+        proof_cache.store.put(key, {"rows": result.rows, "reason": result.reason})
+    return result
+
+
+def proof_key(vocab: int, dtype, widest: int) -> dict:
+    from lockstep.kernels.verdict_cache import code_version, environment, function_identity
+
+    return {
+        "what": "batched sampling rows",
+        "vocab": vocab,
+        "dtype": str(dtype),
+        "widest": widest,
+        "environment": environment(),
+        "code": code_version(sampling, sys.modules[__name__]),
+        "ops": [function_identity(f) for f in (*(getattr(sampling, name) for name in _SAMPLER_PARTS),
+                                               sampling.RowSampling.batch, *(getattr(mx, name) for name in _OPS),
+                                               mx.random.gumbel)],
+    }
