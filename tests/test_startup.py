@@ -193,7 +193,7 @@ def test_a_deferred_draft_model_is_loaded_after_the_guarantee_and_drafts_wait_fo
                         lambda target, draft: draft_costs.DraftCosts(0.01, 0.001, 0.001))
     runtime = build_runtime(Options(model=str(float_dir), batch_invariant_limit=2, max_batch_rows=2,
                                     draft_model="default-quantized"), defer_guarantee=True)
-    assert [type(w).__name__ for w in runtime.pending] == ["GuaranteeWork", "DraftWork"]
+    assert [type(w).__name__ for w in runtime.pending] == ["GuaranteeWork", "DraftWork", "SamplingWork"]
     assert runtime.deployment.draft_loading and runtime.deployment.draft_model is None
     assert "draft_load" not in runtime.timings and runtime.model_info()["draft_model_state"] == "loading"
     waiting = plan_request(runtime.deployment, deterministic=False, speculative="draft", num_draft_tokens=2)

@@ -94,20 +94,49 @@ def _form_seeds(form: int, rows: list[tuple[int, int]]) -> list[tuple[int, int]]
     return [(seed + 104729 * form, position) for seed, position in rows]
 
 
-def first_divergence(vocab: int, dtype, widest: int) -> tuple[int, int, str] | None:
+@dataclass(frozen=True)
+class Divergence:
+    """Where a batch first failed to give its rows their bits alone: the width, the pass row
+    and the form; `error`: the batch (or a row alone) raised instead."""
+
+    width: int
+    row: int
+    form: str
+    error: str = ""
+
+    def describe(self, vocab: int, dtype) -> str:
+        if self.error:
+            return f"sampling {self.form} at width {self.width} failed: {self.error}"
+        return f"a batch of {self.width} rows differs from row {self.row} alone ({self.form}, vocabulary {vocab}, {dtype})"
+
+
+def first_divergence(vocab: int, dtype, widest: int) -> Divergence | None:
     """Every width 2..widest, every form: the batch's rows against each row alone, bit for
-    bit. None: all equal; else (width, row, form) where they first differ."""
+    bit. None: all equal."""
     logits = (mx.random.normal((widest, vocab), key=mx.random.key(0)) * LOGIT_SCALE).astype(dtype)
     order = np.random.default_rng(0).permutation(widest).tolist()  # the batch's rows, shuffled
     rows = rows_of(widest)
     forms = [(name, params, _form_seeds(f, rows)) for f, (name, params) in enumerate(FORMS.items())]
-    alone = {name: _stacked([_pending_alone(logits, r, params, *seeds[r]) for r in range(widest)])
-             for name, params, seeds in forms}
-    mx.eval(logits, alone)
+    try:
+        alone = {name: _stacked([_pending_alone(logits, r, params, *seeds[r]) for r in range(widest)])
+                 for name, params, seeds in forms}
+        mx.eval(logits, alone)
+    except Exception as exc:  # a sampler that cannot run here proves nothing
+        return Divergence(1, 0, "alone", f"{type(exc).__name__}: {exc}")
     step_done()
     for width in range(2, widest + 1):
         picked = order[:width]
         index = mx.array(picked)
+        found = _compare(logits, index, picked, forms, alone)
+        if found is not None:
+            return found
+        step_done()  # outside the comparison: the engine's work between steps is not a proof's error
+    return None
+
+
+def _compare(logits: mx.array, index: mx.array, picked: list[int], forms: list, alone: dict) -> Divergence | None:
+    width, name = len(picked), ""
+    try:
         batches = {}
         for name, params, seeds in forms:
             specs = [RowSampling(replace(params, seed=seeds[r][0]), seeds[r][1]) for r in picked]
@@ -119,15 +148,17 @@ def first_divergence(vocab: int, dtype, widest: int) -> tuple[int, int, str] | N
             if not all(bits_equal(a, b) for a, b in zip(got, expected)):
                 row = next(j for j in range(width)
                            if not all(bits_equal(a[j], b[j]) for a, b in zip(got, expected)))
-                return width, picked[row], name
-        step_done()
+                return Divergence(width, picked[row], name)
+    except Exception as exc:
+        return Divergence(width, 0, name, f"{type(exc).__name__}: {exc}")
     return None
 
 
 def prove_batched_sampling(vocab: int, dtype, widest: int, *, proof_cache=None) -> SamplingProof:
     """Prove batches of 2..widest rows keep every row's bits alone, for logits of `vocab`
     entries of `dtype`; where a width differs, the widths below it are proven (under 2: none).
-    `proof_cache` (kernels.invariance.selftest.ProofCache): the verdict kept per machine."""
+    `proof_cache` (kernels.invariance.selftest.ProofCache): the verdict kept per machine (not
+    one that ended in an error, which a restart may not meet)."""
     if widest < 2:
         return SamplingProof(0, "no pass holds several deterministic rows")
     key = proof_key(vocab, dtype, widest) if proof_cache is not None else None
@@ -142,13 +173,11 @@ def prove_batched_sampling(vocab: int, dtype, widest: int, *, proof_cache=None) 
         result = SamplingProof(widest, f"proven bit-identical to each row alone at widths 2..{widest}, "
                                         f"{len(FORMS)} forms, vocabulary {vocab}, {dtype}", seconds=seconds)
     else:
-        width, row, form = where
-        proven = width - 1 if width > 2 else 0
+        proven = where.width - 1 if where.width > 2 else 0
         below = f"proven at widths 2..{proven}; " if proven else ""
-        result = SamplingProof(proven, f"{below}a batch of {width} rows differs from row {row} alone "
-                                       f"({form}, vocabulary {vocab}, {dtype})", seconds=seconds)
+        result = SamplingProof(proven, below + where.describe(vocab, dtype), seconds=seconds)
     log.info("%s (%.1f s)", result.describe(), seconds)
-    if key is not None:
+    if key is not None and not (where is not None and where.error):
         proof_cache.store.put(key, {"rows": result.rows, "reason": result.reason})
     return result
 
