@@ -136,7 +136,8 @@ def test_a_deferred_guarantee_is_proven_by_the_engine_after_serving_starts(align
     try:
         # settled once 1..L are proven (widths in order); the whole proof ends with its deployment installed
         wait_until(lambda: deferred.guarantee.settled and deferred.guarantee_seconds is not None
-                   and engine.deployment is deferred.deployment, timeout=300, what="the deferred proofs")
+                   and not engine.starting and engine.deployment is deferred.deployment, timeout=300,
+                   what="the deferred proofs")
     finally:
         engine.stop()
     after = deferred.model_info()
@@ -146,11 +147,15 @@ def test_a_deferred_guarantee_is_proven_by_the_engine_after_serving_starts(align
     assert after["batch_invariance"]["state"] == "in_force" and after["startup"]["guarantee_s"] >= 0
     assert {"self_test", "ragged_proof"} <= set(after["startup"]["phases_s"])
     assert deferred.deployment.fingerprint != pending_fingerprint
+    # the batched-sampling proof ran last, for the widest pass deterministic rows share
+    assert deferred.deployment.guarantee.sampling_rows == deferred.deployment.guarantee.pass_rows == 2
+    assert "sampling_proof" in after["startup"]["phases_s"]
 
     proven = start(aligned_dir)  # proven before serving, proofs from the verdict cache
     assert proven.guarantee.state == "in_force" and proven.pending is None
     assert proven.deployment.fingerprint == deferred.deployment.fingerprint
     assert proven.invariance.strategy == deferred.invariance.strategy != "pending"
+    assert proven.deployment.guarantee.sampling_rows == 2  # proven in place (verify, bench), from the cache
 
 
 @pytest.fixture(scope="module")
