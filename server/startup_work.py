@@ -170,7 +170,8 @@ class SamplingWork:
     def settle(self) -> None:
         if self.proof is not None:
             (log.info if self.proof.rows >= 2 else log.warning)(
-                "%s%s", self.proof.describe(), " (re-used from the verdict cache)" if self.proof.cached else "")
+                "%s%s", self.proof.describe(),
+                " (re-used from the verdict cache)" if self.proof.cached else f" ({self.proof.seconds:.1f} s)")
 
 
 @dataclass

@@ -18,7 +18,6 @@ yields to serving between widths (kernels/proof_steps.py).
 """
 from __future__ import annotations
 
-import logging
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -30,8 +29,6 @@ from lockstep.kernels.invariance.selftest import bits_equal
 from lockstep.kernels.proof_steps import step_done
 from lockstep.server.engine.decoding import sampling
 from lockstep.server.engine.decoding.sampling import RowSampling, SamplingParams
-
-log = logging.getLogger(__name__)
 
 # The forms the batch path takes (token_steps.fast_argmax: greedy without logprobs takes a
 # pass's argmax, no batch), with and without logprobs; top alternatives of several counts,
@@ -176,7 +173,6 @@ def prove_batched_sampling(vocab: int, dtype, widest: int, *, proof_cache=None) 
         proven = where.width - 1 if where.width > 2 else 0
         below = f"proven at widths 2..{proven}; " if proven else ""
         result = SamplingProof(proven, below + where.describe(vocab, dtype), seconds=seconds)
-    log.info("%s (%.1f s)", result.describe(), seconds)
     if key is not None and not (where is not None and where.error):
         proof_cache.store.put(key, {"rows": result.rows, "reason": result.reason})
     return result
