@@ -77,13 +77,43 @@ def test_the_verdict_is_kept_per_machine_and_never_meets_a_double(tmp_path, monk
     first = prove_batched_sampling(VOCAB, mx.float32, WIDEST, proof_cache=proofs)
     again = prove_batched_sampling(VOCAB, mx.float32, WIDEST, proof_cache=proofs)
     assert (first.rows, first.cached, again.rows, again.cached) == (WIDEST, False, WIDEST, True)
+    narrower = prove_batched_sampling(VOCAB, mx.float32, 3, proof_cache=proofs)
+    assert (narrower.rows, narrower.cached) == (3, True)
     other_vocab = prove_batched_sampling(VOCAB + 1, mx.float32, WIDEST, proof_cache=proofs)
     assert not other_vocab.cached
+    other_dtype = prove_batched_sampling(VOCAB, mx.bfloat16, WIDEST, proof_cache=proofs)
+    assert not other_dtype.cached
     fresh = prove_batched_sampling(VOCAB, mx.float32, WIDEST, proof_cache=replace(proofs, fresh=True))
-    assert not fresh.cached
+    assert not fresh.cached and not fresh.resumed
     monkeypatch.setattr(sampling, "sample_pending", width_variant_sampler(VARIES_FROM))
     variant = prove_batched_sampling(VOCAB, mx.float32, WIDEST, proof_cache=proofs)
     assert (variant.rows, variant.cached) == (VARIES_FROM - 1, False)
+    kept = prove_batched_sampling(VOCAB, mx.float32, WIDEST + 3, proof_cache=proofs)
+    assert (kept.rows, kept.cached) == (VARIES_FROM - 1, True)  # the width that differed is kept too
+
+
+def test_a_wider_proof_and_a_stopped_one_go_on_from_the_widths_kept(tmp_path):
+    from lockstep.kernels.proof_steps import between_steps
+
+    proofs = ProofCache(VerdictCache("selftest", root=tmp_path), model_identity={})
+    assert prove_batched_sampling(VOCAB, mx.float32, 3, proof_cache=proofs).rows == 3
+    wider = prove_batched_sampling(VOCAB, mx.float32, 5, proof_cache=proofs)
+    assert (wider.rows, wider.cached, wider.resumed) == (5, False, 3)
+
+    class Stop(Exception):
+        pass
+
+    steps = []
+
+    def stop_after_two_widths():
+        steps.append(None)
+        if len(steps) == 3:  # the rows alone, widths 6 and 7
+            raise Stop
+
+    with pytest.raises(Stop), between_steps(stop_after_two_widths):
+        prove_batched_sampling(VOCAB, mx.float32, 10, proof_cache=proofs)
+    restart = prove_batched_sampling(VOCAB, mx.float32, 10, proof_cache=proofs)
+    assert (restart.rows, restart.cached, restart.resumed) == (10, False, 7)
 
 
 def test_a_batch_that_raises_ends_the_proof_there_and_is_not_kept(tmp_path, monkeypatch):
@@ -98,7 +128,8 @@ def test_a_batch_that_raises_ends_the_proof_there_and_is_not_kept(tmp_path, monk
     proofs = ProofCache(VerdictCache("selftest", root=tmp_path), model_identity={})
     proof = prove_batched_sampling(VOCAB, mx.float32, WIDEST, proof_cache=proofs)
     assert proof.rows == 2 and "no kernel for this width" in proof.reason
-    assert not prove_batched_sampling(VOCAB, mx.float32, WIDEST, proof_cache=proofs).cached
+    again = prove_batched_sampling(VOCAB, mx.float32, WIDEST, proof_cache=proofs)
+    assert (again.rows, again.cached, again.resumed) == (2, False, 2)  # width 3 tried again
 
 
 # ----------------------------------------------------------------- the gate in a pass

@@ -11,10 +11,13 @@ logits, every row its own seed and position (two rows one seed, two rows one pos
 row sampled with another row's key shows. The batch takes its rows in shuffled order from a
 pass's logits, as the engine gathers them. Each row alone is computed once per form; each width
 is then one batch per form, compared with those rows. A width is proven on its own: the first
-width that differs ends the proof, and the widths below it stay proven. The verdict is kept in
-the verdict cache keyed by what can change it (backend, device, MLX, vocabulary, dtype, widest
-width, this code and the sampler's, the identity of the functions compared), and the proof
-yields to serving between widths (kernels/proof_steps.py).
+width that differs ends the proof, and the widths below it stay proven. Width w's rows, their
+order and their logits do not depend on the widest width, so the verdict cache keeps one
+record per backend, device, MLX, vocabulary, dtype and code (this and the sampler's, and the
+identity of the functions compared): the widths proven so far and the first that differed.
+Each width is written as soon as it is proven, so a proof stopped midway, or a wider pass
+later, goes on from the widest width kept. The proof yields to serving between widths
+(kernels/proof_steps.py).
 """
 from __future__ import annotations
 
@@ -52,12 +55,14 @@ _OPS = ("logsumexp", "argmax", "argsort", "argpartition", "partition", "cumsum",
 @dataclass(frozen=True)
 class SamplingProof:
     """What `prove_batched_sampling` found: the widest batch (every width 2..rows proven; 0:
-    none, deterministic rows sample alone) and why."""
+    none, deterministic rows sample alone) and why; `cached`: nothing was sampled (the verdict
+    cache had every width); `resumed`: widths 2..resumed came from it."""
 
     rows: int
     reason: str
     cached: bool = False
     seconds: float = 0.0
+    resumed: int = 0
 
     def describe(self) -> str:
         if self.rows >= 2:
@@ -65,16 +70,22 @@ class SamplingProof:
         return f"batched sampling: deterministic rows sample alone ({self.reason})"
 
 
-def rows_of(width: int) -> list[tuple[int, int]]:
-    """(seed, position) of each of `width` rows: all seeds differ but rows 0 and 1's, whose
-    positions differ; rows 2 and 3 share a position (their seeds differ)."""
-    seeds = [1000 + 7919 * r for r in range(width)]
-    positions = [100 + 13 * r for r in range(width)]
-    if width > 1:
-        seeds[1] = seeds[0]
-    if width > 3:
-        positions[3] = positions[2]
-    return list(zip(seeds, positions))
+def seed_and_position(row: int) -> tuple[int, int]:
+    """Row `row`'s seed and position: every seed differs but rows 0 and 1's, whose positions
+    differ; rows 2 and 3 share a position (their seeds differ)."""
+    seed = 1000 + 7919 * (0 if row == 1 else row)
+    return seed, 100 + 13 * (2 if row == 3 else row)
+
+
+def batch_order(width: int) -> list[int]:
+    """The pass rows a batch of `width` takes, in the (shuffled) order it takes them."""
+    return np.random.default_rng(width).permutation(width).tolist()
+
+
+def pass_logits(rows: int, vocab: int, dtype) -> mx.array:
+    """Random logits of `rows` rows, row r the same whatever `rows` is."""
+    rows = [mx.random.normal((vocab,), key=mx.random.key(r)) for r in range(rows)]
+    return (mx.stack(rows) * LOGIT_SCALE).astype(dtype)
 
 
 def _pending_alone(logits: mx.array, row: int, params: SamplingParams, seed: int, position: int):
@@ -86,9 +97,9 @@ def _stacked(pendings: list) -> list[mx.array]:
     return [mx.concatenate(parts) for parts in zip(*(p.arrays for p in pendings))]
 
 
-def _form_seeds(form: int, rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _form_rows(form: int, rows: int) -> list[tuple[int, int]]:
     # each form its own seeds, so every row is sampled under several
-    return [(seed + 104729 * form, position) for seed, position in rows]
+    return [(seed + 104729 * form, position) for seed, position in map(seed_and_position, range(rows))]
 
 
 @dataclass(frozen=True)
@@ -107,39 +118,37 @@ class Divergence:
         return f"a batch of {self.width} rows differs from row {self.row} alone ({self.form}, vocabulary {vocab}, {dtype})"
 
 
-def first_divergence(vocab: int, dtype, widest: int) -> Divergence | None:
-    """Every width 2..widest, every form: the batch's rows against each row alone, bit for
-    bit. None: all equal."""
-    logits = (mx.random.normal((widest, vocab), key=mx.random.key(0)) * LOGIT_SCALE).astype(dtype)
-    order = np.random.default_rng(0).permutation(widest).tolist()  # the batch's rows, shuffled
-    rows = rows_of(widest)
-    forms = [(name, params, _form_seeds(f, rows)) for f, (name, params) in enumerate(FORMS.items())]
+def first_divergence(vocab: int, dtype, widest: int, first: int = 2, on_width=None) -> Divergence | None:
+    """Every width first..widest, every form: the batch's rows against each row alone, bit for
+    bit. None: all equal. `on_width(w)`: called once width w is proven."""
+    logits = pass_logits(widest, vocab, dtype)
+    forms = [(name, params, _form_rows(f, widest)) for f, (name, params) in enumerate(FORMS.items())]
     try:
-        alone = {name: _stacked([_pending_alone(logits, r, params, *seeds[r]) for r in range(widest)])
-                 for name, params, seeds in forms}
+        alone = {name: _stacked([_pending_alone(logits, r, params, *rows[r]) for r in range(widest)])
+                 for name, params, rows in forms}
         mx.eval(logits, alone)
     except Exception as exc:  # a sampler that cannot run here proves nothing
-        return Divergence(1, 0, "alone", f"{type(exc).__name__}: {exc}")
+        return Divergence(first, 0, "alone", f"{type(exc).__name__}: {exc}")
     step_done()
-    for width in range(2, widest + 1):
-        picked = order[:width]
-        index = mx.array(picked)
-        found = _compare(logits, index, picked, forms, alone)
+    for width in range(first, widest + 1):
+        found = _compare(logits, batch_order(width), forms, alone)
         if found is not None:
             return found
+        if on_width is not None:
+            on_width(width)
         step_done()  # outside the comparison: the engine's work between steps is not a proof's error
     return None
 
 
-def _compare(logits: mx.array, index: mx.array, picked: list[int], forms: list, alone: dict) -> Divergence | None:
-    width, name = len(picked), ""
+def _compare(logits: mx.array, picked: list[int], forms: list, alone: dict) -> Divergence | None:
+    width, name, index = len(picked), "", mx.array(picked)
     try:
         batches = {}
-        for name, params, seeds in forms:
-            specs = [RowSampling(replace(params, seed=seeds[r][0]), seeds[r][1]) for r in picked]
+        for name, params, rows in forms:
+            specs = [RowSampling(replace(params, seed=rows[r][0]), rows[r][1]) for r in picked]
             batches[name] = RowSampling.batch(logits[index], specs)[0].arrays
         mx.eval(batches)
-        for name, params, seeds in forms:
+        for name, params, rows in forms:
             expected = [part[index] for part in alone[name]]
             got = batches[name]
             if not all(bits_equal(a, b) for a, b in zip(got, expected)):
@@ -151,41 +160,65 @@ def _compare(logits: mx.array, index: mx.array, picked: list[int], forms: list, 
     return None
 
 
+def _kept(value) -> tuple[int, int, str]:
+    """(widths 2..n proven, the width that differed or 0, its reason) of a stored record."""
+    if not isinstance(value, dict):
+        return 1, 0, ""
+    proven, differs, reason = value.get("proven_through"), value.get("differs_at"), value.get("reason")
+    if not (isinstance(proven, int) and isinstance(differs, int) and isinstance(reason, str)):
+        return 1, 0, ""
+    return max(proven, 1), differs, reason
+
+
+def _all_proven(widest: int, vocab: int, dtype) -> str:
+    return f"proven bit-identical to each row alone at widths 2..{widest}, {len(FORMS)} forms, vocabulary {vocab}, {dtype}"
+
+
+def _result(proven: int, where: str, **kw) -> SamplingProof:
+    proven = proven if proven >= 2 else 0
+    return SamplingProof(proven, (f"proven at widths 2..{proven}; " if proven else "") + where, **kw)
+
+
 def prove_batched_sampling(vocab: int, dtype, widest: int, *, proof_cache=None) -> SamplingProof:
     """Prove batches of 2..widest rows keep every row's bits alone, for logits of `vocab`
     entries of `dtype`; where a width differs, the widths below it are proven (under 2: none).
-    `proof_cache` (kernels.invariance.selftest.ProofCache): the verdict kept per machine (not
-    one that ended in an error, which a restart may not meet)."""
+    `proof_cache` (kernels.invariance.selftest.ProofCache): the widths proven, kept per machine
+    as each is proven (not a width that ended in an error, which a restart may not meet)."""
     if widest < 2:
         return SamplingProof(0, "no pass holds several deterministic rows")
-    key = proof_key(vocab, dtype, widest) if proof_cache is not None else None
-    if key is not None and not proof_cache.fresh:
-        value = proof_cache.store.get(key)
-        if isinstance(value, dict) and isinstance(value.get("rows"), int) and isinstance(value.get("reason"), str):
-            return SamplingProof(value["rows"], value["reason"], cached=True)
+    key = proof_key(vocab, dtype) if proof_cache is not None else None
+    proven, differs, reason = _kept(proof_cache.store.get(key)) if key is not None and not proof_cache.fresh \
+        else (1, 0, "")
+    if differs and differs <= widest:
+        return _result(min(proven, differs - 1), reason, cached=True, resumed=proven)
+    if proven >= widest:
+        return SamplingProof(widest, _all_proven(widest, vocab, dtype), cached=True, resumed=widest)
+    resumed = proven if proven >= 2 else 0
+    kept = [proven]
+
+    def keep(width: int, differs_at: int = 0, why: str = "") -> None:
+        kept[0] = max(kept[0], width)
+        if key is not None:
+            proof_cache.store.put(key, {"proven_through": kept[0], "differs_at": differs_at, "reason": why})
+
     started = time.perf_counter()
-    where = first_divergence(vocab, dtype, widest)
+    where = first_divergence(vocab, dtype, widest, first=proven + 1, on_width=keep)
     seconds = time.perf_counter() - started
     if where is None:
-        result = SamplingProof(widest, f"proven bit-identical to each row alone at widths 2..{widest}, "
-                                        f"{len(FORMS)} forms, vocabulary {vocab}, {dtype}", seconds=seconds)
-    else:
-        proven = where.width - 1 if where.width > 2 else 0
-        below = f"proven at widths 2..{proven}; " if proven else ""
-        result = SamplingProof(proven, below + where.describe(vocab, dtype), seconds=seconds)
-    if key is not None and not (where is not None and where.error):
-        proof_cache.store.put(key, {"rows": result.rows, "reason": result.reason})
-    return result
+        return SamplingProof(widest, _all_proven(widest, vocab, dtype), seconds=seconds, resumed=resumed)
+    why = where.describe(vocab, dtype)
+    if not where.error:
+        keep(where.width - 1, where.width, why)
+    return _result(where.width - 1, why, seconds=seconds, resumed=resumed)
 
 
-def proof_key(vocab: int, dtype, widest: int) -> dict:
+def proof_key(vocab: int, dtype) -> dict:
     from lockstep.kernels.verdict_cache import code_version, environment, function_identity
 
     return {
         "what": "batched sampling rows",
         "vocab": vocab,
         "dtype": str(dtype),
-        "widest": widest,
         "environment": environment(),
         "code": code_version(sampling, sys.modules[__name__]),
         "ops": [function_identity(f) for f in (*(getattr(sampling, name) for name in _SAMPLER_PARTS),
