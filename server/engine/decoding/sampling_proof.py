@@ -84,8 +84,8 @@ def batch_order(width: int) -> list[int]:
 
 def pass_logits(rows: int, vocab: int, dtype) -> mx.array:
     """Random logits of `rows` rows, row r the same whatever `rows` is."""
-    rows = [mx.random.normal((vocab,), key=mx.random.key(r)) for r in range(rows)]
-    return (mx.stack(rows) * LOGIT_SCALE).astype(dtype)
+    each = [mx.random.normal((vocab,), key=mx.random.key(r)) for r in range(rows)]
+    return (mx.stack(each) * LOGIT_SCALE).astype(dtype)
 
 
 def _pending_alone(logits: mx.array, row: int, params: SamplingParams, seed: int, position: int):
