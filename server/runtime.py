@@ -24,7 +24,7 @@ from lockstep.server.model_loading import AUDIT_OFF_WARNING, load_draft, rewinda
 from lockstep.server.options import (AUDIT_MODES, DEFAULT_MAX_BATCH_ROWS, DEFAULT_NUM_DRAFT_TOKENS,
                                      DEFAULT_PREFILL_CHUNK)
 from lockstep.server.phases import Phases
-from lockstep.server.startup_work import AuditWork, DraftWork, GuaranteeWork, deployment_fingerprint
+from lockstep.server.startup_work import AuditWork, DraftWork, GuaranteeWork, SamplingWork, deployment_fingerprint
 
 log = logging.getLogger("lockstep.runtime")
 
@@ -119,6 +119,9 @@ class Runtime:
     audited: object = field(default_factory=lambda: _all_audited())
     serving_after_s: float | None = None  # the phases before serving (the proofs' only when not deferred)
     admission: object = None  # server.engine.scheduling.admission.Admission the engine serves with (serve only)
+    # (vocabulary, dtype) of the model's logits, seen at the warm-up: what the batched-sampling
+    # proof samples (SamplingWork)
+    logits_format: tuple | None = None
 
     def set_admission(self, admission) -> None:
         """Serve with `admission` (server/engine/scheduling/admission.py): its pass width is the widest the
@@ -314,23 +317,31 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     with timings.timed("warm_up"):  # the first request should not pay for first-call setup
         try:
             tokens = [1, 2, 3] if audited.allows(3) else [1]  # never a width not yet audited
-            mx.eval(loaded.model(mx.array([tokens]), cache=make_prompt_cache(loaded.model)))
+            logits = loaded.model(mx.array([tokens]), cache=make_prompt_cache(loaded.model))
+            mx.eval(logits)
+            runtime.logits_format = (logits.shape[-1], logits.dtype)
         except Exception as exc:  # e.g. a faulty kernel path the audit was told not to look for
             from lockstep.models.errors import ModelError
 
             hint = "; the kernel audit is off (--audit off)" if options.audit == "off" else ""
             raise ModelError(f"{loaded.path}: the warm-up forward pass failed "
                              f"({type(exc).__name__}: {exc}){hint}") from exc
+    sampling = SamplingWork(runtime, proofs)
+    if not (defer_guarantee and limit):
+        sampling.run()
+        sampling.settle()
     test = getattr(runtime.invariance, "self_test", None)
     runtime.serving_after_s = sum(timings.values())
     log.info("startup: %s; total %.1fs%s%s", timings.line(), sum(timings.values()),
              " (self-test proof re-used from the cache)" if test and test.cached else "",
              "; the guarantee is proven after serving starts" if not runtime.guarantee.settled else "")
     # the work left for the engine thread: the guarantee first (deterministic requests wait
-    # for it), then the draft model (until it is loaded, requests decode without its drafts)
+    # for it), then the draft model (until it is loaded, requests decode without its drafts),
+    # then the batched-sampling proof (until it has run, deterministic rows sample alone)
     work_left = (([AuditWork(runtime, options, proofs)] if not audited.complete else [])
                  + ([work] if limit and not runtime.guarantee.settled else [])
-                 + ([DraftWork(runtime, options)] if defer_draft else []))
+                 + ([DraftWork(runtime, options)] if defer_draft else [])
+                 + ([sampling] if defer_guarantee and limit else []))
     runtime.pending = work_left or None
     return runtime
 

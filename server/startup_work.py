@@ -1,6 +1,7 @@
 """The startup work left for the engine thread once serving started (`Runtime.pending`):
-the kernel audit's later stages (`AuditWork`), the guarantee's proofs (`GuaranteeWork`) and
-the draft model (`DraftWork`). Each `run()`s on the engine thread and then `settle()`s."""
+the kernel audit's later stages (`AuditWork`), the guarantee's proofs (`GuaranteeWork`), the
+draft model (`DraftWork`) and the batched-sampling proof (`SamplingWork`). Each `run()`s on
+the engine thread and then `settle()`s."""
 from __future__ import annotations
 
 import contextlib
@@ -137,6 +138,40 @@ class GuaranteeWork:
 
 
 PROOF_PHASES = ("self_test", "build_kernels", "pass_costs", "ragged_proof")
+
+
+@dataclass
+class SamplingWork:
+    """The batched-sampling proof (server/engine/decoding/sampling_proof.py) for the widest pass
+    the guarantee lets deterministic rows share, on logits of the served model's vocabulary and
+    dtype (`Runtime.logits_format`, seen at the warm-up); its width becomes the guarantee's
+    `sampling_rows`. Until it has run, deterministic rows sample alone (the same bits, one
+    sampling a row), so it runs after the guarantee's proofs and the draft model, serving
+    between its widths. Nothing to prove where deterministic rows never share a pass."""
+
+    runtime: object  # server.runtime.Runtime
+    proofs: object  # kernels.invariance.selftest.ProofCache: where the verdict is kept
+    proof: object = None  # the SamplingProof, once run (None: nothing to prove)
+
+    def run(self) -> Deployment:
+        from lockstep.server.engine.decoding.sampling_proof import prove_batched_sampling
+
+        runtime = self.runtime
+        guarantee = runtime.deployment.guarantee
+        if not (guarantee.guaranteed and guarantee.shared_passes) or runtime.logits_format is None:
+            return runtime.deployment
+        vocab, dtype = runtime.logits_format
+        with runtime.timings.timed("sampling_proof"):
+            self.proof = prove_batched_sampling(vocab, dtype, guarantee.pass_rows, proof_cache=self.proofs)
+        runtime.deployment = dataclasses.replace(
+            runtime.deployment, guarantee=dataclasses.replace(guarantee, sampling_rows=self.proof.rows))
+        return runtime.deployment
+
+    def settle(self) -> None:
+        if self.proof is not None:
+            (log.info if self.proof.rows >= 2 else log.warning)(
+                "%s%s", self.proof.describe(),
+                " (re-used from the verdict cache)" if self.proof.cached else f" ({self.proof.seconds:.1f} s)")
 
 
 @dataclass

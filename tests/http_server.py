@@ -65,6 +65,21 @@ def wait_until(predicate, timeout=60.0, what="condition"):
         time.sleep(0.05)
 
 
+def with_sampling_proof(deployment, model, proofs=None):
+    """`deployment` with the batched-sampling proof `serve` makes after its guarantee
+    (server/startup_work.py SamplingWork), on the model's logits, for its widest shared pass."""
+    import mlx.core as mx
+
+    from lockstep.server.engine.decoding.sampling_proof import prove_batched_sampling
+
+    guarantee = deployment.guarantee
+    if not (guarantee.guaranteed and guarantee.shared_passes):
+        return deployment
+    logits = model(mx.array([[1]]))
+    proof = prove_batched_sampling(logits.shape[-1], logits.dtype, guarantee.pass_rows, proof_cache=proofs)
+    return dataclasses.replace(deployment, guarantee=dataclasses.replace(guarantee, sampling_rows=proof.rows))
+
+
 @contextlib.contextmanager
 def deterministic_server(loaded, limit: int, prefill_chunk: int = 4, max_active: int = 4, prefix_cache=None,
                          fingerprint: str = ""):
@@ -88,7 +103,8 @@ def deterministic_server(loaded, limit: int, prefill_chunk: int = 4, max_active:
     invariance = set_batch_invariant_limit(loaded.model, limit, proof_cache=proofs)
     try:
         assert invariance.guaranteed, invariance.reason
-        deployment = proven_deployment(loaded.model, invariance, proofs=proofs, prefill_chunk=prefill_chunk)
+        deployment = with_sampling_proof(
+            proven_deployment(loaded.model, invariance, proofs=proofs, prefill_chunk=prefill_chunk), loaded.model, proofs)
         assert deployment.guarantee.shared_passes
         if fingerprint:
             deployment = dataclasses.replace(deployment, fingerprint=fingerprint)

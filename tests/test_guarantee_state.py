@@ -237,7 +237,7 @@ def test_a_first_ragged_proof_puts_the_guarantee_in_force_for_the_widths_proven_
     write_tiny_tokenizer(model_dir)
     runtime = build_runtime(Options(model=str(model_dir), batch_invariant_limit=2, max_batch_rows=4),
                             defer_guarantee=True)
-    (work,) = runtime.pending
+    work, _ = runtime.pending  # the guarantee's proofs, then the batched-sampling proof
     reached, release = threading.Event(), threading.Event()
     proven_widths = work._proven_widths
 

@@ -97,25 +97,3 @@ def test_rows_with_logits_processors_are_not_batched():
     """Penalties, logit_bias and grammars change a row first (the request's own processors)."""
     source = PlainSource([], [1, 2], PARAMS["seeded"], SpeculationStats(), processors=object())
     assert source.row_sampling() is None and not source.presamples
-
-
-@pytest.mark.parametrize("keeps", [True, False])
-def test_a_deterministic_row_joins_a_batch_only_where_the_backend_keeps_rows(monkeypatch, keeps):
-    """Where a batch is not known to keep a row's bits (a GPU until its test ran there), a
-    deterministic request's row samples alone; a plain one's joins the batch either way."""
-    import lockstep.server.engine.decoding.request_state as request_state
-    from lockstep.server.engine.decoding.request_state import RequestState
-    from lockstep.server.engine.generate import GenerationRequest
-    from lockstep.server.engine.guarantee.decode_plan import DecodePlan, Determinism
-    from tests.deterministic_fixtures import TinyLoaded
-    from tests.tiny_models import tiny_llama
-
-    monkeypatch.setattr(request_state, "batch_keeps_rows", lambda: keeps)
-    loaded = TinyLoaded(tiny_llama(seed=3))
-
-    def row(determinism):
-        request = GenerationRequest(prompt_tokens=[5, 6, 7], max_tokens=2, sampling=PARAMS["seeded"])
-        return RequestState(loaded, request, plan=DecodePlan(determinism, "none", 0)).row_sampling()
-
-    assert row(Determinism.NONE) is not None  # control: a plain row always may
-    assert (row(Determinism.SHARED) is not None) is keeps

@@ -136,7 +136,8 @@ def test_a_deferred_guarantee_is_proven_by_the_engine_after_serving_starts(align
     try:
         # settled once 1..L are proven (widths in order); the whole proof ends with its deployment installed
         wait_until(lambda: deferred.guarantee.settled and deferred.guarantee_seconds is not None
-                   and engine.deployment is deferred.deployment, timeout=300, what="the deferred proofs")
+                   and not engine.starting and engine.deployment is deferred.deployment, timeout=300,
+                   what="the deferred proofs")
     finally:
         engine.stop()
     after = deferred.model_info()
@@ -146,11 +147,15 @@ def test_a_deferred_guarantee_is_proven_by_the_engine_after_serving_starts(align
     assert after["batch_invariance"]["state"] == "in_force" and after["startup"]["guarantee_s"] >= 0
     assert {"self_test", "ragged_proof"} <= set(after["startup"]["phases_s"])
     assert deferred.deployment.fingerprint != pending_fingerprint
+    # the batched-sampling proof ran last, for the widest pass deterministic rows share
+    assert deferred.deployment.guarantee.sampling_rows == deferred.deployment.guarantee.pass_rows == 2
+    assert "sampling_proof" in after["startup"]["phases_s"]
 
     proven = start(aligned_dir)  # proven before serving, proofs from the verdict cache
     assert proven.guarantee.state == "in_force" and proven.pending is None
     assert proven.deployment.fingerprint == deferred.deployment.fingerprint
     assert proven.invariance.strategy == deferred.invariance.strategy != "pending"
+    assert proven.deployment.guarantee.sampling_rows == 2  # proven in place (verify, bench), from the cache
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +198,7 @@ def test_a_deferred_draft_model_is_loaded_after_the_guarantee_and_drafts_wait_fo
                         lambda target, draft: draft_costs.DraftCosts(0.01, 0.001, 0.001))
     runtime = build_runtime(Options(model=str(float_dir), batch_invariant_limit=2, max_batch_rows=2,
                                     draft_model="default-quantized"), defer_guarantee=True)
-    assert [type(w).__name__ for w in runtime.pending] == ["GuaranteeWork", "DraftWork"]
+    assert [type(w).__name__ for w in runtime.pending] == ["GuaranteeWork", "DraftWork", "SamplingWork"]
     assert runtime.deployment.draft_loading and runtime.deployment.draft_model is None
     assert "draft_load" not in runtime.timings and runtime.model_info()["draft_model_state"] == "loading"
     waiting = plan_request(runtime.deployment, deterministic=False, speculative="draft", num_draft_tokens=2)

@@ -73,10 +73,13 @@ def install_model_routes(app: FastAPI, submissions: Submissions, model_extras) -
     @app.head("/health", include_in_schema=False)  # load balancers often probe with HEAD
     @app.get("/health")
     async def health():
+        batching = engine.describe()
         return {"status": "ok", "model": engine.loaded.name, "guarantee": engine.guarantee.state,
                 **engine.counts(), "audited_rows": engine.audited.describe()["audited_rows"],
                 # the widest pass deterministic rows may share now (grows while a ragged proof goes on)
-                "deterministic_pass_rows": engine.describe()["deterministic_pass_rows"],
+                "deterministic_pass_rows": batching["deterministic_pass_rows"],
+                # the widest batch their rows are sampled in (0 until the batched-sampling proof ran)
+                "deterministic_sampling_rows": batching["deterministic_sampling_rows"],
                 "starting": engine.starting}
 
 

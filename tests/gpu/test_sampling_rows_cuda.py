@@ -2,7 +2,10 @@
 Llama-3's vocabulary (128,256) with bf16 logits, every row of a batch of 2..32 rows has the
 token, logprob and top-alternative bits the row gets sampled alone, greedy and seeded, with
 top-k / top-p / min-p: the device's reductions, sorts and scans keep a row's order whatever the
-rows beside it. Negative control: a batch keyed on one seed differs from the rows alone."""
+rows beside it. Negative control: a batch keyed on one seed differs from the rows alone.
+The batched-sampling proof the server makes at startup (server/engine/decoding/sampling_proof.py)
+credits, on this device, exactly the widths this file's own comparison shows keep every row's
+bits."""
 import struct
 from dataclasses import replace
 
@@ -10,6 +13,7 @@ import mlx.core as mx
 import pytest
 
 from lockstep.server.engine.decoding.sampling import RowSampling, SamplingParams, sample_pending
+from lockstep.server.engine.decoding.sampling_proof import prove_batched_sampling
 
 pytestmark = pytest.mark.gpu
 
@@ -35,16 +39,35 @@ def logits_rows(rows: int) -> mx.array:
     return out
 
 
-@pytest.mark.parametrize("rows", [2, 8, 16, 32])
-@pytest.mark.parametrize("name", PARAMS)
-def test_every_row_of_a_batch_has_its_bits_alone(rows, name):
+WIDEST = 32
+
+
+def batch_keeps_bits(rows: int, params: SamplingParams) -> bool:
     logits = logits_rows(rows)
-    params = PARAMS[name]
     specs = [RowSampling(replace(params, seed=1000 + i), 500 + 7 * i) for i in range(rows)]
     batch = RowSampling.batch(logits, specs)
     mx.eval([x for pending in batch for x in pending.arrays])
     alone = [sample_pending(logits[i:i + 1], [spec.position], spec.params).result()[0] for i, spec in enumerate(specs)]
-    assert [bits(p.result()[0]) for p in batch] == [bits(a) for a in alone]
+    return [bits(p.result()[0]) for p in batch] == [bits(a) for a in alone]
+
+
+@pytest.mark.parametrize("rows", [2, 8, 16, 32])
+@pytest.mark.parametrize("name", PARAMS)
+def test_every_row_of_a_batch_has_its_bits_alone(rows, name):
+    assert batch_keeps_bits(rows, PARAMS[name])
+
+
+def test_the_startup_proof_credits_the_widths_this_comparison_shows():
+    """Every width 2..WIDEST compared here, every form; the proof (its own logits, seeds and
+    forms) must credit the same widths: all of them where these all keep their bits, else
+    fewer than the first width that differs here."""
+    first_differs = next((rows for rows in range(2, WIDEST + 1)
+                          if not all(batch_keeps_bits(rows, params) for params in PARAMS.values())), None)
+    proof = prove_batched_sampling(VOCAB, mx.bfloat16, WIDEST)
+    if first_differs is None:
+        assert proof.rows == WIDEST, proof.reason
+    else:
+        assert proof.rows < first_differs, proof.reason
 
 
 def test_negative_control_a_batch_keyed_on_one_seed_differs():

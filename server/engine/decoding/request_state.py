@@ -17,7 +17,7 @@ comes from a decode pass.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import mlx.core as mx
@@ -31,7 +31,7 @@ from lockstep.server.engine.guarantee.decode_plan import PLAIN, DecodePlan, Dete
 from lockstep.server.engine.guarantee.deployment import PREFILL_CHUNK, Deployment
 from lockstep.server.engine.decoding.logits_processors import processors_for
 from lockstep.server.engine.cache.prefix_cache import PrefixCache, copy_prefix, exact_length, namespace
-from lockstep.server.engine.decoding.sampling import SamplingParams, batch_keeps_rows
+from lockstep.server.engine.decoding.sampling import SamplingParams
 from lockstep.server.engine.guarantee.receipt import Receipt
 from lockstep.server.engine.decoding.request_report import RequestReport
 from lockstep.server.engine.decoding.stops import IncrementalDecoder, StopTextStream
@@ -320,11 +320,15 @@ class RequestState:
 
     def row_sampling(self, ahead: int = 0):
         """What its one-row `presample` builds, for a pass to build with others' (a
-        sampling.RowSampling; None: nothing)."""
+        sampling.RowSampling; None: it samples alone). A deterministic row joins batches of at
+        most the width the deployment proved keep its bits (`Guarantee.sampling_rows`), and
+        none before that proof has run."""
         row_sampling = getattr(self.source, "row_sampling", None)
-        if row_sampling is None or (self.determinism != Determinism.NONE and not batch_keeps_rows()):
-            return None  # a deterministic row's bits never rest on a batch not known to keep them
-        return row_sampling(ahead)
+        row = row_sampling(ahead) if row_sampling is not None else None
+        if row is None or self.determinism == Determinism.NONE:
+            return row
+        proven = self.deployment.guarantee.sampling_rows if self.deployment is not None else 0
+        return replace(row, batch_rows=proven) if proven >= 2 else None
 
     def decodes_ahead(self) -> bool:
         """Whether this request's next row may run before the token of the pass now running

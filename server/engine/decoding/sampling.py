@@ -191,22 +191,16 @@ class PendingRow:
         return [self.batch.result()[self.index]]
 
 
-def batch_keeps_rows() -> bool:
-    """Whether sampling rows as one batch (`RowSampling.batch`) is known to give each row the
-    bits it gets alone on this backend. On the CPU it is (tests/test_sampling_rows.py, in CI).
-    On a GPU a batch's row reductions, sorts and scans may take other kernels than one row's,
-    and tests/gpu/test_sampling_rows_cuda.py has not run there yet: deterministic rows sample
-    alone, plain rows (no bits promised) in batches."""
-    return mx.default_device() == mx.cpu
-
-
 @dataclass(frozen=True)
 class RowSampling:
     """One row's sampling as a pass builds it with other requests' rows (`batch`): rows of one
-    `group` share every sampling field but the seed."""
+    `group` share every sampling field but the seed. `batch_rows`: the widest batch the row may
+    join (0: any; a deterministic row's is the width the batched-sampling proof covered,
+    server/engine/decoding/sampling_proof.py)."""
 
     params: SamplingParams
     position: int
+    batch_rows: int = 0
 
     @property
     def group(self) -> SamplingParams:

@@ -11,7 +11,11 @@ proved the forms on the running backend, or not) and the proofs made here into o
   share a pass: the shared-prefill proof (kernels/batching/shared_prefill_proof.py), made
   after the ragged one;
 - whether deterministic decode passes may run compiled (kernels/batching/compiled_pass.py):
-  the ragged proof once more, its passes compiled, where the deployment compiles passes.
+  the ragged proof once more, its passes compiled, where the deployment compiles passes;
+- how many deterministic rows of one sampling group may be sampled as one batch
+  (`sampling_rows`): the batched-sampling proof (server/engine/decoding/sampling_proof.py), made
+  once the passes are proven by server/startup_work.py's `SamplingWork` (this room does not
+  import the sampler); 0 until then.
 
 A model with per-request state (a recurrent, conv or sliding-window cache) is proven for one
 row per request (`Guarantee.request_rows` = 1): its deterministic requests share decode
@@ -53,6 +57,9 @@ class Guarantee:
     pass_rows: int = 0  # the widest pass proven to hold deterministic rows of several requests
     shared_prefill_rows: int = 0  # deterministic prompt chunks of this many rows may share a pass (0: none)
     compiled_canonical_passes: bool = False  # deterministic decode passes may run compiled
+    # Deterministic rows of one sampling group may be sampled as one batch of up to this many
+    # rows (server/engine/decoding/sampling_proof.py, proven after the passes; under 2: each alone)
+    sampling_rows: int = 0
 
     @classmethod
     def installed(cls, invariance) -> Guarantee:

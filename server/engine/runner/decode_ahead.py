@@ -90,7 +90,10 @@ def presample_pass(members: list, logits: mx.array, spans: list, ahead: int = 0)
     """Each member's sampling of its rows, built lazily: one-row members whose sampling is of
     one group (every field but the seed the same) as one batch over their rows, each row's
     bits what it gets alone (their `row_sampling()`'s `batch`); the others each on its own
-    (a batch's graph does not grow by a sampling per row)."""
+    (a batch's graph does not grow by a sampling per row). Rows that may join batches of at
+    most w rows (`RowSampling.batch_rows`: deterministic rows, the proven width) go in blocks
+    of w: every width up to w was proven on its own, so each block keeps its rows' bits and
+    the pass still builds one sampling per w rows, not one per row."""
     out = [None] * len(members)
     groups: dict = {}
     for i, ((state, _), span) in enumerate(zip(members, spans)):
@@ -99,16 +102,18 @@ def presample_pass(members: list, logits: mx.array, spans: list, ahead: int = 0)
         if row is None:
             out[i] = presample_rows(state, logits, span, ahead)
         else:
-            groups.setdefault(row.group, []).append((i, row, span[0]))
-    for group in groups.values():
-        if len(group) == 1:
-            i, _, begin = group[0]
-            out[i] = presample_rows(members[i][0], logits, (begin, begin + 1), ahead)
-            continue
-        rows = [row for _, row, _ in group]
-        batch = rows[0].batch(logits[mx.array([begin for _, _, begin in group])], rows)
-        for (i, _, _), pending in zip(group, batch):
-            out[i] = pending
+            groups.setdefault((row.group, row.batch_rows), []).append((i, row, span[0]))
+    for (_, batch_rows), group in groups.items():
+        width = batch_rows or len(group)
+        for block in (group[b:b + width] for b in range(0, len(group), width)):
+            if len(block) == 1:
+                i, _, begin = block[0]
+                out[i] = presample_rows(members[i][0], logits, (begin, begin + 1), ahead)
+                continue
+            rows = [row for _, row, _ in block]
+            batch = rows[0].batch(logits[mx.array([begin for _, _, begin in block])], rows)
+            for (i, _, _), pending in zip(block, batch):
+                out[i] = pending
     return out
 
 

@@ -386,6 +386,8 @@ class Scheduler:
                 "max_batch_rows": self.max_batch_rows,
                 "deterministic_pass_rows": self.shared_rows if guarantee.shared_passes else self.call_rows,
                 "deterministic_call_rows": self.call_rows,
+                # deterministic rows of one sampling group sampled as one batch of at most this many
+                "deterministic_sampling_rows": guarantee.sampling_rows if guarantee.shared_passes else 0,
                 "max_kv_tokens": self.kv_budget.capacity,
                 "deterministic_rows_shared": guarantee.shared_passes and self.runner.batched,
                 # deterministic prompt chunks of at least this many rows share prefill passes

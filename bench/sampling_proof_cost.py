@@ -1,0 +1,50 @@
+"""What the batched-sampling proof (server/engine/decoding/sampling_proof.py) costs a first start
+(no verdict cached), at widest passes of several widths, side by side in one process
+(bench/harness.py: a warm-up round, rotated rounds, medians, paired ratios). `serve` runs it on
+the engine thread after the guarantee's proofs, serving between its widths; a restart reads
+the verdict instead.
+
+    python bench/sampling_proof_cost.py [--vocab 49152] [--dtype float32] [--widths 8,16,32] [--rounds 3]
+
+The default vocabulary is the embedded SmolLM2's; float32 its logits on the CPU default
+(OpenBLAS). Measures and prints; asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlx.core as mx  # noqa: E402
+
+from harness import measure, summary, timed  # noqa: E402
+from lockstep.server.engine.decoding.sampling_proof import FORMS, prove_batched_sampling  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--widths", default="8,16,32", help="widest passes, comma-separated")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    dtype = getattr(mx, args.dtype)
+    widths = [int(w) for w in args.widths.split(",")]
+
+    def prove(widest: int):
+        def run():
+            proof = prove_batched_sampling(args.vocab, dtype, widest)  # no cache: a first start
+            assert proof.rows == widest, proof.reason  # a bench of a failing proof measures nothing
+        return run
+
+    variants = {f"widest {w}": timed(prove(w)) for w in widths}
+    results = measure(variants, args.rounds)
+    print(f"batched-sampling proof, first start: vocabulary {args.vocab}, {args.dtype}, {len(FORMS)} forms, "
+          f"device {mx.default_device()}, {args.rounds} rounds after one unmeasured")
+    print(summary(results, baseline=f"widest {widths[0]}"))
+
+
+if __name__ == "__main__":
+    main()
