@@ -215,8 +215,8 @@ def split_blocks(rows: int, widest: int) -> list[int]:
 class RowSampling:
     """One row's sampling as a pass builds it with other requests' rows (`batch`): rows of one
     `group` share every sampling field but the seed. `batch_rows`: the widest batch the row may
-    join (0: any; a deterministic row's is the width the batched-sampling proof covered,
-    server/engine/decoding/sampling_proof.py)."""
+    join (0: any width; a deterministic row's is the widest the batched-sampling proof proved,
+    server/engine/decoding/sampling_proof.py, and its batches take only `block_widths` of it)."""
 
     params: SamplingParams
     position: int
