@@ -9,8 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from lockstep.server.engine.decoding.sampling import (RowSampling, SamplingParams, gumbel_noise, key_for,
-                                                      sample_pending)
+from lockstep.server.engine.decoding.sampling import (RowSampling, SamplingParams, block_widths, gumbel_noise,
+                                                      key_for, sample_pending, split_blocks)
 from lockstep.server.engine.decoding.token_steps import PlainSource, SpeculationStats
 from lockstep.server.engine.runner.decode_ahead import presample_pass
 
@@ -97,3 +97,20 @@ def test_rows_with_logits_processors_are_not_batched():
     """Penalties, logit_bias and grammars change a row first (the request's own processors)."""
     source = PlainSource([], [1, 2], PARAMS["seeded"], SpeculationStats(), processors=object())
     assert source.row_sampling() is None and not source.presamples
+
+
+@pytest.mark.parametrize("widest, widths", [(1, [1]), (2, [1, 2]), (7, [1, 2, 4, 7]), (8, [1, 2, 4, 8]),
+                                            (24, [1, 2, 4, 8, 16, 24]), (32, [1, 2, 4, 8, 16, 32])])
+def test_deterministic_blocks_take_the_powers_of_two_and_the_widest(widest, widths):
+    """The widths the batched-sampling proof compares (sampling_proof.proof_widths, and 1: a
+    row alone), and a group split into them largest first."""
+    assert block_widths(widest) == widths
+    for rows in range(1, 70):
+        sizes = split_blocks(rows, widest)
+        assert sum(sizes) == rows and set(sizes) <= set(widths) and sizes == sorted(sizes, reverse=True)
+        assert len([s for s in sizes if s < widest]) <= len(widths) - 1  # each narrower width at most once
+
+
+def test_a_group_splits_largest_first():
+    assert (split_blocks(13, 8), split_blocks(29, 32), split_blocks(29, 24), split_blocks(7, 4)) == \
+        ([8, 4, 1], [16, 8, 4, 1], [24, 4, 1], [4, 2, 1])

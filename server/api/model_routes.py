@@ -78,7 +78,8 @@ def install_model_routes(app: FastAPI, submissions: Submissions, model_extras) -
                 **engine.counts(), "audited_rows": engine.audited.describe()["audited_rows"],
                 # the widest pass deterministic rows may share now (grows while a ragged proof goes on)
                 "deterministic_pass_rows": batching["deterministic_pass_rows"],
-                # the widest batch their rows are sampled in (0 until the batched-sampling proof ran)
+                # the widest block their rows are sampled in, the others the powers of two below it
+                # (0 until the batched-sampling proof ran)
                 "deterministic_sampling_rows": batching["deterministic_sampling_rows"],
                 "starting": engine.starting}
 

@@ -4,16 +4,17 @@ token, logprob and top-alternative bits the row gets sampled alone, greedy and s
 top-k / top-p / min-p: the device's reductions, sorts and scans keep a row's order whatever the
 rows beside it. Negative control: a batch keyed on one seed differs from the rows alone.
 The batched-sampling proof the server makes at startup (server/engine/decoding/sampling_proof.py)
-credits, on this device, exactly the widths this file's own comparison shows keep every row's
-bits."""
+compares the widths the engine batches deterministic rows in (powers of two up to 32) and
+credits, on this device, exactly those of them this file's own comparison shows keep every
+row's bits; a group of 29 rows then samples in blocks of those widths only."""
 import struct
 from dataclasses import replace
 
 import mlx.core as mx
 import pytest
 
-from lockstep.server.engine.decoding.sampling import RowSampling, SamplingParams, sample_pending
-from lockstep.server.engine.decoding.sampling_proof import prove_batched_sampling
+from lockstep.server.engine.decoding.sampling import RowSampling, SamplingParams, sample_pending, split_blocks
+from lockstep.server.engine.decoding.sampling_proof import proof_widths, prove_batched_sampling
 
 pytestmark = pytest.mark.gpu
 
@@ -58,16 +59,19 @@ def test_every_row_of_a_batch_has_its_bits_alone(rows, name):
 
 
 def test_the_startup_proof_credits_the_widths_this_comparison_shows():
-    """Every width 2..WIDEST compared here, every form; the proof (its own logits, seeds and
-    forms) must credit the same widths: all of them where these all keep their bits, else
-    fewer than the first width that differs here."""
-    first_differs = next((rows for rows in range(2, WIDEST + 1)
+    """The widths the engine runs (2, 4, .., WIDEST) compared here, every form; the proof (its
+    own logits, seeds and forms) must credit the same widths: all of them where these all keep
+    their bits, else fewer than the first width that differs here. A group of 29 rows then
+    splits into proven widths only."""
+    assert proof_widths(WIDEST) == [2, 4, 8, 16, 32]
+    first_differs = next((rows for rows in proof_widths(WIDEST)
                           if not all(batch_keeps_bits(rows, params) for params in PARAMS.values())), None)
     proof = prove_batched_sampling(VOCAB, mx.bfloat16, WIDEST)
     if first_differs is None:
-        assert proof.rows == WIDEST, proof.reason
+        assert proof.rows == WIDEST and proof.widths == proof_widths(WIDEST), proof.reason
     else:
         assert proof.rows < first_differs, proof.reason
+    assert set(split_blocks(29, proof.rows)) <= {1, *proof.widths}
 
 
 def test_negative_control_a_batch_keyed_on_one_seed_differs():

@@ -320,9 +320,9 @@ class RequestState:
 
     def row_sampling(self, ahead: int = 0):
         """What its one-row `presample` builds, for a pass to build with others' (a
-        sampling.RowSampling; None: it samples alone). A deterministic row joins batches of at
-        most the width the deployment proved keep its bits (`Guarantee.sampling_rows`), and
-        none before that proof has run."""
+        sampling.RowSampling; None: it samples alone). A deterministic row joins only batches of
+        the widths the deployment proved keep its bits (`sampling.block_widths` of
+        `Guarantee.sampling_rows`), and none before that proof has run."""
         row_sampling = getattr(self.source, "row_sampling", None)
         row = row_sampling(ahead) if row_sampling is not None else None
         if row is None or self.determinism == Determinism.NONE:

@@ -191,12 +191,32 @@ class PendingRow:
         return [self.batch.result()[self.index]]
 
 
+def block_widths(widest: int) -> list[int]:
+    """The widths a batch of deterministic rows may take where the batched-sampling proof
+    (server/engine/decoding/sampling_proof.py) covered `widest`: the powers of two up to it and
+    `widest` itself, ascending; 1 is a row sampled alone. The proof compares exactly these."""
+    if widest < 1:
+        return []
+    return sorted({1 << k for k in range(widest.bit_length())} | {widest})
+
+
+def split_blocks(rows: int, widest: int) -> list[int]:
+    """`rows` rows as blocks of `block_widths(widest)`, largest first (13 under 8: 8, 4, 1), so
+    a group takes few samplings and each has a width the proof compared."""
+    sizes = []
+    for width in reversed(block_widths(max(widest, 1))):
+        while rows >= width:
+            sizes.append(width)
+            rows -= width
+    return sizes
+
+
 @dataclass(frozen=True)
 class RowSampling:
     """One row's sampling as a pass builds it with other requests' rows (`batch`): rows of one
     `group` share every sampling field but the seed. `batch_rows`: the widest batch the row may
-    join (0: any; a deterministic row's is the width the batched-sampling proof covered,
-    server/engine/decoding/sampling_proof.py)."""
+    join (0: any width; a deterministic row's is the widest the batched-sampling proof proved,
+    server/engine/decoding/sampling_proof.py, and its batches take only `block_widths` of it)."""
 
     params: SamplingParams
     position: int

@@ -1,6 +1,7 @@
 """The proof that sampling several requests' rows as one batch (`sampling.RowSampling.batch`)
-gives every row the bits it gets sampled alone, at widths 2..the widest pass the deployment
-proved for deterministic rows, on the backend it runs on.
+gives every row the bits it gets sampled alone, at the widths the engine batches deterministic
+rows in (`sampling.block_widths`: the powers of two up to the widest pass the deployment proved
+for deterministic rows, and that width), on the backend it runs on.
 
 Whether a batch's reductions, sorts and scans take the same kernels as one row's is a fact
 about the backend, not its name, so it is compared here, bit for bit, on logits of the served
@@ -10,14 +11,16 @@ alternatives; rows with penalties, logit_bias or a grammar never join a batch) o
 logits, every row its own seed and position (two rows one seed, two rows one position), so a
 row sampled with another row's key shows. The batch takes its rows in shuffled order from a
 pass's logits, as the engine gathers them. Each row alone is computed once per form; each width
-is then one batch per form, compared with those rows. A width is proven on its own: the first
-width that differs ends the proof, and the widths below it stay proven. Width w's rows, their
-order and their logits do not depend on the widest width, so the verdict cache keeps one
-record per backend, device, MLX, vocabulary, dtype and code (this and the sampler's, and the
-identity of the functions compared): the widths proven so far and the first that differed.
-Each width is written as soon as it is proven, so a proof stopped midway, or a wider pass
-later, goes on from the widest width kept. The proof yields to serving between widths
-(kernels/proof_steps.py).
+is then one batch per form, compared with those rows. Only those widths are compared, not every
+width up to the widest: the engine splits a group into blocks of them (`sampling.split_blocks`),
+so it never runs a batch of a width not compared here. A width is proven on its own: the first
+width that differs ends the proof, and the widths below it stay proven (the blocks then take
+those). Width w's rows, their order and their logits do not depend on the widest width, so the
+verdict cache keeps one record per backend, device, MLX, vocabulary, dtype and code (this and
+the sampler's, and the identity of the functions compared): the widths proven so far and the
+first that differed (no width from it on is credited). Each width is written as soon as it is
+proven, so a proof stopped midway, or a wider pass later, proves only the widths not kept. The
+proof yields to serving between widths (kernels/proof_steps.py).
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import numpy as np
 from lockstep.kernels.invariance.selftest import bits_equal
 from lockstep.kernels.proof_steps import step_done
 from lockstep.server.engine.decoding import sampling
-from lockstep.server.engine.decoding.sampling import RowSampling, SamplingParams
+from lockstep.server.engine.decoding.sampling import RowSampling, SamplingParams, block_widths
 
 # The forms the batch path takes (token_steps.fast_argmax: greedy without logprobs takes a
 # pass's argmax, no batch), with and without logprobs; top alternatives of several counts,
@@ -54,9 +57,9 @@ _OPS = ("logsumexp", "argmax", "argsort", "argpartition", "partition", "cumsum",
 
 @dataclass(frozen=True)
 class SamplingProof:
-    """What `prove_batched_sampling` found: the widest batch (every width 2..rows proven; 0:
-    none, deterministic rows sample alone) and why; `cached`: nothing was sampled (the verdict
-    cache had every width); `resumed`: widths 2..resumed came from it."""
+    """What `prove_batched_sampling` found: the widest batch (`proof_widths(rows)` all proven;
+    0: none, deterministic rows sample alone) and why; `cached`: nothing was sampled (the
+    verdict cache had every width); `resumed`: the widest width that came from it (0: none)."""
 
     rows: int
     reason: str
@@ -64,10 +67,25 @@ class SamplingProof:
     seconds: float = 0.0
     resumed: int = 0
 
+    @property
+    def widths(self) -> list[int]:
+        """The batch widths proven, which the engine's blocks take (and 1: a row alone)."""
+        return proof_widths(self.rows)
+
     def describe(self) -> str:
         if self.rows >= 2:
-            return f"batched sampling: deterministic rows in batches of 2..{self.rows} ({self.reason})"
+            return f"batched sampling: deterministic rows in blocks of {widths_text(self.rows)} ({self.reason})"
         return f"batched sampling: deterministic rows sample alone ({self.reason})"
+
+
+def proof_widths(widest: int) -> list[int]:
+    """The batch widths a proof up to `widest` compares: `sampling.block_widths` but 1 (a row
+    alone is the comparison itself)."""
+    return [w for w in block_widths(widest) if w >= 2]
+
+
+def widths_text(widest: int) -> str:
+    return ", ".join(map(str, proof_widths(widest)))
 
 
 def seed_and_position(row: int) -> tuple[int, int]:
@@ -118,9 +136,12 @@ class Divergence:
         return f"a batch of {self.width} rows differs from row {self.row} alone ({self.form}, vocabulary {vocab}, {dtype})"
 
 
-def first_divergence(vocab: int, dtype, widest: int, first: int = 2, on_width=None) -> Divergence | None:
-    """Every width first..widest, every form: the batch's rows against each row alone, bit for
-    bit. None: all equal. `on_width(w)`: called once width w is proven."""
+def first_divergence(vocab: int, dtype, widths: list[int], on_width=None) -> Divergence | None:
+    """Every width of `widths` in order, every form: the batch's rows against each row alone,
+    bit for bit. None: all equal. `on_width(w)`: called once width w is proven."""
+    if not widths:
+        return None
+    widest = max(widths)
     logits = pass_logits(widest, vocab, dtype)
     forms = [(name, params, _form_rows(f, widest)) for f, (name, params) in enumerate(FORMS.items())]
     try:
@@ -128,9 +149,9 @@ def first_divergence(vocab: int, dtype, widest: int, first: int = 2, on_width=No
                  for name, params, rows in forms}
         mx.eval(logits, alone)
     except Exception as exc:  # a sampler that cannot run here proves nothing
-        return Divergence(first, 0, "alone", f"{type(exc).__name__}: {exc}")
+        return Divergence(widths[0], 0, "alone", f"{type(exc).__name__}: {exc}")
     step_done()
-    for width in range(first, widest + 1):
+    for width in widths:
         found = _compare(logits, batch_order(width), forms, alone)
         if found is not None:
             return found
@@ -160,63 +181,76 @@ def _compare(logits: mx.array, picked: list[int], forms: list, alone: dict) -> D
     return None
 
 
-def _kept(value) -> tuple[int, int, str]:
-    """(widths 2..n proven, the width that differed or 0, its reason) of a stored record."""
+def _kept(value) -> tuple[set[int], int, str]:
+    """(the widths proven, the width that differed or 0, its reason) of a stored record."""
     if not isinstance(value, dict):
-        return 1, 0, ""
-    proven, differs, reason = value.get("proven_through"), value.get("differs_at"), value.get("reason")
-    if not (isinstance(proven, int) and isinstance(differs, int) and isinstance(reason, str)):
-        return 1, 0, ""
-    return max(proven, 1), differs, reason
+        return set(), 0, ""
+    proven, differs, reason = value.get("proven"), value.get("differs_at"), value.get("reason")
+    if not (isinstance(proven, list) and all(isinstance(w, int) for w in proven)
+            and isinstance(differs, int) and isinstance(reason, str)):
+        return set(), 0, ""
+    return set(proven), differs, reason
 
 
 def _all_proven(widest: int, vocab: int, dtype) -> str:
-    return f"proven bit-identical to each row alone at widths 2..{widest}, {len(FORMS)} forms, vocabulary {vocab}, {dtype}"
+    return (f"proven bit-identical to each row alone at widths {widths_text(widest)}, {len(FORMS)} forms, "
+            f"vocabulary {vocab}, {dtype}")
 
 
 def _result(proven: int, where: str, **kw) -> SamplingProof:
     proven = proven if proven >= 2 else 0
-    return SamplingProof(proven, (f"proven at widths 2..{proven}; " if proven else "") + where, **kw)
+    return SamplingProof(proven, (f"proven at widths {widths_text(proven)}; " if proven else "") + where, **kw)
 
 
 def prove_batched_sampling(vocab: int, dtype, widest: int, *, proof_cache=None) -> SamplingProof:
-    """Prove batches of 2..widest rows keep every row's bits alone, for logits of `vocab`
-    entries of `dtype`; where a width differs, the widths below it are proven (under 2: none).
-    `proof_cache` (kernels.invariance.selftest.ProofCache): the widths proven, kept per machine
-    as each is proven (not a width that ended in an error, which a restart may not meet)."""
+    """Prove batches of each of `proof_widths(widest)` rows keep every row's bits alone, for
+    logits of `vocab` entries of `dtype`; where a width differs, the widths below it are
+    proven (none: 0). `proof_cache` (kernels.invariance.selftest.ProofCache): the widths
+    proven, kept per machine as each is proven (not a width that ended in an error, which a
+    restart may not meet)."""
     if widest < 2:
         return SamplingProof(0, "no pass holds several deterministic rows")
     key = proof_key(vocab, dtype) if proof_cache is not None else None
     proven, differs, reason = _kept(proof_cache.store.get(key)) if key is not None and not proof_cache.fresh \
-        else (1, 0, "")
-    if differs and differs <= widest:
-        return _result(min(proven, differs - 1), reason, cached=True, resumed=proven)
-    if proven >= widest:
+        else (set(), 0, "")
+    targets = proof_widths(widest)
+    kept = targets[:next((i for i, w in enumerate(targets) if w not in proven), len(targets))]
+    resumed = kept[-1] if kept else 0
+    if len(kept) == len(targets):
         return SamplingProof(widest, _all_proven(widest, vocab, dtype), cached=True, resumed=widest)
-    resumed = proven if proven >= 2 else 0
-    kept = [proven]
+    if differs and targets[len(kept)] >= differs:
+        return _result(resumed, reason, cached=True, resumed=resumed)
 
-    def keep(width: int, differs_at: int = 0, why: str = "") -> None:
-        kept[0] = max(kept[0], width)
+    failed = [differs, reason]  # kept with the widths proven since (a narrower pass's widest)
+
+    def store() -> None:
         if key is not None:
-            proof_cache.store.put(key, {"proven_through": kept[0], "differs_at": differs_at, "reason": why})
+            proof_cache.store.put(key, {"proven": sorted(proven), "differs_at": failed[0], "reason": failed[1]})
+
+    def keep(width: int) -> None:
+        proven.add(width)
+        store()
 
     started = time.perf_counter()
-    where = first_divergence(vocab, dtype, widest, first=proven + 1, on_width=keep)
+    where = first_divergence(vocab, dtype, targets[len(kept):], on_width=keep)
     seconds = time.perf_counter() - started
     if where is None:
         return SamplingProof(widest, _all_proven(widest, vocab, dtype), seconds=seconds, resumed=resumed)
+    below = max([w for w in targets if w < where.width], default=0)
     why = where.describe(vocab, dtype)
     if not where.error:
-        keep(where.width - 1, where.width, why)
-    return _result(where.width - 1, why, seconds=seconds, resumed=resumed)
+        failed[:] = [where.width, why]
+        store()
+    return _result(below, why, seconds=seconds, resumed=resumed)
 
 
 def proof_key(vocab: int, dtype) -> dict:
     from lockstep.kernels.verdict_cache import code_version, environment, function_identity
 
     return {
-        "what": "batched sampling rows",
+        # "rows": which widths a record's "proven" lists (an older record, of every width 2..n, is
+        # under another key and never read as this one)
+        "what": "batched sampling rows", "rows": "powers of two and the widest",
         "vocab": vocab,
         "dtype": str(dtype),
         "environment": environment(),

@@ -57,8 +57,9 @@ class Guarantee:
     pass_rows: int = 0  # the widest pass proven to hold deterministic rows of several requests
     shared_prefill_rows: int = 0  # deterministic prompt chunks of this many rows may share a pass (0: none)
     compiled_canonical_passes: bool = False  # deterministic decode passes may run compiled
-    # Deterministic rows of one sampling group may be sampled as one batch of up to this many
-    # rows (server/engine/decoding/sampling_proof.py, proven after the passes; under 2: each alone)
+    # Deterministic rows of one sampling group may be sampled as one batch of this many rows or
+    # of a power of two below it (sampling.block_widths; server/engine/decoding/sampling_proof.py,
+    # proven after the passes; under 2: each alone)
     sampling_rows: int = 0
 
     @classmethod

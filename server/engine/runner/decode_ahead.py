@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from lockstep.kernels.batching.ragged import cache_position
 from lockstep.kernels.invariance.layers import calls_in_blocks, native_forms
+from lockstep.server.engine.decoding.sampling import split_blocks
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +92,10 @@ def presample_pass(members: list, logits: mx.array, spans: list, ahead: int = 0)
     one group (every field but the seed the same) as one batch over their rows, each row's
     bits what it gets alone (their `row_sampling()`'s `batch`); the others each on its own
     (a batch's graph does not grow by a sampling per row). Rows that may join batches of at
-    most w rows (`RowSampling.batch_rows`: deterministic rows, the proven width) go in blocks
-    of w: every width up to w was proven on its own, so each block keeps its rows' bits and
-    the pass still builds one sampling per w rows, not one per row."""
+    most w rows (`RowSampling.batch_rows`: deterministic rows, the widest proven width) go in
+    blocks of the widths the proof compared (`sampling.split_blocks`: powers of two and w,
+    largest first, in row order), so each block keeps its rows' bits and the pass builds a
+    few samplings per group (13 rows under 8: 8, 4, 1), not one per row."""
     out = [None] * len(members)
     groups: dict = {}
     for i, ((state, _), span) in enumerate(zip(members, spans)):
@@ -104,8 +106,9 @@ def presample_pass(members: list, logits: mx.array, spans: list, ahead: int = 0)
         else:
             groups.setdefault((row.group, row.batch_rows), []).append((i, row, span[0]))
     for (_, batch_rows), group in groups.items():
-        width = batch_rows or len(group)
-        for block in (group[b:b + width] for b in range(0, len(group), width)):
+        sizes = split_blocks(len(group), batch_rows) if batch_rows else [len(group)]
+        starts = [sum(sizes[:b]) for b in range(len(sizes))]
+        for block in (group[start:start + size] for start, size in zip(starts, sizes)):
             if len(block) == 1:
                 i, _, begin = block[0]
                 out[i] = presample_rows(members[i][0], logits, (begin, begin + 1), ahead)
