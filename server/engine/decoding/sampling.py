@@ -226,6 +226,11 @@ class RowSampling:
     def group(self) -> SamplingParams:
         return replace(self.params, seed=0)
 
+    def blocks(self, rows: int) -> list[int]:
+        """The batch widths a group of `rows` rows with this row's `batch_rows` is sampled in,
+        in row order: one batch where any width may be, else `split_blocks`'s proven widths."""
+        return split_blocks(rows, self.batch_rows) if self.batch_rows else [rows]
+
     @staticmethod
     def batch(logits: mx.array, rows: list["RowSampling"]) -> list[PendingRow]:
         """The sampling of `rows` (one group) from `logits` (len(rows), vocab), row i's bits

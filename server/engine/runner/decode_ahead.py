@@ -22,7 +22,6 @@ import mlx.core as mx
 
 from lockstep.kernels.batching.ragged import cache_position
 from lockstep.kernels.invariance.layers import calls_in_blocks, native_forms
-from lockstep.server.engine.decoding.sampling import split_blocks
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +92,7 @@ def presample_pass(members: list, logits: mx.array, spans: list, ahead: int = 0)
     bits what it gets alone (their `row_sampling()`'s `batch`); the others each on its own
     (a batch's graph does not grow by a sampling per row). Rows that may join batches of at
     most w rows (`RowSampling.batch_rows`: deterministic rows, the widest proven width) go in
-    blocks of the widths the proof compared (`sampling.split_blocks`: powers of two and w,
+    blocks of the widths the proof compared (`RowSampling.blocks`: powers of two and w,
     largest first, in row order), so each block keeps its rows' bits and the pass builds a
     few samplings per group (13 rows under 8: 8, 4, 1), not one per row."""
     out = [None] * len(members)
@@ -105,8 +104,8 @@ def presample_pass(members: list, logits: mx.array, spans: list, ahead: int = 0)
             out[i] = presample_rows(state, logits, span, ahead)
         else:
             groups.setdefault((row.group, row.batch_rows), []).append((i, row, span[0]))
-    for (_, batch_rows), group in groups.items():
-        sizes = split_blocks(len(group), batch_rows) if batch_rows else [len(group)]
+    for group in groups.values():
+        sizes = group[0][1].blocks(len(group))
         starts = [sum(sizes[:b]) for b in range(len(sizes))]
         for block in (group[start:start + size] for start, size in zip(starts, sizes)):
             if len(block) == 1:
