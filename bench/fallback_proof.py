@@ -4,8 +4,8 @@ nothing) and after (crediting the widths the wider proof passed; kernels/batchin
 
 The embedded model with batch invariance for L; a kernel broken from width --broken-at on (a
 stand-in for a backend whose wide passes differ: those passes' first request gets other
-logits), so the proof of 1..--widest fails there and a deployment falls back to passes of at most L
-(server/engine/guarantee/guarantee.py). Each round, with a verdict store of its own: the wider
+logits), so the proof of 1..--widest fails there; this times the fallback proof of 1..L, a deployment's
+fallback where the wider proof failed at L + 1 (the defaults; server/engine/guarantee/guarantee.py). Each round, with a verdict store of its own: the wider
 proof (not timed), then the fallback proof timed, before and after alternating; one warm round
 first, then the medians of --rounds. The fallback's passes are counted: its width passes, and its
 setup (each pool member's prefill and solo pass).

@@ -378,11 +378,11 @@ def test_a_resumed_proof_sets_up_only_the_members_of_the_widths_left(model, tmp_
 
 # ------------------------------------------------------------------ the fallback to 1..L credits the wider proof
 
-def test_a_failed_wider_proof_keeps_its_proven_widths_and_the_fallback_to_l_runs_none_of_them(
+def test_a_failed_wider_proof_keeps_its_proven_widths_and_the_fallback_to_them_runs_no_pass(
         loaded, model, tmp_path, monkeypatch, caplog):
     """decide_guarantee as a start runs it: passes of 1..WIDEST fail at WIDEST (a kernel broken
-    there), so the guarantee falls back to passes of at most L, whose widths the wider proof
-    proved: no pass or setup of the fallback runs. A restart reads both records: nothing runs."""
+    there), so the guarantee falls back to passes of the widths the wider proof passed (1..WIDEST-1,
+    wider than L): no pass or setup of the fallback runs. A restart reads both records: nothing runs."""
     from lockstep.kernels.invariance import set_batch_invariant_limit
     from lockstep.kernels.invariance.selftest import ProofCache
     from lockstep.server.engine.guarantee.guarantee import decide_guarantee
@@ -398,14 +398,47 @@ def test_a_failed_wider_proof_keeps_its_proven_widths_and_the_fallback_to_l_runs
         guarantee = decide()
     assert widths == list(range(1, WIDEST + 1))  # the fallback's widths 1..L not again
     assert setup["caches"] == 1  # the wider proof's; the fallback's set up nothing
-    assert guarantee.shared_passes and guarantee.pass_rows == LIMIT
-    assert f"passes of 1..{LIMIT} rows were proven by the proof of 1..{WIDEST} rows" in caplog.text
+    assert guarantee.shared_passes and guarantee.pass_rows == WIDEST - 1 > LIMIT
+    assert f"passes of 1..{WIDEST - 1} rows were proven by the proof of 1..{WIDEST} rows" in caplog.text
     wider, fallback = sorted(records(proofs(tmp_path).store), key=lambda r: "proven_widths" not in r)
     assert wider["passed"] is False and wider["proven_widths"] == WIDEST - 1
     assert fallback["passed"] is True
     with counted_widths(monkeypatch, broken_width=WIDEST, setup=setup) as widths:
         assert decide() == guarantee
     assert widths == [] and setup["caches"] == 0
+
+
+def test_a_wider_proof_failing_below_l_falls_back_to_passes_of_l_rows(loaded, model, tmp_path, monkeypatch):
+    """The wider proof fails at width 1: the fallback is to L (which then fails too), never narrower."""
+    with counted_widths(monkeypatch, broken_width=1) as widths:
+        guarantee = decide_from_wider(loaded, model, tmp_path)
+    assert widths == [1, 1] and not guarantee.shared_passes
+
+
+def test_a_distributed_fallback_is_to_l_whatever_widths_a_rank_passed(loaded, model, tmp_path, monkeypatch):
+    """Under `agreed_proofs` a failed wider proof's widths are one rank's own: every rank falls
+    back to passes of L rows and proves them itself (the same passes, so the same collectives)."""
+    import types
+
+    import lockstep.server.distributed.proofs as distributed_proofs
+
+    monkeypatch.setattr(distributed_proofs, "gather_bytes", lambda group, blob: [blob])  # one rank
+    with distributed_proofs.agreed_proofs(types.SimpleNamespace(group=None)), \
+            counted_widths(monkeypatch, broken_width=WIDEST) as widths:
+        guarantee = decide_from_wider(loaded, model, tmp_path)
+    assert widths == [*range(1, WIDEST + 1), *range(1, LIMIT + 1)]
+    assert guarantee.shared_passes and guarantee.pass_rows == LIMIT
+
+
+def decide_from_wider(loaded, model, tmp_path):
+    """decide_guarantee for passes of 1..WIDEST at L, with the embedded model's installed invariance."""
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+    from lockstep.kernels.invariance.selftest import ProofCache
+    from lockstep.server.engine.guarantee.guarantee import decide_guarantee
+
+    session = ProofCache(VerdictCache("selftest"), {"model": "embedded", "weights": loaded.weights})
+    invariance = set_batch_invariant_limit(model, LIMIT, proof_cache=session)  # already installed: cached
+    return decide_guarantee(model, invariance, "off", proofs(tmp_path), pass_rows=WIDEST, shared_prefill=False)
 
 
 @pytest.mark.parametrize("change", ["weights", "limit", "pass_rows", "kv_pool", "kernel code", "damaged"])

@@ -21,7 +21,7 @@ finished proof's key, which a finished proof then replaces), so a start stopped 
 leaves its proven widths to the next start: that one puts them in force at once and proves only
 the wider ones, setting up (prefills, solo passes, caches) only the members those use; with
 every width kept, nothing. A failed proof's record keeps the widths proven before the failure:
-the fallback to passes of at most L (`credit_from`) proves only those it lacks. A record that
+the fallback to passes of those widths (at least L; `credit_from`) proves only those it lacks. A record that
 is not one of these shapes is ignored with a warning.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import mlx.core as mx
@@ -53,6 +53,7 @@ class RaggedProof:
     seconds: float = 0.0
     cached: bool = False  # re-used from the proof cache
     resumed: int = 0  # widths 1..resumed were kept from an interrupted or a wider proof, not proven again
+    proven_widths: int = 0  # a failed proof: passes of 1..proven_widths rows passed before it failed
 
     def __bool__(self):
         return self.passed
@@ -167,7 +168,8 @@ def prove_ragged(model, call_rows: int, *, seed: int = 0, vocab: int | None = No
             try:
                 outs = per_request(passes.logits(requests, canonical=True), requests)
             except NotCompilable as exc:
-                return RaggedProof(False, call_rows, widths, f"compiled passes: {exc}", time.perf_counter() - start)
+                return RaggedProof(False, call_rows, widths, f"compiled passes: {exc}", time.perf_counter() - start,
+                                   proven_widths=width - 1)
         else:
             with calls_in_blocks():
                 outs = ragged_forward(model, requests)
@@ -176,12 +178,13 @@ def prove_ragged(model, call_rows: int, *, seed: int = 0, vocab: int | None = No
             logits, kv = solo[i]
             if not _same(outs[j], logits):
                 return RaggedProof(False, call_rows, widths, f"logits of a {pool[i][1]}-row request differ "
-                                   f"in a ragged pass of {width} rows", time.perf_counter() - start)
+                                   f"in a ragged pass of {width} rows", time.perf_counter() - start,
+                                   proven_widths=width - 1)
             layer = differing_layer(kv, new_state(fresh[j], pool[i][0]))
             if layer is not None:
                 return RaggedProof(False, call_rows, widths, f"layer {layer} state of a {pool[i][1]}-row "
                                    f"request differs in a ragged pass of {width} rows",
-                                   time.perf_counter() - start)
+                                   time.perf_counter() - start, proven_widths=width - 1)
         if on_width is not None:
             on_width(width)
         step_done()
@@ -199,7 +202,7 @@ def prove_ragged_cached(model, call_rows: int, proof_cache=None, *, seed: int = 
     first, before any pass. A failed proof's record keeps the widths proven before the failure.
     `credit_from`: the widest pass of a wider proof of this deployment (its key this one's but for
     its widths, 1..credit_from): the widths its record holds as proven count here too (the
-    fallback to 1..L after a wider proof failed)."""
+    fallback after a wider proof failed, to its widths passed or L)."""
     if proof_cache is None:
         return prove_ragged(model, call_rows, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows, compiled=compiled,
                             on_width=on_width)
@@ -226,18 +229,16 @@ def prove_ragged_cached(model, call_rows: int, proof_cache=None, *, seed: int = 
     if resumed and on_width is not None:
         on_width(resumed)
     start = time.perf_counter()
-    proven = [resumed]
 
     def kept(width: int) -> None:  # called once 1..width passed their comparisons
-        proven.append(width)
         store.put(key, {"partial": True, "proven_widths": width, "seconds": time.perf_counter() - start})
         if on_width is not None:
             on_width(width)
 
     proof = prove_ragged(model, call_rows, seed=seed, kv_pool=kv_pool, pass_rows=pass_rows, compiled=compiled,
                          on_width=kept, proven=resumed)
-    proof = RaggedProof(proof.passed, proof.call_rows, proof.widths, proof.reason, proof.seconds, resumed=resumed)
-    store.put(key, {**_record(proof), **({} if proof.passed else {"proven_widths": proven[-1]})})
+    proof = replace(proof, resumed=resumed)
+    store.put(key, {**_record(proof), **({} if proof.passed else {"proven_widths": proof.proven_widths})})
     return proof
 
 
@@ -270,7 +271,10 @@ def _record(proof: RaggedProof) -> dict:
 def _finished(value: dict | None, call_rows: int, widths: tuple) -> RaggedProof | None:
     """The finished proof a stored value holds, or None (nothing stored, or a partial record)."""
     if isinstance(value, dict) and isinstance(value.get("passed"), bool):
-        return RaggedProof(value["passed"], call_rows, widths, str(value.get("reason", "")), 0.0, cached=True)
+        proven = value.get("proven_widths", 0)
+        proven = proven if not value["passed"] and type(proven) is int and 0 <= proven < len(widths) else 0
+        return RaggedProof(value["passed"], call_rows, widths, str(value.get("reason", "")), 0.0, cached=True,
+                           proven_widths=proven)
     return None
 
 

@@ -32,6 +32,10 @@ def _agree(world: World, result):
     return dataclasses.replace(result, passed=False, reason=reason)
 
 
+def _rank_widths_dropped(proof):
+    return proof if proof else dataclasses.replace(proof, proven_widths=0)
+
+
 @contextmanager
 def agreed_proofs(world: World):
     import lockstep.kernels.invariance.limit as invariant
@@ -43,14 +47,15 @@ def agreed_proofs(world: World):
         options["stop_at_first"] = False
         return _agree(world, own_self_test(model, call_rows, **options))
 
+    # A failed ragged proof's widths passed are this rank's, not the agreed ones: a fallback as
+    # wide as them, or credited by them, could run other passes (collectives) than another
+    # rank's. So every rank falls back to L and proves it.
     def prove_ragged(model, call_rows, **options):
-        return _agree(world, own_prove(model, call_rows, **options))
+        return _rank_widths_dropped(_agree(world, own_prove(model, call_rows, **options)))
 
     def prove_ragged_cached(model, call_rows, proof_cache=None, **options):
-        # a failed wider proof's record holds this rank's widths, not the agreed ones: a fallback
-        # credited by it could run fewer passes (collectives) than another rank's
         options.pop("credit_from", None)
-        return _agree(world, own_cached(model, call_rows, proof_cache, **options))
+        return _rank_widths_dropped(_agree(world, own_cached(model, call_rows, proof_cache, **options)))
 
     invariant.self_test, ragged.prove_ragged, ragged.prove_ragged_cached = self_test, prove_ragged, prove_ragged_cached
     try:

@@ -87,7 +87,7 @@ def decide_guarantee(model, invariance, kv_pool: str = "off", proofs=None, pass_
     a ragged proof made earlier on this machine. `pass_rows`: the widest pass the engine will
     build (`--max-batch-rows`): L bounds one kernel call, not a pass, so the ragged proof covers
     every width up to it (calls of more than L rows run in blocks of at most L); if that fails,
-    passes of at most L rows are proven instead. `shared_prefill` False: no shared-prefill
+    passes as wide as the widths it passed (at least L) are proven instead. `shared_prefill` False: no shared-prefill
     proof, deterministic prompt chunks run alone (a distributed deployment: its pipeline
     hands a prompt chunk on through a KV cache, which a ragged pass does not have). `compiled`:
     the deployment compiles its plain passes over the pool's kernel; deterministic ones then
@@ -111,11 +111,13 @@ def decide_guarantee(model, invariance, kv_pool: str = "off", proofs=None, pass_
     widest = max(limit, pass_rows or limit)
     proof = prove_ragged_cached(model, limit, proofs, kv_pool=kv_pool, pass_rows=widest, on_width=on_width)
     if not proof and widest > limit:
-        log.warning("ragged passes of up to %d rows not proven (%s): trying passes of at most L = %d",
-                    widest, proof.reason, limit)
-        # the widths 1..L the wider proof passed count: only the rest is proven
-        proof = prove_ragged_cached(model, limit, proofs, kv_pool=kv_pool, pass_rows=limit, credit_from=widest)
-        widest = limit
+        # each width is proven on its own: those the wider proof passed stay proven (and count
+        # as proven in the fallback's record), so only a failure below L costs passes wider than L
+        fallback = max(limit, proof.proven_widths)
+        log.warning("ragged passes of up to %d rows not proven (%s): trying passes of at most %d rows (L = %d)",
+                    widest, proof.reason, fallback, limit)
+        proof = prove_ragged_cached(model, limit, proofs, kv_pool=kv_pool, pass_rows=fallback, credit_from=widest)
+        widest = fallback
     if not proof:
         log.warning("ragged passes not proven (%s): deterministic requests get passes of their own",
                     proof.reason)
