@@ -6,7 +6,8 @@ change a row's bits from 5 rows on (tests/doubles/width_variant_sampler.py) is p
 alone, while the same sampler with a width the proof did not give changes a deterministic row's
 bits (the negative control). A spy on the engine's sampling sees only proven widths, for
 groups of 13 and 29 rows. Until the proof ran, deterministic rows sample alone; plain rows
-batch at any width."""
+batch at any width. Once it has, requests admitted before it join its blocks, and no pass is
+traced again for it."""
 import struct
 import types
 from dataclasses import replace
@@ -291,6 +292,38 @@ def test_the_engine_proves_it_at_startup_and_health_says_the_width():
         assert work.proof.rows == 6 and "sampling_proof" in runtime.timings
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("change", ["sampling_rows", "pass_rows"])
+def test_the_proof_reaches_requests_admitted_before_it_and_retraces_no_pass(change):
+    """`SamplingWork` installs a deployment that differs in `sampling_rows` alone: deterministic
+    requests already admitted sample in its blocks from then on, and the compiled passes and
+    the pass decoded ahead are kept. Any other change (the control: a wider pass) retraces them
+    and leaves the admitted requests' deployments as they were."""
+    from lockstep.server.engine import Engine
+    from lockstep.server.engine.guarantee.decode_plan import Determinism
+    from lockstep.server.engine.scheduling.scheduler import Slot
+    from tests.deterministic_fixtures import TinyLoaded
+    from tests.tiny_models import tiny_llama
+
+    admitted = states(0, Determinism.SHARED, rows=3)
+    before = admitted[0].deployment
+    engine = Engine(TinyLoaded(tiny_llama(seed=3)), deployment=before)
+    engine.scheduler.active = [Slot(None, state, 0) for state in admitted]
+    dropped = []
+    engine.runner.compiled = types.SimpleNamespace(forget=lambda: dropped.append("traces"))
+    engine.runner._drop_ahead = lambda: dropped.append("ahead")
+    assert all(state.row_sampling() is None for state in admitted)  # alone until the proof ran
+    guarantee = replace(before.guarantee, sampling_rows=ROWS) if change == "sampling_rows" else \
+        replace(before.guarantee, pass_rows=ROWS + 1)
+    engine.set_deployment(replace(before, guarantee=guarantee))
+    if change == "sampling_rows":
+        assert dropped == [] and [state.row_sampling().batch_rows for state in admitted] == [ROWS] * 3
+        got, alone, widths = sampled_in_a_pass(admitted)
+        assert got == alone and widths == [2, 2, 1]
+    else:
+        assert dropped == ["ahead", "traces"] and all(state.row_sampling() is None for state in admitted)
+    assert engine.scheduler.deployment is engine.runner.deployment is engine.deployment
 
 
 def test_nothing_is_proven_where_deterministic_rows_never_share_a_pass():

@@ -241,7 +241,8 @@ class Engine:
 
     def set_deployment(self, deployment: Deployment) -> None:
         """Plan and run from now on with `deployment` (worker thread, between steps)."""
-        self.deployment = self.scheduler.deployment = deployment
+        self.deployment = deployment
+        self.scheduler.set_deployment(deployment)
         self.runner.set_deployment(deployment)
 
     def _run_work(self, work: Work) -> bool:

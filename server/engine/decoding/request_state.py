@@ -330,6 +330,12 @@ class RequestState:
         proven = self.deployment.guarantee.sampling_rows if self.deployment is not None else 0
         return replace(row, batch_rows=proven) if proven >= 2 else None
 
+    def prove_sampling(self, rows: int) -> None:
+        """The batched-sampling proof gave `rows` after this request was admitted: where its rows
+        may share passes, they join sampling batches of its widths from now on."""
+        if self.deployment is not None and self.deployment.guarantee.shared_passes:
+            self.deployment = replace(self.deployment, guarantee=replace(self.deployment.guarantee, sampling_rows=rows))
+
     def decodes_ahead(self) -> bool:
         """Whether this request's next row may run before the token of the pass now running
         reaches the host (server/engine/runner/decode_ahead.py): one token a pass, chosen on the device."""

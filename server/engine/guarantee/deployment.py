@@ -4,7 +4,7 @@ once). Requests read it through their plan (server/engine/guarantee/decode_plan.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lockstep.server.engine.guarantee.guarantee import Guarantee, decide_guarantee
 
@@ -88,6 +88,12 @@ class Deployment:
     fingerprint: str = ""
     model_digest: str = ""  # sha256 of the weight files' contents (server/fingerprint.py weights_digest)
 
+
+def sampling_only_change(before: Deployment, after: Deployment) -> bool:
+    """Whether `after` differs from `before` in the batched-sampling proof's width alone
+    (server/startup_work.py SamplingWork): how many deterministic rows one sampling call may hold,
+    never a row's bits or the passes that make its logits."""
+    return replace(after, guarantee=replace(after.guarantee, sampling_rows=before.guarantee.sampling_rows)) == before
 
 
 def proven_deployment(model, invariance, *, kv_pool: str = "off", proofs=None, pass_rows: int | None = None,

@@ -31,7 +31,7 @@ from lockstep.kernels.invariance.layers import call_without_head, calls_in_block
 from lockstep.kernels.invariance.prefill import chunk_end, resume_at
 from lockstep.server.engine.runner import decode_ahead
 from lockstep.server.engine.runner.decode_ahead import AheadPass
-from lockstep.server.engine.guarantee.deployment import Deployment
+from lockstep.server.engine.guarantee.deployment import Deployment, sampling_only_change
 from lockstep.server.engine.runner.step_data import (DecodePass, ModelRunnerOutput, PassOutput, PassResult, PrefillResult,
                                               SampledTokens, ScheduledPass, SchedulerOutput)
 
@@ -189,8 +189,11 @@ class ModelRunner:
 
     def set_deployment(self, deployment: Deployment) -> None:
         """Run with `deployment` from now on; passes traced under the model's forms before are
-        traced afresh (the guarantee's proofs installed the forms it serves with)."""
-        self.deployment = deployment
+        traced afresh (the guarantee's proofs installed the forms it serves with), unless only
+        the batched-sampling proof's width changed (no pass depends on it)."""
+        before, self.deployment = self.deployment, deployment
+        if sampling_only_change(before, deployment):
+            return
         self._drop_ahead()
         if self.compiled is not None:
             self.compiled.forget()

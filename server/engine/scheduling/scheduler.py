@@ -33,6 +33,7 @@ import time
 
 from lockstep.kernels.audit.widths import AuditedRows
 from lockstep.server.engine.guarantee.decode_plan import Determinism
+from lockstep.server.engine.guarantee.deployment import sampling_only_change
 from lockstep.server.engine.scheduling.errors import GenerationError
 from lockstep.server.engine.scheduling.handle import RequestHandle
 from lockstep.server.engine.scheduling.kv_budget import KVBudget, reservation
@@ -107,6 +108,15 @@ class Scheduler:
         self._counted: set[int] = set()  # requests already in `cancelled`
         self.on_admit = lambda waited: None
         self.on_fail = self._log_failure
+
+    def set_deployment(self, deployment) -> None:
+        """Admit under `deployment` from now on. A wider batched-sampling proof reaches the
+        requests admitted before it too: their rows keep their bits in its blocks (what it
+        proved), and fewer samplings run a pass."""
+        before, self.deployment = self.deployment, deployment
+        if sampling_only_change(before, deployment):
+            for slot in self.active:
+                slot.state.prove_sampling(deployment.guarantee.sampling_rows)
 
     @property
     def shared_rows(self) -> int:
