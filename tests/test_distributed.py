@@ -134,7 +134,7 @@ class Answer:
         return self.text, self.tokens, self.logprobs
 
 
-def ask(base: str, prompt: str, *, seed: int = 7, deterministic: bool = True, max_tokens: int = 10) -> Answer:
+def ask(base: str, prompt: str, *, seed: int = 7, deterministic: bool = True, max_tokens: int = 6) -> Answer:
     client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
     reply = client.chat.completions.create(
         model="default", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
