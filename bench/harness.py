@@ -22,8 +22,19 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Callable, Iterable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def lockstep_command() -> list[str]:
+    """The `lockstep` command: the project's venv's script here; elsewhere (the lent GPU, the
+    packages staged on PYTHONPATH) this python's module."""
+    script = ROOT / ".venv/bin/lockstep"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "lockstep.server.cli"]
 
 
 def timed(fn: Callable[[], object]) -> Callable[[], float]:

@@ -29,6 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import lockstep_command  # noqa: E402
 
 WORDS = ("river mill lantern harbour tide ledger copper orchard signal engine bridge winter paper "
          "market clock garden letter station island quarry meadow candle forge barrel timber "
@@ -42,7 +45,7 @@ def start_server(serve_args: list[str]):
 
     port = free_port()
     log_path = Path(tempfile.mkstemp(prefix="prompt_cache_turns_", suffix=".log")[1])
-    proc = subprocess.Popen([str(ROOT / ".venv/bin/lockstep"), "serve", "--port", str(port), *serve_args],
+    proc = subprocess.Popen([*lockstep_command(), "serve", "--port", str(port), *serve_args],
                             stdout=log_path.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
     wait_for_health(proc, base, log_path, timeout=900)

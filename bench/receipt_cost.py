@@ -34,13 +34,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
-# The project's venv here; elsewhere (the lent GPU, PYTHONPATH staged) this python's module.
-LOCKSTEP = ([str(ROOT / ".venv/bin/lockstep")] if (ROOT / ".venv/bin/lockstep").exists()
-            else [sys.executable, "-m", "lockstep.server.cli"])
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import measure, median, paired_ratios, summary  # noqa: E402
+from harness import lockstep_command, measure, median, paired_ratios, summary  # noqa: E402
 
 DEFAULT_SERVE = ["--batch-invariant-limit", "4"]
 TOPICS = ["a lighthouse", "bicycle gears", "the water cycle", "tea", "a heist", "cooking", "the sky",
@@ -52,7 +49,7 @@ def start_server(serve_args: list[str]):
 
     port = free_port()
     log_path = Path(tempfile.mkstemp(prefix="receipt_cost_", suffix=".log")[1])
-    proc = subprocess.Popen([*LOCKSTEP, "serve", "--port", str(port), *serve_args],
+    proc = subprocess.Popen([*lockstep_command(), "serve", "--port", str(port), *serve_args],
                             stdout=log_path.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
     wait_for_health(proc, base, log_path, timeout=900)

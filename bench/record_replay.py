@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# The project's venv here; elsewhere (the lent GPU, PYTHONPATH staged) this python's module.
-LOCKSTEP = ([str(ROOT / ".venv/bin/lockstep")] if (ROOT / ".venv/bin/lockstep").exists()
-            else [sys.executable, "-m", "lockstep.server.cli"])
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import lockstep_command  # noqa: E402
 
 DEFAULT_SERVE = ["--batch-invariant-limit", "4", "--draft-model", "default-quantized"]
 DET = {"deterministic": True}
@@ -92,7 +92,7 @@ def record(serve_args: list[str], directory: Path, n: int, concurrency: int) -> 
 
     port = free_port()
     log_path = directory / "serve.log"
-    proc = subprocess.Popen([*LOCKSTEP, "serve", "--port", str(port), *serve_args,
+    proc = subprocess.Popen([*lockstep_command(), "serve", "--port", str(port), *serve_args,
                              "--record", str(directory)], stdout=log_path.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         base = f"http://127.0.0.1:{port}"
@@ -131,7 +131,7 @@ def record(serve_args: list[str], directory: Path, n: int, concurrency: int) -> 
 
 def replay(path: Path) -> tuple[list, float, int]:
     start = time.perf_counter()
-    done = subprocess.run([*LOCKSTEP, "replay", str(path), "--json"], cwd=ROOT,
+    done = subprocess.run([*lockstep_command(), "replay", str(path), "--json"], cwd=ROOT,
                           capture_output=True, text=True)
     wall = time.perf_counter() - start
     try:

@@ -37,6 +37,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import lockstep_command  # noqa: E402
 
 DEFAULT_SERVE = ["--batch-invariant-limit", "4", "--draft-model", "default-quantized"]
 SENTENCE = "The quick brown fox jumps over the lazy dog near the quiet river bank at dawn."
@@ -55,7 +58,7 @@ def start_server(serve_args: list[str]) -> tuple[subprocess.Popen, str, Path]:
 
     port = free_port()
     log_path = Path(tempfile.mkstemp(prefix="speculation_pays_", suffix=".log")[1])
-    proc = subprocess.Popen([str(ROOT / ".venv/bin/lockstep"), "serve", "--port", str(port), *serve_args],
+    proc = subprocess.Popen([*lockstep_command(), "serve", "--port", str(port), *serve_args],
                             stdout=log_path.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
     wait_for_health(proc, base, log_path, timeout=600)

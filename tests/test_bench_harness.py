@@ -95,3 +95,12 @@ def test_drive_submits_every_request_before_reading_and_counts_their_tokens():
     assert engine.events[:3] == [("submit", 2, "p0"), ("submit", 3, "p1"), ("submit", 1, "p2")]
     assert sorted(e for e in engine.events[3:]) == [("read", 1), ("read", 2), ("read", 2), ("read", 3),
                                                     ("read", 3), ("read", 3)]
+
+
+def test_the_lockstep_command_is_the_venvs_script_where_there_is_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "ROOT", tmp_path)
+    assert harness.lockstep_command() == [sys.executable, "-m", "lockstep.server.cli"]  # the staged GPU
+    script = tmp_path / ".venv/bin/lockstep"
+    script.parent.mkdir(parents=True)
+    script.touch()
+    assert harness.lockstep_command() == [str(script)]
