@@ -294,12 +294,13 @@ def test_the_engine_proves_it_at_startup_and_health_says_the_width():
         engine.stop()
 
 
-@pytest.mark.parametrize("change", ["sampling_rows", "pass_rows"])
+@pytest.mark.parametrize("change", ["sampling_rows", "pass_rows", "none"])
 def test_the_proof_reaches_requests_admitted_before_it_and_retraces_no_pass(change):
     """`SamplingWork` installs a deployment that differs in `sampling_rows` alone: deterministic
     requests already admitted sample in its blocks from then on, and the compiled passes and
-    the pass decoded ahead are kept. Any other change (the control: a wider pass) retraces them
-    and leaves the admitted requests' deployments as they were."""
+    the pass decoded ahead are kept. Any other change (the control: a wider pass), and a
+    deployment installed unchanged (startup work may have patched the model in place), retrace
+    them and leave the admitted requests' deployments as they were."""
     from lockstep.server.engine import Engine
     from lockstep.server.engine.guarantee.decode_plan import Determinism
     from lockstep.server.engine.scheduling.scheduler import Slot
@@ -314,8 +315,8 @@ def test_the_proof_reaches_requests_admitted_before_it_and_retraces_no_pass(chan
     engine.runner.compiled = types.SimpleNamespace(forget=lambda: dropped.append("traces"))
     engine.runner._drop_ahead = lambda: dropped.append("ahead")
     assert all(state.row_sampling() is None for state in admitted)  # alone until the proof ran
-    guarantee = replace(before.guarantee, sampling_rows=ROWS) if change == "sampling_rows" else \
-        replace(before.guarantee, pass_rows=ROWS + 1)
+    guarantee = {"sampling_rows": replace(before.guarantee, sampling_rows=ROWS),
+                 "pass_rows": replace(before.guarantee, pass_rows=ROWS + 1), "none": before.guarantee}[change]
     engine.set_deployment(replace(before, guarantee=guarantee))
     if change == "sampling_rows":
         assert dropped == [] and [state.row_sampling().batch_rows for state in admitted] == [ROWS] * 3

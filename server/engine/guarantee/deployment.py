@@ -90,10 +90,13 @@ class Deployment:
 
 
 def sampling_only_change(before: Deployment, after: Deployment) -> bool:
-    """Whether `after` differs from `before` in the batched-sampling proof's width alone
-    (server/startup_work.py SamplingWork): how many deterministic rows one sampling call may hold,
-    never a row's bits or the passes that make its logits."""
-    return replace(after, guarantee=replace(after.guarantee, sampling_rows=before.guarantee.sampling_rows)) == before
+    """Whether `after` differs from `before` in the batched-sampling proof's width and in nothing
+    else (server/startup_work.py SamplingWork): how many deterministic rows one sampling call may
+    hold, never a row's bits or the passes that make its logits. An unchanged deployment is not
+    such a change: startup work may have changed the model in place (the audit's workarounds)."""
+    width = before.guarantee.sampling_rows
+    return (after.guarantee.sampling_rows != width
+            and replace(after, guarantee=replace(after.guarantee, sampling_rows=width)) == before)
 
 
 def proven_deployment(model, invariance, *, kv_pool: str = "off", proofs=None, pass_rows: int | None = None,
