@@ -221,12 +221,16 @@ def serve_admission(args: argparse.Namespace, runtime, kv_tokens: int | None, gp
     /v1/models says it) and logged. A world keeps the fixed defaults: its ranks must agree,
     and its proofs ran before the KV budget was known."""
     from lockstep.server.engine.scheduling.admission import admission_limits
+    from lockstep.server.engine.scheduling.kv_budget import device_memory
 
     admission = admission_limits(kv_tokens, gpu=gpu, max_active=args.max_active, max_batch_rows=args.max_batch_rows)
     check_per_request(args.max_active_per_request, admission.max_active)
     runtime.set_admission(admission)
     log.info("admission: %d requests at once, passes of up to %d rows (%s)",
              admission.max_active, admission.max_batch_rows, admission.reason)
+    memory = device_memory()
+    if memory is not None:
+        log.info("device memory after the load: %s", memory)
     return admission
 
 

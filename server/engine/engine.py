@@ -29,7 +29,7 @@ from lockstep.kernels.proof_steps import between_steps
 from lockstep.server.engine.scheduling.errors import GenerationError, QueueFull, ShuttingDown, TooLargeForMemory
 from lockstep.server.engine.guarantee.guarantee_state import REFUSED, GuaranteeState, settled_state
 from lockstep.server.engine.scheduling.handle import RequestHandle, post_all
-from lockstep.server.engine.scheduling.kv_budget import KVBudget, reservation
+from lockstep.server.engine.scheduling.kv_budget import KVBudget, device_memory, reservation
 from lockstep.server.engine.runner.model_runner import ModelRunner
 from lockstep.server.engine.scheduling.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, default_active_per_request
 from lockstep.server.engine.cache.prefix_cache import PrefixCache
@@ -257,12 +257,20 @@ class Engine:
             return False
         except Exception as exc:  # the deployment then guarantees nothing; plain serving goes on
             log.error("start-up work failed: deterministic requests get no guarantee", exc_info=exc)
+            self._log_memory(work)
             if not self.guarantee.settled:
                 self.guarantee.settle(REFUSED, f"the proof failed: {type(exc).__name__}: {exc}")
             return True
         self.set_deployment(deployment)
         work.settle()
+        self._log_memory(work)
         return True
+
+    @staticmethod
+    def _log_memory(work: Work) -> None:
+        memory = device_memory()
+        if memory is not None:
+            log.info("device memory after %s: %s", type(work).__name__, memory)
 
     def _serve_between_proof_steps(self) -> None:
         """A proof finished a step: serve the requests there are, for as long as the step took

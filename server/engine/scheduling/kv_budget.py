@@ -33,6 +33,17 @@ def default_kv_tokens(model) -> int:
     return max(1, int(DEFAULT_MEMORY_FRACTION * free) // kv_bytes_per_token(model))
 
 
+def device_memory() -> str | None:
+    """MLX's device memory now, for the startup log (None on the CPU, where MLX counts none):
+    what is in use, its buffer cache, the peak so far and the limit, so a log shows which
+    startup step took the device's memory."""
+    if mx.default_device().type != mx.gpu:
+        return None
+    gb = 1 << 30
+    return (f"active {mx.get_active_memory() / gb:.1f} GB, cache {mx.get_cache_memory() / gb:.1f} GB, "
+            f"peak {mx.get_peak_memory() / gb:.1f} GB of a {mx.get_memory_limit() / gb:.1f} GB limit")
+
+
 def reservation(prompt_tokens: int, max_tokens: int, draft_tokens: int) -> int:
     """KV tokens a request may ever hold (its buffers grow in steps of KVCache.step)."""
     return prompt_tokens + max_tokens + draft_tokens + KVCache.step
