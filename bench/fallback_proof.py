@@ -2,13 +2,14 @@
 nothing) and after (crediting the widths the wider proof passed; kernels/batching/ragged_selftest.py
 `prove_ragged_cached(credit_from=...)`), side by side in one process.
 
-The embedded model with batch invariance for L; a kernel broken from width --broken-at on (a
-stand-in for a backend whose wide passes differ: those passes' first request gets other
-logits), so the proof of 1..--widest fails there; this times the fallback proof of 1..L, a deployment's
-fallback where the wider proof failed at L + 1 (the defaults; server/engine/guarantee/guarantee.py). Each round, with a verdict store of its own: the wider
-proof (not timed), then the fallback proof timed, before and after alternating; one warm round
-first, then the medians of --rounds. The fallback's passes are counted: its width passes, and its
-setup (each pool member's prefill and solo pass).
+The embedded model with batch invariance for L; a kernel broken at width --broken-at (a stand-in
+for a backend whose wide passes differ: that pass's first request gets other logits;
+tests/doubles/ragged_proof_passes.py, which also counts the passes), so the proof of 1..--widest
+fails there; this times the fallback proof of 1..L, a deployment's fallback where the wider proof
+failed at L + 1 (the defaults; server/engine/guarantee/guarantee.py). Each round, with a verdict
+store of its own: the wider proof (not timed), then the fallback proof timed, before and after
+alternating; one warm round first, then the medians of --rounds. The fallback's passes are
+counted: its width passes, and its setup's solo passes.
 
     .venv/bin/python bench/fallback_proof.py [--limit 4] [--widest 32] [--broken-at 5] [--rounds 3]
         [--cpu-blas openblas|reference]   # default openblas (the shim), as `serve` runs on the CPU
@@ -16,11 +17,9 @@ setup (each pool member's prefill and solo pass).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -31,40 +30,6 @@ from lockstep.kernels import cpu_blas  # noqa: E402  (imports nothing heavy: bef
 # LD_PRELOAD acts at process start: re-exec before mlx loads
 cpu_blas.ensure_preloaded([__file__, *sys.argv[1:]],
                           sys.argv[sys.argv.index("--cpu-blas") + 1] if "--cpu-blas" in sys.argv[:-1] else "openblas")
-
-
-@contextlib.contextmanager
-def broken_from(width: int, counts: dict):
-    """Ragged proof passes of `width` rows or more give their first request other logits; counts
-    the proof's width passes ("widths") and solo passes ("solo")."""
-    import lockstep.kernels.batching.ragged_selftest as ragged_selftest
-    import lockstep.kernels.invariance.layers as layers
-
-    inside = threading.local()
-    blocks, forward = layers.calls_in_blocks, ragged_selftest.ragged_forward
-
-    @contextlib.contextmanager
-    def marked():
-        inside.on = True
-        try:
-            with blocks():
-                yield
-        finally:
-            inside.on = False
-
-    def spy(model, requests):
-        outs = forward(model, requests)
-        if not getattr(inside, "on", False):
-            counts["solo"] += 1
-            return outs
-        counts["widths"] += 1
-        return [outs[0] + 1, *outs[1:]] if sum(len(t) for _, t in requests) >= width else outs
-
-    layers.calls_in_blocks, ragged_selftest.ragged_forward = marked, spy
-    try:
-        yield
-    finally:
-        layers.calls_in_blocks, ragged_selftest.ragged_forward = blocks, forward
 
 
 def main() -> int:
@@ -84,6 +49,7 @@ def main() -> int:
     from lockstep.kernels.invariance.selftest import ProofCache
     from lockstep.kernels.verdict_cache import VerdictCache
     from lockstep.models.load import load_model
+    from tests.doubles.ragged_proof_passes import counted_widths
 
     loaded = load_model("default")
     assert set_batch_invariant_limit(loaded.model, args.limit).guaranteed
@@ -95,16 +61,17 @@ def main() -> int:
         for mode in seconds:
             with tempfile.TemporaryDirectory() as tmp:
                 proofs = ProofCache(VerdictCache("selftest", Path(tmp)), {"weights": "bench"})
-                counts = {"widths": 0, "solo": 0}
-                with broken_from(args.broken_at, counts):
+                with counted_widths(broken_width=args.broken_at):
                     wider = prove_ragged_cached(loaded.model, args.limit, proofs, pass_rows=args.widest)
-                    assert not wider.passed, "the wider proof passed: nothing to fall back from"
-                    counts.update(widths=0, solo=0)
+                assert not wider.passed, "the wider proof passed: nothing to fall back from"
+                setup = {}
+                with counted_widths(broken_width=args.broken_at, setup=setup) as widths:
                     start = time.perf_counter()
                     fallback = prove_ragged_cached(loaded.model, args.limit, proofs, pass_rows=args.limit,
                                                    **({"credit_from": args.widest} if mode == "after" else {}))
                     took = time.perf_counter() - start
                 assert fallback.passed
+                counts = {"widths": len(widths), "solo": len(setup["solo"])}
             if n:
                 seconds[mode].append(took)
             print(f"{'warm-up' if n == 0 else f'round {n}'} {mode}: {took:.2f} s; {counts['widths']} width passes, "

@@ -3,7 +3,6 @@
 mid-proof leaves them to the next start, which puts them in force before any pass and proves only
 the wider ones. A record of another key, or a damaged one, gives no credit. The embedded model,
 its real proofs; proof passes are counted by width (the passes the proof runs in blocks)."""
-import contextlib
 import json
 import logging
 import threading
@@ -13,70 +12,11 @@ import httpx2 as httpx
 import pytest
 
 import lockstep.kernels.batching.ragged_selftest as ragged_selftest
-import lockstep.kernels.invariance.layers as layers
 from lockstep.kernels.verdict_cache import ROOT_ENV, VerdictCache
+from tests.doubles.ragged_proof_passes import counted_widths
 
 LIMIT, WIDEST = 2, 4
 
-
-@contextlib.contextmanager
-def counted_widths(monkeypatch, on_pass=None, broken_width=None, setup=None):
-    """The widths of the ragged proof's passes, in the order they run (its solo passes are not
-    counted: a width's pass runs inside `calls_in_blocks`). `on_pass(width)` runs before each.
-    `broken_width`: that width's pass gives its first request other logits (a kernel that breaks
-    invariance there). `setup`: a dict that gets the proof's setup work, "caches" (the proof's
-    caches made: a KV pool where it uses one), "prefills" (each pool member's prompt) and "solo"
-    (each member's rows run alone), and "members": the requests of the widths' passes (by their
-    rows), so what was set up can be matched with what the passes needed."""
-    widths, inside = [], threading.local()
-    if setup is not None:
-        setup.update(caches=0, prefills=0, solo=[], members=set())
-        caches = ragged_selftest._Caches
-
-        class CountedCaches(caches):
-            def __init__(self, *args, **kwargs):
-                setup["caches"] += 1
-                super().__init__(*args, **kwargs)
-
-            def new(self):
-                setup["prefills"] += 1
-                return super().new()
-        monkeypatch.setattr(ragged_selftest, "_Caches", CountedCaches)
-    blocks, forward = layers.calls_in_blocks, ragged_selftest.ragged_forward
-
-    @contextlib.contextmanager
-    def marked():
-        inside.on = True
-        try:
-            with blocks():
-                yield
-        finally:
-            inside.on = False
-
-    def spy(model, requests, *args, **kwargs):
-        rows = [tuple(tokens) for _, tokens in requests]
-        if not getattr(inside, "on", False):
-            if setup is not None:
-                setup["solo"] += rows
-            return forward(model, requests, *args, **kwargs)
-        width = sum(map(len, rows))
-        if on_pass is not None:
-            on_pass(width)
-        widths.append(width)
-        if setup is not None:
-            setup["members"] |= set(rows)
-        outs = forward(model, requests, *args, **kwargs)
-        return [outs[0] + 1, *outs[1:]] if width == broken_width else outs
-
-    monkeypatch.setattr(layers, "calls_in_blocks", marked)
-    monkeypatch.setattr(ragged_selftest, "ragged_forward", spy)
-    try:
-        yield widths
-    finally:
-        monkeypatch.setattr(layers, "calls_in_blocks", blocks)
-        monkeypatch.setattr(ragged_selftest, "ragged_forward", forward)
-        if setup is not None:
-            monkeypatch.setattr(ragged_selftest, "_Caches", caches)
 
 
 def records(store: VerdictCache) -> list[dict]:
@@ -133,7 +73,7 @@ def test_a_restart_after_a_stop_mid_proof_starts_in_force_for_the_widths_proven_
         return hook
     work._proven_widths = stopping_after
     try:
-        with counted_widths(monkeypatch) as first:
+        with counted_widths() as first:
             engine.start(runtime.pending)
             assert stopping.wait(600)
             stopper.join(timeout=600)
@@ -157,7 +97,7 @@ def test_a_restart_after_a_stop_mid_proof_starts_in_force_for_the_widths_proven_
             assert checked.wait(600)
 
     try:
-        with counted_widths(monkeypatch, on_pass=hold_first) as again, caplog.at_level(logging.INFO):
+        with counted_widths(on_pass=hold_first) as again, caplog.at_level(logging.INFO):
             engine.start(runtime.pending)
             with running(create_app(engine, model_extras=runtime.model_info, guarantee_timeout=20)) as base:
                 try:
@@ -188,7 +128,7 @@ def test_a_restart_after_a_stop_mid_proof_starts_in_force_for_the_widths_proven_
     settle = work.settle
     work.settle = lambda: (settle(), settled.set())
     try:
-        with counted_widths(monkeypatch, setup=setup) as third:
+        with counted_widths(setup=setup) as third:
             engine.start(runtime.pending)
             with running(create_app(engine, model_extras=runtime.model_info, guarantee_timeout=20)) as base:
                 assert settled.wait(600)
@@ -258,7 +198,7 @@ def interrupted(model, proof_cache, at: int, **options) -> None:
 def test_a_resumed_proof_reports_the_kept_widths_first_and_proves_the_rest(model, tmp_path, monkeypatch):
     interrupted(model, proofs(tmp_path), at=2)
     called = []
-    with counted_widths(monkeypatch, on_pass=lambda w: called.append(("pass", w))) as widths:
+    with counted_widths(on_pass=lambda w: called.append(("pass", w))) as widths:
         proof = ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST,
                                                     on_width=lambda w: called.append(("proven", w)))
     assert proof.passed and proof.resumed == 2 and not proof.cached
@@ -266,14 +206,14 @@ def test_a_resumed_proof_reports_the_kept_widths_first_and_proves_the_rest(model
     assert called == [("proven", 2), ("pass", 3), ("proven", 3), ("pass", 4), ("proven", 4)]
     again = ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST)
     assert again.passed and again.cached  # finished: nothing proven again
-    with counted_widths(monkeypatch) as widths:  # fresh proofs take no credit either
+    with counted_widths() as widths:  # fresh proofs take no credit either
         assert ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path, fresh=True), pass_rows=WIDEST)
     assert widths == [1, 2, 3, 4]
 
 
 def test_a_proof_stopped_after_its_last_width_runs_no_pass_again(model, tmp_path, monkeypatch):
     interrupted(model, proofs(tmp_path), at=WIDEST)  # stopped at the step after the last width
-    with counted_widths(monkeypatch) as widths:
+    with counted_widths() as widths:
         proof = ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST)
     assert proof.passed and proof.resumed == WIDEST and widths == []
     assert ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST).cached
@@ -295,7 +235,7 @@ def test_a_partial_record_of_another_key_gives_no_credit(model, tmp_path, monkey
         import lockstep.kernels.invariance.selftest as selftest
 
         monkeypatch.setattr(selftest, "kernels_code_version", lambda: "another kernel source")
-    with counted_widths(monkeypatch) as widths:
+    with counted_widths() as widths:
         proof = ragged_selftest.prove_ragged_cached(model, limit, cache, **options)
     assert proof.passed and proof.resumed == 0
     assert widths == list(range(1, max(limit, options["pass_rows"]) + 1))
@@ -318,7 +258,7 @@ def test_a_damaged_partial_record_is_ignored_with_a_warning(model, tmp_path, mon
                                 "not partial": {"partial": False},
                                 "width zero": {"proven_widths": 0}}[damage])
         path.write_text(json.dumps(record))
-    with counted_widths(monkeypatch) as widths, caplog.at_level(logging.WARNING):
+    with counted_widths() as widths, caplog.at_level(logging.WARNING):
         proof = ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST)
     assert proof.passed and proof.resumed == 0
     assert widths == [1, 2, 3, 4]
@@ -358,7 +298,7 @@ def test_a_record_of_every_width_sets_up_nothing(model, tmp_path, monkeypatch, r
     else:
         interrupted(model, proofs(tmp_path), at=WIDEST, kv_pool="reference")
     setup, called = {}, []
-    with counted_widths(monkeypatch, setup=setup) as widths:
+    with counted_widths(setup=setup) as widths:
         proof = ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), on_width=called.append, **options)
     assert proof.passed and proof.widths == tuple(range(1, WIDEST + 1))
     assert widths == [] and setup == {"caches": 0, "prefills": 0, "solo": [], "members": set()}
@@ -369,7 +309,7 @@ def test_a_resumed_proof_sets_up_only_the_members_of_the_widths_left(model, tmp_
     """Each request the remaining widths' passes hold is prefilled and run alone once; no other."""
     interrupted(model, proofs(tmp_path), at=WIDEST - 1)
     setup = {}
-    with counted_widths(monkeypatch, setup=setup) as widths:
+    with counted_widths(setup=setup) as widths:
         assert ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST)
     assert widths == [WIDEST]
     assert sorted(setup["solo"]) == sorted(setup["members"])
@@ -394,7 +334,7 @@ def test_a_failed_wider_proof_keeps_its_proven_widths_and_the_fallback_to_them_r
         return decide_guarantee(model, invariance, "off", proofs(tmp_path), pass_rows=WIDEST, shared_prefill=False)
 
     setup = {}
-    with counted_widths(monkeypatch, broken_width=WIDEST, setup=setup) as widths, caplog.at_level(logging.INFO):
+    with counted_widths(broken_width=WIDEST, setup=setup) as widths, caplog.at_level(logging.INFO):
         guarantee = decide()
     assert widths == list(range(1, WIDEST + 1))  # the fallback's widths 1..L not again
     assert setup["caches"] == 1  # the wider proof's; the fallback's set up nothing
@@ -403,14 +343,14 @@ def test_a_failed_wider_proof_keeps_its_proven_widths_and_the_fallback_to_them_r
     wider, fallback = sorted(records(proofs(tmp_path).store), key=lambda r: "proven_widths" not in r)
     assert wider["passed"] is False and wider["proven_widths"] == WIDEST - 1
     assert fallback["passed"] is True
-    with counted_widths(monkeypatch, broken_width=WIDEST, setup=setup) as widths:
+    with counted_widths(broken_width=WIDEST, setup=setup) as widths:
         assert decide() == guarantee
     assert widths == [] and setup["caches"] == 0
 
 
 def test_a_wider_proof_failing_below_l_falls_back_to_passes_of_l_rows(loaded, model, tmp_path, monkeypatch):
     """The wider proof fails at width 1: the fallback is to L (which then fails too), never narrower."""
-    with counted_widths(monkeypatch, broken_width=1) as widths:
+    with counted_widths(broken_width=1) as widths:
         guarantee = decide_from_wider(loaded, model, tmp_path)
     assert widths == [1, 1] and not guarantee.shared_passes
 
@@ -424,7 +364,7 @@ def test_a_distributed_fallback_is_to_l_whatever_widths_a_rank_passed(loaded, mo
 
     monkeypatch.setattr(distributed_proofs, "gather_bytes", lambda group, blob: [blob])  # one rank
     with distributed_proofs.agreed_proofs(types.SimpleNamespace(group=None)), \
-            counted_widths(monkeypatch, broken_width=WIDEST) as widths:
+            counted_widths(broken_width=WIDEST) as widths:
         guarantee = decide_from_wider(loaded, model, tmp_path)
     assert widths == [*range(1, WIDEST + 1), *range(1, LIMIT + 1)]
     assert guarantee.shared_passes and guarantee.pass_rows == LIMIT
@@ -445,7 +385,7 @@ def decide_from_wider(loaded, model, tmp_path):
 def test_the_fallback_takes_no_credit_from_a_record_of_another_key(model, tmp_path, monkeypatch, caplog, change):
     """A wider proof that failed at WIDEST with 1..WIDEST-1 proven; the fallback to 1..L of another
     deployment (or against a damaged record) proves every width of its own."""
-    with counted_widths(monkeypatch, broken_width=WIDEST):
+    with counted_widths(broken_width=WIDEST):
         assert not ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST)
     limit, options, cache = LIMIT, {"credit_from": WIDEST}, proofs(tmp_path)
     if change == "weights":
@@ -465,7 +405,7 @@ def test_the_fallback_takes_no_credit_from_a_record_of_another_key(model, tmp_pa
         record = json.loads(path.read_text())
         record["value"]["proven_widths"] = "3"
         path.write_text(json.dumps(record))
-    with counted_widths(monkeypatch) as widths, caplog.at_level(logging.WARNING):
+    with counted_widths() as widths, caplog.at_level(logging.WARNING):
         proof = ragged_selftest.prove_ragged_cached(model, limit, cache, pass_rows=limit, **options)
     assert proof.passed and proof.resumed == 0
     assert widths == list(range(1, limit + 1))
@@ -474,9 +414,9 @@ def test_the_fallback_takes_no_credit_from_a_record_of_another_key(model, tmp_pa
 
 def test_the_fallback_never_credits_the_width_the_wider_proof_failed_at(model, tmp_path, monkeypatch):
     """The wider proof fails at width L: the fallback is credited 1..L-1 and proves L itself."""
-    with counted_widths(monkeypatch, broken_width=LIMIT):
+    with counted_widths(broken_width=LIMIT):
         assert not ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST)
-    with counted_widths(monkeypatch) as widths:
+    with counted_widths() as widths:
         proof = ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=LIMIT,
                                                     credit_from=WIDEST)
     assert proof.passed and proof.resumed == LIMIT - 1 and widths == [LIMIT]
@@ -489,10 +429,10 @@ def test_a_distributed_fallback_takes_no_credit(model, tmp_path, monkeypatch):
 
     import lockstep.server.distributed.proofs as distributed_proofs
 
-    with counted_widths(monkeypatch, broken_width=WIDEST):
+    with counted_widths(broken_width=WIDEST):
         assert not ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=WIDEST)
     monkeypatch.setattr(distributed_proofs, "gather_bytes", lambda group, blob: [blob])  # one rank
-    with distributed_proofs.agreed_proofs(types.SimpleNamespace(group=None)), counted_widths(monkeypatch) as widths:
+    with distributed_proofs.agreed_proofs(types.SimpleNamespace(group=None)), counted_widths() as widths:
         proof = ragged_selftest.prove_ragged_cached(model, LIMIT, proofs(tmp_path), pass_rows=LIMIT,
                                                     credit_from=WIDEST)
     assert proof.passed and proof.resumed == 0 and widths == list(range(1, LIMIT + 1))
