@@ -271,11 +271,17 @@ def _record(proof: RaggedProof) -> dict:
 def _finished(value: dict | None, call_rows: int, widths: tuple) -> RaggedProof | None:
     """The finished proof a stored value holds, or None (nothing stored, or a partial record)."""
     if isinstance(value, dict) and isinstance(value.get("passed"), bool):
-        proven = value.get("proven_widths", 0)
-        proven = proven if not value["passed"] and type(proven) is int and 0 <= proven < len(widths) else 0
+        proven = 0 if value["passed"] else _failed_widths(value, len(widths)) or 0
         return RaggedProof(value["passed"], call_rows, widths, str(value.get("reason", "")), 0.0, cached=True,
                            proven_widths=proven)
     return None
+
+
+def _failed_widths(value: dict, widest: int) -> int | None:
+    """The widths 1..w a failed proof of 1..widest passed before it failed (None: not a count
+    of them; an older record without one counts none)."""
+    width = value.get("proven_widths", 0)
+    return width if type(width) is int and 0 <= width < widest else None
 
 
 def _proven_before(value: dict | None, store, key: dict, widest: int) -> int:
@@ -300,8 +306,8 @@ def _proven_by(value: dict | None, store, key: dict, widest: int) -> int:
     if value.get("passed") is True:
         return widest
     if value.get("passed") is False:
-        width = value.get("proven_widths", 0)
-        if type(width) is int and 0 <= width < widest:
+        width = _failed_widths(value, widest)
+        if width is not None:
             return width
         log.warning("ignoring the widths a failed ragged proof record says were proven (%s)", store.path(key))
         return 0
