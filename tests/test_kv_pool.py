@@ -228,3 +228,58 @@ def test_the_kernels_smoke_test_refuses_a_wrong_kernel(monkeypatch):
     assert attention._smoke_test(mx.bfloat16, 128) is None
     monkeypatch.setattr(attention, "kernel_attention", lambda *a: right(*a) * 1.1)
     assert "disagrees" in attention._smoke_test(mx.float16, 64)
+
+
+# ------------------------------------------------------------------- growth and memory
+
+def test_the_pool_doubles_up_to_its_most_and_says_when_no_range_fits(model):
+    from lockstep.kernels.batching.kv_pool import PoolFull
+
+    pool = KVPool(model, 64, use_kernel=False, max_capacity=200)
+    a = pool.allocate(100)
+    assert pool.capacity == 164  # one request's need past a doubling
+    pool.allocate(30)
+    assert pool.can_allocate(60)  # 34 free at the end + 36 it may still grow
+    pool.allocate(60)
+    assert pool.capacity == 200  # doubling would pass the most: it stops there
+    assert not pool.can_allocate(20)
+    with pytest.raises(PoolFull):
+        pool.allocate(20)
+    pool.release(a)
+    assert pool.can_allocate(100) and not pool.can_allocate(101)
+    assert KVPool(model, 64, use_kernel=False).can_allocate(10_000)  # no most: it may always grow
+
+
+def test_what_a_pass_wrote_is_read_out_of_the_pool_as_a_copy_not_a_view_of_its_buffer(model):
+    """A view would keep the whole pool layer alive after the pool moves on: a proof holding
+    each request's rows (one per width) then held a pool's worth of memory per request."""
+    import gc
+
+    from lockstep.kernels.invariance.selftest import new_state
+
+    pool = KVPool(model, 100_000, use_kernel=False)
+    cache = prefilled(pool, model, [1, 2, 3, 4])
+    rows = new_state(cache, 2)
+    mx.eval(rows)
+    pool_bytes = sum(k.nbytes + v.nbytes for k, v in zip(pool.keys, pool.values))
+    held = mx.get_active_memory()
+    del cache, pool
+    gc.collect()
+    assert held - mx.get_active_memory() >= 0.9 * pool_bytes
+
+
+def test_the_ragged_proof_over_the_pool_gives_back_each_widths_copies_and_never_grows_it(model, monkeypatch):
+    grown = []
+    real = KVPool._grow
+
+    def counted(self, capacity):
+        grown.append((self.capacity, capacity))
+        real(self, capacity)
+
+    monkeypatch.setattr(KVPool, "_grow", counted)
+    assert set_batch_invariant_limit(model, LIMIT).guaranteed
+    try:
+        assert prove_ragged(model, LIMIT, kv_pool="reference", pass_rows=24)
+    finally:
+        set_batch_invariant_limit(model, 0)
+    assert [g for g in grown if g[0]] == []  # only each pool's first sizing

@@ -555,3 +555,40 @@ def test_a_request_the_kv_budget_cannot_hold_yet_keeps_its_place_in_the_queue(ti
     small, large, later = handle(4), handle(300), handle(4)
     assert admitted(small, later) == [0, 1]  # control: two small ones fit together
     assert admitted(small, large, later) == [0]  # the large one waits first in line, the later one behind it
+
+
+def test_a_request_the_pools_split_free_slots_cannot_hold_waits_without_holding_budget(tiny):
+    """The KV pool grows no further than the KV budget: where the budget has room for a
+    request but the pool's free slots are split into shorter ranges, the request waits (its
+    reservation given back) until a release joins them, and is admitted then."""
+    import time
+    from types import SimpleNamespace
+
+    from lockstep.kernels.batching.kv_pool import KVPool
+    from lockstep.server.engine.scheduling.kv_budget import KVBudget, reservation
+    from lockstep.server.engine.scheduling.scheduler import Scheduler
+
+    deployment = Deployment()
+    span = 400
+    pool = KVPool(tiny.model, 3 * span, use_kernel=False, max_capacity=3 * span)
+    first, middle, last = (pool.allocate(span) for _ in range(3))
+    pool.release(first)
+    pool.release(last)  # 800 free slots, in two ranges of 400
+    runner = SimpleNamespace(kv_pool=pool, batched=True, release=pool.release, new_cache=pool.allocate)
+    budget = KVBudget(3 * span)
+    assert budget.try_reserve(span)  # the middle range's request
+    request = SimpleNamespace(request=GenerationRequest([1, 2, 3], 300, SamplingParams(temperature=0)),
+                              plan=plain(deployment), leader=None, cancelled=False, client_cancelled=False,
+                              submitted_at=time.monotonic(), state=None)
+    assert span < reservation(3, 300, 0) <= 2 * span
+    scheduler = Scheduler(tiny, runner, deployment=deployment, max_active=4, active_per_request=4,
+                          max_batch_rows=16, kv_budget=budget)
+    scheduler.waiting = [request]
+    scheduler.admit()
+    assert scheduler.active == [] and scheduler.waiting == [request] and budget.reserved == span
+    assert pool.capacity == 3 * span  # not grown past the budget
+    pool.release(middle)
+    budget.release(span)
+    scheduler.admit()
+    assert [slot.handle for slot in scheduler.active] == [request]
+    assert budget.reserved == reservation(3, 300, 0) and pool.capacity == 3 * span

@@ -14,7 +14,8 @@ plain pass, where the GPU has it, kernels/custom/split_attention.py: `pass_atten
 A request holds one contiguous range of slots for its whole life, sized by its KV
 reservation (prompt + max_tokens + drafts, server/engine/scheduling/kv_budget.py), so it never grows
 mid-request. Ranges are handed out first-fit; when none fits, the pool doubles (between
-passes, copying what it holds). `PooledLayerCache` speaks the part of mlx-lm's KVCache API
+passes, copying what it holds, a layer at a time) up to `max_capacity`, the engine's KV budget;
+past that a request whose range does not fit waits (`can_allocate`). `PooledLayerCache` speaks the part of mlx-lm's KVCache API
 the engine, the prefix cache and speculative rewinds use (offset, keys/values, state,
 update_and_fetch, trim, make_mask).
 """
@@ -30,6 +31,10 @@ from ..custom.attention import PoolRows, pooled_attention
 from ..invariance.layers import active_setting
 
 DEFAULT_CAPACITY = 4096
+
+
+class PoolFull(RuntimeError):
+    """No range of the asked length fits, and the pool may grow no further: the request waits."""
 
 
 @dataclass
@@ -127,8 +132,11 @@ def fill_prefix(cache: list[PooledLayerCache], source: list, length: int) -> Non
 class KVPool:
     """Per layer, keys and values of shape (HKV, capacity, D) and a first-fit allocator."""
 
-    def __init__(self, model, capacity: int = DEFAULT_CAPACITY, *, use_kernel: bool = True):
+    def __init__(self, model, capacity: int = DEFAULT_CAPACITY, *, use_kernel: bool = True,
+                 max_capacity: int | None = None):
         self.use_kernel = use_kernel
+        # the most slots it may grow to (the engine's KV budget): None, no bound
+        self.max_capacity = max_capacity if max_capacity is None else max(max_capacity, capacity, 1)
         self._layouts = kv_layouts(model)
         # Plain passes may take the split kernel where it serves every layer's KV here.
         self.split_kernel = use_kernel and all(split_attention.kernel_unavailable_reason(dtype, k[1]) is None
@@ -153,26 +161,44 @@ class KVPool:
         return len(self._layouts)
 
     def _grow(self, capacity: int) -> None:
+        """Layer by layer, each old layer let go once copied: the device holds the old pool
+        and one new layer at most, not the old pool and the whole new one."""
         old = self.capacity
-        keys, values = [], []
+        if not old:
+            self.keys = [None] * len(self._layouts)
+            self.values = [None] * len(self._layouts)
         for layer, ((kh, kd), (vh, vd), dtype) in enumerate(self._layouts):
             k, v = mx.zeros((kh, capacity, kd), dtype), mx.zeros((vh, capacity, vd), dtype)
             if old:
                 k[:, :old] = self.keys[layer]
                 v[:, :old] = self.values[layer]
-            keys.append(k)
-            values.append(v)
-        mx.eval(keys, values)
-        self.keys, self.values, self.capacity = keys, values, capacity
+            mx.eval(k, v)
+            self.keys[layer], self.values[layer] = k, v
+        self.capacity = capacity
         self._give_back(old, capacity - old)
 
+    def can_allocate(self, tokens: int) -> bool:
+        """Whether `allocate(tokens)` finds room: a free range that long, or growth up to
+        `max_capacity` that makes one (the free range at the end grows with the pool)."""
+        if any(length >= tokens for _, length in self._free):
+            return True
+        if self.max_capacity is None:
+            return True
+        tail = next((length for start, length in self._free if start + length == self.capacity), 0)
+        return tail + self.max_capacity - self.capacity >= tokens
+
     def allocate(self, tokens: int) -> list[PooledLayerCache]:
-        """A new request's cache with room for `tokens` positions (the pool grows if needed)."""
+        """A new request's cache with room for `tokens` positions (the pool grows if needed,
+        doubling, up to `max_capacity`; PoolFull where even that leaves no range so long)."""
         if tokens < 1:
             raise ValueError("a request needs at least one KV slot")
+        if not self.can_allocate(tokens):
+            raise PoolFull(f"no free range of {tokens} KV slots in a pool of {self.capacity} "
+                           f"({self.free_slots} free, at most {self.max_capacity})")
         start = self._first_fit(tokens)
         if start is None:
-            self._grow(max(2 * self.capacity, self.capacity + tokens))
+            grown = max(2 * self.capacity, self.capacity + tokens)
+            self._grow(grown if self.max_capacity is None else min(grown, self.max_capacity))
             start = self._first_fit(tokens)
         span = Span(start, tokens)
         return [PooledLayerCache(self, layer, span) for layer in range(self.layers)]

@@ -91,15 +91,17 @@ def _members_for(width: int, pool: list[tuple[int, int]]) -> list[int]:
 
 class _Caches:
     """Fresh caches and private copies: each request its own KVCaches, or ranges of one KV
-    pool (kernels/batching/kv_pool.py) as the engine gives them with `kv_pool` "kernel"/"reference"."""
+    pool (kernels/batching/kv_pool.py) as the engine gives them with `kv_pool` "kernel"/"reference".
+    `held`: how many caches are held at once at most (the pool is made that size: a proof's
+    copies are released once compared, so it never grows by doubling while it runs)."""
 
-    def __init__(self, model, kv_pool: str, tokens: int):
+    def __init__(self, model, kv_pool: str, tokens: int, held: int = 4):
         self.model = model
         self.pool = None
         if kv_pool != "off":
             from .kv_pool import KVPool
 
-            self.pool = KVPool(model, 4 * tokens, use_kernel=kv_pool == "kernel")
+            self.pool = KVPool(model, held * tokens, use_kernel=kv_pool == "kernel")
         self.tokens = tokens
 
     def new(self) -> list:
@@ -107,6 +109,12 @@ class _Caches:
 
     def copy(self, cache: list) -> list:
         return copy.deepcopy(cache) if self.pool is None else self.pool.clone(cache)
+
+    def release(self, caches: list) -> None:
+        """Give copies back to the pool (their arrays read before stay valid)."""
+        if self.pool is not None:
+            for cache in caches:
+                self.pool.release(cache)
 
 
 def prove_ragged(model, call_rows: int, *, seed: int = 0, vocab: int | None = None,
@@ -136,7 +144,8 @@ def prove_ragged(model, call_rows: int, *, seed: int = 0, vocab: int | None = No
     key = mx.random.key(seed)
     pool = _pool(call_rows, widest)
     used = sorted({i for width in widths[proven:] for i in _members_for(width, pool)})
-    made = _Caches(model, kv_pool, max(prefix + rows for prefix, rows in pool))
+    # held at once: the members' prefixes, and one width's copies (at most one per member)
+    made = _Caches(model, kv_pool, max(prefix + rows for prefix, rows in pool), held=2 * len(used))
     prompts, caches = {}, {}
     member_keys = mx.random.split(key, len(pool))
     for i in used:  # each member's tokens depend on its index only, whichever members run
@@ -157,6 +166,7 @@ def prove_ragged(model, call_rows: int, *, seed: int = 0, vocab: int | None = No
         kv = new_state(cache, prefix)
         mx.eval(logits, kv)
         solo[i] = (logits, kv)
+        made.release([cache])
         step_done()
 
     passes = CompiledPasses(model, made.pool) if compiled else None
@@ -185,6 +195,7 @@ def prove_ragged(model, call_rows: int, *, seed: int = 0, vocab: int | None = No
                 return RaggedProof(False, call_rows, widths, f"layer {layer} state of a {pool[i][1]}-row "
                                    f"request differs in a ragged pass of {width} rows",
                                    time.perf_counter() - start, proven_widths=width - 1)
+        made.release(fresh)
         if on_width is not None:
             on_width(width)
         step_done()

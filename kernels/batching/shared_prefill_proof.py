@@ -49,7 +49,7 @@ def prove_shared_prefill(model, call_rows: int, *, seed: int = 0, kv_pool: str =
     if call_rows < 1:
         return RaggedProof(False, call_rows, (), "the limit is 0")
     pool = members(call_rows)
-    made = _Caches(model, kv_pool, max(prefix + rows for prefix, rows in pool))
+    made = _Caches(model, kv_pool, max(prefix + rows for prefix, rows in pool), held=2 * len(pool))
     vocab = _vocab_size(model)
     keys = mx.random.split(mx.random.key(seed), len(pool))
     chunks, caches = [], []
@@ -69,6 +69,7 @@ def prove_shared_prefill(model, call_rows: int, *, seed: int = 0, kv_pool: str =
         kv = new_state(cache, prefix)
         mx.eval(kv)
         alone.append(kv)
+        made.release([cache])
     step_done()
 
     groups = (tuple(range(len(pool))), (0, 2))
@@ -84,6 +85,7 @@ def prove_shared_prefill(model, call_rows: int, *, seed: int = 0, kv_pool: str =
                 return RaggedProof(False, call_rows, groups, f"layer {layer} KV of a {pool[i][1]}-row prompt "
                                    f"chunk differs in a shared pass of {rows} rows",
                                    time.perf_counter() - start)
+        made.release(fresh)
         step_done()
     return RaggedProof(True, call_rows, groups, "", time.perf_counter() - start)
 

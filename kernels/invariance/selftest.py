@@ -117,13 +117,14 @@ def _kv_rows(cache, start: int, n: int):
 def new_state(cache: list, before: int) -> list[list[mx.array]]:
     """What a pass wrote into a request's caches, per layer: the KV rows from position `before`
     on for a positional (or pooled) cache, every array of the state for per-request state (a
-    recurrent/conv state or a sliding window rewrites it in place)."""
+    recurrent/conv state or a sliding window rewrites it in place). The rows are copies: a
+    slice would keep its whole buffer alive (a KV pool's layer, each version a proof wrote)."""
     out = []
     for c in cache:
         if is_per_request(c):
             out.append([a for _, a in tree_flatten(c.state) if isinstance(a, mx.array)])
         else:
-            out.append([c.keys[..., before:c.offset, :], c.values[..., before:c.offset, :]])
+            out.append([mx.array(c.keys[..., before:c.offset, :]), mx.array(c.values[..., before:c.offset, :])])
     return out
 
 

@@ -21,6 +21,8 @@ import logging
 import threading
 import time
 
+import mlx.core as mx
+
 from lockstep.kernels.audit.widths import AuditedRows
 from lockstep.server.engine.guarantee.decode_plan import DecodePlan
 
@@ -40,7 +42,7 @@ from lockstep.server.engine import worker_thread
 
 log = logging.getLogger(__name__)
 
-# Initial KV pool size per `max_active` slot (the pool doubles when a request needs more).
+# Initial KV pool size per `max_active` slot (the pool doubles when a request needs more, up to the KV budget).
 POOL_TOKENS_PER_SLOT = 1024
 STOP_FLUSH_S = 30.0  # a stopping engine waits this long for the prompt cache's queued disk writes
 # While proofs run on the worker thread, requests get it between their steps for as long as
@@ -99,7 +101,7 @@ class Engine:
             pool_tokens = max_active * POOL_TOKENS_PER_SLOT
             if max_kv_tokens is not None:
                 pool_tokens = min(pool_tokens, max_kv_tokens)
-            runner = ModelRunner(loaded.model, self.deployment, pool_tokens=pool_tokens)
+            runner = ModelRunner(loaded.model, self.deployment, pool_tokens=pool_tokens, pool_max_tokens=max_kv_tokens)
         self.runner = runner
         self.kv_budget = KVBudget(max_kv_tokens)
         # the call widths the kernel audit has covered (the rest is audited by `start`'s work)
@@ -257,20 +259,24 @@ class Engine:
             return False
         except Exception as exc:  # the deployment then guarantees nothing; plain serving goes on
             log.error("start-up work failed: deterministic requests get no guarantee", exc_info=exc)
-            self._log_memory(work)
+            self._after_work(work)
             if not self.guarantee.settled:
                 self.guarantee.settle(REFUSED, f"the proof failed: {type(exc).__name__}: {exc}")
             return True
         self.set_deployment(deployment)
         work.settle()
-        self._log_memory(work)
+        self._after_work(work)
         return True
 
     @staticmethod
-    def _log_memory(work: Work) -> None:
+    def _after_work(work: Work) -> None:
+        """Give a piece of work's freed buffers back to the device and log its memory. MLX keeps
+        freed buffers in its cache, where allocations outside its pool (CUDA graphs, a draft
+        model's load) cannot reach them."""
         memory = device_memory()
         if memory is not None:
-            log.info("device memory after %s: %s", type(work).__name__, memory)
+            mx.clear_cache()
+            log.info("device memory after %s: %s", type(work).__name__, device_memory())
 
     def _serve_between_proof_steps(self) -> None:
         """A proof finished a step: serve the requests there are, for as long as the step took

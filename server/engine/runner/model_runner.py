@@ -53,17 +53,19 @@ def prompt_forward(model, cache: list, tokens: list[int]) -> None:
 
 class ModelRunner:
     """`model`: a loaded mlx-lm model. `pool_tokens`: the KV pool's first size (None or
-    a deployment without a pool: every request its own KVCache). `batched` False: a runner
-    for one request at a time (plain model calls, as a solo run makes them)."""
+    a deployment without a pool: every request its own KVCache); `pool_max_tokens`: the most it
+    may grow to (the KV budget). `batched` False: a runner for one request at a time (plain
+    model calls, as a solo run makes them)."""
 
     def __init__(self, model, deployment: Deployment | None = None, *, pool_tokens: int | None = None,
-                 batched: bool = True):
+                 pool_max_tokens: int | None = None, batched: bool = True):
         self.model = model
         self.deployment = deployment or Deployment()
         self.batching_problem = self._prepare_batching() if batched else SOLO
         self.kv_pool = None
         if self.deployment.kv_pool != "off" and self.batching_problem is None and pool_tokens:
-            self.kv_pool = KVPool(self.model, pool_tokens, use_kernel=self.deployment.kv_pool == "kernel")
+            self.kv_pool = KVPool(self.model, pool_tokens, use_kernel=self.deployment.kv_pool == "kernel",
+                                  max_capacity=pool_max_tokens)
         # Plain decode passes as compiled calls, where the pool runs its kernel and passes are
         # built whole (async_eval_layers hands parts of a pass over while it is built).
         self.compiled = None

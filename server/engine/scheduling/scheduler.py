@@ -192,6 +192,10 @@ class Scheduler:
             needed = self.reservation(handle)
             if not self.kv_budget.try_reserve(needed):
                 break  # FIFO: it goes first once enough KV is released
+            pool = self.runner.kv_pool
+            if pool is not None and not pool.can_allocate(needed):  # within budget; free slots split up
+                self.kv_budget.release(needed)
+                break
             self.waiting.pop(i)
             self.on_admit(time.monotonic() - handle.submitted_at)
             try:
