@@ -134,3 +134,52 @@ def test_a_stream_that_ends_in_an_error_event_counts_as_an_error():
     finally:
         httpd.shutdown()
     assert timing.error and "out of memory" in timing.error
+
+
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+def test_servers_run_together_or_one_at_a_time(monkeypatch, tmp_path, one_at_a_time):
+    """Side by side every server is up while the rounds alternate; one at a time each server
+    is stopped before the next starts (a GPU that cannot hold them all), and every server's
+    figures still reach the ratios."""
+    import argparse
+
+    import lockstep.server.commands.bench as bench
+    import lockstep.server.tools.http_load as http_load
+
+    events = []
+
+    class Proc:
+        def __init__(self, name):
+            self.name = name
+
+        def terminate(self):
+            events.append(f"stop {self.name}")
+
+        def wait(self, timeout=None):
+            return 0
+
+    def start(cmd, log_path):
+        name = "mlx_lm.server" if "mlx_lm.server" in cmd else "lockstep"
+        events.append(f"start {name}")
+        return Proc(name)
+
+    def rounds(servers, levels, args):
+        events.append("measure " + "+".join(s["name"] for s in servers))
+        r = RoundResult(levels[0], 1.0, 10, [], [], 0, [])
+        return {s["name"]: [(r, [r, r, r])] for s in servers}
+
+    monkeypatch.setattr(bench, "_start", start)
+    monkeypatch.setattr(bench, "_server_rounds", rounds)
+    monkeypatch.setattr(http_load, "wait_healthy", lambda *a, **k: None)
+    monkeypatch.setattr("lockstep.models.resolve.resolve_model", lambda model, weights: tmp_path)
+    args = argparse.Namespace(concurrency="4", against_deterministic=None, against_config=[], model=None,
+                              weights=None, max_tokens=8, deterministic=False, mixed=False, out=None,
+                              against_mlx_lm=True, one_server_at_a_time=one_at_a_time, cuda_graphs="auto",
+                              serve_arg=[], batch_invariant_limit=0, cpu_blas="auto", rounds=3)
+    assert bench.run_load(args) == 0
+    if one_at_a_time:
+        assert events == ["start lockstep", "measure lockstep", "stop lockstep",
+                          "start mlx_lm.server", "measure mlx_lm.server", "stop mlx_lm.server"]
+    else:
+        assert events == ["start lockstep", "start mlx_lm.server", "measure lockstep+mlx_lm.server",
+                          "stop lockstep", "stop mlx_lm.server"]

@@ -59,6 +59,10 @@ def register(subparsers) -> None:
     load.add_argument("--against-config", action="append", default=[], metavar="NAME=ARGS",
                       help="also start a plain lockstep server with these extra serve arguments and print "
                            "NAME / lockstep, e.g. graphs=--cuda-graphs=on (repeatable)")
+    load.add_argument("--one-server-at-a-time", action="store_true",
+                      help="start each server alone, measure every concurrency on it, stop it, then the "
+                           "next (a GPU that cannot hold every server at once: each sizes its memory from "
+                           "the whole card); ratios then compare rounds taken minutes apart")
     load.add_argument("--deterministic", action="store_true", help="clients send deterministic: true")
     load.add_argument("--mixed", action="store_true",
                       help="even clients send deterministic: true, odd ones not; 'changed' counts the "
@@ -179,6 +183,29 @@ def _server_rounds(servers: list[dict], levels: list[int], args) -> dict:
     return results
 
 
+def _measured_servers(plans: list, model_dir, levels: list[int], args) -> tuple[list[dict], dict]:
+    """Start the servers of `plans` together, measure them side by side (`_server_rounds`), stop them."""
+    from lockstep.server.tools.http_load import wait_healthy
+
+    servers, procs = [], []
+    try:
+        for name, make, limit, server_extra, ready in plans:
+            port = _free_port()
+            log_path = f"{args.out}.{name.replace(' ', '_').replace('=', '')}.log" if args.out else None
+            procs.append(_start(make(port, limit), log_path))
+            servers.append({"name": name, "url": f"http://127.0.0.1:{port}", "ready": ready, "extra": server_extra,
+                            "model": str(model_dir) if name == "mlx_lm.server" else "default"})
+        for server, proc in zip(servers, procs):
+            wait_healthy(server["url"], server["ready"], 600, proc)
+            server["url"] += "/v1"
+        return servers, _server_rounds(servers, levels, args)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=60)
+
+
 def _ratio(a, b) -> float:
     return a.tok_per_s / b.tok_per_s if b.tok_per_s else float("nan")
 
@@ -227,7 +254,7 @@ def _config_servers(specs: list[str]) -> list[tuple[str, list[str]]]:
 
 def run_load(args: argparse.Namespace) -> int:
     from lockstep.models.resolve import resolve_model
-    from lockstep.server.tools.http_load import HEADER, mixed_extra, wait_healthy
+    from lockstep.server.tools.http_load import HEADER, mixed_extra
 
     apply_cpu_blas(args)  # as serve would: both servers below inherit the BLAS choice
 
@@ -262,23 +289,12 @@ def run_load(args: argparse.Namespace) -> int:
     if args.against_mlx_lm:
         plans.append(("mlx_lm.server", lambda port, _: [sys.executable, "-m", "mlx_lm.server", "--model",
                                                          str(model_dir), "--port", str(port)], None, {}, "/v1/models"))
-    servers, procs = [], []
-    try:
-        for name, make, limit, server_extra, ready in plans:
-            port = _free_port()
-            log_path = f"{args.out}.{name.replace(' ', '_').replace('=', '')}.log" if args.out else None
-            procs.append(_start(make(port, limit), log_path))
-            servers.append({"name": name, "url": f"http://127.0.0.1:{port}", "ready": ready, "extra": server_extra,
-                            "model": str(model_dir) if name == "mlx_lm.server" else "default"})
-        for server, proc in zip(servers, procs):
-            wait_healthy(server["url"], server["ready"], 600, proc)
-            server["url"] += "/v1"
-        rows = _server_rounds(servers, levels, args)
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=60)
+    groups = [[plan] for plan in plans] if args.one_server_at_a_time else [plans]
+    servers, rows = [], {}
+    for group in groups:
+        started = _measured_servers(group, model_dir, levels, args)
+        servers += started[0]
+        rows.update(started[1])
     for other in [s["name"] for s in servers[1:]]:
         over_ours = other != "mlx_lm.server"  # deterministic and other configurations: theirs / lockstep
         print(f"ratios {other} / lockstep (aggregate tok/s):" if over_ours
