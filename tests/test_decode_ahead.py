@@ -33,12 +33,14 @@ def tiny():
         yield TinyLoaded(tiny_llama())
 
 
-def decode(tiny, ahead: bool, requests=REQUESTS, deployment=None, deterministic=False) -> tuple[dict, object]:
+def decode(tiny, ahead: bool, requests=REQUESTS, deployment=None, deterministic=False,
+           speculative=None) -> tuple[dict, object]:
     """Every request's (token ids, logprob bits), all queued before the engine starts (so both
     runs schedule the same passes), and the engine's model runner."""
     deployment = replace(deployment or Deployment(kv_pool="kernel", prefill_chunk=8), decode_ahead=ahead)
     engine = Engine(tiny, max_active=8, deployment=deployment)
-    plan = plan_request(deployment, deterministic=deterministic, speculative=None, num_draft_tokens=None)
+    plan = plan_request(deployment, deterministic=deterministic, speculative=speculative,
+                        num_draft_tokens=3 if speculative else None)
     out = {}
 
     async def main():
@@ -108,6 +110,46 @@ def test_no_pass_is_built_ahead_of_a_request_at_its_last_token(tiny):
     # 3 tokens, 3 decode passes: the first builds the second ahead, the second the third; the
     # third, at the last token, builds none (a fourth would be past max_tokens)
     assert (ahead.ahead_built, ahead.ahead_taken, ahead.ahead_dropped) == (2, 2, 0)
+
+
+# Repeated n-grams: prompt lookup drafts from the first steps; the random model's tokens miss them.
+# Greedy without logprobs: a drafting source's token is on the device only as the pass's argmax.
+LOOKUP = {"lookup": GenerationRequest([3, 4, 5, 3, 4, 5, 3, 4], 24, SamplingParams(temperature=0.0))}
+
+
+def test_a_greedy_request_whose_drafts_miss_decodes_ahead_while_its_drafter_rests(tiny, monkeypatch):
+    """Issue 54: a request with a cheap drafter stops verifying drafts after a miss (the
+    back-off), and while it rests its rows are built ahead as a plain request's are. Its tokens
+    are those of the same request drafting without passes built ahead, and of it without
+    drafts. Control: where a drafting request never decodes ahead (as before), no pass is built
+    ahead of it."""
+    from lockstep.server.engine.decoding.token_steps import SpeculativeSource
+
+    plain, _ = decode(tiny, ahead=False, requests=LOOKUP)
+    drafting, _ = decode(tiny, ahead=False, requests=LOOKUP, speculative="prompt_lookup")
+    got, ahead = decode(tiny, ahead=True, requests=LOOKUP, speculative="prompt_lookup")
+    assert got == drafting and got["lookup"][0] == plain["lookup"][0] and len(got["lookup"][0]) == 24
+    assert ahead.ahead_taken >= 12 and ahead.ahead_dropped <= 1
+    monkeypatch.setattr(SpeculativeSource, "decodes_ahead", lambda self: False)
+    again, never = decode(tiny, ahead=True, requests=LOOKUP, speculative="prompt_lookup")
+    assert again == drafting and never.ahead_built == 0
+
+
+def test_a_row_built_ahead_verifies_no_drafts_in_its_pass(tiny):
+    """The pass after one whose next row was built ahead drafts nothing (so it can take the row
+    over), whatever the drafter's policy says meanwhile; the pass after that drafts again."""
+    from lockstep.server.engine.decoding.request_state import RequestState
+
+    deployment = Deployment(kv_pool="kernel", prefill_chunk=8)
+    plan = plan_request(deployment, deterministic=False, speculative="prompt_lookup", num_draft_tokens=3)
+    state = RequestState(tiny, LOOKUP["lookup"], plan=plan, deployment=deployment)
+    assert state.draft_length() == 1  # the back-off's first guess
+    state.row_built_ahead()
+    assert state.draft_length() == 1  # the pass now running is not the one built ahead
+    state.source.context.append(7)  # its token reached the host: the next pass is the one built ahead
+    assert state.draft_length() == 0 and state.source.draft_length() == 1
+    state.source.context.append(8)
+    assert state.draft_length() == 1
 
 
 def test_deterministic_requests_decoded_ahead_keep_their_solo_bits():

@@ -37,7 +37,7 @@ from lockstep.server.engine.decoding.request_report import RequestReport
 from lockstep.server.engine.decoding.stops import IncrementalDecoder, StopTextStream
 from lockstep.server.engine.decoding.drafters import never
 from lockstep.server.engine.runner.step_data import SampledTokens
-from lockstep.server.engine.decoding.token_steps import DecodeInputs, PlainSource, Speculation, SpeculationStats, make_source
+from lockstep.server.engine.decoding.token_steps import DecodeInputs, Speculation, SpeculationStats, make_source
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,7 @@ class RequestState:
         self.generated = 0
         self.token_ids: list[int] = []  # chosen so far (the final Delta carries them: records, replay)
         self.finished = False
+        self._ahead_context = None  # the context length whose next row was built ahead
         self.stats = SpeculationStats()
         self.report = RequestReport.planned(plan, deployment) if plan and deployment else None
         self.receipt = Receipt(request, self.prompt, self.plan, deployment) if self.report is not None else None
@@ -303,8 +304,16 @@ class RequestState:
 
     def draft_length(self, room: int | None = None) -> int:
         """Drafts its next decode pass may verify (its policy's k), within `room` rows (this
-        request's own included) when the scheduler says the pass is nearly full."""
+        request's own included) when the scheduler says the pass is nearly full; none where
+        its row of that pass was built ahead (`row_built_ahead`: one row, no drafts)."""
+        if self._ahead_context == len(self.source.context):
+            return 0
         return self.source.draft_length(room)
+
+    def row_built_ahead(self) -> None:
+        """The model runner built its next row ahead, on the token of the pass now running:
+        the pass after this one verifies no drafts, so it can take that row over."""
+        self._ahead_context = len(self.source.context) + 1
 
     def presample(self, logits: mx.array, ahead: int = 0):
         """Sampling for the pass's rows built lazily, for the engine to compute together with
@@ -338,8 +347,10 @@ class RequestState:
 
     def decodes_ahead(self) -> bool:
         """Whether this request's next row may run before the token of the pass now running
-        reaches the host (server/engine/runner/decode_ahead.py): one token a pass, chosen on the device."""
-        return isinstance(self.source, PlainSource) and self.source.chooses_on_device and not self.finished
+        reaches the host (server/engine/runner/decode_ahead.py): one token a pass, chosen on the
+        device (a plain source; a drafting one while its drafter rests)."""
+        decodes_ahead = getattr(self.source, "decodes_ahead", None)
+        return decodes_ahead is not None and decodes_ahead() and not self.finished
 
     @property
     def at_last_token(self) -> bool:

@@ -118,6 +118,11 @@ class PlainSource:
         so the token is known on the device before it reaches the host."""
         return self.processors is None
 
+    def decodes_ahead(self) -> bool:
+        """Whether its next row may be built before this pass's token reaches the host
+        (server/engine/runner/decode_ahead.py): one row a pass, its token chosen on the device."""
+        return self.chooses_on_device
+
     @staticmethod
     def chosen(argmax: mx.array, pending: PendingSample | None) -> mx.array:
         """The token `take(logits, argmax, pending)` chooses, as a (1,) array (a
@@ -216,6 +221,28 @@ class SpeculativeSource:
     def propose(self, k: int) -> list[int]:
         """Up to `k` drafts from the drafter (fewer where it has no guess)."""
         return self._propose(k) if k > 0 else []
+
+    @property
+    def chooses_on_device(self) -> bool:
+        """A greedy row without processors: its token is the pass's argmax (`verify` samples
+        other rows itself, so theirs are known on the host only)."""
+        return self.processors is None and fast_argmax(self.params)
+
+    chosen = staticmethod(PlainSource.chosen)
+
+    def resting(self) -> bool:
+        """Whether its policy verifies no drafts next step, as the evidence stands: a cheap
+        drafter backed off after a miss, or k = 0. (Its shadow draft may bring drafting back
+        with the token now in flight; a row built ahead then verifies none, one step late.)"""
+        if self.backoff is not None:
+            return self.backoff.choose() == 0
+        return self.adaptive is None and self.k == 0
+
+    def decodes_ahead(self) -> bool:
+        """Whether its next row may be built before this pass's token reaches the host: while
+        it rests, a greedy request decodes as a plain one does (its drafts cost it passes
+        decoded ahead otherwise, issue 54)."""
+        return self.chooses_on_device and self.resting()
 
     def rows(self, room: int | None = None) -> list[int]:
         self.drafts = self.propose(self.draft_length(room))

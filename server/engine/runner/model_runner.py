@@ -278,6 +278,9 @@ class ModelRunner:
             if sampled is not None:
                 self._ahead = decode_ahead.submit_next(self.compiled, following, canonical, argmax, sampled)
                 self.ahead_built += self._ahead is not None
+                if self._ahead is not None:
+                    for _, state, _ in following:  # their next pass verifies no drafts: it takes this one over
+                        state.row_built_ahead()
         mx.eval(logits, argmax)
         try:
             if sampled is None:
