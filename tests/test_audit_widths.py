@@ -265,3 +265,19 @@ def test_a_restart_runs_no_audit_work_for_the_configurations_cached(affine_dir, 
     assert sum(work.values()) == 0, work  # no probe, no reference, no configuration audited
     assert restart.audit.cached == configs and restart.audit.deferred == ()
     assert restart.audited.complete and not any(isinstance(w, AuditWork) for w in restart.pending or ())
+
+
+def test_the_audit_on_the_engine_thread_lets_requests_run_after_every_probe(affine_dir, verdicts):
+    """Each probed path is a step (kernels/proof_steps.py): requests at audited widths wait for
+    one probe, not for a configuration's every path (on a fresh GPU each compiles its kernels)."""
+    from mlx_lm.utils import load_model as mlx_load_model
+
+    from lockstep.kernels.proof_steps import between_steps
+
+    steps = []
+    model = mlx_load_model(affine_dir)[0]
+    with between_steps(lambda: steps.append(1)):
+        report = audit_model(model, stages=(NARROW,), fresh=True)
+    probes = sum(len(c.paths) for c in report.configs)
+    assert probes > len(report.configs)  # configurations of several narrow paths each
+    assert len(steps) >= probes  # a step after each probe (and after each configuration)

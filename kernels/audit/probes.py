@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..proof_steps import step_done
 from .reference import reference_dequantize
 from .report import LayerConfig, PathResult
 
@@ -132,16 +133,20 @@ def _compared_part(out: mx.array, compared: np.ndarray | None) -> mx.array:
 
 def _measure(path: str, rows: int, tol: float, run: Callable[[], tuple[mx.array, np.ndarray]],
              out_rows: int, compared: np.ndarray | None = None) -> PathResult:
+    """One path's probe, then a step (kernels/proof_steps.py): an audit on the engine thread
+    serves requests between probes, not only between configurations (on a fresh GPU each probe
+    compiles kernels, and requests at audited widths need not wait for a configuration's all)."""
     sampled = None if compared is None else len(compared)
     try:
         out, ref = run()
         out = _compared_part(out, compared)
         mx.eval(out)
-        return PathResult(path, rows, _rel_error(out, ref), tol, out_rows=out_rows,
-                          compared_rows=sampled)
+        result = PathResult(path, rows, _rel_error(out, ref), tol, out_rows=out_rows, compared_rows=sampled)
     except Exception as exc:  # a kernel that raises is a failing path, not a crash
-        return PathResult(path, rows, None, tol, exception=f"{type(exc).__name__}: {exc}",
-                          out_rows=out_rows, compared_rows=sampled)
+        result = PathResult(path, rows, None, tol, exception=f"{type(exc).__name__}: {exc}",
+                            out_rows=out_rows, compared_rows=sampled)
+    step_done()
+    return result
 
 
 def _inputs(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> tuple[mx.array, np.ndarray]:
