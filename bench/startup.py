@@ -91,20 +91,26 @@ PLAIN_REQUEST = {"model": "default", "messages": [{"role": "user", "content": "S
 # ---------------------------------------------------------------- cases
 
 def build_nvfp4_1040(out: Path) -> Path:
-    """2 layers, hidden 1040, vocab 49152, float16, tied embeddings, nvfp4 on disk."""
-    if (out / "config.json").is_file():
+    """2 layers, hidden 1040, vocab 49152, float16, tied embeddings, nvfp4 on disk, with the
+    embedded model's tokenizer (the same vocabulary, and a chat template: the first plain
+    answer is a chat request)."""
+    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
         return out
     import mlx.core as mx
     from mlx_lm.utils import quantize_model
 
-    from tests.synthetic import llama_config, random_llama, write_model_dir, write_tiny_tokenizer
+    from lockstep.models.resolve import resolve_model
+    from tests.synthetic import llama_config, random_llama, write_model_dir
 
+    source = resolve_model("default", "float32")
     config = llama_config(vocab=49152)
     model = random_llama(config)
     model.set_dtype(mx.float16)
     model, config = quantize_model(model, config, None, None, mode="nvfp4")
     write_model_dir(model, config, out)
-    write_tiny_tokenizer(out, vocab=49152)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, out / name)
     return out
 
 
