@@ -113,7 +113,6 @@ def test_no_pass_is_built_ahead_of_a_request_at_its_last_token(tiny):
 
 
 # Repeated n-grams: prompt lookup drafts from the first steps; the random model's tokens miss them.
-# Greedy without logprobs: a drafting source's token is on the device only as the pass's argmax.
 LOOKUP = {"lookup": GenerationRequest([3, 4, 5, 3, 4, 5, 3, 4], 24, SamplingParams(temperature=0.0))}
 
 
@@ -181,6 +180,40 @@ def test_deterministic_requests_decoded_ahead_keep_their_solo_bits():
     set_batch_invariant_limit(model, 0)
     assert together == solo
     assert ahead.ahead_taken == 9  # 10 decode passes, every one after the first built ahead
+    assert plain != plain_solo
+
+
+def test_deterministic_drafting_requests_decoded_ahead_keep_their_solo_bits():
+    """Deterministic requests drafting by prompt lookup, sampled with logprobs and greedy, share
+    canonical passes and are decoded ahead while their drafters rest (their one row sampled in
+    the pass's batches): each answer equals that request decoded alone, one pass at a time, bit
+    for bit, under a backend whose native bits change with the pass's width; the same requests
+    with plain plans do not (the negative control)."""
+    from lockstep.kernels.batching.ragged import enable_ragged
+    from lockstep.kernels.invariance import set_batch_invariant_limit
+    from lockstep.server.engine.guarantee.deployment import proven_deployment
+    from tests.doubles.shape_variant import shape_variant_backend
+    from tests.test_deterministic_double import peaked_llama
+
+    model = peaked_llama()
+    enable_ragged(model)
+    loaded = TinyLoaded(model)
+    requests = {"a": GenerationRequest([3, 4, 3, 4, 3], 12, SamplingParams(temperature=0.9, seed=1, top_logprobs=2)),
+                "b": GenerationRequest([6, 7, 6, 7], 10, SamplingParams(temperature=0.0, top_logprobs=2)),
+                "c": GenerationRequest([8, 9, 8, 9], 8, SamplingParams(temperature=0.0))}
+    with pool_kernel_double(), shape_variant_backend():
+        deployment = replace(proven_deployment(model, set_batch_invariant_limit(model, 4), kv_pool="kernel",
+                                               pass_rows=8), prefill_chunk=8)
+        solo, plain_solo = {}, {}
+        for name, request in requests.items():
+            solo.update(decode(loaded, False, {name: request}, deployment, deterministic=True,
+                               speculative="prompt_lookup")[0])
+            plain_solo.update(decode(loaded, False, {name: request}, deployment, speculative="prompt_lookup")[0])
+        together, ahead = decode(loaded, True, requests, deployment, deterministic=True, speculative="prompt_lookup")
+        plain, _ = decode(loaded, True, requests, deployment, speculative="prompt_lookup")
+    set_batch_invariant_limit(model, 0)
+    assert together == solo
+    assert ahead.ahead_taken >= 3
     assert plain != plain_solo
 
 

@@ -223,10 +223,27 @@ class SpeculativeSource:
         return self._propose(k) if k > 0 else []
 
     @property
+    def presamples(self) -> bool:
+        """Whether `presample` may build anything: a sampled row without processors, as a plain
+        source's (it builds only for a pass that verifies no drafts: one row)."""
+        return not fast_argmax(self.params) and self.processors is None
+
+    def presample(self, logits: mx.array, ahead: int = 0) -> PendingSample | None:
+        """Where this pass verifies no drafts, its one row's sampling as a plain source builds
+        it (so it joins the pass's sampling batches, and a row may be decoded ahead on its
+        token); None for a pass with drafts (`verify` samples those rows itself)."""
+        if not self.presamples or logits.shape[0] != 1:
+            return None
+        return sample_pending(logits, [len(self.context) + ahead], self.params)
+
+    def row_sampling(self, ahead: int = 0) -> RowSampling | None:
+        """What `presample` of a one-row pass builds, for a pass to build it with other rows'."""
+        return RowSampling(self.params, len(self.context) + ahead) if self.presamples else None
+
+    @property
     def chooses_on_device(self) -> bool:
-        """A greedy row without processors: its token is the pass's argmax (`verify` samples
-        other rows itself, so theirs are known on the host only)."""
-        return self.processors is None and fast_argmax(self.params)
+        """Its one row's token is known on the device (the pass's argmax, or `presample`'s)."""
+        return self.processors is None
 
     chosen = staticmethod(PlainSource.chosen)
 
@@ -240,8 +257,8 @@ class SpeculativeSource:
 
     def decodes_ahead(self) -> bool:
         """Whether its next row may be built before this pass's token reaches the host: while
-        it rests, a greedy request decodes as a plain one does (its drafts cost it passes
-        decoded ahead otherwise, issue 54)."""
+        it rests, it decodes as a plain request does (its drafts cost it passes decoded ahead
+        otherwise, issue 54)."""
         return self.chooses_on_device and self.resting()
 
     def rows(self, room: int | None = None) -> list[int]:
@@ -276,7 +293,9 @@ class SpeculativeSource:
                pending: PendingSample | None = None) -> list[Step]:
         """The tokens chosen from `logits` (1 + len(drafts), vocab) for [last token, *drafts]:
         the agreeing drafts, then the target's own; rejected drafts' KV rows are trimmed from
-        the cache. (`pending`: speculative sources build none.)"""
+        the cache. `pending`: what `presample` built for a pass without drafts."""
+        if pending is not None and not drafts:
+            return [Step(pending.result()[0], logits)]
         base = len(self.context)
         use_argmax = argmax is not None and fast_argmax(self.params) and self.processors is None
         picked: list[Step] = []
