@@ -29,12 +29,13 @@ reported as timed out.
 Cases (`--only`, repeatable; default embedded and nvfp4):
 - embedded: the embedded model, `--batch-invariant-limit 8 --draft-model default-quantized`;
 - nvfp4: a 2-layer llama, hidden 1040 (16 mod 32), vocab 49152, float16, tied head,
-  quantized to nvfp4 on disk (built here once, random weights);
+  quantized to nvfp4 on disk, the embedded model's tokenizer (bench/model_dirs.py: built once,
+  random weights);
 - h200-float16: the embedded model in float16, L = 8, the quantized draft model;
 - h200-nvfp4: the embedded model quantized to nvfp4 at load time, L = 8;
 - h200-float16-l16: the embedded model in float16, L = 16;
 - 8b-bf16, 8b-nvfp4 (issue 51): an 8B-shaped llama (32 layers, hidden 4096, MLP 14336, 32/8
-  heads of 128; bench/invariant_8b.py's builder) with random weights and the embedded model's
+  heads of 128; bench/model_dirs.py) with random weights and the embedded model's
   tokenizer (so its vocab, 49152: every token id the model can emit decodes), written once into
   an mlx-lm directory under --8b-models (16 GB for bf16; built in a child process), served by
   `lockstep serve --batch-invariant-limit 8 --cpu-blas reference`, each start followed by one of
@@ -80,7 +81,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tests.synthetic, for the nvfp4 case
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from model_dirs import build_8b, build_nvfp4_1040  # noqa: E402
 
 STOP_GRACE_S = 60       # after SIGTERM, before SIGKILL
 POLL_S = 0.05           # /health polling interval
@@ -90,77 +94,7 @@ PLAIN_REQUEST = {"model": "default", "messages": [{"role": "user", "content": "S
 
 # ---------------------------------------------------------------- cases
 
-def build_nvfp4_1040(out: Path) -> Path:
-    """2 layers, hidden 1040, vocab 49152, float16, tied embeddings, nvfp4 on disk, with the
-    embedded model's tokenizer (the same vocabulary, and a chat template: the first plain
-    answer is a chat request)."""
-    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
-        return out
-    import mlx.core as mx
-    from mlx_lm.utils import quantize_model
-
-    from lockstep.models.resolve import resolve_model
-    from tests.synthetic import llama_config, random_llama, write_model_dir
-
-    source = resolve_model("default", "float32")
-    config = llama_config(vocab=49152)
-    model = random_llama(config)
-    model.set_dtype(mx.float16)
-    model, config = quantize_model(model, config, None, None, mode="nvfp4")
-    write_model_dir(model, config, out)
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copy(source / name, out / name)
-    return out
-
-
-EIGHT_B_SHAPE = {"layers": 32, "hidden": 4096, "intermediate": 14336}
-SMALL_SHAPE = {"layers": 2, "hidden": 1024, "intermediate": 2048}
 EIGHT_B_ARGS = ["--batch-invariant-limit", "8", "--cpu-blas", "reference"]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
-
-
-def write_8b(out: Path, weights: str, small: bool) -> None:
-    """The 8B-shaped model (bench/invariant_8b.py's `build`) as an mlx-lm directory with the
-    embedded model's tokenizer; random weights."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import invariant_8b
-    from mlx_lm.utils import save_config, save_model
-
-    from lockstep.models.resolve import resolve_model
-
-    source = resolve_model("default", "float32")  # the embedded GGUF's import: its tokenizer files
-    source_config = json.loads((source / "config.json").read_text())
-    shape = SMALL_SHAPE if small else EIGHT_B_SHAPE
-    vocab = source_config["vocab_size"]
-    model = invariant_8b.build(weights, shape["layers"], hidden=shape["hidden"],
-                               intermediate=shape["intermediate"], vocab=vocab)
-    config = {"model_type": "llama", "hidden_size": shape["hidden"], "num_hidden_layers": shape["layers"],
-              "intermediate_size": shape["intermediate"], "num_attention_heads": 32, "num_key_value_heads": 8,
-              "head_dim": 128, "rms_norm_eps": 1e-5, "vocab_size": vocab, "rope_theta": 500000.0,
-              "tie_word_embeddings": False, "max_position_embeddings": 8192, "torch_dtype": "bfloat16",
-              **{k: source_config[k] for k in ("bos_token_id", "eos_token_id") if k in source_config}}
-    quantization = invariant_8b.WEIGHTS[weights]
-    if quantization:
-        mode, group, bits = quantization
-        config["quantization"] = {"group_size": group, "bits": bits, "mode": mode}
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    save_model(partial, model)
-    save_config(config, partial / "config.json")
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copy(source / name, partial / name)
-    partial.rename(out)  # whole or absent: a later run re-uses only a finished directory
-
-
-def build_8b(out: Path, weights: str, small: bool) -> Path:
-    """The model of an 8b case, built once (in a child process: the bench keeps no device memory)."""
-    if not (out / "config.json").is_file():
-        subprocess.run([sys.executable, __file__, "--build-model", str(out), "--weights", weights,
-                        *(["--small"] if small else [])], check=True)
-    return out
 
 
 def case_args(name: str, model_dir: Path, small: bool = False) -> list[str]:
@@ -715,12 +649,7 @@ def main() -> int:
                              "restart finds every proof recorded)")
     parser.add_argument("--baseline-src", default=None,
                         help="with --interrupted: a source tree measured beside this one (before)")
-    parser.add_argument("--build-model", default=None, help=argparse.SUPPRESS)  # the child writing an 8b model
-    parser.add_argument("--weights", default="bf16", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.build_model:
-        write_8b(Path(args.build_model), args.weights, args.small)
-        return 0
     if args.restarts < 1:
         parser.error("--restarts must be at least 1")
 
