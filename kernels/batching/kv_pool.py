@@ -142,8 +142,8 @@ class KVPool:
         self.split_kernel = use_kernel and all(split_attention.kernel_unavailable_reason(dtype, k[1]) is None
                                                for k, _, dtype in self._layouts)
         self.capacity = 0
-        self.keys: list[mx.array] = []
-        self.values: list[mx.array] = []
+        self.keys: list[mx.array | None] = [None] * len(self._layouts)
+        self.values: list[mx.array | None] = [None] * len(self._layouts)
         self._free: list[tuple[int, int]] = []  # (start, length), sorted, never adjacent
         self._grow(max(1, capacity))
         self._build_row_writes()
@@ -164,9 +164,6 @@ class KVPool:
         """Layer by layer, each old layer let go once copied: the device holds the old pool
         and one new layer at most, not the old pool and the whole new one."""
         old = self.capacity
-        if not old:
-            self.keys = [None] * len(self._layouts)
-            self.values = [None] * len(self._layouts)
         for layer, ((kh, kd), (vh, vd), dtype) in enumerate(self._layouts):
             k, v = mx.zeros((kh, capacity, kd), dtype), mx.zeros((vh, capacity, vd), dtype)
             if old:

@@ -222,30 +222,17 @@ class SpeculativeSource:
         """Up to `k` drafts from the drafter (fewer where it has no guess)."""
         return self._propose(k) if k > 0 else []
 
-    @property
-    def presamples(self) -> bool:
-        """Whether `presample` may build anything: a sampled row without processors, as a plain
-        source's (it builds only for a pass that verifies no drafts: one row)."""
-        return not fast_argmax(self.params) and self.processors is None
+    # A pass that verifies no drafts has one row, sampled as a plain source samples it (so it
+    # joins the pass's sampling batches, and a row may be decoded ahead on its token).
+    presamples = PlainSource.presamples
+    row_sampling = PlainSource.row_sampling
+    chooses_on_device = PlainSource.chooses_on_device
+    chosen = staticmethod(PlainSource.chosen)
 
     def presample(self, logits: mx.array, ahead: int = 0) -> PendingSample | None:
-        """Where this pass verifies no drafts, its one row's sampling as a plain source builds
-        it (so it joins the pass's sampling batches, and a row may be decoded ahead on its
-        token); None for a pass with drafts (`verify` samples those rows itself)."""
-        if not self.presamples or logits.shape[0] != 1:
-            return None
-        return sample_pending(logits, [len(self.context) + ahead], self.params)
-
-    def row_sampling(self, ahead: int = 0) -> RowSampling | None:
-        """What `presample` of a one-row pass builds, for a pass to build it with other rows'."""
-        return RowSampling(self.params, len(self.context) + ahead) if self.presamples else None
-
-    @property
-    def chooses_on_device(self) -> bool:
-        """Its one row's token is known on the device (the pass's argmax, or `presample`'s)."""
-        return self.processors is None
-
-    chosen = staticmethod(PlainSource.chosen)
+        """A one-row pass's sampling as a plain source builds it; None for a pass with drafts
+        (`verify` samples those rows itself)."""
+        return PlainSource.presample(self, logits, ahead) if logits.shape[0] == 1 else None
 
     def resting(self) -> bool:
         """Whether its policy verifies no drafts next step, as the evidence stands: a cheap
