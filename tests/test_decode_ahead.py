@@ -34,13 +34,14 @@ def tiny():
 
 
 def decode(tiny, ahead: bool, requests=REQUESTS, deployment=None, deterministic=False,
-           speculative=None) -> tuple[dict, object]:
+           speculative=None, prediction=False) -> tuple[dict, object]:
     """Every request's (token ids, logprob bits), all queued before the engine starts (so both
-    runs schedule the same passes), and the engine's model runner."""
+    runs schedule the same passes), and the engine's model runner. `prediction`: the requests
+    draft from their Predicted Outputs."""
     deployment = replace(deployment or Deployment(kv_pool="kernel", prefill_chunk=8), decode_ahead=ahead)
     engine = Engine(tiny, max_active=8, deployment=deployment)
-    plan = plan_request(deployment, deterministic=deterministic, speculative=speculative,
-                        num_draft_tokens=3 if speculative else None)
+    plan = plan_request(deployment, deterministic=deterministic, speculative=speculative, prediction=prediction,
+                        num_draft_tokens=3 if speculative or prediction else None)
     out = {}
 
     async def main():
@@ -132,6 +133,33 @@ def test_a_greedy_request_whose_drafts_miss_decodes_ahead_while_its_drafter_rest
     monkeypatch.setattr(SpeculativeSource, "decodes_ahead", lambda self: False)
     again, never = decode(tiny, ahead=True, requests=LOOKUP, speculative="prompt_lookup")
     assert again == drafting and never.ahead_built == 0
+
+
+def test_a_request_whose_prediction_is_used_up_decodes_ahead_as_a_plain_one(tiny, monkeypatch):
+    """Issue 54: a cheap drafter with no guess (here a Predicted Output of the answer's first 4
+    tokens, used up after them) verifies nothing, so its rows are built ahead as a plain
+    request's are; its tokens are those of the same request without passes built ahead and
+    of it without drafts. Control: where a drafter without a guess is not taken as resting
+    (as before), its passes after the prediction are not built ahead."""
+    from lockstep.server.engine.decoding.token_steps import SpeculativeSource
+
+    prompt = [3, 4, 5, 6]
+    plain, _ = decode(tiny, ahead=False, requests={"p": GenerationRequest(prompt, 24, SamplingParams(temperature=0.0))})
+    answer = plain["p"][0]
+    assert len(answer) == 24
+    predicted = {"p": GenerationRequest(prompt, 24, SamplingParams(temperature=0.0), prediction=tuple(answer[:4]))}
+    drafting, _ = decode(tiny, ahead=False, requests=predicted, prediction=True)
+    got, ahead = decode(tiny, ahead=True, requests=predicted, prediction=True)
+    assert got == drafting and got["p"][0] == answer
+    assert ahead.ahead_taken >= 16 and ahead.ahead_dropped <= 1
+    monkeypatch.setattr(SpeculativeSource, "__setattr__", _keep_guessing)
+    again, before = decode(tiny, ahead=True, requests=predicted, prediction=True)
+    assert again == drafting and before.ahead_taken <= 4
+
+
+def _keep_guessing(self, name, value):
+    """The rule before: a drafter without a guess was not resting."""
+    object.__setattr__(self, name, True if name == "_guessing" else value)
 
 
 def test_a_row_built_ahead_verifies_no_drafts_in_its_pass(tiny):

@@ -184,6 +184,7 @@ class SpeculativeSource:
         self._probed = False
         self._kind = 0  # evidence class of this step's drafts (AdaptiveDraftLength)
         self._shadow: tuple[int, list[int], int] | None = None  # (position, drafts, class) awaiting tokens
+        self._guessing = True  # a cheap drafter's last proposal (real or shadow) had drafts
 
     def _propose(self, k: int) -> list[int]:
         start = time.perf_counter()
@@ -220,7 +221,11 @@ class SpeculativeSource:
 
     def propose(self, k: int) -> list[int]:
         """Up to `k` drafts from the drafter (fewer where it has no guess)."""
-        return self._propose(k) if k > 0 else []
+        if k <= 0:
+            return []
+        drafts = self._propose(k)
+        self._guessing = bool(drafts)
+        return drafts
 
     # A pass that verifies no drafts has one row, sampled as a plain source samples it (so it
     # joins the pass's sampling batches, and a row may be decoded ahead on its token).
@@ -235,9 +240,15 @@ class SpeculativeSource:
         return PlainSource.presample(self, logits, ahead) if logits.shape[0] == 1 else None
 
     def resting(self) -> bool:
-        """Whether its policy verifies no drafts next step, as the evidence stands: a cheap
-        drafter backed off after a miss, or k = 0. (Its shadow draft may bring drafting back
-        with the token now in flight; a row built ahead then verifies none, one step late.)"""
+        """Whether it verifies no drafts next step, as the evidence stands: a cheap drafter
+        backed off after a miss, or had no guess when last asked (no n-gram of the context in
+        the prompt, a prediction used up or out of line), or k = 0. (Its shadow draft may
+        bring drafting back with the token now in flight; a row built ahead then verifies
+        none, one step late.) A drafter without a shadow (fixed k) rests only at k = 0: a
+        shadow is what would tell it has a guess again."""
+        learning = self.backoff is not None or self.adaptive is not None
+        if learning and not self._guessing and getattr(self.drafter, "cheap", False):
+            return True
         if self.backoff is not None:
             return self.backoff.choose() == 0
         return self.adaptive is None and self.k == 0
@@ -260,6 +271,7 @@ class SpeculativeSource:
         if (learning and getattr(self.drafter, "cheap", False) and not drafts and self._shadow is None
                 and shadow_k > 0):
             shadow = self._propose(shadow_k)
+            self._guessing = bool(shadow)
             if shadow:
                 self._shadow = (len(self.context), shadow, self._kind)
 
