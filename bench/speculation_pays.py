@@ -1,6 +1,6 @@
 """Does every `speculative` choice pay? Issue 54's side-by-side run against a live server.
 
-    .venv/bin/python bench/speculation_pays.py [--rounds 3] [--out FILE] [--base URL] \
+    .venv/bin/python bench/speculation_pays.py [--rounds 3] [--max-tokens N] [--out FILE] [--base URL] \
         [-- serve args, default: --batch-invariant-limit 4 --draft-model default-quantized]
 
 Starts `lockstep serve` with the given arguments (or uses `--base`), then, per prompt
@@ -80,10 +80,13 @@ def ask(client, prompt: str, max_tokens: int, deterministic: bool, choice: str, 
     return seconds, r.choices[0].message.content, ext
 
 
-def side_by_side(clients: list, rounds: int) -> list[str]:
+def side_by_side(clients: list, rounds: int, max_tokens_all: int | None = None) -> list[str]:
+    """Each prompt's choices side by side; `max_tokens_all`: every answer that long instead of
+    each prompt's own length (a longer answer: its passes, not its first token, dominate)."""
     lines = ["| prompt | mode | speculative | median s | × none | accepted/drafted | same answer | note |",
              "|---|---|---|---|---|---|---|---|"]
     for name, (prompt, prediction, max_tokens) in PROMPTS.items():
+        max_tokens = max_tokens_all or max_tokens
         for deterministic in (False, True):
             keys = [(choice, s) for choice in CHOICES for s in range(len(clients))]
             times = {key: [] for key in keys}
@@ -160,6 +163,8 @@ def main() -> int:
     parser.add_argument("--only-beside", action="store_true", help="only the 4-token request beside a long one")
     parser.add_argument("--long-mode", choices=sorted(LONG_MODES), default="draft",
                         help="the long prompt's request: plain drafted (default) or deterministic")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="every answer this long (default: each prompt's own, 21 and 32 tokens)")
     parser.add_argument("serve_args", nargs="*", default=DEFAULT_SERVE)
     args = parser.parse_args()
     from openai import OpenAI
@@ -180,12 +185,14 @@ def main() -> int:
         models = client.models.list().data[0].model_extra["lockstep"]
         header = [f"lockstep serve {' '.join(args.serve_args or DEFAULT_SERVE)}; draft model "
                   f"{models.get('draft_model')} ({models.get('draft_model_state', 'drafted from')}); "
-                  f"median of {args.rounds} after a warm round"]
+                  f"median of {args.rounds} after a warm round"
+                  + (f"; {args.max_tokens} tokens an answer" if args.max_tokens else "")]
         if args.compare:
             header.append(f"[2]: lockstep serve {args.compare}, its requests interleaved with these")
         header.append("")
         print("\n".join(header), flush=True)
-        lines = header + ([] if args.only_beside else side_by_side([client, *clients], args.rounds))
+        lines = header + ([] if args.only_beside else side_by_side([client, *clients], args.rounds,
+                                                                           args.max_tokens))
         if not args.skip_beside:
             lines += beside_long_prompt([client, *clients], args.rounds, args.long_mode)
     finally:
