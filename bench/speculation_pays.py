@@ -7,7 +7,7 @@ Starts `lockstep serve` with the given arguments (or uses `--base`), then, per p
 (copy-heavy: repeats a sentence of its prompt; open-ended) and per determinism (plain,
 deterministic), runs every `speculative` choice (none, draft, prompt_lookup, prediction: the
 client's Predicted Output) side by side: a warm round first, then `--rounds` rounds with the
-choices interleaved, and reports the median seconds and the speed relative to `none` (goal
+choices interleaved (each round's order rotated by one), and reports the median seconds and the speed relative to `none` (goal
 >= 0.97), with the drafts accepted and the note the server gave.
 
 `--compare "SERVE ARGS"` starts a second server with those arguments and interleaves its
@@ -92,7 +92,8 @@ def side_by_side(clients: list, rounds: int, max_tokens_all: int | None = None) 
             times = {key: [] for key in keys}
             last = {}
             for r in range(rounds + 1):  # round 0 warms up
-                for choice, s in keys:
+                # each round starts one choice later: no choice always follows the same one
+                for choice, s in keys[r % len(keys):] + keys[:r % len(keys)]:
                     seconds, text, ext = ask(clients[s], prompt, max_tokens, deterministic, choice, prediction)
                     if r:
                         times[(choice, s)].append(seconds)
