@@ -246,8 +246,7 @@ class SpeculativeSource:
         bring drafting back with the token now in flight; a row built ahead then verifies
         none, one step late.) A drafter without a shadow (fixed k) rests only at k = 0: a
         shadow is what would tell it has a guess again."""
-        learning = self.backoff is not None or self.adaptive is not None
-        if learning and not self._guessing and getattr(self.drafter, "cheap", False):
+        if self._shadows and not self._guessing:
             return True
         if self.backoff is not None:
             return self.backoff.choose() == 0
@@ -263,13 +262,17 @@ class SpeculativeSource:
         self.drafts = self.propose(self.draft_length(room))
         return [self.context[-1], *self.drafts]
 
+    @property
+    def _shadows(self) -> bool:
+        """Whether it proposes shadow drafts: a cheap drafter whose k policy learns (the
+        back-off or adaptive k)."""
+        return (self.adaptive is not None or self.backoff is not None) and getattr(self.drafter, "cheap", False)
+
     def _propose_shadow(self, drafts: list[int]) -> None:
         """A cheap drafter's guess where this pass verified none, scored once the tokens it
         guessed are known (acceptance keeps being learnt while k = 0)."""
-        learning = self.adaptive is not None or self.backoff is not None
         shadow_k = min(self.k, self.remaining() - 1)  # no guess past the answer's end can be scored
-        if (learning and getattr(self.drafter, "cheap", False) and not drafts and self._shadow is None
-                and shadow_k > 0):
+        if self._shadows and not drafts and self._shadow is None and shadow_k > 0:
             shadow = self._propose(shadow_k)
             self._guessing = bool(shadow)
             if shadow:
