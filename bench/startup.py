@@ -43,6 +43,9 @@ Cases (`--only`, repeatable; default embedded and nvfp4):
   alternate). `--small`: 2 layers, hidden 1024, MLP 2048 (a check on the CPU).
 The h200 and 8b cases pass `--cpu-blas reference`, as docs/DESIGN.md asks for device runs.
 
+`--server-log-level DEBUG`: lockstep logs each engine step of 0.1 s or more with what it ran, and the
+turns served between proof steps (a first answer's wait on a fresh start, in each start's log).
+
 `--interrupted` (issue 54): a restart after a start stopped mid-proof. Each round, with empty
 caches: a start stopped (SIGTERM, as launchd or Ctrl-C) once `/v1/models`'
 `batching.deterministic_pass_rows` reaches `--interrupt-at` of the widest pass, then the measured
@@ -183,6 +186,7 @@ def free_port() -> int:
 
 
 MLX_LM = "mlx_lm.server"  # server arguments starting with this start mlx-lm's server instead
+LOG_LEVEL = ["--log-level", "INFO"]  # lockstep's (`--server-log-level DEBUG`: each slow engine step logged)
 
 
 def spawn(serve_args: list[str], port: int, env: dict, log: Path) -> subprocess.Popen:
@@ -190,7 +194,7 @@ def spawn(serve_args: list[str], port: int, env: dict, log: Path) -> subprocess.
     if serve_args[:1] == [MLX_LM]:
         command = [sys.executable, "-m", MLX_LM, "--port", str(port), *serve_args[1:]]
     else:
-        command = [sys.executable, "-m", "lockstep.server.cli", "serve", "--port", str(port), *serve_args]
+        command = [sys.executable, "-m", "lockstep.server.cli", *LOG_LEVEL, "serve", "--port", str(port), *serve_args]
     with open(log, "w") as out:
         return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -640,6 +644,8 @@ def main() -> int:
                         help="where to build/keep the 8b cases' models (default: a temporary directory)")
     parser.add_argument("--small", action="store_true",
                         help="the 8b cases at a small shape (2 layers, hidden 1024): a check on the CPU")
+    parser.add_argument("--server-log-level", default="INFO",
+                        help="lockstep's log level (DEBUG: each engine step of 0.1 s or more, with what it ran)")
     parser.add_argument("--no-mlx-lm", action="store_true", help="the 8b cases without mlx_lm.server beside them")
     parser.add_argument("--interrupted", action="store_true",
                         help="measure a restart after a start stopped mid-proof (see above)")
@@ -650,6 +656,7 @@ def main() -> int:
     parser.add_argument("--baseline-src", default=None,
                         help="with --interrupted: a source tree measured beside this one (before)")
     args = parser.parse_args()
+    LOG_LEVEL[1] = args.server_log_level
     if args.restarts < 1:
         parser.error("--restarts must be at least 1")
 

@@ -355,3 +355,51 @@ def test_between_slow_proof_steps_a_request_is_served_as_long_as_a_step_took(mon
     assert deltas[-1].finish_reason == "length" and len(steps_seen) == 9  # its prompt, then 8 tokens
     # the first slice is the floor (the first step took no time), the second as long as a step: 0.9 s in all
     assert max(steps_seen) <= 1, steps_seen
+
+
+def test_at_debug_a_slow_step_and_the_steps_served_between_proof_steps_are_logged(monkeypatch, caplog):
+    """`--log-level DEBUG` says what held a first answer on a fresh start: each engine step of at
+    least SLOW_STEP_S with what it ran (prompt chunks and their tokens, decode passes and their
+    rows), and how many steps were served between two proof steps. Steps under the bound log
+    nothing."""
+    import logging
+    import types
+
+    import lockstep.server.engine.engine as engine_module
+    from lockstep.server.engine import Engine
+    from lockstep.server.engine.runner.model_runner import ModelRunner
+    from lockstep.server.engine.decoding.request_state import GenerationRequest
+    from lockstep.server.engine.decoding.sampling import SamplingParams
+    from tests.deterministic_fixtures import TinyLoaded
+    from tests.test_deterministic_double import peaked_llama
+
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    execute = ModelRunner.execute
+
+    def slow_prompt(self, output):  # a prompt chunk takes 0.15 s of the clock, a decode pass 0.01 s
+        clock.now += 0.15 if output.prefill_alone or output.prefill_shared else 0.01
+        return execute(self, output)
+
+    monkeypatch.setattr(ModelRunner, "execute", slow_prompt)
+    proof = SteppingProof(clock, step_s=1.0)
+    engine = Engine(TinyLoaded(peaked_llama()), max_active=2)
+    caplog.set_level(logging.DEBUG, logger=engine_module.__name__)
+    try:
+        async def consume():
+            handle = engine.submit(GenerationRequest([5, 6, 7], 4, SamplingParams(temperature=0.0)))
+            engine.start([proof])
+            return [delta async for delta in handle]
+
+        deltas = asyncio.run(consume())
+    finally:
+        proof.release.set()
+        engine.stop()
+    assert deltas[-1].finish_reason == "length"
+    slow = [r.getMessage() for r in caplog.records if r.getMessage().startswith("a step of")]
+    # the prompt's chunk (its last token is the first decode row's input); decode passes are fast
+    assert slow == ["a step of 0.150 s: 1 prompt chunks alone (2 tokens), 0 shared (0 tokens), "
+                    "0 decode passes (0 rows), 0 compiled passes traced"]
+    served = [r.getMessage() for r in caplog.records if r.getMessage().startswith("between proof steps")]
+    # 4 turns (the first runs its prompt chunk and its first decode pass), all between two proof steps
+    assert served == ["between proof steps (the last took 0.000 s): 4 turns served in 0.190 s"]

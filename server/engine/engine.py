@@ -51,6 +51,9 @@ STOP_FLUSH_S = 30.0  # a stopping engine waits this long for the prompt cache's 
 # at most the cap (so steady traffic cannot hold the guarantee back for ever).
 SERVE_BETWEEN_PROOF_STEPS_S = 0.25
 SERVE_BETWEEN_PROOF_STEPS_MAX_S = 2.0
+# A step at least this long is logged at DEBUG with what it ran (a first start's steps wait on
+# kernel compiles: `--log-level DEBUG` shows which).
+SLOW_STEP_S = 0.1
 
 
 class _Stopped(Exception):
@@ -284,6 +287,7 @@ class Engine:
         now = time.perf_counter()
         step = now - self._proof_resumed_at
         deadline = now + min(max(step, SERVE_BETWEEN_PROOF_STEPS_S), SERVE_BETWEEN_PROOF_STEPS_MAX_S)
+        served = 0
         try:
             while time.perf_counter() < deadline:
                 with self._wake:
@@ -293,8 +297,12 @@ class Engine:
                         return
                     self.scheduler.admit()
                 self._iterate()
+                served += 1
         finally:
             self._proof_resumed_at = time.perf_counter()
+            if served:
+                log.debug("between proof steps (the last took %.3f s): %d turns served in %.3f s",
+                          step, served, self._proof_resumed_at - now)
 
     def _admit(self) -> bool:
         """Move waiting requests into free slots; block while idle. False = stop."""
@@ -309,7 +317,12 @@ class Engine:
     def _step(self, output: SchedulerOutput) -> None:
         if output.empty:
             return
+        started, traced = time.perf_counter(), self._traces()
         result = self.runner.execute(output)
+        seconds = time.perf_counter() - started
+        if seconds >= SLOW_STEP_S and log.isEnabledFor(logging.DEBUG):
+            log.debug("a step of %.3f s: %s, %d compiled passes traced", seconds, describe_step(output, result),
+                      self._traces() - traced)
         posts = self.scheduler.update_from_output(output, result)
         if output.prefill_shared and not isinstance(result.prefill_shared, Exception):
             self._notify("on_prefill", sum(result.prefill_shared), len(output.prefill_shared))
@@ -318,6 +331,10 @@ class Engine:
                 self._notify("on_pass", done.rows, done.requests)
         post_all(posts)
 
+    def _traces(self) -> int:
+        compiled = getattr(self.runner, "compiled", None)
+        return compiled.traces if compiled is not None else 0
+
     def _fail(self, handle: RequestHandle, exc: Exception) -> None:
         if isinstance(exc, GenerationError):  # meant for the client (e.g. a grammar-engine limit): no traceback
             log.warning("generation stopped: %s", exc)
@@ -325,3 +342,14 @@ class Engine:
             return
         log.error("generation failed", exc_info=exc)
         handle.post(GenerationError(f"generation failed: {type(exc).__name__}: {exc}"))
+
+
+def describe_step(output: SchedulerOutput, result) -> str:
+    """What one engine step ran, for the slow-step log: prompt chunks (alone, shared) with their
+    tokens, decode passes with their rows."""
+    alone = [r for r in result.prefill_alone if not isinstance(r, Exception)]
+    shared = result.prefill_shared if not isinstance(result.prefill_shared, Exception) else []
+    passes = [p for p in result.passes if not isinstance(p, Exception)]
+    return (f"{len(output.prefill_alone)} prompt chunks alone ({sum(r.tokens for r in alone)} tokens), "
+            f"{len(output.prefill_shared)} shared ({sum(shared)} tokens), {len(output.passes)} decode passes "
+            f"({sum(p.rows for p in passes)} rows)")
