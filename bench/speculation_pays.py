@@ -9,8 +9,8 @@ deterministic), runs every `speculative` choice (none, draft, prompt_lookup, pre
 client's Predicted Output) side by side: a warm round first, then `--rounds` rounds with the
 choices interleaved (each round's order rotated by one), and reports the median seconds and the
 speed relative to `none` (goal >= 0.97), with the drafts accepted and the note the server gave.
-`--max-tokens N`: every answer N tokens long (default: each prompt's own, 21 and 32); at those
-lengths a request takes a fifth of a second and a row moves by ±0.15 between runs.
+`--max-tokens N`: every answer N tokens long (default: each prompt's own, 21 and 32 tokens, too
+short to resolve a few percent on a GPU: docs/BENCHMARKS.md, Speculation).
 
 `--compare "SERVE ARGS"` starts a second server with those arguments and interleaves its
 requests with the first one's, each choice's row followed by its row there (marked `[2]`,
