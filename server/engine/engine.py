@@ -317,10 +317,11 @@ class Engine:
     def _step(self, output: SchedulerOutput) -> None:
         if output.empty:
             return
-        started, traced = time.perf_counter(), self._traces()
+        debug = log.isEnabledFor(logging.DEBUG)
+        started, traced = time.perf_counter(), self._traces() if debug else 0
         result = self.runner.execute(output)
         seconds = time.perf_counter() - started
-        if seconds >= SLOW_STEP_S and log.isEnabledFor(logging.DEBUG):
+        if debug and seconds >= SLOW_STEP_S:
             log.debug("a step of %.3f s: %s, %d compiled passes traced", seconds, describe_step(output, result),
                       self._traces() - traced)
         posts = self.scheduler.update_from_output(output, result)
