@@ -364,6 +364,8 @@ def test_access_log_is_one_json_line_without_the_prompt(http, caplog):
     with caplog.at_level(logging.INFO, logger="lockstep.access"):
         response = http.post("/v1/chat/completions", json=CHAT, headers={**GOOD, "x-request-id": "req-123"})
         http.post("/v1/chat/completions", json=CHAT)  # 401
+        # a record reaches its sinks once its response is sent: the client may read it first
+        wait_until(lambda: len(_access_lines(caplog)) >= 2, timeout=10, what="both access lines")
     assert response.headers["x-request-id"] == "req-123"
     lines = _access_lines(caplog)
     assert len(lines) == 2
