@@ -332,7 +332,7 @@ def startup_lines(log: Path) -> list[str]:
 
 # ---------------------------------------------------------------- a case
 
-def median_start(starts: list[Start], prefix: str = "") -> Start:
+def median_start(starts: list[Start], prefix: str = "", what: str = "restart") -> Start:
     """The median of each measurement (and phase) over `starts`; states joined if they differ."""
     def med(values):
         values = [v for v in values if v is not None]
@@ -342,7 +342,7 @@ def median_start(starts: list[Start], prefix: str = "") -> Start:
     states = sorted({s.state for s in starts if s.state})
     failures = [s.failure for s in starts if s.failure]
     return Start(
-        f"{prefix}restart (median of {len(starts)})", starts[0].log,
+        f"{prefix}{what} (median of {len(starts)})", starts[0].log,
         health_s=med(s.health_s for s in starts),
         health_cpu_s=med(s.health_cpu_s for s in starts),
         first_plain_s=med(s.first_plain_s for s in starts),
@@ -354,36 +354,45 @@ def median_start(starts: list[Start], prefix: str = "") -> Start:
 
 
 def run_case(name: str, serve_args: list[str], work: Path, restarts: int, timeout: float,
-             against: list[str] | None = None) -> list[Start]:
-    """A fresh start, then `restarts` restarts with the same caches; the caches are removed after.
-    `against`: another server's arguments (mlx_lm.server's), started after each of these with
-    caches of its own, so the two alternate."""
-    servers = [("", serve_args, work / f"cache-{name}")]
-    if against:
-        servers.append((MLX_LM + " ", against, work / f"cache-{name}-mlx-lm"))
+             against: list[str] | None = None, rounds: int = 1) -> list[Start]:
+    """`rounds` times: a fresh start (new, empty caches), then `restarts` restarts with the same
+    caches, removed after. `against`: another server's arguments (mlx_lm.server's), started after
+    each of these with caches of its own, so the two alternate. With several rounds or restarts,
+    their medians are added."""
     labels = ["fresh"] + [f"restart {i}" if restarts > 1 else "restart" for i in range(1, restarts + 1)]
-    starts: dict[str, list[Start]] = {prefix: [] for prefix, _, _ in servers}
-    try:
-        for label in labels:
-            for prefix, args, cache_root in servers:
-                log = work / f"{name}-{prefix.strip().replace('.', '-')}{label.replace(' ', '')}.log"
-                start = measure_start(prefix + label, args, cache_env(cache_root), log, timeout)
-                print(f"{name} {prefix}{label}: " + "; ".join(row(start)[1:]) + f"  (log {log})", flush=True)
-                for line in startup_lines(log):
-                    print(f"    {line}", flush=True)
-                print(f"    phases from /v1/models: {json.dumps(start.phases)}", flush=True)
-                starts[prefix].append(start)
-            if label == "fresh" and starts[""][0].health_s is None:
-                print(f"{name}: the fresh start never answered /health; restarts skipped", flush=True)
-                break
-    finally:
-        for _, _, cache_root in servers:
-            shutil.rmtree(cache_root, ignore_errors=True)
+    prefixes = [""] + ([MLX_LM + " "] if against else [])
+    fresh: dict[str, list[Start]] = {prefix: [] for prefix in prefixes}
+    again: dict[str, list[Start]] = {prefix: [] for prefix in prefixes}
+    for n in range(1, rounds + 1):
+        tag = f"-{n}" if rounds > 1 else ""
+        servers = [("", serve_args, work / f"cache-{name}{tag}")]
+        if against:
+            servers.append((MLX_LM + " ", against, work / f"cache-{name}-mlx-lm{tag}"))
+        try:
+            for label in labels:
+                for prefix, args, cache_root in servers:
+                    shown = f"{label} {n}" if rounds > 1 and label == "fresh" else label
+                    log = work / f"{name}-{prefix.strip().replace('.', '-')}{label.replace(' ', '')}{tag}.log"
+                    start = measure_start(prefix + shown, args, cache_env(cache_root), log, timeout)
+                    print(f"{name} {prefix}{shown}: " + "; ".join(row(start)[1:]) + f"  (log {log})", flush=True)
+                    for line in startup_lines(log):
+                        print(f"    {line}", flush=True)
+                    print(f"    phases from /v1/models: {json.dumps(start.phases)}", flush=True)
+                    (fresh if label == "fresh" else again)[prefix].append(start)
+                if label == "fresh" and fresh[""][-1].health_s is None:
+                    print(f"{name}: the fresh start never answered /health; restarts skipped", flush=True)
+                    break
+        finally:
+            for _, _, cache_root in servers:
+                shutil.rmtree(cache_root, ignore_errors=True)
     rows = []
-    for prefix, runs in starts.items():
-        if restarts > 1 and len(runs) > 2:
-            runs.append(median_start(runs[1:], prefix))
-        rows += runs
+    for prefix in prefixes:
+        rows += fresh[prefix]
+        if rounds > 1:
+            rows.append(median_start(fresh[prefix], prefix, "fresh"))
+        rows += again[prefix]
+        if len(again[prefix]) > 1:
+            rows.append(median_start(again[prefix], prefix))
     return rows
 
 
@@ -632,6 +641,8 @@ def main() -> int:
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--only", action="append", choices=tuple(CASES), default=None,
                         help=f"case to run (repeat for several; default {' and '.join(DEFAULT_CASES)})")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="fresh starts, each with new caches and its restarts (more than 1: medians added)")
     parser.add_argument("--restarts", type=int, default=1,
                         help="restarts after the fresh start (more than 1: their median is added)")
     parser.add_argument("--timeout", type=float, default=600,
@@ -657,8 +668,8 @@ def main() -> int:
                         help="with --interrupted: a source tree measured beside this one (before)")
     args = parser.parse_args()
     LOG_LEVEL[1] = args.server_log_level
-    if args.restarts < 1:
-        parser.error("--restarts must be at least 1")
+    if args.restarts < 1 or args.rounds < 1:
+        parser.error("--restarts and --rounds must be at least 1")
 
     work = Path(tempfile.mkdtemp(prefix="lockstep-startup-"))
     model_dir = Path(args.model_dir) if args.model_dir else work / "nvfp4-1040"
@@ -676,7 +687,7 @@ def main() -> int:
             tables.append(resumed_table(name, serve_args, runs, baseline))
             print("\n" + tables[-1], flush=True)
             continue
-        starts = run_case(name, serve_args, work, args.restarts, args.timeout, against)
+        starts = run_case(name, serve_args, work, args.restarts, args.timeout, against, args.rounds)
         tables.append(table(name, serve_args, starts, against))
         print("\n" + tables[-1], flush=True)
     if args.out:

@@ -122,6 +122,8 @@ class Runtime:
     # (vocabulary, dtype) of the model's logits, seen at the warm-up: what the batched-sampling
     # proof samples (SamplingWork)
     logits_format: tuple | None = None
+    # the children compiling the deferred audit stages' kernels (kernels/audit/compile_ahead.py)
+    compile_ahead: object = None
 
     def set_admission(self, admission) -> None:
         """Serve with `admission` (server/engine/scheduling/admission.py): its pass width is the widest the
@@ -242,16 +244,22 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     if options.fuse_projections and options.prepare_model is not None:
         raise ValueError("--fuse-projections does not combine with distributed serving (its sharding "
                          "splits the separate projections)")
-    from lockstep.kernels.audit.widths import NARROW, STAGES, AuditedRows
+    from lockstep.kernels.audit.widths import STAGES, AuditedRows, deferred_stages
+    from lockstep.kernels.backend_kind import backend_kind
 
-    # serve: the calls a first plain answer takes are audited now, the narrow ones (several
-    # requests' rows, short prompt chunks) by the engine thread after serving starts
-    defer = (NARROW,) if defer_guarantee and options.prepare_model is None else ()
+    # serve: the calls a first plain answer takes are audited now, the others (several requests'
+    # rows, short prompt chunks; on CUDA wide ones too) by the engine thread after serving starts
+    backend = backend_kind()
+    defer = deferred_stages(backend) if defer_guarantee and options.prepare_model is None else ()
     loaded, report, transform = model_loading.load_audited(options.model, options.weights, options.quantize,
                                               options.q_bits, options.q_group_size,
                                               options.audit, timings, fuse=options.fuse_projections,
                                               defer=defer)
     audited = AuditedRows(s for s in STAGES if report is None or s not in report.deferred)
+    from lockstep.kernels.audit import compile_ahead as ahead
+
+    compile_ahead = (start_compile_ahead(loaded.model, report)
+                     if report is not None and report.deferred and ahead.pays(backend) else None)
     if options.prepare_model is not None:
         transform += ";" + options.prepare_model(loaded.model)
 
@@ -338,12 +346,28 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     # the work left for the engine thread: the guarantee first (deterministic requests wait
     # for it), then the draft model (until it is loaded, requests decode without its drafts),
     # then the batched-sampling proof (until it has run, deterministic rows sample alone)
-    work_left = (([AuditWork(runtime, options, proofs)] if not audited.complete else [])
+    runtime.compile_ahead = compile_ahead
+    work_left = ([AuditWork(runtime, options, proofs, stage) for stage in (report.deferred if report else ())]
                  + ([work] if limit and not runtime.guarantee.settled else [])
                  + ([DraftWork(runtime, options)] if defer_draft else [])
                  + ([sampling] if defer_guarantee and limit else []))
     runtime.pending = work_left or None
     return runtime
+
+
+def start_compile_ahead(model, report):
+    """Child processes compiling the kernels of the stages `report` deferred, for its
+    configurations still on their own kernels (a stand-in was probed on every path)."""
+    from lockstep.kernels.audit.compile_ahead import CompileAhead
+    from lockstep.kernels.audit.patch import quantized_layers, untaken_paths
+    from lockstep.kernels.audit.report import OK
+
+    verdicts = {c.config: c.verdict for c in report.configs}
+    configs = [cfg for cfg in quantized_layers(model) if verdicts.get(cfg) == OK]
+    if not configs:
+        return None
+    return CompileAhead.start(configs, report.deferred,
+                              untaken={cfg: untaken_paths(model, cfg) for cfg in configs})
 
 
 def _all_audited():

@@ -176,36 +176,42 @@ class SamplingWork:
 
 @dataclass
 class AuditWork:
-    """The kernel audit's stages left when serving started (kernels/audit/widths.py: calls of
-    2..32 rows), run by the engine thread between passes before the guarantee's proofs (they
-    call the layers at those widths). Each configuration's workaround is swapped in as soon as
-    its verdict is in, before any pass runs; the widths become audited (the scheduler's gate)
-    only once every configuration passed them. A refusal leaves them unaudited: serving goes
-    on at the audited widths, and the guarantee is refused."""
+    """One stage of the kernel audit left when serving started (kernels/audit/widths.py: calls
+    of 2..32 rows; on CUDA of 33 rows and more too), run by the engine thread between passes
+    before the guarantee's proofs (they call the layers at those widths). Where children compile
+    the stage's kernels (`Runtime.compile_ahead`), it first waits for them, serving meanwhile.
+    Each configuration's workaround is swapped in as soon as its verdict is in, before any pass
+    runs; the stage's widths become audited (the scheduler's gate) only once every
+    configuration passed them. A refusal leaves them unaudited: serving goes on at the audited
+    widths, and the guarantee is refused."""
 
     runtime: object  # server.runtime.Runtime
     options: object  # server.runtime.Options
     proofs: object  # kernels.invariance.selftest.ProofCache: its model identity names the workarounds
+    stage: str
 
     def run(self) -> Deployment:
         from lockstep.kernels.audit import audit_model, audit_verdict_cache, merge_reports, patch_config
         from lockstep.kernels.audit.report import OK, REFUSED as REFUSED_VERDICT
+        from lockstep.kernels.proof_steps import step_done
 
         runtime = self.runtime
         model, first = runtime.loaded.model, runtime.audit
-        self.stages = first.deferred
 
         def patch(result, layers) -> None:
             if result.verdict not in (OK, REFUSED_VERDICT):
                 patch_config(model, result.config, layers, result.verdict)
                 mx.eval(model.parameters())
 
-        with runtime.timings.timed("audit_after_start"):
+        with runtime.timings.timed(f"audit_{self.stage}_after_start"):
+            ahead = runtime.compile_ahead
+            while ahead is not None and not ahead.ready(self.stage, timeout=0.05):
+                step_done()  # requests at audited widths are served meanwhile
             later = audit_model(model, cache=audit_verdict_cache(), fresh=self.options.audit == "fresh",
-                                stages=first.deferred, on_result=patch)
+                                stages=(self.stage,), on_result=patch)
         report = merge_reports(first, later)
+        report.deferred = first.deferred if report.refused else tuple(s for s in first.deferred if s != self.stage)
         if report.refused:
-            report.deferred = first.deferred
             log.error("kernel audit: %s; serving goes on with calls of %s rows only",
                       "; ".join(f"{c.config.label()} refused" for c in report.refused),
                       runtime.audited.describe()["audited_rows"])
@@ -221,14 +227,15 @@ class AuditWork:
     def settle(self) -> None:
         runtime = self.runtime
         if runtime.audit.refused:
-            if not self.options.batch_invariant_limit:
+            if not self.options.batch_invariant_limit and not runtime.guarantee.settled:
                 runtime.guarantee.settle(REFUSED, "the kernel audit refused calls of several rows")
             return
-        for stage in self.stages:
-            runtime.audited.add(stage)
-        log.info("kernel audit complete (%.1fs on the engine thread after serving started): "
-                 "calls of every width audited", runtime.timings.get("audit_after_start", 0.0))
-        if not self.options.batch_invariant_limit:
+        runtime.audited.add(self.stage)
+        log.info("kernel audit (%s) complete (%.1fs on the engine thread after serving started): "
+                 "calls of %s rows audited", self.stage,
+                 runtime.timings.get(f"audit_{self.stage}_after_start", 0.0),
+                 runtime.audited.describe()["audited_rows"])
+        if runtime.audited.complete and not self.options.batch_invariant_limit:
             runtime.guarantee.settle(settled_state(runtime.deployment))
 
 

@@ -13,7 +13,8 @@ from openai import OpenAI
 
 from lockstep.kernels.audit import audit_model
 from lockstep.kernels.audit import patch as audit_patch
-from lockstep.kernels.audit.widths import FIRST, NARROW, AuditedRows, row_ranges, stage_of
+from lockstep.kernels.audit.widths import (FIRST, NARROW, WIDE, AuditedRows, deferred_stages, row_ranges,
+                                          stage_of)
 from lockstep.kernels.proof_steps import step_done
 from lockstep.kernels.verdict_cache import ROOT_ENV
 from lockstep.server.api.app import create_app
@@ -42,16 +43,27 @@ def verdicts(tmp_path, monkeypatch):
 
 
 def test_the_partial_audit_allows_one_row_and_wide_calls_and_splits_the_rest():
-    partial = AuditedRows([FIRST])
+    partial = AuditedRows([FIRST, WIDE])
     assert not partial.complete and not partial.completed.is_set()
     assert [w for w in range(1, 40) if partial.allows(w)] == [1, *range(33, 40)]
     assert partial.split(16) == [1] * 16 and partial.split(40) == [40] and partial.widest(32) == 1
     assert partial.describe() == {"audited_rows": PARTIAL, "audit_complete": False}
     partial.add(NARROW)
     assert partial.complete and partial.completed.is_set() and partial.split(16) == [16]
-    assert row_ranges([NARROW]) == [[2, 32]] and row_ranges([FIRST, NARROW]) == [[1, None]]
-    assert stage_of("matmul short", 5) == NARROW and stage_of("lookup odd", 3) == FIRST
-    assert stage_of("matmul decode", 1) == stage_of("matmul tiled", 33) == FIRST
+    assert row_ranges([NARROW]) == [[2, 32]] and row_ranges([FIRST, WIDE, NARROW]) == [[1, None]]
+    assert stage_of("matmul short", 5) == stage_of("matmul short", 24) == NARROW
+    assert stage_of("lookup odd", 3) == stage_of("matmul decode", 1) == FIRST
+    assert stage_of("matmul tiled", 33) == stage_of("as_linear prompt", 96) == WIDE
+
+
+def test_before_the_wide_stage_only_one_row_calls_run():
+    first = AuditedRows([FIRST])
+    assert [w for w in range(1, 80) if first.allows(w)] == [1]
+    assert first.split(40) == [1] * 40 and first.describe()["audited_rows"] == [[1, 1]]
+    first.add(WIDE)
+    assert first.split(40) == [40] and first.split(34) == [34] and first.split(20) == [1] * 20
+    assert deferred_stages("cuda") == (WIDE, NARROW) and deferred_stages("cpu") == (NARROW,)
+    assert deferred_stages("metal") == (NARROW,)
 
 
 def test_the_stages_together_are_the_whole_audit_and_cached_apart(affine_dir, verdicts):
@@ -61,16 +73,18 @@ def test_the_stages_together_are_the_whole_audit_and_cached_apart(affine_dir, ve
 
     whole = audit_model(mlx_load_model(affine_dir)[0])
     model = mlx_load_model(affine_dir)[0]
-    first = audit_model(model, cache=audit_verdict_cache(), defer=(NARROW,))
-    assert first.deferred == (NARROW,)
+    first = audit_model(model, cache=audit_verdict_cache(), defer=(WIDE, NARROW))  # as on CUDA
+    assert first.deferred == (WIDE, NARROW)
     assert all(stage_of(p.path, p.rows) == FIRST for c in first.configs for p in c.paths)
-    later = audit_model(model, cache=audit_verdict_cache(), stages=first.deferred)
-    merged = merge_reports(first, later)
+    merged = first
+    for stage in first.deferred:  # as AuditWork runs them, a stage at a time
+        merged = merge_reports(merged, audit_model(model, cache=audit_verdict_cache(), stages=(stage,)))
     assert merged.deferred == () and [c.config for c in merged.configs] == [c.config for c in whole.configs]
     assert [[(p.path, p.rows) for p in c.paths] for c in merged.configs] == \
         [[(p.path, p.rows) for p in c.paths] for c in whole.configs]
-    restart = audit_model(mlx_load_model(affine_dir)[0], cache=audit_verdict_cache(), defer=(NARROW,))
-    assert restart.deferred == () and restart.cached == len(whole.configs)  # nothing left for later
+    for defer in ((WIDE, NARROW), (NARROW,)):
+        restart = audit_model(mlx_load_model(affine_dir)[0], cache=audit_verdict_cache(), defer=defer)
+        assert restart.deferred == () and restart.cached == len(whole.configs)  # nothing left for later
 
 
 class HeldAudit:
@@ -258,7 +272,7 @@ def test_a_restart_runs_no_audit_work_for_the_configurations_cached(affine_dir, 
     (later,) = [w for w in first.pending if isinstance(w, AuditWork)]
     later.run()  # the narrow stage, as the engine thread runs it
     configs = len(first.audit.configs)
-    assert work["_audit_config"] == 2 * configs and work["probe"] and work["reference_weight"]
+    assert work["_audit_config"] == 3 * configs and work["probe"] and work["reference_weight"]  # a stage each
 
     work.clear()
     restart = build_runtime(Options(model=str(affine_dir)), defer_guarantee=True)

@@ -87,13 +87,15 @@ def backend_name() -> str:
 
 def _probe_every_path(layer, cfg: LayerConfig, seed: int, prompt_rows: int, backend: str,
                       workaround: str | None = None, stages=STAGES,
-                      untaken: tuple[str, ...] = ()) -> list[PathResult] | None:
+                      untaken: tuple[str, ...] = (), widths=None) -> list[PathResult] | None:
     """Every path of `stages` (kernels/audit/widths.py) of `layer` (or of its `workaround`
     stand-in; None: not applicable): on a slice of its output rows, and on the whole layer
-    where `full_size` says so, that one compared on the rows `compared_rows` picks."""
+    where `full_size` says so, that one compared on the rows `compared_rows` picks. `widths`
+    (a set of row counts) keeps only the paths of those widths (kernels/audit/compile_ahead.py)."""
     n = cfg.shape[-2]
     rows = sliced_rows(n, backend)
-    staged = lambda path, r: stage_of(path, r) in stages and not path.startswith(untaken)
+    staged = lambda path, r: (stage_of(path, r) in stages and not path.startswith(untaken)
+                              and (widths is None or r in widths))
     on_whole = lambda path, r: full_size(path, r, n, backend)
     parts = [(sliced_layer(layer, rows) if rows < n else layer,
               lambda path, r: staged(path, r) and not on_whole(path, r))]

@@ -1,32 +1,41 @@
 """Which call widths (rows of one quantized-layer call) the kernel audit has covered so far.
 
 The audit runs in stages ordered by what serving takes first (kernels/audit/patch.py):
-- FIRST: what a first plain answer takes — one-row decode, prompt chunks of at least
-  `WIDE_ROWS` rows (MLX's tiled quantized matmul: the "tiled" and "prompt" probes) and every
-  embedding lookup (a prompt's tokens, any count);
+- FIRST: what a first plain answer needs at the least — one-row calls (decode, a prompt one
+  token a step) and every embedding lookup (a prompt's tokens, any count);
+- WIDE: prompt chunks of at least `WIDE_ROWS` rows (MLX's tiled quantized matmul: the "tiled"
+  and "prompt" probes);
 - NARROW: calls of 2..WIDE_ROWS - 1 rows (the "short" probes): decode passes of several
   requests, short prompt chunks, speculative verification.
-`serve` audits FIRST before it serves and NARROW on the engine thread afterwards; until then
-the scheduler runs no call of an unaudited width (`AuditedRows`: prompt chunks cut to audited
-widths, decode passes split into them).
+`serve` audits FIRST before it serves, and the stages `deferred_stages` names on the engine
+thread afterwards; until then the scheduler runs no call of an unaudited width (`AuditedRows`:
+prompt chunks cut to audited widths, decode passes split into them).
 """
 from __future__ import annotations
 
 import threading
 
-FIRST, NARROW = "first answer", "narrow"
-STAGES = (FIRST, NARROW)
+FIRST, WIDE, NARROW = "first answer", "wide", "narrow"
+STAGES = (FIRST, WIDE, NARROW)
 WIDE_ROWS = 33  # the audit's tiled and prompt probes: every call of at least this many rows
 
 # Per stage, the call widths it covers: (lowest, highest or None for unbounded).
-STAGE_ROWS = {FIRST: ((1, 1), (WIDE_ROWS, None)), NARROW: ((2, WIDE_ROWS - 1),)}
+STAGE_ROWS = {FIRST: ((1, 1),), WIDE: ((WIDE_ROWS, None),), NARROW: ((2, WIDE_ROWS - 1),)}
 
 
 def stage_of(path: str, rows: int) -> str:
     """The stage that probes `path` at `rows` rows (kernels/audit/probes.py's paths)."""
-    if path.startswith("lookup") or rows == 1 or rows >= WIDE_ROWS:
+    if path.startswith("lookup") or rows == 1:
         return FIRST
-    return NARROW
+    return WIDE if rows >= WIDE_ROWS else NARROW
+
+
+def deferred_stages(backend: str) -> tuple[str, ...]:
+    """The stages `serve` audits after it starts serving on `backend`. On CUDA, MLX compiles each
+    tile size of its quantized matmul the first time it runs (half a minute each on an empty
+    kernel cache), so the wide calls wait too, their kernels compiled meanwhile in child
+    processes (kernels/audit/compile_ahead.py); elsewhere they are cheap to audit first."""
+    return (WIDE, NARROW) if backend == "cuda" else (NARROW,)
 
 
 def row_ranges(stages) -> list[list[int | None]]:

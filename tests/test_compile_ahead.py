@@ -1,0 +1,133 @@
+"""kernels/audit/compile_ahead.py: children that run the deferred audit stages' probes on random
+layers of the model's configurations (MLX compiles the kernels they take), a few widths each, and
+whose compiled modules reach MLX's kernel cache whole; and `serve` with the wide and narrow
+stages deferred (as on CUDA): no call of a width before its stage is audited, requests served
+while the audit waits for the children."""
+import os
+import threading
+
+import httpx2 as httpx
+import pytest
+
+from lockstep.kernels.audit import compile_ahead
+from lockstep.kernels.audit import widths as audit_widths
+from lockstep.kernels.audit.compile_ahead import CompileAhead, child_widths, publish
+from lockstep.kernels.audit.patch import quantized_layers
+from lockstep.kernels.audit.probes import probe_paths
+from lockstep.kernels.audit.widths import FIRST, NARROW, WIDE, stage_of
+from lockstep.kernels.verdict_cache import ROOT_ENV
+from lockstep.server.runtime import AuditWork, Options, build_runtime
+from tests.http_server import running, wait_until
+from tests.synthetic import build_llama_dir, write_tiny_tokenizer
+from tests.test_audit_widths import WidthSpy, ask_together, serving
+
+
+@pytest.fixture(scope="module")
+def affine_dir(tmp_path_factory):
+    path = build_llama_dir(tmp_path_factory.mktemp("affine"), q_mode="affine", hidden=1024,
+                           intermediate=2048, heads=8)
+    write_tiny_tokenizer(path)
+    return path
+
+
+def module_files(root, name, code=b"code"):
+    root.mkdir(parents=True, exist_ok=True)
+    (root / f"{name}.txt").write_text("kernel\tmangled\n")
+    (root / f"{name}.cu").write_text("source")
+    (root / f"{name}.ptx").write_bytes(code)
+
+
+def test_publish_moves_each_module_whole_its_code_last_and_keeps_modules_already_there(tmp_path, monkeypatch):
+    source, target = tmp_path / "child", tmp_path / "cache"
+    module_files(source, "qmm_m16")
+    module_files(source / ("x" * 245), "tail")  # MLX splits a long module name into directories
+    module_files(source, "qmm_m64", b"the child's")
+    module_files(target, "qmm_m64", b"already here")
+    renamed = []
+    replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: renamed.append(os.path.basename(b)) or replace(a, b))
+
+    assert publish(source, target) == 2
+    assert (target / "qmm_m16.ptx").read_bytes() == b"code"
+    assert (target / "qmm_m16.txt").read_text() == "kernel\tmangled\n"
+    assert (target / ("x" * 245) / "tail.ptx").exists()
+    assert (target / "qmm_m64.ptx").read_bytes() == b"already here"  # never overwritten
+    for name in ("qmm_m16", "tail"):  # the kernel names are in place before MLX can find the code
+        assert renamed.index(f"{name}.txt") < renamed.index(f"{name}.ptx")
+    assert not list(target.rglob("*.part"))
+
+
+def test_the_wide_widths_go_to_one_child_and_each_narrow_width_to_its_own():
+    rows = {WIDE: {33, 64, 96}, NARROW: {2, 5, 8, 24}, FIRST: {1}}
+    assert child_widths((WIDE, NARROW), rows.get) == [
+        (WIDE, (33, 64, 96)), (NARROW, (2,)), (NARROW, (5,)), (NARROW, (8,)), (NARROW, (24,))]
+    assert compile_ahead.pays("cuda") and not compile_ahead.pays("cpu") and not compile_ahead.pays("metal")
+
+
+def test_the_children_probe_their_widths_of_every_configuration_and_publish(affine_dir, tmp_path, monkeypatch):
+    from mlx_lm.utils import load_model as mlx_load_model
+
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "cache"))
+    configs = list(quantized_layers(mlx_load_model(affine_dir)[0]))
+    ahead = CompileAhead.start(configs, (WIDE, NARROW))
+    try:
+        assert ahead.ready(WIDE, timeout=300) and ahead.ready(NARROW, timeout=300)
+    finally:
+        ahead.close()
+    for child in ahead.children:
+        assert child.process.returncode == 0 and child.report, child
+        assert [r["config"] for r in child.report] == [c.label() for c in configs]
+        ran = {(p, r) for entry in child.report for p, r in entry["paths"]}
+        assert {r for _, r in ran} == set(child.widths) and {stage_of(p, r) for p, r in ran} == {child.stage}
+    expected = {r for c in configs for p, r in probe_paths(c.kind, 96) if stage_of(p, r) in (WIDE, NARROW)}
+    assert {w for child in ahead.children for w in child.widths} == expected
+    assert not any(child.directory.exists() for child in ahead.children)  # the children's dirs are gone
+
+
+class HeldChildren:
+    """Stands in for the children: not ready until released; counts the polls."""
+
+    def __init__(self):
+        self.release, self.polls = threading.Event(), 0
+
+    def ready(self, stage, timeout=0.0):
+        self.polls += 1
+        return self.release.wait(timeout)
+
+
+PROMPT = " ".join(f"w{5 + i}" for i in range(40))  # a prompt of over 33 tokens: a wide chunk once allowed
+
+
+def test_with_the_wide_stage_deferred_prompts_go_a_row_a_step_until_it_is_audited(
+        affine_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path / "verdicts"))
+    monkeypatch.setattr(audit_widths, "deferred_stages", lambda backend: (WIDE, NARROW))
+    started = []
+    monkeypatch.setattr(compile_ahead, "pays", lambda backend: True)
+    monkeypatch.setattr(CompileAhead, "start", classmethod(lambda cls, configs, stages, **kw:
+                                                          started.append((configs, stages)) or None))
+    runtime = build_runtime(Options(model=str(affine_dir)), defer_guarantee=True)
+    assert started and started[0][1] == (WIDE, NARROW)  # the children were asked for both stages
+    assert runtime.audited.describe()["audited_rows"] == [[1, 1]]
+    wide, narrow = runtime.pending[:2]
+    assert isinstance(wide, AuditWork) and (wide.stage, narrow.stage) == (WIDE, NARROW)
+    held = HeldChildren()
+    runtime.compile_ahead = held
+    engine, app = serving(runtime)
+    spy = WidthSpy(engine)
+    engine.start(runtime.pending)
+    try:
+        with running(app) as base:
+            ask_together(base, [PROMPT, "w3 w4"])
+            assert held.polls > 0 and not runtime.audited.allows(33)  # answered while the audit waits
+            assert spy.widths and {w for w, _ in spy.widths} == {1}
+            held.release.set()
+            assert runtime.audited.completed.wait(300)
+            wait_until(lambda: runtime.guarantee.settled, what="the guarantee (L = 0) to settle")
+            assert httpx.get(base + "/health").json()["audited_rows"] == [[1, None]]
+            before = len(spy.widths)
+            ask_together(base, [PROMPT])
+            assert max(w for w, _ in spy.widths[before:]) >= 33
+    finally:
+        engine.stop()
+    assert all(ok for _, ok in spy.widths), spy.widths  # no call of a width before its audit
