@@ -16,9 +16,10 @@ AUDIT_OFF_WARNING = ("quantized kernels NOT audited (--audit off): a faulty kern
 
 def load_audited(spec: str, weights: str, quantize: str | None, bits, group,
                   audit: str = "cached", phases: Phases | None = None, phase_prefix: str = "",
-                 fuse: bool = False, defer=()) -> tuple:
+                 fuse: bool = False, defer=(), after_load=None) -> tuple:
     """(loaded model, audit report, transform); the audit stages in `defer` run only where
-    their verdicts are cached (`AuditWork` runs the rest after serving starts)."""
+    their verdicts are cached (`AuditWork` runs the rest after serving starts). `after_load`
+    (the loaded model) is called before the quantization and the audit."""
     from lockstep.kernels.audit import audit_and_patch, audit_verdict_cache
     from lockstep.models.load import load_model
     from lockstep.models.quantize import quantize_model_in_memory
@@ -26,6 +27,8 @@ def load_audited(spec: str, weights: str, quantize: str | None, bits, group,
     phases = Phases() if phases is None else phases
     with phases.timed(phase_prefix + "load"):
         loaded = load_model(spec, weights="float32" if quantize else weights)
+    if after_load is not None:
+        after_load(loaded)
     transform = f"weights={loaded.weights}"
     if quantize:
         with phases.timed(phase_prefix + "quantize"):

@@ -221,7 +221,7 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
 
     from lockstep.kernels.invariance.selftest import ProofCache
     from lockstep.kernels.verdict_cache import VerdictCache
-    from lockstep.server.fingerprint import weights_digest
+    from lockstep.server.weights_digest import weights_digest_soon
 
     if options.speculative not in METHODS:
         raise ValueError(f"--speculative must be one of {METHODS}")
@@ -250,11 +250,15 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     # serve: the calls a first plain answer takes are audited now, the others (several requests'
     # rows, short prompt chunks; on CUDA wide ones too) by the engine thread after serving starts
     backend = backend_kind()
+    digest_of = []  # the weights' digest, hashed on a thread while the model is audited
+
+    def hash_weights(loaded) -> None:
+        digest_of.append(weights_digest_soon(str(loaded.path)))
     defer = deferred_stages(backend) if defer_guarantee and options.prepare_model is None else ()
     loaded, report, transform = model_loading.load_audited(options.model, options.weights, options.quantize,
                                               options.q_bits, options.q_group_size,
                                               options.audit, timings, fuse=options.fuse_projections,
-                                              defer=defer)
+                                              defer=defer, after_load=hash_weights)
     audited = AuditedRows(s for s in STAGES if report is None or s not in report.deferred)
     from lockstep.kernels.audit import compile_ahead as ahead
 
@@ -279,8 +283,8 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     if options.draft_model and speculation and not defer_draft and not no_draft:
         draft, draft_name = load_draft(options, loaded, timings)
 
-    with timings.timed("fingerprint"):  # reads every weight file once (cached per process)
-        digest = weights_digest(str(loaded.path))
+    with timings.timed("fingerprint"):  # what is left of it: it read the weight files during the audit
+        digest = digest_of[0]()
     fresh_proofs = options.audit == "fresh" or not options.reuse_proofs
     proofs = ProofCache(VerdictCache("selftest"), fresh=fresh_proofs,
                         model_identity={"weights": digest, "transform": transform})

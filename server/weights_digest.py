@@ -20,7 +20,9 @@ import json
 import logging
 import os
 import re
+import threading
 import time
+from typing import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -98,3 +100,25 @@ def weights_digest(model_dir: str) -> str:
         record = {"format": FORMAT, "dir": str(root), "files": identity, "sha256": digest}
         verdict_cache.write_file(entry, json.dumps(record, indent=1).encode(), "weights digest")
     return digest
+
+
+def weights_digest_soon(model_dir: str) -> Callable[[], str]:
+    """Start `weights_digest(model_dir)` on a thread of its own (its reads and hashing overlap the
+    caller's next work, e.g. the kernel audit); returns what waits for it and gives the digest,
+    or raises the thread's error."""
+    done: dict = {}
+
+    def work() -> None:
+        try:
+            done["digest"] = weights_digest(model_dir)
+        except Exception as exc:  # raised by the result, in the caller's thread
+            done["error"] = exc
+    thread = threading.Thread(target=work, name="weights-digest", daemon=True)
+    thread.start()
+
+    def result() -> str:
+        thread.join()
+        if "error" in done:
+            raise done["error"]
+        return done["digest"]
+    return result

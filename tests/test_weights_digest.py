@@ -202,3 +202,48 @@ def test_an_unwritable_cache_still_gives_the_digest(model_dir, monkeypatch, hash
     assert _restart(model_dir) == _reference_digest(model_dir)
     assert _restart(model_dir) == _reference_digest(model_dir)
     assert len(hashed) == 2
+
+
+def test_the_digest_soon_is_the_digest_and_an_error_of_its_thread_is_raised_by_its_result(
+        model_dir, monkeypatch, tmp_path):
+    assert wd.weights_digest_soon(str(model_dir))() == _reference_digest(model_dir)
+    wd.weights_digest.cache_clear()
+    monkeypatch.setenv("LOCKSTEP_VERDICT_CACHE_DIR", str(tmp_path / "no digest stored"))
+
+    def unreadable(files):
+        raise OSError("unreadable")
+    monkeypatch.setattr(wd, "content_digest", unreadable)
+    with pytest.raises(OSError, match="unreadable"):
+        wd.weights_digest_soon(str(model_dir))()
+
+
+def test_a_served_model_is_hashed_while_its_kernels_are_audited(tmp_path, monkeypatch):
+    """`build_runtime` starts the digest when the model is loaded: the audit waits here (up to
+    10 s) for the hashing to begin, which only a digest on a thread of its own does meanwhile."""
+    import threading
+
+    import lockstep.kernels.audit as audit
+    from lockstep.server.runtime import Options, build_runtime
+    from tests.synthetic import build_llama_dir, write_tiny_tokenizer
+
+    monkeypatch.setenv("LOCKSTEP_VERDICT_CACHE_DIR", str(tmp_path / "verdicts"))
+    path = build_llama_dir(tmp_path / "affine", q_mode="affine", hidden=256, intermediate=512, heads=4)
+    write_tiny_tokenizer(path)
+    hashing, overlapped = threading.Event(), []
+    real_audit, real_content = audit.audit_and_patch, wd.content_digest
+
+    def audit_and_patch(*args, **kwargs):
+        overlapped.append(hashing.wait(10))
+        return real_audit(*args, **kwargs)
+
+    def content(files):
+        hashing.set()
+        return real_content(files)
+    monkeypatch.setattr(audit, "audit_and_patch", audit_and_patch)
+    monkeypatch.setattr(wd, "content_digest", content)
+    wd.weights_digest.cache_clear()
+    try:
+        runtime = build_runtime(Options(model=str(path)))
+    finally:
+        wd.weights_digest.cache_clear()
+    assert overlapped == [True] and runtime.deployment.model_digest == _reference_digest(path)
