@@ -244,6 +244,7 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     if options.fuse_projections and options.prepare_model is not None:
         raise ValueError("--fuse-projections does not combine with distributed serving (its sharding "
                          "splits the separate projections)")
+    from lockstep.kernels.audit import compile_ahead as ahead
     from lockstep.kernels.audit.widths import STAGES, AuditedRows, deferred_stages
     from lockstep.kernels.backend_kind import backend_kind
 
@@ -260,8 +261,6 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
                                               options.audit, timings, fuse=options.fuse_projections,
                                               defer=defer, after_load=hash_weights)
     audited = AuditedRows(s for s in STAGES if report is None or s not in report.deferred)
-    from lockstep.kernels.audit import compile_ahead as ahead
-
     compile_ahead = (start_compile_ahead(loaded.model, report)
                      if report is not None and report.deferred and ahead.pays(backend) else None)
     if options.prepare_model is not None:
@@ -347,8 +346,8 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     log.info("startup: %s; total %.1fs%s%s", timings.line(), sum(timings.values()),
              " (self-test proof re-used from the cache)" if test and test.cached else "",
              "; the guarantee is proven after serving starts" if not runtime.guarantee.settled else "")
-    # the work left for the engine thread: the guarantee first (deterministic requests wait
-    # for it), then the draft model (until it is loaded, requests decode without its drafts),
+    # the work left for the engine thread: the audit's deferred stages, the guarantee
+    # (deterministic requests wait for both), then the draft model (until it is loaded, requests decode without its drafts),
     # then the batched-sampling proof (until it has run, deterministic rows sample alone)
     runtime.compile_ahead = compile_ahead
     work_left = ([AuditWork(runtime, options, proofs, stage) for stage in (report.deferred if report else ())]
