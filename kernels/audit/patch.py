@@ -231,9 +231,10 @@ def audit_model(model: nn.Module, *, seed: int = 0, prompt_rows: int = DEFAULT_P
     """
     start = time.perf_counter()
     configs, cached, deferred = [], 0, set()
-    # Audited together where nothing is deferred (one verdict, every kernel path in the table);
-    # else stage by stage, each stage's verdict cached apart.
-    units = [(stage,) for stage in stages] if defer else [tuple(stages)]
+    # The stages audited now together (one verdict, one reference decode of each layer); each
+    # deferred stage apart, its verdict cached as the later audit of that stage looks it up.
+    units = [unit for unit in [tuple(s for s in stages if s not in defer)] + [(s,) for s in stages if s in defer]
+             if unit]
     for cfg, layers in quantized_layers(model).items():
         result, from_cache = None, True
         untaken = untaken_paths(model, cfg)
