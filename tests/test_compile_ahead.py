@@ -14,6 +14,7 @@ from lockstep.kernels.audit import widths as audit_widths
 from lockstep.kernels.audit.compile_ahead import CompileAhead, child_widths, publish
 from lockstep.kernels.audit.patch import quantized_layers
 from lockstep.kernels.audit.probes import probe_paths
+from lockstep.kernels.audit.report import LayerConfig
 from lockstep.kernels.audit.widths import FIRST, NARROW, WIDE, stage_of
 from lockstep.kernels.verdict_cache import ROOT_ENV
 from lockstep.server.runtime import AuditWork, Options, build_runtime
@@ -131,3 +132,17 @@ def test_with_the_wide_stage_deferred_prompts_go_a_row_a_step_until_it_is_audite
     finally:
         engine.stop()
     assert all(ok for _, ok in spy.widths), spy.widths  # no call of a width before its audit
+
+
+def test_a_child_that_fails_is_done_with_its_error_logged_and_nothing_published(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "cache"))
+    failing = tmp_path / "python"
+    failing.write_text("#!/bin/sh\ncat > /dev/null\necho 'RuntimeError: no device' >&2\nexit 3\n")
+    failing.chmod(0o755)
+    config = LayerConfig(kind="linear", shape=(64, 256), mode="affine", bits=4, group_size=64, dtype="float32")
+    with caplog.at_level("WARNING", logger=compile_ahead.__name__):
+        ahead = CompileAhead.start([config], (NARROW,), python=str(failing))
+        assert ahead.ready(NARROW, timeout=60)
+    assert all(c.report is None and c.process.returncode == 3 for c in ahead.children)
+    assert "exited with 3: RuntimeError: no device" in caplog.text
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("*.ptx"))

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 # A child still running after this long is stopped; the audit then compiles what it needs itself.
 CHILD_TIMEOUT_S = 600.0
+REPORT, ERRORS = "report.json", "errors.txt"  # a child's stdout and stderr, in its directory
 
 
 def pays(backend: str) -> bool:
@@ -130,8 +131,10 @@ class CompileAhead:
         for stage, widths in child_widths(stages, rows_of):
             directory = Path(tempfile.mkdtemp(prefix="lockstep-compile-ahead-"))
             env = {**os.environ, "MLX_PTX_CACHE_DIR": str(directory)}
-            process = subprocess.Popen([python, "-m", __name__], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+            # its report and errors go to files (a pipe nobody reads while it runs could fill)
+            with open(directory / REPORT, "w") as out, open(directory / ERRORS, "w") as errors:
+                process = subprocess.Popen([python, "-m", __name__], stdin=subprocess.PIPE,
+                                           stdout=out, stderr=errors, env=env, text=True)
             process.stdin.write(json.dumps({**spec, "stage": stage, "widths": list(widths)}))
             process.stdin.close()
             children.append(_Child(stage, widths, process, directory, time.perf_counter()))
@@ -158,18 +161,19 @@ class CompileAhead:
             child.process.kill()
             child.process.wait()
             log.warning("compiling ahead (widths %s): stopped after %.0f s", list(child.widths), CHILD_TIMEOUT_S)
-        out = child.process.stdout.read()
-        child.process.stdout.close()
         try:
-            child.report = json.loads(out) if out.strip() else None
-        except ValueError:
+            child.report = json.loads((child.directory / REPORT).read_text())
+        except (OSError, ValueError):
             child.report = None
+        if child.process.returncode != 0:
+            errors = (child.directory / ERRORS).read_text(errors="replace").strip().splitlines()
+            log.warning("compiling ahead (widths %s): the child exited with %d%s", list(child.widths),
+                        child.process.returncode, f": {errors[-1]}" if errors else "")
         moved = publish(child.directory, self.cache) if self.cache else 0
         shutil.rmtree(child.directory, ignore_errors=True)
         child.published = True
-        log.info("compiled ahead (%s, widths %s) in %.1f s: %d kernel modules%s", child.stage,
-                 list(child.widths), time.perf_counter() - child.started, moved,
-                 "" if child.process.returncode == 0 else f" (the child exited with {child.process.returncode})")
+        log.info("compiled ahead (%s, widths %s) in %.1f s: %d kernel modules", child.stage,
+                 list(child.widths), time.perf_counter() - child.started, moved)
         return True
 
     def close(self) -> None:
