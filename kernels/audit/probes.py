@@ -2,7 +2,7 @@
 
 A probe calls the layer (or a workaround wrapper with the same interface) on fresh
 random inputs and compares with a float32 NumPy reference built from the decoded
-weight (`reference`). Paths: matmul at decode (M=1), short blocks (M=2..8), the
+weight (`reference`). Paths: matmul at decode (M=1), short blocks (M=2..24), the
 tiled matrix path (M>=33) and a prompt-sized M; embedding lookups of odd and even row
 counts (the gather+dequantize path) plus `as_linear` for tied heads; gather_qmm for
 MoE switch layers, unsorted at decode and sorted (mlx-lm sorts from 64 rows) for prompts.
