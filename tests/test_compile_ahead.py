@@ -7,7 +7,6 @@ import os
 import threading
 
 import httpx2 as httpx
-import pytest
 
 from lockstep.kernels.audit import compile_ahead
 from lockstep.kernels.audit import widths as audit_widths
@@ -19,16 +18,7 @@ from lockstep.kernels.audit.widths import FIRST, NARROW, WIDE, stage_of
 from lockstep.kernels.verdict_cache import ROOT_ENV
 from lockstep.server.runtime import AuditWork, Options, build_runtime
 from tests.http_server import running, wait_until
-from tests.synthetic import build_llama_dir, write_tiny_tokenizer
-from tests.test_audit_widths import WidthSpy, ask_together, serving
-
-
-@pytest.fixture(scope="module")
-def affine_dir(tmp_path_factory):
-    path = build_llama_dir(tmp_path_factory.mktemp("affine"), q_mode="affine", hidden=1024,
-                           intermediate=2048, heads=8)
-    write_tiny_tokenizer(path)
-    return path
+from tests.test_audit_widths import WidthSpy, affine_dir, ask_together, serving  # noqa: F401 (a fixture)
 
 
 def module_files(root, name, code=b"code"):

@@ -169,7 +169,7 @@ class CompileAhead:
             errors = (child.directory / ERRORS).read_text(errors="replace").strip().splitlines()
             log.warning("compiling ahead (widths %s): the child exited with %d%s", list(child.widths),
                         child.process.returncode, f": {errors[-1]}" if errors else "")
-        moved = publish(child.directory, self.cache) if self.cache else 0
+        moved = publish(child.directory, self.cache)
         shutil.rmtree(child.directory, ignore_errors=True)
         child.published = True
         log.info("compiled ahead (%s, widths %s) in %.1f s: %d kernel modules", child.stage,
@@ -186,21 +186,21 @@ class CompileAhead:
 
 
 def random_layer(cfg, rows: int):
-    """A quantized layer of `cfg` with `rows` output rows, random weights."""
+    """A quantized layer of `cfg` (a LayerConfig) with `rows` output rows, random weights."""
     import mlx.core as mx
     import mlx.nn as nn
 
-    dtype = getattr(mx, cfg["dtype"])
-    quant = dict(group_size=cfg["group_size"], bits=cfg["bits"], mode=cfg["mode"])
-    k = cfg["shape"][-1]
-    if cfg["kind"] == "linear":
-        layer = nn.QuantizedLinear(k, rows, bias=cfg["has_bias"], **quant)
-    elif cfg["kind"] == "embedding":
+    dtype = getattr(mx, cfg.dtype)
+    quant = dict(group_size=cfg.group_size, bits=cfg.bits, mode=cfg.mode)
+    k = cfg.shape[-1]
+    if cfg.kind == "linear":
+        layer = nn.QuantizedLinear(k, rows, bias=cfg.has_bias, **quant)
+    elif cfg.kind == "embedding":
         layer = nn.QuantizedEmbedding(rows, k, **quant)
     else:
         from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-        layer = QuantizedSwitchLinear(k, rows, cfg["shape"][0], bias=cfg["has_bias"], **quant)
+        layer = QuantizedSwitchLinear(k, rows, cfg.shape[0], bias=cfg.has_bias, **quant)
     # affine scales and biases are in the activation dtype; fp modes' scales stay uint8
     layer.update({name: layer[name].astype(dtype) for name in ("scales", "biases", "bias")
                   if name in layer and mx.issubdtype(layer[name].dtype, mx.floating)})
@@ -209,8 +209,8 @@ def random_layer(cfg, rows: int):
 
 def compile_widths(spec: dict) -> list:
     """The child's work: every probe of `spec["stage"]` at `spec["widths"]` on a random layer of
-    each configuration.
-    Returns, per configuration, its label and the paths run with their seconds."""
+    each configuration. Returns, per configuration, its label, the paths run and their seconds
+    (or the error)."""
     from .patch import _probe_every_path
     from .probes import probe_paths
     from .report import LayerConfig
@@ -228,7 +228,7 @@ def compile_widths(spec: dict) -> list:
         whole = any(full_size(p, r, n, backend) for p, r in paths)
         started = time.perf_counter()
         try:
-            layer = random_layer(dataclasses.asdict(cfg), n if whole else sliced_rows(n, backend))
+            layer = random_layer(cfg, n if whole else sliced_rows(n, backend))
             # the probes slice a layer of n rows; one already of the slice's size stays whole
             results = _probe_every_path(layer, cfg, spec["seed"], spec["prompt_rows"], backend,
                                         stages=(stage,), untaken=untaken, widths=widths) or []
