@@ -62,17 +62,19 @@ def workarounds_label(report) -> str:
     return ";workarounds=" + ",".join(f"{c.config.label()}:{c.verdict}" for c in report.patched)
 
 
-def load_draft(options, loaded, timings: Phases) -> tuple:
-    """(draft model, its name): loaded, quantized (`default-quantized`: a 4-bit copy of the
-    target) and audited like a served model. ValueError: it cannot draft for `loaded`."""
+def load_draft(options, loaded, timings: Phases, defer=()) -> tuple:
+    """(draft model, its name, its audit report or None): loaded, quantized (`default-quantized`:
+    a 4-bit copy of the target) and audited like a served model, the audit stages in `defer`
+    only where their verdicts are cached (`report.deferred`: the rest, for the caller to audit
+    before it drafts). ValueError: it cannot draft for `loaded`."""
     if options.draft_model == "default-quantized":
         # a 4-bit copy of the target: cheap to make, and it agrees with it often
-        draft_loaded, _, _ = load_audited(options.model, "auto", "affine", 4, 32, options.audit, timings,
-                                           phase_prefix="draft_")
+        draft_loaded, report, _ = load_audited(options.model, "auto", "affine", 4, 32, options.audit, timings,
+                                               phase_prefix="draft_", defer=defer)
         draft_name = f"{loaded.name} (affine 4-bit g32 copy)"
     else:
-        draft_loaded, _, _ = load_audited(options.draft_model, "auto", None, None, None, options.audit, timings,
-                                           phase_prefix="draft_")
+        draft_loaded, report, _ = load_audited(options.draft_model, "auto", None, None, None, options.audit,
+                                               timings, phase_prefix="draft_", defer=defer)
         draft_name = draft_loaded.name
         from lockstep.server.engine.decoding.drafters import draft_tokenizer_problem
 
@@ -83,7 +85,7 @@ def load_draft(options, loaded, timings: Phases) -> tuple:
     if not rewindable(draft_loaded.model):
         raise ValueError(f"--draft-model {options.draft_model}: its recurrent state cannot be rewound "
                          f"past rejected drafts; use a draft with plain KV caches")
-    return draft_loaded.model, draft_name
+    return draft_loaded.model, draft_name, report
 
 
 def rewindable(model) -> bool:

@@ -261,8 +261,8 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
                                               options.audit, timings, fuse=options.fuse_projections,
                                               defer=defer, after_load=hash_weights)
     audited = AuditedRows(s for s in STAGES if report is None or s not in report.deferred)
-    compile_ahead = (start_compile_ahead(loaded.model, report)
-                     if report is not None and report.deferred and ahead.pays(backend) else None)
+    compile_ahead = (ahead.CompileAhead.for_report(loaded.model, report)
+                     if report is not None and ahead.pays(backend) else None)
     if options.prepare_model is not None:
         transform += ";" + options.prepare_model(loaded.model)
 
@@ -280,7 +280,7 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
         log.warning("%s: serving without a draft model", no_draft)
     defer_draft = bool(options.draft_model and speculation and defer_guarantee and not no_draft)
     if options.draft_model and speculation and not defer_draft and not no_draft:
-        draft, draft_name = load_draft(options, loaded, timings)
+        draft, draft_name, _ = load_draft(options, loaded, timings)
 
     with timings.timed("fingerprint"):  # what is left of it: it read the weight files during the audit
         digest = digest_of[0]()
@@ -356,21 +356,6 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
                  + ([sampling] if defer_guarantee and limit else []))
     runtime.pending = work_left or None
     return runtime
-
-
-def start_compile_ahead(model, report):
-    """Child processes compiling the kernels of the stages `report` deferred, for its
-    configurations still on their own kernels (a stand-in was probed on every path)."""
-    from lockstep.kernels.audit.compile_ahead import CompileAhead
-    from lockstep.kernels.audit.patch import quantized_layers, untaken_paths
-    from lockstep.kernels.audit.report import OK
-
-    verdicts = {c.config: c.verdict for c in report.configs}
-    configs = [cfg for cfg in quantized_layers(model) if verdicts.get(cfg) == OK]
-    if not configs:
-        return None
-    return CompileAhead.start(configs, report.deferred,
-                              untaken={cfg: untaken_paths(model, cfg) for cfg in configs})
 
 
 def _all_audited():

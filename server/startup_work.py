@@ -174,6 +174,25 @@ class SamplingWork:
                 " (re-used from the verdict cache)" if self.proof.cached else f" ({self.proof.seconds:.1f} s)")
 
 
+def audit_stage_when_compiled(model, stage: str, ahead, *, fresh: bool):
+    """The audit of one deferred `stage` of `model` on the engine thread, each configuration's
+    workaround swapped in as soon as its verdict is in; first, where children compile the
+    stage's kernels (`ahead`: kernels/audit/compile_ahead.py), it waits for them, serving the
+    requests at audited widths between polls."""
+    from lockstep.kernels.audit import audit_model, audit_verdict_cache, patch_config
+    from lockstep.kernels.audit.report import OK, REFUSED as REFUSED_VERDICT
+    from lockstep.kernels.proof_steps import step_done
+
+    def patch(result, layers) -> None:
+        if result.verdict not in (OK, REFUSED_VERDICT):
+            patch_config(model, result.config, layers, result.verdict)
+            mx.eval(model.parameters())
+
+    while ahead is not None and not ahead.ready(stage, timeout=0.05):
+        step_done()
+    return audit_model(model, cache=audit_verdict_cache(), fresh=fresh, stages=(stage,), on_result=patch)
+
+
 @dataclass
 class AuditWork:
     """One stage of the kernel audit left when serving started (kernels/audit/widths.py: calls
@@ -191,24 +210,13 @@ class AuditWork:
     stage: str
 
     def run(self) -> Deployment:
-        from lockstep.kernels.audit import audit_model, audit_verdict_cache, merge_reports, patch_config
-        from lockstep.kernels.audit.report import OK, REFUSED as REFUSED_VERDICT
-        from lockstep.kernels.proof_steps import step_done
+        from lockstep.kernels.audit import merge_reports
 
         runtime = self.runtime
-        model, first = runtime.loaded.model, runtime.audit
-
-        def patch(result, layers) -> None:
-            if result.verdict not in (OK, REFUSED_VERDICT):
-                patch_config(model, result.config, layers, result.verdict)
-                mx.eval(model.parameters())
-
+        first = runtime.audit
         with runtime.timings.timed(f"audit_{self.stage}_after_start"):
-            ahead = runtime.compile_ahead
-            while ahead is not None and not ahead.ready(self.stage, timeout=0.05):
-                step_done()  # requests at audited widths are served meanwhile
-            later = audit_model(model, cache=audit_verdict_cache(), fresh=self.options.audit == "fresh",
-                                stages=(self.stage,), on_result=patch)
+            later = audit_stage_when_compiled(runtime.loaded.model, self.stage, runtime.compile_ahead,
+                                              fresh=self.options.audit == "fresh")
         report = merge_reports(first, later)
         report.deferred = first.deferred if report.refused else tuple(s for s in first.deferred if s != self.stage)
         if report.refused:
@@ -244,7 +252,9 @@ class DraftWork:
     """Loading the draft model (load, quantize, audit) after serving started: the engine runs it
     after the guarantee's proofs, serving between the audit's configurations. Until it is done,
     requests that would draft from it decode without drafts (the same tokens for deterministic
-    requests: drafts change the speed only)."""
+    requests: drafts change the speed only). Where MLX compiles its quantized kernels at first
+    use (CUDA: kernels/audit/compile_ahead.py), the draft's wide and narrow calls are audited as
+    the target's are: once children have compiled their kernels, serving meanwhile."""
 
     runtime: object  # server.runtime.Runtime
     options: object  # server.runtime.Options
@@ -252,7 +262,7 @@ class DraftWork:
     def run(self) -> Deployment:
         runtime = self.runtime
         try:
-            draft, name = load_draft(self.options, runtime.loaded, runtime.timings)
+            draft, name = self._load()
             runtime.deployment = dataclasses.replace(runtime.deployment, draft_model=draft, draft_name=name)
             if self.options.draft_where_it_pays:
                 runtime.deployment = assess_draft(runtime, self.options)
@@ -263,6 +273,28 @@ class DraftWork:
                                              draft_problem=f"{type(exc).__name__}: {exc}")
         runtime.deployment = deployment
         return deployment
+
+    def _load(self):
+        from lockstep.kernels.audit import compile_ahead, merge_reports, raise_if_refused
+        from lockstep.kernels.audit.widths import deferred_stages
+        from lockstep.kernels.backend_kind import backend_kind
+
+        backend = backend_kind()
+        defer = deferred_stages(backend) if compile_ahead.pays(backend) else ()
+        draft, name, report = load_draft(self.options, self.runtime.loaded, self.runtime.timings, defer=defer)
+        if report is None or not report.deferred:
+            return draft, name
+        with self.runtime.timings.timed("draft_audit_after_compiles"):
+            ahead, stages = compile_ahead.CompileAhead.for_report(draft, report), report.deferred
+            try:
+                for stage in stages:
+                    report = merge_reports(report, audit_stage_when_compiled(
+                        draft, stage, ahead, fresh=self.options.audit == "fresh"))
+                    raise_if_refused(report)
+            finally:
+                if ahead is not None:
+                    ahead.close()
+        return draft, name
 
     def settle(self) -> None:
         if self.runtime.deployment.draft_model is not None and not self.runtime.deployment.draft_refusal:

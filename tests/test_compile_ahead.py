@@ -7,6 +7,7 @@ import os
 import threading
 
 import httpx2 as httpx
+import pytest
 
 from lockstep.kernels.audit import compile_ahead
 from lockstep.kernels.audit import widths as audit_widths
@@ -18,6 +19,7 @@ from lockstep.kernels.audit.widths import FIRST, NARROW, WIDE, stage_of
 from lockstep.kernels.verdict_cache import ROOT_ENV
 from lockstep.server.runtime import AuditWork, Options, build_runtime
 from tests.http_server import running, wait_until
+from tests.synthetic import build_llama_dir, write_tiny_tokenizer
 from tests.test_audit_widths import WidthSpy, affine_dir, ask_together, serving  # noqa: F401 (a fixture)
 
 
@@ -78,12 +80,16 @@ def test_the_children_probe_their_widths_of_every_configuration_and_publish(affi
 class HeldChildren:
     """Stands in for the children: not ready until released; counts the polls."""
 
-    def __init__(self):
-        self.release, self.polls = threading.Event(), 0
+    def __init__(self, configs=(), stages=()):
+        self.configs, self.stages = list(configs), tuple(stages)
+        self.release, self.polls, self.closed = threading.Event(), 0, False
 
     def ready(self, stage, timeout=0.0):
         self.polls += 1
         return self.release.wait(timeout)
+
+    def close(self):
+        self.closed = True
 
 
 PROMPT = " ".join(f"w{5 + i}" for i in range(40))  # a prompt of over 33 tokens: a wide chunk once allowed
@@ -136,3 +142,51 @@ def test_a_child_that_fails_is_done_with_its_error_logged_and_nothing_published(
     assert all(c.report is None and c.process.returncode == 3 for c in ahead.children)
     assert "exited with 3: RuntimeError: no device" in caplog.text
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("*.ptx"))
+
+
+@pytest.fixture(scope="module")
+def aligned_float_dir(tmp_path_factory):
+    """float32, every dim a multiple of 64: its 4-bit copy quantizes every layer."""
+    path = build_llama_dir(tmp_path_factory.mktemp("float"), hidden=1024, intermediate=2048, heads=8)
+    write_tiny_tokenizer(path)
+    return path
+
+
+def test_a_draft_model_waits_for_its_own_children_while_requests_are_answered(aligned_float_dir, tmp_path, monkeypatch):
+    """On CUDA the draft's wide and narrow calls compile tiles as the target's do: `DraftWork`
+    audits them once children have compiled their kernels, the engine serving meanwhile (the
+    draft's verdicts then cached stage by stage: a restart defers nothing)."""
+    from lockstep.server import draft_assessment
+    from lockstep.server.engine.decoding import draft_costs
+    from lockstep.server.model_loading import load_draft
+
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path / "verdicts"))
+    monkeypatch.setattr(audit_widths, "deferred_stages", lambda backend: (WIDE, NARROW))
+    monkeypatch.setattr(compile_ahead, "pays", lambda backend: True)
+    monkeypatch.setattr(draft_assessment, "no_cheap_draft", lambda options: "")  # as on a GPU
+    monkeypatch.setattr(draft_costs, "measure_draft_costs",
+                        lambda target, draft: draft_costs.DraftCosts(0.01, 0.001, 0.001))
+    held = []
+    monkeypatch.setattr(CompileAhead, "start", classmethod(
+        lambda cls, configs, stages, **kw: held.append(HeldChildren(configs, stages)) or held[-1]))
+    options = Options(model=str(aligned_float_dir), draft_model="default-quantized")
+    runtime = build_runtime(options, defer_guarantee=True)
+    assert not held and runtime.audited.complete  # a float target: nothing of its own to compile
+    engine, app = serving(runtime)
+    engine.start(runtime.pending)
+    try:
+        with running(app) as base:
+            wait_until(lambda: held and held[0].polls > 0, what="the draft's children to be polled")
+            children = held[0]
+            assert children.stages == (WIDE, NARROW) and children.configs
+            assert {(c.mode, c.bits, c.group_size) for c in children.configs} == {("affine", 4, 32)}
+            ask_together(base, ["w3 w4", "w5 w6"])  # answered while the draft waits
+            assert engine.deployment.draft_loading and engine.deployment.draft_model is None
+            children.release.set()
+            wait_until(lambda: not engine.deployment.draft_loading, timeout=300, what="the draft model")
+    finally:
+        engine.stop()
+    assert engine.deployment.draft_model is not None and not engine.deployment.draft_problem
+    assert children.closed and len(held) == 1 and "draft_audit_after_compiles" in runtime.timings
+    _, _, again = load_draft(options, runtime.loaded, runtime.timings, defer=(WIDE, NARROW))
+    assert again.deferred == () and len(again.configs) == len(children.configs)

@@ -8,7 +8,7 @@ kernels/verdict_cache.py.
     report = audit_and_patch(model, cache=audit_verdict_cache())
 """
 from .patch import (AuditReport, apply_workarounds, audit_and_patch, audit_model,
-                    audit_verdict_cache, format_table, merge_reports, patch_config, summary)
+                    audit_verdict_cache, format_table, merge_reports, patch_config, raise_if_refused, summary)
 
 __all__ = ["AuditReport", "apply_workarounds", "audit_and_patch", "audit_model",
-           "audit_verdict_cache", "format_table", "merge_reports", "patch_config", "summary"]
+           "audit_verdict_cache", "format_table", "merge_reports", "patch_config", "raise_if_refused", "summary"]

@@ -142,6 +142,19 @@ class CompileAhead:
                  " and ".join(stages), len(children), ", ".join(str(list(c.widths)) for c in children))
         return cls(children, cache)
 
+    @classmethod
+    def for_report(cls, model, report) -> CompileAhead | None:
+        """Children for the stages `report` deferred, over `model`'s configurations still on
+        their own kernels (one given a stand-in was probed on every path); None if none is."""
+        from .patch import quantized_layers, untaken_paths
+        from .report import OK
+
+        verdicts = {c.config: c.verdict for c in report.configs}
+        configs = [cfg for cfg in quantized_layers(model) if verdicts.get(cfg, OK) == OK]
+        if not configs or not report.deferred:
+            return None
+        return cls.start(configs, report.deferred, untaken={cfg: untaken_paths(model, cfg) for cfg in configs})
+
     def ready(self, stage: str, timeout: float = 0.0) -> bool:
         """Whether every child of `stage` is done and its kernels published; waits up to `timeout`."""
         deadline = time.perf_counter() + timeout

@@ -299,6 +299,14 @@ def merge_reports(earlier: AuditReport, later: AuditReport) -> AuditReport:
                        cached=earlier.cached, deferred=later.deferred)
 
 
+def raise_if_refused(report: AuditReport) -> None:
+    """`ModelError` naming each refused configuration's first layer and failing paths."""
+    from lockstep.models.errors import ModelError
+
+    if report.refused:
+        raise ModelError(_refusal(report))
+
+
 def _refusal(report: AuditReport) -> str:
     lines = []
     for c in report.refused:
@@ -314,10 +322,7 @@ def apply_workarounds(model: nn.Module, report: AuditReport) -> list[str]:
     Raises `ModelError` naming the layer and failing paths if any configuration was
     refused (nothing is patched then).
     """
-    from lockstep.models.errors import ModelError
-
-    if report.refused:
-        raise ModelError(_refusal(report))
+    raise_if_refused(report)
     verdicts = {c.config: c.verdict for c in report.patched}
     patched = []
     for cfg, layers in quantized_layers(model).items():
