@@ -62,6 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV cache budget in tokens: requests are admitted while their prompt + "
                              "max_tokens fit, the rest queue (default: half the memory MLX may still "
                              "use after loading the model)")
+    parser.add_argument("--memory-limit", type=byte_size, default=None, metavar="BYTES",
+                        help="the most device memory this server uses: MLX's memory limit and its buffer "
+                             "cache's, so several servers can share one GPU (suffixes K, M, G; default: "
+                             "MLX's own, sized from the whole device); the default --max-kv-tokens is half "
+                             "of what it leaves after the model")
     parser.add_argument("--prefix-cache-entries", type=int, default=DEFAULT_PREFIX_CACHE_ENTRIES,
                         help="prompt KV snapshots kept in memory for reuse (0 = off)")
     parser.add_argument("--prompt-cache-bytes", type=byte_size, default=DEFAULT_PROMPT_CACHE_BYTES, metavar="BYTES",
@@ -145,6 +150,8 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
     given = [v for v in (args.max_active, args.max_batch_rows, args.max_kv_tokens) if v is not None]
     if min(given, default=1) < 1:
         raise ValueError("--max-active, --max-batch-rows and --max-kv-tokens must be >= 1")
+    if args.memory_limit is not None and args.memory_limit < 1:
+        raise ValueError("--memory-limit must be above 0")
     check_per_request(args.max_active_per_request, args.max_active)
     if not args.guarantee_timeout >= 0:
         raise ValueError("--guarantee-timeout must be >= 0")
@@ -172,7 +179,7 @@ def start_engine(args: argparse.Namespace, world=None, watchdog=None):
     of the model, proofs every rank agrees on, rank 0's KV budget and pass costs and the
     topology in the fingerprint, a `ReplicatedEngine` whose failure reaches the clients.
     """
-    from lockstep.server.engine.scheduling.kv_budget import default_kv_tokens
+    from lockstep.server.engine.scheduling.kv_budget import check_memory_left, default_kv_tokens
     from lockstep.server.runtime import build_runtime
 
     options = options_from_args(args)
@@ -186,6 +193,7 @@ def start_engine(args: argparse.Namespace, world=None, watchdog=None):
         # One process proves its guarantee after serving starts (the engine thread runs the
         # proofs between plain passes); a world's ranks agree on theirs before.
         runtime = build_runtime(options, defer_guarantee=world is None)  # logs model, load time, audit
+        check_memory_left(args.memory_limit)
         kv_tokens = args.max_kv_tokens or default_kv_tokens(runtime.loaded.model)
         admission = serve_admission(args, runtime, kv_tokens, gpu=world is None and on_gpu())
         settings = dict(max_active=admission.max_active, max_batch_rows=admission.max_batch_rows,
@@ -207,6 +215,15 @@ def start_engine(args: argparse.Namespace, world=None, watchdog=None):
         watchdog.on_fail.append(engine.fail_clients)
         watchdog.enter("serving", args.rank_timeout)
     return runtime, engine.start(runtime.pending)
+
+
+def apply_memory_limit(args: argparse.Namespace) -> None:
+    """`--memory-limit`, before MLX allocates anything (server/engine/scheduling/kv_budget.py)."""
+    if args.memory_limit:
+        from lockstep.server.engine.scheduling.kv_budget import apply_memory_limit as hold
+
+        hold(args.memory_limit)
+        log.info("device memory held to %.2f GB (--memory-limit)", args.memory_limit / (1 << 30))
 
 
 def on_gpu() -> bool:
@@ -308,6 +325,7 @@ def _run_one_process(args: argparse.Namespace, socks: list) -> int:
 
     apply_cuda_graphs(args)
     apply_cpu_blas(args)
+    apply_memory_limit(args)
     try:  # a busy port is reported now, not after the model load
         sock = shutdown.bind(args.host, args.port)
     except OSError as exc:
@@ -354,6 +372,7 @@ def run_rank(args: argparse.Namespace) -> int:
 
     apply_cuda_graphs(args)
     apply_cpu_blas(args)  # may re-exec this process (same pid, same launcher variables)
+    apply_memory_limit(args)
     try:
         check_engine_arguments(args)
         connections = connection_limits(args)

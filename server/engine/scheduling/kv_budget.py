@@ -28,6 +28,24 @@ def kv_bytes_per_token(model) -> int:
     return max(1, total)
 
 
+def apply_memory_limit(limit_bytes: int) -> None:
+    """Hold this process to `limit_bytes` of device memory (`serve --memory-limit`, before the
+    model loads): MLX's memory limit and its buffer cache's. MLX sizes both from the whole device
+    (CUDA: 80 % of the card each), so servers sharing a card would each plan for all of it; the
+    default KV budget is then half of what the limit leaves after the model."""
+    mx.set_memory_limit(limit_bytes)
+    mx.set_cache_limit(limit_bytes)
+
+
+def check_memory_left(limit_bytes: int | None) -> None:
+    """ValueError where the model alone took what `--memory-limit` gives: no room for any KV."""
+    active = mx.get_active_memory()
+    if limit_bytes is not None and active >= limit_bytes:
+        gb = 1 << 30
+        raise ValueError(f"--memory-limit {limit_bytes / gb:.2f} GB leaves nothing for the KV cache: the model "
+                         f"takes {active / gb:.2f} GB; give more")
+
+
 def default_kv_tokens(model) -> int:
     free = max(0, mx.get_memory_limit() - mx.get_active_memory())
     return max(1, int(DEFAULT_MEMORY_FRACTION * free) // kv_bytes_per_token(model))
