@@ -4,7 +4,7 @@ On this machine (CPU), from the project root:
 
     .venv/bin/python bench/startup.py [--only embedded] [--only nvfp4] [--restarts 3] [--out FILE]
 
-On the GPU machine (a source tree at /tmp/src, docs/DESIGN.md's "Device runs"), from /tmp/src:
+On the GPU machine (a source tree at /tmp/src, bench/README.md's "On the lent H200"), from /tmp/src:
 
     PYTHONPATH=/tmp/site:/tmp/ns:/tmp/src python3 bench/startup.py --only h200-float16 \\
         --only h200-nvfp4 --only h200-float16-l16 --out /tmp/startup.md   # then copy it to $OUT
