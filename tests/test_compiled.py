@@ -13,7 +13,7 @@ import threading
 import mlx.core as mx
 import pytest
 
-from lockstep.kernels.custom import attention, compiled, gemv_rows, nvrtc, skinny, smoke_cache
+from lockstep.kernels.custom import attention, compiled, gemv_rows, nvrtc, skinny, smoke_cache, split_attention
 from lockstep.kernels.custom.precompile import instances_for, linear_shapes, precompile_for
 from tiny_models import tiny_llama
 
@@ -200,7 +200,8 @@ def test_the_architecture_flag_is_mlxs():
 
 def _families():
     """(family, template) of each CUDA kernel family, one instance each."""
-    out = [gemv_rows.instances(5, 70, 192, mx.float16)[0], attention.instances(mx.bfloat16, 128)[0]]
+    out = [gemv_rows.instances(5, 70, 192, mx.float16)[0], attention.instances(mx.bfloat16, 128)[0],
+           split_attention.instances(mx.float32, 64)[0]]
     for kind, group in (("dense", 0), ("affine", 64), ("nvfp4", 0)):
         out += skinny.instances(kind, 3, 48, 128, mx.bfloat16, group)  # tensor cores
         out += skinny.instances(kind, 3, 48, 128, mx.float32, group)  # the scalar kernel
@@ -208,7 +209,7 @@ def _families():
 
 
 def _signature(wrapper):
-    head = re.match(r'extern "C" __global__ void (\w+)\(([^)]*)\) \{', wrapper)
+    head = re.match(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(([^)]*)\) \{', wrapper)
     params = [re.fullmatch(r"(.+?)\s*(\w+)", p.strip()).groups() for p in head.group(2).split(",")]
     return head.group(1), params
 
@@ -221,7 +222,7 @@ def _device_function(header, call):
     return [re.search(r"(\w+)$", p.strip()).group(1) for p in found.group(1).split(",")]
 
 
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(9))
 def test_each_wrapper_is_inputs_outputs_then_the_int_scalars_the_body_passes_on(index):
     family, template = _families()[index]
     symbol, params = _signature(family.wrapper(template))
@@ -244,6 +245,22 @@ def test_each_wrapper_is_inputs_outputs_then_the_int_scalars_the_body_passes_on(
     assert old[-len(family.scalars):] == [expr for _, expr in family.scalars]
     for name, value in template:
         assert re.search(rf"(constexpr (int|bool) {name} = |using {name} = )", family.wrapper(template))
+
+
+def test_a_family_of_blocks_above_256_threads_bounds_its_wrapper_by_the_block_it_launches(recorded):
+    """Unbounded, NVRTC 13.5 gave split_attention's float32 instances 130 registers a thread,
+    more than its 512-thread block may hold: their launch failed on an H100 (85-88 bounded)."""
+    bounded = {}
+    for family, template in _families():
+        head = family.wrapper(template).splitlines()[0]
+        bounded[family.name] = re.search(r"__launch_bounds__\((\d+)\)", head)
+    assert int(bounded.pop("lockstep_split_attention").group(1)) == split_attention.THREADS == 512
+    assert not any(bounded.values())  # blocks of 256 threads or fewer: no bound needed
+    _, calls = recorded
+    q = mx.ones((1, 4, 3, 64), dtype=mx.float32)
+    k = v = mx.ones((2, 300, 64), dtype=mx.float32)
+    split_attention.kernel_attention(q, k, v, attention.PoolRows([0, 5, 40], [1, 31, 33]), 0.125)
+    assert calls[0]["threadgroup"] == (split_attention.family().threads, 1, 1)
 
 
 def test_instances_have_distinct_symbols_and_one_kernel_per_source():

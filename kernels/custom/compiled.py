@@ -76,10 +76,15 @@ class Family:
 
     inputs / outputs: (name, type) in launch order, type a C type or the name of a dtype
     template value ("T"); scalars: (name, the `<input>_shape[i]` expression of the body it
-    replaces) in the order they follow the outputs. Identity-hashed (one per kernel)."""
+    replaces) in the order they follow the outputs. `threads`: the block size every launch
+    uses, given where it is above 256: the wrapper then says it (`__launch_bounds__`), so the
+    compiler keeps each instance within the registers such a block may hold (65,536: 128 a
+    thread at 512), which it does not assume otherwise. Identity-hashed (one per kernel)."""
 
-    def __init__(self, name: str, group: str, header: str, body: str, inputs, outputs, scalars):
+    def __init__(self, name: str, group: str, header: str, body: str, inputs, outputs, scalars,
+                 threads: int | None = None):
         self.name, self.group, self.header, self.body = name, group, header, body
+        self.threads = threads
         self.inputs, self.outputs = tuple(inputs), tuple(outputs)
         self.scalars = tuple(scalars)
         call = body
@@ -120,7 +125,8 @@ class Family:
     def wrapper(self, template) -> str:
         types = _c_types()
         params = ", ".join(f"{t} {n}" for t, n in self.parameters(template))
-        lines = [f'extern "C" __global__ void {self.symbol(template)}({params}) {{']
+        bounds = f"__launch_bounds__({self.threads}) " if self.threads else ""
+        lines = [f'extern "C" __global__ void {bounds}{self.symbol(template)}({params}) {{']
         for name, value in template:
             if isinstance(value, bool):
                 lines.append(f"  constexpr bool {name} = {'true' if value else 'false'};")

@@ -43,8 +43,11 @@ def _kernel():
 
 @lru_cache(maxsize=None)
 def family() -> compiled.Family:
+    # 512 threads a block: unbounded, NVRTC gave the float32 instances more registers than such a
+    # block may hold, and their launch failed (docs/DESIGN.md, Kernels)
     return compiled.Family("lockstep_split_attention", "attention", _header(), _BODY,
-                           inputs=list(zip(_INPUTS, _INPUT_TYPES)), outputs=[("out", "T")], scalars=_SCALARS)
+                           inputs=list(zip(_INPUTS, _INPUT_TYPES)), outputs=[("out", "T")], scalars=_SCALARS,
+                           threads=THREADS)
 
 
 @lru_cache(maxsize=4096)
