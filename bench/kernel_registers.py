@@ -1,22 +1,26 @@
-"""Registers a thread of each precompiled kernel instance whose block is above 256 threads
-(kernels/custom/compiled.py `Family.threads`), compiled by NVRTC here, no GPU needed: a block
-may hold 65,536 registers, so 512 threads may use 128 each, and a launch above that fails
-("too many resources requested for launch"). With --unbounded, beside each the instance
-compiled without its `__launch_bounds__` (what the wrapper was before it said its block).
+"""Registers and spills a thread of lockstep's CUDA kernel instances, compiled here by NVRTC
+(ptxas's report), no GPU needed. A block may hold 65,536 registers: a 512-thread block's
+threads 128 each, a 256-thread block's 255 (the most a thread may have); above that a launch
+fails ("too many resources requested for launch"), and a thread that needs more spills to
+local memory. Two tables:
+
+- the instances whose block is above 256 threads (kernels/custom/compiled.py
+  `Family.threads`), with --unbounded each also compiled without its `__launch_bounds__`;
+- `qmv_rows` (256-thread blocks) at each columns-a-warp R and rows-a-warp MR its launch plans
+  may take, per format, with the blocks an SM can hold by registers.
 
     pip download --no-deps -d /tmp/nvrtc "nvidia-cuda-nvrtc>=13" "nvidia-cuda-runtime>=13"
     (unzip both wheels into /tmp/nvrtc/x)
     .venv/bin/python bench/kernel_registers.py --nvrtc /tmp/nvrtc/x/nvidia/cu13/lib/libnvrtc.so.13 \\
         --include /tmp/nvrtc/x/nvidia/cu13/include --unbounded
 
-The count is read from the cubin's `.nv.info` section (EIATTR_REGCOUNT). Prints a table;
-asserts nothing.
+Prints markdown tables; asserts nothing.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
-import struct
+import re
 import sys
 from pathlib import Path
 
@@ -24,41 +28,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from lockstep.kernels.custom import nvrtc, split_attention  # noqa: E402
+from lockstep.kernels.custom import nvrtc, qmv_rows, split_attention  # noqa: E402
 
 REGISTERS_A_BLOCK = 65536
-EIATTR_REGCOUNT, EIFMT_SVAL = 0x2F, 0x04
+QMV_FORMATS = (("nvfp4", 4, 16), ("mxfp4", 4, 32), ("affine", 4, 64), ("affine", 8, 64), ("mxfp8", 8, 32))
 
 
-def sections(blob: bytes) -> dict[str, bytes]:
-    """An ELF64 file's sections by name."""
-    shoff = struct.unpack_from("<Q", blob, 0x28)[0]
-    entry, count, names = struct.unpack_from("<HHH", blob, 0x3A)
-    heads = [struct.unpack_from("<IIQQQQ", blob, shoff + i * entry) for i in range(count)]
-    strings = heads[names][4]
-    out = {}
-    for name, _, _, _, offset, size in heads:
-        end = blob.index(b"\0", strings + name)
-        out[blob[strings + name:end].decode()] = blob[offset:offset + size]
-    return out
-
-
-def register_counts(cubin: bytes) -> list[int]:
-    """EIATTR_REGCOUNT of every kernel in the cubin."""
-    counts = []
-    for name, data in sections(cubin).items():
-        if not name.startswith(".nv.info"):
-            continue
-        i = 0
-        while i + 4 <= len(data):
-            form, attribute, size = struct.unpack_from("<BBH", data, i)
-            if form != EIFMT_SVAL:
-                i += 4
-                continue
-            if attribute == EIATTR_REGCOUNT and size == 8:
-                counts.append(struct.unpack_from("<II", data, i + 4)[1])
-            i += 4 + size
-    return counts
+def report(compiler, source: str, options) -> tuple[int, int, int]:
+    """(registers, spill stores, spill loads) in bytes a thread, from ptxas's report."""
+    log: list[str] = []
+    compiler.compile(source, [*options, "--ptxas-options=-v"], log=log)
+    used = re.search(r"Used (\d+) registers", log[0])
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log[0])
+    return int(used.group(1)), int(spills.group(1)), int(spills.group(2))
 
 
 def unbounded(source: str) -> str:
@@ -66,29 +48,54 @@ def unbounded(source: str) -> str:
     return source[:start] + source[source.index(")", start) + 2:]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nvrtc", required=True, help="libnvrtc.so path")
-    parser.add_argument("--include", required=True, help="the CUDA headers' directory (cuda_fp16.h)")
-    parser.add_argument("--arch", default="sm_90a", help="NVRTC's architecture (default sm_90a: H100, H200)")
-    parser.add_argument("--unbounded", action="store_true", help="also compile each without its bound")
-    args = parser.parse_args()
-    compiler = nvrtc.Nvrtc(ctypes.CDLL(args.nvrtc))
-    options = ["--device-as-default-execution-space", f"--gpu-architecture={args.arch}", f"--include-path={args.include}"]
-    print(f"NVRTC {'.'.join(map(str, compiler.version()))}, {args.arch}\n")
-    print("| instance | threads a block | registers a thread | fits |" + (" unbounded | fits |" if args.unbounded else ""))
-    print("|---|---|---|---|" + ("---|---|" if args.unbounded else ""))
+def wide_blocks(compiler, options, with_unbounded: bool) -> None:
+    print("| instance | threads a block | registers a thread | spills (bytes) | fits |"
+          + (" unbounded: registers | fits |" if with_unbounded else ""))
+    print("|---|---|---|---|---|" + ("---|---|" if with_unbounded else ""))
     for dtype in (mx.float32, mx.float16, mx.bfloat16):
         for dim in (64, 128, 256):
             if not split_attention.kernel_takes(dtype, dim):
                 continue
             for family, template in split_attention.instances(dtype, dim):
                 threads, source = family.threads, family.source(template)
-                row = [family.symbol(template), str(threads)]
-                for text in [source] + ([unbounded(source)] if args.unbounded else []):
-                    regs = max(register_counts(compiler.compile(text, options)))
-                    row += [str(regs), "yes" if regs * threads <= REGISTERS_A_BLOCK else "**no**"]
-                print("| " + " | ".join(row) + " |")
+                regs, stores, _ = report(compiler, source, options)
+                row = [family.symbol(template), threads, regs, stores, regs * threads <= REGISTERS_A_BLOCK]
+                if with_unbounded:
+                    free, _, _ = report(compiler, unbounded(source), options)
+                    row += [free, free * threads <= REGISTERS_A_BLOCK]
+                print("| " + " | ".join("yes" if v is True else "**no**" if v is False else str(v) for v in row) + " |")
+
+
+def qmv_rows_plans(compiler, options) -> None:
+    threads = 32 * qmv_rows.WARPS_PER_BLOCK
+    print(f"\n`qmv_rows`, bfloat16 x, {threads} threads a block (the plan today: R = "
+          f"{qmv_rows.warp_columns(4096)} from 4,096 columns, else {qmv_rows.warp_columns(1024)}; "
+          f"MR = {qmv_rows.warp_rows(3)} from 3 rows, else {qmv_rows.warp_rows(2)})\n")
+    print("| format | R | MR | registers a thread | spill stores / loads (bytes) | blocks an SM by registers |")
+    print("|---|---|---|---|---|---|")
+    for mode, bits, group in QMV_FORMATS:
+        family = qmv_rows.family(qmv_rows.kind(mode))
+        for columns in (1, 2, 4):
+            for rows in (2, 4):
+                plan = qmv_rows._launch_plan(8, 4096, mode, bits, group, 0, mx.bfloat16, rows, columns)
+                regs, stores, loads = report(compiler, family.source(tuple(plan["template"])), options)
+                print(f"| {mode} {bits}-bit g{group} | {columns} | {rows} | {regs} | {stores} / {loads} | "
+                      f"{REGISTERS_A_BLOCK // (regs * threads)} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nvrtc", required=True, help="libnvrtc.so path")
+    parser.add_argument("--include", required=True, help="the CUDA headers' directory (cuda_fp16.h)")
+    parser.add_argument("--arch", default="sm_90a", help="NVRTC's architecture (default sm_90a: H100, H200)")
+    parser.add_argument("--unbounded", action="store_true", help="also compile each bounded instance without its bound")
+    args = parser.parse_args()
+    compiler = nvrtc.Nvrtc(ctypes.CDLL(args.nvrtc))
+    options = ["--device-as-default-execution-space", f"--gpu-architecture={args.arch}",
+               f"--include-path={args.include}"]
+    print(f"NVRTC {'.'.join(map(str, compiler.version()))}, {args.arch}\n")
+    wide_blocks(compiler, options, args.unbounded)
+    qmv_rows_plans(compiler, options)
 
 
 if __name__ == "__main__":

@@ -69,8 +69,9 @@ class Nvrtc:
         self._check(self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
         return major.value, minor.value
 
-    def compile(self, source: str, options: Sequence[str]) -> bytes:
-        """A cubin where the architecture option names `sm_`, else PTX."""
+    def compile(self, source: str, options: Sequence[str], log: list | None = None) -> bytes:
+        """A cubin where the architecture option names `sm_`, else PTX; `log` gets NVRTC's
+        program log (ptxas's report with `--ptxas-options=-v`)."""
         c = ctypes
         cubin = any(o.startswith("--gpu-architecture=sm_") for o in options)
         prog = c.c_void_p()
@@ -80,11 +81,9 @@ class Nvrtc:
             argv = (c.c_char_p * len(options))(*(o.encode() for o in options))
             result = self.lib.nvrtcCompileProgram(prog, len(options), argv)
             if result != 0:
-                size = c.c_size_t()
-                self.lib.nvrtcGetProgramLogSize(prog, c.byref(size))
-                text = c.create_string_buffer(size.value + 1)
-                self.lib.nvrtcGetProgramLog(prog, text)
-                raise CompileError(f"NVRTC: {text.value.decode(errors='replace')[:2000]}")
+                raise CompileError(f"NVRTC: {self._log(prog)[:2000]}")
+            if log is not None:
+                log.append(self._log(prog))
             get_size, get = ((self.lib.nvrtcGetCUBINSize, self.lib.nvrtcGetCUBIN) if cubin
                              else (self.lib.nvrtcGetPTXSize, self.lib.nvrtcGetPTX))
             size = c.c_size_t()
@@ -94,6 +93,14 @@ class Nvrtc:
             return out.raw
         finally:
             self.lib.nvrtcDestroyProgram(c.byref(prog))
+
+
+    def _log(self, prog) -> str:
+        size = ctypes.c_size_t()
+        self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        text = ctypes.create_string_buffer(size.value + 1)
+        self.lib.nvrtcGetProgramLog(prog, text)
+        return text.value.decode(errors="replace")
 
 
 def _mlx_dir() -> Path:
