@@ -45,7 +45,7 @@ def test_each_concurrency_is_warmed_then_the_median_of_three_rounds_is_reported(
     rates = iter([5.0, 30.0, 10.0, 20.0])  # the warm-up round, then three measured ones
     calls = []
 
-    def fake_round(base_url, model, concurrency, max_tokens, extra=None):
+    def fake_round(base_url, model, concurrency, max_tokens, extra=None, tag=None):
         calls.append(concurrency)
         return RoundResult(concurrency, 1.0, int(next(rates)), [], [], 0, [])
 
@@ -64,13 +64,18 @@ def test_servers_side_by_side_are_warmed_then_measured_in_turn(monkeypatch):
     rates = {"a": iter([1.0, 10.0, 30.0, 20.0]), "b": iter([2.0, 5.0, 7.0, 6.0])}
     calls = []
 
-    def fake_round(base_url, model, concurrency, max_tokens, extra=None):
+    def fake_round(base_url, model, concurrency, max_tokens, extra=None, tag=None):
         calls.append(base_url)
-        return RoundResult(concurrency, 1.0, int(next(rates[base_url])), [], [], 0, [])
+        tags.append(tag)
+        return RoundResult(concurrency, 1.0, int(next(rates[base_url])), [], [], 0, [], tag)
 
+    tags = []
     monkeypatch.setattr(http_load, "run_round", fake_round)
     (a, a_rounds), (b, b_rounds) = http_load.interleaved_rounds([("a", "m", {}), ("b", "m", {})], 16, 8, rounds=3)
     assert calls == ["a", "b", "a", "b", "a", "b", "a", "b"]
+    # each round's prompts its own (none answered from a cached whole prompt), the same for both servers
+    assert tags[0::2] == tags[1::2] and len(set(tags[0::2])) == 4
+    assert len({http_load.prompt_for(0, tag=t) for t in tags}) == 4 and [r.tag for r in a_rounds] == tags[2::2]
     assert [r.tok_per_s for r in a_rounds] == [10.0, 30.0, 20.0] and a.tok_per_s == 20.0
     assert [r.tok_per_s for r in b_rounds] == [5.0, 7.0, 6.0] and b.tok_per_s == 6.0
 
@@ -183,3 +188,29 @@ def test_servers_run_together_or_one_at_a_time(monkeypatch, tmp_path, one_at_a_t
     else:
         assert events == ["start lockstep", "start mlx_lm.server", "measure lockstep+mlx_lm.server",
                           "stop lockstep", "stop mlx_lm.server"]
+
+
+def test_each_rounds_answers_are_compared_with_its_own_requests_sent_alone_afterwards(monkeypatch, capsys):
+    import argparse
+
+    import lockstep.server.commands.bench as bench
+    import lockstep.server.tools.http_load as http_load
+
+    order = []
+
+    def fake_round(base_url, model, concurrency, max_tokens, extra=None, tag=None):
+        order.append(("round", tag))
+        return RoundResult(concurrency, 1.0, 8, [], [], 0, [f"{tag}:{i}" for i in range(concurrency)], tag)
+
+    def fake_solo(base_url, model, n, max_tokens, extra=None, tag=None):
+        order.append(("solo", tag))
+        return [f"{tag}:{i}" if i else "another answer" for i in range(n)]  # client 0 changed each round
+
+    monkeypatch.setattr(http_load, "run_round", fake_round)
+    monkeypatch.setattr(http_load, "solo_texts", fake_solo)
+    out = bench._server_rounds([{"name": "lockstep", "url": "u", "model": "m", "extra": {}}], [2],
+                               argparse.Namespace(max_tokens=8, rounds=3))
+    solos = [tag for kind, tag in order if kind == "solo"]
+    assert solos == [r.tag for r in out["lockstep"][0][1]] and len(set(solos)) == 3
+    assert [kind for kind, _ in order] == ["round"] * 4 + ["solo"] * 3  # alone only after the measured rounds
+    assert "3/6" in capsys.readouterr().out

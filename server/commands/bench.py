@@ -161,11 +161,11 @@ def _server_rounds(servers: list[dict], levels: list[int], args) -> dict:
     """Each concurrency warmed with an unmeasured round on every server, then at least 3
     measured rounds taken in turn across the servers (tools/http_load.py `interleaved_rounds`),
     the median of each printed. A server: name, url, model and extra (request fields for every
-    client, or a function of the client index). Returns name -> (the median round, every
-    measured round in the order taken) per concurrency."""
+    client, or a function of the client index). Each round's answers are then compared with the
+    same requests sent alone (after the measured rounds: they warm nothing measured). Returns
+    name -> (the median round, every measured round in the order taken) per concurrency."""
     from lockstep.server.tools.http_load import changed_answers, extra_for, interleaved_rounds, solo_texts, summary_line
 
-    solo = {s["name"]: solo_texts(s["url"], s["model"], max(levels), args.max_tokens, s["extra"]) for s in servers}
     results = {s["name"]: [] for s in servers}
     for n in levels:
         both = interleaved_rounds([(s["url"], s["model"], s["extra"]) for s in servers], n, args.max_tokens, args.rounds)
@@ -175,7 +175,8 @@ def _server_rounds(servers: list[dict], levels: list[int], args) -> dict:
             # answers are checked in every measured round.
             watched = ({i for i in range(n) if extra_for(extra, i).get("deterministic")}
                        if callable(extra) else None)
-            changed = sum(changed_answers(r, solo[s["name"]], watched) for r in rounds) if n > 1 else None
+            changed = (sum(changed_answers(r, solo_texts(s["url"], s["model"], n, args.max_tokens, extra, r.tag),
+                                           watched) for r in rounds) if n > 1 else None)
             of = len(rounds) * (n if watched is None else len(watched))
             print(summary_line(s["name"], median, changed, of) + f"   (median of {len(rounds)}: "
                   + ", ".join(f"{r.tok_per_s:.1f}" for r in rounds) + ")", flush=True)

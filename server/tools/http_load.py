@@ -3,7 +3,8 @@
 For each concurrency level, N clients each send one streamed chat completion (greedy,
 fixed max_tokens, different prompts) at the same moment; the round's aggregate tok/s is
 all completion tokens over the round's wall time, with p50/p99 time to first token and
-inter-token latency over every request and token. Standard library HTTP only, so the
+inter-token latency over every request and token. Each round's prompts are its own (tagged
+with the round), so no server answers a measured round from a prompt it has cached whole. Standard library HTTP only, so the
 same code measures lockstep and mlx_lm.server side by side (`lockstep bench --concurrency`).
 """
 from __future__ import annotations
@@ -46,6 +47,7 @@ class RoundResult:
     itl_s: list
     errors: int
     texts: list  # per client index; None where the request failed
+    tag: str | None = None  # the round's prompts (`prompt_for`)
 
     @property
     def tok_per_s(self) -> float:
@@ -103,8 +105,9 @@ def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int, extra: 
     return timing
 
 
-def prompt_for(i: int, prompts: list[str] = PROMPTS) -> str:
-    return f"{prompts[i % len(prompts)]} (#{i})"
+def prompt_for(i: int, prompts: list[str] = PROMPTS, tag: str | None = None) -> str:
+    """Client i's prompt; a round's `tag` makes its prompts its own."""
+    return f"{prompts[i % len(prompts)]} (#{i}{'' if tag is None else f', {tag}'})"
 
 
 def extra_for(extra, i: int) -> dict:
@@ -117,9 +120,10 @@ def mixed_extra(i: int) -> dict:
     return {"deterministic": True} if i % 2 == 0 else {}
 
 
-def solo_texts(base_url: str, model: str, n: int, max_tokens: int, extra=None) -> list:
-    """The answers of clients 0..n-1, each sent alone (the baseline for changed answers)."""
-    return [stream_chat(base_url, model, prompt_for(i), max_tokens, extra_for(extra, i)).text
+def solo_texts(base_url: str, model: str, n: int, max_tokens: int, extra=None, tag: str | None = None) -> list:
+    """The answers of clients 0..n-1 (of the round tagged `tag`), each sent alone (the
+    baseline for changed answers)."""
+    return [stream_chat(base_url, model, prompt_for(i, tag=tag), max_tokens, extra_for(extra, i)).text
             for i in range(n)]
 
 
@@ -131,14 +135,14 @@ def changed_answers(r: RoundResult, solo: list, clients=None) -> int:
 
 
 def run_round(base_url: str, model: str, concurrency: int, max_tokens: int, extra=None,
-              prompts: list[str] = PROMPTS) -> RoundResult:
-    """`concurrency` clients released at once, each with its own prompt."""
+              prompts: list[str] = PROMPTS, tag: str | None = None) -> RoundResult:
+    """`concurrency` clients released at once, each with its own prompt (of the round `tag`)."""
     timings: list[RequestTiming | None] = [None] * concurrency
     barrier = threading.Barrier(concurrency)
 
     def client(i):
         barrier.wait()
-        timings[i] = stream_chat(base_url, model, prompt_for(i, prompts), max_tokens, extra_for(extra, i))
+        timings[i] = stream_chat(base_url, model, prompt_for(i, prompts, tag), max_tokens, extra_for(extra, i))
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
     start = time.perf_counter()
@@ -156,7 +160,7 @@ def run_round(base_url: str, model: str, concurrency: int, max_tokens: int, extr
             itl.append((t.token_times[-1] - t.token_times[0]) / (t.tokens - 1))
     return RoundResult(concurrency, wall, sum(t.tokens for t in done), ttft, itl,
                        sum(1 for t in timings if t is None or t.error),
-                       [t.text if t is not None and t.error is None else None for t in timings])
+                       [t.text if t is not None and t.error is None else None for t in timings], tag)
 
 
 MEASURED_ROUNDS = 3  # the fewest measured rounds a figure is the median of
@@ -168,13 +172,16 @@ def interleaved_rounds(servers: list[tuple], concurrency: int, max_tokens: int,
     round at `concurrency` on each (a server compiles its batched shapes on first use; that
     belongs to no side's figure), then `rounds` (at least MEASURED_ROUNDS) measured ones taken in
     turn (A, B, A, B, ...), so a machine whose speed drifts over minutes moves every side alike.
+    Every round has prompts of its own, the same for every server (a repeated prompt would be
+    answered from a prompt cache: the measure of one server's cache, not of its serving).
     Returns (the median round by aggregate tok/s, all of them) per server."""
     for base_url, model, extra in servers:
-        run_round(base_url, model, concurrency, max_tokens, extra)
+        run_round(base_url, model, concurrency, max_tokens, extra, tag=f"{concurrency} clients, warm-up")
     measured = [[] for _ in servers]
-    for _ in range(max(rounds, MEASURED_ROUNDS)):
+    for k in range(max(rounds, MEASURED_ROUNDS)):
         for i, (base_url, model, extra) in enumerate(servers):
-            measured[i].append(run_round(base_url, model, concurrency, max_tokens, extra))
+            measured[i].append(run_round(base_url, model, concurrency, max_tokens, extra,
+                                         tag=f"{concurrency} clients, round {k + 1}"))
     out = []
     for results in measured:
         ordered = sorted(results, key=lambda r: r.tok_per_s)
