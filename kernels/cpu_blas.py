@@ -175,11 +175,11 @@ def default_threads() -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
-# Calls of at least this many rows (prefill chunks) run in `large_threads()` fixed column
-# blocks on the cores idle at the time (cpu_blas/split_gemm.c;
-# bench/results/history/2026-11-30-cpu-default-prefill-blocks-issue10.md).
-# Decode (1 row) and small passes stay on `default_threads()`.
-LARGE_ROWS = 64
+# Calls of at least this many rows (prefill chunks, passes of several requests) run in
+# `large_threads()` fixed column blocks on the cores idle at the time, where they have
+# split_gemm.c's MIN_WORK multiply-adds (cpu_blas/split_gemm.c; docs/BENCHMARKS.md, CPU). One
+# row (decode: OpenBLAS's sgemv, faster than its sgemm in blocks) stays on `default_threads()`.
+LARGE_ROWS = 2
 
 
 def large_threads() -> int:

@@ -55,15 +55,15 @@ EXPORT int lockstep_cpu_kernel_limit = 0;
  * definition, not just mapped. */
 EXPORT const char lockstep_cpu_blas_shim[] = "openblas";
 
-/* Calls of at least lockstep_blas_large_rows rows (prefill chunks, row-major) run in
- * lockstep_blas_large_threads fixed column blocks, on as many cores as are idle
+/* Calls of at least lockstep_blas_large_rows rows (prefill chunks and passes of several
+ * rows, row-major) run in lockstep_blas_large_threads fixed column blocks, on as many cores as are idle
  * (split_gemm.c: the bits depend on the shape alone); 0 or 1 = off. Every other call
  * runs on OpenBLAS's own threads (OPENBLAS_NUM_THREADS: 1 on 2 cores, where a second
  * OpenBLAS thread stalls every call while another process holds a core). Read from LOCKSTEP_BLAS_LARGE_THREADS /
  * LOCKSTEP_BLAS_LARGE_ROWS at load (set by kernels/cpu_blas.py). */
 EXPORT int lockstep_blas_small_threads = 1;
 EXPORT int lockstep_blas_large_threads = 0;
-EXPORT int lockstep_blas_large_rows = 64;
+EXPORT int lockstep_blas_large_rows = 2;
 
 static int env_int(const char *name, int fallback) {
   const char *v = getenv(name);
@@ -78,7 +78,7 @@ static int env_int(const char *name, int fallback) {
 __attribute__((constructor)) static void read_thread_settings(void) {
   lockstep_blas_small_threads = scipy_openblas_get_num_threads();
   lockstep_blas_large_threads = env_int("LOCKSTEP_BLAS_LARGE_THREADS", 0);
-  lockstep_blas_large_rows = env_int("LOCKSTEP_BLAS_LARGE_ROWS", 64);
+  lockstep_blas_large_rows = env_int("LOCKSTEP_BLAS_LARGE_ROWS", 2);
   if (lockstep_blas_large_threads > 1) /* LOCKSTEP_BLAS_LOADAVG: tests' fake load */
     lockstep_split_init(getenv("LOCKSTEP_BLAS_LOADAVG"));
 }
