@@ -58,7 +58,7 @@ def test_memory_limit_holds_mlx_and_its_cache_and_the_default_budget_follows():
     mx.set_cache_limit(old_cache)
     limit = mx.get_active_memory() + (64 << 20)
     try:
-        kv_budget.apply_memory_limit(limit)
+        kv_budget.hold_device_memory(limit)
         assert mx.get_memory_limit() == limit and mx.set_cache_limit(limit) == limit
         per_token = kv_budget.kv_bytes_per_token(model)
         free = limit - mx.get_active_memory()

@@ -220,9 +220,9 @@ def start_engine(args: argparse.Namespace, world=None, watchdog=None):
 def apply_memory_limit(args: argparse.Namespace) -> None:
     """`--memory-limit`, before MLX allocates anything (server/engine/scheduling/kv_budget.py)."""
     if args.memory_limit:
-        from lockstep.server.engine.scheduling.kv_budget import apply_memory_limit as hold
+        from lockstep.server.engine.scheduling.kv_budget import hold_device_memory
 
-        hold(args.memory_limit)
+        hold_device_memory(args.memory_limit)
         log.info("device memory held to %.2f GB (--memory-limit)", args.memory_limit / (1 << 30))
 
 

@@ -4,7 +4,8 @@ Each admitted request reserves the most KV it can ever hold (prompt + max_tokens
 widest speculative pass + one allocation step of mlx-lm's KVCache), so running requests
 never outgrow memory; the rest wait in the queue (and the API answers 429 when the queue
 is full). The default budget is half of what MLX may still allocate after the weights,
-in tokens of this model's KV.
+in tokens of this model's KV; what MLX may allocate is the device's, or `serve --memory-limit`'s
+(`hold_device_memory`).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def kv_bytes_per_token(model) -> int:
     return max(1, total)
 
 
-def apply_memory_limit(limit_bytes: int) -> None:
+def hold_device_memory(limit_bytes: int) -> None:
     """Hold this process to `limit_bytes` of device memory (`serve --memory-limit`, before the
     model loads): MLX's memory limit and its buffer cache's. MLX sizes both from the whole device
     (CUDA: 80 % of the card each), so servers sharing a card would each plan for all of it; the
