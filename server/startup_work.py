@@ -275,6 +275,8 @@ class DraftWork:
         return deployment
 
     def _load(self):
+        """(draft model, name), audited whole; where compiling ahead pays, its deferred stages
+        audited once their kernels are compiled (ModelError: a configuration refused)."""
         from lockstep.kernels.audit import compile_ahead, merge_reports, raise_if_refused
         from lockstep.kernels.audit.widths import deferred_stages
         from lockstep.kernels.backend_kind import backend_kind
