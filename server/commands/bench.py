@@ -62,7 +62,8 @@ def register(subparsers) -> None:
     load.add_argument("--one-server-at-a-time", action="store_true",
                       help="start each server alone, measure every concurrency on it, stop it, then the "
                            "next (a GPU that cannot hold every server at once: each sizes its memory from "
-                           "the whole card); ratios then compare rounds taken minutes apart")
+                           "the whole card unless --serve-arg=--memory-limit=BYTES gives lockstep's its "
+                           "share); ratios then compare rounds taken minutes apart")
     load.add_argument("--deterministic", action="store_true", help="clients send deterministic: true")
     load.add_argument("--mixed", action="store_true",
                       help="even clients send deterministic: true, odd ones not; 'changed' counts the "
