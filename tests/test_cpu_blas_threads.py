@@ -150,6 +150,13 @@ def test_large_calls_and_the_invariant_kernels_calls_are_split(tmp_path):
     r = _run(ROWS, _env(tmp_path, IDLE, LOCKSTEP_BLAS_LARGE_ROWS="1"))
     assert r["counts"] == {"63 rows": 1, "64 rows": 1, "8 rows, L=8": 1, "9 rows, L=8": 1}, r
     assert r["invariant"], r
+    # The default (kernels/cpu_blas.py LARGE_ROWS): plain calls of several rows above the work
+    # floor use the idle cores as well, as the invariant kernel's do.
+    default = _env(tmp_path, IDLE)
+    default.pop("LOCKSTEP_BLAS_LARGE_ROWS")
+    default = cpu_blas.preload_env(default)
+    r = _run(ROWS, default)
+    assert r["counts"] == {"63 rows": 1, "64 rows": 1, "8 rows, L=8": 1, "9 rows, L=8": 1}, r
 
 
 KERNEL_ROWS = """
