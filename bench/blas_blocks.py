@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from lockstep.kernels import cpu_blas  # noqa: E402
 from lockstep.server.tools import http_load  # noqa: E402
+from lockstep.server.tools.replay_server import free_port  # noqa: E402
 
 
 def main() -> None:
@@ -68,14 +69,6 @@ def main() -> None:
             proc.terminate()
         for proc in procs:
             proc.wait()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -22,9 +22,9 @@ import os
 import re
 import threading
 import time
-from typing import Callable
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 from lockstep.kernels import verdict_cache
 

@@ -94,7 +94,6 @@ class Nvrtc:
         finally:
             self.lib.nvrtcDestroyProgram(c.byref(prog))
 
-
     def _log(self, prog) -> str:
         size = ctypes.c_size_t()
         self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
