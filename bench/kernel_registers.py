@@ -69,7 +69,9 @@ def wide_blocks(compiler, options, with_unbounded: bool) -> None:
 def qmv_rows_plans(compiler, options) -> None:
     threads = 32 * qmv_rows.WARPS_PER_BLOCK
     print(f"\n`qmv_rows`, bfloat16 x, {threads} threads a block (the plan today: R = "
-          f"{qmv_rows.warp_columns(4096)} from 4,096 columns, else {qmv_rows.warp_columns(1024)}; "
+          f"{qmv_rows.warp_columns(4096)} from 4,096 columns, else {qmv_rows.warp_columns(1024)}; 8-bit "
+          f"{qmv_rows.warp_columns(4096, 'affine', 8)}, mxfp8 {qmv_rows.warp_columns(14336, 'mxfp8', 8)} "
+          f"above 8,192; "
           f"MR = {qmv_rows.warp_rows(3)} from 3 rows, else {qmv_rows.warp_rows(2)})\n")
     print("| format | R | MR | registers a thread | spill stores / loads (bytes) | blocks an SM by registers |")
     print("|---|---|---|---|---|---|")

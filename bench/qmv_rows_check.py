@@ -67,7 +67,9 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true", help="8B nvfp4 / affine4 timings only")
     ap.add_argument("--skip-agreement", action="store_true")
-    ap.add_argument("--shapes", action="store_true", help="only: qmv_rows per warp shape, 8B nvfp4 / affine4")
+    ap.add_argument("--shapes", action="store_true", help="only: qmv_rows per warp shape at the 8B's linears")
+    ap.add_argument("--formats", default="nvfp4,affine4", help="with --shapes: FORMATS labels, comma-separated")
+    ap.add_argument("--rows", default="2,8,16", help="with --shapes: call widths M, comma-separated")
     a = ap.parse_args()
     lines = []
 
@@ -95,7 +97,7 @@ def main():
                     f"{mx.abs(got.astype(mx.float32) - alone.astype(mx.float32)).max().item():.3g}")
 
     if a.shapes:
-        warp_shapes(log)
+        warp_shapes(log, tuple(a.formats.split(",")), tuple(int(m) for m in a.rows.split(",")))
         if a.out:
             Path(a.out).write_text("\n".join(lines) + "\n")
         return
@@ -106,19 +108,19 @@ def main():
         Path(a.out).write_text("\n".join(lines) + "\n")
 
 
-def warp_shapes(log):
+def warp_shapes(log, labels=("nvfp4", "affine4"), ms=(2, 8, 16)):
     log("\n## qmv_rows µs per call by (columns, rows) per warp; rows != MLX's single-row call")
     log("| format | linear | M | " + " | ".join(f"{c}x{r}" for c, r in WARP_SHAPES) + " |")
     log("|---|---|---|" + "---|" * len(WARP_SHAPES))
-    for label, mode, group, bits, dtype in FORMATS[:2]:
+    for label, mode, group, bits, dtype in [f for f in FORMATS if f[0] in labels]:
         fused = qmv_rows.proven_variant(mode, weight_bits(mode, bits), dtype)
         for name, n, k in SHAPES["8B"]:
             wq, scales, biases = weights(n, k, mode, group, bits, dtype)
             kw = dict(group_size=group, bits=bits, mode=mode)
-            xs = [mx.random.normal((16, k), key=mx.random.key(20 + i)).astype(dtype) for i in range(16)]
+            xs = [mx.random.normal((max(ms), k), key=mx.random.key(20 + i)).astype(dtype) for i in range(16)]
             alone = mx.concatenate([mx.quantized_matmul(xs[0][i:i + 1], wq, scales, biases, transpose=True, **kw)
-                                    for i in range(16)])
-            for m in (2, 8, 16):
+                                    for i in range(max(ms))])
+            for m in ms:
                 cells = []
                 for c, r in WARP_SHAPES:
                     def run(x):

@@ -156,6 +156,16 @@ def test_launches_cover_every_output(m, n):
     assert plan["threadgroup"] == (32 * qmv_rows.WARPS_PER_BLOCK, 1, 1)
 
 
+@pytest.mark.parametrize("mode,bits,group,n,columns", [
+    ("affine", 8, 64, 4096, 1), ("affine", 8, 64, 128256, 1), ("mxfp8", 8, 32, 4096, 1),
+    ("mxfp8", 8, 32, 14336, 4), ("affine", 4, 64, 4096, 4), ("nvfp4", 4, 16, 1024, 1)])
+def test_8bit_weights_take_one_column_a_warp_but_mxfp8s_widest_layers(mode, bits, group, n, columns):
+    # 4 columns x 4 rows of 8-bit weights spill; one column ran faster on the H200
+    plan = qmv_rows._launch_plan(16, n, mode, bits, group, 0, mx.bfloat16)
+    assert dict(plan["template"])["R"] == columns
+    assert (plan["grid"][0] // 32) * columns >= n
+
+
 def test_which_cases_the_kernel_takes():
     for mode, (group, bits) in QUANT_MODES.items():
         assert qmv_rows.takes(mode, bits, group)

@@ -78,11 +78,17 @@ def warp_rows(m: int) -> int:
     return 2 if m <= 2 else 4
 
 
-def warp_columns(n: int) -> int:
+def warp_columns(n: int, mode: str = "nvfp4", bits: int = 4) -> int:
     """Output columns per warp (R): each x load serves R columns (x is read once per
     column group, not once per column); narrow layers keep one column a warp for enough
-    warps in flight. Measured at the 8B shapes (
-    bench/results/history/2026-12-01-h200-4bit-decode-qmv-rows-issue28.md)."""
+    warps in flight. 8-bit weights hold twice the registers a column: at 4 columns they
+    spill, and one column a warp ran faster at every 8B linear of affine-8 and at mxfp8's
+    up to 8,192 columns. Measured at the 8B shapes on the H200 (4-bit:
+    bench/results/history/2026-12-01-h200-4bit-decode-qmv-rows-issue28.md; 8-bit:
+    bench/results/cuda/qmv_rows_warp_shapes_8bit_h200_2026-12-06.md). Never changes a
+    row's order (each column's sum is its own)."""
+    if weight_bits(mode, bits) == 8:
+        return 4 if mode == "mxfp8" and n > 8192 else 1
     return 4 if n >= 4096 else 1
 
 
@@ -90,7 +96,7 @@ def warp_columns(n: int) -> int:
 def _launch_plan(m: int, n: int, mode: str, bits: int, group: int, fused: int, dtype, rows: int | None = None,
                  columns: int | None = None) -> dict:
     rows = rows or warp_rows(m)
-    columns = columns or warp_columns(n)
+    columns = columns or warp_columns(n, mode, bits)
     template = [("T", dtype)]
     if mode != "affine":
         template.append(("FMT", FORMAT_CODES[mode]))
