@@ -187,6 +187,11 @@ def free_port() -> int:
 
 MLX_LM = "mlx_lm.server"  # server arguments starting with this start mlx-lm's server instead
 LOG_LEVEL = ["--log-level", "INFO"]  # lockstep's (`--server-log-level DEBUG`: each slow engine step logged)
+LOG_DIR = [None]  # `--logs`: where each start's server log goes (None: the run's temporary directory)
+
+
+def log_file(work: Path, name: str) -> Path:
+    return (LOG_DIR[0] or work) / name
 
 
 def spawn(serve_args: list[str], port: int, env: dict, log: Path) -> subprocess.Popen:
@@ -372,7 +377,7 @@ def run_case(name: str, serve_args: list[str], work: Path, restarts: int, timeou
             for label in labels:
                 for prefix, args, cache_root in servers:
                     shown = f"{label} {n}" if rounds > 1 and label == "fresh" else label
-                    log = work / f"{name}-{prefix.strip().replace('.', '-')}{label.replace(' ', '')}{tag}.log"
+                    log = log_file(work, f"{name}-{prefix.strip().replace('.', '-')}{label.replace(' ', '')}{tag}.log")
                     start = measure_start(prefix + shown, args, cache_env(cache_root), log, timeout)
                     print(f"{name} {prefix}{shown}: " + "; ".join(row(start)[1:]) + f"  (log {log})", flush=True)
                     for line in startup_lines(log):
@@ -537,11 +542,11 @@ def run_interrupted(name: str, serve_args: list[str], work: Path, rounds: int, t
             env = source_env(cache_env(cache_root), src, work, prefix.strip() or "after")
             tag = f"{name}-{prefix.strip() or 'after'}-{label.replace(' ', '')}"
             try:
-                stopped = stop_mid_proof(serve_args, env, work / f"{tag}-stopped.log", timeout, fraction)
-                result = measure_resumed(prefix + label, serve_args, env, work / f"{tag}.log", timeout)
+                stopped = stop_mid_proof(serve_args, env, log_file(work, f"{tag}-stopped.log"), timeout, fraction)
+                result = measure_resumed(prefix + label, serve_args, env, log_file(work, f"{tag}.log"), timeout)
                 result.stopped_at = stopped
             except StartFailed as exc:
-                result = Resumed(prefix + label, work / f"{tag}-stopped.log", failure=f"first start: {exc}")
+                result = Resumed(prefix + label, log_file(work, f"{tag}-stopped.log"), failure=f"first start: {exc}")
             finally:
                 shutil.rmtree(cache_root, ignore_errors=True)
             print(f"{name} {prefix}{label}: " + "; ".join(resumed_row(result)[1:]) + f"  (log {result.log})",
@@ -664,16 +669,22 @@ def main() -> int:
                         help="with --interrupted: stop the first start once this share of the widest pass "
                              "is in force (default 0.5; 1: once its startup work is all done, so the "
                              "restart finds every proof recorded)")
+    parser.add_argument("--logs", default=None,
+                        help="write each start's server log here (default: the run's temporary directory), "
+                             "e.g. under $OUT on the lent GPU, so the logs come back")
     parser.add_argument("--baseline-src", default=None,
                         help="with --interrupted: a source tree measured beside this one (before)")
     args = parser.parse_args()
     LOG_LEVEL[1] = args.server_log_level
+    if args.logs:
+        LOG_DIR[0] = Path(args.logs)
+        LOG_DIR[0].mkdir(parents=True, exist_ok=True)
     if args.restarts < 1 or args.rounds < 1:
         parser.error("--restarts and --rounds must be at least 1")
 
     work = Path(tempfile.mkdtemp(prefix="lockstep-startup-"))
     model_dir = Path(args.model_dir) if args.model_dir else work / "nvfp4-1040"
-    print(f"logs in {work}", flush=True)
+    print(f"logs in {LOG_DIR[0] or work}", flush=True)
     tables = []
     for name in args.only or DEFAULT_CASES:
         serve_args = case_args(name, Path(args.eight_b_models or work) if name.startswith("8b-") else model_dir,
