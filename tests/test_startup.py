@@ -221,3 +221,8 @@ def test_a_deferred_draft_model_is_loaded_after_the_guarantee_and_drafts_wait_fo
     failed = dataclasses.replace(deployment, draft_model=None, draft_problem="ValueError: other tokenizer")
     with pytest.raises(RequestRejected, match="could not be loaded: ValueError: other tokenizer"):
         plan_request(failed, deterministic=False, speculative="draft", num_draft_tokens=2)
+
+
+def test_a_prefill_chunk_below_1_is_refused_before_the_model_loads():
+    with pytest.raises(ValueError, match="--prefill-chunk must be >= 1"):
+        build_runtime(Options(model="/nonexistent/model", prefill_chunk=0))
