@@ -57,3 +57,56 @@ def test_installed_alone_kernels_is_not_an_import_name(wheel, tmp_path):
                          env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}).stdout.split()
     assert out[:2] == ["True", "True"]
     assert out[2].startswith(str(target))
+
+
+def _closure(requirements, extra: str = "") -> set[str]:
+    """The installed distributions `requirements` pull in (their markers read for `extra`)."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen, stack = set(), [(r, extra) for r in requirements]
+    while stack:
+        text, wanted = stack.pop()
+        req = Requirement(text)
+        if req.marker and not req.marker.evaluate({"extra": wanted}):
+            continue
+        name = canonicalize_name(req.name)
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            needs = md.distribution(name).requires or []
+        except md.PackageNotFoundError:
+            continue
+        stack += [(r, e) for e in ("", *req.extras) for r in needs]
+    return seen
+
+
+def test_the_product_imports_nothing_only_the_test_extras_install():
+    """`make serve` installs `pip install -e .`, without the test extras: a module of server/,
+    kernels/ or models/ importing a distribution that only the extras bring (openai, httpx,
+    jsonschema, ...) would fail there, and not in the suite."""
+    import ast
+    import importlib.metadata as md
+
+    from packaging.utils import canonicalize_name
+
+    requires = md.distribution("lockstep").requires
+    test_only = _closure(requires, "test") - _closure(requires)
+    assert {"openai", "pytest", "jsonschema"} <= test_only  # the closure is read, not empty
+    owners = md.packages_distributions()
+    found = {}
+    for folder in ("server", "kernels", "models"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                         else [])
+                for name in names:
+                    top = name.split(".")[0]
+                    dists = {canonicalize_name(d) for d in owners.get(top, [])}
+                    if dists and dists <= test_only:
+                        found.setdefault(top, []).append(str(path.relative_to(ROOT)))
+    assert found == {}, f"imports only the test extras install: {found}"
