@@ -184,3 +184,17 @@ def test_cli_audit_prints_table(nvfp4_dir, capsys):
     assert cli_main(["audit", str(nvfp4_dir), "--prompt-rows", "40"]) == 0
     out = capsys.readouterr().out
     assert "embedding 384x1040 nvfp4" in out and "pad32" in out and "lookup odd" in out
+
+
+def test_the_lookup_probes_give_int32_ids_as_a_prompts_tokens_reach_the_model(tmp_path, monkeypatch):
+    """The served lookups gather by int32 ids (and on CUDA each index dtype is a kernel of its
+    own, compiled at first use): the audit probes those, not int64 ones."""
+    seen = []
+    real = nn.QuantizedEmbedding.__call__
+    monkeypatch.setattr(nn.QuantizedEmbedding, "__call__", lambda self, x: seen.append(x.dtype) or real(self, x))
+    model = load(build_llama_dir(tmp_path, q_mode="affine", hidden=256, intermediate=512, heads=4, kv_heads=2))
+    audit_model(model, fresh=True)
+    assert seen and set(seen) == {mx.int32}
+    seen.clear()
+    model(mx.array([[5, 6, 7]]), cache=make_prompt_cache(model))
+    assert set(seen) == {mx.int32}  # what a prompt's tokens are

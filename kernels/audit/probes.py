@@ -199,7 +199,8 @@ def probe_embedding(module, cfg: LayerConfig, w: np.ndarray, rng, prompt_rows: i
         def run(rows=rows):
             at = rng.integers(0, w.shape[0], size=(1, rows))  # rows of w: of the sample, if one
             ids = at if compared is None else compared[at]
-            return module(mx.array(ids)), w[at]
+            # int32 ids, as a prompt's tokens reach the model: the gather kernels served
+            return module(mx.array(ids, dtype=mx.int32)), w[at]
         results.append(_measure(path, rows, tol, run, n))
     rows = (*MATMUL_ROWS, ("prompt", prompt_rows))
     return results + _matmul_paths(module.as_linear, w, None, cfg, rng, rows, select, n,
