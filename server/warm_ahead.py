@@ -206,8 +206,8 @@ def run_forward(spec: dict) -> dict:
 
 
 def run_first_request(spec: dict) -> dict:
-    """A first request's calls on the engine's runner: a two-token prompt in one-row chunks (the
-    widths a fresh start has audited), then compiled decode passes, greedy and sampled."""
+    """A first request's decode passes on the engine's runner, greedy and sampled: a one-token
+    prompt, so no prefill (the prompt's one-row passes take the forward child's kernels)."""
     from mlx_lm.utils import load_tokenizer
 
     from lockstep.kernels.batching import kv_pool
@@ -230,7 +230,7 @@ def run_first_request(spec: dict) -> dict:
     runner = ModelRunner(model, deployment, pool_tokens=64)
     tokens = []
     for sampling in (SamplingParams(temperature=0.0, seed=0), SamplingParams(seed=0)):
-        deltas = [d for d in generate(loaded, GenerationRequest([1, 2], 2, sampling), deployment=deployment,
+        deltas = [d for d in generate(loaded, GenerationRequest([1], 2, sampling), deployment=deployment,
                                       runner=runner) if d is not None]
         tokens.append(deltas[-1].completion_tokens)
     return {"layers": len(model.layers), "kv_pool": deployment.kv_pool, "tokens": tokens}

@@ -188,9 +188,10 @@ def test_cli_audit_prints_table(nvfp4_dir, capsys):
 
 def test_the_lookup_probes_give_int32_ids_as_a_prompts_tokens_reach_the_model(tmp_path, monkeypatch):
     """The served lookups gather by int32 ids (and on CUDA each index dtype is a kernel of its
-    own, compiled at first use): the audit probes those, not int64 ones."""
-    seen = []
-    real = nn.QuantizedEmbedding.__call__
+    own, compiled at first use): the audit probes those, not int64 ones; its row sample's
+    reference takes its rows by int32 indices too."""
+    seen, taken = [], []
+    real, real_take = nn.QuantizedEmbedding.__call__, mx.take
     monkeypatch.setattr(nn.QuantizedEmbedding, "__call__", lambda self, x: seen.append(x.dtype) or real(self, x))
     model = load(build_llama_dir(tmp_path, q_mode="affine", hidden=256, intermediate=512, heads=4, kv_heads=2))
     audit_model(model, fresh=True)
@@ -198,3 +199,7 @@ def test_the_lookup_probes_give_int32_ids_as_a_prompts_tokens_reach_the_model(tm
     seen.clear()
     model(mx.array([[5, 6, 7]]), cache=make_prompt_cache(model))
     assert set(seen) == {mx.int32}  # what a prompt's tokens are
+    monkeypatch.setattr(mx, "take", lambda a, index, **k: taken.append(index.dtype) or real_take(a, index, **k))
+    rows = np.array([0, 5, 9])
+    assert reference_weight(model.model.embed_tokens, rows).shape[0] == 3
+    assert taken and set(taken) == {mx.int32}

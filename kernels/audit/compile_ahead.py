@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 # A child still running after this long is stopped; the audit then compiles what it needs itself.
 CHILD_TIMEOUT_S = 600.0
+AUDIT_NICENESS = 10  # the deferred stages' children: served after the first answer
 REPORT, ERRORS = "report.json", "errors.txt"  # a child's stdout and stderr, in its directory
 
 
@@ -109,15 +110,16 @@ class _Child:
 
 
 def spawn_child(stage: str, module: str, spec: dict, *, widths: tuple[int, ...] = (), what: str = "",
-                python: str = sys.executable) -> _Child:
+                niceness: int = 0, python: str = sys.executable) -> _Child:
     """A child process running `python -m module` with `spec` (JSON) on its stdin, compiling into
-    a directory of its own (published into MLX's cache by `CompileAhead` once it has exited)."""
+    a directory of its own (published into MLX's cache by `CompileAhead` once it has exited);
+    `niceness` lowers its CPU priority (work that can wait for another's)."""
     directory = Path(tempfile.mkdtemp(prefix="lockstep-compile-ahead-"))
     env = {**os.environ, "MLX_PTX_CACHE_DIR": str(directory)}
     # its report and errors go to files (a pipe nobody reads while it runs could fill)
     with open(directory / REPORT, "w") as out, open(directory / ERRORS, "w") as errors:
-        process = subprocess.Popen([python, "-m", module], stdin=subprocess.PIPE,
-                                   stdout=out, stderr=errors, env=env, text=True)
+        process = subprocess.Popen([python, "-m", module], stdin=subprocess.PIPE, stdout=out, stderr=errors,
+                                   env=env, text=True, preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
     process.stdin.write(json.dumps(spec))
     process.stdin.close()
     return _Child(stage, widths, process, directory, time.perf_counter(), what=what)
@@ -146,8 +148,9 @@ class CompileAhead:
                                  if stage_of(p, r) == stage and not p.startswith(untaken.get(cfg, ()))}
         spec = {"configs": [{**dataclasses.asdict(cfg), "untaken": list(untaken.get(cfg, ()))} for cfg in configs],
                 "prompt_rows": prompt_rows, "seed": seed}
+        # behind a first answer's own children (server/warm_ahead.py), which it waits for
         children = [spawn_child(stage, __name__, {**spec, "stage": stage, "widths": list(widths)},
-                                widths=widths, python=python)
+                                widths=widths, niceness=AUDIT_NICENESS, python=python)
                     for stage, widths in child_widths(stages, rows_of)]
         log.info("compiling ahead the kernels of the %s audit in %d child processes (widths %s)",
                  " and ".join(stages), len(children), ", ".join(str(list(c.widths)) for c in children))

@@ -91,7 +91,8 @@ def reference_weight(module: nn.Module, rows: np.ndarray | None = None) -> np.nd
     rows decode independently (groups run along K)."""
     arrays = [module["weight"], module["scales"], module.get("biases")]
     if rows is not None:
-        index, axis = mx.array(rows), module["weight"].ndim - 2
+        # int32, as the served lookups take: on CUDA each index dtype is a kernel of its own
+        index, axis = mx.array(rows, dtype=mx.int32), module["weight"].ndim - 2
         arrays = [None if a is None else mx.take(a, index, axis=axis) for a in arrays]
     return reference_dequantize(*arrays, module.mode, module.bits, module.group_size)
 
