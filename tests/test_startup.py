@@ -69,6 +69,21 @@ def test_startup_phases_are_reported(nvfp4_dir, verdicts):
     assert runtime.model_info()["startup"]["total_s"] == pytest.approx(sum(phases.values()), abs=0.05)
 
 
+def test_the_engines_construction_is_a_phase_of_serves_start(nvfp4_dir, verdicts):
+    from lockstep.server.commands import serve
+
+    args = cli.build_parser().parse_args(["serve", "--model", str(nvfp4_dir), "--batch-invariant-limit", "0"])
+    runtime, engine = serve.start_engine(args)
+    try:
+        startup = runtime.model_info()["startup"]
+        phases = list(startup["phases_s"])
+        assert phases.index("engine") == phases.index("warm_up") + 1  # after the runtime's own phases
+        assert startup["phases_s"]["engine"] >= 0
+        assert startup["total_s"] == pytest.approx(sum(startup["phases_s"].values()), abs=0.05)
+    finally:
+        engine.stop()
+
+
 def test_quantize_is_its_own_phase(nvfp4_dir, verdicts, tmp_path_factory):
     plain = build_llama_dir(tmp_path_factory.mktemp("float"))
     write_tiny_tokenizer(plain)

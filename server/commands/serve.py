@@ -202,8 +202,10 @@ def start_engine(args: argparse.Namespace, world=None, watchdog=None):
         if world is None:
             from lockstep.server.engine import Engine
 
-            engine = Engine(runtime.loaded, deployment=runtime.deployment, max_kv_tokens=kv_tokens,
-                            guarantee=runtime.guarantee, audited=runtime.audited, **settings)
+            # its own phase: the KV pool's first kernels are compiled here (a fresh CUDA start)
+            with runtime.timings.timed("engine"):
+                engine = Engine(runtime.loaded, deployment=runtime.deployment, max_kv_tokens=kv_tokens,
+                                guarantee=runtime.guarantee, audited=runtime.audited, **settings)
         else:
             from lockstep.server.distributed.replicated_engine import ReplicatedEngine
             from lockstep.server.distributed.startup import agreed_deployment
