@@ -203,7 +203,7 @@ def test_a_deferred_draft_model_is_loaded_after_the_guarantee_and_drafts_wait_fo
                                                                                       monkeypatch):
     from lockstep.server import draft_assessment
     from lockstep.server.engine import Engine
-    from lockstep.server.engine.decoding import draft_costs
+    from lockstep.server.engine.decoding import draft_costs, speculative
     from lockstep.server.engine.guarantee.decode_plan import RequestRejected, plan_request
     from tests.http_server import wait_until
 
@@ -211,6 +211,9 @@ def test_a_deferred_draft_model_is_loaded_after_the_guarantee_and_drafts_wait_fo
     monkeypatch.setattr(draft_assessment, "no_cheap_draft", lambda options: "")
     monkeypatch.setattr(draft_costs, "measure_draft_costs",
                         lambda target, draft: draft_costs.DraftCosts(0.01, 0.001, 0.001))
+    # and a verification pass of k + 1 rows costing about one pass (measured here, this CPU's
+    # wider passes decided whether drafting pays: the test failed on a loaded machine)
+    monkeypatch.setattr(speculative, "measure_pass_costs", lambda model, widths, **k: [0.010] * widths)
     runtime = build_runtime(Options(model=str(float_dir), batch_invariant_limit=2, max_batch_rows=2,
                                     draft_model="default-quantized"), defer_guarantee=True)
     assert [type(w).__name__ for w in runtime.pending] == ["GuaranteeWork", "DraftWork", "SamplingWork"]
