@@ -75,6 +75,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from harness import table as markdown_table  # noqa: E402
 from model_dirs import build_8b, build_nvfp4_1040  # noqa: E402
 
 STOP_GRACE_S = 60       # after SIGTERM, before SIGKILL
@@ -154,15 +155,21 @@ class PlainRequest(threading.Thread):
         self.seconds: float | None = None
         self.error: str | None = None
 
+    def request(self) -> dict:
+        return {**PLAIN_REQUEST, "model": self.model}
+
+    def answered(self, body: dict) -> None:
+        """What a subclass reads from the answer besides its time."""
+
     def run(self) -> None:
-        req = urllib.request.Request(self.base + "/v1/chat/completions",
-                                     data=json.dumps({**PLAIN_REQUEST, "model": self.model}).encode(),
+        req = urllib.request.Request(self.base + "/v1/chat/completions", data=json.dumps(self.request()).encode(),
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
                 body = json.load(r)
             body["choices"][0]["message"]  # an answer, not just a 200
             self.seconds = time.perf_counter() - self.t0
+            self.answered(body)
         except Exception as exc:  # noqa: BLE001 -- reported in the table
             self.error = f"{type(exc).__name__}: {exc}"[:120]
 
@@ -418,8 +425,7 @@ def table(name: str, serve_args: list[str], starts: list[Start], against: list[s
     header = ["start", "health", "first plain answer", "guarantee (state)", "largest phases (s)"]
     beside = f" and `python -m {' '.join(against)}`" if against else ""
     lines = [f"### {name}", "", f"`lockstep serve {' '.join(serve_args)}`{beside}", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row(s)) + " |" for s in starts]
+             markdown_table(header, [row(s) for s in starts])]
     if not all(s.reports_guarantee for s in starts):
         lines += ["", "\\* this server's /health has no \"guarantee\": taken as in force at /health."]
     return "\n".join(lines) + "\n"

@@ -19,19 +19,18 @@ Starts, caches and cases are bench/startup.py's (its docstring says what a fresh
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from harness import table as markdown_table  # noqa: E402
 from startup import (CASES, DEFAULT_CASES, LOG_DIR, LOG_LEVEL, PLAIN_REQUEST, POLL_S, PlainRequest,  # noqa: E402
                      StartFailed, cache_env, case_args, check_alive, get_json, launch, log_file, poll_health,
                      seconds, stop, wait_for_health)
@@ -59,17 +58,11 @@ class Resumed:
 
 
 class DeterministicRequest(PlainRequest):
-    def run(self) -> None:
-        req = urllib.request.Request(self.base + "/v1/chat/completions", data=json.dumps(DETERMINISTIC_REQUEST).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                body = json.load(r)
-            body["choices"][0]["message"]
-            self.seconds = time.perf_counter() - self.t0
-            self.guaranteed = (body.get("lockstep") or {}).get("guaranteed")
-        except Exception as exc:  # noqa: BLE001 -- reported in the table
-            self.error = f"{type(exc).__name__}: {exc}"[:120]
+    def request(self) -> dict:
+        return DETERMINISTIC_REQUEST
+
+    def answered(self, body: dict) -> None:
+        self.guaranteed = (body.get("lockstep") or {}).get("guaranteed")
 
 
 def batching(base: str) -> dict | None:
@@ -233,8 +226,7 @@ def resumed_table(name: str, serve_args: list[str], runs: list[Resumed], baselin
     after = "a start that finished its proofs" if finished else "a start stopped mid-proof"
     lines = [f"### {name}, a restart after {after}", "",
              f"`lockstep serve {' '.join(serve_args)}`{before}", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(resumed_row(r)) + " |" for r in runs]
+             markdown_table(header, [resumed_row(r) for r in runs])]
     return "\n".join(lines) + "\n"
 
 
