@@ -3,7 +3,8 @@ verdicts, MLX's kernel cache, the CUDA driver's), a plain chat request at its fi
 then the kernel cache's modules listed by the second they appeared, beside the server log's
 lines on the same clock (seconds from the spawn).
 
-    python bench/fresh_kernels.py [--serve-arg=--batch-invariant-limit=8 ...] [--out FILE] [--log FILE]
+    python bench/fresh_kernels.py [--serve-arg=--batch-invariant-limit=8 ...] [--until answer]
+                                  [--out FILE] [--log FILE]
 
 On the lent GPU (bench/README.md, "On the lent H200") pass `--serve-arg=--cpu-blas=reference`.
 On CUDA MLX compiles a kernel module at its first use (NVRTC, then the driver); on the CPU and
@@ -49,6 +50,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for /health, the answer and the guarantee")
     parser.add_argument("--out", help="also write the timeline here")
     parser.add_argument("--log", help="keep the server log here (default: a temporary file)")
+    parser.add_argument("--until", choices=("guarantee", "answer"), default="guarantee",
+                        help="stop the server once the guarantee is settled (default) or at the first answer")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="fresh-kernels-"))
@@ -62,8 +65,10 @@ def main() -> int:
         request = PlainRequest(base, t0, args.timeout)
         request.start()
         request.join(args.timeout)
-        wait_for_guarantee(base, proc, deadline, health)
-        settled_s = time.perf_counter() - t0
+        settled_s = None
+        if args.until == "guarantee":
+            wait_for_guarantee(base, proc, deadline, health)
+            settled_s = time.perf_counter() - t0
     finally:
         stop(proc)
     events = [(t, f"kernel {name} ({size / 1e6:.2f} MB)") for t, size, name in
@@ -71,7 +76,7 @@ def main() -> int:
     events += [(t, f"log   {text[:160]}") for t, text in log_by_time(log, spawned)]
     lines = [f"/health {health_s:.1f} s, first plain answer "
              + (f"{request.seconds:.1f} s" if request.seconds else f"none ({request.error})")
-             + f", guarantee settled {settled_s:.1f} s; {sum(e.startswith('kernel') for _, e in events)} kernel modules",
+             + (f", guarantee settled {settled_s:.1f} s" if settled_s else "") + f"; {sum(e.startswith('kernel') for _, e in events)} kernel modules",
              *(f"{t:7.2f}  {text}" for t, text in sorted(events))]
     print("\n".join(lines))
     if args.out:

@@ -16,10 +16,11 @@ AUDIT_OFF_WARNING = ("quantized kernels NOT audited (--audit off): a faulty kern
 
 def load_audited(spec: str, weights: str, quantize: str | None, bits, group,
                   audit: str = "cached", phases: Phases | None = None, phase_prefix: str = "",
-                 fuse: bool = False, defer=(), after_load=None) -> tuple:
+                 fuse: bool = False, defer=(), after_load=None, before_audit=None) -> tuple:
     """(loaded model, audit report, transform); the audit stages in `defer` run only where
     their verdicts are cached (`AuditWork` runs the rest after serving starts). `after_load`
-    (the loaded model) is called before the quantization and the audit."""
+    (the loaded model) is called before the quantization and the audit, `before_audit` after
+    them both (the model as served)."""
     from lockstep.kernels.audit import audit_and_patch, audit_verdict_cache
     from lockstep.models.load import load_model
     from lockstep.models.quantize import quantize_model_in_memory
@@ -40,6 +41,8 @@ def load_audited(spec: str, weights: str, quantize: str | None, bits, group,
         fused = fuse_projections(loaded.model)
         log.info("projections fused into %d layers", len(fused))
         transform += ";fused_projections"
+    if before_audit is not None:
+        before_audit(loaded)
     report = None
     if audit == "off":
         log.warning("%s", AUDIT_OFF_WARNING)

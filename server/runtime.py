@@ -255,11 +255,21 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
 
     def hash_weights(loaded) -> None:
         digest_of.append(weights_digest_soon(str(loaded.path)))
+    warm_ahead = []  # the children compiling a first answer's kernels (server/warm_ahead.py)
+
+    def compile_first_answer_ahead(loaded) -> None:
+        from lockstep.server import warm_ahead as warm
+
+        jobs = warm.recipes(loaded.model)
+        if warm.WarmAhead.needed(jobs):
+            warm_ahead.append(warm.WarmAhead.start(jobs))
+            with timings.timed("lookups_compiled_ahead"):  # before the audit takes them
+                warm_ahead[0].wait(warm.LOOKUPS)
     defer = deferred_stages(backend) if defer_guarantee and options.prepare_model is None else ()
-    loaded, report, transform = model_loading.load_audited(options.model, options.weights, options.quantize,
-                                              options.q_bits, options.q_group_size,
-                                              options.audit, timings, fuse=options.fuse_projections,
-                                              defer=defer, after_load=hash_weights)
+    loaded, report, transform = model_loading.load_audited(
+        options.model, options.weights, options.quantize, options.q_bits, options.q_group_size,
+        options.audit, timings, fuse=options.fuse_projections, defer=defer, after_load=hash_weights,
+        before_audit=compile_first_answer_ahead if ahead.pays(backend) and options.prepare_model is None else None)
     audited = AuditedRows(s for s in STAGES if report is None or s not in report.deferred)
     compile_ahead = (ahead.CompileAhead.for_report(loaded.model, report)
                      if report is not None and ahead.pays(backend) else None)
@@ -326,6 +336,8 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     if draft is not None and options.draft_where_it_pays:  # measured with the forms the target serves with
         runtime.deployment = draft_assessment.assess_draft(runtime, options)
     with timings.timed("warm_up"):  # the first request should not pay for first-call setup
+        if warm_ahead:  # its kernels, and the engine's and the first request's, compiled meanwhile
+            warm_ahead[0].wait_all()
         try:
             tokens = [1, 2, 3] if audited.allows(3) else [1]  # never a width not yet audited
             logits = loaded.model(mx.array([tokens]), cache=make_prompt_cache(loaded.model))

@@ -175,3 +175,18 @@ def test_a_switch_layer_compares_its_sample_on_every_expert(monkeypatch):
     assert [p.path for p in config.failing] == [p.path for p in config.paths]
     assert all(p.compared_rows == sample for p in config.failing)
     assert config.verdict == "dequantized" and all(p.ok for p in config.accepted)
+
+
+def test_the_compared_rows_are_picked_on_the_host_not_by_a_device_gather(monkeypatch):
+    """On CUDA a gather of a layer's output would be a kernel of the output's dtype that serving
+    never takes, compiled (seconds) for the audit alone on a fresh start."""
+    from lockstep.kernels.audit.probes import _compared_part
+
+    out = mx.arange(24, dtype=mx.float16).reshape(2, 12)
+    rows = np.array([0, 5, 11])
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("a device gather")
+    monkeypatch.setattr(mx, "take", no_gather)
+    got = _compared_part(out, rows)
+    assert got.dtype == np.float32 and np.array_equal(got, np.array(out.astype(mx.float32))[:, rows])

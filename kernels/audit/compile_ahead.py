@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 # A child still running after this long is stopped; the audit then compiles what it needs itself.
 CHILD_TIMEOUT_S = 600.0
+AUDIT_NICENESS = 10  # the deferred stages' children: served after the first answer
 REPORT, ERRORS = "report.json", "errors.txt"  # a child's stdout and stderr, in its directory
 
 
@@ -102,6 +103,26 @@ class _Child:
     started: float
     report: list | None = None
     published: bool = False
+    what: str = ""  # what it compiles, for the log (default: its widths)
+
+    def describe(self) -> str:
+        return self.what or f"widths {list(self.widths)}"
+
+
+def spawn_child(stage: str, module: str, spec: dict, *, widths: tuple[int, ...] = (), what: str = "",
+                niceness: int = 0, python: str = sys.executable) -> _Child:
+    """A child process running `python -m module` with `spec` (JSON) on its stdin, compiling into
+    a directory of its own (published into MLX's cache by `CompileAhead` once it has exited);
+    `niceness` lowers its CPU priority (work that can wait for another's)."""
+    directory = Path(tempfile.mkdtemp(prefix="lockstep-compile-ahead-"))
+    env = {**os.environ, "MLX_PTX_CACHE_DIR": str(directory)}
+    # its report and errors go to files (a pipe nobody reads while it runs could fill)
+    with open(directory / REPORT, "w") as out, open(directory / ERRORS, "w") as errors:
+        process = subprocess.Popen([python, "-m", module], stdin=subprocess.PIPE, stdout=out, stderr=errors,
+                                   env=env, text=True, preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
+    process.stdin.write(json.dumps(spec))
+    process.stdin.close()
+    return _Child(stage, widths, process, directory, time.perf_counter(), what=what)
 
 
 class CompileAhead:
@@ -127,17 +148,10 @@ class CompileAhead:
                                  if stage_of(p, r) == stage and not p.startswith(untaken.get(cfg, ()))}
         spec = {"configs": [{**dataclasses.asdict(cfg), "untaken": list(untaken.get(cfg, ()))} for cfg in configs],
                 "prompt_rows": prompt_rows, "seed": seed}
-        children = []
-        for stage, widths in child_widths(stages, rows_of):
-            directory = Path(tempfile.mkdtemp(prefix="lockstep-compile-ahead-"))
-            env = {**os.environ, "MLX_PTX_CACHE_DIR": str(directory)}
-            # its report and errors go to files (a pipe nobody reads while it runs could fill)
-            with open(directory / REPORT, "w") as out, open(directory / ERRORS, "w") as errors:
-                process = subprocess.Popen([python, "-m", __name__], stdin=subprocess.PIPE,
-                                           stdout=out, stderr=errors, env=env, text=True)
-            process.stdin.write(json.dumps({**spec, "stage": stage, "widths": list(widths)}))
-            process.stdin.close()
-            children.append(_Child(stage, widths, process, directory, time.perf_counter()))
+        # behind a first answer's own children (server/warm_ahead.py), which it waits for
+        children = [spawn_child(stage, __name__, {**spec, "stage": stage, "widths": list(widths)},
+                                widths=widths, niceness=AUDIT_NICENESS, python=python)
+                    for stage, widths in child_widths(stages, rows_of)]
         log.info("compiling ahead the kernels of the %s audit in %d child processes (widths %s)",
                  " and ".join(stages), len(children), ", ".join(str(list(c.widths)) for c in children))
         return cls(children, cache)
@@ -173,20 +187,20 @@ class CompileAhead:
                 return False
             child.process.kill()
             child.process.wait()
-            log.warning("compiling ahead (widths %s): stopped after %.0f s", list(child.widths), CHILD_TIMEOUT_S)
+            log.warning("compiling ahead (%s): stopped after %.0f s", child.describe(), CHILD_TIMEOUT_S)
         try:
             child.report = json.loads((child.directory / REPORT).read_text())
         except (OSError, ValueError):
             child.report = None
         if child.process.returncode != 0:
             errors = (child.directory / ERRORS).read_text(errors="replace").strip().splitlines()
-            log.warning("compiling ahead (widths %s): the child exited with %d%s", list(child.widths),
+            log.warning("compiling ahead (%s): the child exited with %d%s", child.describe(),
                         child.process.returncode, f": {errors[-1]}" if errors else "")
         moved = publish(child.directory, self.cache)
         shutil.rmtree(child.directory, ignore_errors=True)
         child.published = True
-        log.info("compiled ahead (%s, widths %s) in %.1f s: %d kernel modules", child.stage,
-                 list(child.widths), time.perf_counter() - child.started, moved)
+        log.info("compiled ahead (%s, %s) in %.1f s: %d kernel modules", child.stage,
+                 child.describe(), time.perf_counter() - child.started, moved)
         return True
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ from mlx_lm.models.cache import create_attention_mask, make_prompt_cache
 from ..custom import split_attention
 from ..custom.attention import PoolRows, pooled_attention
 from ..invariance.layers import active_setting
+from .row_writes import write_rows_once
 
 DEFAULT_CAPACITY = 4096
 
@@ -149,12 +150,10 @@ class KVPool:
         self._build_row_writes()
 
     def _build_row_writes(self) -> None:
-        """Run `put_along_axis` once per KV dtype now: MLX's CUDA backend compiles its kernel
-        on first use (~4 s per dtype on the H200, cached on disk after), which would
-        otherwise stall the first pass that writes several requests' rows."""
+        """Write rows once per KV dtype now (row_writes.py): the first pass that writes several
+        requests' rows would otherwise wait for their kernel's compile."""
         for dtype in {dtype for _, _, dtype in self._layouts}:
-            into = mx.zeros((1, 2, 1), dtype)
-            mx.eval(mx.put_along_axis(into, mx.zeros((1, 1, 1), mx.int32), mx.ones((1, 1, 1), dtype), axis=1))
+            write_rows_once(dtype)
 
     @property
     def layers(self) -> int:
