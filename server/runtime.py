@@ -15,6 +15,7 @@ from typing import Callable
 import mlx.core as mx
 
 from lockstep.server import draft_assessment, model_loading
+from lockstep.server import warm_ahead as warm
 from lockstep.server.engine.guarantee.decode_plan import METHODS
 from lockstep.server.engine.guarantee.deployment import (CPU_PLAIN_PREFILL_CHUNK, CPU_PREFILL_CHUNK, MAX_DRAFT_TOKENS,
                                                          PREFILL_CHUNK, Deployment, rewind_refusal)
@@ -258,8 +259,6 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     warm_ahead = []  # the children compiling a first answer's kernels (server/warm_ahead.py)
 
     def compile_first_answer_ahead(loaded) -> None:
-        from lockstep.server import warm_ahead as warm
-
         jobs = warm.recipes(loaded.model)
         if warm.WarmAhead.needed(jobs):
             warm_ahead.append(warm.WarmAhead.start(jobs))
@@ -336,8 +335,8 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     if draft is not None and options.draft_where_it_pays:  # measured with the forms the target serves with
         runtime.deployment = draft_assessment.assess_draft(runtime, options)
     with timings.timed("warm_up"):  # the first request should not pay for first-call setup
-        if warm_ahead:  # its kernels, and the engine's and the first request's, compiled meanwhile
-            warm_ahead[0].wait_all()
+        if warm_ahead:  # its kernels compiled meanwhile (server/warm_ahead.py)
+            warm_ahead[0].wait(warm.ACTIVATION)
         try:
             tokens = [1, 2, 3] if audited.allows(3) else [1]  # never a width not yet audited
             logits = loaded.model(mx.array([tokens]), cache=make_prompt_cache(loaded.model))
@@ -349,6 +348,8 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
             hint = "; the kernel audit is off (--audit off)" if options.audit == "off" else ""
             raise ModelError(f"{loaded.path}: the warm-up forward pass failed "
                              f"({type(exc).__name__}: {exc}){hint}") from exc
+        if warm_ahead:  # the rest: the engine's row writes, the first request's compiled pass
+            warm_ahead[0].wait_all()
     sampling = SamplingWork(runtime, proofs)
     if not (defer_guarantee and limit):
         sampling.run()

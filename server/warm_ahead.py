@@ -10,7 +10,8 @@ model is loaded:
 
     ahead = WarmAhead.start(loaded)         # after the load (and any quantization)
     ahead.wait(LOOKUPS)                     # before the audit's lookups
-    ahead.wait_all()                        # before the warm-up: the rest
+    ahead.wait(ACTIVATION)                  # before the warm-up's forward
+    ahead.wait_all()                        # before the engine: the rest
 
 A child imports MLX and nothing else (no model, no tokenizer, no mlx-lm package), so it takes
 seconds, not the server's import. MLX names a module by its operation and dtypes (a fused
@@ -30,7 +31,8 @@ import mlx.core as mx
 
 log = logging.getLogger(__name__)
 
-LOOKUPS, ROW_WRITES, ACTIVATION = "lookups", "row writes", "activation"
+LOOKUPS, ROW_WRITES = "lookups", "row writes"
+ACTIVATION, TRACED_ACTIVATION = "activation", "traced activation"  # called alone; inside a compiled call
 # How long the server waits for a recipe's children before compiling what it lacks itself.
 WAIT_S = 30.0
 
@@ -91,7 +93,8 @@ def recipes(model) -> list[tuple[str, dict]]:
     kv = sorted({_name(dtype) for _, _, dtype in kv_layouts(model)})
     return ([(LOOKUPS, {"recipe": LOOKUPS, "dtype": d}) for d in lookup_dtypes(model)]
             + [(ROW_WRITES, {"recipe": ROW_WRITES, "dtype": d}) for d in kv]
-            + [(ACTIVATION, {"recipe": ACTIVATION, **call}) for call in activation_calls(model)])
+            + [(stage, {"recipe": stage, **call}) for call in activation_calls(model)
+               for stage in (ACTIVATION, TRACED_ACTIVATION)])
 
 
 def stamp(jobs: list[tuple[str, dict]]):
@@ -141,7 +144,7 @@ class WarmAhead:
         cache is stamped and later starts spawn none."""
         deadline = time.perf_counter() + timeout
         done = all([self.wait(stage, max(0.0, deadline - time.perf_counter()))
-                    for stage in (LOOKUPS, ROW_WRITES, ACTIVATION)])
+                    for stage in (LOOKUPS, ROW_WRITES, ACTIVATION, TRACED_ACTIVATION)])
         if done and all(child.process.returncode == 0 for child in self.ahead.children):
             self.done.parent.mkdir(parents=True, exist_ok=True)
             self.done.touch()
@@ -152,7 +155,7 @@ class WarmAhead:
 
 
 def describe(spec: dict) -> str:
-    if spec["recipe"] == ACTIVATION:
+    if spec["recipe"] in (ACTIVATION, TRACED_ACTIVATION):
         return f"{spec['function']}({', '.join(dtype for dtype, _ in spec['args'])})"
     return spec["dtype"]
 
@@ -195,13 +198,14 @@ def mlx_lm_activations():
     return module
 
 
-def run_activation(function: str, args: list) -> dict:
-    """mlx-lm's activation `function` on arrays of the dtypes in `args`, as the warm-up calls it,
-    and traced inside a compiled call, as the compiled decode pass takes it (the fusion there is
-    the activation's graph alone: matmuls, which do not fuse, surround it)."""
+def run_activation(function: str, args: list, traced: bool) -> dict:
+    """mlx-lm's activation `function` on arrays of the dtypes in `args`: called alone, as the
+    warm-up's forward calls it, or traced inside a compiled call, as the compiled decode pass
+    takes it (the fusion there is the activation's graph alone: matmuls, which do not fuse,
+    surround it). Each is a kernel of its own."""
     f = getattr(mlx_lm_activations(), function)
     inputs = [mx.zeros(() if scalar else (1, 1, 8), getattr(mx, dtype)) for dtype, scalar in args]
-    mx.eval(f(*inputs), mx.compile(lambda *xs: f(*xs))(*inputs))
+    mx.eval(mx.compile(lambda *xs: f(*xs))(*inputs) if traced else f(*inputs))
     return {}
 
 
@@ -213,8 +217,8 @@ def run(spec: dict) -> dict:
         made = run_lookup(spec["dtype"])
     elif recipe == ROW_WRITES:
         made = run_row_writes(spec["dtype"])
-    elif recipe == ACTIVATION:
-        made = run_activation(spec["function"], spec["args"])
+    elif recipe in (ACTIVATION, TRACED_ACTIVATION):
+        made = run_activation(spec["function"], spec["args"], traced=recipe == TRACED_ACTIVATION)
     else:
         raise ValueError(f"no recipe {recipe!r}")
     return {"recipe": recipe, **made, "seconds": time.perf_counter() - started}

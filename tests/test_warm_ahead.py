@@ -16,7 +16,8 @@ from lockstep.kernels.audit import compile_ahead
 from lockstep.models.load import load_model
 from lockstep.server import warm_ahead
 from lockstep.server.runtime import Options, build_runtime
-from lockstep.server.warm_ahead import ACTIVATION, LOOKUPS, ROW_WRITES, WarmAhead, activation_calls, recipes
+from lockstep.server.warm_ahead import (ACTIVATION, LOOKUPS, ROW_WRITES, TRACED_ACTIVATION, WarmAhead,
+                                        activation_calls, recipes)
 from tests.synthetic import build_llama_dir, write_tiny_tokenizer
 
 
@@ -30,11 +31,12 @@ def affine_model(tmp_path_factory):
 
 def test_the_recipes_are_the_embeddings_lookups_the_kv_row_writes_and_the_mlps_activation(affine_model):
     jobs = recipes(affine_model.model)
-    assert [stage for stage, _ in jobs] == [LOOKUPS, LOOKUPS, ROW_WRITES, ACTIVATION]
+    assert [stage for stage, _ in jobs] == [LOOKUPS, LOOKUPS, ROW_WRITES, ACTIVATION, TRACED_ACTIVATION]
     assert [spec["dtype"] for stage, spec in jobs if stage == LOOKUPS] == ["float32", "uint32"]  # scales, packed
     assert [spec["dtype"] for stage, spec in jobs if stage == ROW_WRITES] == ["float32"]
-    assert dict(jobs)[ACTIVATION] == {"recipe": ACTIVATION, "function": "swiglu",
-                                      "args": [["float32", False], ["float32", False]]}
+    call = {"function": "swiglu", "args": [["float32", False], ["float32", False]]}
+    assert dict(jobs)[ACTIVATION] == {"recipe": ACTIVATION, **call}
+    assert dict(jobs)[TRACED_ACTIVATION] == {"recipe": TRACED_ACTIVATION, **call}
     model_module = sys.modules[type(affine_model.model).__module__]
     from mlx_lm.models.activations import swiglu
     assert model_module.swiglu is swiglu  # the recorder is gone
@@ -71,9 +73,10 @@ mx.eval(mx.compile(lambda x: mlp(x))(mx.zeros((1, 1, model.args.hidden_size))))
 def test_the_activation_child_compiles_the_fused_kernels_the_server_takes(affine_model, tmp_path):
     served = fused_kernels(tmp_path / "served", ["-c", SERVED], str(affine_model.path))
     assert len(served) == 2  # called alone (the warm-up) and traced into a compiled pass
-    (_, spec), = [job for job in recipes(affine_model.model) if job[0] == ACTIVATION]
-    ahead = fused_kernels(tmp_path / "ahead", ["-m", warm_ahead.__name__], stdin=json.dumps(spec))
-    assert ahead == served
+    jobs = dict(recipes(affine_model.model))
+    alone, traced = (fused_kernels(tmp_path / stage.replace(" ", "-"), ["-m", warm_ahead.__name__],
+                                   stdin=json.dumps(jobs[stage])) for stage in (ACTIVATION, TRACED_ACTIVATION))
+    assert len(alone) == len(traced) == 1 and alone | traced == served
 
 
 @pytest.fixture
@@ -93,7 +96,7 @@ def test_the_children_run_every_recipe_then_the_cache_is_stamped(affine_model, k
     made = {(c.stage, c.what): c.report for c in ahead.ahead.children}
     assert all(c.process.returncode == 0 for c in ahead.ahead.children), made
     assert set(made) == {(LOOKUPS, "float32"), (LOOKUPS, "uint32"), (ROW_WRITES, "float32"),
-                         (ACTIVATION, "swiglu(float32, float32)")}
+                         (ACTIVATION, "swiglu(float32, float32)"), (TRACED_ACTIVATION, "swiglu(float32, float32)")}
     assert made[(LOOKUPS, "uint32")]["rows"] == 2 and made[(ACTIVATION, "swiglu(float32, float32)")]["seconds"] > 0
     assert ahead.done.exists() and ahead.done.parent == kernel_cache
     assert not WarmAhead.needed(jobs)  # a restart on this cache spawns none
@@ -128,7 +131,7 @@ class SpyAhead:
         return True
 
 
-def test_serve_waits_for_the_lookups_before_the_audit_and_for_the_rest_before_the_warm_up(
+def test_serve_waits_for_the_lookups_before_the_audit_the_activation_before_the_warm_up_then_the_rest(
         affine_model, kernel_cache, monkeypatch):
     import lockstep.kernels.audit as audit
 
@@ -144,8 +147,11 @@ def test_serve_waits_for_the_lookups_before_the_audit_and_for_the_rest_before_th
     monkeypatch.setattr(model_class, "__call__", lambda self, *a, **k: events.append("forward") or real_call(self, *a, **k))
     options = Options(model=str(affine_model.path))
     build_runtime(options, defer_guarantee=True)
-    assert events.index("start") < events.index(f"wait {LOOKUPS}") < events.index("audit") < events.index("wait all")
-    assert events[events.index("wait all") + 1] == "forward"  # the warm-up's pass, once all are in
+    events.append("runtime built")
+    assert events.index("start") < events.index(f"wait {LOOKUPS}") < events.index("audit")
+    assert events.index("audit") < events.index(f"wait {ACTIVATION}") < events.index("wait all")
+    assert events[events.index(f"wait {ACTIVATION}") + 1] == "forward"  # the warm-up's pass
+    assert events.index("wait all") < events.index("runtime built")  # before the engine is built
 
     events.clear()
     monkeypatch.setattr(WarmAhead, "needed", staticmethod(lambda jobs: False))
