@@ -8,7 +8,8 @@ request) and the KV pool's row writes (the engine). Each is a recipe of a few ML
 small arrays of the model's dtypes, run by a child of its own, all at once, from the moment the
 model is loaded:
 
-    ahead = WarmAhead.start(loaded)         # after the load (and any quantization)
+    jobs = recipes(model)                   # after the load (and any quantization)
+    ahead = WarmAhead.start(jobs)           # unless WarmAhead.needed(jobs) is False: a restart
     ahead.wait(LOOKUPS)                     # before the audit's lookups
     ahead.wait(ACTIVATION)                  # before the warm-up's forward
     ahead.wait_all()                        # before the engine: the rest
@@ -55,7 +56,7 @@ def lookup_dtypes(model) -> list[str]:
 
 
 def activation_calls(model) -> list[dict]:
-    """The calls of mlx-lm's compiled activations (models/activations.py) one token's forward
+    """The calls of the compiled activations of `mlx_lm.models.activations` one token's forward
     makes, by function and argument dtypes: found by building that forward lazily (nothing runs)
     with each such function of the model's module replaced by a recorder."""
     from mlx_lm.models import activations
@@ -185,8 +186,8 @@ def run_row_writes(dtype: str) -> dict:
 
 
 def mlx_lm_activations():
-    """mlx-lm's models/activations.py loaded alone: its package's import brings in transformers
-    (seconds), and the functions' graphs, not their module, name the kernels."""
+    """`mlx_lm.models.activations` loaded alone, from its file: its package's import brings in
+    transformers (seconds), and the functions' graphs, not their module, name the kernels."""
     import importlib.util
     from pathlib import Path
 
