@@ -148,7 +148,7 @@ class CompileAhead:
                                  if stage_of(p, r) == stage and not p.startswith(untaken.get(cfg, ()))}
         spec = {"configs": [{**dataclasses.asdict(cfg), "untaken": list(untaken.get(cfg, ()))} for cfg in configs],
                 "prompt_rows": prompt_rows, "seed": seed}
-        # behind a first answer's own children (server/warm_ahead.py), which it waits for
+        # niced: a first answer's own children (server/warm_ahead.py) and the server come first
         children = [spawn_child(stage, __name__, {**spec, "stage": stage, "widths": list(widths)},
                                 widths=widths, niceness=AUDIT_NICENESS, python=python)
                     for stage, widths in child_widths(stages, rows_of)]
