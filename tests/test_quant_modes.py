@@ -19,6 +19,7 @@ PROMPTS = ("What is the capital of France?", "Write one word: blue")
 # (min greedy agreement, max mean |logit error|). Measured on the embedded model vs
 # float32 (MLX 0.32.4 CPU, chat prompt): affine-8 g64 0.95 / 0.20; mxfp8 0.84 / 1.02.
 BOUNDS = {("affine", 8): (0.85, 0.5), ("mxfp8", 8): (0.65, 2.0)}
+UNBOUNDED_TOKENS = 8  # what the modes without bounds are measured on
 MODES = [("affine", 4), ("affine", 8), ("mxfp4", None), ("mxfp8", None), ("nvfp4", None)]
 
 
@@ -54,9 +55,13 @@ def test_mode_loads_audits_and_generates(float_model, mode, bits):
 
     bounds = BOUNDS.get((result.spec.mode, result.spec.bits))
     # modes with bounds are held to them on every prompt; the others are measured on the first
+    # prompt's first tokens (a causal model's logits there are the whole prompt's first rows;
+    # MLX's CPU quantized matmuls take ~0.1-0.4 s a token here)
+    pairs = list(zip(prompts, ref_logits)) if bounds else [(prompts[0][:, :UNBOUNDED_TOKENS],
+                                                           ref_logits[0][:, :UNBOUNDED_TOKENS])]
     agreement, mean_err, max_err = [], [], 0.0
     cache = make_prompt_cache(model)  # the first prompt's, which generation continues
-    for i, (prompt, ref) in enumerate(list(zip(prompts, ref_logits))[:None if bounds else 1]):
+    for i, (prompt, ref) in enumerate(pairs):
         logits = model(prompt, cache=cache if i == 0 else None)
         if i == 0:
             first = logits[:, -1]
