@@ -55,16 +55,18 @@ def lookup_dtypes(model) -> list[str]:
     return sorted(found)
 
 
-def activation_calls(model) -> list[dict]:
-    """The calls of the compiled activations of `mlx_lm.models.activations` one token's forward
-    makes, by function and argument dtypes: found by building that forward lazily (nothing runs)
-    with each such function of the model's module replaced by a recorder."""
+def forward_facts(model) -> tuple[list[dict], list[str]]:
+    """What one token's forward takes, found by building it lazily (nothing runs) with the
+    compiled activations of `mlx_lm.models.activations` the model's module calls replaced by
+    recorders: those calls, by function and argument dtypes, and the dtypes of the KV its caches
+    keep (none for a cache without keys, a recurrent layer's). Nothing where the forward cannot
+    be built so: the server then compiles those kernels itself."""
     from mlx_lm.models import activations
     from mlx_lm.models.cache import make_prompt_cache
 
     module = sys.modules[type(model).__module__]
     names = [n for n, f in vars(activations).items() if callable(f) and getattr(module, n, None) is f]
-    calls = []
+    calls, kv = [], set()
 
     def recorder(name, function):
         def record(*args):
@@ -78,24 +80,25 @@ def activation_calls(model) -> list[dict]:
     try:
         for name in names:
             setattr(module, name, recorder(name, getattr(activations, name)))
-        model(mx.array([[1]], mx.int32), cache=make_prompt_cache(model))  # a graph, never evaluated
-    except Exception as exc:  # no recipe then: the warm-up compiles what it takes itself
-        log.info("the model's activations not found (%s: %s)", type(exc).__name__, exc)
+        cache = make_prompt_cache(model)
+        model(mx.array([[1]], mx.int32), cache=cache)  # a graph, never evaluated
+        kv = {_name(c.keys.dtype) for c in cache if getattr(c, "keys", None) is not None}
+    except Exception as exc:
+        log.info("a lazy forward of the model failed (%s: %s): its kernels are compiled as it runs",
+                 type(exc).__name__, exc)
+        calls, kv = [], set()
     finally:
         for name in names:
             setattr(module, name, getattr(activations, name))
-    return calls
+    return calls, sorted(kv)
 
 
 def recipes(model) -> list[tuple[str, dict]]:
     """(stage, spec) of each child for `model` as loaded."""
-    from lockstep.kernels.batching.kv_pool import kv_layouts
-
-    kv = sorted({_name(dtype) for _, _, dtype in kv_layouts(model)})
+    calls, kv = forward_facts(model)
     return ([(LOOKUPS, {"recipe": LOOKUPS, "dtype": d}) for d in lookup_dtypes(model)]
             + [(ROW_WRITES, {"recipe": ROW_WRITES, "dtype": d}) for d in kv]
-            + [(stage, {"recipe": stage, **call}) for call in activation_calls(model)
-               for stage in (ACTIVATION, TRACED_ACTIVATION)])
+            + [(stage, {"recipe": stage, **call}) for call in calls for stage in (ACTIVATION, TRACED_ACTIVATION)])
 
 
 def stamp(jobs: list[tuple[str, dict]]):
@@ -147,8 +150,11 @@ class WarmAhead:
         done = all([self.wait(stage, max(0.0, deadline - time.perf_counter()))
                     for stage in (LOOKUPS, ROW_WRITES, ACTIVATION, TRACED_ACTIVATION)])
         if done and all(child.process.returncode == 0 for child in self.ahead.children):
-            self.done.parent.mkdir(parents=True, exist_ok=True)
-            self.done.touch()
+            try:
+                self.done.parent.mkdir(parents=True, exist_ok=True)
+                self.done.touch()
+            except OSError as exc:  # a later start spawns the children again: time, not harm
+                log.warning("the kernel cache could not be stamped (%s)", exc)
         return done
 
     def close(self) -> None:

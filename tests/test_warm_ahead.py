@@ -17,7 +17,7 @@ from lockstep.models.load import load_model
 from lockstep.server import warm_ahead
 from lockstep.server.runtime import Options, build_runtime
 from lockstep.server.warm_ahead import (ACTIVATION, LOOKUPS, ROW_WRITES, TRACED_ACTIVATION, WarmAhead,
-                                        activation_calls, recipes)
+                                        forward_facts, recipes)
 from tests.synthetic import build_llama_dir, write_tiny_tokenizer
 
 
@@ -42,10 +42,24 @@ def test_the_recipes_are_the_embeddings_lookups_the_kv_row_writes_and_the_mlps_a
     assert model_module.swiglu is swiglu  # the recorder is gone
 
 
-def test_a_model_whose_forward_fails_gets_no_activation_recipe(affine_model, monkeypatch):
+def test_a_model_whose_lazy_forward_fails_gets_its_lookups_only(affine_model, monkeypatch):
     model_class = type(affine_model.model)
     monkeypatch.setattr(model_class, "__call__", lambda self, *a, **k: 1 / 0)
-    assert activation_calls(affine_model.model) == []
+    assert forward_facts(affine_model.model) == ([], [])
+    assert [stage for stage, _ in recipes(affine_model.model)] == [LOOKUPS, LOOKUPS]
+
+
+def test_a_cache_without_keys_has_no_row_writes(affine_model, monkeypatch):
+    import mlx_lm.models.cache as cache_module
+
+    class Recurrent:  # a recurrent layer's state: no keys
+        state = None
+    monkeypatch.setattr(cache_module, "make_prompt_cache", lambda model: [Recurrent()])
+    module = sys.modules[type(affine_model.model).__module__]
+    monkeypatch.setattr(type(affine_model.model), "__call__",
+                        lambda self, *a, **k: module.swiglu(mx.zeros(2), mx.zeros(2)))
+    calls, kv = forward_facts(affine_model.model)
+    assert kv == [] and [call["function"] for call in calls] == ["swiglu"]  # the rest still found
 
 
 def fused_kernels(tmp_dir, code: str, *args, stdin: str | None = None) -> set:
