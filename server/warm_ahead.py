@@ -147,8 +147,8 @@ class WarmAhead:
         """Wait for every child (up to `timeout` in all); once each has compiled its recipe, the
         cache is stamped and later starts spawn none."""
         deadline = time.perf_counter() + timeout
-        done = all([self.wait(stage, max(0.0, deadline - time.perf_counter()))
-                    for stage in (LOOKUPS, ROW_WRITES, ACTIVATION, TRACED_ACTIVATION)])
+        stages = dict.fromkeys(child.stage for child in self.ahead.children)  # in spawn order
+        done = all([self.wait(stage, max(0.0, deadline - time.perf_counter())) for stage in stages])
         if done and all(child.process.returncode == 0 for child in self.ahead.children):
             try:
                 self.done.parent.mkdir(parents=True, exist_ok=True)

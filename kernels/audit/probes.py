@@ -133,7 +133,8 @@ def _compared_part(out: mx.array, compared: np.ndarray | None) -> np.ndarray:
     if compared is None:
         return got
     # the rows not compared must still hold numbers: a NaN or inf anywhere fails the path
-    return got[..., compared] if np.isfinite(got).all() else np.full(got[..., compared].shape, np.nan, np.float32)
+    picked = got[..., compared]
+    return picked if np.isfinite(got).all() else np.full_like(picked, np.nan)
 
 
 def _measure(path: str, rows: int, tol: float, run: Callable[[], tuple[mx.array, np.ndarray]],
