@@ -10,8 +10,10 @@ rows and whether they are canonical. The one place that decides: the layers
 - plain calls: one row of a large layer through `qmv_split` (of a smaller one MLX's GEMV,
   faster there than `qmv_mma`); 2..32 rows of every layer canonical rows run `qmv_mma` for
   (an 8B's q, k, v and o too: MLX's tiled quantized matmul is far slower there at these widths,
-  docs/BENCHMARKS.md "Kernels") through it; wider calls (prompt chunks) MLX's;
-each where it was fastest on the H200 (bench/results/history/, issue 28's kernel files).
+  docs/BENCHMARKS.md "Kernels") through it; wider calls (prompt chunks) MLX's, and on CUDA
+  those of at least dequantized_rows.min_rows rows MLX's dequantize and dense matmul;
+each where it was fastest on the H200 (bench/results/history/, issue 28's kernel files) or the
+H100 (prompt chunks).
 
 Sibling layers (an attention block's q, k and v; an MLP's gate and up: they read the same x)
 run as parts of one `qmv_mma_parts` launch where each part is large enough to run `qmv_mma` on
@@ -22,7 +24,7 @@ was slower than q's own launch beside MLX's calls for k and v
 (bench/results/history/2026-12-02-h200-sibling-layers-graph-size-issue28.md)."""
 import mlx.nn as nn
 
-from . import qmv_mma, qmv_mma_parts, qmv_split
+from . import dequantized_rows, qmv_mma, qmv_mma_parts, qmv_split
 
 # Layers of one parent that read the same x, in the order the parent calls them.
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -43,14 +45,15 @@ SPLIT_PLAIN_ROWS = 16
 
 
 def kernel_for(n: int, k: int, mode: str, dtype, rows: int, canonical: bool):
-    """The module (qmv_mma or qmv_split) such a call runs, or None: the layer's own path."""
+    """The module (qmv_mma, qmv_split or dequantized_rows) such a call runs, or None: the
+    layer's own path."""
     large = qmv_split.pays(n, k)
     mma_here = (qmv_mma.pays(n, k, True) and k % qmv_mma.CHUNK == 0
                 and qmv_mma.unavailable_reason(mode, dtype) is None)
     if canonical:
         return qmv_mma if mma_here else qmv_split if large else None
-    if rows > PLAIN_ROWS:
-        return None
+    if rows > PLAIN_ROWS:  # a prompt chunk
+        return dequantized_rows if dequantized_rows.runs_here() and dequantized_rows.pays(n, k, rows) else None
     if rows == 1:
         return qmv_split if large else None
     if mma_here:  # MLX's tiled quantized matmul reads an 8B's q/k/v/o far slower at 2..32 rows
