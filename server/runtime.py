@@ -301,6 +301,7 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
     smoke_cache.prove_afresh(fresh_proofs)  # the custom kernels' smoke tests likewise
 
     from lockstep.kernels.batching.pool_mode import pool_mode
+    from lockstep.kernels.custom.split_rows import prompt_chunks_native
 
     kv_pool = pool_mode(loaded.model, options.kv_pool)
     if options.kv_pool != "off":
@@ -313,6 +314,7 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
                     draft_model=draft, draft_name=draft_name, draft_loading=defer_draft, draft_refusal=no_draft,
                     prefill_chunk=options.prefill_chunk, adaptive_draft_tokens=options.adaptive_speculation,
                     plain_prefill_chunk=plain_prefill_chunk(options.prefill_chunk),
+                    plain_prompt_native=bool(limit) and prompt_chunks_native(loaded.model, options.prefill_chunk),
                     draft_backoff=options.draft_backoff,
                     kv_pool=kv_pool, async_eval_layers=options.async_eval_layers,
                     # a distributed model's passes hold its collectives: they are built op by op

@@ -5,7 +5,7 @@ narrower and canonical calls do not. Its speed: docs/BENCHMARKS.md, "Prompt chun
 import mlx.core as mx
 import pytest
 
-from lockstep.kernels.custom import dequantized_rows, split_rows
+from lockstep.kernels.custom import dequantized_rows, qmv_split, split_rows
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.layers import batch_invariant, native_forms
 from lockstep.kernels.invariance.selftest import bits_equal
@@ -81,3 +81,15 @@ def test_a_layer_runs_its_wide_plain_calls_through_it(on_cuda, split):
         elif not canonical:
             assert bits_equal(got, mx.quantized_matmul(x, layer.weight, layer.scales, None, transpose=True, **kw))
     set_batch_invariant_limit(model, 0)
+
+
+def test_prompt_chunks_run_native_forms_where_a_layer_would_take_it(on_cuda, monkeypatch):
+    """A deployment's plain prompt chunks leave the setting's forms (Deployment.plain_prompt_native)
+    only where some layer's plain call of a chunk's rows takes the path."""
+    monkeypatch.setattr(qmv_split, "MIN_ELEMENTS", 0)  # the tiny model's 4-bit layers count as large
+    quantized = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
+    assert split_rows.prompt_chunks_native(quantized, 512)
+    assert not split_rows.prompt_chunks_native(quantized, 511)  # layers this small take it from 512 rows
+    assert not split_rows.prompt_chunks_native(tiny_llama(dtype=mx.bfloat16), 512)  # no 4-bit layer
+    monkeypatch.setattr(dequantized_rows, "runs_here", lambda: False)
+    assert not split_rows.prompt_chunks_native(quantized, 512)

@@ -266,6 +266,36 @@ def test_a_deterministic_request_never_starts_from_a_plain_prompts_smaller_chunk
     assert same_run(cold, after)
 
 
+def test_a_deterministic_request_never_starts_from_a_plain_prompts_native_chunks(tiny, monkeypatch):
+    """Where plain prompts' chunks run the model's native forms (`plain_prompt_native`: on CUDA
+    their wide 4-bit calls then take another kernel), a plain request's prompt runs them and its
+    entry is kept apart: a deterministic request after it neither runs them nor starts from that
+    entry, while a plain request reuses it."""
+    from lockstep.server.engine.guarantee.decode_plan import plan_request
+
+    from lockstep.kernels.invariance import layers
+
+    native = []  # per prompt chunk: whether it ran under native forms
+    prompt_forward = model_runner.prompt_forward
+
+    def recorded(*args):
+        native.append(layers._local.native)
+        return prompt_forward(*args)
+
+    monkeypatch.setattr(model_runner, "prompt_forward", recorded)
+    deployment = Deployment(prefill_chunk=CHUNK, plain_prompt_native=True)
+    det = plan_request(deployment, deterministic=True, speculative=None, num_draft_tokens=None)
+    plain = plan_request(deployment, deterministic=False, speculative=None, num_draft_tokens=None)
+    pc = PrefixCache(4)
+    run_generate(tiny, PROMPT, 1, GREEDY, plan=plain, deployment=deployment, prefix_cache=pc)
+    assert native == [True] * -(-(len(PROMPT) - 1) // CHUNK)  # every chunk of its prompt
+    native.clear()
+    run_generate(tiny, PROMPT, 1, GREEDY, plan=det, deployment=deployment, prefix_cache=pc)
+    assert pc.hits == 0 and native and not any(native)  # not offered the plain entry; its chunks under the setting
+    run_generate(tiny, PROMPT, 1, GREEDY, plan=plain, deployment=deployment, prefix_cache=pc)
+    assert pc.hits == 1  # a plain request does reuse it
+
+
 def test_a_chunk_cut_to_an_audited_width_is_never_stored(tiny):
     """While the kernel audit is partial the scheduler cuts a prompt chunk to an audited width
     (`RequestState.chunk_limit`): that KV is not what an aligned prefill writes, so it is never

@@ -61,6 +61,20 @@ def kernel_for(n: int, k: int, mode: str, dtype, rows: int, canonical: bool):
     return qmv_split if large and rows <= SPLIT_PLAIN_ROWS else None
 
 
+def prompt_chunks_native(model, rows: int) -> bool:
+    """Whether a plain prompt chunk of `rows` rows runs faster in the model's native forms than
+    under a batch-invariance setting: on this backend some 4-bit layer's plain call of that many
+    rows takes dequantized_rows (under a setting a prompt chunk runs MLX's own call)."""
+    if not dequantized_rows.runs_here():
+        return False
+    for _, layer in model.named_modules():
+        if isinstance(layer, nn.QuantizedLinear) and layer.weight.ndim == 2:
+            n, k, mode, bits, group = layer_shape(layer)
+            if takes_layer(n, k, mode, bits, group, canonical=False) and dequantized_rows.pays(n, k, rows):
+                return True
+    return False
+
+
 def _signature(layer) -> tuple | None:
     if not isinstance(layer, nn.QuantizedLinear) or layer.weight.ndim != 2:
         return None

@@ -1,7 +1,8 @@
 """dequantized_rows on the GPU (kernels/custom/dequantized_rows.py): its smoke test passes here
 for the 4-bit formats, and an 8B-shaped nvfp4 model's prompt-wide plain calls take it (every
 linear but the head) with L = 0 and L = 8, close to the audit's NumPy reference, while canonical
-calls of the same width and plain calls narrower than its rows keep their own paths."""
+calls of the same width and plain calls narrower than its rows keep their own paths; such a
+model's plain prompt chunks leave the setting's forms for it, a bf16 model's do not."""
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 
 from lockstep.kernels.audit.probes import tolerance
 from lockstep.kernels.audit.reference import reference_dequantize
-from lockstep.kernels.custom import dequantized_rows
+from lockstep.kernels.custom import dequantized_rows, split_rows
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.layers import batch_invariant, native_forms, uninstall
 from tests.gpu.cuda_cases import rand
@@ -60,3 +61,10 @@ def test_wide_plain_calls_take_it_and_canonical_ones_do_not(model, limit, monkey
                 assert calls == [], name
     finally:
         uninstall(model)
+
+
+def test_a_deployments_plain_prompt_chunks_leave_the_setting_for_it(model):
+    """serve's Deployment.plain_prompt_native: an 8B nvfp4 model's 512-row prompt chunks would
+    take the path; a bf16 model's would not (nothing to gain: they keep the setting's forms)."""
+    assert split_rows.prompt_chunks_native(model, 512)
+    assert not split_rows.prompt_chunks_native(eight_b_layers("bf16", layers=1), 512)

@@ -134,7 +134,9 @@ class RequestState:
         # within one small chunk keeps the canonical grid (and where a cached prefix resumes).
         small = self.determinism == Determinism.NONE and 0 < plain_chunk < len(self.prompt) - 1
         self._chunk = min(canonical_chunk, plain_chunk) if small else canonical_chunk
-        self._canonical_kv = self._chunk == canonical_chunk
+        # Where plain prompts' chunks run native forms (Deployment.plain_prompt_native), so does its KV.
+        self.native_prompt = self.determinism == Determinism.NONE and bool(deployment and deployment.plain_prompt_native)
+        self._canonical_kv = self._chunk == canonical_chunk and not self.native_prompt
         # Set by the scheduler while the kernel audit is partial: the target's next chunk holds
         # at most this many tokens (a width audited); KV so written is never stored for reuse.
         self.chunk_limit: int | None = None
@@ -144,7 +146,8 @@ class RequestState:
         # KV in a plain prompt's smaller chunks is exact for prompts of the same grid only: its
         # disk blocks have a namespace of their own
         self._disk_namespace = (self._namespace if self._canonical_kv or self._namespace is None
-                                else f"{self._namespace}/plain_chunk={self._chunk}")
+                                else f"{self._namespace}/plain_chunk={self._chunk}"
+                                + ("/native" if self.native_prompt else ""))
         fresh = cache if cache is not None else make_prompt_cache(model)
         found, found_len = (prefix_cache.lookup(self.prompt[:-1], self._namespace, layers=len(fresh),
                                                 canonical_only=self._canonical_kv,

@@ -66,6 +66,11 @@ class Deployment:
     # Tokens a plain prompt's chunk holds (0: prefill_chunk): not in the fingerprint, since a
     # plain request's bits are not guaranteed; deterministic prompts keep prefill_chunk.
     plain_prefill_chunk: int = 0
+    # Plain prompts' chunks run the model's native forms, not the guarantee's setting (on CUDA
+    # their wide 4-bit calls then take kernels/custom/dequantized_rows.py, about twice as fast):
+    # their KV then differs in bits from canonical chunks', which the prefix cache keeps apart.
+    # Not in the fingerprint either; server/runtime.py decides it (split_rows.prompt_chunks_native).
+    plain_prompt_native: bool = False
     # The model's caches can be rewound past rejected drafts (recurrent state cannot: then no
     # speculation, server/runtime.py decides it from the model's own caches).
     speculation: bool = True

@@ -20,6 +20,8 @@ token_steps.drive, the bench and verify) use `forward_rows`, `new_cache` and
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
@@ -49,6 +51,14 @@ def prompt_forward(model, cache: list, tokens: list[int]) -> None:
     """Append `tokens`' KV to `cache` without the output head: a prompt chunk's logits are
     never used, and the head (a vocab-wide matmul per row) is much of a chunk's cost."""
     call_without_head(model, mx.array(tokens)[None], cache)
+
+
+def prompt_forms(states: list):
+    """The forms a pass of these requests' target prompt chunks runs: the model's native ones
+    where every request's prompt is to (`RequestState.native_prompt`), else the model's setting
+    (`call_without_head`)."""
+    native = bool(states) and all(getattr(state, "native_prompt", False) for state in states)
+    return native_forms() if native else contextlib.nullcontext()
 
 
 class ModelRunner:
@@ -218,7 +228,8 @@ class ModelRunner:
         if step.follow:
             return PrefillResult(0, step.model, follow=True)
         model = self.model if step.model == "target" else self.deployment.draft_model
-        prompt_forward(model, step.cache, step.tokens)
+        with prompt_forms([state] if step.model == "target" else []):
+            prompt_forward(model, step.cache, step.tokens)
         mx.eval([c.state for c in step.cache])
         return PrefillResult(len(step.tokens), step.model)
 
@@ -227,7 +238,8 @@ class ModelRunner:
         chunks = [state.next_chunk() for state in states]
         # The pass's output too: a pipeline stage's hand-off hangs on it (a ragged pass's caches
         # have no KV array of their own to carry it, as one request's do).
-        out = ragged_prompt_forward(self.model, [(state.cache, chunk) for state, chunk in zip(states, chunks)])
+        with prompt_forms(states):
+            out = ragged_prompt_forward(self.model, [(state.cache, chunk) for state, chunk in zip(states, chunks)])
         mx.eval(out, [layer.state for state in states for layer in state.cache])
         return [len(chunk) for chunk in chunks]
 
