@@ -242,6 +242,20 @@ def test_canonical_rows_skip_the_rewind(tiny, invariance, monkeypatch):
 
     assert resume_without_guarantee() == (8, 8)
 
+    def resume_native(limit):
+        """Plain prompts in native forms (`plain_prompt_native`): their rows are not canonical
+        whatever L is, so a hit resumes at the chunk start."""
+        installed = invariance(limit)
+        deployment = Deployment(guarantee=Guarantee.installed(installed), prefill_chunk=CHUNK, plain_prompt_native=True)
+        pc = PrefixCache(2)
+        run_generate(tiny, SHARED, 1, GREEDY, deployment=deployment, prefix_cache=pc)
+        calls.clear()
+        list(generate_module.generate(tiny, GenerationRequest(PROMPT, 1, GREEDY),
+                                      deployment=deployment, prefix_cache=pc))
+        return calls[0]
+
+    assert resume_native(CHUNK) == (8, 8)
+
 
 def test_a_deterministic_request_never_starts_from_a_plain_prompts_smaller_chunks(tiny):
     """A plain prompt goes in chunks smaller than --prefill-chunk (on the CPU: a long one holds

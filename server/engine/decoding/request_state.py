@@ -137,6 +137,9 @@ class RequestState:
         # Where plain prompts' chunks run native forms (Deployment.plain_prompt_native), so does its KV.
         self.native_prompt = self.determinism == Determinism.NONE and bool(deployment and deployment.plain_prompt_native)
         self._canonical_kv = self._chunk == canonical_chunk and not self.native_prompt
+        # Rows (of a call) whose bits do not depend on the call's width, as its prompt runs them:
+        # none in native forms (a chunk's last, narrower call may run another kernel).
+        self._canonical_rows = deployment.guarantee.canonical_rows if deployment and not self.native_prompt else 0
         # Set by the scheduler while the kernel audit is partial: the target's next chunk holds
         # at most this many tokens (a width audited); KV so written is never stored for reuse.
         self.chunk_limit: int | None = None
@@ -167,7 +170,7 @@ class RequestState:
         self._prefilled_alone = True  # every prompt chunk so far ran in a pass of its own
         # All but the last prompt token are prefilled; decoding starts by feeding the last one.
         done = found_len if found else 0
-        self._prefill_pos = resume_at(done, self._chunk, deployment.guarantee.canonical_rows if deployment else 0)
+        self._prefill_pos = resume_at(done, self._chunk, self._canonical_rows)
         if self._prefill_pos < done:
             trim_prompt_cache(self.cache, done - self._prefill_pos)
         self.cached_tokens = self._prefill_pos if found else 0
@@ -292,10 +295,9 @@ class RequestState:
         self._prefill_pos += tokens
         if not self._target_prefilling and self.prefix_cache and alone and self._prefilled_alone:
             prefilled = len(self.prompt) - 1
-            canonical_rows = self.deployment.guarantee.canonical_rows if self.deployment else 0
             self.prefix_cache.store(self.prompt[:-1], self.cache, self._namespace, canonical=self._canonical_kv,
                                     disk_namespace=self._disk_namespace,
-                                    exact_length=exact_length(prefilled, self._chunk, canonical_rows))
+                                    exact_length=exact_length(prefilled, self._chunk, self._canonical_rows))
         self._prefilled_alone = self._prefilled_alone and alone
 
     # ----------------------------------------------------------------------- decode
