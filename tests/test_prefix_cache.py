@@ -205,7 +205,8 @@ def test_alignment_is_what_makes_a_mid_chunk_hit_exact(tiny, monkeypatch):
 
 def test_canonical_rows_skip_the_rewind(tiny, invariance, monkeypatch):
     """With L >= chunk a hit resumes exactly where the cached prefix ends (nothing is
-    recomputed); with L < chunk it resumes at the chunk start."""
+    recomputed); with L < chunk, with no guarantee settled, or for a plain prompt in native
+    forms it resumes at the chunk start."""
     calls = []
     original = model_runner.prompt_forward
 
@@ -215,9 +216,8 @@ def test_canonical_rows_skip_the_rewind(tiny, invariance, monkeypatch):
 
     monkeypatch.setattr(model_runner, "prompt_forward", counting_step)
 
-    def resume_points(limit):
-        installed = invariance(limit)
-        deployment = Deployment(guarantee=Guarantee.installed(installed), prefill_chunk=CHUNK)
+    def resume_point(deployment):
+        """Where the first prompt chunk after a prefix hit (SHARED cached) starts, and its rows."""
         pc = PrefixCache(2)
         run_generate(tiny, SHARED, 1, GREEDY, deployment=deployment, prefix_cache=pc)
         calls.clear()
@@ -225,36 +225,18 @@ def test_canonical_rows_skip_the_rewind(tiny, invariance, monkeypatch):
                                       deployment=deployment, prefix_cache=pc))
         return calls[0]
 
-    assert resume_points(CHUNK) == (15, 1)  # resumes at 15, fills up to the boundary at 16
-    assert resume_points(4) == (8, 8)  # rewound to the chunk start, whole chunk recomputed
+    def installed(limit, **settings):
+        return Deployment(guarantee=Guarantee.installed(invariance(limit)), prefill_chunk=CHUNK, **settings)
 
-    def resume_without_guarantee():
-        """The model's forms are installed for L = chunk, but the deployment guarantees nothing
-        (its proofs have not settled): alignment follows the deployment's guarantee."""
-        invariance(CHUNK)
-        deployment = Deployment(guarantee=Guarantee(CHUNK), prefill_chunk=CHUNK)
-        pc = PrefixCache(2)
-        run_generate(tiny, SHARED, 1, GREEDY, deployment=deployment, prefix_cache=pc)
-        calls.clear()
-        list(generate_module.generate(tiny, GenerationRequest(PROMPT, 1, GREEDY),
-                                      deployment=deployment, prefix_cache=pc))
-        return calls[0]
-
-    assert resume_without_guarantee() == (8, 8)
-
-    def resume_native(limit):
-        """Plain prompts in native forms (`plain_prompt_native`): their rows are not canonical
-        whatever L is, so a hit resumes at the chunk start."""
-        installed = invariance(limit)
-        deployment = Deployment(guarantee=Guarantee.installed(installed), prefill_chunk=CHUNK, plain_prompt_native=True)
-        pc = PrefixCache(2)
-        run_generate(tiny, SHARED, 1, GREEDY, deployment=deployment, prefix_cache=pc)
-        calls.clear()
-        list(generate_module.generate(tiny, GenerationRequest(PROMPT, 1, GREEDY),
-                                      deployment=deployment, prefix_cache=pc))
-        return calls[0]
-
-    assert resume_native(CHUNK) == (8, 8)
+    assert resume_point(installed(CHUNK)) == (15, 1)  # resumes at 15, fills up to the boundary at 16
+    assert resume_point(installed(4)) == (8, 8)  # rewound to the chunk start, whole chunk recomputed
+    # The model's forms are installed for L = chunk, but the deployment guarantees nothing (its
+    # proofs have not settled): alignment follows the deployment's guarantee.
+    invariance(CHUNK)
+    assert resume_point(Deployment(guarantee=Guarantee(CHUNK), prefill_chunk=CHUNK)) == (8, 8)
+    # Plain prompts in native forms (`plain_prompt_native`): their rows are not canonical
+    # whatever L is, so a hit resumes at the chunk start.
+    assert resume_point(installed(CHUNK, plain_prompt_native=True)) == (8, 8)
 
 
 def test_a_deterministic_request_never_starts_from_a_plain_prompts_smaller_chunks(tiny):
