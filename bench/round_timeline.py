@@ -13,6 +13,7 @@ work between steps and waits for requests. One unmeasured round first, medians o
 
     python bench/round_timeline.py --model DIR [--clients 16,32] [--tokens 96] [--rounds 3]
                                    [--kinds plain,deterministic] [--serve-arg=--batch-invariant-limit=8 ...]
+                                   [--log server.log]
 
 On the CPU with a small model: --model default --clients 4 --tokens 8 --rounds 1.
 Measures and prints; asserts nothing.
@@ -148,7 +149,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kinds", default="plain", help="plain, deterministic or both (comma-separated, alternating)")
     parser.add_argument("--serve-arg", action="append", default=[], help="one more `serve` argument (repeatable)")
+    parser.add_argument("--log", default=None, help="the server's INFO log to this file (its proofs say which passes "
+                                                    "run compiled)")
     args = parser.parse_args()
+    if args.log:
+        import logging
+
+        logging.basicConfig(level=logging.INFO, filename=args.log, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     levels = [int(c) for c in args.clients.split(",")]
 
     from lockstep.server.cli import build_parser
