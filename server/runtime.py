@@ -256,6 +256,7 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
 
     def hash_weights(loaded) -> None:
         digest_of.append(weights_digest_soon(str(loaded.path)))
+
     warm_ahead = []  # the children compiling a first answer's kernels (server/warm_ahead.py)
 
     def compile_first_answer_ahead(loaded) -> None:
@@ -352,6 +353,7 @@ def build_runtime(options: Options, *, defer_guarantee: bool = False) -> Runtime
                              f"({type(exc).__name__}: {exc}){hint}") from exc
         if warm_ahead:  # the rest: the engine's row writes, the first request's compiled pass
             warm_ahead[0].wait_all()
+            warm_ahead[0].close()  # a child later than that is never published: stopped, its directory removed
     sampling = SamplingWork(runtime, proofs)
     if not (defer_guarantee and limit):
         sampling.run()

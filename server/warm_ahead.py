@@ -13,6 +13,7 @@ model is loaded:
     ahead.wait(LOOKUPS)                     # before the audit's lookups
     ahead.wait(ACTIVATION)                  # before the warm-up's forward
     ahead.wait_all()                        # before the engine: the rest
+    ahead.close()                           # a child later than that: stopped (never published)
 
 A child imports MLX and nothing else (no model, no tokenizer, no mlx-lm package), so it takes
 seconds, not the server's import. MLX names a module by its operation and dtypes (a fused

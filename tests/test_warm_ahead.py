@@ -144,6 +144,9 @@ class SpyAhead:
         self.events.append("wait all")
         return True
 
+    def close(self):
+        self.events.append("close")
+
 
 def test_serve_waits_for_the_lookups_before_the_audit_the_activation_before_the_warm_up_then_the_rest(
         affine_model, kernel_cache, monkeypatch):
