@@ -81,7 +81,8 @@ def test_the_source_follows_the_model():
     assert "for (int c0 = warp; c0 < chunks; c0 += WARPS * DEPTH)" in text  # chunk c: warp c % WARPS
     assert "const int ch = c0 + d * WARPS;" in text
     assert "const int k = ch * CHUNK + q * 32;" in text  # lane group q: elements q * 32 ..
-    assert "table[(wd[i >> 2] >> (8 * (i & 3))) & 0xFFu]" in text  # byte i: elements 2i, 2i + 1
+    # byte i: elements 2i, 2i + 1 (through the lane's own copy of the table)
+    assert "table[((wd[i >> 2] >> (8 * (i & 3))) & 0xFFu) * COPIES + (COPIES > 1 ? lane : 0)]" in text
     assert re.search(r"mma<T>\(acc\[t\]\[c\], lo\[2 \* j\], HALVES == 2 \? hi\[2 \* j\] : 0u, lo\[2 \* j \+ 1\],"
                      r"\s*HALVES == 2 \? hi\[2 \* j \+ 1\] : 0u, b\[2 \* j\], b\[2 \* j \+ 1\]\);", text)
     assert "for (int v = 1; v < WARPS; ++v) s = __fadd_rn(s, partial[v][idx]);" in text

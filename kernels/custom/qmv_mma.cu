@@ -65,12 +65,21 @@ __device__ __forceinline__ void qmv_mma_tile(const T* x, const uint32_t* w, cons
   constexpr int MT = (ROWS + 15) / 16;    // 16-row tiles
   constexpr int HALVES = ROWS >= 16 ? 2 : 1;  // rows g and g + 8 of a tile (8 rows: g only)
   constexpr int SCALES = GROUP == 16 ? 2 : 1;  // groups a lane's 32 codes span
-  __shared__ T2 table[256];
-  __shared__ float partial[WARPS][MT * NT * 128];
-
   // A byte's two codes (low nibble first) as a T pair: exact in T, so the table changes no bits.
-  for (int e = threadIdx.x; e < 256; e += blockDim.x)
-    table[e] = make_pair(from_float<T>(code_value<FMT>(e & 15)), from_float<T>(code_value<FMT>(e >> 4)));
+  // From 16 rows a block, one copy of it a lane (entry byte * 32 + lane): a lane's reads all
+  // fall in its own bank, where 32 lanes reading random bytes of one copy queue on shared banks
+  // (8 rows: one copy; filling 32 did not pay there). The warps' sums (partial) reuse its bytes
+  // once every warp is past its loop.
+  constexpr int COPIES = ROWS >= 16 ? 32 : 1;
+  constexpr int TABLE_BYTES = 256 * COPIES * 4;
+  constexpr int PARTIAL_BYTES = WARPS * MT * NT * 128 * 4;
+  __shared__ __align__(16) unsigned char smem[TABLE_BYTES > PARTIAL_BYTES ? TABLE_BYTES : PARTIAL_BYTES];
+  T2* table = reinterpret_cast<T2*>(smem);
+  float (*partial)[MT * NT * 128] = reinterpret_cast<float (*)[MT * NT * 128]>(smem);
+  for (int i = threadIdx.x; i < 256 * COPIES; i += blockDim.x) {
+    const int e = i / COPIES;
+    table[i] = make_pair(from_float<T>(code_value<FMT>(e & 15)), from_float<T>(code_value<FMT>(e >> 4)));
+  }
   __syncthreads();
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -141,7 +150,8 @@ __device__ __forceinline__ void qmv_mma_tile(const T* x, const uint32_t* w, cons
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
           const T s = scale[d][c][SCALES == 2 ? i / 8 : 0];
-          T2 v = __hmul2_rn(table[(wd[i >> 2] >> (8 * (i & 3))) & 0xFFu], make_pair(s, s));
+          T2 v = __hmul2_rn(table[((wd[i >> 2] >> (8 * (i & 3))) & 0xFFu) * COPIES + (COPIES > 1 ? lane : 0)],
+                            make_pair(s, s));
           if constexpr (FMT == 0) v = __hadd2_rn(v, make_pair(bias[d][c], bias[d][c]));
           b[i] = bits_of(v);
         }
@@ -159,6 +169,7 @@ __device__ __forceinline__ void qmv_mma_tile(const T* x, const uint32_t* w, cons
   }
 
   // The warps' sums in warp order; every thread adds up some of the block's outputs.
+  __syncthreads();  // every warp is past its table reads before partial takes their bytes
 #pragma unroll
   for (int t = 0; t < MT; ++t)
 #pragma unroll
