@@ -126,3 +126,34 @@ def test_the_smoke_test_fails_a_kernel_off_the_reference_or_whose_rows_meet(monk
 
     monkeypatch.setattr(split_attention, "kernel_attention", meeting)
     assert "alone differs" in split_attention._smoke_test(mx.float32, 32)
+
+
+def test_the_smoke_test_fails_blocks_of_two_heads_off_blocks_of_one(monkeypatch):
+    """Blocks of two query heads (wide passes) must give blocks of one head's bits."""
+    from tests.doubles.pool_kernel import masked_attention
+
+    def paired_off(queries, k_pool, v_pool, rows, scale, per_block=None):
+        out = masked_attention(queries, k_pool, v_pool, rows, scale)
+        return out + 1e-2 if per_block == 2 else out
+
+    monkeypatch.setattr(split_attention, "kernel_attention", paired_off)
+    assert "blocks of two query heads differ" in split_attention._smoke_test(mx.bfloat16, 64)
+    monkeypatch.setattr(split_attention, "kernel_attention",
+                        lambda *args, per_block=None: masked_attention(*args))
+    assert split_attention._smoke_test(mx.bfloat16, 64) is None
+
+
+def test_wide_passes_pair_the_query_heads_of_a_kv_head():
+    take = split_attention.heads_a_block
+    wide = split_attention.PAIRED_HEADS_FROM_ROWS
+    assert take(mx.bfloat16, 128, 4, wide) == 2 and take(mx.float16, 64, 2, wide + 9) == 2
+    assert take(mx.bfloat16, 128, 4, wide - 1) == 1  # narrower passes: one head a block
+    assert take(mx.bfloat16, 128, 3, wide) == 1  # an odd group
+    assert take(mx.float32, 64, 4, wide) == 1 and take(mx.bfloat16, 256, 4, wide) == 1  # registers
+    assert [t[-1] for _, t in split_attention.instances(mx.bfloat16, 128, 4)] == [("HG", 1), ("HG", 2)]
+    assert [t[-1] for _, t in split_attention.instances(mx.bfloat16, 128, 3)] == [("HG", 1)]
+    # a block a (query-head group, row): the grid shrinks by the heads a block takes
+    for count, hg in ((16, 1), (32, 2)):
+        launch = split_attention.launch_plan(mx.bfloat16, 128, 32, count, 8)
+        assert dict(launch["template"])["HG"] == hg
+        assert launch["grid"][0] == 32 // hg * count * split_attention.THREADS

@@ -74,11 +74,11 @@ def instances_for(shapes: Iterable[tuple], widths: Iterable[int], *, attention_s
                     out += gemv_rows.instances(m, n, k, dtype)
             elif 1 <= m <= SKINNY_MAX_ROWS:
                 out += skinny.instances("dense" if kind == "skinny" else kind, m, n, k, dtype, group)
-    for dtype, dim in attention_shapes:
+    for dtype, dim, *group in attention_shapes:  # group: query heads a KV head has, where known
         if attention.kernel_takes(dtype, dim):
             out += attention.instances(dtype, dim)
         if split_attention.kernel_takes(dtype, dim):  # plain passes' attention
-            out += split_attention.instances(dtype, dim)
+            out += split_attention.instances(dtype, dim, *group)
     return out
 
 

@@ -22,7 +22,9 @@
 //   - the warps' (m, l, acc) are combined in warp order 0 .. SPLIT_WARPS - 1.
 //
 // Template arguments (set by kernels/custom/split_attention.py): T (element type), D (head dim;
-// D * sizeof(T) 64, 128, 256 or 512 bytes).
+// D * sizeof(T) 64, 128, 256 or 512 bytes), HG (query heads of one KV head a block takes: each
+// key and value is loaded once for all of them; each head's work is in the order above, so HG
+// changes no bits).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -42,7 +44,7 @@ template <> __device__ __forceinline__ float split_store<float>(float v) { retur
 template <> __device__ __forceinline__ __half split_store<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 split_store<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
-template <typename T, int D>
+template <typename T, int D, int HG>
 __device__ void split_attention(const T* q, const T* k, const T* v, const int* row_base,
                                 const int* row_len, const float* scale_in, T* out,
                                 int heads, int rows, int kv_heads, int slots) {
@@ -52,34 +54,47 @@ __device__ void split_attention(const T* q, const T* k, const T* v, const int* r
                 "D * sizeof(T) must be 64, 128, 256 or 512 bytes");
   constexpr int SLOTS = 32 / LANES_PER_KEY;  // keys a load instruction of the warp covers
   constexpr int KEYS_PER_PASS = SLOTS * SPLIT_LOADS;
-  __shared__ float m_s[SPLIT_WARPS];
-  __shared__ float l_s[SPLIT_WARPS];
-  __shared__ float acc_s[SPLIT_WARPS][D];
+  __shared__ float m_s[HG][SPLIT_WARPS];
+  __shared__ float l_s[HG][SPLIT_WARPS];
+  __shared__ float acc_s[HG][SPLIT_WARPS][D];
 
-  const int h = blockIdx.x / rows;
+  // A block: HG query heads of one KV head (each read once for all of them), one row.
+  const int h0 = (blockIdx.x / rows) * HG;
   const int r = blockIdx.x % rows;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int slot = lane / LANES_PER_KEY;
   const int d0 = (lane % LANES_PER_KEY) * E;  // this lane's dims: d0 .. d0 + E - 1
-  const int kvh = h / (heads / kv_heads);
+  const int kvh = h0 / (heads / kv_heads);
   const int len = row_len[r];
   const long base = row_base[r];
   const float scale = scale_in[0];
 
+  // The heads' queries as float: in registers for one head, else in shared memory, each
+  // head's read in its turn (registers run short)
+  __shared__ float q_s[HG > 1 ? HG : 1][HG > 1 ? D : 1];
   float qv[E];
-  {
-    const uint4 raw = *reinterpret_cast<const uint4*>(q + ((long)h * rows + r) * D + d0);
+  if constexpr (HG == 1) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(q + ((long)h0 * rows + r) * D + d0);
     const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
     for (int i = 0; i < E; ++i) qv[i] = split_float(e[i]);
+  } else {
+    for (int gd = threadIdx.x; gd < HG * D; gd += blockDim.x)
+      q_s[gd / D][gd % D] = split_float(q[((long)(h0 + gd / D) * rows + r) * D + gd % D]);
+    __syncthreads();
   }
   const T* kh = k + ((long)kvh * slots + base) * D + d0;
   const T* vh = v + ((long)kvh * slots + base) * D + d0;
-  float m = -INFINITY, l = 0.f;
-  float acc[E];
+  float m[HG], l[HG];
+  float acc[HG][E];
 #pragma unroll
-  for (int i = 0; i < E; ++i) acc[i] = 0.f;
+  for (int g = 0; g < HG; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < E; ++i) acc[g][i] = 0.f;
+  }
 
   const int passes = (len + KEYS_PER_PASS - 1) / KEYS_PER_PASS;
   for (int p = warp; p < passes; p += SPLIT_WARPS) {
@@ -96,78 +111,89 @@ __device__ void split_attention(const T* q, const T* k, const T* v, const int* r
         vr[i] = make_uint4(0, 0, 0, 0);
       }
     }
-    float s[SPLIT_LOADS];
+    // each head in turn, in the same order as a block of one head
 #pragma unroll
-    for (int i = 0; i < SPLIT_LOADS; ++i) {
-      const T* e = reinterpret_cast<const T*>(&kr[i]);
-      float dot = 0.f;
+    for (int g = 0; g < HG; ++g) {
+      if constexpr (HG > 1) {
 #pragma unroll
-      for (int c = 0; c < E; ++c) dot = fmaf(qv[c], split_float(e[c]), dot);
-      s[i] = dot;
+        for (int c = 0; c < E; ++c) qv[c] = q_s[g][d0 + c];
+      }
+      float s[SPLIT_LOADS];
+#pragma unroll
+      for (int i = 0; i < SPLIT_LOADS; ++i) {
+        const T* e = reinterpret_cast<const T*>(&kr[i]);
+        float dot = 0.f;
+#pragma unroll
+        for (int c = 0; c < E; ++c) dot = fmaf(qv[c], split_float(e[c]), dot);
+        s[i] = dot;
+      }
+#pragma unroll
+      for (int off = LANES_PER_KEY / 2; off > 0; off >>= 1)
+#pragma unroll
+        for (int i = 0; i < SPLIT_LOADS; ++i) s[i] += __shfl_xor_sync(SPLIT_MASK, s[i], off);
+      float pass_max = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < SPLIT_LOADS; ++i) {
+        s[i] = j0 + i * SLOTS < len ? s[i] * scale : -INFINITY;
+        pass_max = fmaxf(pass_max, s[i]);
+      }
+#pragma unroll
+      for (int off = 16; off >= LANES_PER_KEY; off >>= 1)
+        pass_max = fmaxf(pass_max, __shfl_xor_sync(SPLIT_MASK, pass_max, off));
+      const float m_new = fmaxf(m[g], pass_max);  // finite: the pass's first key is valid
+      const float corr = expf(m[g] - m_new);      // 0 on the first pass (m = -inf)
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < SPLIT_LOADS; ++i) {
+        s[i] = j0 + i * SLOTS < len ? expf(s[i] - m_new) : 0.f;  // s now holds p
+        sum += s[i];
+      }
+#pragma unroll
+      for (int off = 16; off >= LANES_PER_KEY; off >>= 1) sum += __shfl_xor_sync(SPLIT_MASK, sum, off);
+      l[g] = l[g] * corr + sum;
+#pragma unroll
+      for (int c = 0; c < E; ++c) acc[g][c] *= corr;
+#pragma unroll
+      for (int i = 0; i < SPLIT_LOADS; ++i) {
+        const T* e = reinterpret_cast<const T*>(&vr[i]);
+#pragma unroll
+        for (int c = 0; c < E; ++c) acc[g][c] = fmaf(s[i], split_float(e[c]), acc[g][c]);
+      }
+      m[g] = m_new;
     }
+  }
 #pragma unroll
-    for (int off = LANES_PER_KEY / 2; off > 0; off >>= 1)
-#pragma unroll
-      for (int i = 0; i < SPLIT_LOADS; ++i) s[i] += __shfl_xor_sync(SPLIT_MASK, s[i], off);
-    float pass_max = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < SPLIT_LOADS; ++i) {
-      s[i] = j0 + i * SLOTS < len ? s[i] * scale : -INFINITY;
-      pass_max = fmaxf(pass_max, s[i]);
-    }
+  for (int g = 0; g < HG; ++g) {
 #pragma unroll
     for (int off = 16; off >= LANES_PER_KEY; off >>= 1)
-      pass_max = fmaxf(pass_max, __shfl_xor_sync(SPLIT_MASK, pass_max, off));
-    const float m_new = fmaxf(m, pass_max);  // finite: the pass's first key is valid
-    const float corr = expf(m - m_new);      // 0 on the first pass (m = -inf)
-    float sum = 0.f;
 #pragma unroll
-    for (int i = 0; i < SPLIT_LOADS; ++i) {
-      s[i] = j0 + i * SLOTS < len ? expf(s[i] - m_new) : 0.f;  // s now holds p
-      sum += s[i];
+      for (int c = 0; c < E; ++c) acc[g][c] += __shfl_xor_sync(SPLIT_MASK, acc[g][c], off);
+    if (lane == 0) {
+      m_s[g][warp] = m[g];
+      l_s[g][warp] = l[g];
     }
+    if (slot == 0) {
 #pragma unroll
-    for (int off = 16; off >= LANES_PER_KEY; off >>= 1) sum += __shfl_xor_sync(SPLIT_MASK, sum, off);
-    l = l * corr + sum;
-#pragma unroll
-    for (int c = 0; c < E; ++c) acc[c] *= corr;
-#pragma unroll
-    for (int i = 0; i < SPLIT_LOADS; ++i) {
-      const T* e = reinterpret_cast<const T*>(&vr[i]);
-#pragma unroll
-      for (int c = 0; c < E; ++c) acc[c] = fmaf(s[i], split_float(e[c]), acc[c]);
+      for (int c = 0; c < E; ++c) acc_s[g][warp][d0 + c] = acc[g][c];
     }
-    m = m_new;
-  }
-#pragma unroll
-  for (int off = 16; off >= LANES_PER_KEY; off >>= 1)
-#pragma unroll
-    for (int c = 0; c < E; ++c) acc[c] += __shfl_xor_sync(SPLIT_MASK, acc[c], off);
-
-  if (lane == 0) {
-    m_s[warp] = m;
-    l_s[warp] = l;
-  }
-  if (slot == 0) {
-#pragma unroll
-    for (int c = 0; c < E; ++c) acc_s[warp][d0 + c] = acc[c];
   }
   __syncthreads();
 
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+  for (int gd = threadIdx.x; gd < HG * D; gd += blockDim.x) {
+    const int g = gd / D, d = gd % D;
     float m_all = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < SPLIT_WARPS; ++w) m_all = fmaxf(m_all, m_s[w]);
+    for (int w = 0; w < SPLIT_WARPS; ++w) m_all = fmaxf(m_all, m_s[g][w]);
     float a = 0.f, total = 0.f;
 #pragma unroll
     for (int w = 0; w < SPLIT_WARPS; ++w) {
-      if (l_s[w] > 0.f) {  // a warp with no pass holds nothing
-        const float f = expf(m_s[w] - m_all);
-        a = fmaf(acc_s[w][d], f, a);
-        total = fmaf(l_s[w], f, total);
+      if (l_s[g][w] > 0.f) {  // a warp with no pass holds nothing
+        const float f = expf(m_s[g][w] - m_all);
+        a = fmaf(acc_s[g][w][d], f, a);
+        total = fmaf(l_s[g][w], f, total);
       }
     }
-    out[((long)h * rows + r) * D + d] = split_store<T>(a / total);
+    out[((long)(h0 + g) * rows + r) * D + d] = split_store<T>(a / total);
   }
 }
 

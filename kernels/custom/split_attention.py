@@ -24,7 +24,7 @@ WARPS = 16  # split_attention.cu's SPLIT_WARPS
 THREADS = 32 * WARPS
 SOURCE_FILE = "split_attention.cu"
 
-_BODY = ("lockstep::split_attention<T, D>(q, k, v, row_base, row_len, scale, out,"
+_BODY = ("lockstep::split_attention<T, D, HG>(q, k, v, row_base, row_len, scale, out,"
          " q_shape[0], q_shape[1], k_shape[0], k_shape[1]);")
 _INPUTS = ["q", "k", "v", "row_base", "row_len", "scale"]
 _INPUT_TYPES = ["T", "T", "T", "int", "int", "float"]
@@ -50,25 +50,47 @@ def family() -> compiled.Family:
                            threads=THREADS)
 
 
-@lru_cache(maxsize=4096)
-def _launcher(dtype, dim: int, heads: int, count: int, kv_heads: int, slots: int) -> tuple:
-    """(call, keyword arguments but inputs) of one launch shape, built once per shape."""
-    launch = dict(
-        template=[("T", dtype), ("D", dim)],
-        grid=(heads * count * THREADS, 1, 1),
+# Rows a launch needs before a block takes two query heads of a KV head (HG 2), each key and
+# value loaded once for both: at 32 rows of 512 keys, 0.85x the time of blocks of one head; at
+# 16 rows blocks of one ran faster (docs/BENCHMARKS.md, Kernels). Four a block spilled more
+# registers and ran slower.
+PAIRED_HEADS_FROM_ROWS = 32
+
+
+def heads_a_block(dtype, dim: int, group: int, rows: int) -> int:
+    """Query heads of one KV head a block takes (HG; group: query heads a KV head has, rows:
+    the launch's). Never the order: each head's work is its own."""
+    if rows >= PAIRED_HEADS_FROM_ROWS and dtype != mx.float32 and dim <= 128 and group % 2 == 0:
+        return 2
+    return 1
+
+
+def launch_plan(dtype, dim: int, heads: int, count: int, kv_heads: int, per_block: int | None = None) -> dict:
+    """A launch's template, grid and block: a block a (group of HG query heads, row)
+    (per_block: HG, for benchmarks; it changes no bits)."""
+    hg = per_block or heads_a_block(dtype, dim, heads // kv_heads, count)
+    return dict(
+        template=[("T", dtype), ("D", dim), ("HG", hg)],
+        grid=(heads // hg * count * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(heads, count, dim)],
         output_dtypes=[dtype],
     )
+
+
+@lru_cache(maxsize=4096)
+def _launcher(dtype, dim: int, heads: int, count: int, kv_heads: int, slots: int, per_block: int | None = None) -> tuple:
+    """(call, keyword arguments but inputs) of one launch shape, built once per shape."""
+    launch = launch_plan(dtype, dim, heads, count, kv_heads, per_block)
     return compiled.launcher(family(), launch, dict(heads=heads, rows=count, kv_heads=kv_heads, slots=slots),
                              lambda: (_kernel(), launch))
 
 
 @lru_cache(maxsize=4096)
-def _traced(dtype, dim: int, heads: int, count: int, kv_heads: int, slots: int):
+def _traced(dtype, dim: int, heads: int, count: int, kv_heads: int, slots: int, per_block: int | None = None):
     """The launch of queries (1, HQ, R, D) giving (1, HQ, R, D), no view nodes around it where
     it is precompiled (compiled.shaped_launch)."""
-    call, launch = _launcher(dtype, dim, heads, count, kv_heads, slots)
+    call, launch = _launcher(dtype, dim, heads, count, kv_heads, slots, per_block)
     return compiled.shaped_launch(call, launch, (heads, count, dim), [(1, heads, count, dim)])
 
 
@@ -76,9 +98,11 @@ compiled.on_disable("attention", _launcher.cache_clear)
 compiled.on_disable("attention", _traced.cache_clear)
 
 
-def instances(dtype, dim: int) -> list:
-    """The (family, template) instance of this element type and head size (compiled.precompile)."""
-    return [(family(), (("T", dtype), ("D", dim)))]
+def instances(dtype, dim: int, group: int | None = None) -> list:
+    """The (family, template) instances of this element type and head size (compiled.precompile),
+    at any rows: for query heads a KV head has (group), else for a group of two."""
+    counts = {1, heads_a_block(dtype, dim, group or 2, PAIRED_HEADS_FROM_ROWS)}
+    return [(family(), (("T", dtype), ("D", dim), ("HG", hg))) for hg in sorted(counts)]
 
 
 def kernel_takes(dtype, dim: int) -> bool:
@@ -93,16 +117,18 @@ def kernel_serves(queries: mx.array, k_pool: mx.array) -> bool:
 
 
 def kernel_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, rows: PoolRows,
-                     scale: float) -> mx.array:
-    """All rows in one launch; queries (1, HQ, R, D) -> (1, HQ, R, D)."""
-    return run_on_pool(_traced, queries, k_pool, v_pool, rows, scale)
+                     scale: float, per_block: int | None = None) -> mx.array:
+    """All rows in one launch; queries (1, HQ, R, D) -> (1, HQ, R, D) (per_block: query heads a
+    block, else heads_a_block's)."""
+    return run_on_pool(lambda *shape: _traced(*shape, per_block), queries, k_pool, v_pool, rows, scale)
 
 
 def _smoke_test(dtype, dim: int) -> str | None:
     """Compile and run the kernel for one element type and head size on awkward lengths (pass
-    tails, one key, several passes a warp) with grouped heads, against the reference form;
-    None when they agree."""
-    compiled.precompile(instances(dtype, dim))
+    tails, one key, several passes a warp) with grouped heads, against the reference form, a
+    row alone against the same row beside others, and blocks of one query head against blocks
+    of several; None when all agree."""
+    compiled.precompile(instances(dtype, dim, 3))  # smoke_inputs: three query heads a KV head
     lens = [1, 15, 16, 17, 300, 1100]
     base = [0, 5, 40, 80, 400, 900]
     q, kp, vp = smoke_inputs(dtype, dim, len(lens), 2100, 12)
@@ -115,6 +141,12 @@ def _smoke_test(dtype, dim: int) -> str | None:
     alone = kernel_attention(q[:, :, 4:5], kp, vp, PoolRows(base[4:5], lens[4:5]), dim ** -0.5)
     if not mx.array_equal(alone, beside).item():
         return f"{dtype} head size {dim}: a row alone differs from the same row beside others"
+    if heads_a_block(dtype, dim, 2, PAIRED_HEADS_FROM_ROWS) == 2:
+        q2 = mx.concatenate([q, q[:, :2]], axis=1)  # four query heads a KV head
+        compiled.precompile(instances(dtype, dim, 2))
+        paired = kernel_attention(q2, kp, vp, rows, dim ** -0.5, per_block=2)
+        if not mx.array_equal(kernel_attention(q2, kp, vp, rows, dim ** -0.5, per_block=1), paired).item():
+            return f"{dtype} head size {dim}: blocks of two query heads differ from blocks of one"
     return None
 
 

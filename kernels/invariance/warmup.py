@@ -30,8 +30,10 @@ def precompile_kernels(model, call_rows: int) -> int:
     args = getattr(model, "args", None)
     heads = getattr(args, "num_attention_heads", None)
     head_dim = getattr(args, "head_dim", None) or (args.hidden_size // heads if heads else None)
+    kv_heads = getattr(args, "num_key_value_heads", None) or heads
     dtype = activation_dtype(model)
-    attention = [(dtype, head_dim)] if head_dim and dtype is not None else []
+    group = (heads // kv_heads,) if heads else ()  # query heads a KV head has
+    attention = [(dtype, head_dim, *group)] if head_dim and dtype is not None else []
     return precompile_for(linear_shapes(model, dense=strategy.dense, quantized=strategy.quantized_form),
                           range(1, min(call_rows, setting.call_rows) + 1), attention=attention)
 
