@@ -58,19 +58,3 @@ def test_outside_the_engines_wide_passes_a_wide_call_is_native(widths):
         layer(x)
     assert widths == []  # a prompt chunk wider than L: the model's own call, no canonical form
 
-
-@pytest.mark.parametrize("mode, group, bits", [("nvfp4", 16, 4), ("mxfp4", 32, 4), ("mxfp8", 32, 8), ("affine", 64, 4)])
-def test_a_quantized_embeddings_lookup_gives_mlxs_bits(monkeypatch, mode, group, bits):
-    """One-byte scales are gathered as 32-bit words (the same bytes); affine's float scales
-    take MLX's own lookup."""
-    table = nn.QuantizedEmbedding.from_embedding(nn.Embedding(300, 128), group, bits, mode=mode)
-    ids = mx.array([[3, 299, 0, 3], [7, 8, 9, 10]])
-    want = nn.QuantizedEmbedding.__call__(table, ids)
-    own = []
-    real = layers._quantized_embedding_call
-    monkeypatch.setattr(layers, "_quantized_embedding_call", lambda *a: own.append(1) or real(*a))
-    table.__class__ = LAYER_SWAPS[nn.QuantizedEmbedding]
-    got = table(ids)
-    assert bits_equal(got, want)
-    assert layers.looks_up_words(table) == (mode != "affine") and len(own) == (mode == "affine")
-    assert not bits_equal(table(ids[:, ::-1]), want)  # control: other rows' bytes differ

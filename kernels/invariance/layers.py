@@ -31,7 +31,7 @@ import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
-from . import expert_rows
+from . import expert_rows, word_lookup
 from .composed_attention import composed_attention, composed_serves
 from .cache_check import is_positional
 from .prefill_attention import blocked_causal, wants_blocks
@@ -148,7 +148,6 @@ _linear_call = nn.Linear.__call__
 _quantized_linear_call = nn.QuantizedLinear.__call__
 _embedding_as_linear = nn.Embedding.as_linear
 _quantized_embedding_as_linear = nn.QuantizedEmbedding.as_linear
-_quantized_embedding_call = nn.QuantizedEmbedding.__call__
 
 
 def _canonical(x, call_rows: int, call):
@@ -247,7 +246,7 @@ class InvariantQuantizedEmbedding(nn.QuantizedEmbedding):
     _siblings = None  # (never set: an embedding has no siblings)
 
     def __call__(self, x):
-        return _quantized_embedding_lookup(self, x)
+        return word_lookup.lookup(self, x)
 
     def as_linear(self, x):
         s = _local.active
@@ -259,25 +258,6 @@ class InvariantQuantizedEmbedding(nn.QuantizedEmbedding):
             return _quantized_embedding_as_linear(self, x)
         y = _quantized_canonical(x, self, s)
         return _quantized_embedding_as_linear(self, x) if y is None else y
-
-
-def looks_up_words(layer) -> bool:
-    """Whether a quantized embedding's lookup gathers its one-byte scales (nvfp4, mxfp4,
-    mxfp8) four at a time, as 32-bit words: the same bytes, where MLX's CUDA gather of single
-    bytes is many times slower than the weight's own gather at 16 and 32 rows
-    (docs/BENCHMARKS.md, Kernels)."""
-    scales = layer["scales"]
-    return scales.dtype == mx.uint8 and scales.ndim == 2 and scales.shape[-1] % 4 == 0
-
-
-def _quantized_embedding_lookup(self, x):
-    """nn.QuantizedEmbedding.__call__, its scales gathered as words where looks_up_words."""
-    if not looks_up_words(self):
-        return _quantized_embedding_call(self, x)
-    biases = self.get("biases")
-    return mx.dequantize(self["weight"][x], scales=self["scales"].view(mx.uint32)[x].view(mx.uint8),
-                         biases=biases[x] if biases is not None else None, group_size=self.group_size,
-                         bits=self.bits, mode=self.mode)
 
 
 def _expert_rows(self, call, x, indices):
@@ -497,7 +477,7 @@ def install_plain_kernels(model) -> dict:
                 m.__class__ = swap
                 m._split_rows = split
                 counts["split_rows"] = counts.get("split_rows", 0) + 1
-            elif swap is InvariantQuantizedEmbedding and looks_up_words(m):
+            elif swap is InvariantQuantizedEmbedding and word_lookup.looks_up_words(m):
                 m.__class__ = swap  # its lookup alone
                 counts["word_lookups"] = counts.get("word_lookups", 0) + 1
     siblings = _attach_siblings(model)
