@@ -461,6 +461,7 @@ def install_plain_kernels(model) -> dict:
     Invariant class, so a plain call of at most split_rows.PLAIN_ROWS rows runs lockstep's
     kernels where they run (no setting is ever active: every call is plain), and sibling
     groups one launch takes theirs; their kernels are built now, not in the first passes.
+    Quantized embeddings with one-byte scales get theirs for its lookup (word_lookup.py).
     `uninstall` gives the classes back. Returns the swapped counts."""
     from ..custom import qmv_split
 
