@@ -51,9 +51,8 @@ def family() -> compiled.Family:
 
 
 # Rows a launch needs before a block takes two query heads of a KV head (HG 2), each key and
-# value loaded once for both: at 32 rows of 512 keys, 0.85x the time of blocks of one head; at
-# 16 rows blocks of one ran faster (docs/BENCHMARKS.md, Kernels). Four a block spilled more
-# registers and ran slower.
+# value loaded once for both; with fewer rows blocks of one head ran faster, and four a block
+# spill registers (docs/BENCHMARKS.md, Kernels).
 PAIRED_HEADS_FROM_ROWS = 32
 
 
