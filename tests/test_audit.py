@@ -203,3 +203,31 @@ def test_the_lookup_probes_give_int32_ids_as_a_prompts_tokens_reach_the_model(tm
     rows = np.array([0, 5, 9])
     assert reference_weight(model.model.embed_tokens, rows).shape[0] == 3
     assert taken and set(taken) == {mx.int32}
+
+
+def test_a_layer_lockstep_swapped_is_probed_as_mlx_runs_it():
+    """At L = 0 on CUDA the deferred audit stages run after `install_plain_kernels` gave the
+    large 4-bit layers lockstep's class: the probes, of a slice of a layer's rows above all,
+    must run MLX's call, never the swapped layer's launch, which is sized for the whole layer
+    (on an H100 it read past a slice's weight: an illegal memory access that ended the engine)."""
+    from lockstep.kernels.invariance.layers import InvariantQuantizedLinear
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.QuantizedLinear.from_linear(nn.Linear(256, 160, bias=False), 32, 4)
+
+    launched = []
+
+    class WholeLayerLaunch:  # in place of ops.SplitRows: its output has the whole layer's columns
+        def __call__(self, layer, x, canonical=False):
+            launched.append(layer["weight"].shape[0])
+            return mx.zeros((*x.shape[:-1], 160), x.dtype)
+
+    model = Model()
+    model.proj.__class__ = InvariantQuantizedLinear
+    model.proj._split_rows = WholeLayerLaunch()
+    report = audit_model(model, fresh=True)
+    assert launched == []
+    assert report.ok and [c.verdict for c in report.configs] == ["ok"]
+    assert type(model.proj) is InvariantQuantizedLinear  # the served layer keeps its class

@@ -38,7 +38,7 @@ from .probes import describe, layer_kind, probe, probe_paths, reference_weight
 from .row_sample import compared_rows
 from .report import (OK, REFUSED, AuditReport, ConfigResult, LayerConfig, PathResult,
                      format_table, summary)
-from .slicing import backend_kind, full_size, sliced_layer, sliced_rows
+from .slicing import as_mlx_runs_it, backend_kind, full_size, sliced_layer, sliced_rows
 from .widths import STAGES, stage_of
 from ..proof_steps import step_done
 
@@ -92,6 +92,7 @@ def _probe_every_path(layer, cfg: LayerConfig, seed: int, prompt_rows: int, back
     stand-in; None: not applicable): on a slice of its output rows, and on the whole layer
     where `full_size` says so, that one compared on the rows `compared_rows` picks. `widths`
     (a set of row counts) keeps only the paths of those widths (kernels/audit/compile_ahead.py)."""
+    layer = as_mlx_runs_it(layer)
     n = cfg.shape[-2]
     rows = sliced_rows(n, backend)
     staged = lambda path, r: (stage_of(path, r) in stages and not path.startswith(untaken)

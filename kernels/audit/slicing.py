@@ -61,6 +61,20 @@ def full_size(path: str, rows: int, n: int, backend: str) -> bool:
     return True  # metal: see the module doc; unknown GPU: assume the worst
 
 
+def as_mlx_runs_it(layer: nn.Module) -> nn.Module:
+    """`layer` as MLX's own class calls it: a layer whose class lockstep swapped in
+    (kernels/invariance/layers.py; at L = 0 the deferred audit stages run after
+    `install_plain_kernels`) becomes a shallow copy of the mlx / mlx-lm class it subclasses.
+    The audit is of MLX's kernels (lockstep's have their own smoke tests), and a swapped layer's
+    launches are sized for the whole layer, never for a slice of its rows."""
+    own = next(c for c in type(layer).__mro__ if not c.__module__.startswith("lockstep."))
+    if own is type(layer):
+        return layer
+    clone = copy.copy(layer)
+    clone.__class__ = own
+    return clone
+
+
 def sliced_layer(layer: nn.Module, rows: int) -> nn.Module:
     """A shallow copy of a quantized layer holding its first `rows` output rows.
 
