@@ -347,6 +347,14 @@ class ModelPool:
                 **({"load_problem": model.problem} if model.problem else {}),
                 **(service.engine.counts() if service is not None else {})}
 
+    @property
+    def failure(self) -> str | None:
+        """The first loaded model whose engine stopped after an error, and why (None: none)."""
+        with self._lock:
+            failed = [(m.name, m.service.engine.failure) for m in self.models.values()
+                      if m.service is not None and getattr(m.service.engine, "failure", None) is not None]
+        return f"{failed[0][0]}: {failed[0][1]}" if failed else None
+
     def proving(self) -> bool:
         return any(engine.guarantee.state == PROVING for engine in self.loaded_engines())
 

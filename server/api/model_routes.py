@@ -73,6 +73,9 @@ def install_model_routes(app: FastAPI, submissions: Submissions, model_extras) -
     @app.head("/health", include_in_schema=False)  # load balancers often probe with HEAD
     @app.get("/health")
     async def health():
+        if engine.failure is not None:  # its worker stopped: nothing is served, the server is stopping
+            return JSONResponse({"status": "failed", "model": engine.loaded.name, "error": engine.failure},
+                                status_code=503)
         batching = engine.describe()
         return {"status": "ok", "model": engine.loaded.name, "guarantee": engine.guarantee.state,
                 **engine.counts(), "audited_rows": engine.audited.describe()["audited_rows"],
@@ -103,6 +106,9 @@ def install_pool_model_routes(app: FastAPI, pool: ModelPool) -> None:
     @app.get("/health")
     async def health():
         default = pool.models[pool.default]
+        failure = pool.failure
+        if failure is not None:
+            return JSONResponse({"status": "failed", "model": pool.default, "error": failure}, status_code=503)
         return {"status": "ok", "model": pool.default,
                 # "proving" while any loaded model proves, so a caller waiting for it sees it
                 "guarantee": "proving" if pool.proving() else pool.status(default)["guarantee"] or default.state,

@@ -10,6 +10,9 @@ still running are first cut off by the app (`Drain.cut`): each stream gets a fin
 event and [DONE], and the log one line per cut request, instead of a severed body and a
 traceback from uvicorn cancelling the handler.
 
+An engine that stopped after an error (`Engine.failure`: its requests have failed with it) stops
+the server the same way, and the command then exits 1, which launchd restarts.
+
 SIGHUP drains like SIGTERM (its default action would kill the server at once). Before serving
 starts, `stop_during_startup`'s handlers end start-up (the model load) at once, also exit 0.
 The server's connections are `GuardedProtocol`s (server/api/connections.py): capped, with
@@ -25,6 +28,7 @@ import signal
 import socket
 import threading
 import time
+from typing import Callable
 
 import uvicorn
 
@@ -72,11 +76,15 @@ def stop_during_startup() -> None:
 
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, drain: Drain, drain_timeout: float,
-                 guard: ConnectionGuard | None = None):
+                 guard: ConnectionGuard | None = None, failure: Callable[[], str | None] | None = None):
         super().__init__(config)
         self.drain = drain
         self.guard = guard
         self.drain_timeout = drain_timeout
+        # why the engine stopped serving (None while it serves): then the server stops as on a
+        # signal, for the caller to exit 1 (launchd restarts a process whose device failed)
+        self.failure = failure
+        self.failed: str | None = None
         self._drain_deadline: float | None = None
         self._cut_deadline: float | None = None
         self._cut_reason = "drain timeout"
@@ -124,6 +132,12 @@ class DrainingServer(uvicorn.Server):
         self._drain_deadline = time.monotonic() + self.drain_timeout
 
     async def on_tick(self, counter: int) -> bool:
+        if self.failed is None and self.failure is not None and self._drain_deadline is None:
+            self.failed = self.failure()
+            if self.failed is not None:
+                log.error("the engine stopped after an error (%s): the server stops", self.failed)
+                self.drain.start()  # its requests have their error already: the drain is short
+                self._drain_deadline = time.monotonic() + self.drain_timeout
         if self._drain_deadline is not None and not self.should_exit:
             now = time.monotonic()
             if self.drain.idle():
@@ -161,25 +175,27 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(app, host: str, port: int, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
           sock: socket.socket | None = None, connections: ConnectionLimits = ConnectionLimits(),
-          **config) -> None:
-    """Run `app` (built by `create_app`, which owns its `Drain`) until a signal drains it.
+          failure: Callable[[], str | None] | None = None, **config) -> str | None:
+    """Run `app` (built by `create_app`, which owns its `Drain`) until a signal drains it, or
+    until `failure()` says why the engine stopped serving. Returns that reason (None: a signal).
 
     `sock`: an already bound socket (from `bind`) to serve on instead of binding here;
     `connections`: the cap and deadlines its connections are held to.
     """
-    server = draining_server(app, host, port, drain_timeout, connections, **config)
+    server = draining_server(app, host, port, drain_timeout, connections, failure=failure, **config)
     server.run(sockets=[sock] if sock is not None else None)
+    return server.failed
 
 
 def draining_server(app, host: str, port: int, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
-                    connections: ConnectionLimits = ConnectionLimits(), **config) -> DrainingServer:
+                    connections: ConnectionLimits = ConnectionLimits(), failure=None, **config) -> DrainingServer:
     """The server `serve` runs (tests run it on a thread)."""
     config.setdefault("timeout_graceful_shutdown", AFTER_DRAIN_GRACE_S)
     config.setdefault("backlog", ACCEPT_BATCH)  # `startup` sets the kernel's queue back to BACKLOG
     guard = ConnectionGuard(connections)
     config = uvicorn.Config(app, host=host, port=port, http=functools.partial(GuardedProtocol, guard=guard),
                             timeout_keep_alive=connections.keep_alive_timeout, **config)
-    return DrainingServer(config, app.state.drain, drain_timeout, guard)
+    return DrainingServer(config, app.state.drain, drain_timeout, guard, failure)
 
 
 def exit_without_finalizing(code: int = 0) -> None:

@@ -349,7 +349,8 @@ def _run_one_process(args: argparse.Namespace, socks: list) -> int:
         log.info("serving models %s on http://%s:%d/v1 (\"default\": %r)", ", ".join(engine.models),
                  args.host, args.port, engine.default)
     served = _serve_http(args, app, engine, sock, connections)
-    shutdown.exit_without_finalizing(0 if served else 1)  # MLX teardown after worker-thread use can abort
+    # 1: the port was taken, or the engine (a pool's: one of them) stopped after an error
+    shutdown.exit_without_finalizing(0 if served and engine.failure is None else 1)  # MLX teardown after worker-thread use can abort
     return 0
 
 
@@ -401,7 +402,7 @@ def run_rank(args: argparse.Namespace) -> int:
     except (DistributedStartupError, ModelError, ValueError, RuntimeError) as exc:
         rank_log.error("rank %d: %s", world.rank, exc)
         shutdown.exit_without_finalizing(1)
-    exit_code = lambda: 0 if engine.stopped_cleanly and watchdog.failed is None else 1  # noqa: E731
+    exit_code = lambda: 0 if engine.stopped_cleanly and watchdog.failed is None and engine.failure is None else 1  # noqa: E731
     if not world.is_root:
         engine.join()
         shutdown.exit_without_finalizing(exit_code())
@@ -414,8 +415,8 @@ def run_rank(args: argparse.Namespace) -> int:
 
 
 def _serve_http(args: argparse.Namespace, app, engine, sock, connections=None) -> bool:
-    """uvicorn on the socket bound at start, until SIGTERM/SIGINT/SIGHUP and the drain; then the engine
-    stops. False: the port was taken while the model loaded (another server bound it too and
+    """uvicorn on the socket bound at start, until SIGTERM/SIGINT/SIGHUP (or the engine's failure)
+    and the drain; then the engine stops. False: the port was taken while the model loaded (another server bound it too and
     listened first), said in one line."""
     import errno
 
@@ -434,8 +435,8 @@ def _serve_http(args: argparse.Namespace, app, engine, sock, connections=None) -
                 return False
         access_log.send_to_stderr()  # bare JSON lines replace uvicorn's access log
         shutdown.serve(app, args.host, args.port, drain_timeout=args.drain_timeout, sock=sock,
-                       connections=connections or ConnectionLimits(), log_level=logging.getLogger().level,
-                       access_log=False)
+                       connections=connections or ConnectionLimits(), failure=lambda: engine.failure,
+                       log_level=logging.getLogger().level, access_log=False)
     finally:
         engine.stop()
     return True

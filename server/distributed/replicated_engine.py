@@ -149,9 +149,11 @@ class ReplicatedEngine(Engine):
 
     def _run(self) -> None:
         try:
-            super()._run()
-        except BaseException as exc:  # a lost peer surfaces here as a RuntimeError from MLX
+            super()._run()  # a lost peer surfaces as a RuntimeError from MLX: the base keeps it in `failure`
+        except BaseException as exc:
             self.watchdog.fail(f"engine iteration failed: {type(exc).__name__}: {exc}")
+        if self.failure is not None:
+            self.watchdog.fail(f"engine iteration failed: {self.failure}")
         if self._new:  # submitted after the stop was broadcast
             for client in self._new:
                 client.post(GenerationError("the server is shutting down"))

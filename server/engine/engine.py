@@ -120,6 +120,9 @@ class Engine:
         self._thread: worker_thread.Job | None = None
         self._work: list[Work] = []
         self.starting = False  # start-up work (audit, proofs, draft model) still running; /health says it
+        # why the worker thread's loop ended in an error (None: running, or stopped cleanly);
+        # /health answers 503 and `serve` exits 1 (server/api/shutdown.py)
+        self.failure: str | None = None
 
         self._proof_resumed_at = 0.0  # when the running proof last got the thread back
 
@@ -182,7 +185,7 @@ class Engine:
                 (" or n" if len(requests) > 1 else ""))
         with self._wake:
             if self._stopping:
-                raise GenerationError("the server is shutting down")
+                raise GenerationError(self._refusal())
             waiting = self.scheduler.waiting_requests()
             free = max(0, self.scheduler.max_active - len(self.scheduler.active))
             if self.max_waiting is not None and waiting + 1 - free > self.max_waiting:
@@ -225,17 +228,34 @@ class Engine:
     # ------------------------------------------------------------------ worker thread
 
     def _run(self) -> None:
-        scheduler = self.scheduler
-        for work in self._work:
-            if not self._run_work(work):
-                break
-        self.starting = False
-        while self._admit():
-            self._iterate()
-        for slot in scheduler.active:
-            slot.handle.post(GenerationError("the server is shutting down"))
-        for handle in scheduler.waiting:
-            handle.post(GenerationError("the server is shutting down"))
+        try:
+            for work in self._work:
+                if not self._run_work(work):
+                    break
+            self.starting = False
+            while self._admit():
+                self._iterate()
+        except Exception as exc:  # beyond one request (the device, the model): nothing more runs
+            self.failure = f"{type(exc).__name__}: {exc}"
+            log.exception("the engine stopped after an error: its requests fail, and so does the server")
+            self.starting = False
+            self._end_all(GenerationError(self._refusal()))
+            return
+        self._end_all(GenerationError(self._refusal()))
+
+    def _refusal(self) -> str:
+        """What a request the engine no longer runs is told."""
+        if self.failure is None:
+            return "the server is shutting down"
+        return f"the engine stopped after an error ({self.failure})"
+
+    def _end_all(self, error: GenerationError) -> None:
+        """Stop taking requests; end every running and waiting one with `error` (worker thread)."""
+        with self._wake:
+            self._stopping = True
+            handles = [slot.handle for slot in self.scheduler.active] + list(self.scheduler.waiting)
+        for handle in handles:
+            handle.post(error)
 
     def _iterate(self) -> None:
         scheduler = self.scheduler
