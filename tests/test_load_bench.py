@@ -1,6 +1,7 @@
 """The HTTP load bench's client mix and its "changed answers" count (server/tools/http_load.py)."""
 import pytest
 
+from lockstep.server.tools import http_load
 from lockstep.server.tools.http_load import (RoundResult, changed_answers, extra_for, mixed_extra, run_round,
                                              solo_texts, summary_line)
 from tests.http_server import deterministic_server
@@ -214,3 +215,53 @@ def test_each_rounds_answers_are_compared_with_its_own_requests_sent_alone_after
     assert solos == [r.tag for r in out["lockstep"][0][1]] and len(set(solos)) == 3
     assert [kind for kind, _ in order] == ["round"] * 4 + ["solo"] * 3  # alone only after the measured rounds
     assert "3/6" in capsys.readouterr().out
+
+
+def _health_server(answers: list[tuple[int, dict]]):
+    """A /health that gives `answers` in turn (the last one from then on); returns (url, asked)."""
+    import http.server
+    import json
+    import threading
+
+    asked = []
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            status, body = answers[min(len(asked), len(answers) - 1)]
+            asked.append(body)
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}", asked
+
+
+def test_wait_healthy_waits_for_the_start_up_work_after_the_guarantee():
+    """A measurement starts once the server's start-up work is done, not only its guarantee: the
+    batched-sampling proof runs after the guarantee is in force, and until it has, deterministic
+    rows sample one at a time."""
+    server, url, asked = _health_server([(200, {"status": "ok", "guarantee": "proving", "starting": True}),
+                                         (200, {"status": "ok", "guarantee": "in_force", "starting": True}),
+                                         (200, {"status": "ok", "guarantee": "in_force", "starting": False})])
+    try:
+        http_load.wait_healthy(url, "/health", 30)
+        assert len(asked) == 3
+    finally:
+        server.shutdown()
+
+
+def test_wait_healthy_stops_at_a_failed_engine():
+    server, url, asked = _health_server([(503, {"status": "failed", "error": "RuntimeError: device"})])
+    try:
+        with pytest.raises(RuntimeError, match="the engine failed: RuntimeError: device"):
+            http_load.wait_healthy(url, "/health", 30)
+        assert len(asked) == 1
+    finally:
+        server.shutdown()

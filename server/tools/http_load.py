@@ -203,16 +203,26 @@ HEADER = (f"{'server':<14} {'conc':>4} {'tok/s':>10} {'ttft p50':>9} {'ttft p99'
           f"from the same request alone)")
 
 
-def _proving(body: bytes) -> bool:
+def _health(body: bytes) -> dict:
     try:
-        return json.loads(body).get("guarantee") == "proving"
-    except (ValueError, AttributeError):
-        return False
+        health = json.loads(body)
+    except ValueError:
+        return {}
+    return health if isinstance(health, dict) else {}
+
+
+def _starting(body: bytes) -> bool:
+    """Whether lockstep's /health says start-up work goes on: the guarantee's proofs, or the audit
+    stages, the draft model and the batched-sampling proof after them (until that one has run,
+    deterministic rows sample one at a time)."""
+    health = _health(body)
+    return health.get("guarantee") == "proving" or health.get("starting") is True
 
 
 def wait_healthy(base_url: str, path: str, timeout: float, proc=None) -> None:
-    """Until `path` answers 200 (for lockstep's /health: with its guarantee settled too, since a
-    server proves it after serving starts and a measurement wants the deployment it describes)."""
+    """Until `path` answers 200 (for lockstep's /health: with its start-up work done too, since a
+    server proves and audits after serving starts and a measurement wants the deployment it
+    describes). Raises at once where lockstep's /health says its engine failed."""
     url = urllib.parse.urlparse(base_url)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -223,8 +233,10 @@ def wait_healthy(base_url: str, path: str, timeout: float, proc=None) -> None:
             conn.request("GET", path)
             response = conn.getresponse()
             body = response.read()
-            if response.status == 200 and not (path == "/health" and _proving(body)):
+            if response.status == 200 and not (path == "/health" and _starting(body)):
                 return
+            if response.status == 503 and _health(body).get("status") == "failed":
+                raise RuntimeError(f"{base_url}{path}: the engine failed: {_health(body).get('error')}")
         except OSError:
             pass
         time.sleep(0.5)
