@@ -71,3 +71,49 @@ def test_health_says_the_engine_failed(embedded_model):
             assert refused.value.status_code == 503 and "engine stopped after an error" in refused.value.message
     finally:
         engine.stop()
+
+
+def _work_fails(engine, times: int):
+    """The engine's next `times` pieces of work (a prompt chunk alone or shared, a decode pass) raise."""
+    left = [times]
+    for name in ("prefill", "prefill_shared", "run_pass"):
+        real = getattr(engine.runner, name)
+
+        def failing(*args, real=real, **kwargs):
+            if left[0] > 0:
+                left[0] -= 1
+                raise RuntimeError("this request's work failed")
+            return real(*args, **kwargs)
+
+        setattr(engine.runner, name, failing)
+
+
+@pytest.mark.parametrize("device_fails", [False, True])
+def test_failed_work_ends_the_engine_only_where_the_device_fails_too(embedded_model, monkeypatch, device_fails):
+    """Work that failed alone fails its request and the engine goes on (the negative control); where
+    the device then runs nothing either (a sticky CUDA error), the engine ends."""
+    from lockstep.server.api.app import create_app
+    from lockstep.server.engine import Engine
+    from lockstep.server.engine.runner import model_runner
+
+    if device_fails:
+        monkeypatch.setattr(model_runner, "check_device", lambda: (_ for _ in ()).throw(RuntimeError(DEVICE_ERROR)))
+    engine = Engine(embedded_model, max_active=2)
+    _work_fails(engine, 1)
+    engine.start()
+    try:
+        with running(create_app(engine)) as url:
+            client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
+            with pytest.raises(openai.InternalServerError) as failed:
+                client.completions.create(model="default", prompt="hi", max_tokens=2)
+            if device_fails:
+                assert DEVICE_ERROR in failed.value.message
+                wait_until(lambda: engine.failure is not None, what="the engine to fail")
+                assert httpx.get(url + "/health").status_code == 503
+            else:
+                assert "this request's work failed" in failed.value.message
+                answer = client.completions.create(model="default", prompt="hi", max_tokens=2)
+                assert answer.choices[0].text is not None and engine.failure is None
+                assert httpx.get(url + "/health").status_code == 200
+    finally:
+        engine.stop()

@@ -61,6 +61,13 @@ def prompt_forms(states: list):
     return native_forms() if native else contextlib.nullcontext()
 
 
+def check_device() -> None:
+    """Raise where the device runs nothing any more: on CUDA an illegal memory access is sticky,
+    and every call after it fails (the engine then ends, server/engine/engine.py)."""
+    mx.eval(mx.zeros((1,)) + 1)
+    mx.synchronize()
+
+
 class ModelRunner:
     """`model`: a loaded mlx-lm model. `pool_tokens`: the KV pool's first size (None or
     a deployment without a pool: every request its own KVCache); `pool_max_tokens`: the most it
@@ -168,6 +175,8 @@ class ModelRunner:
                 result.passes.append(self.run_pass(scheduled, look_ahead=output.decode_ahead))
             except Exception as exc:
                 result.passes.append(exc)
+        if result.failed:
+            check_device()  # the work failed alone, or the device fails everything from now on
         return result
 
     def run_pass(self, scheduled: ScheduledPass, look_ahead: bool = False) -> PassOutput:

@@ -143,3 +143,9 @@ class ModelRunnerOutput:
     prefill_alone: list = field(default_factory=list)  # PrefillResult | Exception
     prefill_shared: list[int] | Exception = field(default_factory=list)  # tokens per member
     passes: list = field(default_factory=list)  # PassOutput | Exception
+
+    @property
+    def failed(self) -> bool:
+        """Whether any of its work, or any pass member's, ended in an exception."""
+        members = [m for done in self.passes if isinstance(done, PassOutput) for m in done.members]
+        return any(isinstance(x, Exception) for x in [*self.prefill_alone, self.prefill_shared, *self.passes, *members])
