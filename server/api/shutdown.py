@@ -175,16 +175,15 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(app, host: str, port: int, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
           sock: socket.socket | None = None, connections: ConnectionLimits = ConnectionLimits(),
-          failure: Callable[[], str | None] | None = None, **config) -> str | None:
+          failure: Callable[[], str | None] | None = None, **config) -> None:
     """Run `app` (built by `create_app`, which owns its `Drain`) until a signal drains it, or
-    until `failure()` says why the engine stopped serving. Returns that reason (None: a signal).
+    until `failure()` says why the engine stopped serving.
 
     `sock`: an already bound socket (from `bind`) to serve on instead of binding here;
     `connections`: the cap and deadlines its connections are held to.
     """
     server = draining_server(app, host, port, drain_timeout, connections, failure=failure, **config)
     server.run(sockets=[sock] if sock is not None else None)
-    return server.failed
 
 
 def draining_server(app, host: str, port: int, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,

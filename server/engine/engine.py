@@ -239,8 +239,6 @@ class Engine:
             self.failure = f"{type(exc).__name__}: {exc}"
             log.exception("the engine stopped after an error: its requests fail, and so does the server")
             self.starting = False
-            self._end_all(GenerationError(self._refusal()))
-            return
         self._end_all(GenerationError(self._refusal()))
 
     def _refusal(self) -> str:
