@@ -11,7 +11,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from lockstep.kernels.custom import gemv_rows, qmv_order, qmv_rows
+from lockstep.kernels.custom import compiled, gemv_rows, qmv_order, qmv_rows
 from lockstep.kernels.custom.precompile import instances_for, linear_shapes
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.ops import GEMV_ROWS, quantized_rows
@@ -205,10 +205,11 @@ def emulated(monkeypatch):
 
         monkeypatch.setattr(qmv_rows, "try_matmul", run)
 
-        def one_launch(m, n, k, mode, bits, group, *_):
-            # a wide call's launch, as the canonical linear takes it
+        def one_launch(lead, n, k, mode, bits, group, *_):
+            # a call's launch, as the canonical linear takes it: x in its shape, the output in its shape
             def launch(x, w, scales, biases=None):
-                return [run(x, w, scales, biases, group_size=group, bits=bits, mode=mode)]
+                rows = run(x.reshape(-1, k), w, scales, biases, group_size=group, bits=bits, mode=mode)
+                return [rows.reshape(*lead, n)]
             return launch
 
         monkeypatch.setattr(qmv_rows, "one_launch", one_launch)
@@ -253,19 +254,22 @@ def test_one_launch_takes_what_try_matmul_takes(monkeypatch):
     """The launch decided once per call shape: the kernel's traced call where try_matmul would
     run the kernel, None where it would not."""
     monkeypatch.setattr(qmv_rows, "proven_variant", lambda mode, bits, dtype: 0)  # as if proven here
-    monkeypatch.setattr(qmv_rows, "_traced", lambda *shape: ("launch", shape))
+    monkeypatch.setattr(qmv_rows, "_launcher", lambda *shape: ("call", shape))
+    monkeypatch.setattr(compiled, "shaped_launch", lambda call, plan, x_shape, shapes: ("launch", x_shape, shapes))
     qmv_rows.one_launch.cache_clear()
     w, scales, biases, kw = quantized(16, 256, "affine")
     x = rand(5, 256, dtype=mx.bfloat16)
     assert qmv_rows.serves(x, w, scales, biases, **kw)
-    args = (5, 16, 256, "affine", 4, 64, mx.bfloat16, mx.uint32, w.shape[1])
-    assert qmv_rows.one_launch(*args, scales.dtype, biases.dtype)[0] == "launch"
+    args = ((5,), 16, 256, "affine", 4, 64, mx.bfloat16, mx.uint32, w.shape[1])
+    assert qmv_rows.one_launch(*args, scales.dtype, biases.dtype) == ("launch", (5, 256), [(5, 16)])
     assert qmv_rows.one_launch(*args, mx.float16, biases.dtype) is None  # scales of another dtype
     assert qmv_rows.one_launch(*args[:4], 3, *args[5:], scales.dtype, biases.dtype) is None  # 3-bit
-    assert qmv_rows.one_launch(65, *args[1:], scales.dtype, biases.dtype) is None  # past 64 rows
+    assert qmv_rows.one_launch((65,), *args[1:], scales.dtype, biases.dtype) is None  # past 64 rows
+    assert qmv_rows.one_launch((1, 65), *args[1:], scales.dtype, biases.dtype) is None
     wq, s8, _, _ = quantized(16, 256, "nvfp4")
-    assert qmv_rows.one_launch(5, 16, 256, "nvfp4", 4, 16, mx.bfloat16, mx.uint32, wq.shape[1], s8.dtype,
-                               None)[0] == "launch"
+    # a layer's (1, T, K) call: x taken as it is, the output in the layer's shape (no reshape nodes)
+    assert qmv_rows.one_launch((1, 5), 16, 256, "nvfp4", 4, 16, mx.bfloat16, mx.uint32, wq.shape[1], s8.dtype,
+                               None) == ("launch", (5, 256), [(1, 5, 16)])
     qmv_rows.one_launch.cache_clear()
 
 

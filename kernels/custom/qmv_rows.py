@@ -9,6 +9,7 @@ qmv_order.py). That order is MLX's build's, not ours: whether its affine dequant
 rounds once or twice is found by the smoke test, which compares every row with the plain
 call bit for bit on this GPU; the startup self-test then proves the model. CUDA only.
 """
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -173,15 +174,20 @@ def _launch(x, weight, scales, biases, group_size: int, bits: int, mode: str, fu
 
 
 @lru_cache(maxsize=4096)
-def one_launch(m: int, n: int, k: int, mode: str, bits: int, group: int, dtype, weight_dtype, packed: int,
+def one_launch(lead: tuple, n: int, k: int, mode: str, bits: int, group: int, dtype, weight_dtype, packed: int,
                scales_dtype, biases_dtype):
-    """The traced launch of an (m, k) call of an (n, packed) weight where the kernel is proven
-    here for this quantization and dtype and takes the arrays (their dtypes and shapes as
-    given), else None: try_matmul's decision, made once per call shape. Run it with `run`."""
+    """The traced launch of a call of x (lead + (k,)) of an (n, packed) weight, giving lead + (n,),
+    where the kernel is proven here for this quantization and dtype and takes the arrays (their
+    dtypes and shapes as given), else None: try_matmul's decision, made once per call shape
+    (compiled.shaped_launch: no reshape nodes where the launch is precompiled). Run it with `run`."""
+    m = math.prod(lead)
     if not _takes(m, k, mode, bits, group, dtype, weight_dtype, packed, scales_dtype, biases_dtype):
         return None
     fused = proven_variant(mode, weight_bits(mode, bits), dtype)
-    return None if fused is None else _traced(m, n, k, mode, bits, group, fused, dtype, None, None)
+    if fused is None:
+        return None
+    call, plan = _launcher(m, n, k, mode, bits, group, fused, dtype)
+    return compiled.shaped_launch(call, plan, (m, k), [(*lead, n)])
 
 
 def run(launch, mode: str, x, weight, scales, biases) -> mx.array:
@@ -207,7 +213,7 @@ def try_matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: s
     takes the arrays, else None."""
     if x.ndim != 2 or weight.ndim != 2:
         return None
-    launch = one_launch(x.shape[0], weight.shape[0], x.shape[1], mode, bits, group_size, x.dtype, weight.dtype,
+    launch = one_launch(x.shape[:1], weight.shape[0], x.shape[1], mode, bits, group_size, x.dtype, weight.dtype,
                         weight.shape[1], scales.dtype, getattr(biases, "dtype", None))
     return None if launch is None else run(launch, mode, x, weight, scales, biases)
 

@@ -208,12 +208,13 @@ def quantized_rows(
     (forms "skinny", "qmv_rows") a custom kernel where it takes this case, for all rows in
     one launch (qmv_rows: from 2 rows; one row is the plain call)."""
     *lead, k = x.shape
-    rows = x.reshape(-1, k)
-    m = rows.shape[0]
+    m = math.prod(lead)
     if form == "skinny" or (form == "qmv_rows" and m > 1):
-        out = _quantized_kernel(rows, weight, scales, biases, group_size, bits, mode, form)
+        out = quantized_rows_in_one_launch(x, weight, scales, biases, group_size=group_size, bits=bits, mode=mode,
+                                           form=form)
         if out is not None:
-            return out.reshape(*lead, out.shape[-1])
+            return out
+    rows = x.reshape(-1, k)
 
     def call(r):
         return mx.quantized_matmul(
@@ -235,10 +236,8 @@ def quantized_rows(
 ROW_INDEPENDENT_QUANTIZED = ("skinny", "qmv_rows")
 
 
-def _quantized_kernel(rows, weight, scales, biases, group_size: int, bits: int, mode: str, form: str):
-    if form == "qmv_rows":
-        return custom.qmv_rows.try_matmul(rows, weight, scales, biases, group_size=group_size, bits=bits,
-                                          mode=mode)
+def _quantized_kernel(rows, weight, scales, biases, group_size: int, bits: int, mode: str):
+    """skinny's kernel for (M, K) rows, where it takes them; else None."""
     if custom.available() and custom.quantized_serves(rows, scales, group_size=group_size, bits=bits, mode=mode):
         return custom.quantized_matmul(rows, weight, scales, biases, group_size=group_size, bits=bits, mode=mode)
     return None
@@ -249,18 +248,15 @@ def quantized_rows_in_one_launch(x: mx.array, weight: mx.array, scales: mx.array
     """quantized_rows(...) as one kernel launch for all of x's rows, where the form's kernel
     takes them (its rows do not depend on the call's width); None otherwise."""
     if form == "qmv_rows":
-        k = x.shape[-1]
-        m = x.size // k
         n, packed = weight.shape
-        launch = custom.qmv_rows.one_launch(m, n, k, mode, bits, group_size, x.dtype, weight.dtype, packed,
-                                            scales.dtype, None if biases is None else biases.dtype)
-        if launch is None:
-            return None
-        return custom.qmv_rows.run(launch, mode, x.reshape(m, k), weight, scales, biases).reshape(*x.shape[:-1], n)
+        launch = custom.qmv_rows.one_launch(x.shape[:-1], n, x.shape[-1], mode, bits, group_size, x.dtype,
+                                            weight.dtype, packed, scales.dtype, None if biases is None else biases.dtype)
+        # x as it is, the output in its shape: no reshape nodes where the launch is precompiled
+        return None if launch is None else custom.qmv_rows.run(launch, mode, x, weight, scales, biases)
     if form not in ROW_INDEPENDENT_QUANTIZED:
         return None
     *lead, k = x.shape
-    out = _quantized_kernel(x.reshape(-1, k), weight, scales, biases, group_size, bits, mode, form)
+    out = _quantized_kernel(x.reshape(-1, k), weight, scales, biases, group_size, bits, mode)
     return None if out is None else out.reshape(*lead, out.shape[-1])
 
 
