@@ -54,7 +54,7 @@ def main():
     gemv_rows.unavailable_reason = lambda: None
     gemv_rows._launch = stand_in
     if hasattr(gemv_rows, "one_launch"):
-        gemv_rows.one_launch = lambda m, n, k, dtype: lambda x, w: [stand_in(x, w)]
+        gemv_rows.one_launch = lambda lead, n, k, dtype: lambda x, w: [stand_in(x, w)]
     lin = nn.Linear(a.dim, a.dim, bias=False)
     lin.set_dtype(mx.float16)
     x = mx.random.normal((1, a.rows, a.dim)).astype(mx.float16)

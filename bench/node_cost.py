@@ -97,7 +97,7 @@ def kinds(dtype) -> dict:
     try:
         from lockstep.kernels.custom import gemv_rows
 
-        launch = gemv_rows.one_launch(2, 256, 256, dtype)
+        launch = gemv_rows.one_launch((2,), 256, 256, dtype)
         if launch is not None:
             x2 = x32[:2]
             out["lockstep traced launch (gemv_rows, 2 rows)"] = (lambda y: launch(y, small)[0], x2, 1)

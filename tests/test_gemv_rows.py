@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from lockstep.kernels.custom import gemv_order, gemv_rows, loop_order
+from lockstep.kernels.custom import compiled, gemv_order, gemv_rows, loop_order
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.limit import AUTO_CANDIDATES, CUDA_16BIT_AUTO_CANDIDATES
@@ -115,7 +115,8 @@ def emulated(monkeypatch):
 
         monkeypatch.setattr(gemv_rows, "try_matmul", run)
         # a wide call's launch, as the canonical linear takes it (one decision per call shape)
-        monkeypatch.setattr(gemv_rows, "one_launch", lambda m, n, k, dtype: lambda x, w: [run(x, w)])
+        monkeypatch.setattr(gemv_rows, "one_launch",
+                            lambda lead, n, k, dtype: lambda x, w: [run(x.reshape(-1, k), w).reshape(*lead, n)])
         return calls
     return use
 
@@ -148,14 +149,17 @@ def test_one_launch_is_decided_once_per_call_shape(monkeypatch):
     """The wide call's launch: the kernel's traced call where try_matmul would run the kernel,
     None where it would not (unproven here, too many rows, a dtype it has no instance of)."""
     gemv_rows.one_launch.cache_clear()
-    assert gemv_rows.one_launch(10, 64, 64, mx.float16) is None  # the CPU: not proven
+    assert gemv_rows.one_launch((10,), 64, 64, mx.float16) is None  # the CPU: not proven
     monkeypatch.setattr(gemv_rows, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(gemv_rows, "_traced", lambda *shape: ("launch", shape))
+    monkeypatch.setattr(gemv_rows, "_launcher", lambda *shape: ("call", shape))
+    monkeypatch.setattr(compiled, "shaped_launch", lambda call, plan, x_shape, shapes: ("launch", x_shape, shapes))
     gemv_rows.one_launch.cache_clear()
-    assert gemv_rows.one_launch(10, 64, 64, mx.float16) == ("launch", (10, 64, 64, mx.float16, None))
-    assert gemv_rows.one_launch(65, 64, 64, mx.float16) is None
-    assert gemv_rows.one_launch(10, 64, 64, mx.int32) is None
-    gemv_rows.one_launch(10, 64, 64, mx.float16)
+    assert gemv_rows.one_launch((10,), 64, 64, mx.float16) == ("launch", (10, 64), [(10, 64)])
+    # a layer's (1, T, K) call: x taken as it is, the output in the layer's shape (no reshape nodes)
+    assert gemv_rows.one_launch((1, 10), 48, 64, mx.float16) == ("launch", (10, 64), [(1, 10, 48)])
+    assert gemv_rows.one_launch((65,), 64, 64, mx.float16) is None
+    assert gemv_rows.one_launch((10,), 64, 64, mx.int32) is None
+    gemv_rows.one_launch((10,), 64, 64, mx.float16)
     assert gemv_rows.one_launch.cache_info().hits == 1
     gemv_rows.one_launch.cache_clear()
 

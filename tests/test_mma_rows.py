@@ -67,7 +67,8 @@ def emulated(monkeypatch):
         return _rows_alone(x, w)
 
     monkeypatch.setattr(gemv_rows, "try_matmul", gemv)
-    monkeypatch.setattr(gemv_rows, "one_launch", lambda m, n, k, dtype: lambda x, w: [gemv(x, w)])
+    monkeypatch.setattr(gemv_rows, "one_launch",
+                        lambda lead, n, k, dtype: lambda x, w: [gemv(x.reshape(-1, k), w).reshape(*lead, n)])
 
     def use(kernel):
         def run(x, w):

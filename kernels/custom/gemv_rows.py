@@ -9,6 +9,7 @@ test found every row equal to the plain call, bit for bit, on this GPU; the star
 self-test then proves the model. CUDA only (Metal's GEMV has another order; CPU has no
 custom-kernel API).
 """
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -97,18 +98,21 @@ def try_matmul(x: mx.array, weight: mx.array):
     """matmul(x, weight) where the kernel is proven here and takes these arrays, else None."""
     if not serves(x, weight):
         return None
-    launch = one_launch(x.shape[0], weight.shape[0], x.shape[1], x.dtype)
+    launch = one_launch(x.shape[:1], weight.shape[0], x.shape[1], x.dtype)
     return None if launch is None else launch(x, weight)[0]
 
 
 @lru_cache(maxsize=4096)
-def one_launch(m: int, n: int, k: int, dtype):
-    """The traced launch of an (m, k) @ (n, k).T call, both of `dtype`, where the kernel is
-    proven here and takes it, else None: try_matmul's decision, made once per call shape (a
-    canonical pass makes it for every linear, and each check costs host time)."""
+def one_launch(lead: tuple, n: int, k: int, dtype):
+    """The traced launch of an x (lead + (k,)) @ (n, k).T call giving lead + (n,), both of
+    `dtype`, where the kernel is proven here and takes it, else None: try_matmul's decision,
+    made once per call shape (a canonical pass makes it for every linear, and each check costs
+    host time; compiled.shaped_launch: no reshape nodes where the launch is precompiled)."""
+    m = math.prod(lead)
     if unavailable_reason() is not None or not _takes(m, dtype):
         return None
-    return _traced(m, n, k, dtype, None)
+    call, plan = _launcher(m, n, k, dtype, None)
+    return compiled.shaped_launch(call, plan, (m, k), [(*lead, n)])
 
 
 def _launch(x: mx.array, weight: mx.array, shape: tuple | None) -> mx.array:

@@ -143,12 +143,11 @@ def dense_rows_in_one_launch(x: mx.array, weight: mx.array, form: str):
     kernel takes them (its rows do not depend on the call's width); None otherwise."""
     form = layer_form(form, x, weight)
     if form == "gemv_rows":
-        k = x.shape[-1]
-        m = x.size // k
         n, weight_k = weight.shape
-        dtype = x.dtype
-        launch = custom.gemv_rows.one_launch(m, n, k, dtype) if weight_k == k and weight.dtype == dtype else None
-        return None if launch is None else launch(x.reshape(m, k), weight)[0].reshape(*x.shape[:-1], n)
+        fits = weight_k == x.shape[-1] and weight.dtype == x.dtype
+        launch = custom.gemv_rows.one_launch(x.shape[:-1], n, weight_k, x.dtype) if fits else None
+        # x as it is, the output in its shape: no reshape nodes where the launch is precompiled
+        return None if launch is None else launch(x, weight)[0]
     if form != "skinny":
         return None
     *lead, k = x.shape
@@ -172,9 +171,9 @@ def dense_rows(x: mx.array, weight: mx.array, form: str) -> mx.array:
     if form == "gemv_rows":
         # Rows in the order of the single-row call below (decode keeps that plain call);
         # where the kernel is not proven here or cannot take the arrays: the strided GEMV.
-        out = custom.gemv_rows.try_matmul(rows, weight) if rows.shape[0] > 1 else None
+        out = dense_rows_in_one_launch(x, weight, form) if rows.shape[0] > 1 else None
         if out is not None:
-            return out.reshape(*lead, out.shape[-1])
+            return out
         form = "strided_gemv"
     if form in ("native", "cpu_kernel") or rows.shape[0] == 1:
         # One row is the reference every form must match (the self-test proves it): run it
