@@ -247,6 +247,8 @@ def quantized_rows_in_one_launch(x: mx.array, weight: mx.array, scales: mx.array
     """quantized_rows(...) as one kernel launch for all of x's rows, where the form's kernel
     takes them (its rows do not depend on the call's width); None otherwise."""
     if form == "qmv_rows":
+        if weight.ndim != 2:
+            return None
         n, packed = weight.shape
         launch = custom.qmv_rows.one_launch(x.shape[:-1], n, x.shape[-1], mode, bits, group_size, x.dtype,
                                             weight.dtype, packed, scales.dtype, None if biases is None else biases.dtype)
