@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from lockstep.kernels.custom import compiled, gemv_order, gemv_rows, loop_order
+from tests.doubles import gemv_rows_alone
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.limit import AUTO_CANDIDATES, CUDA_16BIT_AUTO_CANDIDATES
@@ -106,24 +107,18 @@ def test_every_strategy_can_be_asked_for_on_the_command_line():
 def emulated(monkeypatch):
     """gemv_rows as if proven here; the test gives the kernel's stand-in and sees its calls."""
     calls = []
-    monkeypatch.setattr(gemv_rows, "unavailable_reason", lambda: None)
 
     def use(kernel):
         def run(x, w):
             calls.append(x.shape[0])
             return kernel(x, w)
 
-        monkeypatch.setattr(gemv_rows, "try_matmul", run)
-        # a wide call's launch, as the canonical linear takes it (one decision per call shape)
-        monkeypatch.setattr(gemv_rows, "one_launch",
-                            lambda lead, n, k, dtype: lambda x, w: [run(x.reshape(-1, k), w).reshape(*lead, n)])
+        gemv_rows_alone.emulate(monkeypatch, run)  # a call's launch, as the canonical linear takes it
         return calls
     return use
 
 
-def _rows_alone(x, w):
-    """What a correct kernel gives: every row as the plain single-row call."""
-    return mx.concatenate([x[i : i + 1] @ w.T for i in range(x.shape[0])], axis=0)
+_rows_alone = gemv_rows_alone.rows_alone
 
 
 def test_decode_keeps_the_plain_call_and_blocks_run_the_kernel(emulated):

@@ -10,13 +10,14 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from lockstep.kernels import custom
-from lockstep.kernels.custom import gemv_rows, mma_rows, skinny
+from lockstep.kernels.custom import mma_rows, skinny
 from lockstep.kernels.custom.precompile import linear_shapes
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.layers import Setting, calls_in_blocks
 from lockstep.kernels.invariance.limit import AUTO_CANDIDATES, CUDA_16BIT_AUTO_CANDIDATES
 from lockstep.kernels.invariance.ops import GEMV_ROWS, MMA_ROWS, dense_rows, dense_rows_in_one_launch
 from lockstep.kernels.invariance.selftest import bits_equal
+from tests.doubles import gemv_rows_alone
 from tests.doubles.shape_variant import shape_variant_backend
 from tiny_models import tiny_llama
 
@@ -60,15 +61,12 @@ def emulated(monkeypatch):
     monkeypatch.setattr(skinny, "uses_mma", lambda dtype: dtype in skinny.MMA_DTYPES)
     monkeypatch.setattr(custom, "uses_mma", skinny.uses_mma)
     monkeypatch.setattr(custom, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(gemv_rows, "unavailable_reason", lambda: None)
 
     def gemv(x, w):
         calls["gemv_rows"].append((x.shape[0], w.shape[0]))
         return _rows_alone(x, w)
 
-    monkeypatch.setattr(gemv_rows, "try_matmul", gemv)
-    monkeypatch.setattr(gemv_rows, "one_launch",
-                        lambda lead, n, k, dtype: lambda x, w: [gemv(x.reshape(-1, k), w).reshape(*lead, n)])
+    gemv_rows_alone.emulate(monkeypatch, gemv)
 
     def use(kernel):
         def run(x, w):
@@ -83,9 +81,7 @@ def emulated(monkeypatch):
     mma_rows.form_for.cache_clear()  # decided under the stand-ins
 
 
-def _rows_alone(x, w):
-    """A row-independent kernel: every row as the plain single-row call."""
-    return mx.concatenate([x[i : i + 1] @ w.T for i in range(x.shape[0])], axis=0)
+_rows_alone = gemv_rows_alone.rows_alone
 
 
 def _one_call(x, w):

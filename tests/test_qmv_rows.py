@@ -11,11 +11,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from lockstep.kernels.custom import compiled, gemv_rows, qmv_order, qmv_rows
+from lockstep.kernels.custom import compiled, qmv_order, qmv_rows
 from lockstep.kernels.custom.precompile import instances_for, linear_shapes
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.ops import GEMV_ROWS, quantized_rows
 from lockstep.kernels.invariance.selftest import bits_equal
+from tests.doubles import gemv_rows_alone
 from tests.test_gemv_rows import one_launch_then_blocks
 from tests.doubles.shape_variant import shape_variant_backend
 from tiny_models import QUANT_MODES, tiny_llama
@@ -194,9 +195,7 @@ def emulated(monkeypatch):
     """qmv_rows (and gemv_rows for dense layers) as if proven here; the test gives the quantized
     kernel's stand-in and sees the rows of each call."""
     calls = []
-    monkeypatch.setattr(gemv_rows, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(gemv_rows, "try_matmul",
-                        lambda x, w: mx.concatenate([x[i : i + 1] @ w.T for i in range(x.shape[0])], axis=0))
+    gemv_rows_alone.emulate(monkeypatch)
 
     def use(kernel):
         def run(x, *a, **kw):

@@ -13,7 +13,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from lockstep.kernels.custom import gemv_rows, qmv_split, split_rows
+from lockstep.kernels.custom import qmv_split, split_rows
 from lockstep.kernels.custom.precompile import linear_shapes
 from lockstep.kernels.custom.qmv_order import dequantize, round_to
 from lockstep.kernels.custom.qmv_split_order import CHUNK, THREADS, thread_chunks
@@ -21,6 +21,7 @@ from lockstep.kernels.custom.qmv_split_order import qmv_split as order_model
 from lockstep.kernels.invariance import layers, set_batch_invariant_limit
 from lockstep.kernels.invariance.layers import batch_invariant, native_forms
 from lockstep.kernels.invariance.selftest import bits_equal
+from tests.doubles import gemv_rows_alone
 from tests.doubles.shape_variant import shape_variant_backend
 from tests.test_qmv_rows import rand
 from tiny_models import QUANT_MODES, tiny_llama
@@ -138,9 +139,7 @@ def split(monkeypatch):
     the test gives; the rows of each call it runs are recorded."""
     calls = []
     monkeypatch.setattr(qmv_split, "MIN_ELEMENTS", 0)
-    monkeypatch.setattr(gemv_rows, "unavailable_reason", lambda: None)  # the dense layers: rows alone
-    monkeypatch.setattr(gemv_rows, "try_matmul",
-                        lambda x, w: mx.concatenate([x[i : i + 1] @ w.T for i in range(x.shape[0])], axis=0))
+    gemv_rows_alone.emulate(monkeypatch)  # the dense layers: rows alone
     original = qmv_split.launch_for
     original.cache_clear()
 

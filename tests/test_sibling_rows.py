@@ -9,12 +9,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from lockstep.kernels.custom import gemv_rows, qmv_mma_parts, qmv_split, split_rows
+from lockstep.kernels.custom import qmv_mma_parts, qmv_split, split_rows
 from lockstep.kernels.custom.precompile import instances_for, linear_shapes
 from lockstep.kernels.invariance import layers, set_batch_invariant_limit
 from lockstep.kernels.invariance.layers import batch_invariant, native_forms
 from lockstep.kernels.invariance.selftest import bits_equal
 from lockstep.kernels.invariance.sibling_rows import SiblingRows
+from tests.doubles import gemv_rows_alone
 from tests.doubles.shape_variant import shape_variant_backend
 from tests.test_qmv_rows import rand
 from tests.test_qmv_split import split  # noqa: F401 (a fixture)
@@ -37,9 +38,7 @@ def group_launch(monkeypatch):
     """Every q/k/v and gate/up group of a tiny model runs through a stand-in launch the test
     gives; each launch's (rows, parts' widths) is recorded."""
     calls = []
-    monkeypatch.setattr(gemv_rows, "unavailable_reason", lambda: None)  # the dense layers: rows alone
-    monkeypatch.setattr(gemv_rows, "try_matmul",
-                        lambda x, w: mx.concatenate([x[i : i + 1] @ w.T for i in range(x.shape[0])], axis=0))
+    gemv_rows_alone.emulate(monkeypatch)  # the dense layers: rows alone
 
     def use(kernel):
         class StandIn:
