@@ -202,8 +202,6 @@ def emulated(monkeypatch):
             calls.append(x.shape[0])
             return kernel(x, *a, **kw)
 
-        monkeypatch.setattr(qmv_rows, "try_matmul", run)
-
         def one_launch(lead, n, k, mode, bits, group, *_):
             # a call's launch, as the canonical linear takes it: x in its shape, the output in its shape
             def launch(x, w, scales, biases=None):
