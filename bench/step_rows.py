@@ -15,6 +15,10 @@ range, for Nsight Compute's kernel table (`bench/step_kernels.py --summarize` re
     python bench/step_rows.py [--weights nvfp4] [--rows 1,16,32] [--limit 8] [--rounds 20]
                               [--strategy auto | --strategy mma_rows,gemv_rows] [--shape smollm2]
 
+--nodes instead counts the nodes of one step's graph by primitive (MLX's DOT export), each
+variant and width, and what the deterministic step adds to the plain one at each width: what
+the submit phase encodes.
+
 --strategy with several names measures a deterministic variant of each (`det-NAME`), all
 interleaved in one process.
 
@@ -22,7 +26,10 @@ Small shapes for a check on the CPU: --layers 2 --hidden 512 --intermediate 1024
 --kv-pool reference. Measures and prints; asserts nothing.
 """
 import argparse
+import collections
 import ctypes
+import re
+import tempfile
 import statistics
 import sys
 import time
@@ -62,6 +69,35 @@ def op_by_op(model, caches, canonical: bool):
     return run
 
 
+def graph_nodes(outputs) -> collections.Counter:
+    """The nodes of the graph behind `outputs` (not yet evaluated), counted by primitive."""
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
+        mx.export_to_dot(dot.name, outputs)
+        return collections.Counter(re.findall(r'\[label ="([^"]+)", shape=rectangle\]', dot.read()))
+
+
+def print_nodes(runs: dict) -> None:
+    counts = {}
+    for name, (run, caches) in runs.items():
+        out = run()
+        counts[name] = graph_nodes(out)
+        mx.eval(out)  # a step as a timed one, then its rows trimmed
+        for c in caches:
+            trim(c, 1)
+    print("\n| pass | rows | nodes | top primitives |")
+    print("|---|---|---|---|")
+    for (kind, r), c in counts.items():
+        top = ", ".join(f"{p} {n}" for p, n in c.most_common(8))
+        print(f"| {kind} | {r} | {sum(c.values())} | {top} |")
+    for (kind, r), c in counts.items():
+        plain = counts.get(("plain", r))
+        if kind == "plain" or plain is None:
+            continue
+        more = {p: c[p] - plain[p] for p in set(c) | set(plain) if c[p] != plain[p]}
+        diff = ", ".join(f"{p} {n:+d}" for p, n in sorted(more.items(), key=lambda kv: -abs(kv[1])))
+        print(f"{kind} − plain at {r} rows: {sum(c.values()) - sum(plain.values()):+d} nodes ({diff or 'none'})")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--weights", default="nvfp4")
@@ -78,6 +114,7 @@ def main():
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--kv-pool", default="kernel")
     ap.add_argument("--ncu", default="", metavar="R:KIND", help="profile 3 steps of one variant (plain or det)")
+    ap.add_argument("--nodes", action="store_true", help="count each step's graph nodes by primitive; no timing")
     ap.add_argument("--strategy", default="auto",
                     help="the deterministic variants' strategies, comma-separated (auto: the one the self-test keeps)")
     a = ap.parse_args()
@@ -137,6 +174,9 @@ def main():
             mx.synchronize()
             cuda.cuProfilerStop()
             return
+        if a.nodes:
+            print_nodes(runs)
+            continue
         names = list(runs)
         samples: dict = {}
         for rnd in range(a.rounds + 1):
