@@ -14,6 +14,7 @@ import pytest
 
 from lockstep.kernels import custom
 from lockstep.kernels.custom import loop_order, mma_order, skinny
+from tests.doubles import skinny_launch
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.ops import SKINNY, STRATEGIES, dense_rows, quantized_rows
@@ -278,8 +279,7 @@ def kernels_here(monkeypatch):
 
     def use(dense):
         monkeypatch.setattr(custom, "dense_matmul", dense)
-        monkeypatch.setattr(custom, "try_dense_matmul",
-                            lambda x, w: dense(x, w) if custom.dense_serves(x, w) else None)
+        skinny_launch.emulate(monkeypatch, dense)
     return use
 
 
@@ -366,6 +366,34 @@ def test_launch_plans_are_built_once_per_shape(monkeypatch):
     _, scalar = skinny._launch_plan("cuda", "affine", 3, 96, 128, 64, mx.float32)
     assert [t[0] for t in scalar["template"]] == ["T", "M", "NC", "K", "GROUP"]
     skinny._launch_plan.cache_clear()  # plans made with the stand-in kernel go
+
+
+def test_the_dense_launch_is_decided_once_per_call_shape(monkeypatch):
+    """A layer's call of x (lead + (K,)): the kernel's launch where it runs here and takes the
+    call (1..64 rows, a float dtype), taking x as it is and giving the layer's output shape (no
+    reshape nodes on CUDA's precompiled path); None elsewhere."""
+    from lockstep.kernels.custom import compiled
+
+    skinny.dense_one_launch.cache_clear()
+    assert skinny.dense_one_launch((1, 1), 64, 64, mx.float16) is None  # the CPU: no kernel API
+    monkeypatch.setattr(skinny, "backend", lambda: "cuda")
+    monkeypatch.setattr(skinny, "_availability", lambda which: None)
+    monkeypatch.setattr(skinny, "_launcher", lambda *shape: ("call", shape))
+    monkeypatch.setattr(compiled, "shaped_launch", lambda call, plan, x_shape, shapes: (plan, x_shape, shapes))
+    skinny.dense_one_launch.cache_clear()
+    # decode's (1, 1, K) call and a pass's (1, T, K): x taken as it is, the output in the layer's shape
+    assert skinny.dense_one_launch((1, 1), 48, 64, mx.bfloat16) == (("cuda", "dense", 1, 48, 64, 0, mx.bfloat16),
+                                                                     (1, 64), [(1, 1, 48)])
+    assert skinny.dense_one_launch((1, 10), 48, 64, mx.float16)[1:] == ((10, 64), [(1, 10, 48)])
+    assert skinny.dense_one_launch((65,), 48, 64, mx.float16) is None
+    assert skinny.dense_one_launch((10,), 48, 64, mx.int32) is None
+    skinny.dense_one_launch((10,), 48, 64, mx.float16)
+    skinny.dense_one_launch((10,), 48, 64, mx.float16)
+    assert skinny.dense_one_launch.cache_info().hits == 1
+    monkeypatch.setattr(skinny, "_availability", lambda which: "failed its smoke test")
+    skinny.dense_one_launch.cache_clear()
+    assert skinny.dense_one_launch((10,), 48, 64, mx.float16) is None
+    skinny.dense_one_launch.cache_clear()
 
 
 @pytest.mark.reference_blas

@@ -17,7 +17,7 @@ from lockstep.kernels.invariance.layers import Setting, calls_in_blocks
 from lockstep.kernels.invariance.limit import AUTO_CANDIDATES, CUDA_16BIT_AUTO_CANDIDATES
 from lockstep.kernels.invariance.ops import GEMV_ROWS, MMA_ROWS, dense_rows, dense_rows_in_one_launch
 from lockstep.kernels.invariance.selftest import bits_equal
-from tests.doubles import gemv_rows_alone
+from tests.doubles import gemv_rows_alone, skinny_launch
 from tests.doubles.shape_variant import shape_variant_backend
 from tiny_models import tiny_llama
 
@@ -73,7 +73,7 @@ def emulated(monkeypatch):
             calls["skinny"].append((x.shape[0], w.shape[0]))
             return kernel(x, w)
 
-        monkeypatch.setattr(custom, "try_dense_matmul", run)
+        skinny_launch.emulate(monkeypatch, run)
         for v in calls.values():
             v.clear()
         return calls

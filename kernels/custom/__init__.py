@@ -8,14 +8,14 @@ from .skinny import (
     available,
     backend,
     dense_matmul,
+    dense_one_launch,
     dense_serves,
     quantized_kind,
     quantized_matmul,
     quantized_serves,
-    try_dense_matmul,
     unavailable_reason,
     uses_mma,
 )
 
-__all__ = ["MAX_ROWS", "gemv_rows", "mma_rows", "qmv_mma", "qmv_rows", "qmv_split", "split_rows", "available", "backend", "dense_matmul", "dense_serves", "quantized_kind",
-           "quantized_matmul", "quantized_serves", "try_dense_matmul", "unavailable_reason", "uses_mma"]
+__all__ = ["MAX_ROWS", "gemv_rows", "mma_rows", "qmv_mma", "qmv_rows", "qmv_split", "split_rows", "available", "backend", "dense_matmul", "dense_one_launch", "dense_serves", "quantized_kind",
+           "quantized_matmul", "quantized_serves", "unavailable_reason", "uses_mma"]

@@ -8,6 +8,7 @@ keep today's canonical forms. On a GPU the kernels are compiled on first use and
 once against MLX's own matmul (a smoke test for compile and index errors; the bitwise proof
 of invariance is kernels/invariance/selftest.py's, on the loaded model).
 """
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -233,13 +234,22 @@ def dense_matmul(x: mx.array, weight: mx.array) -> mx.array:
     return _launch("dense", [x, weight], m, n, k, x.dtype)
 
 
-def try_dense_matmul(x: mx.array, weight: mx.array):
-    """dense_matmul(x, weight) where the kernel runs here and takes these arrays, else None
-    (the per-call checks of the decode path, once)."""
-    which = backend()
-    if which is None or _availability(which) is not None or not dense_serves(x, weight):
+@lru_cache(maxsize=4096)
+def dense_one_launch(lead: tuple, n: int, k: int, dtype):
+    """The launch of an x (lead + (k,)) @ (n, k).T call giving lead + (n,), both of `dtype`,
+    where the dense kernel runs here and takes the call, else None: the checks made once per
+    call shape (a canonical pass of a 16-bit model makes this call at every linear). On CUDA
+    traced, with no reshape nodes where the launch is precompiled (compiled.shaped_launch)."""
+    which, m = backend(), math.prod(lead)
+    if which is None or _availability(which) is not None or not (1 <= m <= MAX_ROWS and dtype in FLOAT_DTYPES):
         return None
-    return _launch("dense", [x, weight], x.shape[0], weight.shape[0], x.shape[1], x.dtype, which=which)
+    call, plan = _launcher(which, "dense", m, n, k, 0, dtype)
+    if which != "cuda":
+        return lambda x, w: [y.reshape(*lead, n) for y in call(inputs=[x.reshape(m, k), w], **plan)]
+    return compiled.shaped_launch(call, plan, (m, k), [(*lead, n)])
+
+
+compiled.on_disable("skinny", lambda: dense_one_launch.cache_clear())
 
 
 def quantized_serves(x: mx.array, scales: mx.array, *, group_size: int, bits: int, mode: str) -> bool:

@@ -140,19 +140,19 @@ def layer_form(form: str, x: mx.array, weight: mx.array) -> str:
 
 def dense_rows_in_one_launch(x: mx.array, weight: mx.array, form: str):
     """dense_rows(x, weight, form) as one kernel launch for all of x's rows, where the form's
-    kernel takes them (its rows do not depend on the call's width); None otherwise."""
+    kernel takes them (its rows do not depend on the call's width); None otherwise. x as it
+    is, the output in its shape: no reshape nodes where the launch is precompiled."""
     form = layer_form(form, x, weight)
-    if form == "gemv_rows":
-        n, weight_k = weight.shape
-        fits = weight_k == x.shape[-1] and weight.dtype == x.dtype
-        launch = custom.gemv_rows.one_launch(x.shape[:-1], n, weight_k, x.dtype) if fits else None
-        # x as it is, the output in its shape: no reshape nodes where the launch is precompiled
-        return None if launch is None else launch(x, weight)[0]
-    if form != "skinny":
+    if form not in ("gemv_rows", "skinny") or weight.ndim != 2:
         return None
-    *lead, k = x.shape
-    out = custom.try_dense_matmul(x.reshape(-1, k), weight)
-    return None if out is None else out.reshape(*lead, out.shape[-1])
+    n, weight_k = weight.shape
+    if weight_k != x.shape[-1] or weight.dtype != x.dtype:
+        return None
+    if form == "gemv_rows":
+        launch = custom.gemv_rows.one_launch(x.shape[:-1], n, weight_k, x.dtype)
+    else:
+        launch = custom.dense_one_launch(x.shape[:-1], n, weight_k, x.dtype)
+    return None if launch is None else launch(x, weight)[0]
 
 
 def dense_rows(x: mx.array, weight: mx.array, form: str) -> mx.array:
@@ -164,9 +164,9 @@ def dense_rows(x: mx.array, weight: mx.array, form: str) -> mx.array:
     if form == "skinny":
         # The kernel serves M = 1 too (decode and blocks share its order); what it cannot
         # take (dtype, > 64 rows, no GPU kernel API) runs the strided batched GEMV.
-        out = custom.try_dense_matmul(rows, weight)
+        out = dense_rows_in_one_launch(x, weight, form)
         if out is not None:
-            return out.reshape(*lead, out.shape[-1])
+            return out
         form = "strided_gemv"
     if form == "gemv_rows":
         # Rows in the order of the single-row call below (decode keeps that plain call);
