@@ -22,8 +22,10 @@ def load_audited(spec: str, weights: str, quantize: str | None, bits, group,
     (the loaded model) is called before the quantization and the audit, `before_audit` after
     them both (the model as served)."""
     from lockstep.kernels.audit import audit_and_patch, audit_verdict_cache
+    from lockstep.models import activation_dtype
     from lockstep.models.load import load_model
     from lockstep.models.quantize import quantize_model_in_memory
+    from lockstep.models.resolve import gguf_source
 
     phases = Phases() if phases is None else phases
     with phases.timed(phase_prefix + "load"):
@@ -35,6 +37,10 @@ def load_audited(spec: str, weights: str, quantize: str | None, bits, group,
         with phases.timed(phase_prefix + "quantize"):
             result = quantize_model_in_memory(loaded.model, None, quantize, bits, group)
         transform = f"quantize={result.spec.label()}"
+    dtype = activation_dtype.served_dtype(weights, quantize, gguf_source(spec) is not None, activation_dtype.on_gpu())
+    if dtype is not None and activation_dtype.cast_float32(loaded.model, dtype):
+        log.info("%s: the import's float32 parameters run as %s on this GPU", loaded.name, dtype)
+        transform += f";{str(dtype).removeprefix('mlx.core.')}"
     if fuse:  # before the audit: the fused layers' shapes are what it must check
         from lockstep.models.fused_projections import fuse_projections
 

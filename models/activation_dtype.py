@@ -1,0 +1,40 @@
+"""The float type a served GGUF import computes in, by backend: the one place that decides.
+
+A GGUF import keeps its norms, its quantization scales and biases and the tensors it leaves
+dense in float32 (models/gguf_import.py), for MLX's CPU backend, where float32 runs fastest.
+On a GPU, MLX's kernels and lockstep's own (qmv_rows, qmv_mma, gemv_rows, mma_rows take
+16-bit activations only) run 16-bit activations, so there those float32 parameters become
+float16, and the activations and the KV cache with them. Q4_0, Q4_1 and Q8_0 blocks store
+their scales (and Q4_1 its minimums) as float16, so a native 4-bit import's scales and biases
+stay exact. `--weights float32` keeps float32.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+GPU_DTYPE = mx.float16
+
+
+def on_gpu() -> bool:
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
+def served_dtype(weights: str, quantize: str | None, gguf: bool, on_gpu: bool):
+    """The dtype a served model's float32 parameters are cast to, None where they are kept:
+    a GGUF import's on a GPU (with --quantize its float32 import is only the quantizer's
+    source), unless `--weights float32` asked for them."""
+    if not (gguf and on_gpu):
+        return None
+    if quantize or weights != "float32":
+        return GPU_DTYPE
+    return None
+
+
+def cast_float32(model: nn.Module, dtype) -> int:
+    """Cast `model`'s float32 parameters to `dtype`; how many were."""
+    cast = [(name, a.astype(dtype)) for name, a in tree_flatten(model.parameters()) if a.dtype == mx.float32]
+    if cast:
+        model.load_weights(cast, strict=False)
+    return len(cast)

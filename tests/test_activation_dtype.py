@@ -1,0 +1,50 @@
+"""models/activation_dtype.py: a GGUF import's float32 parameters run as float16 on a GPU (the
+activations, and so lockstep's 16-bit kernels, with them), and stay float32 on the CPU or where
+--weights float32 asks for them; the served load applies it (the GPU check patched in here)."""
+import mlx.core as mx
+from mlx.utils import tree_flatten
+import pytest
+
+from lockstep.models import activation_dtype
+from lockstep.models.activation_dtype import GPU_DTYPE, cast_float32, served_dtype
+from lockstep.server import model_loading
+from tiny_models import tiny_llama
+
+
+@pytest.mark.parametrize("weights, quantize, gguf, gpu, want", [
+    ("auto", None, True, True, GPU_DTYPE),  # the default model on a GPU
+    ("q4", None, True, True, GPU_DTYPE),
+    ("auto", "nvfp4", True, True, GPU_DTYPE),  # --quantize: the float32 import is the quantizer's source
+    ("float32", None, True, True, None),  # asked for
+    ("float32", "nvfp4", True, True, GPU_DTYPE),
+    ("auto", None, True, False, None),  # the CPU runs float32 fastest
+    ("auto", "nvfp4", False, True, None),  # a model directory keeps its own dtypes
+])
+def test_which_loads_run_16_bit(weights, quantize, gguf, gpu, want):
+    assert served_dtype(weights, quantize, gguf, gpu) == want
+
+
+def test_only_float32_parameters_are_cast():
+    model = tiny_llama(quant="affine")
+    before = dict(tree_flatten(model.parameters()))
+    floats = [k for k, a in before.items() if a.dtype == mx.float32]
+    assert floats and any(a.dtype == mx.uint32 for a in before.values())
+    assert cast_float32(model, mx.float16) == len(floats)
+    after = dict(tree_flatten(model.parameters()))
+    assert all(after[k].dtype == (mx.float16 if k in floats else a.dtype) for k, a in before.items())
+    assert cast_float32(model, mx.float16) == 0
+
+
+def _served(monkeypatch, gpu: bool, weights="auto", quantize=None):
+    monkeypatch.setattr(activation_dtype, "on_gpu", lambda: gpu)
+    return model_loading.load_audited("default", weights, quantize, None, None, audit="off")
+
+
+def test_the_embedded_model_computes_in_float16_where_a_gpu_serves_it(monkeypatch):
+    loaded, _, transform = _served(monkeypatch, gpu=True)
+    dtypes = {a.dtype for _, a in tree_flatten(loaded.model.parameters())}
+    assert mx.float32 not in dtypes and mx.float16 in dtypes and ";float16" in transform
+    assert loaded.model(mx.array([[1, 2, 3]])).dtype == mx.float16
+    # the negative control: the CPU's load keeps float32
+    loaded, _, transform = _served(monkeypatch, gpu=False)
+    assert loaded.model(mx.array([[1, 2, 3]])).dtype == mx.float32 and "float16" not in transform
