@@ -2,9 +2,9 @@
 
 A GGUF import keeps its norms, its quantization scales and biases and the tensors it leaves
 dense in float32 (models/gguf_import.py), for MLX's CPU backend, where float32 runs fastest.
-On a GPU, MLX's kernels and lockstep's own (qmv_rows, qmv_mma, gemv_rows, mma_rows take
-16-bit activations only) run 16-bit activations, so there those float32 parameters become
-float16, and the activations and the KV cache with them. Q4_0, Q4_1 and Q8_0 blocks store
+On a GPU, MLX's models run 16-bit activations, and lockstep's quantized kernels (qmv_rows,
+qmv_mma, qmv_split) and mma_rows' tensor cores take 16-bit activations only, so there those
+float32 parameters become float16, and the activations and the KV cache with them. Q4_0, Q4_1 and Q8_0 blocks store
 their scales (and Q4_1 its minimums) as float16, so a native 4-bit import's scales and biases
 stay exact. `--weights float32` keeps float32.
 """
