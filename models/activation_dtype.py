@@ -21,15 +21,13 @@ def on_gpu() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
 
 
-def served_dtype(weights: str, quantize: str | None, gguf: bool, on_gpu: bool):
+def served_dtype(weights: str, gguf: bool, on_gpu: bool):
     """The dtype a served model's float32 parameters are cast to, None where they are kept:
-    a GGUF import's on a GPU (with --quantize its float32 import is only the quantizer's
-    source), unless `--weights float32` asked for them."""
-    if not (gguf and on_gpu):
+    a GGUF import's on a GPU (with --quantize too, whose source is the float32 import whatever
+    `weights` says), unless `--weights float32` asked for them."""
+    if not (gguf and on_gpu) or weights == "float32":
         return None
-    if quantize or weights != "float32":
-        return GPU_DTYPE
-    return None
+    return GPU_DTYPE
 
 
 def cast_float32(model: nn.Module, dtype) -> int:

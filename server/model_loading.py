@@ -37,7 +37,7 @@ def load_audited(spec: str, weights: str, quantize: str | None, bits, group,
         with phases.timed(phase_prefix + "quantize"):
             result = quantize_model_in_memory(loaded.model, None, quantize, bits, group)
         transform = f"quantize={result.spec.label()}"
-    dtype = activation_dtype.served_dtype(weights, quantize, gguf_source(spec) is not None, activation_dtype.on_gpu())
+    dtype = activation_dtype.served_dtype(weights, gguf_source(spec) is not None, activation_dtype.on_gpu())
     if dtype is not None and activation_dtype.cast_float32(loaded.model, dtype):
         log.info("%s: the import's float32 parameters run as %s on this GPU", loaded.name, dtype)
         transform += f";{str(dtype).removeprefix('mlx.core.')}"

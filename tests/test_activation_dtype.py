@@ -11,17 +11,15 @@ from lockstep.server import model_loading
 from tiny_models import tiny_llama
 
 
-@pytest.mark.parametrize("weights, quantize, gguf, gpu, want", [
-    ("auto", None, True, True, GPU_DTYPE),  # the default model on a GPU
-    ("q4", None, True, True, GPU_DTYPE),
-    ("auto", "nvfp4", True, True, GPU_DTYPE),  # --quantize: the float32 import is the quantizer's source
-    ("float32", None, True, True, None),  # asked for
-    ("float32", "nvfp4", True, True, GPU_DTYPE),
-    ("auto", None, True, False, None),  # the CPU runs float32 fastest
-    ("auto", "nvfp4", False, True, None),  # a model directory keeps its own dtypes
+@pytest.mark.parametrize("weights, gguf, gpu, want", [
+    ("auto", True, True, GPU_DTYPE),  # the default model on a GPU (with --quantize too)
+    ("q4", True, True, GPU_DTYPE),
+    ("float32", True, True, None),  # asked for
+    ("auto", True, False, None),  # the CPU runs float32 fastest
+    ("auto", False, True, None),  # a model directory keeps its own dtypes
 ])
-def test_which_loads_run_16_bit(weights, quantize, gguf, gpu, want):
-    assert served_dtype(weights, quantize, gguf, gpu) == want
+def test_which_loads_run_16_bit(weights, gguf, gpu, want):
+    assert served_dtype(weights, gguf, gpu) == want
 
 
 def test_only_float32_parameters_are_cast():
@@ -35,9 +33,9 @@ def test_only_float32_parameters_are_cast():
     assert cast_float32(model, mx.float16) == 0
 
 
-def _served(monkeypatch, gpu: bool, weights="auto", quantize=None):
+def _served(monkeypatch, gpu: bool, weights="auto"):
     monkeypatch.setattr(activation_dtype, "on_gpu", lambda: gpu)
-    return model_loading.load_audited("default", weights, quantize, None, None, audit="off")
+    return model_loading.load_audited("default", weights, None, None, None, audit="off")
 
 
 def test_the_embedded_model_computes_in_float16_where_a_gpu_serves_it(monkeypatch):
