@@ -30,6 +30,15 @@ def served_dtype(weights: str, gguf: bool, on_gpu: bool):
     return GPU_DTYPE
 
 
+def apply(model: nn.Module, spec: str, weights: str):
+    """`served_dtype`'s cast, done on `model` loaded from `spec` with `--weights weights` (after
+    any quantization): the dtype its float32 parameters now have, None where none changed."""
+    from lockstep.models.resolve import gguf_source
+
+    dtype = served_dtype(weights, gguf_source(spec) is not None, on_gpu())
+    return dtype if dtype is not None and cast_float32(model, dtype) else None
+
+
 def cast_float32(model: nn.Module, dtype) -> int:
     """Cast `model`'s float32 parameters to `dtype`; how many were."""
     cast = [(name, a.astype(dtype)) for name, a in tree_flatten(model.parameters()) if a.dtype == mx.float32]

@@ -25,7 +25,6 @@ def load_audited(spec: str, weights: str, quantize: str | None, bits, group,
     from lockstep.models import activation_dtype
     from lockstep.models.load import load_model
     from lockstep.models.quantize import quantize_model_in_memory
-    from lockstep.models.resolve import gguf_source
 
     phases = Phases() if phases is None else phases
     with phases.timed(phase_prefix + "load"):
@@ -37,8 +36,8 @@ def load_audited(spec: str, weights: str, quantize: str | None, bits, group,
         with phases.timed(phase_prefix + "quantize"):
             result = quantize_model_in_memory(loaded.model, None, quantize, bits, group)
         transform = f"quantize={result.spec.label()}"
-    dtype = activation_dtype.served_dtype(weights, gguf_source(spec) is not None, activation_dtype.on_gpu())
-    if dtype is not None and activation_dtype.cast_float32(loaded.model, dtype):
+    dtype = activation_dtype.apply(loaded.model, spec, weights)
+    if dtype is not None:
         log.info("%s: the import's float32 parameters run as %s on this GPU", loaded.name, dtype)
         transform += f";{str(dtype).removeprefix('mlx.core.')}"
     if fuse:  # before the audit: the fused layers' shapes are what it must check

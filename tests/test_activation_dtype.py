@@ -46,3 +46,22 @@ def test_the_embedded_model_computes_in_float16_where_a_gpu_serves_it(monkeypatc
     # the negative control: the CPU's load keeps float32
     loaded, _, transform = _served(monkeypatch, gpu=False)
     assert loaded.model(mx.array([[1, 2, 3]])).dtype == mx.float32 and "float16" not in transform
+
+
+def test_the_audit_command_audits_the_model_as_a_gpu_serves_it(monkeypatch):
+    """`lockstep audit` probes the layers `serve` runs: float16 where a GPU serves a GGUF import."""
+    from lockstep.kernels import audit
+    from lockstep.server.cli import main as cli_main
+
+    audited = []
+
+    def audit_model(model, **kwargs):
+        audited.append({a.dtype for _, a in tree_flatten(model.parameters())})
+        raise ValueError("recorded")  # the command reports it and stops: the probes are not the point
+
+    monkeypatch.setattr(audit, "audit_model", audit_model)
+    for gpu in (True, False):
+        monkeypatch.setattr(activation_dtype, "on_gpu", lambda g=gpu: g)
+        assert cli_main(["audit", "default"]) == 1
+    assert mx.float32 not in audited[0] and mx.float16 in audited[0]
+    assert mx.float32 in audited[1]  # the CPU's: the negative control

@@ -33,6 +33,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lockstep.kernels.audit import apply_workarounds, audit_model, audit_verdict_cache, format_table
+    from lockstep.models import activation_dtype
     from lockstep.models.errors import ModelError
     from lockstep.models.load import load_model
     from lockstep.models.quantize import quantize_model_in_memory
@@ -43,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         if args.quantize:
             quantize_model_in_memory(loaded.model, None, args.quantize, args.q_bits,
                                      args.q_group_size)
+        activation_dtype.apply(loaded.model, args.model, args.weights)  # as `serve` runs it
         kwargs = {"prompt_rows": args.prompt_rows} if args.prompt_rows else {}
         report = audit_model(loaded.model, cache=audit_verdict_cache(), fresh=args.fresh,
                              **kwargs)
