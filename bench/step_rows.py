@@ -19,6 +19,10 @@ range, for Nsight Compute's kernel table (`bench/step_kernels.py --summarize` re
 variant and width, and what the deterministic step adds to the plain one at each width: what
 the submit phase encodes.
 
+--served SPEC [--quantize MODE] measures the model `serve` would load (its dtype on this backend,
+models/activation_dtype.py) in place of a random one built in bfloat16: `--served default
+--quantize nvfp4` is SmolLM2 as served.
+
 --strategy with several names measures a deterministic variant of each (`det-NAME`), all
 interleaved in one process.
 
@@ -69,6 +73,15 @@ def op_by_op(model, caches, canonical: bool):
     return run
 
 
+def served(spec: str, quantize: str | None):
+    """The model `serve` loads from `spec` (quantized, in its served dtype; not audited)."""
+    from lockstep.server.model_loading import load_audited
+
+    loaded, _, transform = load_audited(spec, "auto", quantize, None, None, audit="off")
+    print(f"{spec}: {transform}", flush=True)
+    return loaded.model
+
+
 def graph_nodes(outputs) -> collections.Counter:
     """The nodes of the graph behind `outputs` (not yet evaluated), counted by primitive."""
     with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
@@ -114,6 +127,9 @@ def main():
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--kv-pool", default="kernel")
     ap.add_argument("--ncu", default="", metavar="R:KIND", help="profile 3 steps of one variant (plain or det)")
+    ap.add_argument("--served", default="", metavar="SPEC",
+                    help="the model as `serve` loads SPEC (e.g. default), in place of --weights/--shape")
+    ap.add_argument("--quantize", default=None, help="with --served: serve's --quantize")
     ap.add_argument("--nodes", action="store_true", help="count each step's graph nodes by primitive; no timing")
     ap.add_argument("--strategy", default="auto",
                     help="the deterministic variants' strategies, comma-separated (auto: the one the self-test keeps)")
@@ -123,8 +139,10 @@ def main():
         r, kind = a.ncu.split(":")
         widths = [int(r)]
     print(f"backend {mx.default_device()}, MLX {mx.__version__}; context {a.context}, {a.rounds} rounds")
-    for weights in a.weights.split(","):
-        if a.shape == "smollm2":
+    for weights in ([a.served] if a.served else a.weights.split(",")):
+        if a.served:
+            model = served(a.served, a.quantize)
+        elif a.shape == "smollm2":
             model = build(weights, 30, hidden=576, intermediate=1536, vocab=49152, heads=(9, 3, 64), tied=True)
         else:
             model = build(weights, a.layers, hidden=a.hidden, intermediate=a.intermediate, vocab=a.vocab)
