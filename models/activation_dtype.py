@@ -39,6 +39,20 @@ def apply(model: nn.Module, spec: str, weights: str):
     return dtype if dtype is not None and cast_float32(model, dtype) else None
 
 
+def float32_note(model: nn.Module) -> str | None:
+    """On a GPU, what a quantized model that still computes in float32 (a float32 model
+    directory, `--weights float32`) gives up; None elsewhere."""
+    if not on_gpu():
+        return None
+    params = tree_flatten(model.parameters())
+    quantized = any(name.endswith(".scales") for name, _ in params)
+    if not quantized or not any(a.dtype == mx.float32 for _, a in params):
+        return None
+    return ("this quantized model computes in float32 on a GPU: lockstep's quantized kernels take 16-bit "
+            "activations, so its calls run MLX's own (deterministic calls wider than 7 rows in several calls); "
+            "a float16 or bfloat16 copy serves faster")
+
+
 def cast_float32(model: nn.Module, dtype) -> int:
     """Cast `model`'s float32 parameters to `dtype`; how many were."""
     cast = [(name, a.astype(dtype)) for name, a in tree_flatten(model.parameters()) if a.dtype == mx.float32]

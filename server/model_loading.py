@@ -40,6 +40,8 @@ def load_audited(spec: str, weights: str, quantize: str | None, bits, group,
     if dtype is not None:
         log.info("%s: the import's float32 parameters run as %s on this GPU", loaded.name, dtype)
         transform += f";{str(dtype).removeprefix('mlx.core.')}"
+    elif note := activation_dtype.float32_note(loaded.model):
+        log.warning("%s: %s", loaded.name, note)
     if fuse:  # before the audit: the fused layers' shapes are what it must check
         from lockstep.models.fused_projections import fuse_projections
 

@@ -65,3 +65,13 @@ def test_the_audit_command_audits_the_model_as_a_gpu_serves_it(monkeypatch):
         assert cli_main(["audit", "default"]) == 1
     assert mx.float32 not in audited[0] and mx.float16 in audited[0]
     assert mx.float32 in audited[1]  # the CPU's: the negative control
+
+
+def test_a_quantized_model_kept_in_float32_on_a_gpu_is_named_at_load(monkeypatch, caplog):
+    """--weights float32 on a GPU: the load says what float32 gives up; the float16 load does not."""
+    with caplog.at_level("WARNING", logger="lockstep.runtime"):
+        _served(monkeypatch, gpu=True, weights="q4")
+        assert "computes in float32" not in caplog.text
+        monkeypatch.setattr(activation_dtype, "served_dtype", lambda *args: None)  # as --weights float32 keeps it
+        _served(monkeypatch, gpu=True, weights="q4")
+        assert "computes in float32 on a GPU" in caplog.text
