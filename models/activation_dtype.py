@@ -4,9 +4,9 @@ A GGUF import keeps its norms, its quantization scales and biases and the tensor
 dense in float32 (models/gguf_import.py), for MLX's CPU backend, where float32 runs fastest.
 On a GPU, MLX's models run 16-bit activations, and lockstep's quantized kernels (qmv_rows,
 qmv_mma, qmv_split) and mma_rows' tensor cores take 16-bit activations only, so there those
-float32 parameters become float16, and the activations and the KV cache with them. Q4_0, Q4_1 and Q8_0 blocks store
-their scales (and Q4_1 its minimums) as float16, so a native 4-bit import's scales and biases
-stay exact. `--weights float32` keeps float32.
+float32 parameters become float16, and the activations and the KV cache with them. Q4_0, Q4_1
+and Q8_0 blocks store their scales (and Q4_1 its minimums) as float16, so a native 4-bit
+import's scales and biases stay exact. `--weights float32` keeps float32.
 """
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ def on_gpu() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
 
 
-def served_dtype(weights: str, gguf: bool, on_gpu: bool):
+def served_dtype(weights: str, gguf: bool, gpu: bool):
     """The dtype a served model's float32 parameters are cast to, None where they are kept:
     a GGUF import's on a GPU (with --quantize too, whose source is the float32 import whatever
     `weights` says), unless `--weights float32` asked for them."""
-    if not (gguf and on_gpu) or weights == "float32":
+    if not (gguf and gpu) or weights == "float32":
         return None
     return GPU_DTYPE
 
