@@ -216,8 +216,8 @@ def instances(kind: str, m: int, n: int, k: int, dtype, group: int = 0) -> list:
     return [(family(_variant("cuda", dtype), kind), template)]
 
 
-def _launch(kind: str, inputs: list, m: int, n: int, k: int, dtype, group: int = 0, which=None):
-    return _traced(which or backend(), kind, m, n, k, group, dtype)(*inputs)[0]
+def _launch(kind: str, inputs: list, m: int, n: int, k: int, dtype, group: int = 0):
+    return _traced(backend(), kind, m, n, k, group, dtype)(*inputs)[0]
 
 
 def dense_serves(x: mx.array, weight: mx.array) -> bool:

@@ -158,23 +158,18 @@ def dense_rows_in_one_launch(x: mx.array, weight: mx.array, form: str):
 def dense_rows(x: mx.array, weight: mx.array, form: str) -> mx.array:
     """x @ weight.T (weight is (N, K), as nn.Linear stores it), each row in canonical `form`."""
     *lead, k = x.shape
-    rows = x.reshape(-1, k)
-    wt = weight.T
     form = layer_form(form, x, weight)
-    if form == "skinny":
-        # The kernel serves M = 1 too (decode and blocks share its order); what it cannot
-        # take (dtype, > 64 rows, no GPU kernel API) runs the strided batched GEMV.
+    # skinny's kernel serves M = 1 too (decode and blocks share its order); gemv_rows' rows are in
+    # the order of the single-row call below (decode keeps that plain call). What the kernel
+    # cannot take (not proven here, dtype, > 64 rows, no GPU kernel API) runs the strided GEMV.
+    if form == "skinny" or (form == "gemv_rows" and math.prod(lead) > 1):
         out = dense_rows_in_one_launch(x, weight, form)
         if out is not None:
             return out
+    if form in ("skinny", "gemv_rows"):
         form = "strided_gemv"
-    if form == "gemv_rows":
-        # Rows in the order of the single-row call below (decode keeps that plain call);
-        # where the kernel is not proven here or cannot take the arrays: the strided GEMV.
-        out = dense_rows_in_one_launch(x, weight, form) if rows.shape[0] > 1 else None
-        if out is not None:
-            return out
-        form = "strided_gemv"
+    rows = x.reshape(-1, k)  # built only where a form below uses it (a kernel launch does not)
+    wt = weight.T
     if form in ("native", "cpu_kernel") or rows.shape[0] == 1:
         # One row is the reference every form must match (the self-test proves it): run it
         # as the plain single-row call, with no extra ops on the decode path.
