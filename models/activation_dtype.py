@@ -4,9 +4,12 @@ A GGUF import keeps its norms, its quantization scales and biases and the tensor
 dense in float32 (models/gguf_import.py), for MLX's CPU backend, where float32 runs fastest.
 On a GPU, MLX's models run 16-bit activations, and lockstep's quantized kernels (qmv_rows,
 qmv_mma, qmv_split) and mma_rows' tensor cores take 16-bit activations only, so there those
-float32 parameters become float16, and the activations and the KV cache with them. Q4_0, Q4_1
-and Q8_0 blocks store their scales (and Q4_1 its minimums) as float16, so a native 4-bit
-import's scales and biases stay exact. `--weights float32` keeps float32.
+float32 parameters become 16-bit, and the activations and the KV cache with them: float16,
+where Q4_0, Q4_1 and Q8_0 blocks store their scales (and Q4_1 its minimums), so a native 4-bit
+import's scales and biases stay exact; bfloat16 for a model with nvfp4, mxfp4 or mxfp8 layers
+(`--quantize`), whose values MLX dequantizes to bfloat16 (a quantized embedding's lookup among
+them): with float16 norms, the first norm would mix the two and promote every activation after
+it to float32. `--weights float32` keeps float32.
 """
 from __future__ import annotations
 
@@ -15,19 +18,28 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 GPU_DTYPE = mx.float16
+# MLX's dequantization of these modes gives bfloat16 (mx.dequantize's default for them)
+FP_MODES = ("nvfp4", "mxfp4", "mxfp8")
+FP_MODES_DTYPE = mx.bfloat16
 
 
 def on_gpu() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
 
 
-def served_dtype(weights: str, gguf: bool, gpu: bool):
+def served_dtype(weights: str, gguf: bool, gpu: bool, fp_modes: bool = False):
     """The dtype a served model's float32 parameters are cast to, None where they are kept:
     a GGUF import's on a GPU (with --quantize too, whose source is the float32 import whatever
-    `weights` says), unless `--weights float32` asked for them."""
+    `weights` says), unless `--weights float32` asked for them; bfloat16 where the model has
+    layers of FP_MODES (fp_modes), else float16."""
     if not (gguf and gpu) or weights == "float32":
         return None
-    return GPU_DTYPE
+    return FP_MODES_DTYPE if fp_modes else GPU_DTYPE
+
+
+def has_fp_modes(model: nn.Module) -> bool:
+    """Whether any quantized layer of `model` (linear or embedding) is of FP_MODES."""
+    return any(getattr(layer, "mode", None) in FP_MODES and "scales" in layer for _, layer in model.named_modules())
 
 
 def apply(model: nn.Module, spec: str, weights: str):
@@ -35,7 +47,7 @@ def apply(model: nn.Module, spec: str, weights: str):
     any quantization): the dtype its float32 parameters now have, None where none changed."""
     from lockstep.models.resolve import gguf_source
 
-    dtype = served_dtype(weights, gguf_source(spec) is not None, on_gpu())
+    dtype = served_dtype(weights, gguf_source(spec) is not None, on_gpu(), has_fp_modes(model))
     return dtype if dtype is not None and cast_float32(model, dtype) else None
 
 

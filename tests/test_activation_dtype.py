@@ -1,12 +1,13 @@
-"""models/activation_dtype.py: a GGUF import's float32 parameters run as float16 on a GPU (the
-activations, and so lockstep's 16-bit kernels, with them), and stay float32 on the CPU or where
---weights float32 asks for them; the served load applies it (the GPU check patched in here)."""
+"""models/activation_dtype.py: a GGUF import's float32 parameters run as float16 on a GPU
+(bfloat16 with nvfp4 / mxfp4 / mxfp8 layers: the activations, and so lockstep's 16-bit kernels,
+with them), and stay float32 on the CPU or where --weights float32 asks for them; the served
+load applies it (the GPU check patched in here)."""
 import mlx.core as mx
 from mlx.utils import tree_flatten
 import pytest
 
 from lockstep.models import activation_dtype
-from lockstep.models.activation_dtype import GPU_DTYPE, cast_float32, served_dtype
+from lockstep.models.activation_dtype import FP_MODES_DTYPE, GPU_DTYPE, cast_float32, served_dtype
 from lockstep.server import model_loading
 from tiny_models import tiny_llama
 
@@ -20,6 +21,7 @@ from tiny_models import tiny_llama
 ])
 def test_which_loads_run_16_bit(weights, gguf, gpu, want):
     assert served_dtype(weights, gguf, gpu) == want
+    assert served_dtype(weights, gguf, gpu, fp_modes=True) == (want and FP_MODES_DTYPE)
 
 
 def test_only_float32_parameters_are_cast():
@@ -33,9 +35,23 @@ def test_only_float32_parameters_are_cast():
     assert cast_float32(model, mx.float16) == 0
 
 
-def _served(monkeypatch, gpu: bool, weights="auto"):
+def _served(monkeypatch, gpu: bool, weights="auto", quantize=None):
     monkeypatch.setattr(activation_dtype, "on_gpu", lambda: gpu)
-    return model_loading.load_audited("default", weights, None, None, None, audit="off")
+    return model_loading.load_audited("default", weights, quantize, None, None, audit="off")
+
+
+@pytest.mark.parametrize("quantize, want", [("nvfp4", mx.bfloat16), ("mxfp4", mx.bfloat16),
+                                            ("mxfp8", mx.bfloat16), ("affine", mx.float16)])
+def test_every_activation_of_a_quantized_import_keeps_the_served_dtype(monkeypatch, quantize, want):
+    """--quantize on a GPU: one 16-bit dtype from the embedding's lookup to the logits. MLX
+    dequantizes nvfp4 / mxfp4 / mxfp8 to bfloat16, so float16 norms beside them would promote
+    every activation after the first norm to float32 (the logits' dtype shows it)."""
+    loaded, _, transform = _served(monkeypatch, gpu=True, quantize=quantize)
+    assert ";" + str(want).removeprefix("mlx.core.") + ";" in transform + ";"
+    model = loaded.model
+    tokens = mx.array([[1, 2, 3]])
+    assert model.model.embed_tokens(tokens).dtype == want
+    assert model(tokens).dtype == want
 
 
 def test_the_embedded_model_computes_in_float16_where_a_gpu_serves_it(monkeypatch):
