@@ -7,7 +7,9 @@ local memory. Two tables:
 - the instances whose block is above 256 threads (kernels/custom/compiled.py
   `Family.threads`), with --unbounded each also compiled without its `__launch_bounds__`;
 - `qmv_rows` (256-thread blocks) at each columns-a-warp R and rows-a-warp MR its launch plans
-  may take, per format, with the blocks an SM can hold by registers.
+  may take, per format, with the blocks an SM can hold by registers;
+- `qmv_mma` at the 8B's linears and 8 / 16 / 32 rows, with and without the staged tile (CG),
+  with the blocks an SM can hold by registers and by shared memory.
 
     pip download --no-deps -d /tmp/nvrtc "nvidia-cuda-nvrtc>=13" "nvidia-cuda-runtime>=13"
     (unzip both wheels into /tmp/nvrtc/x)
@@ -28,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from lockstep.kernels.custom import nvrtc, qmv_rows, split_attention  # noqa: E402
+from lockstep.kernels.custom import nvrtc, qmv_mma, qmv_rows, split_attention  # noqa: E402
 
 REGISTERS_A_BLOCK = 65536
 QMV_FORMATS = (("nvfp4", 4, 16), ("mxfp4", 4, 32), ("affine", 4, 64), ("affine", 8, 64), ("mxfp8", 8, 32))
@@ -85,12 +87,43 @@ def qmv_rows_plans(compiler, options) -> None:
                       f"{REGISTERS_A_BLOCK // (regs * threads)} |")
 
 
+# (name, N, K) of the Llama-3-8B linears qmv_mma runs
+MMA_SHAPES = (("q,o", 4096, 4096), ("k,v", 1024, 4096), ("gate,up", 14336, 4096), ("down", 4096, 14336))
+
+
+def qmv_mma_plans(compiler, options, groups) -> None:
+    """qmv_mma (nvfp4, bfloat16 x) at the 8B's linears, 8 / 16 / 32 rows, each CG of `groups`
+    (0: x from global memory; else the staged tile): registers, spills, the block's threads and
+    shared memory, and the blocks an SM can hold by registers and by shared memory (228 KB)."""
+    print("\n| qmv_mma nvfp4 | rows | CG | threads | registers | spill bytes (st/ld) | shared KB | blocks by regs | "
+          "by shared | warps an SM |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    family = qmv_mma.family("fp")
+    for name, n, k in MMA_SHAPES:
+        for m in (8, 16, 32):
+            for cg in groups:
+                try:
+                    plan = qmv_mma._launch_plan(m, n, k, "nvfp4", 16, mx.bfloat16, groups=cg)
+                except ValueError as exc:
+                    print(f"| {name} | {m} | {cg} | - | - | - | {exc} | | | |")
+                    continue
+                threads = plan["threadgroup"][0]
+                regs, stores, loads = report(compiler, family.source(tuple(plan["template"])), options)
+                shared = plan.get("shared_memory", 0)
+                by_regs = REGISTERS_A_BLOCK // (max(regs, 1) * threads)
+                by_shared = (228 << 10) // shared if shared else 32
+                blocks = min(by_regs, by_shared, 2048 // threads)
+                print(f"| {name} | {m} | {cg} | {threads} | {regs} | {stores}/{loads} | {shared / 1024:.0f} | "
+                      f"{by_regs} | {by_shared if shared else '-'} | {blocks * threads // 32} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nvrtc", required=True, help="libnvrtc.so path")
     parser.add_argument("--include", required=True, help="the CUDA headers' directory (cuda_fp16.h)")
     parser.add_argument("--arch", default="sm_90a", help="NVRTC's architecture (default sm_90a: H100, H200)")
     parser.add_argument("--unbounded", action="store_true", help="also compile each bounded instance without its bound")
+    parser.add_argument("--qmv-mma-groups", default="0,1,2", help="CG values of the qmv_mma table (default 0,1,2)")
     args = parser.parse_args()
     compiler = nvrtc.Nvrtc(ctypes.CDLL(args.nvrtc))
     options = ["--device-as-default-execution-space", f"--gpu-architecture={args.arch}",
@@ -98,6 +131,7 @@ def main() -> None:
     print(f"NVRTC {'.'.join(map(str, compiler.version()))}, {args.arch}\n")
     wide_blocks(compiler, options, args.unbounded)
     qmv_rows_plans(compiler, options)
+    qmv_mma_plans(compiler, options, [int(g) for g in args.qmv_mma_groups.split(",")])
 
 
 if __name__ == "__main__":

@@ -8,7 +8,11 @@ method). Beside each time, the share of the HBM floor (the weight's bytes at 4.8
 whether every row of the call equals its one-row call. Random weights. Measures and prints;
 asserts nothing. CUDA only.
 
-    python bench/qmv_mma.py [--formats nvfp4,affine4] [--rows 1,8,16] [--variants 2x4,1x2] [--out t.md]
+    python bench/qmv_mma.py [--formats nvfp4,affine4] [--rows 1,8,16] [--variants 2x4,1x2,4x1x2] [--out t.md]
+
+A variant is NTxDEPTH[xCG] (CG: column groups of the staged tile, which reads x through shared
+memory; 0 the tile that reads it from global memory); `== default` says whether its rows equal
+the default launch's bit for bit (a launch shape never changes an output's order).
 """
 import argparse
 import sys
@@ -28,7 +32,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default="nvfp4,affine4")
     ap.add_argument("--rows", default="1,8,16")
-    ap.add_argument("--variants", default="", help="NT x DEPTH launch shapes of qmv_mma beside its default")
+    ap.add_argument("--variants", default="", help="NTxDEPTH[xCG] launch shapes of qmv_mma beside its default")
     ap.add_argument("--out")
     a = ap.parse_args()
     lines = []
@@ -43,9 +47,9 @@ def main():
         mode, _ = FORMATS[label]
         log(f"{label}: qmv_mma {qmv_mma.unavailable_reason(mode) or 'smoke test passed'}; "
             f"qmv_split {qmv_split.unavailable_reason(mode) or 'smoke test passed'}")
-    log("| format | linear | M | MLX µs (% floor) | qmv_split µs | qmv_rows µs | qmv_mma NTxDEPTH µs (% floor) | "
-        "mma ÷ MLX | mma ÷ split | rows == alone |")
-    log("|---|---|---|---|---|---|---|---|---|---|")
+    log("| format | linear | M | MLX µs (% floor) | qmv_split µs | qmv_rows µs | qmv_mma NTxDEPTHxCG µs (% floor) | "
+        "mma ÷ MLX | mma ÷ split | rows == alone | == default |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|")
     key = mx.random.key(5)
     rows = [int(r) for r in a.rows.split(",")]
     for label in a.formats.split(","):
@@ -79,17 +83,24 @@ def main():
                 base = timed(lambda x, j: mx.quantized_matmul(x, *qs[j], transpose=True, **kw_))
                 split = timed(lambda x, j: qmv_split.matmul(x, *qs[j], **kw_))
                 rows_t = timed(lambda x, j: qmv_rows.matmul(x, *qs[j], **kw_)) if m > 1 else float("nan")
+                default = None
                 for v in variants:
-                    tiles, ahead = v or (None, None)
-                    fn = lambda x, j, t=tiles, d=ahead: qmv_mma.matmul(x, *qs[j], tiles=t, ahead=d, **kw_)  # noqa: E731
+                    tiles, ahead, groups = (tuple(v) + (None,) * 3)[:3] if v else (None, None, None)
+                    fn = lambda x, j, t=tiles, d=ahead, g=groups: qmv_mma.matmul(  # noqa: E731
+                        x, *qs[j], tiles=t, ahead=d, groups=g, **kw_)
                     t = timed(fn)
-                    block = fn(xs[0], 0)
-                    alone = mx.concatenate([fn(xs[0][i : i + 1], 0) for i in range(m)], axis=0)
-                    same = bool(mx.array_equal(block, alone).item())
-                    shape = "default" if v is None else f"{tiles}x{ahead}"
+                    try:
+                        block = fn(xs[0], 0)
+                        alone = mx.concatenate([fn(xs[0][i : i + 1], 0) for i in range(m)], axis=0)
+                        same = bool(mx.array_equal(block, alone).item())
+                        default = block if default is None else default
+                        as_default = bool(mx.array_equal(block, default).item())
+                    except Exception:  # a launch shape that does not take the call (timed says why)
+                        same = as_default = None
+                    shape = "default" if v is None else "x".join(str(e) for e in v)
                     log(f"| {label} | {name} {n}x{k} | {m} | {base:.1f} ({100 * floor_us / base:.0f} %) | {split:.1f} | "
                         f"{rows_t:.1f} | {shape}: {t:.1f} ({100 * floor_us / t:.0f} %) | {t / base:.2f} | "
-                        f"{t / split:.2f} | {same} |")
+                        f"{t / split:.2f} | {same} | {as_default} |")
             mx.clear_cache()
     if a.out:
         Path(a.out).write_text("\n".join(lines) + "\n")

@@ -19,9 +19,13 @@ range, for Nsight Compute's kernel table (`bench/step_kernels.py --summarize` re
 variant and width, and what the deterministic step adds to the plain one at each width: what
 the submit phase encodes.
 
---served SPEC [--quantize MODE] measures the model `serve` would load (its dtype on this backend,
-models/activation_dtype.py) in place of a random one built in bfloat16: `--served default
---quantize nvfp4` is SmolLM2 as served.
+--served SPEC [--quantize MODE] [--weights W] measures the model `serve` would load (its dtype on
+this backend, models/activation_dtype.py) in place of a random one built in bfloat16: `--served
+default --quantize nvfp4` is SmolLM2 as served; `--weights float32` beside it keeps the GGUF's
+float32, as `serve --weights float32` does.
+
+--qmv-mma-groups CG runs every qmv_mma call with CG column groups a block (0: the tile that reads
+x from global memory, the staged tile's baseline in a step).
 
 --strategy with several names measures a deterministic variant of each (`det-NAME`), all
 interleaved in one process.
@@ -73,11 +77,12 @@ def op_by_op(model, caches, canonical: bool):
     return run
 
 
-def served(spec: str, quantize: str | None):
-    """The model `serve` loads from `spec` (quantized, in its served dtype; not audited)."""
+def served(spec: str, weights: str, quantize: str | None):
+    """The model `serve` loads from `spec` with `--weights weights` (quantized, in its served
+    dtype; not audited)."""
     from lockstep.server.model_loading import load_audited
 
-    loaded, _, transform = load_audited(spec, "auto", quantize, None, None, audit="off")
+    loaded, _, transform = load_audited(spec, weights, quantize, None, None, audit="off")
     print(f"{spec}: {transform}", flush=True)
     return loaded.model
 
@@ -113,7 +118,9 @@ def print_nodes(runs: dict) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--weights", default="nvfp4")
+    ap.add_argument("--weights", default=None,
+                    help="the random model's weights, comma-separated (default nvfp4); with --served: "
+                         "serve's --weights, e.g. float32 to keep a GGUF's dtype (default auto)")
     ap.add_argument("--rows", default="1,16,32")
     ap.add_argument("--limit", type=int, default=8, help="L of the deterministic variants (0: plain only)")
     ap.add_argument("--rounds", type=int, default=20)
@@ -133,15 +140,22 @@ def main():
     ap.add_argument("--nodes", action="store_true", help="count each step's graph nodes by primitive; no timing")
     ap.add_argument("--strategy", default="auto",
                     help="the deterministic variants' strategies, comma-separated (auto: the one the self-test keeps)")
+    ap.add_argument("--qmv-mma-groups", type=int, default=None, metavar="CG",
+                    help="qmv_mma's calls with CG column groups a block (0: the tile that reads x from "
+                         "global memory; a launch shape: no bits change; default the kernel's own choice)")
     a = ap.parse_args()
+    if a.qmv_mma_groups is not None:
+        from lockstep.kernels.custom import qmv_mma
+
+        qmv_mma.column_groups = lambda n, k, m, cg=a.qmv_mma_groups: cg
     widths = [int(r) for r in a.rows.split(",")]
     if a.ncu:
         r, kind = a.ncu.split(":")
         widths = [int(r)]
     print(f"backend {mx.default_device()}, MLX {mx.__version__}; context {a.context}, {a.rounds} rounds")
-    for weights in ([a.served] if a.served else a.weights.split(",")):
+    for weights in ([a.served] if a.served else (a.weights or "nvfp4").split(",")):
         if a.served:
-            model = served(a.served, a.quantize)
+            model = served(a.served, a.weights or "auto", a.quantize)
         elif a.shape == "smollm2":
             model = build(weights, 30, hidden=576, intermediate=1536, vocab=49152, heads=(9, 3, 64), tied=True)
         else:

@@ -99,8 +99,10 @@ def test_launches_cover_every_output_and_keep_the_order_at_every_width(n, k):
         plan = qmv_mma._launch_plan(m, n, k, "nvfp4", 16, mx.bfloat16)
         t = dict(plan["template"])
         warps.add(t["WARPS"])
-        assert plan["threadgroup"] == (32 * t["WARPS"], 1, 1)
-        assert (plan["grid"][0] // (32 * t["WARPS"])) * 8 * t["NT"] >= n
+        groups = max(t["CG"], 1)  # the staged tile's column groups (calls of 2..16 rows)
+        assert t["CG"] == qmv_mma.column_groups(n, k, m) and (t["CG"] > 0) == (2 <= m <= 16)
+        assert plan["threadgroup"] == (32 * t["WARPS"] * groups, 1, 1)
+        assert (plan["grid"][0] // (32 * t["WARPS"] * groups)) * 8 * t["NT"] * groups >= n
         assert plan["grid"][1] * t["ROWS"] >= m and t["ROWS"] in (8, 16, 32)
     assert warps == {qmv_mma.block_warps(n, k)}  # the order's only launch parameter: never the width
 
@@ -287,3 +289,35 @@ def test_a_qmv_mma_stand_in_whose_rows_depend_on_the_width_is_refused(kernels):
         model = tiny_llama(quant="nvfp4", dtype=mx.bfloat16)
         invariance = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
         assert not invariance.guaranteed and "self-test failed" in invariance.reason
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("n, k", [(1024, 4096), (4096, 14336), (14336, 4096), (33, 1152)])
+def test_staged_launches_cover_every_output_with_the_same_warps(n, k, groups):
+    for m in (1, 8, 9, 16, 17, 32, 33):
+        plain = dict(qmv_mma._launch_plan(m, n, k, "nvfp4", 16, mx.bfloat16, groups=0)["template"])
+        plan = qmv_mma._launch_plan(m, n, k, "nvfp4", 16, mx.bfloat16, groups=groups)
+        t = dict(plan["template"])
+        assert t["WARPS"] == plain["WARPS"] and t["CG"] == groups  # the K split (the order) as unstaged
+        assert plan["threadgroup"] == (32 * t["WARPS"] * groups, 1, 1)
+        assert qmv_mma.block_threads(plan["template"]) == 32 * t["WARPS"] * groups
+        blocks = plan["grid"][0] // plan["threadgroup"][0]
+        assert blocks * groups * 8 * t["NT"] >= n > (blocks - 1) * groups * 8 * t["NT"]
+        assert plan["shared_memory"] == qmv_mma.staged_bytes(t["WARPS"], t["NT"], t["ROWS"], t["DEPTH"], groups)
+        assert 0 < plan["shared_memory"] <= qmv_mma.MAX_SHARED_BYTES
+    assert "shared_memory" not in qmv_mma._launch_plan(32, n, k, "nvfp4", 16, mx.bfloat16, groups=0)
+    assert qmv_mma.block_threads(plain.items()) is None
+
+
+def test_staged_shared_memory_is_the_kernels_layout():
+    # Staged<WARPS, NT, ROWS, DEPTH, CG>::BYTES in qmv_mma.cu: table + slab, or the partial sums
+    assert qmv_mma.staged_bytes(8, 2, 32, 1, 1) == 256 * 32 * 4 + 32 * 8 * 16 * 16  # 96 KB
+    assert qmv_mma.staged_bytes(4, 4, 8, 2, 2) == 256 * 4 + 8 * 4 * 2 * 16 * 16
+    assert qmv_mma.staged_bytes(8, 8, 32, 1, 4) == 4 * 8 * 2 * 8 * 128 * 4  # partial sums the larger
+    assert qmv_mma.staged_bytes(8, 2, 32, 1, 0) == 0
+    with pytest.raises(ValueError, match="shared memory"):
+        qmv_mma.launch_shape(4096, 4096, 32, tiles=4, ahead=4, groups=1)
+    text = qmv_mma.SOURCE.read_text()
+    for line in ("COPIES = ROWS >= 16 ? 32 : 1", "TABLE_BYTES = 256 * COPIES * 4", "UNITS = WARPS * DEPTH * 16",
+                 "SLAB_BYTES = ROWS * UNITS * 16", "PARTIAL_BYTES = CG * WARPS * MT * NT * 128 * 4"):
+        assert line in text

@@ -26,9 +26,11 @@ def test_a_launch_covers_every_parts_tiles_in_each_parts_own_order(m, ns):
     template = dict(plan["template"])
     for n in ns:  # WARPS is part of a row's order: each part's own call's
         assert template["WARPS"] == dict(qmv_mma._launch_plan(m, n, 4096, "nvfp4", 16, mx.bfloat16)["template"])["WARPS"]
-    cols = 8 * template["NT"]
-    assert plan["grid"][0] == sum(-(-n // cols) for n in ns) * 32 * template["WARPS"]
-    assert plan["threadgroup"] == (32 * template["WARPS"], 1, 1)
+    groups = max(template["CG"], 1)  # the staged tile's column groups a block (2..16 rows)
+    assert template["CG"] == qmv_mma.column_groups(sum(ns), 4096, m)
+    cols = 8 * template["NT"] * groups
+    assert plan["grid"][0] == sum(-(-n // cols) for n in ns) * 32 * template["WARPS"] * groups
+    assert plan["threadgroup"] == (32 * template["WARPS"] * groups, 1, 1)
     assert plan["grid"][1] * template["ROWS"] >= m > (plan["grid"][1] - 1) * template["ROWS"]
     assert plan["output_shapes"] == [(m, n) for n in ns] and plan["output_dtypes"] == [mx.bfloat16] * len(ns)
 

@@ -77,9 +77,10 @@ class Family:
     inputs / outputs: (name, type) in launch order, type a C type or the name of a dtype
     template value ("T"); scalars: (name, the `<input>_shape[i]` expression of the body it
     replaces) in the order they follow the outputs. `threads`: the block size every launch
-    uses, given where it is above 256: the wrapper then says it (`__launch_bounds__`), so the
-    compiler keeps each instance within the registers such a block may hold (65,536: 128 a
-    thread at 512), which it does not assume otherwise. Identity-hashed (one per kernel)."""
+    uses, given where it is above 256 (a function of the template where it varies): the wrapper
+    then says it (`__launch_bounds__`), so the compiler keeps each instance within the registers
+    such a block may hold (65,536: 128 a thread at 512), which it does not assume otherwise.
+    Identity-hashed (one per kernel)."""
 
     def __init__(self, name: str, group: str, header: str, body: str, inputs, outputs, scalars,
                  threads: int | None = None):
@@ -122,10 +123,16 @@ class Family:
                 + [(f"{c_type(t)}*", n) for n, t in self.outputs]
                 + [("int", n) for n in self.scalar_names])
 
+    def block_threads(self, template) -> int | None:
+        """The block size this instance's launches use, where the family says it (`threads`:
+        a number, or a function of the template for families whose block size varies)."""
+        return self.threads(tuple(template)) if callable(self.threads) else self.threads
+
     def wrapper(self, template) -> str:
         types = _c_types()
         params = ", ".join(f"{t} {n}" for t, n in self.parameters(template))
-        bounds = f"__launch_bounds__({self.threads}) " if self.threads else ""
+        threads = self.block_threads(template)
+        bounds = f"__launch_bounds__({threads}) " if threads else ""
         lines = [f'extern "C" __global__ void {bounds}{self.symbol(template)}({params}) {{']
         for name, value in template:
             if isinstance(value, bool):
@@ -345,7 +352,9 @@ def cubin(family: Family, template) -> bytes | None:
 def launcher(family: Family, launch: dict, scalars: dict, fallback: Callable[[], tuple]) -> tuple:
     """(call, keyword arguments but inputs) of one launch shape: mx.fast.precompiled_cuda_kernel
     with the instance's cubin, or fallback() (today's cuda_kernel and its arguments).
-    `launch` holds template, grid, threadgroup, output_shapes and output_dtypes."""
+    `launch` holds template, grid, threadgroup, output_shapes and output_dtypes, and
+    shared_memory where the kernel takes dynamic shared memory (the fallback's kernel was made
+    with it: cuda_kernel takes it when made, not per call)."""
     template = tuple(launch["template"])
     values = family.scalar_values(scalars)
     blob = cubin(family, template)
@@ -355,6 +364,7 @@ def launcher(family: Family, launch: dict, scalars: dict, fallback: Callable[[],
         name=family.symbol(template), compiled_source=blob, scalars=values,
         grid=launch["grid"], threadgroup=launch["threadgroup"],
         output_shapes=launch["output_shapes"], output_dtypes=launch["output_dtypes"],
+        shared_memory=launch.get("shared_memory", 0),
         ensure_row_contiguous=True,  # as cuda_kernel's default
     )
 

@@ -23,8 +23,10 @@
 // Template arguments (set by kernels/custom/qmv_mma.py): T; FMT: 0 affine (a T scale and
 // bias per GROUP of 32, 64 or 128), 1 nvfp4 (e2m1 codes, an e4m3 scale per 16), 2 mxfp4
 // (e2m1, a ue8m0 scale per 32); GROUP; WARPS (the K split: order); NT column tiles of 8 a
-// block, ROWS rows a block (8, 16 or 32) and DEPTH chunks loaded ahead (none of the three
-// changes an output's order).
+// warp, ROWS rows a block (8, 16 or 32), DEPTH chunks loaded ahead and CG (0: each warp loads
+// its x rows from global memory; 1 or more: the block stages them in shared memory once for CG
+// column groups of WARPS warps, see qmv_mma_staged_tile); none of the four changes an
+// output's order.
 
 namespace lockstep_qmma {
 
@@ -55,6 +57,40 @@ __device__ __forceinline__ uint32_t bits_of(T2 v) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// A byte's two codes (low nibble first) as a T pair, COPIES copies of each entry (entry byte *
+// COPIES + copy); the block's threads fill it, the caller's barrier publishes it.
+template <typename T, int FMT, int COPIES>
+__device__ __forceinline__ void fill_code_table(typename Pair<T>::type* table) {
+  for (int i = threadIdx.x; i < 256 * COPIES; i += blockDim.x) {
+    const int e = i / COPIES;
+    table[i] = make_pair(from_float<T>(code_value<FMT>(e & 15)), from_float<T>(code_value<FMT>(e >> 4)));
+  }
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
+#pragma unroll
+  for (int t = 0; t < MT; ++t)
+#pragma unroll
+    for (int c = 0; c < NT; ++c)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[t][c][i] = 0.0f;
+}
+
+// The lane's 32 codes at k of each of its NT columns, and their groups' scales (and biases).
+template <typename T, int FMT, int GROUP, int NT, int SCALES>
+__device__ __forceinline__ void chunk_weights(uint4 (&codes)[NT], T (&scale)[NT][SCALES], T (&bias)[NT],
+                                              const uint32_t* w, const T* scales_t, const uint8_t* scales_u8,
+                                              const T* biases, const int (&col)[NT], int k, int words, int groups) {
+#pragma unroll
+  for (int c = 0; c < NT; ++c) {
+    codes[c] = __ldg(reinterpret_cast<const uint4*>(w + (size_t)col[c] * words + (k >> 3)));
+    const int gi = col[c] * groups + k / GROUP;
+    scale_values<T, FMT, SCALES>(scale[c], scales_t, scales_u8, gi);
+    if constexpr (FMT == 0) bias[c] = biases[gi];
+  }
+}
+
 // Column tile `tile` (8 * NT columns) of the block's ROWS rows.
 template <typename T, int FMT, int GROUP, int WARPS, int NT, int ROWS, int DEPTH>
 __device__ __forceinline__ void qmv_mma_tile(const T* x, const uint32_t* w, const T* scales_t,
@@ -76,10 +112,7 @@ __device__ __forceinline__ void qmv_mma_tile(const T* x, const uint32_t* w, cons
   __shared__ __align__(16) unsigned char smem[TABLE_BYTES > PARTIAL_BYTES ? TABLE_BYTES : PARTIAL_BYTES];
   T2* table = reinterpret_cast<T2*>(smem);
   float (*partial)[MT * NT * 128] = reinterpret_cast<float (*)[MT * NT * 128]>(smem);
-  for (int i = threadIdx.x; i < 256 * COPIES; i += blockDim.x) {
-    const int e = i / COPIES;
-    table[i] = make_pair(from_float<T>(code_value<FMT>(e & 15)), from_float<T>(code_value<FMT>(e >> 4)));
-  }
+  fill_code_table<T, FMT, COPIES>(table);
   __syncthreads();
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -105,12 +138,7 @@ __device__ __forceinline__ void qmv_mma_tile(const T* x, const uint32_t* w, cons
     }
 
   float acc[MT][NT][4];
-#pragma unroll
-  for (int t = 0; t < MT; ++t)
-#pragma unroll
-    for (int c = 0; c < NT; ++c)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[t][c][i] = 0.0f;
+  zero(acc);
 
 #pragma unroll 1
   for (int c0 = warp; c0 < chunks; c0 += WARPS * DEPTH) {
@@ -123,13 +151,8 @@ __device__ __forceinline__ void qmv_mma_tile(const T* x, const uint32_t* w, cons
       const int ch = c0 + d * WARPS;
       if (ch >= chunks) break;
       const int k = ch * CHUNK + q * 32;
-#pragma unroll
-      for (int c = 0; c < NT; ++c) {
-        codes[d][c] = __ldg(reinterpret_cast<const uint4*>(w + (size_t)col[c] * words + (k >> 3)));
-        const int gi = col[c] * groups + k / GROUP;
-        scale_values<T, FMT, SCALES>(scale[d][c], scales_t, scales_u8, gi);
-        if constexpr (FMT == 0) bias[d][c] = biases[gi];
-      }
+      chunk_weights<T, FMT, GROUP, NT, SCALES>(codes[d], scale[d], bias[d], w, scales_t, scales_u8, biases, col, k,
+                                              words, groups);
 #pragma unroll
       for (int t = 0; t < MT; ++t)
 #pragma unroll
@@ -189,30 +212,208 @@ __device__ __forceinline__ void qmv_mma_tile(const T* x, const uint32_t* w, cons
   }
 }
 
-template <typename T, int FMT, int GROUP, int WARPS, int NT, int ROWS, int DEPTH>
+// The staged tile's shared memory in bytes (kernels/custom/qmv_mma.py computes the same
+// figure for the launch): the code table and a round's x slab, whose bytes the warps' partial
+// sums take once every warp is past its loop.
+template <int WARPS, int NT, int ROWS, int DEPTH, int CG>
+struct Staged {
+  static constexpr int MT = (ROWS + 15) / 16;
+  static constexpr int COPIES = ROWS >= 16 ? 32 : 1;
+  static constexpr int TABLE_BYTES = 256 * COPIES * 4;
+  static constexpr int UNITS = WARPS * DEPTH * 16;  // 16-byte units of a slab row: a round's chunks
+  static constexpr int SLAB_BYTES = ROWS * UNITS * 16;
+  static constexpr int PARTIAL_BYTES = CG * WARPS * MT * NT * 128 * 4;
+  static constexpr int BYTES =
+      TABLE_BYTES + SLAB_BYTES > PARTIAL_BYTES ? TABLE_BYTES + SLAB_BYTES : PARTIAL_BYTES;
+};
+
+// Where 16-byte unit u of slab row r lies: lane (g, q) reads unit 4q + v of its chunk from rows
+// g and g + 8, and the xor spreads the 8 lanes of one shared-memory phase (g = 0, 1; q = 0..3)
+// over 8 distinct bank groups, so a load takes no conflicts.
+__device__ __forceinline__ int staged_unit(int r, int u) {
+  return u ^ ((r & 1) | (((u >> 3) & 1) << 1));
+}
+
+// qmv_mma_tile's outputs, bit for bit, from a block of CG column groups of WARPS warps: each
+// round the block copies x's rows for the next WARPS * DEPTH chunks into shared memory once
+// (cp.async, 16 bytes a thread at a time, along the rows), and every warp reads its chunk's x
+// from there, where qmv_mma_tile's warps each read theirs from global memory in 16-byte pieces
+// spread over 8 rows and 2 cache lines a row. Warp w of column group cg runs chunk c of its
+// columns where c % WARPS == w, in increasing c, and an MMA takes the same A and B registers as
+// in qmv_mma_tile (the MMAs of an accumulator in the same sequence): the same order, so the same
+// bits. `tile` counts blocks of CG * 8 * NT columns.
+template <typename T, int FMT, int GROUP, int WARPS, int NT, int ROWS, int DEPTH, int CG>
+__device__ __forceinline__ void qmv_mma_staged_tile(const T* x, const uint32_t* w, const T* scales_t,
+                                                    const uint8_t* scales_u8, const T* biases, T* y, int M, int N,
+                                                    int K, int tile) {
+  using T2 = typename Pair<T>::type;
+  using L = Staged<WARPS, NT, ROWS, DEPTH, CG>;
+  constexpr int CHUNK = 128;
+  constexpr int MT = L::MT;
+  constexpr int HALVES = ROWS >= 16 ? 2 : 1;
+  constexpr int SCALES = GROUP == 16 ? 2 : 1;
+  constexpr int COPIES = L::COPIES;
+  constexpr int UNITS = L::UNITS;
+  extern __shared__ __align__(16) unsigned char staged_smem[];
+  T2* table = reinterpret_cast<T2*>(staged_smem);
+  uint4* slab = reinterpret_cast<uint4*>(staged_smem + L::TABLE_BYTES);
+  float* partial = reinterpret_cast<float*>(staged_smem);
+  fill_code_table<T, FMT, COPIES>(table);
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int kw = warp % WARPS, cg = warp / WARPS;
+  const int g = lane >> 2, q = lane & 3;
+  const int n0 = (tile * CG + cg) * 8 * NT;
+  const int m0 = blockIdx.y * ROWS;
+  const int chunks = K / CHUNK;
+  const int groups = K / GROUP;
+  const int words = K >> 3;
+
+  int col[NT];
+#pragma unroll
+  for (int c = 0; c < NT; ++c) col[c] = min(n0 + 8 * c + g, N - 1);  // past N: never stored
+  bool live[MT][HALVES];
+#pragma unroll
+  for (int t = 0; t < MT; ++t)
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h) live[t][h] = 16 * t + 8 * h < ROWS && m0 + 16 * t + 8 * h + g < M;
+
+  float acc[MT][NT][4];
+  zero(acc);
+
+#pragma unroll 1
+  for (int r0 = 0; r0 < chunks; r0 += WARPS * DEPTH) {
+    // The round's x: rows m0 .. m0 + ROWS - 1 (past M: row M - 1, never stored), chunks r0 ..
+    const int round_units = min(WARPS * DEPTH, chunks - r0) * 16;
+    for (int i = threadIdx.x; i < ROWS * UNITS; i += blockDim.x) {
+      const int r = i / UNITS, u = i % UNITS;
+      if (u >= round_units) continue;
+      const T* src = x + (size_t)min(m0 + r, M - 1) * K + r0 * CHUNK + u * 8;
+      const unsigned dst = (unsigned)__cvta_generic_to_shared(slab + r * UNITS + staged_unit(r, u));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+    // the weights of this warp's chunks meanwhile
+    uint4 codes[DEPTH][NT];
+    T scale[DEPTH][NT][SCALES];
+    T bias[DEPTH][NT];
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      const int ch = r0 + d * WARPS + kw;
+      if (ch >= chunks) break;
+      const int k = ch * CHUNK + q * 32;
+      chunk_weights<T, FMT, GROUP, NT, SCALES>(codes[d], scale[d], bias[d], w, scales_t, scales_u8, biases, col, k,
+                                              words, groups);
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    __syncthreads();  // the slab (and, the first time, the table) is written
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      if (r0 + d * WARPS + kw >= chunks) break;
+      const int unit0 = (d * WARPS + kw) * 16 + q * 4;
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        // x elements q * 32 + 8v .. + 7 of the tile's rows g and g + 8: MMAs 2v and 2v + 1
+        uint4 xv[MT][HALVES];
+#pragma unroll
+        for (int t = 0; t < MT; ++t)
+#pragma unroll
+          for (int h = 0; h < HALVES; ++h) {
+            const int r = 16 * t + 8 * h + g;
+            xv[t][h] = live[t][h] ? slab[r * UNITS + staged_unit(r, unit0 + v)] : make_uint4(0u, 0u, 0u, 0u);
+          }
+#pragma unroll
+        for (int c = 0; c < NT; ++c) {
+          const uint32_t word = v == 0 ? codes[d][c].x : v == 1 ? codes[d][c].y : v == 2 ? codes[d][c].z
+                                                                                           : codes[d][c].w;
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            const int j = 2 * v + jj;
+            uint32_t b[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int i = 2 * j + e;  // the byte of the lane's 16: elements 2i, 2i + 1
+              const T s = scale[d][c][SCALES == 2 ? i / 8 : 0];
+              T2 val = __hmul2_rn(table[((word >> (8 * (i & 3))) & 0xFFu) * COPIES + (COPIES > 1 ? lane : 0)],
+                                  make_pair(s, s));
+              if constexpr (FMT == 0) val = __hadd2_rn(val, make_pair(bias[d][c], bias[d][c]));
+              b[e] = bits_of(val);
+            }
+#pragma unroll
+            for (int t = 0; t < MT; ++t) {
+              const uint32_t* lo = reinterpret_cast<const uint32_t*>(&xv[t][0]);
+              const uint32_t* hi = reinterpret_cast<const uint32_t*>(&xv[t][HALVES - 1]);
+              mma<T>(acc[t][c], lo[2 * jj], HALVES == 2 ? hi[2 * jj] : 0u, lo[2 * jj + 1],
+                     HALVES == 2 ? hi[2 * jj + 1] : 0u, b[0], b[1]);
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();  // every warp is past the slab before the next round overwrites it
+  }
+
+  // The warps' sums of each column group in warp order, as in qmv_mma_tile.
+  constexpr int OUTS = MT * NT * 128;
+#pragma unroll
+  for (int t = 0; t < MT; ++t)
+#pragma unroll
+    for (int c = 0; c < NT; ++c)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) partial[(cg * WARPS + kw) * OUTS + ((t * NT + c) * 32 + lane) * 4 + i] = acc[t][c][i];
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < CG * OUTS; idx += blockDim.x) {
+    const int group = idx / OUTS, o = idx % OUTS;
+    const float* p = partial + group * WARPS * OUTS + o;
+    float s = p[0];
+#pragma unroll
+    for (int v = 1; v < WARPS; ++v) s = __fadd_rn(s, p[v * OUTS]);
+    const int i = o & 3, l = (o >> 2) & 31, tc = o >> 7;
+    const int t = tc / NT, c = tc % NT;
+    const int row = 16 * t + (l >> 2) + (i >= 2 ? 8 : 0);
+    const int m = m0 + row, n = (tile * CG + group) * 8 * NT + 8 * c + 2 * (l & 3) + (i & 1);
+    if (row < ROWS && m < M && n < N) y[(size_t)m * N + n] = from_float<T>(s);
+  }
+}
+
+// Column tile `tile` of this launch: CG 0 qmv_mma_tile (tiles of 8 * NT columns), else the
+// staged tile (tiles of CG * 8 * NT columns).
+template <typename T, int FMT, int GROUP, int WARPS, int NT, int ROWS, int DEPTH, int CG>
+__device__ __forceinline__ void qmv_mma_any_tile(const T* x, const uint32_t* w, const T* scales_t,
+                                                 const uint8_t* scales_u8, const T* biases, T* y, int M, int N,
+                                                 int K, int tile) {
+  if constexpr (CG == 0)
+    qmv_mma_tile<T, FMT, GROUP, WARPS, NT, ROWS, DEPTH>(x, w, scales_t, scales_u8, biases, y, M, N, K, tile);
+  else
+    qmv_mma_staged_tile<T, FMT, GROUP, WARPS, NT, ROWS, DEPTH, CG>(x, w, scales_t, scales_u8, biases, y, M, N, K,
+                                                                   tile);
+}
+
+template <typename T, int FMT, int GROUP, int WARPS, int NT, int ROWS, int DEPTH, int CG>
 __device__ void qmv_mma(const T* x, const uint32_t* w, const T* scales_t, const uint8_t* scales_u8,
                         const T* biases, T* y, int M, int N, int K) {
-  qmv_mma_tile<T, FMT, GROUP, WARPS, NT, ROWS, DEPTH>(x, w, scales_t, scales_u8, biases, y, M, N, K, blockIdx.x);
+  qmv_mma_any_tile<T, FMT, GROUP, WARPS, NT, ROWS, DEPTH, CG>(x, w, scales_t, scales_u8, biases, y, M, N, K,
+                                                              blockIdx.x);
 }
 
 // Up to three layers that read the same x (an attention block's q, k and v; an MLP's gate and
 // up) in one launch: the column tiles of part 0, then part 1's, then part 2's (N2 = 0: two
 // parts). Each part's outputs are computed exactly as its own qmv_mma call computes them (the
 // same WARPS: kernels/custom/qmv_mma_parts.py launches only parts that share it).
-template <typename T, int FMT, int GROUP, int WARPS, int NT, int ROWS, int DEPTH>
+template <typename T, int FMT, int GROUP, int WARPS, int NT, int ROWS, int DEPTH, int CG>
 __device__ void qmv_mma_parts(const T* x, int M, int K,
                               const uint32_t* w0, const T* st0, const uint8_t* su0, const T* b0, T* y0, int N0,
                               const uint32_t* w1, const T* st1, const uint8_t* su1, const T* b1, T* y1, int N1,
                               const uint32_t* w2, const T* st2, const uint8_t* su2, const T* b2, T* y2, int N2) {
-  constexpr int COLS = 8 * NT;
+  constexpr int COLS = 8 * NT * (CG > 0 ? CG : 1);
   const int t0 = (N0 + COLS - 1) / COLS, t1 = (N1 + COLS - 1) / COLS;
   const int tile = blockIdx.x;
   if (tile < t0)
-    qmv_mma_tile<T, FMT, GROUP, WARPS, NT, ROWS, DEPTH>(x, w0, st0, su0, b0, y0, M, N0, K, tile);
+    qmv_mma_any_tile<T, FMT, GROUP, WARPS, NT, ROWS, DEPTH, CG>(x, w0, st0, su0, b0, y0, M, N0, K, tile);
   else if (tile < t0 + t1)
-    qmv_mma_tile<T, FMT, GROUP, WARPS, NT, ROWS, DEPTH>(x, w1, st1, su1, b1, y1, M, N1, K, tile - t0);
+    qmv_mma_any_tile<T, FMT, GROUP, WARPS, NT, ROWS, DEPTH, CG>(x, w1, st1, su1, b1, y1, M, N1, K, tile - t0);
   else if (N2 > 0)
-    qmv_mma_tile<T, FMT, GROUP, WARPS, NT, ROWS, DEPTH>(x, w2, st2, su2, b2, y2, M, N2, K, tile - t0 - t1);
+    qmv_mma_any_tile<T, FMT, GROUP, WARPS, NT, ROWS, DEPTH, CG>(x, w2, st2, su2, b2, y2, M, N2, K, tile - t0 - t1);
 }
 
 }  // namespace lockstep_qmma

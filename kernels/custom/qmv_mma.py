@@ -33,7 +33,7 @@ MIN_ELEMENTS = 16 << 20
 # k and v; bench/results/history/2026-12-03-h200-plain-read-4bit-bounds-issue28.md).
 CANONICAL_MIN_ELEMENTS = MIN_ELEMENTS // 4
 _ARGS = "y, x_shape[0], w_shape[0], x_shape[1]);"
-_TEMPLATE = "<T, {fmt}, GROUP, WARPS, NT, ROWS, DEPTH>"
+_TEMPLATE = "<T, {fmt}, GROUP, WARPS, NT, ROWS, DEPTH, CG>"
 _BODIES = {
     "affine": "lockstep_qmma::qmv_mma" + _TEMPLATE.format(fmt="0") + "(x, w, scales, nullptr, biases, " + _ARGS,
     "fp": "lockstep_qmma::qmv_mma" + _TEMPLATE.format(fmt="FMT") + "(x, w, nullptr, scales, nullptr, " + _ARGS,
@@ -45,15 +45,28 @@ def _header() -> str:
 
 
 @lru_cache(maxsize=None)
-def _kernel(kind: str):
+def _kernel(kind: str, shared_memory: int = 0):
     return mx.fast.cuda_kernel(name=f"lockstep_qmv_mma_{kind}", input_names=[n for n, _ in INPUTS[kind]],
-                               output_names=["y"], source=_BODIES[kind], header=_header())
+                               output_names=["y"], source=_BODIES[kind], header=_header(),
+                               shared_memory=shared_memory)
+
+
+def block_threads(template) -> int | None:
+    """A staged instance's block size (its wrapper's launch bounds); None for CG = 0, whose
+    blocks of at most 256 threads need none."""
+    values = dict(template)
+    return 32 * values["WARPS"] * values["CG"] if values.get("CG") else None
 
 
 @lru_cache(maxsize=None)
 def family(kind: str) -> compiled.Family:
     return compiled.Family(f"lockstep_qmv_mma_{kind}", "qmv_mma", _header(), _BODIES[kind],
-                           inputs=INPUTS[kind], outputs=[("y", "T")], scalars=SCALARS)
+                           inputs=INPUTS[kind], outputs=[("y", "T")], scalars=SCALARS, threads=block_threads)
+
+
+def fallback(kernel, plan: dict) -> tuple:
+    """cuda_kernel's (call, arguments) for a plan: the shared memory went into the kernel."""
+    return kernel, {key: value for key, value in plan.items() if key != "shared_memory"}
 
 
 def runs_here() -> bool:
@@ -91,35 +104,94 @@ def depth(rows: int) -> int:
     return 2 if rows <= 16 else 1
 
 
+# The column groups (CG) column_groups gives anywhere: the smoke test runs each on its shapes.
+STAGED_GROUPS = (1, 2)
+# The staged tile's column tiles a warp (NT) and chunks loaded ahead (DEPTH), and the rows its
+# calls take; wider calls (to 32 rows) read no faster through it.
+STAGED_TILES, STAGED_DEPTH = 4, 1
+STAGED_ROWS = range(2, 17)
+
+
+def column_groups(n: int, k: int, m: int) -> int:
+    """Column groups a block stages x for (CG; 0: each warp reads x from global memory): which
+    block computes an output and where its x comes from, never its order. Calls of 2..16 rows
+    take the staged tile, one group a block for layers split across 8 warps, two for wider ones
+    (4 warps); where it ran faster at the 8B's linears on the H100
+    (bench/results/cuda/qmv_mma_staged_h100_2026-12-06.md)."""
+    if m not in STAGED_ROWS:
+        return 0
+    return 1 if block_warps(n, k) == 8 else 2
+
+
+# The most dynamic shared memory a block may take on sm_80 / sm_90 (bytes).
+MAX_SHARED_BYTES = 227 << 10
+
+
+def staged_bytes(warps: int, tiles: int, rows: int, ahead: int, groups: int) -> int:
+    """The dynamic shared memory of a staged launch (qmv_mma.cu's Staged::BYTES): the code
+    table and a round's x slab, later the warps' partial sums over them; 0 for CG = 0."""
+    if not groups:
+        return 0
+    tiles_m = -(-rows // 16)
+    table = 256 * (32 if rows >= 16 else 1) * 4
+    slab = rows * warps * ahead * 16 * 16
+    partial = groups * warps * tiles_m * tiles * 128 * 4
+    return max(table + slab, partial)
+
+
+def launch_shape(n: int, k: int, m: int, tiles: int | None = None, ahead: int | None = None,
+                 groups: int | None = None) -> dict:
+    """WARPS, NT, ROWS, DEPTH and CG of a launch (each given one kept), and its block's threads,
+    columns and shared memory."""
+    warps = block_warps(n, k)
+    rows = block_rows(m)
+    groups = column_groups(n, k, m) if groups is None else groups
+    tiles = tiles or (STAGED_TILES if groups else block_tiles(n, k, m))
+    ahead = ahead or (STAGED_DEPTH if groups else depth(rows))
+    shared = staged_bytes(warps, tiles, rows, ahead, groups)
+    if shared > MAX_SHARED_BYTES:
+        raise ValueError(f"qmv_mma: {warps} warps, {tiles} tiles, {rows} rows, depth {ahead}, {groups} column "
+                         f"groups need {shared} bytes of shared memory")
+    return dict(warps=warps, tiles=tiles, rows=rows, ahead=ahead, groups=groups, threads=32 * warps * max(groups, 1),
+                columns=8 * tiles * max(groups, 1), shared=shared)
+
+
 def max_rows() -> int:
     return MAX_GRID_Y * 32
 
 
-@lru_cache(maxsize=4096)
-def _launch_plan(m: int, n: int, k: int, mode: str, group: int, dtype, tiles: int | None = None,
-                 ahead: int | None = None) -> dict:
-    warps = block_warps(n, k)
-    tiles = tiles or block_tiles(n, k, m)
-    rows = block_rows(m)
+def template_of(shape: dict, mode: str, group: int, dtype) -> list:
+    """The instance's template values for a launch_shape."""
     template = [("T", dtype)]
     if mode != "affine":
         template.append(("FMT", FORMAT_CODES[mode]))
-    template += [("GROUP", group), ("WARPS", warps), ("NT", tiles), ("ROWS", rows), ("DEPTH", ahead or depth(rows))]
-    return dict(
-        template=template,
-        grid=(-(-n // (8 * tiles)) * 32 * warps, -(-m // rows), 1),
-        threadgroup=(32 * warps, 1, 1),
+    return template + [("GROUP", group), ("WARPS", shape["warps"]), ("NT", shape["tiles"]), ("ROWS", shape["rows"]),
+                       ("DEPTH", shape["ahead"]), ("CG", shape["groups"])]
+
+
+@lru_cache(maxsize=4096)
+def _launch_plan(m: int, n: int, k: int, mode: str, group: int, dtype, tiles: int | None = None,
+                 ahead: int | None = None, groups: int | None = None) -> dict:
+    shape = launch_shape(n, k, m, tiles, ahead, groups)
+    plan = dict(
+        template=template_of(shape, mode, group, dtype),
+        grid=(-(-n // shape["columns"]) * shape["threads"], -(-m // shape["rows"]), 1),
+        threadgroup=(shape["threads"], 1, 1),
         output_shapes=[(m, n)],
         output_dtypes=[dtype],
     )
+    if shape["shared"]:
+        plan["shared_memory"] = shape["shared"]
+    return plan
 
 
 @lru_cache(maxsize=4096)
 def _launcher(m: int, n: int, k: int, mode: str, group: int, dtype, tiles: int | None = None,
-              ahead: int | None = None) -> tuple:
-    plan = _launch_plan(m, n, k, mode, group, dtype, tiles, ahead)
+              ahead: int | None = None, groups: int | None = None) -> tuple:
+    plan = _launch_plan(m, n, k, mode, group, dtype, tiles, ahead, groups)
     body = kind(mode)
-    return compiled.launcher(family(body), plan, dict(M=m, N=n, K=k), lambda: (_kernel(body), plan))
+    return compiled.launcher(family(body), plan, dict(M=m, N=n, K=k),
+                             lambda: fallback(_kernel(body, plan.get("shared_memory", 0)), plan))
 
 
 @lru_cache(maxsize=4096)
@@ -131,9 +203,10 @@ compiled.on_disable("qmv_mma", _launcher.cache_clear)
 compiled.on_disable("qmv_mma", _traced.cache_clear)
 
 
-def instances(m: int, n: int, k: int, mode: str, group: int, dtype) -> list:
+def instances(m: int, n: int, k: int, mode: str, group: int, dtype, tiles: int | None = None,
+              ahead: int | None = None, groups: int | None = None) -> list:
     """The (family, template) instance a launch runs (compiled.precompile)."""
-    return [(family(kind(mode)), tuple(_launch_plan(m, n, k, mode, group, dtype)["template"]))]
+    return [(family(kind(mode)), tuple(_launch_plan(m, n, k, mode, group, dtype, tiles, ahead, groups)["template"]))]
 
 
 def _takes(m: int, k: int, mode: str, bits: int, group: int, dtype, weight_dtype, packed: int, scales_dtype,
@@ -150,13 +223,13 @@ def serves(x: mx.array, weight: mx.array, scales: mx.array, biases, *, group_siz
 
 
 def matmul(x, weight, scales, biases, *, group_size: int, bits: int, mode: str, tiles: int | None = None,
-           ahead: int | None = None) -> mx.array:
-    """mx.quantized_matmul(x, weight, transpose=True) in this kernel's order (tiles, ahead:
-    launch shape for benchmarks; they change no bits)."""
+           ahead: int | None = None, groups: int | None = None) -> mx.array:
+    """mx.quantized_matmul(x, weight, transpose=True) in this kernel's order (tiles, ahead,
+    groups: launch shape for benchmarks and the smoke test; they change no bits)."""
     if not serves(x, weight, scales, biases, group_size=group_size, bits=bits, mode=mode):
         raise ValueError(f"qmv_mma cannot take {mode} {bits}-bit g{group_size}, x {x.shape} {x.dtype}")
     m, k = x.shape
-    launch = _traced(m, weight.shape[0], k, mode, group_size, x.dtype, tiles, ahead)
+    launch = _traced(m, weight.shape[0], k, mode, group_size, x.dtype, tiles, ahead, groups)
     return (launch(x, weight, scales, biases) if mode == "affine" else launch(x, weight, scales))[0]
 
 
@@ -172,7 +245,7 @@ def launch_for(lead: tuple, n: int, k: int, mode: str, bits: int, group: int, dt
         return None
     if unavailable_reason(mode, dtype) is not None:
         return None
-    call, plan = _launcher(m, n, k, mode, group, dtype, None, None)
+    call, plan = _launcher(m, n, k, mode, group, dtype)
     launch = compiled.shaped_launch(call, plan, (m, k), [(*lead, n)])
     return lambda x, *weights: launch(x, *weights)[0]
 
@@ -206,10 +279,15 @@ def _smoke_test(mode: str, dtype) -> str | None:
     product of x and the dequantized weight; the small shapes' rows are within two of T's
     epsilon of the order model. None: all hold."""
     compiled.precompile(i for group in GROUPS[mode] for m, n, k in SMOKE_SHAPES
-                        for rows in {m, 1} for i in instances(rows, n, k, mode, group, dtype))
+                        for rows in {m, 1} for cg in (None,) + STAGED_GROUPS
+                        for i in instances(rows, n, k, mode, group, dtype, groups=cg))
 
     def check(shape, x, wq, scales, biases, block, group):
         _, n, k = shape
+        for cg in STAGED_GROUPS:  # the staged tile's x path: the same bits
+            staged = matmul(x, wq, scales, biases, group_size=group, bits=4, mode=mode, groups=cg)
+            if not mx.array_equal(staged, block).item():
+                return f"the staged tile (CG {cg}) differs from qmv_mma_tile"
         if n * k <= 70 * 4224:
             gap = _model_gap(x, wq, scales, biases, block, mode, group, dtype)
             if not gap <= 2.0:

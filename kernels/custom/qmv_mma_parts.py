@@ -40,7 +40,7 @@ def _body(body: str, parts: int) -> str:
             cells.append(_PART.format(i=i, st=f"s{i}", su="nullptr", b=f"b{i}"))
         else:
             cells.append(_PART.format(i=i, st="nullptr", su=f"s{i}", b="nullptr"))
-    return (f"lockstep_qmma::qmv_mma_parts<T, {fmt}, GROUP, WARPS, NT, ROWS, DEPTH>(x, x_shape[0], x_shape[1], "
+    return (f"lockstep_qmma::qmv_mma_parts<T, {fmt}, GROUP, WARPS, NT, ROWS, DEPTH, CG>(x, x_shape[0], x_shape[1], "
             + ", ".join(cells) + ");")
 
 
@@ -49,18 +49,19 @@ def _scalars(parts: int) -> tuple:
 
 
 @lru_cache(maxsize=None)
-def _kernel(body: str, parts: int):
+def _kernel(body: str, parts: int, shared_memory: int = 0):
     return mx.fast.cuda_kernel(name=f"lockstep_qmv_mma_parts{parts}_{body}",
                                input_names=[n for n, _ in _inputs(body, parts)],
                                output_names=[f"y{i}" for i in range(parts)], source=_body(body, parts),
-                               header=qmv_mma._header())
+                               header=qmv_mma._header(), shared_memory=shared_memory)
 
 
 @lru_cache(maxsize=None)
 def family(body: str, parts: int) -> compiled.Family:
     return compiled.Family(f"lockstep_qmv_mma_parts{parts}_{body}", "qmv_mma", qmv_mma._header(),
                            _body(body, parts), inputs=_inputs(body, parts),
-                           outputs=[(f"y{i}", "T") for i in range(parts)], scalars=_scalars(parts))
+                           outputs=[(f"y{i}", "T") for i in range(parts)], scalars=_scalars(parts),
+                           threads=qmv_mma.block_threads)
 
 
 def shares_order(ns, k: int) -> bool:
@@ -71,32 +72,32 @@ def shares_order(ns, k: int) -> bool:
 
 @lru_cache(maxsize=4096)
 def _launch_plan(m: int, ns: tuple, k: int, mode: str, group: int, dtype, tiles: int | None = None,
-                 ahead: int | None = None) -> dict:
-    warps = qmv_mma.block_warps(ns[0], k)
-    if any(qmv_mma.block_warps(n, k) != warps for n in ns):
+                 ahead: int | None = None, groups: int | None = None) -> dict:
+    if any(qmv_mma.block_warps(n, k) != qmv_mma.block_warps(ns[0], k) for n in ns):
         raise ValueError(f"qmv_mma parts {ns} x {k} split K across different warps")
-    tiles = tiles or qmv_mma.block_tiles(sum(ns), k, m)
-    rows = qmv_mma.block_rows(m)
-    template = [("T", dtype)]
-    if mode != "affine":
-        template.append(("FMT", quant_rows.FORMAT_CODES[mode]))
-    template += [("GROUP", group), ("WARPS", warps), ("NT", tiles), ("ROWS", rows), ("DEPTH", ahead or qmv_mma.depth(rows))]
-    return dict(
-        template=template,
-        grid=(sum(-(-n // (8 * tiles)) for n in ns) * 32 * warps, -(-m // rows), 1),
-        threadgroup=(32 * warps, 1, 1),
+    # NT, DEPTH and CG as for the parts' widths summed; WARPS each part's own (its order)
+    whole = qmv_mma.launch_shape(sum(ns), k, m, tiles, ahead, groups)
+    shape = qmv_mma.launch_shape(ns[0], k, m, whole["tiles"], whole["ahead"], whole["groups"])
+    plan = dict(
+        template=qmv_mma.template_of(shape, mode, group, dtype),
+        grid=(sum(-(-n // shape["columns"]) for n in ns) * shape["threads"], -(-m // shape["rows"]), 1),
+        threadgroup=(shape["threads"], 1, 1),
         output_shapes=[(m, n) for n in ns],
         output_dtypes=[dtype] * len(ns),
     )
+    if shape["shared"]:
+        plan["shared_memory"] = shape["shared"]
+    return plan
 
 
 @lru_cache(maxsize=4096)
 def _launcher(m: int, ns: tuple, k: int, mode: str, group: int, dtype, tiles: int | None = None,
-              ahead: int | None = None) -> tuple:
-    plan = _launch_plan(m, ns, k, mode, group, dtype, tiles, ahead)
+              ahead: int | None = None, groups: int | None = None) -> tuple:
+    plan = _launch_plan(m, ns, k, mode, group, dtype, tiles, ahead, groups)
     body = kind(mode)
     scalars = dict(M=m, K=k, **{f"N{i}": n for i, n in enumerate(ns)})
-    return compiled.launcher(family(body, len(ns)), plan, scalars, lambda: (_kernel(body, len(ns)), plan))
+    return compiled.launcher(family(body, len(ns)), plan, scalars,
+                             lambda: qmv_mma.fallback(_kernel(body, len(ns), plan.get("shared_memory", 0)), plan))
 
 
 @lru_cache(maxsize=4096)
@@ -108,22 +109,23 @@ compiled.on_disable("qmv_mma", _launcher.cache_clear)
 compiled.on_disable("qmv_mma", _traced.cache_clear)
 
 
-def instances(m: int, ns: tuple, k: int, mode: str, group: int, dtype) -> list:
+def instances(m: int, ns: tuple, k: int, mode: str, group: int, dtype, groups: int | None = None) -> list:
     """The (family, template) instance a launch runs (compiled.precompile)."""
-    return [(family(kind(mode), len(ns)), tuple(_launch_plan(m, tuple(ns), k, mode, group, dtype)["template"]))]
+    plan = _launch_plan(m, tuple(ns), k, mode, group, dtype, groups=groups)
+    return [(family(kind(mode), len(ns)), tuple(plan["template"]))]
 
 
 def matmuls(x, layers, *, group_size: int, bits: int, mode: str, tiles: int | None = None,
-            ahead: int | None = None) -> list:
+            ahead: int | None = None, groups: int | None = None) -> list:
     """[mx.quantized_matmul(x, w, transpose=True) for each layer], each in its own qmv_mma
     call's order; layers: (weight, scales, biases) of each part (biases None but affine);
-    tiles, ahead: launch shape for benchmarks (they change no bits)."""
+    tiles, ahead, groups: launch shape for benchmarks and the smoke test (they change no bits)."""
     m, k = x.shape
     ns = tuple(w.shape[0] for w, _, _ in layers)
     if not (shares_order(ns, k) and all(qmv_mma.serves(x, *part, group_size=group_size, bits=bits, mode=mode)
                                         for part in layers)):
         raise ValueError(f"qmv_mma parts cannot take {mode} {bits}-bit g{group_size} {ns}, x {x.shape} {x.dtype}")
-    launch = _traced(m, ns, k, mode, group_size, x.dtype, tiles, ahead)
+    launch = _traced(m, ns, k, mode, group_size, x.dtype, tiles, ahead, groups)
     arrays = [a for part in layers for a in (part if mode == "affine" else part[:2])]
     return launch(x, *arrays)
 
@@ -157,7 +159,8 @@ SMOKE_SHAPES = ((1, (40, 8, 24), 1152), (5, (70, 33, 9), 640), (16, (8200, 8200)
 def _smoke_test(mode: str, dtype) -> str | None:
     """Every part of each launch equals its layer's own qmv_mma call bit for bit. None: all hold."""
     compiled.precompile(i for group in quant_rows.GROUPS[mode] for m, ns, k in SMOKE_SHAPES
-                        for i in instances(m, ns, k, mode, group, dtype)
+                        for i in [j for cg in (None,) + qmv_mma.STAGED_GROUPS
+                                  for j in instances(m, ns, k, mode, group, dtype, groups=cg)]
                         + [j for n in ns for j in qmv_mma.instances(m, n, k, mode, group, dtype)])
     key = mx.random.key(23)
     for group in quant_rows.GROUPS[mode]:
@@ -170,10 +173,11 @@ def _smoke_test(mode: str, dtype) -> str | None:
                 wq, scales, *rest = mx.quantize(mx.random.normal((n, k), key=kw).astype(dtype), group, 4, mode=mode)
                 layers.append((wq, scales, rest[0] if rest else None))
             kw_ = dict(group_size=group, bits=4, mode=mode)
-            together = matmuls(x, layers, **kw_)
-            for i, part in enumerate(layers):
-                if not mx.array_equal(together[i], qmv_mma.matmul(x, *part, **kw_)).item():
-                    return f"{mode} g{group} {dtype} {m}x{ns}x{k}: part {i} differs from its own call"
+            for cg in (None,) + qmv_mma.STAGED_GROUPS:
+                together = matmuls(x, layers, groups=cg, **kw_)
+                for i, part in enumerate(layers):
+                    if not mx.array_equal(together[i], qmv_mma.matmul(x, *part, **kw_)).item():
+                        return f"{mode} g{group} {dtype} {m}x{ns}x{k} CG {cg}: part {i} differs from its own call"
     return None
 
 
