@@ -52,17 +52,23 @@ def apply(model: nn.Module, spec: str, weights: str):
 
 
 def float32_note(model: nn.Module) -> str | None:
-    """On a GPU, what a quantized model that still computes in float32 (a float32 model
-    directory, `--weights float32`) gives up; None elsewhere."""
+    """On a GPU, what a quantized model that still computes in float32 gives up: a float32
+    model directory, `--weights float32`, or a directory whose nvfp4 / mxfp4 / mxfp8 layers
+    (bfloat16 when dequantized) sit beside float16 parameters; None elsewhere."""
     if not on_gpu():
         return None
     params = tree_flatten(model.parameters())
     quantized = any(name.endswith(".scales") for name, _ in params)
-    if not quantized or not any(a.dtype == mx.float32 for _, a in params):
-        return None
-    return ("this quantized model computes in float32 on a GPU: lockstep's quantized kernels take 16-bit "
-            "activations, so its calls run MLX's own (deterministic calls wider than 7 rows in several calls); "
-            "a float16 or bfloat16 copy serves faster")
+    dtypes = {a.dtype for _, a in params}
+    cost = ("lockstep's quantized kernels take 16-bit activations, so its calls run MLX's own (deterministic "
+            "calls wider than 7 rows in several calls)")
+    if quantized and mx.float32 in dtypes:
+        return f"this quantized model computes in float32 on a GPU: {cost}; a float16 or bfloat16 copy serves faster"
+    if mx.float16 in dtypes and has_fp_modes(model):
+        return (f"this model computes in float32 after its first float16 layer: MLX dequantizes its "
+                f"{'/'.join(FP_MODES)} layers to bfloat16, and bfloat16 beside float16 gives float32; {cost}; "
+                "a copy whose float16 parameters are bfloat16 serves faster")
+    return None
 
 
 def cast_float32(model: nn.Module, dtype) -> int:

@@ -91,3 +91,21 @@ def test_a_quantized_model_kept_in_float32_on_a_gpu_is_named_at_load(monkeypatch
         monkeypatch.setattr(activation_dtype, "served_dtype", lambda *args: None)  # as --weights float32 keeps it
         _served(monkeypatch, gpu=True, weights="q4")
         assert "computes in float32 on a GPU" in caplog.text
+
+
+def test_a_directory_mixing_bfloat16_lookups_with_float16_norms_is_named_on_a_gpu(monkeypatch):
+    """An nvfp4 model whose other parameters are float16 (mlx-lm's converter from a float16
+    model) computes in float32: the load names it on a GPU; its bfloat16 twin is not named."""
+    import mlx.nn as nn
+
+    monkeypatch.setattr(activation_dtype, "on_gpu", lambda: True)
+    notes, models = {}, {}
+    for dtype in (mx.float16, mx.bfloat16):
+        model = models[dtype] = tiny_llama()
+        model.set_dtype(dtype)
+        nn.quantize(model, group_size=16, bits=4, mode="nvfp4")
+        notes[dtype] = (activation_dtype.float32_note(model), model(mx.array([[1, 2]])).dtype)
+    assert notes[mx.float16][1] == mx.float32 and "after its first float16 layer" in notes[mx.float16][0]
+    assert notes[mx.bfloat16] == (None, mx.bfloat16)
+    monkeypatch.setattr(activation_dtype, "on_gpu", lambda: False)
+    assert activation_dtype.float32_note(models[mx.float16]) is None  # the CPU computes float32 anyway
