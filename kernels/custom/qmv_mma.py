@@ -1,8 +1,10 @@
 """Loads qmv_mma.cu (beside this file): rows of x times a 4-bit quantized weight (affine-4,
 nvfp4, mxfp4; float16 and bfloat16 x) on tensor cores, K split across a block's warps,
 lockstep's own order (index model: qmv_mma_order.py). Each weight is loaded and dequantized
-once for all of a block's rows (8, 16 or 32), so sixteen rows cost about what one does. Each
-instance compiled once per machine (compiled.py) and launched traced. CUDA only.
+once for all of a block's rows (8, 16 or 32), so sixteen rows cost about what one does. Calls
+of 2..16 rows run its staged tile, whose block copies x's rows into shared memory once a round
+for CG column groups of warps (column_groups): the same MMAs in the same sequence, so the same
+bits. Each instance compiled once per machine (compiled.py) and launched traced. CUDA only.
 
 A row's bits depend only on its own x row, the weight, K and the warps a block splits K
 across (a function of the layer's shape), never on how many rows the call has or where a row
