@@ -321,3 +321,22 @@ def test_staged_shared_memory_is_the_kernels_layout():
     for line in ("COPIES = ROWS >= 16 ? 32 : 1", "TABLE_BYTES = 256 * COPIES * 4", "UNITS = WARPS * DEPTH * 16",
                  "SLAB_BYTES = ROWS * UNITS * 16", "PARTIAL_BYTES = CG * WARPS * MT * NT * 128 * 4"):
         assert line in text
+
+
+def test_the_smoke_test_fails_a_staged_tile_whose_bits_differ(monkeypatch):
+    """The smoke test runs each staged CG beside the unstaged tile (here a stand-in: MLX's call row
+    by row); a staged launch one epsilon off is named, the honest one is not."""
+    def stand_in(broken):
+        def matmul(x, wq, scales, biases, *, group_size, bits, mode, tiles=None, ahead=None, groups=None):
+            rows = [mx.quantized_matmul(x[i:i + 1], wq, scales, biases, transpose=True, group_size=group_size,
+                                        bits=bits, mode=mode) for i in range(x.shape[0])]
+            y = mx.concatenate(rows, axis=0)
+            return y * (1 + 2.0 ** -6) if broken and groups in qmv_mma.STAGED_GROUPS else y
+        return matmul
+
+    monkeypatch.setattr(qmv_mma.compiled, "precompile", lambda instances: 0)
+    monkeypatch.setattr(qmv_mma, "SMOKE_SHAPES", ((2, 33, 256), (5, 16, 128)))
+    monkeypatch.setattr(qmv_mma, "matmul", stand_in(broken=True))
+    assert "the staged tile (CG 1) differs" in qmv_mma._smoke_test("nvfp4", mx.bfloat16)
+    monkeypatch.setattr(qmv_mma, "matmul", stand_in(broken=False))
+    assert "staged" not in (qmv_mma._smoke_test("nvfp4", mx.bfloat16) or "")
