@@ -14,14 +14,11 @@ AUDIT_OFF_WARNING = ("quantized kernels NOT audited (--audit off): a faulty kern
                      "would go unnoticed")
 
 
-def load_audited(spec: str, weights: str, quantize: str | None, bits, group,
-                  audit: str = "cached", phases: Phases | None = None, phase_prefix: str = "",
-                 fuse: bool = False, defer=(), after_load=None, before_audit=None) -> tuple:
-    """(loaded model, audit report, transform); the audit stages in `defer` run only where
-    their verdicts are cached (`AuditWork` runs the rest after serving starts). `after_load`
-    (the loaded model) is called before the quantization and the audit, `before_audit` after
-    them both (the model as served)."""
-    from lockstep.kernels.audit import audit_and_patch, audit_verdict_cache
+def load_served(spec: str, weights: str, quantize: str | None, bits, group, phases: Phases | None = None,
+                phase_prefix: str = "", after_load=None) -> tuple:
+    """(loaded model, transform): `spec` loaded, quantized and cast to the dtype it computes in
+    on this backend, as `serve` runs it (before any fusing and the audit). `after_load` (the
+    loaded model) is called before the quantization."""
     from lockstep.models import activation_dtype
     from lockstep.models.load import load_model
     from lockstep.models.quantize import quantize_model_in_memory
@@ -42,6 +39,20 @@ def load_audited(spec: str, weights: str, quantize: str | None, bits, group,
         transform += f";{str(dtype).removeprefix('mlx.core.')}"
     elif note := activation_dtype.float32_note(loaded.model):
         log.warning("%s: %s", loaded.name, note)
+    return loaded, transform
+
+
+def load_audited(spec: str, weights: str, quantize: str | None, bits, group,
+                  audit: str = "cached", phases: Phases | None = None, phase_prefix: str = "",
+                 fuse: bool = False, defer=(), after_load=None, before_audit=None) -> tuple:
+    """(loaded model, audit report, transform); the audit stages in `defer` run only where
+    their verdicts are cached (`AuditWork` runs the rest after serving starts). `after_load`
+    (the loaded model) is called before the quantization and the audit, `before_audit` after
+    them both (the model as served)."""
+    from lockstep.kernels.audit import audit_and_patch, audit_verdict_cache
+
+    phases = Phases() if phases is None else phases
+    loaded, transform = load_served(spec, weights, quantize, bits, group, phases, phase_prefix, after_load)
     if fuse:  # before the audit: the fused layers' shapes are what it must check
         from lockstep.models.fused_projections import fuse_projections
 

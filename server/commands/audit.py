@@ -33,18 +33,11 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lockstep.kernels.audit import apply_workarounds, audit_model, audit_verdict_cache, format_table
-    from lockstep.models import activation_dtype
     from lockstep.models.errors import ModelError
-    from lockstep.models.load import load_model
-    from lockstep.models.quantize import quantize_model_in_memory
+    from lockstep.server.model_loading import load_served
 
     try:
-        weights = "float32" if args.quantize and args.weights == "auto" else args.weights
-        loaded = load_model(args.model, weights=weights)
-        if args.quantize:
-            quantize_model_in_memory(loaded.model, None, args.quantize, args.q_bits,
-                                     args.q_group_size)
-        activation_dtype.apply(loaded.model, args.model, args.weights)  # as `serve` runs it
+        loaded, _ = load_served(args.model, args.weights, args.quantize, args.q_bits, args.q_group_size)
         kwargs = {"prompt_rows": args.prompt_rows} if args.prompt_rows else {}
         report = audit_model(loaded.model, cache=audit_verdict_cache(), fresh=args.fresh,
                              **kwargs)
