@@ -220,7 +220,8 @@ def main():
             if rnd:  # round 0 is a warm-up
                 for name, v in got.items():
                     samples.setdefault(name, []).extend(v)
-        print(f"\n## {weights}, {a.shape} shape: HBM floor {floor_ms:.2f} ms; L = {a.limit}")
+        model_name = f"{weights} as served" if a.served else f"{weights}, {a.shape} shape"
+        print(f"\n## {model_name}: HBM floor {floor_ms:.2f} ms; L = {a.limit}")
         print("| pass | rows | median ms | build / submit / wait ms | ÷ its one-row step (paired) | ms a row |")
         print("|---|---|---|---|---|---|")
         for kind, r in names:

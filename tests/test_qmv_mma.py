@@ -12,11 +12,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from lockstep.kernels.custom import qmv_mma, qmv_split, split_rows
+from lockstep.kernels.custom import qmv_mma, qmv_split, quant_rows, split_rows
 from lockstep.kernels.custom.precompile import instances_for
 from lockstep.kernels.custom.qmv_mma_order import CHUNK, MMAS, mma_elements, schedule, warp_chunks
+from lockstep.kernels.custom.qmv_mma_order import CODE_BITS, code_pair
 from lockstep.kernels.custom.qmv_mma_order import qmv_mma as order_model
-from lockstep.kernels.custom.qmv_order import round_to
+from lockstep.kernels.custom.qmv_order import code_values, round_to
 from lockstep.kernels.invariance import layers, set_batch_invariant_limit
 from lockstep.kernels.invariance.layers import batch_invariant, native_forms
 from lockstep.kernels.invariance.selftest import bits_equal
@@ -81,8 +82,11 @@ def test_the_source_follows_the_model():
     assert "for (int c0 = warp; c0 < chunks; c0 += WARPS * DEPTH)" in text  # chunk c: warp c % WARPS
     assert "const int ch = c0 + d * WARPS;" in text
     assert "const int k = ch * CHUNK + q * 32;" in text  # lane group q: elements q * 32 ..
-    # byte i: elements 2i, 2i + 1 (through the lane's own copy of the table)
-    assert "table[((wd[i >> 2] >> (8 * (i & 3))) & 0xFFu) * COPIES + (COPIES > 1 ? lane : 0)]" in text
+    # byte i: elements 2i, 2i + 1 (a table's entry, or the bits placed: the same value)
+    assert "T2 v = __hmul2_rn(code_pair<T, FMT, ROWS>(table, wd[i >> 2] >> (8 * (i & 3)), lane), make_pair(s, s));" in text
+    assert "T2 val = __hmul2_rn(code_pair<T, FMT, ROWS>(table, word >> (8 * (i & 3)), lane), make_pair(s, s));" in text
+    assert "if constexpr (C::BY_BITS) return codes_as_pair<T, FMT>(bytes);" in text
+    assert "else return table[(bytes & 0xFFu) * C::COPIES + (C::COPIES > 1 ? lane : 0)];" in text
     assert re.search(r"mma<T>\(acc\[t\]\[c\], lo\[2 \* j\], HALVES == 2 \? hi\[2 \* j\] : 0u, lo\[2 \* j \+ 1\],"
                      r"\s*HALVES == 2 \? hi\[2 \* j \+ 1\] : 0u, b\[2 \* j\], b\[2 \* j \+ 1\]\);", text)
     assert "for (int v = 1; v < WARPS; ++v) s = __fadd_rn(s, partial[v][idx]);" in text
@@ -90,6 +94,36 @@ def test_the_source_follows_the_model():
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
     for body in qmv_mma._BODIES.values():
         assert body.startswith("lockstep_qmma::qmv_mma<T, ")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("mode", ["affine", "nvfp4"])
+def test_codes_as_pair_places_every_code_at_its_exact_value(mode, dtype):
+    """codes_as_pair's bit placement (its NumPy model) gives each of a byte's two codes exactly the
+    value the dequantization takes (signed zeros included), for all 256 bytes, so decoding by
+    bits instead of a table changes no output."""
+    byte = np.arange(256)
+    want = np.stack([code_values(byte & 15, mode), code_values(byte >> 4, mode)], axis=-1)
+    got = code_pair(byte, mode, dtype)
+    assert np.array_equal(got, want) and np.array_equal(np.signbit(got), np.signbit(want))
+    # a placement one bit off is not exact: the check can fail
+    wrong = dict(CODE_BITS[dtype], shift=CODE_BITS[dtype]["shift"] + 1, base=CODE_BITS[dtype]["base"] + 0x400)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(CODE_BITS, dtype, wrong)
+        assert not np.array_equal(code_pair(byte, mode, dtype), want)
+
+
+def test_codes_as_pair_source_uses_the_models_constants():
+    text = quant_rows.VALUES.read_text()
+    f16, bf16 = CODE_BITS["float16"], CODE_BITS["bfloat16"]
+    assert f"BASE = HALF ? 0x{f16['base']:04X}{f16['base']:04X}u : 0x{bf16['base']:04X}{bf16['base']:04X}u;" in text
+    neg16, negbf = f16["base"] | 0x8000, bf16["base"] | 0x8000  # minus the base: its sign bit set
+    assert f"MINUS = HALF ? 0x{neg16:04X}{neg16:04X}u : 0x{negbf:04X}{negbf:04X}u;" in text
+    assert f"MAGNITUDE_SHIFT = HALF ? {f16['shift']} : {bf16['shift']};" in text
+    r16, rbf = f16["restore"], bf16["restore"]
+    assert f"RESTORE = HALF ? 0x{r16:04X}{r16:04X}u : 0x{rbf:04X}{rbf:04X}u;" in text
+    assert "const uint32_t codes = (byte & 0xFu) | ((byte & 0xF0u) << 12);" in text
+    assert "((codes & 0x00080008u) << 12) | ((codes & 0x00070007u) << MAGNITUDE_SHIFT)" in text
 
 
 @pytest.mark.parametrize("n, k", [(1024, 4096), (4096, 14336), (14336, 4096), (128256, 4096), (33, 1152)])
@@ -311,15 +345,18 @@ def test_staged_launches_cover_every_output_with_the_same_warps(n, k, groups):
 
 def test_staged_shared_memory_is_the_kernels_layout():
     # Staged<WARPS, NT, ROWS, DEPTH, CG>::BYTES in qmv_mma.cu: table + slab, or the partial sums
-    assert qmv_mma.staged_bytes(8, 2, 32, 1, 1) == 256 * 32 * 4 + 32 * 8 * 16 * 16  # 96 KB
+    assert qmv_mma.staged_bytes(8, 2, 32, 1, 1) == 32 * 8 * 16 * 16  # 64 KB of x: 32 rows place bits
+    assert qmv_mma.staged_bytes(8, 4, 16, 1, 1) == 256 * 32 * 4 + 16 * 8 * 16 * 16  # a table copy a lane
     assert qmv_mma.staged_bytes(4, 4, 8, 2, 2) == 256 * 4 + 8 * 4 * 2 * 16 * 16
     assert qmv_mma.staged_bytes(8, 8, 32, 1, 4) == 4 * 8 * 2 * 8 * 128 * 4  # partial sums the larger
     assert qmv_mma.staged_bytes(8, 2, 32, 1, 0) == 0
     with pytest.raises(ValueError, match="shared memory"):
         qmv_mma.launch_shape(4096, 4096, 32, tiles=4, ahead=4, groups=1)
     text = qmv_mma.SOURCE.read_text()
-    for line in ("COPIES = ROWS >= 16 ? 32 : 1", "TABLE_BYTES = 256 * COPIES * 4", "UNITS = WARPS * DEPTH * 16",
-                 "SLAB_BYTES = ROWS * UNITS * 16", "PARTIAL_BYTES = CG * WARPS * MT * NT * 128 * 4"):
+    for line in ("BY_BITS = ROWS >= 32;", "COPIES = ROWS >= 16 ? 32 : 1;", "BYTES = BY_BITS ? 0 : 256 * COPIES * 4;",
+                 "TABLE_BYTES = CodeTable<ROWS>::BYTES;", "UNITS = WARPS * DEPTH * 16", "SLAB_BYTES = ROWS * UNITS * 16",
+                 "PARTIAL_BYTES = CG * WARPS * MT * NT * 128 * 4",
+                 "TABLE_BYTES + SLAB_BYTES > PARTIAL_BYTES ? TABLE_BYTES + SLAB_BYTES : PARTIAL_BYTES;"):
         assert line in text
 
 

@@ -32,14 +32,11 @@ namespace lockstep_qmma {
 
 using namespace lockstep_quant;
 
-template <typename T> struct is_half { static constexpr bool value = false; };
-template <> struct is_half<__half> { static constexpr bool value = true; };
-
 // d += A (16 x 16, row) * B (16 x 8, col), float32 accumulators.
 template <typename T>
 __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                    uint32_t b0, uint32_t b1) {
-  if constexpr (is_half<T>::value) {
+  if constexpr (IsHalf<T>::value) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -57,14 +54,40 @@ __device__ __forceinline__ uint32_t bits_of(T2 v) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// A byte's two codes (low nibble first) as a T pair, COPIES copies of each entry (entry byte *
-// COPIES + copy); the block's threads fill it, the caller's barrier publishes it.
-template <typename T, int FMT, int COPIES>
+// How a block of ROWS rows turns a byte's two codes (low nibble first) into a T pair: the
+// values are exact in T either way, so neither changes a bit. Blocks of 32 rows place the bits
+// (quant_values.cuh's codes_as_pair): each pair feeds two MMAs there, and a table's reads would
+// queue with x's loads on the L1/TEX pipe. Smaller blocks read a table in shared memory, one
+// load where the placement takes several instructions; from 16 rows one copy of it a lane
+// (entry byte * 32 + lane), so a lane's reads all fall in its own bank, where 32 lanes reading
+// random bytes of one copy queue on shared banks.
+template <int ROWS>
+struct CodeTable {
+  static constexpr bool BY_BITS = ROWS >= 32;
+  static constexpr int COPIES = ROWS >= 16 ? 32 : 1;
+  static constexpr int BYTES = BY_BITS ? 0 : 256 * COPIES * 4;
+};
+
+// The block's threads fill the table (none where the block places bits); the caller's barrier
+// publishes it.
+template <typename T, int FMT, int ROWS>
 __device__ __forceinline__ void fill_code_table(typename Pair<T>::type* table) {
-  for (int i = threadIdx.x; i < 256 * COPIES; i += blockDim.x) {
-    const int e = i / COPIES;
-    table[i] = make_pair(from_float<T>(code_value<FMT>(e & 15)), from_float<T>(code_value<FMT>(e >> 4)));
+  using C = CodeTable<ROWS>;
+  if constexpr (!C::BY_BITS) {
+    for (int i = threadIdx.x; i < 256 * C::COPIES; i += blockDim.x) {
+      const int e = i / C::COPIES;
+      table[i] = make_pair(from_float<T>(code_value<FMT>(e & 15)), from_float<T>(code_value<FMT>(e >> 4)));
+    }
   }
+}
+
+// The pair of the low byte of `bytes`, by the block's way.
+template <typename T, int FMT, int ROWS>
+__device__ __forceinline__ typename Pair<T>::type code_pair(const typename Pair<T>::type* table, uint32_t bytes,
+                                                            int lane) {
+  using C = CodeTable<ROWS>;
+  if constexpr (C::BY_BITS) return codes_as_pair<T, FMT>(bytes);
+  else return table[(bytes & 0xFFu) * C::COPIES + (C::COPIES > 1 ? lane : 0)];
 }
 
 template <int MT, int NT>
@@ -101,18 +124,13 @@ __device__ __forceinline__ void qmv_mma_tile(const T* x, const uint32_t* w, cons
   constexpr int MT = (ROWS + 15) / 16;    // 16-row tiles
   constexpr int HALVES = ROWS >= 16 ? 2 : 1;  // rows g and g + 8 of a tile (8 rows: g only)
   constexpr int SCALES = GROUP == 16 ? 2 : 1;  // groups a lane's 32 codes span
-  // A byte's two codes (low nibble first) as a T pair: exact in T, so the table changes no bits.
-  // From 16 rows a block, one copy of it a lane (entry byte * 32 + lane): a lane's reads all
-  // fall in its own bank, where 32 lanes reading random bytes of one copy queue on shared banks
-  // (8 rows: one copy; filling 32 did not pay there). The warps' sums (partial) reuse its bytes
-  // once every warp is past its loop.
-  constexpr int COPIES = ROWS >= 16 ? 32 : 1;
-  constexpr int TABLE_BYTES = 256 * COPIES * 4;
+  // The code table; the warps' sums (partial) reuse its bytes once every warp is past its loop.
   constexpr int PARTIAL_BYTES = WARPS * MT * NT * 128 * 4;
+  constexpr int TABLE_BYTES = CodeTable<ROWS>::BYTES;
   __shared__ __align__(16) unsigned char smem[TABLE_BYTES > PARTIAL_BYTES ? TABLE_BYTES : PARTIAL_BYTES];
   T2* table = reinterpret_cast<T2*>(smem);
   float (*partial)[MT * NT * 128] = reinterpret_cast<float (*)[MT * NT * 128]>(smem);
-  fill_code_table<T, FMT, COPIES>(table);
+  fill_code_table<T, FMT, ROWS>(table);
   __syncthreads();
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -173,8 +191,7 @@ __device__ __forceinline__ void qmv_mma_tile(const T* x, const uint32_t* w, cons
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
           const T s = scale[d][c][SCALES == 2 ? i / 8 : 0];
-          T2 v = __hmul2_rn(table[((wd[i >> 2] >> (8 * (i & 3))) & 0xFFu) * COPIES + (COPIES > 1 ? lane : 0)],
-                            make_pair(s, s));
+          T2 v = __hmul2_rn(code_pair<T, FMT, ROWS>(table, wd[i >> 2] >> (8 * (i & 3)), lane), make_pair(s, s));
           if constexpr (FMT == 0) v = __hadd2_rn(v, make_pair(bias[d][c], bias[d][c]));
           b[i] = bits_of(v);
         }
@@ -218,8 +235,7 @@ __device__ __forceinline__ void qmv_mma_tile(const T* x, const uint32_t* w, cons
 template <int WARPS, int NT, int ROWS, int DEPTH, int CG>
 struct Staged {
   static constexpr int MT = (ROWS + 15) / 16;
-  static constexpr int COPIES = ROWS >= 16 ? 32 : 1;
-  static constexpr int TABLE_BYTES = 256 * COPIES * 4;
+  static constexpr int TABLE_BYTES = CodeTable<ROWS>::BYTES;
   static constexpr int UNITS = WARPS * DEPTH * 16;  // 16-byte units of a slab row: a round's chunks
   static constexpr int SLAB_BYTES = ROWS * UNITS * 16;
   static constexpr int PARTIAL_BYTES = CG * WARPS * MT * NT * 128 * 4;
@@ -252,13 +268,12 @@ __device__ __forceinline__ void qmv_mma_staged_tile(const T* x, const uint32_t* 
   constexpr int MT = L::MT;
   constexpr int HALVES = ROWS >= 16 ? 2 : 1;
   constexpr int SCALES = GROUP == 16 ? 2 : 1;
-  constexpr int COPIES = L::COPIES;
   constexpr int UNITS = L::UNITS;
   extern __shared__ __align__(16) unsigned char staged_smem[];
   T2* table = reinterpret_cast<T2*>(staged_smem);
   uint4* slab = reinterpret_cast<uint4*>(staged_smem + L::TABLE_BYTES);
   float* partial = reinterpret_cast<float*>(staged_smem);
-  fill_code_table<T, FMT, COPIES>(table);
+  fill_code_table<T, FMT, ROWS>(table);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int kw = warp % WARPS, cg = warp / WARPS;
@@ -334,8 +349,7 @@ __device__ __forceinline__ void qmv_mma_staged_tile(const T* x, const uint32_t* 
             for (int e = 0; e < 2; ++e) {
               const int i = 2 * j + e;  // the byte of the lane's 16: elements 2i, 2i + 1
               const T s = scale[d][c][SCALES == 2 ? i / 8 : 0];
-              T2 val = __hmul2_rn(table[((word >> (8 * (i & 3))) & 0xFFu) * COPIES + (COPIES > 1 ? lane : 0)],
-                                  make_pair(s, s));
+              T2 val = __hmul2_rn(code_pair<T, FMT, ROWS>(table, word >> (8 * (i & 3)), lane), make_pair(s, s));
               if constexpr (FMT == 0) val = __hadd2_rn(val, make_pair(bias[d][c], bias[d][c]));
               b[e] = bits_of(val);
             }

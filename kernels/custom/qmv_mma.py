@@ -131,11 +131,12 @@ MAX_SHARED_BYTES = 227 << 10
 
 def staged_bytes(warps: int, tiles: int, rows: int, ahead: int, groups: int) -> int:
     """The dynamic shared memory of a staged launch (qmv_mma.cu's Staged::BYTES): the code
-    table and a round's x slab, later the warps' partial sums over them; 0 for CG = 0."""
+    table (none in 32-row blocks, which place a code's bits) and a round's x slab, later the
+    warps' partial sums over them; 0 for CG = 0."""
     if not groups:
         return 0
     tiles_m = -(-rows // 16)
-    table = 256 * (32 if rows >= 16 else 1) * 4
+    table = 0 if rows >= 32 else 256 * (32 if rows >= 16 else 1) * 4
     slab = rows * warps * ahead * 16 * 16
     partial = groups * warps * tiles_m * tiles * 128 * 4
     return max(table + slab, partial)

@@ -7,7 +7,8 @@ quantized weight, K split across a block's warps.
   2q + 8, 2q + 9, for x and the weight alike, and adds that 16-term dot product to the warp's
   float32 accumulator;
 - a weight is dequantized in x's type T (qmv_order.dequantize: code * scale, affine + bias,
-  each step rounded to T);
+  each step rounded to T), a code's value placed bit by bit (quant_values.cuh's
+  codes_as_pair, modelled by code_pair below: exact, so it changes no value);
 - the warps' sums are added in warp order and rounded to T.
 
 The tensor core's own rounding inside one MMA is the hardware's, not modelled bit for bit:
@@ -58,3 +59,32 @@ def qmv_mma(x: np.ndarray, w: np.ndarray, *, dtype: str, warps: int) -> np.ndarr
             acc = round_to(acc + x[:, idx] @ w[:, idx].T, "float32")
         total = acc if total is None else round_to(total + acc, "float32")
     return round_to(total, dtype)
+
+
+# quant_values.cuh's codes_as_pair: per 16-bit type, the constants its bit placement uses (as
+# 16-bit halves): affine's base (a power of 2 whose lowest mantissa bit is 1) and e2m1's
+# magnitude shift and restoring power of 2.
+CODE_BITS = {"float16": dict(base=0x6400, shift=9, restore=0x7400),
+             "bfloat16": dict(base=0x4300, shift=6, restore=0x7E80)}
+
+
+def bits_value(bits, dtype: str) -> np.ndarray:
+    """16-bit patterns of float16 or bfloat16 as float64 values (subnormals exact)."""
+    bits = np.asarray(bits, np.uint32)
+    if dtype == "float16":
+        return bits.astype(np.uint16).view(np.float16).astype(np.float64)
+    return (bits << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def code_pair(byte, mode: str, dtype: str) -> np.ndarray:
+    """The values codes_as_pair gives a byte's two codes (low nibble first), step by step: affine
+    (base | q) - base; e2m1 the sign to bit 15, the magnitude's three bits shifted to the
+    bottom of the exponent, times the restoring power of 2. Each step exact in T."""
+    byte = np.asarray(byte, np.uint32)
+    c = CODE_BITS[dtype]
+    codes = np.stack([byte & 0xF, byte >> 4], axis=-1)
+    if mode == "affine":
+        return bits_value(codes | c["base"], dtype) - bits_value(c["base"], dtype)
+    placed = ((codes & 8) << 12) | ((codes & 7) << c["shift"])
+    return bits_value(placed, dtype) * bits_value(c["restore"], dtype)
+

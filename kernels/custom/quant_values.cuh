@@ -23,6 +23,36 @@ __device__ __forceinline__ __half low_half(__half2 v) { return __low2half(v); }
 __device__ __forceinline__ __nv_bfloat16 low_half(__nv_bfloat162 v) { return __low2bfloat16(v); }
 __device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
 
+template <typename T> struct IsHalf { static constexpr bool value = false; };
+template <> struct IsHalf<__half> { static constexpr bool value = true; };
+
+template <typename T>
+__device__ __forceinline__ typename Pair<T>::type pair_of_bits(uint32_t bits) {
+  return *reinterpret_cast<const typename Pair<T>::type*>(&bits);
+}
+
+// The two 4-bit codes of a byte (low nibble first) as a T pair, exactly the values code_value
+// gives, by bit placement instead of a table lookup (4-bit formats: FMT 0, 1, 2). Affine: code q
+// in the low mantissa bits of 2^10 (float16) or 2^7 (bfloat16), less that power of 2. e2m1: the
+// sign to T's sign bit, the two exponent bits and the mantissa bit to the bottom of T's exponent
+// and the top of its mantissa, which reads as the value times 2^(1 - T's exponent bias) (0.5 a
+// subnormal); one multiply by 2^(bias - 1) restores it. Each step is exact.
+template <typename T, int FMT>
+__device__ __forceinline__ typename Pair<T>::type codes_as_pair(uint32_t byte) {
+  constexpr bool HALF = IsHalf<T>::value;
+  const uint32_t codes = (byte & 0xFu) | ((byte & 0xF0u) << 12);  // each in its half's low 4 bits
+  if constexpr (FMT == 0) {
+    constexpr uint32_t BASE = HALF ? 0x64006400u : 0x43004300u;  // 1024 or 128, twice
+    constexpr uint32_t MINUS = HALF ? 0xE400E400u : 0xC300C300u;
+    return __hadd2_rn(pair_of_bits<T>(codes | BASE), pair_of_bits<T>(MINUS));
+  } else {
+    constexpr int MAGNITUDE_SHIFT = HALF ? 9 : 6;  // T's mantissa bits less one
+    constexpr uint32_t RESTORE = HALF ? 0x74007400u : 0x7E807E80u;  // 2^14 or 2^126, twice
+    const uint32_t bits = ((codes & 0x00080008u) << 12) | ((codes & 0x00070007u) << MAGNITUDE_SHIFT);
+    return __hmul2_rn(pair_of_bits<T>(bits), pair_of_bits<T>(RESTORE));
+  }
+}
+
 // 2^(e - 127); e = 0 is a float32 subnormal.
 __device__ __forceinline__ float ue8m0_to_float(uint32_t e) {
   return e == 0 ? 0x1p-127f : __uint_as_float(e << 23);
