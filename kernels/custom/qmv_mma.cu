@@ -60,7 +60,7 @@ __device__ __forceinline__ uint32_t bits_of(T2 v) {
 // queue with x's loads on the L1/TEX pipe. Smaller blocks read a table in shared memory, one
 // load where the placement takes several instructions; from 16 rows one copy of it a lane
 // (entry byte * 32 + lane), so a lane's reads all fall in its own bank, where 32 lanes reading
-// random bytes of one copy queue on shared banks.
+// random bytes of one copy queue on shared banks (at 8 rows filling 32 copies did not pay).
 template <int ROWS>
 struct CodeTable {
   static constexpr bool BY_BITS = ROWS >= 32;
@@ -81,7 +81,7 @@ __device__ __forceinline__ void fill_code_table(typename Pair<T>::type* table) {
   }
 }
 
-// The pair of the low byte of `bytes`, by the block's way.
+// The T pair of the low byte of `bytes` (the higher bytes ignored), decoded the block's way.
 template <typename T, int FMT, int ROWS>
 __device__ __forceinline__ typename Pair<T>::type code_pair(const typename Pair<T>::type* table, uint32_t bytes,
                                                             int lane) {
