@@ -62,7 +62,7 @@ def qmv_mma(x: np.ndarray, w: np.ndarray, *, dtype: str, warps: int) -> np.ndarr
 
 
 # quant_values.cuh's codes_as_pair: per 16-bit type, the constants its bit placement uses (as
-# 16-bit halves): affine's base (a power of 2 whose lowest mantissa bit is 1) and e2m1's
+# 16-bit halves): affine's base (a power of 2 whose last mantissa bit is worth 1) and e2m1's
 # magnitude shift and restoring power of 2.
 CODE_BITS = {"float16": dict(base=0x6400, shift=9, restore=0x7400),
              "bfloat16": dict(base=0x4300, shift=6, restore=0x7E80)}
@@ -87,4 +87,3 @@ def code_pair(byte, mode: str, dtype: str) -> np.ndarray:
         return bits_value(codes | c["base"], dtype) - bits_value(c["base"], dtype)
     placed = ((codes & 8) << 12) | ((codes & 7) << c["shift"])
     return bits_value(placed, dtype) * bits_value(c["restore"], dtype)
-
