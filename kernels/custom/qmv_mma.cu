@@ -90,6 +90,14 @@ __device__ __forceinline__ typename Pair<T>::type code_pair(const typename Pair<
   else return table[(bytes & 0xFFu) * C::COPIES + (C::COPIES > 1 ? lane : 0)];
 }
 
+// Lane group g's column of each of the NT column tiles of 8 from n0 (past N: column N - 1,
+// read but never stored).
+template <int NT>
+__device__ __forceinline__ void lane_columns(int (&col)[NT], int n0, int g, int N) {
+#pragma unroll
+  for (int c = 0; c < NT; ++c) col[c] = min(n0 + 8 * c + g, N - 1);
+}
+
 template <int MT, int NT>
 __device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
 #pragma unroll
@@ -142,8 +150,7 @@ __device__ __forceinline__ void qmv_mma_tile(const T* x, const uint32_t* w, cons
   const int words = K >> 3;
 
   int col[NT];
-#pragma unroll
-  for (int c = 0; c < NT; ++c) col[c] = min(n0 + 8 * c + g, N - 1);  // past N: never stored
+  lane_columns(col, n0, g, N);
   const T* xrow[MT][HALVES];
   bool live[MT][HALVES];
 #pragma unroll
@@ -285,8 +292,7 @@ __device__ __forceinline__ void qmv_mma_staged_tile(const T* x, const uint32_t* 
   const int words = K >> 3;
 
   int col[NT];
-#pragma unroll
-  for (int c = 0; c < NT; ++c) col[c] = min(n0 + 8 * c + g, N - 1);  // past N: never stored
+  lane_columns(col, n0, g, N);
   bool live[MT][HALVES];
 #pragma unroll
   for (int t = 0; t < MT; ++t)
