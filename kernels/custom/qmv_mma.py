@@ -172,20 +172,25 @@ def template_of(shape: dict, mode: str, group: int, dtype) -> list:
                        ("DEPTH", shape["ahead"]), ("CG", shape["groups"])]
 
 
-@lru_cache(maxsize=4096)
-def _launch_plan(m: int, n: int, k: int, mode: str, group: int, dtype, tiles: int | None = None,
-                 ahead: int | None = None, groups: int | None = None) -> dict:
-    shape = launch_shape(n, k, m, tiles, ahead, groups)
+def plan_of(shape: dict, m: int, ns: tuple, mode: str, group: int, dtype) -> dict:
+    """The launch of a launch_shape for m rows and outputs of widths ns (one layer, or the
+    parts of a qmv_mma_parts launch: each part's column tiles in turn)."""
     plan = dict(
         template=template_of(shape, mode, group, dtype),
-        grid=(-(-n // shape["columns"]) * shape["threads"], -(-m // shape["rows"]), 1),
+        grid=(sum(-(-n // shape["columns"]) for n in ns) * shape["threads"], -(-m // shape["rows"]), 1),
         threadgroup=(shape["threads"], 1, 1),
-        output_shapes=[(m, n)],
-        output_dtypes=[dtype],
+        output_shapes=[(m, n) for n in ns],
+        output_dtypes=[dtype] * len(ns),
     )
     if shape["shared"]:
         plan["shared_memory"] = shape["shared"]
     return plan
+
+
+@lru_cache(maxsize=4096)
+def _launch_plan(m: int, n: int, k: int, mode: str, group: int, dtype, tiles: int | None = None,
+                 ahead: int | None = None, groups: int | None = None) -> dict:
+    return plan_of(launch_shape(n, k, m, tiles, ahead, groups), m, (n,), mode, group, dtype)
 
 
 @lru_cache(maxsize=4096)

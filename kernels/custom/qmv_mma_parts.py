@@ -78,16 +78,7 @@ def _launch_plan(m: int, ns: tuple, k: int, mode: str, group: int, dtype, tiles:
     # NT, DEPTH and CG as for the parts' widths summed; WARPS each part's own (its order)
     whole = qmv_mma.launch_shape(sum(ns), k, m, tiles, ahead, groups)
     shape = qmv_mma.launch_shape(ns[0], k, m, whole["tiles"], whole["ahead"], whole["groups"])
-    plan = dict(
-        template=qmv_mma.template_of(shape, mode, group, dtype),
-        grid=(sum(-(-n // shape["columns"]) for n in ns) * shape["threads"], -(-m // shape["rows"]), 1),
-        threadgroup=(shape["threads"], 1, 1),
-        output_shapes=[(m, n) for n in ns],
-        output_dtypes=[dtype] * len(ns),
-    )
-    if shape["shared"]:
-        plan["shared_memory"] = shape["shared"]
-    return plan
+    return qmv_mma.plan_of(shape, m, ns, mode, group, dtype)
 
 
 @lru_cache(maxsize=4096)
