@@ -100,6 +100,18 @@ def test_the_source_follows_the_model():
         assert body.startswith("lockstep_qsplit::qmv_split<T, ")
 
 
+def test_affine_codes_are_placed_by_their_bits_and_e2m1_codes_read_the_table():
+    """Which formats skip the shared-memory table: affine (qmv_mma_order.code_pair models the
+    placement, and test_qmv_mma checks it exact for every byte); e2m1 keeps the table, whose
+    fill and shared memory the affine instances drop."""
+    text = qmv_split.SOURCE.read_text()
+    assert "constexpr bool by_bits(int fmt) { return fmt == 0; }" in text
+    assert "if constexpr (BY_BITS) code = codes_as_pair<T, FMT>(words[j >> 2] >> (8 * (j & 3)));" in text
+    assert "else code = table_pair<T2>(lane_base, words[j >> 2], j & 3);" in text
+    assert "__shared__ __align__(16) T2 table[BY_BITS ? 1 : 256 * 32];" in text
+    assert "if constexpr (!BY_BITS) fill_table<T, FMT>(table);" in text
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 33])
 @pytest.mark.parametrize("n", [9, 1024, 14336, 128256])
 def test_launches_cover_every_output(m, n):

@@ -29,8 +29,13 @@ namespace lockstep_qsplit {
 
 using namespace lockstep_quant;
 
-// A byte's two codes (low nibble first) as a T pair, through a table in shared memory: the
-// values are exact in T, so the table changes no bits. Each of the 256 entries is stored
+// A byte's two codes (low nibble first) as a T pair. Affine codes are placed by their bits
+// (quant_values.cuh's codes_as_pair: a few integer operations and one add, where e2m1's
+// placement needs a multiply too and was slower than the table). e2m1 codes go through a
+// table in shared memory: the values are exact in T either way, so neither changes a bit.
+constexpr bool by_bits(int fmt) { return fmt == 0; }
+
+// The table: each of the 256 entries is stored
 // once per lane (entry e of lane l at e * 32 + l): a lane reads only its own bank, where one
 // shared copy had the warp's random bytes collide on banks. A thread makes an entry and
 // writes its 32 copies 16 bytes at a time.
@@ -72,9 +77,10 @@ __device__ void qmv_split(const T* x, const uint32_t* w, const T* scales_t, cons
   constexpr int THREADS = 128;
   constexpr int WARPS = THREADS / 32;
   constexpr int SCALES = GROUP == 16 ? 2 : 1;  // groups a 32-code chunk spans
-  __shared__ __align__(16) T2 table[256 * 32];
+  constexpr bool BY_BITS = by_bits(FMT);
+  __shared__ __align__(16) T2 table[BY_BITS ? 1 : 256 * 32];
   __shared__ float partial[WARPS][MR][C];
-  fill_table<T, FMT>(table);
+  if constexpr (!BY_BITS) fill_table<T, FMT>(table);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t lane_base = (uint32_t)__cvta_generic_to_shared(table) + 4 * lane;
@@ -144,7 +150,9 @@ __device__ void qmv_split(const T* x, const uint32_t* w, const T* scales_t, cons
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
           const T s = now.scale[c][SCALES == 2 ? j / 8 : 0];
-          const T2 code = table_pair<T2>(lane_base, words[j >> 2], j & 3);
+          T2 code;
+          if constexpr (BY_BITS) code = codes_as_pair<T, FMT>(words[j >> 2] >> (8 * (j & 3)));
+          else code = table_pair<T2>(lane_base, words[j >> 2], j & 3);
           if constexpr (FMT == 0) wd[j] = __hadd2_rn(__hmul2_rn(code, make_pair(s, s)), make_pair(now.bias[c], now.bias[c]));
           else wd[j] = __hmul2_rn(code, make_pair(s, s));
         }
