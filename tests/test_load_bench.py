@@ -178,8 +178,8 @@ def test_servers_run_together_or_one_at_a_time(monkeypatch, tmp_path, one_at_a_t
     monkeypatch.setattr(bench, "_server_rounds", rounds)
     monkeypatch.setattr(http_load, "wait_healthy", lambda *a, **k: None)
     monkeypatch.setattr("lockstep.models.resolve.resolve_model", lambda model, weights: tmp_path)
-    args = argparse.Namespace(concurrency="4", against_deterministic=None, against_config=[], model=None,
-                              weights=None, max_tokens=8, deterministic=False, mixed=False, out=None,
+    args = argparse.Namespace(concurrency="4", against_deterministic=None, against_config=[], model=str(tmp_path),
+                              weights="auto", max_tokens=8, deterministic=False, mixed=False, out=None,
                               against_mlx_lm=True, one_server_at_a_time=one_at_a_time, cuda_graphs="auto",
                               serve_arg=[], batch_invariant_limit=0, cpu_blas="auto", rounds=3)
     assert bench.run_load(args) == 0
@@ -189,6 +189,54 @@ def test_servers_run_together_or_one_at_a_time(monkeypatch, tmp_path, one_at_a_t
     else:
         assert events == ["start lockstep", "start mlx_lm.server", "measure lockstep+mlx_lm.server",
                           "stop lockstep", "stop mlx_lm.server"]
+
+
+@pytest.mark.parametrize("spec", ["default", "dir"])
+def test_lockstep_serves_a_gguf_as_serve_would_import_it(monkeypatch, tmp_path, spec):
+    """A GGUF spec (the default model's too) reaches `lockstep serve` as given, so the server
+    imports it itself (--quantize from the float32 import, float32 parameters in the GPU's
+    16-bit dtype); its import directory, served as it is, would keep float32. mlx_lm.server
+    gets the directory; a directory spec reaches both as it is."""
+    import argparse
+
+    import lockstep.server.commands.bench as bench
+    import lockstep.server.tools.http_load as http_load
+
+    commands = {}
+
+    class Proc:
+        def terminate(self):
+            pass
+
+        def wait(self, timeout=None):
+            return 0
+
+    def start(cmd, log_path):
+        commands["mlx_lm.server" if "mlx_lm.server" in cmd else "lockstep"] = cmd
+        return Proc()
+
+    def rounds(servers, levels, args):
+        r = RoundResult(levels[0], 1.0, 10, [], [], 0, [])
+        return {s["name"]: [(r, [r, r, r])] for s in servers}
+
+    model_dir = tmp_path / "imported"
+    monkeypatch.setattr(bench, "_start", start)
+    monkeypatch.setattr(bench, "_server_rounds", rounds)
+    monkeypatch.setattr(http_load, "wait_healthy", lambda *a, **k: None)
+    monkeypatch.setattr("lockstep.models.resolve.resolve_model", lambda model, weights: model_dir)
+    model = "default" if spec == "default" else str(model_dir)
+    args = argparse.Namespace(concurrency="4", against_deterministic=None, against_config=[], model=model,
+                              weights="auto", max_tokens=8, deterministic=False, mixed=False, out=None,
+                              against_mlx_lm=True, one_server_at_a_time=False, cuda_graphs="auto",
+                              serve_arg=["--quantize=nvfp4"], batch_invariant_limit=0, cpu_blas="auto", rounds=3)
+    assert bench.run_load(args) == 0
+    served = commands["lockstep"][commands["lockstep"].index("--model") + 1]
+    assert served == model
+    assert commands["mlx_lm.server"][commands["mlx_lm.server"].index("--model") + 1] == str(model_dir)
+    if spec == "default":
+        assert commands["lockstep"][commands["lockstep"].index("--weights") + 1] == "auto"
+    else:
+        assert "--weights" not in commands["lockstep"]
 
 
 def test_each_rounds_answers_are_compared_with_its_own_requests_sent_alone_afterwards(monkeypatch, capsys):

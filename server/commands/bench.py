@@ -255,7 +255,7 @@ def _config_servers(specs: list[str]) -> list[tuple[str, list[str]]]:
 
 
 def run_load(args: argparse.Namespace) -> int:
-    from lockstep.models.resolve import resolve_model
+    from lockstep.models.resolve import gguf_source, resolve_model
     from lockstep.server.tools.http_load import HEADER, mixed_extra
 
     apply_cpu_blas(args)  # as serve would: both servers below inherit the BLAS choice
@@ -266,6 +266,11 @@ def run_load(args: argparse.Namespace) -> int:
     limits = _deterministic_servers(args.against_deterministic)
     configs = _config_servers(args.against_config)
     model_dir = resolve_model(args.model, args.weights)
+    # lockstep serves the model as `serve --model` would have it: a GGUF (the default one too)
+    # is imported by the server itself, so --quantize starts from its float32 import and its
+    # float32 parameters take the GPU's 16-bit dtype; its import directory would be served as
+    # it is. mlx_lm.server reads the import directory.
+    served = ["--model", args.model, "--weights", args.weights] if gguf_source(args.model) else ["--model", str(model_dir)]
     print(f"lockstep bench --concurrency {args.concurrency}: model {model_dir}, {args.max_tokens} tokens "
           f"per request, greedy, streamed" + (", deterministic" if args.deterministic else "")
           + (", mixed (even clients deterministic; changed counts those)" if args.mixed else "")
@@ -275,7 +280,7 @@ def run_load(args: argparse.Namespace) -> int:
     print(HEADER, flush=True)
 
     def lockstep_cmd(port: int, limit: int | None, strategy: str | None = None, extra: tuple = ()) -> list[str]:
-        cmd = [sys.executable, "-m", "lockstep.server.cli", "serve", "--model", str(model_dir), "--port", str(port),
+        cmd = [sys.executable, "-m", "lockstep.server.cli", "serve", *served, "--port", str(port),
                "--max-active", str(max(levels)), "--max-queue", str(max(levels)), "--cuda-graphs", args.cuda_graphs,
                *args.serve_arg, *extra]
         cmd += ["--invariant-strategy", strategy] if strategy else []
