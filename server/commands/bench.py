@@ -47,8 +47,9 @@ def register(subparsers) -> None:
                              "Predicted Outputs (the answer, or the text it edits, as the prediction) ÷ plain")
     load = parser.add_argument_group("load over HTTP (with --concurrency)")
     load.add_argument("--concurrency", default=None, metavar="N,N,...",
-                      help="streaming clients per round, e.g. 1,4,16,32: starts `lockstep serve` and "
-                           "prints aggregate tok/s and p50/p99 time to first token and inter-token latency")
+                      help="streaming clients per round, e.g. 1,4,16,32: starts `lockstep serve` (on --model as "
+                           "given: a GGUF is imported as `serve` would) and prints aggregate tok/s and p50/p99 "
+                           "time to first token and inter-token latency")
     load.add_argument("--against-mlx-lm", action="store_true",
                       help="also start mlx_lm.server on the same model directory and print the ratios "
                            "(every server is up at once and the rounds alternate between them)")
