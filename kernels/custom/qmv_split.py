@@ -73,7 +73,8 @@ def block_rows(m: int) -> int:
     return min(m, 4)
 
 
-# Blocks of a launch at most (each fills its code table once, then walks the column groups):
+# Blocks of a launch at most (each, for e2m1 codes, fills its code table once, then walks the
+# column groups):
 # as many as the H200's 132 multiprocessors hold at once (registers: 5 each at C = 4).
 MAX_BLOCKS = 660
 
