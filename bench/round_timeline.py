@@ -159,11 +159,14 @@ def main() -> int:
     levels = [int(c) for c in args.clients.split(",")]
 
     from lockstep.server.cli import build_parser
+    from lockstep.server.commands.runtime_args import apply_cpu_blas
     from lockstep.server.commands.serve import build_app_from_args
     from lockstep.server.engine.guarantee.decode_plan import plan_request
 
     argv = ["serve", "--model", args.model, *args.serve_arg]
-    _, engine = build_app_from_args(build_parser().parse_args(argv))
+    serve_args = build_parser().parse_args(argv)
+    apply_cpu_blas(serve_args)  # the BLAS `serve` would run on the CPU (may re-exec this process)
+    _, engine = build_app_from_args(serve_args)
     wait_settled(engine)
     timeline = Timeline(engine)
     kinds = args.kinds.split(",")
