@@ -142,17 +142,17 @@ def test_a_stream_that_ends_in_an_error_event_counts_as_an_error():
     assert timing.error and "out of memory" in timing.error
 
 
-@pytest.mark.parametrize("one_at_a_time", [False, True])
-def test_servers_run_together_or_one_at_a_time(monkeypatch, tmp_path, one_at_a_time):
-    """Side by side every server is up while the rounds alternate; one at a time each server
-    is stopped before the next starts (a GPU that cannot hold them all), and every server's
-    figures still reach the ratios."""
+def run_load_without_servers(monkeypatch, model_dir, **overrides) -> tuple[list[str], dict]:
+    """bench.run_load where `_start` only records each server's command line and every round
+    is a stand-in: (events "start NAME" / "measure NAME+NAME" / "stop NAME" in order, each
+    server's command line by name). `resolve_model` gives `model_dir`; overrides: run_load's
+    arguments."""
     import argparse
 
     import lockstep.server.commands.bench as bench
     import lockstep.server.tools.http_load as http_load
 
-    events = []
+    events, commands = [], {}
 
     class Proc:
         def __init__(self, name):
@@ -167,6 +167,7 @@ def test_servers_run_together_or_one_at_a_time(monkeypatch, tmp_path, one_at_a_t
     def start(cmd, log_path):
         name = "mlx_lm.server" if "mlx_lm.server" in cmd else "lockstep"
         events.append(f"start {name}")
+        commands[name] = cmd
         return Proc(name)
 
     def rounds(servers, levels, args):
@@ -177,12 +178,21 @@ def test_servers_run_together_or_one_at_a_time(monkeypatch, tmp_path, one_at_a_t
     monkeypatch.setattr(bench, "_start", start)
     monkeypatch.setattr(bench, "_server_rounds", rounds)
     monkeypatch.setattr(http_load, "wait_healthy", lambda *a, **k: None)
-    monkeypatch.setattr("lockstep.models.resolve.resolve_model", lambda model, weights: tmp_path)
-    args = argparse.Namespace(concurrency="4", against_deterministic=None, against_config=[], model=str(tmp_path),
-                              weights="auto", max_tokens=8, deterministic=False, mixed=False, out=None,
-                              against_mlx_lm=True, one_server_at_a_time=one_at_a_time, cuda_graphs="auto",
-                              serve_arg=[], batch_invariant_limit=0, cpu_blas="auto", rounds=3)
-    assert bench.run_load(args) == 0
+    monkeypatch.setattr("lockstep.models.resolve.resolve_model", lambda model, weights: model_dir)
+    args = dict(concurrency="4", against_deterministic=None, against_config=[], model=str(model_dir),
+                weights="auto", max_tokens=8, deterministic=False, mixed=False, out=None, against_mlx_lm=True,
+                one_server_at_a_time=False, cuda_graphs="auto", serve_arg=[], batch_invariant_limit=0,
+                cpu_blas="auto", rounds=3)
+    assert bench.run_load(argparse.Namespace(**{**args, **overrides})) == 0
+    return events, commands
+
+
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+def test_servers_run_together_or_one_at_a_time(monkeypatch, tmp_path, one_at_a_time):
+    """Side by side every server is up while the rounds alternate; one at a time each server
+    is stopped before the next starts (a GPU that cannot hold them all), and every server's
+    figures still reach the ratios."""
+    events, _ = run_load_without_servers(monkeypatch, tmp_path, one_server_at_a_time=one_at_a_time)
     if one_at_a_time:
         assert events == ["start lockstep", "measure lockstep", "stop lockstep",
                           "start mlx_lm.server", "measure mlx_lm.server", "stop mlx_lm.server"]
@@ -197,39 +207,9 @@ def test_lockstep_serves_a_gguf_as_serve_would_import_it(monkeypatch, tmp_path, 
     imports it itself (--quantize from the float32 import, float32 parameters in the GPU's
     16-bit dtype); its import directory, served as it is, would keep float32. mlx_lm.server
     gets the directory; a directory spec reaches both as it is."""
-    import argparse
-
-    import lockstep.server.commands.bench as bench
-    import lockstep.server.tools.http_load as http_load
-
-    commands = {}
-
-    class Proc:
-        def terminate(self):
-            pass
-
-        def wait(self, timeout=None):
-            return 0
-
-    def start(cmd, log_path):
-        commands["mlx_lm.server" if "mlx_lm.server" in cmd else "lockstep"] = cmd
-        return Proc()
-
-    def rounds(servers, levels, args):
-        r = RoundResult(levels[0], 1.0, 10, [], [], 0, [])
-        return {s["name"]: [(r, [r, r, r])] for s in servers}
-
     model_dir = tmp_path / "imported"
-    monkeypatch.setattr(bench, "_start", start)
-    monkeypatch.setattr(bench, "_server_rounds", rounds)
-    monkeypatch.setattr(http_load, "wait_healthy", lambda *a, **k: None)
-    monkeypatch.setattr("lockstep.models.resolve.resolve_model", lambda model, weights: model_dir)
     model = "default" if spec == "default" else str(model_dir)
-    args = argparse.Namespace(concurrency="4", against_deterministic=None, against_config=[], model=model,
-                              weights="auto", max_tokens=8, deterministic=False, mixed=False, out=None,
-                              against_mlx_lm=True, one_server_at_a_time=False, cuda_graphs="auto",
-                              serve_arg=["--quantize=nvfp4"], batch_invariant_limit=0, cpu_blas="auto", rounds=3)
-    assert bench.run_load(args) == 0
+    _, commands = run_load_without_servers(monkeypatch, model_dir, model=model, serve_arg=["--quantize=nvfp4"])
     served = commands["lockstep"][commands["lockstep"].index("--model") + 1]
     assert served == model
     assert commands["mlx_lm.server"][commands["mlx_lm.server"].index("--model") + 1] == str(model_dir)
