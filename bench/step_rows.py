@@ -24,6 +24,11 @@ this backend, models/activation_dtype.py) in place of a random one built in bflo
 default --quantize nvfp4` is SmolLM2 as served; `--weights float32` beside it keeps the GGUF's
 float32, as `serve --weights float32` does.
 
+--shape moe measures Qwen3-30B-A3B's expert layout (bench/moe_8b.py's model, --layers of its
+layers) as the engine serves it: R requests of one row each in a pass over the KV pool, where
+moe_8b.py times R rows of one sequence (attention per query). The last column, a deterministic
+step ÷ the plain one at its rows, is issue 50's MoE figure.
+
 --qmv-mma-groups CG runs every qmv_mma call with CG column groups a block (0: the tile that reads
 x from global memory, the staged tile's baseline in a step).
 
@@ -128,9 +133,11 @@ def main():
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--intermediate", type=int, default=14336)
     ap.add_argument("--vocab", type=int, default=128256)
-    ap.add_argument("--shape", choices=("8b", "smollm2"), default="8b",
+    ap.add_argument("--shape", choices=("8b", "smollm2", "moe", "moe-small"), default="8b",
                     help="smollm2: SmolLM2-135M's widths (30 layers, hidden 576, 9 / 3 heads of 64, "
-                         "intermediate 1536, tied head of 49,152) in place of --layers/--hidden/--intermediate/--vocab")
+                         "intermediate 1536, tied head of 49,152) in place of --layers/--hidden/--intermediate/--vocab; "
+                         "moe: Qwen3-30B-A3B's expert layout (bench/moe_8b.py's, --layers of them; moe-small: "
+                         "that layout shrunk, for the CPU)")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--kv-pool", default="kernel")
     ap.add_argument("--ncu", default="", metavar="R:KIND", help="profile 3 steps of one variant (plain or det)")
@@ -158,6 +165,10 @@ def main():
             model = served(a.served, a.weights or "auto", a.quantize)
         elif a.shape == "smollm2":
             model = build(weights, 30, hidden=576, intermediate=1536, vocab=49152, heads=(9, 3, 64), tied=True)
+        elif a.shape.startswith("moe"):
+            import moe_8b
+
+            model = moe_8b.build(weights, a.layers, small=a.shape == "moe-small")
         else:
             model = build(weights, a.layers, hidden=a.hidden, intermediate=a.intermediate, vocab=a.vocab)
         floor_ms = 1e3 * weight_bytes(model) / HBM_BYTES_PER_S
@@ -222,15 +233,17 @@ def main():
                     samples.setdefault(name, []).extend(v)
         model_name = f"{weights} as served" if a.served else f"{weights}, {a.shape} shape"
         print(f"\n## {model_name}: HBM floor {floor_ms:.2f} ms; L = {a.limit}")
-        print("| pass | rows | median ms | build / submit / wait ms | ÷ its one-row step (paired) | ms a row |")
-        print("|---|---|---|---|---|---|")
+        print("| pass | rows | median ms | build / submit / wait ms | ÷ its one-row step (paired) | ms a row "
+              "| ÷ plain at these rows (paired) |")
+        print("|---|---|---|---|---|---|---|")
         for kind, r in names:
             s = samples[(kind, r)]
             ms = statistics.median(x[0] for x in s)
             split = " / ".join(f"{statistics.median(x[i] for x in s):.2f}" for i in (1, 2, 3))
-            one = samples.get((kind, 1))
+            one, plain = samples.get((kind, 1)), samples.get(("plain", r))
             ratio = statistics.median(x[0] / y[0] for x, y in zip(s, one)) if one else float("nan")
-            print(f"| {kind} | {r} | {ms:.2f} | {split} | {ratio:.2f} | {ms / r:.2f} |")
+            to_plain = statistics.median(x[0] / y[0] for x, y in zip(s, plain)) if plain else float("nan")
+            print(f"| {kind} | {r} | {ms:.2f} | {split} | {ratio:.2f} | {ms / r:.2f} | {to_plain:.2f} |")
         del model, runs, pooled, path
         mx.clear_cache()
 
