@@ -1,8 +1,9 @@
 """The prefix cache (server/engine/cache/prefix_cache.py) and prefix reuse inside generate().
 
-A hit must not change a single bit: under the shape-variant double (rows reduce differently
-when a call has several), generate() with a cached prefix, whole or ending mid-chunk, gives
-the tokens, logprobs and decode logits of a cold run, with and without batch invariance.
+A deterministic request's hit must not change a single bit: under the shape-variant double
+(rows reduce differently when a call has several), generate() with a cached prefix, whole or
+ending mid-chunk, gives the tokens, logprobs and decode logits of a cold run, with and without
+batch invariance. A plain request's hit resumes where it ends.
 """
 import mlx.core as mx
 import pytest
@@ -18,6 +19,7 @@ from lockstep.server.engine.guarantee.deployment import Deployment
 from lockstep.server.engine.guarantee.guarantee import Guarantee
 from lockstep.server.engine.generate import GenerationRequest
 from lockstep.server.engine.cache.prefix_cache import PrefixCache
+from lockstep.server.engine.decoding.request_state import RequestState
 from tests.deterministic_fixtures import GREEDY, SEEDED, TinyLoaded, rows_bit_identical, run_generate
 from tests.tiny_models import tiny_llama
 
@@ -109,20 +111,38 @@ def test_what_is_never_stored():
 
 def test_an_entry_not_written_in_canonical_chunks_is_for_plain_requests_only():
     pc = PrefixCache(4)
-    pc.store([1, 2, 3], filled_cache(length=3), canonical=False)
+    pc.store([1, 2, 3], filled_cache(length=3), canonical_length=0)
     assert pc.lookup([1, 2, 3], canonical_only=True) == (None, 0)
     assert pc.lookup([1, 2, 3])[1] == 3
     pc.store([1, 2], filled_cache(length=2, seed=4))
     assert pc.lookup([1, 2, 3], canonical_only=True)[1] == 2  # the canonical one, though shorter
 
 
+def test_a_request_that_writes_canonical_kv_reads_only_an_entrys_canonical_positions():
+    """An entry written after a plain request's resume mid-chunk is canonical up to there: a
+    deterministic request gets that far of it, a plain one all of it, and each hit says how
+    far it is canonical."""
+    pc = PrefixCache(4)
+    pc.store([1, 2, 3, 4, 5], filled_cache(length=5), canonical_length=3)
+    assert pc.lookup([1, 2, 3, 4, 5, 6], canonical_only=True)[1] == 3
+    hit = pc.find([1, 2, 3, 4, 5, 6])
+    assert (hit.length, hit.canonical_length) == (5, 3)
+    assert pc.find([1, 2, 9]).canonical_length == 2  # the common prefix, all of it canonical
+    pc.store([1, 2, 3, 4], filled_cache(length=4, seed=4))  # shorter, all canonical: wins the canonical lookup
+    assert pc.lookup([1, 2, 3, 4, 5, 6], canonical_only=True)[1] == 4
+    assert pc.lookup([1, 2, 3, 4, 5, 6])[1] == 5
+
+
 def test_a_canonical_entry_is_kept_when_a_plain_request_stores_the_same_prompt():
     pc = PrefixCache(4)
     canonical = filled_cache(length=3, seed=1)
     pc.store([1, 2, 3], canonical)
-    pc.store([1, 2, 3], filled_cache(length=3, seed=2), canonical=False)
+    pc.store([1, 2, 3], filled_cache(length=3, seed=2), canonical_length=1)
     copy, n = pc.lookup([1, 2, 3], canonical_only=True)
     assert n == 3 and bits_equal(copy[0].keys[..., :3, :], canonical[0].keys[..., :3, :])
+    pc.store([1, 2, 3], filled_cache(length=3, seed=3))  # as canonical: replaces it
+    copy, n = pc.lookup([1, 2, 3], canonical_only=True)
+    assert n == 3 and not bits_equal(copy[0].keys[..., :3, :], canonical[0].keys[..., :3, :])
 
 
 # ------------------------------------------------------------------ generate() with a hit
@@ -173,19 +193,61 @@ def cold_and_cached(tiny, prompt, sampling, warm_with, *, deployment):
     return cold, cached, pc
 
 
+def plans(deployment):
+    """(deterministic plan, plain plan) under `deployment`."""
+    from lockstep.server.engine.guarantee.decode_plan import plan_request
+
+    det = plan_request(deployment, deterministic=True, speculative=None, num_draft_tokens=None)
+    plain = plan_request(deployment, deterministic=False, speculative=None, num_draft_tokens=None)
+    assert det.determinism != "none" and plain.determinism == "none"
+    return det, plain
+
+
+def cold_and_cached(tiny, prompt, sampling, warm_with, *, deployment, plan=None):
+    """(cold run, run after `warm_with` was prefilled into a prefix cache, cache stats)."""
+    cold = run_generate(tiny, prompt, TOKENS, sampling, plan=plan, deployment=deployment)
+    pc = PrefixCache(4)
+    run_generate(tiny, warm_with, 1, sampling, plan=plan, deployment=deployment, prefix_cache=pc)
+    cached = run_generate(tiny, prompt, TOKENS, sampling, plan=plan, deployment=deployment, prefix_cache=pc)
+    return cold, cached, pc
+
+
 @pytest.mark.parametrize("limit", [0, 4, CHUNK], ids=["native", "L<chunk", "L=chunk"])
 @pytest.mark.parametrize("warm_with", ["same", "shared"])
 def test_prefix_hit_is_bitwise_a_cold_run_under_the_double(tiny, invariance, limit, warm_with):
     installed = invariance(limit) if limit else None
     deployment = Deployment(guarantee=Guarantee.installed(installed) if installed else Guarantee(), prefill_chunk=CHUNK)
+    det, _ = plans(deployment)
     warm = PROMPT if warm_with == "same" else SHARED
     with shape_variant_backend():
-        cold, cached, pc = cold_and_cached(tiny, PROMPT, GREEDY, warm, deployment=deployment)
-        cold_s, cached_s, _ = cold_and_cached(tiny, PROMPT, SEEDED, warm, deployment=deployment)
+        cold, cached, pc = cold_and_cached(tiny, PROMPT, GREEDY, warm, deployment=deployment, plan=det)
+        cold_s, cached_s, _ = cold_and_cached(tiny, PROMPT, SEEDED, warm, deployment=deployment, plan=det)
     assert pc.hits == 1 and pc.misses == 1
     assert len(cold.tokens) == TOKENS and len(set(cold.tokens)) > 1
     assert same_run(cold, cached)
     assert same_run(cold_s, cached_s)
+
+
+@pytest.mark.parametrize("marked", ["as written", "all canonical"])
+def test_a_plain_hit_resumes_where_it_ends_and_keeps_deterministic_requests_cold(tiny, invariance, monkeypatch, marked):
+    """A plain request resumes where its hit ends (mid-chunk: nothing recomputed, its bits
+    those of the narrower chunk), and the entry it leaves is canonical only up to there: a
+    deterministic request with the same prompt afterwards still gets its cold bits. Negative
+    control: marked canonical throughout, that entry changes the deterministic request's bits."""
+    deployment = Deployment(guarantee=Guarantee.installed(invariance(4)), prefill_chunk=CHUNK)
+    det, plain = plans(deployment)
+    if marked == "all canonical":
+        monkeypatch.setattr(RequestState, "_resumes_on_grid", lambda self, pos: True)
+    with shape_variant_backend():
+        cold = run_generate(tiny, PROMPT, TOKENS, GREEDY, plan=det, deployment=deployment)
+        cold_plain = run_generate(tiny, PROMPT, TOKENS, GREEDY, plan=plain, deployment=deployment)
+        pc = PrefixCache(4)
+        run_generate(tiny, SHARED, 1, GREEDY, plan=plain, deployment=deployment, prefix_cache=pc)
+        resumed = run_generate(tiny, PROMPT, TOKENS, GREEDY, plan=plain, deployment=deployment, prefix_cache=pc)
+        after = run_generate(tiny, PROMPT, TOKENS, GREEDY, plan=det, deployment=deployment, prefix_cache=pc)
+    assert pc.hits == 2
+    assert not bits_equal(sorted_rows(resumed)[0], sorted_rows(cold_plain)[0])  # resumed at 15, not 8
+    assert same_run(cold, after) == (marked == "as written")
 
 
 def test_alignment_is_what_makes_a_mid_chunk_hit_exact(tiny, monkeypatch):
@@ -204,9 +266,9 @@ def test_alignment_is_what_makes_a_mid_chunk_hit_exact(tiny, monkeypatch):
 
 
 def test_canonical_rows_skip_the_rewind(tiny, invariance, monkeypatch):
-    """With L >= chunk a hit resumes exactly where the cached prefix ends (nothing is
-    recomputed); with L < chunk, with no guarantee settled, or for a plain prompt in native
-    forms it resumes at the chunk start."""
+    """A deterministic request's hit resumes exactly where the cached prefix ends with L >=
+    chunk (nothing is recomputed); with L < chunk or with no guarantee settled it resumes at the
+    chunk start. A plain request's resumes where it ends, whatever L (native forms included)."""
     calls = []
     original = model_runner.prompt_forward
 
@@ -216,12 +278,13 @@ def test_canonical_rows_skip_the_rewind(tiny, invariance, monkeypatch):
 
     monkeypatch.setattr(model_runner, "prompt_forward", counting_step)
 
-    def resume_point(deployment):
+    def resume_point(deployment, *, deterministic=True):
         """Where the first prompt chunk after a prefix hit (SHARED cached) starts, and its rows."""
+        plan = plans(deployment)[0 if deterministic else 1]
         pc = PrefixCache(2)
-        run_generate(tiny, SHARED, 1, GREEDY, deployment=deployment, prefix_cache=pc)
+        run_generate(tiny, SHARED, 1, GREEDY, plan=plan, deployment=deployment, prefix_cache=pc)
         calls.clear()
-        list(generate_module.generate(tiny, GenerationRequest(PROMPT, 1, GREEDY),
+        list(generate_module.generate(tiny, GenerationRequest(PROMPT, 1, GREEDY), plan=plan,
                                       deployment=deployment, prefix_cache=pc))
         return calls[0]
 
@@ -234,9 +297,8 @@ def test_canonical_rows_skip_the_rewind(tiny, invariance, monkeypatch):
     # proofs have not settled): alignment follows the deployment's guarantee.
     invariance(CHUNK)
     assert resume_point(Deployment(guarantee=Guarantee(CHUNK), prefill_chunk=CHUNK)) == (8, 8)
-    # Plain prompts in native forms (`plain_prompt_native`): their rows are not canonical
-    # whatever L is, so a hit resumes at the chunk start.
-    assert resume_point(installed(CHUNK, plain_prompt_native=True)) == (8, 8)
+    for deployment in (installed(4), installed(CHUNK, plain_prompt_native=True), Deployment(prefill_chunk=CHUNK)):
+        assert resume_point(deployment, deterministic=False) == (15, 1)
 
 
 def test_a_deterministic_request_never_starts_from_a_plain_prompts_smaller_chunks(tiny):

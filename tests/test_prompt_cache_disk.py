@@ -88,6 +88,23 @@ def test_a_restart_finds_the_prefix_on_disk_and_answers_bit_identically(embedded
     assert run(embedded_model, prompts[1], second)[2] >= 2 * CHUNK and second.disk.blocks_read == 4
 
 
+def test_a_plain_resume_mid_chunk_sends_only_canonical_chunks_to_disk(embedded_model, prompts, tmp_path, cold):
+    """The next turn of a plain conversation resumes where the first prompt ends (mid-chunk):
+    its KV from there on is not what a cold prefill writes, so only the whole chunks before the
+    resume go to disk (already there: no block written), and a restart answers as cold."""
+    first = restarted(tmp_path)
+    run(embedded_model, prompts[0], first)
+    first.disk.flush()
+    written = first.disk.blocks_written
+    assert written == 2 * CHUNK // BLOCK
+    assert run(embedded_model, prompts[1], first)[2] == len(prompts[0]) - 1  # resumed where it ended
+    first.disk.flush()
+    assert first.disk.blocks_written == written
+    second = restarted(tmp_path)
+    tokens, bits, cached = run(embedded_model, prompts[1], second)
+    assert cached == 2 * CHUNK and (tokens, bits) == cold[:2]
+
+
 def test_a_plain_prompts_smaller_chunks_go_to_disk_under_their_own_grid(embedded_model, prompts, tmp_path):
     """KV a plain prompt wrote in chunks smaller than --prefill-chunk is exact for prompts of that
     grid: on disk under a namespace of its own, found after a restart by a plain request (the

@@ -1,5 +1,7 @@
 """Prefill in canonical chunks, so a prompt whose prefix was already cached ends with the
-same KV cache and next-token logits, bit for bit, as a cold prefill of the whole prompt.
+same KV cache and next-token logits, bit for bit, as a cold prefill of the whole prompt (what
+a deterministic request needs; a plain one resumes where its hit ends,
+server/engine/decoding/request_state.py).
 
 Chunk boundaries sit at multiples of `chunk` counted from position 0, never from where the
 cached prefix happens to end: every position is computed in the same chunk shape either way.

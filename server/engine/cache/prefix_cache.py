@@ -1,18 +1,21 @@
 """Reuse of prompt KV between requests.
 
-Only KV written by prompt prefill is stored (never decode-written rows), and prefill
-resumes at a chunk boundary aligned to absolute positions (kernels/invariance/prefill.py), so a
-request computes the same KV whether its prefix was cached or not. That holds for KV written
-in canonical chunks (`--prefill-chunk`); a plain prompt's smaller chunks (on the CPU,
-deployment.py `plain_prefill_chunk`) write other bits, so such entries are marked
-non-canonical and given to plain requests only (on disk under a namespace of their grid). Two tiers: snapshots
-in memory (LRU, bounded in entries and bytes) and, optionally, blocks on disk that outlive the
-process (server/engine/cache/prompt_cache_disk.py).
+Only KV written by prompt prefill is stored (never decode-written rows). Each entry says how
+many of its leading positions hold canonical KV (`canonical_length`): KV written in canonical
+chunks (`--prefill-chunk`, aligned to absolute positions, kernels/invariance/prefill.py) from a
+canonical start. A deterministic request starts only from those positions and resumes at a
+chunk boundary, so it computes the same KV whether its prefix was cached or not. A plain
+request starts from the whole common prefix and resumes right there (its bits are not
+guaranteed); what it writes after a resume mid-chunk, or in a plain prompt's smaller chunks
+(on the CPU, deployment.py `plain_prefill_chunk`), is not canonical, and its entry says so.
+Two tiers: snapshots in memory (LRU, bounded in entries and bytes) and, optionally, blocks on
+disk that outlive the process (server/engine/cache/prompt_cache_disk.py).
 """
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -49,9 +52,19 @@ def copy_prefix(cache: list, length: int) -> list:
     return copies
 
 
+@dataclass
+class PrefixHit:
+    """A private copy of cached KV: `cache` holds `length` positions, the first
+    `canonical_length` of them canonical (see the module's docstring)."""
+
+    cache: list
+    length: int
+    canonical_length: int
+
+
 class PrefixCache:
     """LRU of (prompt tokens -> KV) snapshots of plain KVCache lists or KV pool ranges (stored
-    as plain KVCache copies either way), each marked whether canonical chunks wrote it, at
+    as plain KVCache copies either way), each with its canonical length, at
     most `entries` of them and `max_bytes` of KV, in front of an optional disk tier
     (server/engine/cache/prompt_cache_disk.py).
 
@@ -64,7 +77,7 @@ class PrefixCache:
         self.entries = entries
         self.max_bytes = max_bytes
         self.disk = disk
-        self._store: OrderedDict[tuple, tuple] = OrderedDict()  # (namespace, tokens) -> (KV, canonical)
+        self._store: OrderedDict[tuple, tuple] = OrderedDict()  # (namespace, tokens) -> (KV, canonical length)
         self._sizes: dict[tuple, int] = {}
         self.bytes = 0
         self._lock = threading.Lock()
@@ -78,45 +91,56 @@ class PrefixCache:
 
     def lookup(self, tokens: list[int], namespace: str | None = None, *, layers: int = 0,
                canonical_only: bool = False, disk_namespace: str | None = None) -> tuple[list | None, int]:
-        """A private copy of the cached KV sharing the longest prefix with `tokens`, and its
-        length: from memory, or from disk where that holds a longer prefix (`layers`: the
-        model's, which a disk entry must match). `canonical_only`: among entries canonical
-        chunks wrote (a request that writes canonical KV must not start from other bits).
-        `disk_namespace`: where the disk tier keeps this request's grid of chunks (default
-        `namespace`: canonical chunks)."""
+        """`find`'s hit as (KV copy, length), or (None, 0)."""
+        hit = self.find(tokens, namespace, layers=layers, canonical_only=canonical_only,
+                        disk_namespace=disk_namespace)
+        return (hit.cache, hit.length) if hit else (None, 0)
+
+    def find(self, tokens: list[int], namespace: str | None = None, *, layers: int = 0,
+             canonical_only: bool = False, disk_namespace: str | None = None) -> PrefixHit | None:
+        """A private copy of the cached KV sharing the longest prefix with `tokens`: from
+        memory, or from disk where that holds a longer prefix (`layers`: the model's, which a
+        disk entry must match). `canonical_only`: only an entry's canonical positions count (a
+        request that writes canonical KV must not start from other bits). `disk_namespace`:
+        where the disk tier keeps this request's grid of chunks (default `namespace`:
+        canonical chunks)."""
         disk_namespace = disk_namespace or namespace
         with self._lock:
             best, best_len = None, 0
-            for key, (_, canonical) in self._store.items():
-                if key[0] != namespace or (canonical_only and not canonical):
+            for key, (_, canonical_length) in self._store.items():
+                if key[0] != namespace:
                     continue
                 n = _common_prefix(list(key[1]), tokens)
+                if canonical_only:
+                    n = min(n, canonical_length)
                 if n > best_len:
                     best, best_len = key, n
             if best is not None:
                 self._store.move_to_end(best)
-                snapshot = self._store[best][0]
+                snapshot, best_canonical = self._store[best]
         if self.disk is not None and disk_namespace is not None and layers and len(tokens) >= best_len + self.disk.block:
             dtype, blocks = self.disk.lookup(disk_namespace, tokens, layers)
             if len(blocks) * self.disk.block > best_len:
                 found = _from_blocks(dtype, blocks)
                 length = len(blocks) * self.disk.block
+                canonical_length = length if disk_namespace == namespace else 0
                 self.disk_hits += 1
                 self.hits += 1
                 # concurrent and later turns find it in memory
-                self._keep(namespace, tokens[:length], found, disk_namespace == namespace)
-                return copy_prefix(found, length), length
+                self._keep(namespace, tokens[:length], found, canonical_length)
+                return PrefixHit(copy_prefix(found, length), length, canonical_length)
         if best is None:
             self.misses += 1
-            return None, 0
+            return None
         self.hits += 1
-        return copy_prefix(snapshot, best_len), best_len
+        return PrefixHit(copy_prefix(snapshot, best_len), best_len, min(best_canonical, best_len))
 
     def store(self, tokens: list[int], cache: list, namespace: str | None = None, *, exact_length: int = 0,
-              canonical: bool = True, disk_namespace: str | None = None) -> None:
-        """Keep a snapshot of `cache`, which holds exactly the KV of `tokens` (`canonical`:
-        written in canonical chunks); its first `exact_length` positions go to the disk tier
-        too, under `disk_namespace` (default `namespace`)."""
+              canonical_length: int | None = None, disk_namespace: str | None = None) -> None:
+        """Keep a snapshot of `cache`, which holds exactly the KV of `tokens`, the first
+        `canonical_length` positions canonical (default: all); its first `exact_length`
+        positions go to the disk tier too, under `disk_namespace` (default `namespace`)."""
+        canonical_length = len(tokens) if canonical_length is None else min(canonical_length, len(tokens))
         disk_namespace = disk_namespace or namespace
         to_disk = (self.disk is not None and disk_namespace is not None
                    and exact_length >= (self.disk.block if self.disk else 0))
@@ -125,11 +149,11 @@ class PrefixCache:
         key = (namespace, tuple(tokens))
         with self._lock:
             held = self._store.get(key)
-        if held is not None and held[1] and not canonical:
-            return  # a canonical entry serves plain requests too: kept
+        if held is not None and held[1] > canonical_length:
+            return  # the more canonical entry serves every request the new one would: kept
         snapshot = copy_prefix(cache, len(tokens))
         if self.entries > 0:
-            self._keep(namespace, tokens, snapshot, canonical)
+            self._keep(namespace, tokens, snapshot, canonical_length)
         if to_disk and snapshot[0].keys is not None and snapshot[0].keys.dtype in _DISK_DTYPES:
             dtype, layers = _host_arrays(snapshot)
             self.disk.submit(disk_namespace, tokens[:exact_length], dtype, layers)
@@ -138,14 +162,14 @@ class PrefixCache:
         """Wait (at most `timeout` seconds) for the disk tier's queued writes; False if some remain."""
         return self.disk.flush(timeout) if self.disk is not None else True
 
-    def _keep(self, namespace: str | None, tokens: list[int], snapshot: list, canonical: bool) -> None:
+    def _keep(self, namespace: str | None, tokens: list[int], snapshot: list, canonical_length: int) -> None:
         key = (namespace, tuple(tokens))
         size = sum(c.keys.nbytes + c.values.nbytes for c in snapshot if c.keys is not None)
         if self.max_bytes is not None and size > self.max_bytes:
             return
         with self._lock:
             self.bytes -= self._sizes.pop(key, 0)
-            self._store[key] = (snapshot, canonical)
+            self._store[key] = (snapshot, canonical_length)
             self._sizes[key] = size
             self.bytes += size
             self._store.move_to_end(key)

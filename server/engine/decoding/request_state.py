@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from lockstep.kernels.batching.kv_pool import fill_prefix, is_pooled
-from lockstep.kernels.invariance.prefill import chunk_end, resume_at
+from lockstep.kernels.invariance.prefill import chunk_end, resume_at, rows_are_canonical
 
 from lockstep.server.engine.guarantee.decode_plan import PLAIN, DecodePlan, Determinism
 
@@ -152,14 +152,17 @@ class RequestState:
                                 else f"{self._namespace}/plain_chunk={self._chunk}"
                                 + ("/native" if self.native_prompt else ""))
         fresh = cache if cache is not None else make_prompt_cache(model)
-        found, found_len = (prefix_cache.lookup(self.prompt[:-1], self._namespace, layers=len(fresh),
-                                                canonical_only=self._canonical_kv,
-                                                disk_namespace=self._disk_namespace)
-                            if prefix_cache else (None, 0))
+        # A plain request may start from any cached KV (canonical or not: its bits are not
+        # guaranteed); one that writes canonical KV, from canonical positions alone.
+        plain = self.determinism == Determinism.NONE
+        hit = (prefix_cache.find(self.prompt[:-1], self._namespace, layers=len(fresh),
+                                 canonical_only=not plain, disk_namespace=self._disk_namespace)
+               if prefix_cache else None)
+        found = hit.cache if hit else None
         if cache is not None:  # given by the engine: a range of its KV pool (kernels/batching/kv_pool.py)
             self.cache = cache
             if found:
-                fill_prefix(self.cache, found, found_len)
+                fill_prefix(self.cache, found, hit.length)
         else:
             self.cache = found or fresh
         # Choices of one request (n > 1) share the prompt: a follower copies its leader's
@@ -169,11 +172,21 @@ class RequestState:
         self.closed = False  # set by the engine when it drops this request
         self._prefilled_alone = True  # every prompt chunk so far ran in a pass of its own
         # All but the last prompt token are prefilled; decoding starts by feeding the last one.
-        done = found_len if found else 0
-        self._prefill_pos = resume_at(done, self._chunk, self._canonical_rows)
+        # A plain request resumes where its hit ends; a deterministic one at the start of the
+        # chunk the hit ends in (unless rows are canonical), so a hit gives its cold bits.
+        done = hit.length if hit else 0
+        self._prefill_pos = done if plain else resume_at(done, self._chunk, self._canonical_rows)
         if self._prefill_pos < done:
             trim_prompt_cache(self.cache, done - self._prefill_pos)
         self.cached_tokens = self._prefill_pos if found else 0
+        # How far this request's KV is what a cold prefill writes (None: all it prefills): in
+        # canonical chunks (`_canonical_length`, the memory tier's mark), and on the grid of
+        # chunks whose disk namespace it goes to (`_grid_length`).
+        start, on_grid = self._prefill_pos, self._resumes_on_grid(self._prefill_pos)
+        from_cache = hit.canonical_length if hit else 0
+        self._canonical_length = (None if self._canonical_kv and on_grid and from_cache >= start
+                                  else min(from_cache, start))
+        self._grid_length = self._canonical_length if self._canonical_kv else (None if on_grid else start)
 
         self._texts = _TokenTexts(loaded.tokenizer)
         self._stream = StopTextStream(IncrementalDecoder(loaded.tokenizer, self.prompt), list(request.stop))
@@ -196,6 +209,11 @@ class RequestState:
         self._draft_chunk = min(self._chunk, bound) if bound > 0 else self._chunk
 
     # ---------------------------------------------------------------------- prefill
+
+    def _resumes_on_grid(self, pos: int) -> bool:
+        """A prefill resuming at `pos` computes each later chunk as a cold prefill does: `pos`
+        is a chunk boundary, or every row of a chunk gets its solo bits."""
+        return pos % self._chunk == 0 or rows_are_canonical(self._canonical_rows, self._chunk)
 
     @property
     def prefilling(self) -> bool:
@@ -295,9 +313,10 @@ class RequestState:
         self._prefill_pos += tokens
         if not self._target_prefilling and self.prefix_cache and alone and self._prefilled_alone:
             prefilled = len(self.prompt) - 1
-            self.prefix_cache.store(self.prompt[:-1], self.cache, self._namespace, canonical=self._canonical_kv,
-                                    disk_namespace=self._disk_namespace,
-                                    exact_length=exact_length(prefilled, self._chunk, self._canonical_rows))
+            on_grid = min(prefilled, self._grid_length if self._grid_length is not None else prefilled)
+            self.prefix_cache.store(self.prompt[:-1], self.cache, self._namespace,
+                                    canonical_length=self._canonical_length, disk_namespace=self._disk_namespace,
+                                    exact_length=exact_length(on_grid, self._chunk, self._canonical_rows))
         self._prefilled_alone = self._prefilled_alone and alone
 
     # ----------------------------------------------------------------------- decode
