@@ -7,7 +7,8 @@ canonical start. A deterministic request starts only from those positions and re
 chunk boundary, so it computes the same KV whether its prefix was cached or not. A plain
 request starts from the whole common prefix and resumes right there (its bits are not
 guaranteed); what it writes after a resume mid-chunk, or in a plain prompt's smaller chunks
-(on the CPU, deployment.py `plain_prefill_chunk`), is not canonical, and its entry says so.
+(on the CPU, deployment.py `plain_prefill_chunk`), is not canonical, and its entry says so
+(on disk, plain requests' KV goes under a namespace of their own).
 Two tiers: snapshots in memory (LRU, bounded in entries and bytes) and, optionally, blocks on
 disk that outlive the process (server/engine/cache/prompt_cache_disk.py).
 """
@@ -69,9 +70,10 @@ class PrefixCache:
     (server/engine/cache/prompt_cache_disk.py).
 
     Entries belong to a namespace (`namespace`: the deployment's fingerprint and whether rows
-    are canonical): a lookup finds only entries of its own. The disk tier keeps only
-    positions whose KV any request would compute the same (`exact_length`), and only where
-    the deployment has a fingerprint to key them by."""
+    are canonical): a lookup finds only entries of its own. The disk tier keeps, under the
+    namespace, only positions whose KV any request would compute the same (`exact_length`);
+    under a plain requests' namespace (`disk_namespace`), whatever they prefilled; and only
+    where the deployment has a fingerprint to key them by."""
 
     def __init__(self, entries: int = 4, max_bytes: int | None = None, disk=None):
         self.entries = entries

@@ -146,15 +146,14 @@ class RequestState:
 
         model = loaded.model
         self._namespace = namespace(deployment)
-        # KV in a plain prompt's smaller chunks is exact for prompts of the same grid only: its
-        # disk blocks have a namespace of their own
-        self._disk_namespace = (self._namespace if self._canonical_kv or self._namespace is None
-                                else f"{self._namespace}/plain_chunk={self._chunk}"
-                                + ("/native" if self.native_prompt else ""))
-        fresh = cache if cache is not None else make_prompt_cache(model)
         # A plain request may start from any cached KV (canonical or not: its bits are not
-        # guaranteed); one that writes canonical KV, from canonical positions alone.
+        # guaranteed); a deterministic one from canonical positions alone. On disk, plain
+        # requests keep what they prefilled under a namespace of their own; the canonical one
+        # gets only KV any prompt sharing it computes the same.
         plain = self.determinism == Determinism.NONE
+        self._disk_namespace = (f"{self._namespace}/plain" if plain and self._namespace is not None
+                                else self._namespace)
+        fresh = cache if cache is not None else make_prompt_cache(model)
         hit = (prefix_cache.find(self.prompt[:-1], self._namespace, layers=len(fresh),
                                  canonical_only=not plain, disk_namespace=self._disk_namespace)
                if prefix_cache else None)
@@ -179,14 +178,12 @@ class RequestState:
         if self._prefill_pos < done:
             trim_prompt_cache(self.cache, done - self._prefill_pos)
         self.cached_tokens = self._prefill_pos if found else 0
-        # How far this request's KV is what a cold prefill writes (None: all it prefills): in
-        # canonical chunks (`_canonical_length`, the memory tier's mark), and on the grid of
-        # chunks whose disk namespace it goes to (`_grid_length`).
-        start, on_grid = self._prefill_pos, self._resumes_on_grid(self._prefill_pos)
+        # How far this request's KV is what a cold prefill in canonical chunks writes (None: all
+        # it prefills): the memory tier's mark, and the canonical disk namespace's bound.
+        start = self._prefill_pos
         from_cache = hit.canonical_length if hit else 0
-        self._canonical_length = (None if self._canonical_kv and on_grid and from_cache >= start
+        self._canonical_length = (None if self._canonical_kv and self._resumes_on_grid(start) and from_cache >= start
                                   else min(from_cache, start))
-        self._grid_length = self._canonical_length if self._canonical_kv else (None if on_grid else start)
 
         self._texts = _TokenTexts(loaded.tokenizer)
         self._stream = StopTextStream(IncrementalDecoder(loaded.tokenizer, self.prompt), list(request.stop))
@@ -313,10 +310,12 @@ class RequestState:
         self._prefill_pos += tokens
         if not self._target_prefilling and self.prefix_cache and alone and self._prefilled_alone:
             prefilled = len(self.prompt) - 1
-            on_grid = min(prefilled, self._grid_length if self._grid_length is not None else prefilled)
+            canonical = prefilled if self._canonical_length is None else min(prefilled, self._canonical_length)
+            on_disk = (prefilled if self._disk_namespace != self._namespace
+                       else exact_length(canonical, self._chunk, self._canonical_rows))
             self.prefix_cache.store(self.prompt[:-1], self.cache, self._namespace,
                                     canonical_length=self._canonical_length, disk_namespace=self._disk_namespace,
-                                    exact_length=exact_length(on_grid, self._chunk, self._canonical_rows))
+                                    exact_length=on_disk)
         self._prefilled_alone = self._prefilled_alone and alone
 
     # ----------------------------------------------------------------------- decode
