@@ -293,10 +293,13 @@ def test_pipeline_is_deterministic_alone_batched_and_rerun(pipeline2):
 
 def test_pipeline_serves_plain_prompts_arriving_together(pipeline2):
     # Plain prompts admitted in one step share one prefill pass; every stage's hand-off must
-    # be in what each rank evaluates, or the next stage waits for it forever.
+    # be in what each rank evaluates, or the next stage waits for it forever. The prompts are
+    # new to the server (a plain request resumes where a prefix-cache hit ends: one the other
+    # tests asked would need no prefill).
     before = shared_passes(pipeline2.base)["prefill"]
-    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        answers = list(pool.map(lambda p: ask(pipeline2.base, p, deterministic=False, max_tokens=2), PROMPTS))
+    fresh = [f"Quickly, please: {p}" for p in PROMPTS]
+    with concurrent.futures.ThreadPoolExecutor(len(fresh)) as pool:
+        answers = list(pool.map(lambda p: ask(pipeline2.base, p, deterministic=False, max_tokens=2), fresh))
     assert all(a.text for a in answers), answers
     assert shared_passes(pipeline2.base)["prefill"] > before, "no prefill pass was shared"
 
