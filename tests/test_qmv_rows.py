@@ -14,7 +14,7 @@ import pytest
 from lockstep.kernels.custom import compiled, qmv_order, qmv_rows
 from lockstep.kernels.custom.precompile import instances_for, linear_shapes
 from lockstep.kernels.invariance import set_batch_invariant_limit
-from lockstep.kernels.invariance.ops import GEMV_ROWS, quantized_rows
+from lockstep.kernels.invariance.ops import GEMV_ROWS, MLX_GEMV_ROWS, quantized_rows, quantized_rows_in_one_launch
 from lockstep.kernels.invariance.selftest import bits_equal
 from tests.doubles import gemv_rows_alone
 from tests.test_gemv_rows import one_launch_then_blocks
@@ -224,27 +224,45 @@ def _one_call(x, w, scales, biases, **kw):
     return mx.quantized_matmul(x, w, scales, biases, transpose=True, **kw)
 
 
-def test_decode_keeps_the_plain_call_and_blocks_run_the_kernel(emulated):
+def test_calls_mlx_runs_per_row_keep_its_call_and_wider_ones_run_the_kernel(emulated):
+    """Up to MLX_GEMV_ROWS rows MLX's CUDA call is its per-row GEMV (and costs the host less
+    than a custom launch): the call as it is, one of them, whichever function asks; from 8
+    rows the kernel, as one launch."""
     calls = emulated(_rows_alone)
     w, scales, biases, kw = quantized(16, 256, "affine")
-    x = rand(5, 256, seed=4, dtype=mx.bfloat16)
-    one = quantized_rows(x[:1], w, scales, biases, rows_per_call=7, form="qmv_rows", **kw)
-    assert bits_equal(one, _one_call(x[:1], w, scales, biases, **kw)) and calls == []
+    x = rand(9, 256, seed=4, dtype=mx.bfloat16)
+    for m in (1, 5, MLX_GEMV_ROWS):
+        got = quantized_rows(x[:m], w, scales, biases, rows_per_call=7, form="qmv_rows", **kw)
+        assert bits_equal(got, _one_call(x[:m], w, scales, biases, **kw)) and calls == []
+        wide = quantized_rows_in_one_launch(x[None, :m], w, scales, biases, form="qmv_rows", **kw)
+        assert wide.shape == (1, m, 16) and bits_equal(wide[0], _one_call(x[:m], w, scales, biases, **kw))
+        assert calls == []
     block = quantized_rows(x, w, scales, biases, rows_per_call=7, form="qmv_rows", **kw)
-    assert bits_equal(block, _rows_alone(x, w, scales, biases, **kw)) and calls == [5]
+    assert bits_equal(block, _rows_alone(x, w, scales, biases, **kw)) and calls == [9]
 
 
 @pytest.mark.parametrize("mode", ["nvfp4", "affine"])
 def test_a_kernel_in_mlxs_order_is_proven_and_one_that_is_not_is_refused(emulated, mode):
-    with shape_variant_backend(quantized_rows=2):  # a quantized call of 2+ rows varies here
+    # as on CUDA: a quantized call varies from 8 rows (L = 8: its 8-row calls take the kernel)
+    with shape_variant_backend(quantized_rows=MLX_GEMV_ROWS + 1):
         emulated(_rows_alone)
         model = tiny_llama(quant=mode, dtype=mx.bfloat16)
-        invariance = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
+        invariance = set_batch_invariant_limit(model, 8, "gemv_rows", prefixes=(7,))
         assert invariance.guaranteed and invariance.strategy == "gemv_rows"
         emulated(_one_call)  # a block call: not the single-row order
         model = tiny_llama(quant=mode, dtype=mx.bfloat16)
-        invariance = set_batch_invariant_limit(model, 4, "gemv_rows", prefixes=(7,))
+        invariance = set_batch_invariant_limit(model, 8, "gemv_rows", prefixes=(7,))
         assert not invariance.guaranteed and "self-test failed" in invariance.reason
+
+
+def test_mlxs_own_call_below_8_rows_is_proven_only_where_it_keeps_each_rows_bits(emulated):
+    """The calls of 2..7 rows the form leaves to MLX are in the proof too: on a backend whose
+    quantized calls of 2+ rows vary (negative control), the same form at L = 4 is refused."""
+    with shape_variant_backend(quantized_rows=2):
+        emulated(_rows_alone)
+        invariance = set_batch_invariant_limit(tiny_llama(quant="nvfp4", dtype=mx.bfloat16), 4, "gemv_rows",
+                                               prefixes=(7,))
+    assert not invariance.guaranteed and "self-test failed" in invariance.reason
 
 
 def test_one_launch_takes_what_try_matmul_takes(monkeypatch):
@@ -271,10 +289,12 @@ def test_one_launch_takes_what_try_matmul_takes(monkeypatch):
 
 
 def test_a_pass_wider_than_l_runs_each_quantized_linear_as_one_launch(emulated, monkeypatch):
+    """A 10-row pass at L = 4: one launch a linear; in blocks of 4 + 4 + 2 instead, each block is
+    MLX's own call (fewer than 8 rows), the same bits."""
     calls = emulated(_rows_alone)
-    with shape_variant_backend(quantized_rows=2):
+    with shape_variant_backend(quantized_rows=MLX_GEMV_ROWS + 1):
         one_launch_then_blocks(tiny_llama(quant="nvfp4", dtype=mx.bfloat16), calls, monkeypatch,
-                               "quantized_rows_in_one_launch")
+                               "quantized_rows_in_one_launch", block_calls=())
 
 
 def test_startup_lists_each_quantized_shape_and_builds_only_a_proven_variant(monkeypatch):
@@ -285,7 +305,9 @@ def test_startup_lists_each_quantized_shape_and_builds_only_a_proven_variant(mon
     assert instances_for(shapes, range(1, 5)) == []  # nothing proven on the CPU
     monkeypatch.setattr(qmv_rows, "proven_variant", lambda mode, bits, dtype: 0)
     built = instances_for(shapes, range(1, 5))
-    assert built and {dict(t)["MR"] for _, t in built} == {2, 4}  # widths 2..4; one row is MLX's
+    # calls of up to 7 rows are MLX's: built is what a pass wider than L launches (8+ rows)
+    assert built and {dict(t)["MR"] for _, t in built} == {4}
+    assert instances_for(shapes, [1]) == []  # width 1 alone: MLX's own call, nothing built
 
 
 def test_no_float32_variant_is_compiled_or_smoke_tested(monkeypatch):

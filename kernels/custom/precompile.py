@@ -23,11 +23,11 @@ from . import (attention, compiled, gemv_rows, mma_rows, qmv_mma, qmv_mma_parts,
                split_attention, split_rows)
 from .gemv_order import MAX_ROWS as GEMV_MAX_ROWS
 from .loop_order import MAX_ROWS as SKINNY_MAX_ROWS
-from .qmv_order import weight_bits
+from .qmv_order import MLX_GEMV_ROWS, weight_bits
 
 # A shape's kind: which kernel its layer's rows run. "gemv_rows": dense rows of 2..64 (one
 # row is MLX's own GEMV); "skinny": dense rows of 1..64; "affine" / "nvfp4": 4-bit weights
-# through the skinny kernel, 1..64 rows; "qmv_rows": quantized rows of 2..64 in the order of
+# through the skinny kernel, 1..64 rows; "qmv_rows": quantized rows of 8..64 in the order of
 # MLX's quantized GEMV (the shape carries group, mode and bits); "qmv_split": a large 4-bit
 # or middling 4-bit layer's rows of any count in lockstep's own kernels (group, mode and bits
 # as qmv_rows), the kernel split_rows.kernel_for picks at each width; "qmv_mma_parts": a sibling
@@ -50,8 +50,10 @@ def instances_for(shapes: Iterable[tuple], widths: Iterable[int], *, attention_s
             mode, bits = rest[1], rest[2]
             fused = qmv_rows.proven_variant(mode, weight_bits(mode, bits), dtype)
             if fused is not None:
-                out += [i for m in widths if 2 <= m <= GEMV_MAX_ROWS
-                        for i in qmv_rows.instances(m, n, mode, bits, group, dtype, fused)]
+                # calls of 2..MLX_GEMV_ROWS rows are MLX's own: what they would launch is
+                # built as the launch of a pass wider than L (from MLX_GEMV_ROWS + 1 rows)
+                launched = {max(m, MLX_GEMV_ROWS + 1) for m in widths if 2 <= m <= GEMV_MAX_ROWS}
+                out += [i for m in sorted(launched) for i in qmv_rows.instances(m, n, mode, bits, group, dtype, fused)]
             continue
         if kind == "qmv_mma_parts":
             mode, bits = rest[1], rest[2]

@@ -23,6 +23,8 @@ import numpy as np
 
 from .loop_order import FP4_E2M1, LANES, e4m3
 
+# The most rows a call may hold for MLX to run this GEMV per row (8 or more: its tiled kernel).
+MLX_GEMV_ROWS = 7
 FORMATS = ("affine", "nvfp4", "mxfp4", "mxfp8")
 GROUP_SIZES = {"nvfp4": 16, "mxfp4": 32, "mxfp8": 32}
 # (significant bits, smallest normal exponent) of the types the kernel computes in

@@ -17,6 +17,9 @@ import mlx.core as mx
 
 from .. import custom
 from ..custom.packed_kv import KV_CACHE_STEP, packed_kv  # noqa: F401 (the per-query form's keys)
+# MLX's CUDA quantized matmul runs its per-row GEMV for calls of at most this many rows: each
+# row gets the single-row call's bits (docs/DETERMINISM.md, qmv_rows)
+from ..custom.qmv_order import MLX_GEMV_ROWS
 
 DENSE_FORMS = ("native", "rowwise", "strided_gemv", "gemv_rows", "skinny", "mma_rows", "cpu_kernel")
 QUANTIZED_FORMS = ("chunks", "skinny", "qmv_rows")
@@ -44,7 +47,8 @@ class Strategy:
         kernels/invariance/composed_attention.py; per query where it cannot serve) or "native".
     quantized_form: "chunks" (quantized_rows per call), "skinny" (kernels/custom: one
         launch for all M <= 64 rows, M = 1 included, in a reduction order fixed by K; modes
-        the kernel lacks keep the chunks) or "qmv_rows" (M = 1 the plain call; 2..64 rows one
+        the kernel lacks keep the chunks) or "qmv_rows" (up to MLX_GEMV_ROWS rows MLX's own
+        call, its per-row GEMV, which costs the host less than a custom launch; 8..64 rows one
         launch of kernels/custom/qmv_rows.cu, each row in the order of MLX's single-row CUDA
         quantized GEMV; cases it has not proven keep the chunks). dense "skinny" is the same kernel for dense
         weights (dtypes it lacks keep strided_gemv). dense "cpu_kernel" is the plain call:
@@ -99,21 +103,22 @@ class Strategy:
 
 
 NATIVE = Strategy("native", dense="native", quantized_rows=0, attention="native")
-STRIDED_GEMV = Strategy("strided_gemv", dense="strided_gemv", quantized_rows=7, attention="per_query_contiguous")
+STRIDED_GEMV = Strategy("strided_gemv", dense="strided_gemv", quantized_rows=MLX_GEMV_ROWS,
+                        attention="per_query_contiguous")
 ROWWISE = Strategy("rowwise", dense="rowwise", quantized_rows=1, attention="per_query_contiguous")
 # Decode keeps MLX's own single-row GEMV, dense or quantized; blocks run kernels that follow
 # their orders (CUDA).
-GEMV_ROWS = Strategy("gemv_rows", dense="gemv_rows", quantized_rows=7, attention="per_query_contiguous",
+GEMV_ROWS = Strategy("gemv_rows", dense="gemv_rows", quantized_rows=MLX_GEMV_ROWS, attention="per_query_contiguous",
                      quantized_form="qmv_rows")
-SKINNY = Strategy("skinny", dense="skinny", quantized_rows=7, attention="per_query_contiguous",
+SKINNY = Strategy("skinny", dense="skinny", quantized_rows=MLX_GEMV_ROWS, attention="per_query_contiguous",
                   quantized_form="skinny")
 # gemv_rows' forms but for large 16-bit dense layers, whose rows (one included) run on tensor
 # cores (CUDA): its quantized layers keep gemv_rows' bits.
-MMA_ROWS = Strategy("mma_rows", dense="mma_rows", quantized_rows=7, attention="per_query_contiguous",
+MMA_ROWS = Strategy("mma_rows", dense="mma_rows", quantized_rows=MLX_GEMV_ROWS, attention="per_query_contiguous",
                     quantized_form="qmv_rows")
 # Attention as matmuls the shim's kernel takes (one set of calls for all rows, decode
 # included): per query, a CPU step pays op overhead for every row (composed_attention.py).
-CPU_KERNEL = Strategy("cpu_kernel", dense="cpu_kernel", quantized_rows=7, attention="composed")
+CPU_KERNEL = Strategy("cpu_kernel", dense="cpu_kernel", quantized_rows=MLX_GEMV_ROWS, attention="composed")
 STRATEGIES = {s.name: s for s in (NATIVE, STRIDED_GEMV, ROWWISE, GEMV_ROWS, SKINNY, MMA_ROWS, CPU_KERNEL)}
 
 
@@ -200,10 +205,10 @@ def quantized_rows(
 ) -> mx.array:
     """mx.quantized_matmul(x, W.T) (any mode) with at most `rows_per_call` rows per call, or
     (forms "skinny", "qmv_rows") a custom kernel where it takes this case, for all rows in
-    one launch (qmv_rows: from 2 rows; one row is the plain call)."""
+    one launch (qmv_rows: from 8 rows; fewer are MLX's own call, its per-row GEMV)."""
     *lead, k = x.shape
     m = math.prod(lead)
-    if form == "skinny" or (form == "qmv_rows" and m > 1):
+    if form == "skinny" or (form == "qmv_rows" and m > MLX_GEMV_ROWS):
         out = quantized_rows_in_one_launch(x, weight, scales, biases, group_size=group_size, bits=bits, mode=mode,
                                            form=form)
         if out is not None:
@@ -217,6 +222,8 @@ def quantized_rows(
         )
 
     if rows_per_call <= 0 or m <= rows_per_call:
+        if math.prod(lead[:-1]) == 1:  # (M, K) or (1, M, K): MLX sees one matrix of rows as it is
+            return call(x)
         out = call(rows)
     else:
         out = mx.concatenate(
@@ -240,10 +247,14 @@ def _quantized_kernel(rows, weight, scales, biases, group_size: int, bits: int, 
 def quantized_rows_in_one_launch(x: mx.array, weight: mx.array, scales: mx.array, biases, *, group_size: int,
                                  bits: int, mode: str, form: str):
     """quantized_rows(...) as one kernel launch for all of x's rows, where the form's kernel
-    takes them (its rows do not depend on the call's width); None otherwise."""
+    takes them (its rows do not depend on the call's width); None otherwise. qmv_rows: a call
+    of at most MLX_GEMV_ROWS rows is MLX's own (one call, each row its GEMV)."""
     if form == "qmv_rows":
         if weight.ndim != 2:
             return None
+        if rows_of(x) <= MLX_GEMV_ROWS:
+            return quantized_rows(x, weight, scales, biases, group_size=group_size, bits=bits, mode=mode,
+                                  rows_per_call=MLX_GEMV_ROWS, form=form)
         n, packed = weight.shape
         launch = custom.qmv_rows.one_launch(x.shape[:-1], n, x.shape[-1], mode, bits, group_size, x.dtype,
                                             weight.dtype, packed, scales.dtype, None if biases is None else biases.dtype)

@@ -92,6 +92,24 @@ def test_qmv_rows_rows_are_mlxs_single_row_call_at_every_width_up_to_l(fmt):
         assert bad == [], f"{t}: rows differ from MLX's single-row call at widths {bad}"
 
 
+MLX_ROWS_SHAPES = [SMOL_LINEARS["k_v"], SMOL_LINEARS["gate_up"], SMOL_LINEARS["head"], LINEARS["k_v"]]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mlxs_own_call_of_up_to_7_rows_gives_each_row_its_single_row_bits(fmt):
+    """What qmv_rows leaves to MLX (calls of 2..MLX_GEMV_ROWS rows: its per-row GEMV) keeps every
+    row's single-row bits, at a small model's shapes and an 8B's, x as (M, K) and (1, M, K)."""
+    for n, k in MLX_ROWS_SHAPES:
+        for t in (mx.bfloat16, mx.float16):
+            x = rand((qmv_order.MLX_GEMV_ROWS, k), t, 11)
+            wq, scales, biases, kw = quantized(n, k, fmt, t, 8)
+            call = lambda r: mx.quantized_matmul(r, wq, scales, biases, transpose=True, **kw)  # noqa: E731
+            alone = rows_alone(call, x)
+            widths = range(2, qmv_order.MLX_GEMV_ROWS + 1)
+            assert widths_keeping_row_bits(call, x, alone, widths) == [], (n, k, t)
+            assert widths_keeping_row_bits(lambda r: call(r[None])[0], x, alone, widths) == [], (n, k, t)
+
+
 WIDE = (33, 48, 64)  # a wide deterministic call in one launch: up to the kernel's 64 rows
 
 
