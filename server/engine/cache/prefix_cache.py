@@ -104,8 +104,8 @@ class PrefixCache:
         memory, or from disk where that holds a longer prefix (`layers`: the model's, which a
         disk entry must match). `canonical_only`: only an entry's canonical positions count (a
         request that writes canonical KV must not start from other bits). `disk_namespace`:
-        where the disk tier keeps this request's grid of chunks (default `namespace`:
-        canonical chunks)."""
+        where the disk tier keeps this request's kind of KV (default `namespace`: canonical
+        KV; plain requests' under a namespace of their own)."""
         disk_namespace = disk_namespace or namespace
         with self._lock:
             best, best_len = None, 0
