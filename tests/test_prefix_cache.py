@@ -15,6 +15,7 @@ import lockstep.server.engine.runner.model_runner as model_runner
 from tests.doubles.shape_variant import shape_variant_backend
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.kernels.invariance.selftest import bits_equal
+from lockstep.server.engine.guarantee.decode_plan import plan_request
 from lockstep.server.engine.guarantee.deployment import Deployment
 from lockstep.server.engine.guarantee.guarantee import Guarantee
 from lockstep.server.engine.generate import GenerationRequest
@@ -184,19 +185,8 @@ def sorted_rows(run):
     return [run.decode_logits[p][-1] for p in sorted(run.decode_logits)]
 
 
-def cold_and_cached(tiny, prompt, sampling, warm_with, *, deployment):
-    """(cold run, run after `warm_with` was prefilled into a prefix cache, cache stats)."""
-    cold = run_generate(tiny, prompt, TOKENS, sampling, deployment=deployment)
-    pc = PrefixCache(4)
-    run_generate(tiny, warm_with, 1, sampling, deployment=deployment, prefix_cache=pc)
-    cached = run_generate(tiny, prompt, TOKENS, sampling, deployment=deployment, prefix_cache=pc)
-    return cold, cached, pc
-
-
 def plans(deployment):
     """(deterministic plan, plain plan) under `deployment`."""
-    from lockstep.server.engine.guarantee.decode_plan import plan_request
-
     det = plan_request(deployment, deterministic=True, speculative=None, num_draft_tokens=None)
     plain = plan_request(deployment, deterministic=False, speculative=None, num_draft_tokens=None)
     assert det.determinism != "none" and plain.determinism == "none"
@@ -306,12 +296,8 @@ def test_a_deterministic_request_never_starts_from_a_plain_prompts_smaller_chunk
     the engine less per step), which writes other KV bits under the double: a deterministic
     request after it must still get its cold bits (it does not start from that entry), while
     a plain request reuses it."""
-    from lockstep.server.engine.guarantee.decode_plan import plan_request
-
     deployment = Deployment(prefill_chunk=CHUNK, plain_prefill_chunk=CHUNK // 2)
-    det = plan_request(deployment, deterministic=True, speculative=None, num_draft_tokens=None)
-    plain = plan_request(deployment, deterministic=False, speculative=None, num_draft_tokens=None)
-    assert det.determinism != "none" and plain.determinism == "none"
+    det, plain = plans(deployment)
     with shape_variant_backend():
         cold = run_generate(tiny, PROMPT, TOKENS, GREEDY, plan=det, deployment=deployment)
         pc = PrefixCache(4)
@@ -329,8 +315,6 @@ def test_a_deterministic_request_never_starts_from_a_plain_prompts_native_chunks
     their wide 4-bit calls then take another kernel), a plain request's prompt runs them and its
     entry is kept apart: a deterministic request after it neither runs them nor starts from that
     entry, while a plain request reuses it."""
-    from lockstep.server.engine.guarantee.decode_plan import plan_request
-
     from lockstep.kernels.invariance import layers
 
     native = []  # per prompt chunk: whether it ran under native forms
@@ -342,8 +326,7 @@ def test_a_deterministic_request_never_starts_from_a_plain_prompts_native_chunks
 
     monkeypatch.setattr(model_runner, "prompt_forward", recorded)
     deployment = Deployment(prefill_chunk=CHUNK, plain_prompt_native=True)
-    det = plan_request(deployment, deterministic=True, speculative=None, num_draft_tokens=None)
-    plain = plan_request(deployment, deterministic=False, speculative=None, num_draft_tokens=None)
+    det, plain = plans(deployment)
     pc = PrefixCache(4)
     run_generate(tiny, PROMPT, 1, GREEDY, plan=plain, deployment=deployment, prefix_cache=pc)
     assert native == [True] * -(-(len(PROMPT) - 1) // CHUNK)  # every chunk of its prompt
