@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from lockstep.kernels.batching.kv_pool import fill_prefix, is_pooled
-from lockstep.kernels.invariance.prefill import chunk_end, resume_at, rows_are_canonical
+from lockstep.kernels.invariance.prefill import chunk_end, resume_at
 
 from lockstep.server.engine.guarantee.decode_plan import PLAIN, DecodePlan, Determinism
 
@@ -132,10 +132,11 @@ class RequestState:
         # A long plain prompt may go in smaller chunks (it then holds the engine less per
         # step); its KV then is not canonical, which the prefix cache keeps apart. A prompt
         # within one small chunk keeps the canonical grid (and where a cached prefix resumes).
-        small = self.determinism == Determinism.NONE and 0 < plain_chunk < len(self.prompt) - 1
+        plain = self.determinism == Determinism.NONE
+        small = plain and 0 < plain_chunk < len(self.prompt) - 1
         self._chunk = min(canonical_chunk, plain_chunk) if small else canonical_chunk
         # Where plain prompts' chunks run native forms (Deployment.plain_prompt_native), so does its KV.
-        self.native_prompt = self.determinism == Determinism.NONE and bool(deployment and deployment.plain_prompt_native)
+        self.native_prompt = plain and bool(deployment and deployment.plain_prompt_native)
         self._canonical_kv = self._chunk == canonical_chunk and not self.native_prompt
         # Rows (of a call) whose bits do not depend on the call's width, as its prompt runs them:
         # none in native forms (a chunk's last, narrower call may run another kernel).
@@ -150,7 +151,6 @@ class RequestState:
         # guaranteed); a deterministic one from canonical positions alone. On disk, plain
         # requests keep what they prefilled under a namespace of their own; the canonical one
         # gets only KV any prompt sharing it computes the same.
-        plain = self.determinism == Determinism.NONE
         self._disk_namespace = (f"{self._namespace}/plain" if plain and self._namespace is not None
                                 else self._namespace)
         fresh = cache if cache is not None else make_prompt_cache(model)
@@ -209,8 +209,8 @@ class RequestState:
 
     def _resumes_on_grid(self, pos: int) -> bool:
         """A prefill resuming at `pos` computes each later chunk as a cold prefill does: `pos`
-        is a chunk boundary, or every row of a chunk gets its solo bits."""
-        return pos % self._chunk == 0 or rows_are_canonical(self._canonical_rows, self._chunk)
+        is a chunk boundary, or every row of a chunk gets its solo bits (prefill.py's rule: no rewind)."""
+        return resume_at(pos, self._chunk, self._canonical_rows) == pos
 
     @property
     def prefilling(self) -> bool:
