@@ -132,7 +132,8 @@ def rows_bit_identical(a: list, b: list) -> bool:
 def steps_from(model, prompt: list[int], n: int, params: SamplingParams, *, drafter=None,
                k: int = 0) -> list:
     """The first `n` `token_steps.Step`s of plain (drafter None) or speculative decoding,
-    after prefilling prompt[:-1] in one call, exactly as generate() sets them up."""
+    after prefilling prompt[:-1] (chunks of a `--prefill-chunk` as wide as the prompt: the
+    grid's points below it, kernels/invariance/prefill.py), as generate() sets them up."""
     runner = ModelRunner(model, batched=False)
     cache = make_prompt_cache(model)
     for _ in runner.prefill_cache(cache, prompt[:-1], chunk=max(1, len(prompt))):

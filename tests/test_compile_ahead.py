@@ -92,7 +92,7 @@ class HeldChildren:
         self.closed = True
 
 
-PROMPT = " ".join(f"w{5 + i}" for i in range(40))  # a prompt of over 33 tokens: a wide chunk once allowed
+PROMPT = " ".join(f"w{5 + i}" for i in range(100))  # 100 tokens: on the prefill grid, a chunk [64, 99) of over 32 rows
 
 
 def test_with_the_wide_stage_deferred_prompts_go_a_row_a_step_until_it_is_audited(

@@ -291,6 +291,72 @@ def test_canonical_rows_skip_the_rewind(tiny, invariance, monkeypatch):
         assert resume_point(deployment, deterministic=False) == (15, 1)
 
 
+# A chunk of 64 puts grid points at 16 and 32 (kernels/invariance/prefill.py): a prompt of 60
+# (59 prefilled) runs [0, 16), [16, 32), [32, 59); one of 41 (40 prefilled) runs [0, 16), [16, 40).
+WIDE = 64
+LONG = [(11 * i + 5) % 256 for i in range(60)]
+SHARES_40 = LONG[:40] + [(3 * i + 2) % 256 for i in range(20)]
+SHORT_40 = LONG[:41]
+
+
+def first_prompt_call(monkeypatch):
+    """Records each prompt chunk's (start, rows); returns the list."""
+    calls = []
+    original = model_runner.prompt_forward
+
+    def counting(model, cache, tokens):
+        calls.append((cache[0].offset, len(tokens)))
+        return original(model, cache, tokens)
+
+    monkeypatch.setattr(model_runner, "prompt_forward", counting)
+    return calls
+
+
+@pytest.mark.parametrize("grid", ["halving", "uniform chunks"])
+def test_a_short_shared_prefix_resumes_at_a_grid_point_below_one_chunk(tiny, invariance, monkeypatch, grid):
+    """A deterministic request sharing 40 tokens with an earlier prompt, both shorter than a
+    chunk, resumes at the grid point 32 and gets its cold bits. Negative control: cold prefills
+    in whole chunks (the old grid) while hits still resume at 32 changes the bits, under a
+    double whose GEMMs change between calls of up to 32 rows and wider ones, as GPU tiles do."""
+    import lockstep.server.engine.decoding.request_state as request_state
+
+    if grid == "uniform chunks":
+        monkeypatch.setattr(request_state, "chunk_end", lambda pos, n, chunk: min(n, (pos // chunk + 1) * chunk))
+    deployment = Deployment(guarantee=Guarantee.installed(invariance(4)), prefill_chunk=WIDE)
+    det, _ = plans(deployment)
+    calls = first_prompt_call(monkeypatch)
+    with shape_variant_backend(dense_rows=32):
+        cold = run_generate(tiny, LONG, TOKENS, GREEDY, plan=det, deployment=deployment)
+        pc = PrefixCache(4)
+        run_generate(tiny, SHARES_40, 1, GREEDY, plan=det, deployment=deployment, prefix_cache=pc)
+        calls.clear()
+        cached = run_generate(tiny, LONG, TOKENS, GREEDY, plan=det, deployment=deployment, prefix_cache=pc)
+    assert pc.hits == 1 and calls[0] == (32, 27)
+    assert same_run(cold, cached) == (grid == "halving")
+
+
+@pytest.mark.parametrize("entry", ["as written", "canonical throughout"])
+def test_an_entry_is_reused_only_up_to_its_last_chunks_start(tiny, invariance, monkeypatch, entry):
+    """A 40-token prefill ran [16, 40) as one chunk, so its entry is canonical only up to 16: a
+    longer prompt sharing all 40 resumes there, not at its own grid point 32, and gets its cold
+    bits. Negative control: the entry marked canonical throughout changes them."""
+    import lockstep.server.engine.decoding.request_state as request_state
+
+    if entry == "canonical throughout":
+        monkeypatch.setattr(request_state, "exact_length", lambda length, chunk, canonical: length)
+    deployment = Deployment(guarantee=Guarantee.installed(invariance(4)), prefill_chunk=WIDE)
+    det, _ = plans(deployment)
+    calls = first_prompt_call(monkeypatch)
+    with shape_variant_backend():
+        cold = run_generate(tiny, LONG, TOKENS, GREEDY, plan=det, deployment=deployment)
+        pc = PrefixCache(4)
+        run_generate(tiny, SHORT_40, 1, GREEDY, plan=det, deployment=deployment, prefix_cache=pc)
+        calls.clear()
+        cached = run_generate(tiny, LONG, TOKENS, GREEDY, plan=det, deployment=deployment, prefix_cache=pc)
+    assert pc.hits == 1 and calls[0] == ((16, 16) if entry == "as written" else (32, 27))
+    assert same_run(cold, cached) == (entry == "as written")
+
+
 def test_a_deterministic_request_never_starts_from_a_plain_prompts_smaller_chunks(tiny):
     """A plain prompt goes in chunks smaller than --prefill-chunk (on the CPU: a long one holds
     the engine less per step), which writes other KV bits under the double: a deterministic

@@ -165,7 +165,7 @@ def test_a_plain_long_prompt_goes_in_plain_chunks_a_deterministic_one_in_canonic
         engine.stop()
     assert order == ["short", "long"]
     assert max(plain_widths) == 8 and sum(plain_widths) == 99 + 2
-    assert widths["target"] == [32, 32, 32, 3]  # canonical chunks, from position 0
+    assert widths["target"] == [16, 16, 32, 32, 3]  # canonical chunks on the grid (16, 32, 64, ...)
 
 
 def test_a_long_plain_prompt_leaves_every_other_step_to_decoding_requests(tiny, monkeypatch):
@@ -239,12 +239,14 @@ def test_a_long_deterministic_prompt_yields_steps_to_decoding_requests_in_canoni
         engine.stop()
     assert order == ["short", "long"]
     assert beside["long"] == alone["long"] and alone["long"][1]  # the same tokens and logprob bits
-    chunks = [i for i, event in enumerate(events) if event == 32]
-    assert len(chunks) == 6  # 199 prompt tokens: canonical chunks from position 0 (6 x 32, then 7)
+    chunks = [i for i, event in enumerate(events) if event in (16, 32)]
+    # 199 prompt tokens: canonical chunks on the grid (16, 16, 5 x 32, then 7)
+    assert [events[i] for i in chunks] == [16, 16] + [32] * 5
     # the short request's 12 decode passes come first (the long one decodes after its prompt)
     last_short = [i for i, event in enumerate(events) if event == "decode"][11]
-    between = [events[a:b].count("decode") for a, b in zip(chunks, chunks[1:]) if b < last_short]
-    assert between and min(between) >= 32 // 8  # the short request's decode steps between two chunks
+    between = [(events[b], events[a:b].count("decode")) for a, b in zip(chunks, chunks[1:]) if b < last_short]
+    # the short request's decode steps before each chunk: as many as the plain chunks it spans
+    assert between and all(decodes >= width // 8 for width, decodes in between)
 
 
 def test_the_cpu_deployment_chunks_deterministic_prompts_narrower_unless_told(monkeypatch):

@@ -3,13 +3,20 @@ same KV cache and next-token logits, bit for bit, as a cold prefill of the whole
 a deterministic request needs; a plain one resumes where its hit ends,
 server/engine/decoding/request_state.py).
 
-Chunk boundaries sit at multiples of `chunk` counted from position 0, never from where the
-cached prefix happens to end: every position is computed in the same chunk shape either way.
+Chunks end on a grid of absolute positions, never where a cached prefix happens to end, so
+every position is computed in the same call either way. The grid halves below one chunk
+(16, 32, 64, ... up to half a chunk, then every multiple of `chunk`): a short shared prefix (a
+system prompt, an earlier turn) is reusable too, at the cost of a few narrow chunks at a long
+prompt's start. A point below one chunk ends a prompt's chunk only when at least
+`SMALLEST_CHUNK` tokens follow it (a shorter rest joins the chunk before, which stays within
+half a chunk), so no prompt ends in a sliver too narrow to share a prefill pass
+(kernels/batching/shared_prefill_proof.py). Which chunks a prompt runs depends on its length
+and the grid alone, so positions up to a point that ends a chunk of both prompts hold the
+same KV in both (`resume_at`, `exact_length`).
 If a whole chunk's rows are proven canonical (`canonical_rows` >= chunk: the deployment's
-guarantee says so, server/engine/guarantee/guarantee.py), every row is computed as it would be alone,
-so any cached prefix (from prefill or from decode) is already what a cold prefill writes.
-Otherwise a prefix ending mid-chunk is rewound to its chunk's start and that chunk
-recomputed whole.
+guarantee says so, server/engine/guarantee/guarantee.py), every row is computed as it would be
+alone, so any cached prefix (from prefill or from decode) is already what a cold prefill
+writes. Otherwise a prefix is rewound to the last point that ends one of the prompt's chunks.
 """
 import mlx.core as mx
 
@@ -31,20 +38,58 @@ def rows_are_canonical(canonical: int, chunk: int) -> bool:
     return chunk <= canonical
 
 
-def resume_at(cached: int, chunk: int, canonical: int) -> int:
-    """Where prefill resumes over `cached` positions: right there when a chunk's rows are
-    canonical, else at the start of the chunk they end in (that chunk is recomputed whole)."""
-    return cached if rows_are_canonical(canonical, chunk) else cached - cached % chunk
+# The grid's first point, and the fewest tokens a point below one chunk leaves after it: the
+# narrowest chunk a deterministic request may prefill beside others (MIN_SHARED_CHUNK).
+SMALLEST_CHUNK = 16
+
+
+def _halving_points(chunk: int) -> list[int]:
+    """The grid's points below one chunk: SMALLEST_CHUNK, twice that, ... up to half a chunk."""
+    points, p = [], SMALLEST_CHUNK
+    while p <= chunk // 2:
+        points.append(p)
+        p *= 2
+    return points
+
+
+def _ends_chunk(point: int, n_tokens: int, chunk: int) -> bool:
+    """Whether a grid point below one chunk ends a chunk of an `n_tokens` prefill (or is its end)."""
+    return point == n_tokens or point + SMALLEST_CHUNK <= n_tokens
+
+
+def resume_at(cached: int, chunk: int, canonical: int, n_tokens: int) -> int:
+    """Where a prefill of `n_tokens` resumes over `cached` positions: right there when a chunk's
+    rows are canonical, else at the last grid point at or before `cached` that ends one of its
+    chunks (the chunks after it are recomputed)."""
+    if rows_are_canonical(canonical, chunk):
+        return cached
+    start = cached - cached % chunk
+    for point in _halving_points(chunk):
+        if start < point <= cached and _ends_chunk(point, n_tokens, chunk):
+            start = point
+    return start
 
 
 def chunk_end(pos: int, n_tokens: int, chunk: int) -> int:
-    """End of the chunk starting at `pos`: the next multiple of `chunk`, or the prompt's end."""
-    return min(n_tokens, (pos // chunk + 1) * chunk)
+    """End of the chunk starting at `pos` of an `n_tokens` prefill: the next grid point that
+    ends one of its chunks, or the prompt's end."""
+    end = min(n_tokens, (pos // chunk + 1) * chunk)
+    for point in _halving_points(chunk):
+        if pos < point < end and _ends_chunk(point, n_tokens, chunk):
+            return point
+    return end
+
+
+def exact_length(length: int, chunk: int, canonical: int) -> int:
+    """How many of a `length`-token prefill's positions hold KV that every prompt sharing them
+    computes the same: all where rows are canonical, else up to its last grid point that ends
+    one of its chunks (the chunk after it was cut by this prompt's end)."""
+    return resume_at(length, chunk, canonical, length)
 
 
 def aligned_start(cache_offset: int, n_tokens: int, chunk: int, canonical: int) -> int:
     """Where prefill must resume; never past the last token (its logits are the result)."""
-    return resume_at(min(cache_offset, n_tokens - 1), chunk, canonical)
+    return resume_at(min(cache_offset, n_tokens - 1), chunk, canonical, n_tokens)
 
 
 def prefill(model, tokens, cache, *, start: int | None = None, chunk: int = 512) -> mx.array:

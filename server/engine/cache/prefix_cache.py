@@ -2,9 +2,9 @@
 
 Only KV written by prompt prefill is stored (never decode-written rows). Each entry says how
 many of its leading positions hold canonical KV (`canonical_length`): KV written in canonical
-chunks (`--prefill-chunk`, aligned to absolute positions, kernels/invariance/prefill.py) from a
-canonical start. A deterministic request starts only from those positions and resumes at a
-chunk boundary, so it computes the same KV whether its prefix was cached or not. A plain
+chunks (ending on the grid of kernels/invariance/prefill.py) from a canonical start, up to the
+start of the writer's last chunk. A deterministic request starts only from those positions and
+resumes at a grid point, so it computes the same KV whether its prefix was cached or not. A plain
 request starts from the whole common prefix and resumes right there (its bits are not
 guaranteed); what it writes after a resume mid-chunk, or in a plain prompt's smaller chunks
 (on the CPU, deployment.py `plain_prefill_chunk`), is not canonical, and its entry says so
@@ -23,7 +23,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from lockstep.kernels.batching.kv_pool import is_pooled
-from lockstep.kernels.invariance.prefill import rows_are_canonical
+from lockstep.kernels.invariance.prefill import SMALLEST_CHUNK, rows_are_canonical
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -182,7 +182,7 @@ class PrefixCache:
 
 def namespace(deployment) -> str | None:
     """What a cached prefix's bits depend on besides its tokens: the deployment's fingerprint
-    (weights, kernels, L, prefill chunk, backend...), the guarantee in force (rows proven, so
+    (weights, kernels, L, prefill chunk, backend...), the chunk grid (kernels/invariance/prefill.py), the guarantee in force (rows proven, so
     KV written while the startup proofs ran is never read under the guarantee) and whether
     rows are canonical now. None where the deployment has no fingerprint (nothing to key a
     disk entry by; the memory tier still serves its own process)."""
@@ -190,15 +190,8 @@ def namespace(deployment) -> str | None:
         return None
     chunk, guarantee = deployment.prefill_chunk, deployment.guarantee
     guaranteed = guarantee.call_rows if guarantee.guaranteed else 0
-    return (f"{deployment.fingerprint}/chunk={chunk}/guaranteed={guaranteed}"
+    return (f"{deployment.fingerprint}/chunk={chunk}/smallest={SMALLEST_CHUNK}/guaranteed={guaranteed}"
             f"/canonical={int(rows_are_canonical(guarantee.canonical_rows, chunk))}")
-
-
-def exact_length(length: int, chunk: int, canonical_rows: int) -> int:
-    """How many of a prompt's `length` prefilled positions hold KV that every prompt sharing
-    them computes the same: all where rows are canonical, else those of whole chunks (the last,
-    partial chunk was computed in a narrower call than a longer prompt's)."""
-    return length if rows_are_canonical(canonical_rows, chunk) else length - length % chunk
 
 
 _DISK_DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}  # KV of other types stays in memory

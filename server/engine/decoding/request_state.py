@@ -24,13 +24,13 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from lockstep.kernels.batching.kv_pool import fill_prefix, is_pooled
-from lockstep.kernels.invariance.prefill import chunk_end, resume_at
+from lockstep.kernels.invariance.prefill import chunk_end, exact_length, resume_at
 
 from lockstep.server.engine.guarantee.decode_plan import PLAIN, DecodePlan, Determinism
 
 from lockstep.server.engine.guarantee.deployment import PREFILL_CHUNK, Deployment
 from lockstep.server.engine.decoding.logits_processors import processors_for
-from lockstep.server.engine.cache.prefix_cache import PrefixCache, copy_prefix, exact_length, namespace
+from lockstep.server.engine.cache.prefix_cache import PrefixCache, copy_prefix, namespace
 from lockstep.server.engine.decoding.sampling import SamplingParams
 from lockstep.server.engine.guarantee.receipt import Receipt
 from lockstep.server.engine.decoding.request_report import RequestReport
@@ -171,15 +171,16 @@ class RequestState:
         self.closed = False  # set by the engine when it drops this request
         self._prefilled_alone = True  # every prompt chunk so far ran in a pass of its own
         # All but the last prompt token are prefilled; decoding starts by feeding the last one.
-        # A plain request resumes where its hit ends; a deterministic one at the start of the
-        # chunk the hit ends in (unless rows are canonical), so a hit gives its cold bits.
+        # A plain request resumes where its hit ends; a deterministic one at the last grid point
+        # before it that ends one of its chunks (unless rows are canonical), so a hit gives its cold bits.
         done = hit.length if hit else 0
-        self._prefill_pos = done if plain else resume_at(done, self._chunk, self._canonical_rows)
+        self._prefill_pos = done if plain else resume_at(done, self._chunk, self._canonical_rows, len(self.prompt) - 1)
         if self._prefill_pos < done:
             trim_prompt_cache(self.cache, done - self._prefill_pos)
         self.cached_tokens = self._prefill_pos if found else 0
-        # How far this request's KV is what a cold prefill in canonical chunks writes (None: all
-        # it prefills): the memory tier's mark, and the canonical disk namespace's bound.
+        # How far this request's KV is what a cold prefill in canonical chunks writes (None: as
+        # far as a cold prefill's is, `exact_length`): the memory tier's mark, and the canonical
+        # disk namespace's bound.
         start = self._prefill_pos
         from_cache = hit.canonical_length if hit else 0
         self._canonical_length = (None if self._canonical_kv and self._resumes_on_grid(start) and from_cache >= start
@@ -210,7 +211,7 @@ class RequestState:
     def _resumes_on_grid(self, pos: int) -> bool:
         """A prefill resuming at `pos` computes each later chunk as a cold prefill does: `pos`
         is a chunk boundary, or every row of a chunk gets its solo bits (prefill.py's rule: no rewind)."""
-        return resume_at(pos, self._chunk, self._canonical_rows) == pos
+        return resume_at(pos, self._chunk, self._canonical_rows, len(self.prompt) - 1) == pos
 
     @property
     def prefilling(self) -> bool:
@@ -310,11 +311,12 @@ class RequestState:
         self._prefill_pos += tokens
         if not self._target_prefilling and self.prefix_cache and alone and self._prefilled_alone:
             prefilled = len(self.prompt) - 1
-            canonical = prefilled if self._canonical_length is None else min(prefilled, self._canonical_length)
-            on_disk = (prefilled if self._disk_namespace != self._namespace
-                       else exact_length(canonical, self._chunk, self._canonical_rows))
+            # A cold prefill's KV is what every longer prompt computes up to its last chunk's start
+            canonical = (exact_length(prefilled, self._chunk, self._canonical_rows) if self._canonical_length is None
+                         else min(prefilled, self._canonical_length))
+            on_disk = prefilled if self._disk_namespace != self._namespace else canonical
             self.prefix_cache.store(self.prompt[:-1], self.cache, self._namespace,
-                                    canonical_length=self._canonical_length, disk_namespace=self._disk_namespace,
+                                    canonical_length=canonical, disk_namespace=self._disk_namespace,
                                     exact_length=on_disk)
         self._prefilled_alone = self._prefilled_alone and alone
 

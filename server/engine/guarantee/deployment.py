@@ -12,7 +12,7 @@ from lockstep.server.engine.guarantee.guarantee import Guarantee, decide_guarant
 # long one request can hold the engine: a server maximum, `--max-draft-tokens`.
 MAX_DRAFT_TOKENS = 16
 # Prompt tokens one prefill chunk holds (`--prefill-chunk`): a long prompt holds the engine a
-# chunk at a time, and chunks are aligned to multiples of it (kernels/invariance/prefill.py).
+# chunk at a time, and chunks end on a grid of absolute positions (kernels/invariance/prefill.py).
 PREFILL_CHUNK = 512
 # On the CPU, plain prompts (no determinism to keep) go in chunks of at most this many tokens:
 # a 512-token chunk holds the engine ~3 s there, and OpenBLAS prefills 64-row chunks about as

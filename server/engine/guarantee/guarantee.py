@@ -76,7 +76,7 @@ class Guarantee:
     @property
     def canonical_rows(self) -> int:
         """The most rows of one request's call (a prompt chunk) that get their one-row bits: 0
-        unless guaranteed (kernels/invariance/prefill.py aligns prompt chunks by it)."""
+        unless guaranteed (kernels/invariance/prefill.py resumes prompt chunks by it)."""
         return min(self.call_rows, self.request_rows or self.call_rows) if self.guaranteed else 0
 
 

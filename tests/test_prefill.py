@@ -1,0 +1,60 @@
+"""The prefill grid (kernels/invariance/prefill.py): where a prompt's chunks end, where a cached
+prefix resumes, and how much of a prefill any longer prompt computes the same.
+
+The rule the prefix cache relies on: whatever two prompts' lengths, a point where one resumes
+over the other's entry (at most that entry's `exact_length`) is preceded by the same chunks in
+both, so the cached KV is what its own cold prefill writes."""
+import pytest
+
+from lockstep.kernels.invariance.prefill import SMALLEST_CHUNK, chunk_end, exact_length, resume_at
+
+
+def chunks(n: int, chunk: int, start: int = 0) -> list[tuple[int, int]]:
+    out, pos = [], start
+    while pos < n:
+        end = chunk_end(pos, n, chunk)
+        out.append((pos, end))
+        pos = end
+    return out
+
+
+@pytest.mark.parametrize("chunk", [8, 64, 128, 512])
+def test_chunks_cover_the_prompt_and_stay_within_a_chunk(chunk):
+    for n in range(1, 3 * chunk + 40):
+        parts = chunks(n, chunk)
+        assert parts[0][0] == 0 and parts[-1][1] == n
+        assert all(a < b <= a + chunk for a, b in parts)
+        assert all(b == c for (_, b), (c, _) in zip(parts, parts[1:]))
+        # no chunk below one chunk's end leaves a sliver after it
+        assert all(n - b >= SMALLEST_CHUNK for _, b in parts[:-1] if b < chunk)
+
+
+def test_a_short_prompt_is_split_on_the_halving_points():
+    assert chunks(100, 512) == [(0, 16), (16, 32), (32, 64), (64, 100)]
+    assert chunks(40, 512) == [(0, 16), (16, 40)]  # 32 would leave 8 tokens: they join the chunk before
+    assert chunks(1100, 512)[-3:] == [(256, 512), (512, 1024), (1024, 1100)]
+    assert chunks(20, 8) == [(0, 8), (8, 16), (16, 20)]  # no halving points below 2 × 16
+
+
+@pytest.mark.parametrize("chunk", [64, 128, 512])
+def test_a_resume_point_is_preceded_by_the_same_chunks_as_a_cold_prefill(chunk):
+    """For an entry of any length and a prompt of any length sharing it, the point the prompt
+    resumes at (within the entry's exact length) ends one of the prompt's own chunks, and the
+    chunks before it are the entry's."""
+    top = chunk + 80
+    plans = {n: chunks(n, chunk) for n in range(1, top)}
+    for written, theirs in plans.items():
+        exact = exact_length(written, chunk, 0)
+        assert exact <= written
+        for n, own in plans.items():
+            at = resume_at(min(exact, n), chunk, 0, n)
+            assert at <= min(exact, n)
+            assert at in (0, n) or any(b == at for _, b in own)
+            assert [c for c in own if c[1] <= at] == [c for c in theirs if c[1] <= at]
+
+
+def test_canonical_rows_resume_anywhere():
+    assert resume_at(37, 512, 512, 100) == 37
+    assert exact_length(37, 512, 512) == 37
+    assert resume_at(37, 512, 8, 100) == 32
+    assert resume_at(37, 512, 8, 45) == 16  # 32 does not end a chunk of a 45-token prompt
