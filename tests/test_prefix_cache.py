@@ -321,7 +321,7 @@ def test_a_short_shared_prefix_resumes_at_a_grid_point_below_one_chunk(tiny, inv
     import lockstep.server.engine.decoding.request_state as request_state
 
     if grid == "uniform chunks":
-        monkeypatch.setattr(request_state, "chunk_end", lambda pos, n, chunk: min(n, (pos // chunk + 1) * chunk))
+        monkeypatch.setattr(request_state, "chunk_end", lambda pos, n, chunk, halving=True: min(n, (pos // chunk + 1) * chunk))
     deployment = Deployment(guarantee=Guarantee.installed(invariance(4)), prefill_chunk=WIDE)
     det, _ = plans(deployment)
     calls = first_prompt_call(monkeypatch)
@@ -355,6 +355,32 @@ def test_an_entry_is_reused_only_up_to_its_last_chunks_start(tiny, invariance, m
         cached = run_generate(tiny, LONG, TOKENS, GREEDY, plan=det, deployment=deployment, prefix_cache=pc)
     assert pc.hits == 1 and calls[0] == ((16, 16) if entry == "as written" else (32, 27))
     assert same_run(cold, cached) == (entry == "as written")
+
+
+@pytest.mark.parametrize("plain_kv", ["as written", "marked canonical"])
+def test_a_plain_prompt_goes_in_whole_chunks_and_deterministic_requests_do_not_start_from_it(
+        tiny, invariance, monkeypatch, plain_kv):
+    """A plain request's cold prompt runs whole chunks (one call for 59 tokens, no narrow steps);
+    a deterministic request after it, sharing 40 tokens, does not start from that KV and gets its
+    cold bits. Negative control: that KV marked canonical changes them (a double whose GEMMs
+    change between calls of up to 32 rows and wider ones)."""
+    import lockstep.server.engine.decoding.request_state as request_state
+
+    if plain_kv == "marked canonical":
+        monkeypatch.setattr(request_state, "whole_chunks_are_canonical", lambda chunk, canonical: True)
+    deployment = Deployment(guarantee=Guarantee.installed(invariance(4)), prefill_chunk=WIDE)
+    det, plain = plans(deployment)
+    calls = first_prompt_call(monkeypatch)
+    with shape_variant_backend(dense_rows=32):
+        cold = run_generate(tiny, LONG, TOKENS, GREEDY, plan=det, deployment=deployment)
+        assert calls == [(0, 16), (16, 16), (32, 27)]
+        pc = PrefixCache(4)
+        calls.clear()
+        run_generate(tiny, SHARES_40, 1, GREEDY, plan=plain, deployment=deployment, prefix_cache=pc)
+        assert calls == [(0, 59)]
+        after = run_generate(tiny, LONG, TOKENS, GREEDY, plan=det, deployment=deployment, prefix_cache=pc)
+    assert (pc.hits == 0) == (plain_kv == "as written")
+    assert same_run(cold, after) == (plain_kv == "as written")
 
 
 def test_a_deterministic_request_never_starts_from_a_plain_prompts_smaller_chunks(tiny):

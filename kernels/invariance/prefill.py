@@ -12,7 +12,9 @@ prompt's start. A point below one chunk ends a prompt's chunk only when at least
 half a chunk), so no prompt ends in a sliver too narrow to share a prefill pass
 (kernels/batching/shared_prefill_proof.py). Which chunks a prompt runs depends on its length
 and the grid alone, so positions up to a point that ends a chunk of both prompts hold the
-same KV in both (`resume_at`, `exact_length`).
+same KV in both (`resume_at`, `exact_length`). A request with no determinism to keep takes
+whole chunks (`chunk_end(halving=False)`): it resumes wherever its hit ends anyway, and the narrow
+chunks would cost its cold prompts steps.
 If a whole chunk's rows are proven canonical (`canonical_rows` >= chunk: the deployment's
 guarantee says so, server/engine/guarantee/guarantee.py), every row is computed as it would be
 alone, so any cached prefix (from prefill or from decode) is already what a cold prefill
@@ -57,6 +59,12 @@ def _ends_chunk(point: int, n_tokens: int, chunk: int) -> bool:
     return point == n_tokens or point + SMALLEST_CHUNK <= n_tokens
 
 
+def whole_chunks_are_canonical(chunk: int, canonical: int) -> bool:
+    """Whether a prefill in whole chunks (`chunk_end(halving=False)`) writes the canonical KV:
+    where rows are canonical, or where the grid has no point below one chunk."""
+    return rows_are_canonical(canonical, chunk) or not _halving_points(chunk)
+
+
 def resume_at(cached: int, chunk: int, canonical: int, n_tokens: int) -> int:
     """Where a prefill of `n_tokens` resumes over `cached` positions: right there when a chunk's
     rows are canonical, else at the last grid point at or before `cached` that ends one of its
@@ -70,11 +78,12 @@ def resume_at(cached: int, chunk: int, canonical: int, n_tokens: int) -> int:
     return start
 
 
-def chunk_end(pos: int, n_tokens: int, chunk: int) -> int:
+def chunk_end(pos: int, n_tokens: int, chunk: int, *, halving: bool = True) -> int:
     """End of the chunk starting at `pos` of an `n_tokens` prefill: the next grid point that
-    ends one of its chunks, or the prompt's end."""
+    ends one of its chunks, or the prompt's end. `halving` False: the next multiple of `chunk`
+    (a plain request's chunks: the narrow ones only pay back where bits must match a cold run)."""
     end = min(n_tokens, (pos // chunk + 1) * chunk)
-    for point in _halving_points(chunk):
+    for point in _halving_points(chunk) if halving else ():
         if pos < point < end and _ends_chunk(point, n_tokens, chunk):
             return point
     return end

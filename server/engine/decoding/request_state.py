@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from lockstep.kernels.batching.kv_pool import fill_prefix, is_pooled
-from lockstep.kernels.invariance.prefill import chunk_end, exact_length, resume_at
+from lockstep.kernels.invariance.prefill import chunk_end, exact_length, resume_at, whole_chunks_are_canonical
 
 from lockstep.server.engine.guarantee.decode_plan import PLAIN, DecodePlan, Determinism
 
@@ -137,10 +137,15 @@ class RequestState:
         self._chunk = min(canonical_chunk, plain_chunk) if small else canonical_chunk
         # Where plain prompts' chunks run native forms (Deployment.plain_prompt_native), so does its KV.
         self.native_prompt = plain and bool(deployment and deployment.plain_prompt_native)
-        self._canonical_kv = self._chunk == canonical_chunk and not self.native_prompt
         # Rows (of a call) whose bits do not depend on the call's width, as its prompt runs them:
         # none in native forms (a chunk's last, narrower call may run another kernel).
         self._canonical_rows = deployment.guarantee.canonical_rows if deployment and not self.native_prompt else 0
+        # A plain prompt goes in whole chunks, without the grid's narrow ones below a chunk (they
+        # cost a cold prompt steps and only pay back where bits must match a cold run), so its KV
+        # is canonical only where whole chunks are the canonical ones.
+        self._halving = not plain
+        self._canonical_kv = (self._chunk == canonical_chunk and not self.native_prompt
+                              and (not plain or whole_chunks_are_canonical(self._chunk, self._canonical_rows)))
         # Set by the scheduler while the kernel audit is partial: the target's next chunk holds
         # at most this many tokens (a width audited); KV so written is never stored for reuse.
         self.chunk_limit: int | None = None
@@ -249,7 +254,7 @@ class RequestState:
         return min(self._draft_pending(), self._draft_chunk)
 
     def _aligned_stop(self) -> int:
-        return chunk_end(self._prefill_pos, len(self.prompt) - 1, self._chunk)
+        return chunk_end(self._prefill_pos, len(self.prompt) - 1, self._chunk, halving=self._halving)
 
     def _chunk_stop(self) -> int:
         """Where the next target chunk ends: its aligned end, or sooner under `chunk_limit`."""
