@@ -6,7 +6,8 @@ over the other's entry (at most that entry's `exact_length`) is preceded by the 
 both, so the cached KV is what its own cold prefill writes."""
 import pytest
 
-from lockstep.kernels.invariance.prefill import SMALLEST_CHUNK, chunk_end, exact_length, resume_at
+from lockstep.kernels.invariance.prefill import (SMALLEST_CHUNK, chunk_end, exact_length, resume_at,
+                                                whole_chunks_are_canonical)
 
 
 def chunks(n: int, chunk: int, start: int = 0) -> list[tuple[int, int]]:
@@ -58,3 +59,16 @@ def test_canonical_rows_resume_anywhere():
     assert exact_length(37, 512, 512) == 37
     assert resume_at(37, 512, 8, 100) == 32
     assert resume_at(37, 512, 8, 45) == 16  # 32 does not end a chunk of a 45-token prompt
+
+
+def test_whole_chunks_are_the_grids_only_where_it_has_no_point_below_a_chunk_or_rows_are_canonical():
+    """A plain request's whole chunks (`halving=False`) skip the narrow ones; its KV then counts
+    as canonical only where that changes nothing."""
+    assert [chunk_end(p, 100, 512, halving=False) for p in (0, 37)] == [100, 100]
+    assert chunk_end(0, 100, 512) == 16
+    assert not whole_chunks_are_canonical(512, 8)
+    assert whole_chunks_are_canonical(512, 512)  # every row its solo bits: any split writes the same
+    assert whole_chunks_are_canonical(31, 0)  # no grid point below a chunk of 31
+    for chunk in (8, 31):
+        assert all(chunk_end(p, n, chunk) == chunk_end(p, n, chunk, halving=False)
+                   for n in range(1, 100) for p in range(n))
