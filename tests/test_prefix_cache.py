@@ -321,7 +321,8 @@ def test_a_short_shared_prefix_resumes_at_a_grid_point_below_one_chunk(tiny, inv
     import lockstep.server.engine.decoding.request_state as request_state
 
     if grid == "uniform chunks":
-        monkeypatch.setattr(request_state, "chunk_end", lambda pos, n, chunk, halving=True: min(n, (pos // chunk + 1) * chunk))
+        monkeypatch.setattr(request_state, "chunk_end",
+                            lambda pos, n, chunk, halving=True: min(n, (pos // chunk + 1) * chunk))
     deployment = Deployment(guarantee=Guarantee.installed(invariance(4)), prefill_chunk=WIDE)
     det, _ = plans(deployment)
     calls = first_prompt_call(monkeypatch)

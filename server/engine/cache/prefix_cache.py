@@ -182,9 +182,9 @@ class PrefixCache:
 
 def namespace(deployment) -> str | None:
     """What a cached prefix's bits depend on besides its tokens: the deployment's fingerprint
-    (weights, kernels, L, prefill chunk, backend...), the chunk grid (kernels/invariance/prefill.py), the guarantee in force (rows proven, so
-    KV written while the startup proofs ran is never read under the guarantee) and whether
-    rows are canonical now. None where the deployment has no fingerprint (nothing to key a
+    (weights, kernels, L, prefill chunk, backend...), the chunk grid (kernels/invariance/prefill.py),
+    the guarantee in force (rows proven, so KV written while the startup proofs ran is never read
+    under the guarantee) and whether rows are canonical now. None where the deployment has no fingerprint (nothing to key a
     disk entry by; the memory tier still serves its own process)."""
     if deployment is None or not deployment.fingerprint:
         return None
