@@ -255,18 +255,24 @@ def test_alignment_is_what_makes_a_mid_chunk_hit_exact(tiny, monkeypatch):
     assert not bits_equal(sorted_rows(cold)[0], sorted_rows(unaligned)[0])
 
 
+def prompt_calls(monkeypatch):
+    """Records each prompt chunk's (start, rows); returns the list."""
+    calls = []
+    original = model_runner.prompt_forward
+
+    def counting(model, cache, tokens):
+        calls.append((cache[0].offset, len(tokens)))
+        return original(model, cache, tokens)
+
+    monkeypatch.setattr(model_runner, "prompt_forward", counting)
+    return calls
+
+
 def test_canonical_rows_skip_the_rewind(tiny, invariance, monkeypatch):
     """A deterministic request's hit resumes exactly where the cached prefix ends with L >=
     chunk (nothing is recomputed); with L < chunk or with no guarantee settled it resumes at the
     chunk start. A plain request's resumes where it ends, whatever L (native forms included)."""
-    calls = []
-    original = model_runner.prompt_forward
-
-    def counting_step(model, cache, tokens):
-        calls.append((cache[0].offset, len(tokens)))
-        return original(model, cache, tokens)
-
-    monkeypatch.setattr(model_runner, "prompt_forward", counting_step)
+    calls = prompt_calls(monkeypatch)
 
     def resume_point(deployment, *, deterministic=True):
         """Where the first prompt chunk after a prefix hit (SHARED cached) starts, and its rows."""
@@ -299,19 +305,6 @@ SHARES_40 = LONG[:40] + [(3 * i + 2) % 256 for i in range(20)]
 SHORT_40 = LONG[:41]
 
 
-def first_prompt_call(monkeypatch):
-    """Records each prompt chunk's (start, rows); returns the list."""
-    calls = []
-    original = model_runner.prompt_forward
-
-    def counting(model, cache, tokens):
-        calls.append((cache[0].offset, len(tokens)))
-        return original(model, cache, tokens)
-
-    monkeypatch.setattr(model_runner, "prompt_forward", counting)
-    return calls
-
-
 @pytest.mark.parametrize("grid", ["halving", "uniform chunks"])
 def test_a_short_shared_prefix_resumes_at_a_grid_point_below_one_chunk(tiny, invariance, monkeypatch, grid):
     """A deterministic request sharing 40 tokens with an earlier prompt, both shorter than a
@@ -325,7 +318,7 @@ def test_a_short_shared_prefix_resumes_at_a_grid_point_below_one_chunk(tiny, inv
                             lambda pos, n, chunk, halving=True: min(n, (pos // chunk + 1) * chunk))
     deployment = Deployment(guarantee=Guarantee.installed(invariance(4)), prefill_chunk=WIDE)
     det, _ = plans(deployment)
-    calls = first_prompt_call(monkeypatch)
+    calls = prompt_calls(monkeypatch)
     with shape_variant_backend(dense_rows=32):
         cold = run_generate(tiny, LONG, TOKENS, GREEDY, plan=det, deployment=deployment)
         pc = PrefixCache(4)
@@ -347,7 +340,7 @@ def test_an_entry_is_reused_only_up_to_its_last_chunks_start(tiny, invariance, m
         monkeypatch.setattr(request_state, "exact_length", lambda length, chunk, canonical: length)
     deployment = Deployment(guarantee=Guarantee.installed(invariance(4)), prefill_chunk=WIDE)
     det, _ = plans(deployment)
-    calls = first_prompt_call(monkeypatch)
+    calls = prompt_calls(monkeypatch)
     with shape_variant_backend():
         cold = run_generate(tiny, LONG, TOKENS, GREEDY, plan=det, deployment=deployment)
         pc = PrefixCache(4)
@@ -371,7 +364,7 @@ def test_a_plain_prompt_goes_in_whole_chunks_and_deterministic_requests_do_not_s
         monkeypatch.setattr(request_state, "whole_chunks_are_canonical", lambda chunk, canonical: True)
     deployment = Deployment(guarantee=Guarantee.installed(invariance(4)), prefill_chunk=WIDE)
     det, plain = plans(deployment)
-    calls = first_prompt_call(monkeypatch)
+    calls = prompt_calls(monkeypatch)
     with shape_variant_backend(dense_rows=32):
         cold = run_generate(tiny, LONG, TOKENS, GREEDY, plan=det, deployment=deployment)
         assert calls == [(0, 16), (16, 16), (32, 27)]
