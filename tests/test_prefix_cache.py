@@ -377,6 +377,31 @@ def test_a_plain_prompt_goes_in_whole_chunks_and_deterministic_requests_do_not_s
     assert same_run(cold, after) == (plain_kv == "as written")
 
 
+@pytest.mark.parametrize("entry", ["its own cold prefill", "a plain prefill marked whole"])
+def test_the_same_deterministic_prompt_again_has_nothing_to_prefill(tiny, invariance, monkeypatch, entry):
+    """An entry of exactly a deterministic request's prompt that is that prompt's own cold
+    prefill is reused whole: no prompt chunk runs, and the answer keeps its cold bits.
+    Negative control: a plain request's whole chunks (one call of 59 rows) marked as the grid's
+    change them (a double whose GEMMs change between calls of up to 32 rows and wider ones)."""
+    import lockstep.server.engine.decoding.request_state as request_state
+
+    deployment = Deployment(guarantee=Guarantee.installed(invariance(4)), prefill_chunk=WIDE)
+    det, plain = plans(deployment)
+    calls = prompt_calls(monkeypatch)
+    with shape_variant_backend(dense_rows=32):
+        cold = run_generate(tiny, LONG, TOKENS, GREEDY, plan=det, deployment=deployment)
+        pc = PrefixCache(4)
+        if entry == "its own cold prefill":
+            run_generate(tiny, LONG, 1, GREEDY, plan=det, deployment=deployment, prefix_cache=pc)
+        else:
+            monkeypatch.setattr(request_state, "whole_chunks_are_canonical", lambda chunk, canonical: True)
+            run_generate(tiny, LONG, 1, GREEDY, plan=plain, deployment=deployment, prefix_cache=pc)
+        calls.clear()
+        again = run_generate(tiny, LONG, TOKENS, GREEDY, plan=det, deployment=deployment, prefix_cache=pc)
+    assert pc.hits == 1 and calls == []
+    assert same_run(cold, again) == (entry == "its own cold prefill")
+
+
 def test_a_deterministic_request_never_starts_from_a_plain_prompts_smaller_chunks(tiny):
     """A plain prompt goes in chunks smaller than --prefill-chunk (on the CPU: a long one holds
     the engine less per step), which writes other KV bits under the double: a deterministic

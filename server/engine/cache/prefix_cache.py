@@ -56,11 +56,14 @@ def copy_prefix(cache: list, length: int) -> list:
 @dataclass
 class PrefixHit:
     """A private copy of cached KV: `cache` holds `length` positions, the first
-    `canonical_length` of them canonical (see the module's docstring)."""
+    `canonical_length` of them canonical (see the module's docstring). `whole`: the entry held
+    exactly these tokens and is their own cold prefill throughout (a deterministic request with
+    the same prompt resumes at its end)."""
 
     cache: list
     length: int
     canonical_length: int
+    whole: bool = False
 
 
 class PrefixCache:
@@ -79,7 +82,7 @@ class PrefixCache:
         self.entries = entries
         self.max_bytes = max_bytes
         self.disk = disk
-        self._store: OrderedDict[tuple, tuple] = OrderedDict()  # (namespace, tokens) -> (KV, canonical length)
+        self._store: OrderedDict[tuple, tuple] = OrderedDict()  # (namespace, tokens) -> (KV, canonical length, whole)
         self._sizes: dict[tuple, int] = {}
         self.bytes = 0
         self._lock = threading.Lock()
@@ -105,21 +108,23 @@ class PrefixCache:
         disk entry must match). `canonical_only`: only an entry's canonical positions count (a
         request that writes canonical KV must not start from other bits). `disk_namespace`:
         where the disk tier keeps this request's kind of KV (default `namespace`: canonical
-        KV; plain requests' under a namespace of their own)."""
+        KV; plain requests' under a namespace of their own). An entry of exactly `tokens` that is
+        their own cold prefill (`store(whole=True)`) counts whole."""
         disk_namespace = disk_namespace or namespace
         with self._lock:
-            best, best_len = None, 0
-            for key, (_, canonical_length) in self._store.items():
+            best, best_len, best_whole = None, 0, False
+            for key, (_, canonical_length, whole) in self._store.items():
                 if key[0] != namespace:
                     continue
                 n = _common_prefix(list(key[1]), tokens)
-                if canonical_only:
+                same = whole and n == len(key[1]) == len(tokens)
+                if canonical_only and not same:
                     n = min(n, canonical_length)
-                if n > best_len:
-                    best, best_len = key, n
+                if n > best_len or (same and n == best_len):
+                    best, best_len, best_whole = key, n, same
             if best is not None:
                 self._store.move_to_end(best)
-                snapshot, best_canonical = self._store[best]
+                snapshot, best_canonical, _ = self._store[best]
         if self.disk is not None and disk_namespace is not None and layers and len(tokens) >= best_len + self.disk.block:
             dtype, blocks = self.disk.lookup(disk_namespace, tokens, layers)
             if len(blocks) * self.disk.block > best_len:
@@ -129,19 +134,21 @@ class PrefixCache:
                 self.disk_hits += 1
                 self.hits += 1
                 # concurrent and later turns find it in memory
-                self._keep(namespace, tokens[:length], found, canonical_length)
+                self._keep(namespace, tokens[:length], found, canonical_length, whole=False)
                 return PrefixHit(copy_prefix(found, length), length, canonical_length)
         if best is None:
             self.misses += 1
             return None
         self.hits += 1
-        return PrefixHit(copy_prefix(snapshot, best_len), best_len, min(best_canonical, best_len))
+        canonical = best_len if best_whole else min(best_canonical, best_len)
+        return PrefixHit(copy_prefix(snapshot, best_len), best_len, canonical, whole=best_whole)
 
     def store(self, tokens: list[int], cache: list, namespace: str | None = None, *, exact_length: int = 0,
-              canonical_length: int | None = None, disk_namespace: str | None = None) -> None:
+              canonical_length: int | None = None, disk_namespace: str | None = None, whole: bool = False) -> None:
         """Keep a snapshot of `cache`, which holds exactly the KV of `tokens`, the first
-        `canonical_length` positions canonical (default: all); its first `exact_length`
-        positions go to the disk tier too, under `disk_namespace` (default `namespace`)."""
+        `canonical_length` positions canonical (default: all), and throughout a cold prefill of
+        exactly `tokens` where `whole`; its first `exact_length` positions go to the disk tier
+        too, under `disk_namespace` (default `namespace`)."""
         canonical_length = len(tokens) if canonical_length is None else min(canonical_length, len(tokens))
         disk_namespace = disk_namespace or namespace
         to_disk = (self.disk is not None and disk_namespace is not None
@@ -151,11 +158,12 @@ class PrefixCache:
         key = (namespace, tuple(tokens))
         with self._lock:
             held = self._store.get(key)
-        if held is not None and held[1] > canonical_length:
-            return  # the more canonical entry serves every request the new one would: kept
+        if held is not None and held[1:] != (canonical_length, whole) and held[1] >= canonical_length \
+                and held[2] >= whole:
+            return  # the held entry serves every request the new one would, and more: kept
         snapshot = copy_prefix(cache, len(tokens))
         if self.entries > 0:
-            self._keep(namespace, tokens, snapshot, canonical_length)
+            self._keep(namespace, tokens, snapshot, canonical_length, whole=whole)
         if to_disk and snapshot[0].keys is not None and snapshot[0].keys.dtype in _DISK_DTYPES:
             dtype, layers = _host_arrays(snapshot)
             self.disk.submit(disk_namespace, tokens[:exact_length], dtype, layers)
@@ -164,14 +172,15 @@ class PrefixCache:
         """Wait (at most `timeout` seconds) for the disk tier's queued writes; False if some remain."""
         return self.disk.flush(timeout) if self.disk is not None else True
 
-    def _keep(self, namespace: str | None, tokens: list[int], snapshot: list, canonical_length: int) -> None:
+    def _keep(self, namespace: str | None, tokens: list[int], snapshot: list, canonical_length: int, *,
+              whole: bool) -> None:
         key = (namespace, tuple(tokens))
         size = sum(c.keys.nbytes + c.values.nbytes for c in snapshot if c.keys is not None)
         if self.max_bytes is not None and size > self.max_bytes:
             return
         with self._lock:
             self.bytes -= self._sizes.pop(key, 0)
-            self._store[key] = (snapshot, canonical_length)
+            self._store[key] = (snapshot, canonical_length, whole)
             self._sizes[key] = size
             self.bytes += size
             self._store.move_to_end(key)

@@ -178,8 +178,10 @@ class RequestState:
         # All but the last prompt token are prefilled; decoding starts by feeding the last one.
         # A plain request resumes where its hit ends; a deterministic one at the last grid point
         # before it that ends one of its chunks (unless rows are canonical), so a hit gives its cold bits.
+        # A hit of its own prompt's whole cold prefill leaves it nothing to prefill.
         done = hit.length if hit else 0
-        self._prefill_pos = done if plain else resume_at(done, self._chunk, self._canonical_rows, len(self.prompt) - 1)
+        self._prefill_pos = (done if plain or (hit and hit.whole)
+                             else resume_at(done, self._chunk, self._canonical_rows, len(self.prompt) - 1))
         if self._prefill_pos < done:
             trim_prompt_cache(self.cache, done - self._prefill_pos)
         self.cached_tokens = self._prefill_pos if found else 0
@@ -322,7 +324,7 @@ class RequestState:
             on_disk = prefilled if self._disk_namespace != self._namespace else canonical
             self.prefix_cache.store(self.prompt[:-1], self.cache, self._namespace,
                                     canonical_length=canonical, disk_namespace=self._disk_namespace,
-                                    exact_length=on_disk)
+                                    exact_length=on_disk, whole=self._canonical_length is None)
         self._prefilled_alone = self._prefilled_alone and alone
 
     # ----------------------------------------------------------------------- decode
