@@ -193,11 +193,15 @@ def plans(deployment):
     return det, plain
 
 
-def cold_and_cached(tiny, prompt, sampling, warm_with, *, deployment, plan=None):
-    """(cold run, run after `warm_with` was prefilled into a prefix cache, cache stats)."""
+def cold_and_cached(tiny, prompt, sampling, warm_with, *, deployment, plan=None, warm_plan=None, calls=None):
+    """(cold run, run after `warm_with` was prefilled into a prefix cache, cache stats); the
+    warming request under `warm_plan` (default `plan`); `calls` (`prompt_calls`) cleared
+    before the cached run."""
     cold = run_generate(tiny, prompt, TOKENS, sampling, plan=plan, deployment=deployment)
     pc = PrefixCache(4)
-    run_generate(tiny, warm_with, 1, sampling, plan=plan, deployment=deployment, prefix_cache=pc)
+    run_generate(tiny, warm_with, 1, sampling, plan=warm_plan or plan, deployment=deployment, prefix_cache=pc)
+    if calls is not None:
+        calls.clear()
     cached = run_generate(tiny, prompt, TOKENS, sampling, plan=plan, deployment=deployment, prefix_cache=pc)
     return cold, cached, pc
 
@@ -320,11 +324,7 @@ def test_a_short_shared_prefix_resumes_at_a_grid_point_below_one_chunk(tiny, inv
     det, _ = plans(deployment)
     calls = prompt_calls(monkeypatch)
     with shape_variant_backend(dense_rows=32):
-        cold = run_generate(tiny, LONG, TOKENS, GREEDY, plan=det, deployment=deployment)
-        pc = PrefixCache(4)
-        run_generate(tiny, SHARES_40, 1, GREEDY, plan=det, deployment=deployment, prefix_cache=pc)
-        calls.clear()
-        cached = run_generate(tiny, LONG, TOKENS, GREEDY, plan=det, deployment=deployment, prefix_cache=pc)
+        cold, cached, pc = cold_and_cached(tiny, LONG, GREEDY, SHARES_40, deployment=deployment, plan=det, calls=calls)
     assert pc.hits == 1 and calls[0] == (32, 27)
     assert same_run(cold, cached) == (grid == "halving")
 
@@ -342,11 +342,7 @@ def test_an_entry_is_reused_only_up_to_its_last_chunks_start(tiny, invariance, m
     det, _ = plans(deployment)
     calls = prompt_calls(monkeypatch)
     with shape_variant_backend():
-        cold = run_generate(tiny, LONG, TOKENS, GREEDY, plan=det, deployment=deployment)
-        pc = PrefixCache(4)
-        run_generate(tiny, SHORT_40, 1, GREEDY, plan=det, deployment=deployment, prefix_cache=pc)
-        calls.clear()
-        cached = run_generate(tiny, LONG, TOKENS, GREEDY, plan=det, deployment=deployment, prefix_cache=pc)
+        cold, cached, pc = cold_and_cached(tiny, LONG, GREEDY, SHORT_40, deployment=deployment, plan=det, calls=calls)
     assert pc.hits == 1 and calls[0] == ((16, 16) if entry == "as written" else (32, 27))
     assert same_run(cold, cached) == (entry == "as written")
 
@@ -385,21 +381,17 @@ def test_the_same_deterministic_prompt_again_has_nothing_to_prefill(tiny, invari
     change them (a double whose GEMMs change between calls of up to 32 rows and wider ones)."""
     import lockstep.server.engine.decoding.request_state as request_state
 
+    own = entry == "its own cold prefill"
+    if not own:  # only plain requests ask it
+        monkeypatch.setattr(request_state, "whole_chunks_are_canonical", lambda chunk, canonical: True)
     deployment = Deployment(guarantee=Guarantee.installed(invariance(4)), prefill_chunk=WIDE)
     det, plain = plans(deployment)
     calls = prompt_calls(monkeypatch)
     with shape_variant_backend(dense_rows=32):
-        cold = run_generate(tiny, LONG, TOKENS, GREEDY, plan=det, deployment=deployment)
-        pc = PrefixCache(4)
-        if entry == "its own cold prefill":
-            run_generate(tiny, LONG, 1, GREEDY, plan=det, deployment=deployment, prefix_cache=pc)
-        else:
-            monkeypatch.setattr(request_state, "whole_chunks_are_canonical", lambda chunk, canonical: True)
-            run_generate(tiny, LONG, 1, GREEDY, plan=plain, deployment=deployment, prefix_cache=pc)
-        calls.clear()
-        again = run_generate(tiny, LONG, TOKENS, GREEDY, plan=det, deployment=deployment, prefix_cache=pc)
+        cold, again, pc = cold_and_cached(tiny, LONG, GREEDY, LONG, deployment=deployment, plan=det,
+                                          warm_plan=det if own else plain, calls=calls)
     assert pc.hits == 1 and calls == []
-    assert same_run(cold, again) == (entry == "its own cold prefill")
+    assert same_run(cold, again) == own
 
 
 def test_a_deterministic_request_never_starts_from_a_plain_prompts_smaller_chunks(tiny):
