@@ -142,7 +142,7 @@ class ModelRunner:
         """Feed `tokens` past what `cache` holds, in chunks aligned to absolute positions (a
         generator: yields after each chunk). A prefix reused from the prefix cache then ends
         with the same KV as a cold prefill (kernels/invariance/prefill.py); a cached prefix
-        ending mid-chunk is rewound to the chunk's start unless rows are canonical."""
+        ending mid-chunk is rewound to the grid point that chunk starts at, unless rows are canonical."""
         chunk = chunk or self.deployment.prefill_chunk
         done = next((layer.offset for layer in cache if isinstance(getattr(layer, "offset", None), int)), 0)
         start = resume_at(done, chunk, self.deployment.guarantee.canonical_rows, len(tokens))
