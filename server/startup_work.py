@@ -116,7 +116,8 @@ class GuaranteeWork:
             guarantee = decide_guarantee(model, invariance, kv_pool, self.proofs, options.max_batch_rows,
                                          shared_prefill=options.prepare_model is None,
                                          compiled=runtime.deployment.compiled_passes,
-                                         on_width=self._proven_widths(invariance, pass_costs))
+                                         on_width=self._proven_widths(invariance, pass_costs),
+                                         prefill_chunk=runtime.deployment.prefill_chunk)
         deployment = dataclasses.replace(
             runtime.deployment, guarantee=guarantee, pass_costs=pass_costs,
             fingerprint=deployment_fingerprint(runtime.loaded, runtime.transform, guarantee, options, kv_pool))

@@ -3,17 +3,19 @@ prefix resumes, and how much of a prefill any longer prompt computes the same.
 
 The rule the prefix cache relies on: whatever two prompts' lengths, a point where one resumes
 over the other's entry (at most that entry's `exact_length`) is preceded by the same chunks in
-both, so the cached KV is what its own cold prefill writes."""
+both, so the cached KV is what its own cold prefill writes. Where a prompt may be cut anywhere
+(`split_rows`, proven at startup), the rule is another: every chunk holds at least that many
+rows, so every position's KV is what any prefill writes."""
 import pytest
 
-from lockstep.kernels.invariance.prefill import (SMALLEST_CHUNK, chunk_end, exact_length, resume_at,
+from lockstep.kernels.invariance.prefill import (SMALLEST_CHUNK, chunk_end, exact_length, free_splits, resume_at,
                                                 whole_chunks_are_canonical)
 
 
-def chunks(n: int, chunk: int, start: int = 0) -> list[tuple[int, int]]:
+def chunks(n: int, chunk: int, start: int = 0, split_rows: int = 0) -> list[tuple[int, int]]:
     out, pos = [], start
     while pos < n:
-        end = chunk_end(pos, n, chunk)
+        end = chunk_end(pos, n, chunk, split_rows=split_rows)
         out.append((pos, end))
         pos = end
     return out
@@ -72,3 +74,37 @@ def test_whole_chunks_are_the_grids_only_where_it_has_no_point_below_a_chunk_or_
     for chunk in (8, 31):
         assert all(chunk_end(p, n, chunk) == chunk_end(p, n, chunk, halving=False)
                    for n in range(1, 100) for p in range(n))
+
+
+SPLIT = 16
+
+
+@pytest.mark.parametrize("chunk", [32, 64, 128, 512])
+def test_where_a_prompt_may_be_cut_anywhere_every_chunk_keeps_the_proven_rows(chunk):
+    """A cold prefill, or one resumed over any cached length, runs chunks of at least SPLIT
+    rows and at most a chunk (a prompt shorter than SPLIT: one chunk from 0); it resumes where
+    its hit ends unless fewer than SPLIT tokens would follow, and a prefill's KV is exact
+    throughout (none of a prompt shorter than SPLIT)."""
+    for n in range(1, 2 * chunk + 40):
+        assert exact_length(n, chunk, 0, SPLIT) == (n if n >= SPLIT else 0)
+        for cached in range(n + 1):
+            at = resume_at(cached, chunk, 0, n, SPLIT)
+            assert at <= cached
+            if n < SPLIT:
+                assert at == 0
+                continue
+            assert at == (cached if n - cached >= SPLIT or cached == n else n - SPLIT)
+            parts = chunks(n, chunk, at, SPLIT)
+            assert all(SPLIT <= b - a <= chunk for a, b in parts)
+            assert not parts or (parts[0][0] == at and parts[-1][1] == n)
+
+
+def test_cuts_anywhere_need_room_for_two_pieces_in_a_chunk():
+    assert free_splits(SPLIT, 32) == SPLIT and free_splits(SPLIT, 31) == 0 and free_splits(0, 512) == 0
+    assert chunks(100, 512, split_rows=SPLIT) == [(0, 100)]  # no narrow chunks before the first 512
+    assert chunks(520, 512, split_rows=SPLIT) == [(0, 504), (504, 520)]  # the last keeps 16 rows
+    assert resume_at(40, 512, 0, 59, SPLIT) == 40 and resume_at(50, 512, 0, 59, SPLIT) == 43
+    assert whole_chunks_are_canonical(512, 8, SPLIT) and not whole_chunks_are_canonical(512, 8)
+    for n in range(1, 100):  # no room: the grid, as if nothing were proven
+        assert chunks(n, 31, split_rows=SPLIT) == chunks(n, 31)
+        assert all(resume_at(c, 31, 0, n, SPLIT) == resume_at(c, 31, 0, n) for c in range(n + 1))

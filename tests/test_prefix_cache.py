@@ -319,7 +319,7 @@ def test_a_short_shared_prefix_resumes_at_a_grid_point_below_one_chunk(tiny, inv
 
     if grid == "uniform chunks":
         monkeypatch.setattr(request_state, "chunk_end",
-                            lambda pos, n, chunk, halving=True: min(n, (pos // chunk + 1) * chunk))
+                            lambda pos, n, chunk, **_: min(n, (pos // chunk + 1) * chunk))
     deployment = Deployment(guarantee=Guarantee.installed(invariance(4)), prefill_chunk=WIDE)
     det, _ = plans(deployment)
     calls = prompt_calls(monkeypatch)
@@ -337,7 +337,7 @@ def test_an_entry_is_reused_only_up_to_its_last_chunks_start(tiny, invariance, m
     import lockstep.server.engine.decoding.request_state as request_state
 
     if entry == "canonical throughout":
-        monkeypatch.setattr(request_state, "exact_length", lambda length, chunk, canonical: length)
+        monkeypatch.setattr(request_state, "exact_length", lambda length, chunk, canonical, split_rows=0: length)
     deployment = Deployment(guarantee=Guarantee.installed(invariance(4)), prefill_chunk=WIDE)
     det, _ = plans(deployment)
     calls = prompt_calls(monkeypatch)
@@ -357,7 +357,7 @@ def test_a_plain_prompt_goes_in_whole_chunks_and_deterministic_requests_do_not_s
     import lockstep.server.engine.decoding.request_state as request_state
 
     if plain_kv == "marked canonical":
-        monkeypatch.setattr(request_state, "whole_chunks_are_canonical", lambda chunk, canonical: True)
+        monkeypatch.setattr(request_state, "whole_chunks_are_canonical", lambda chunk, canonical, split_rows=0: True)
     deployment = Deployment(guarantee=Guarantee.installed(invariance(4)), prefill_chunk=WIDE)
     det, plain = plans(deployment)
     calls = prompt_calls(monkeypatch)
@@ -383,7 +383,7 @@ def test_the_same_deterministic_prompt_again_has_nothing_to_prefill(tiny, invari
 
     own = entry == "its own cold prefill"
     if not own:  # only plain requests ask it
-        monkeypatch.setattr(request_state, "whole_chunks_are_canonical", lambda chunk, canonical: True)
+        monkeypatch.setattr(request_state, "whole_chunks_are_canonical", lambda chunk, canonical, split_rows=0: True)
     deployment = Deployment(guarantee=Guarantee.installed(invariance(4)), prefill_chunk=WIDE)
     det, plain = plans(deployment)
     calls = prompt_calls(monkeypatch)

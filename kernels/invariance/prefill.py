@@ -19,6 +19,11 @@ If a whole chunk's rows are proven canonical (`canonical_rows` >= chunk: the dep
 guarantee says so, server/engine/guarantee/guarantee.py), every row is computed as it would be
 alone, so any cached prefix (from prefill or from decode) is already what a cold prefill
 writes. Otherwise a prefix is rewound to the last point that ends one of the prompt's chunks.
+Where the deployment proved that a prompt may be cut anywhere into chunks of at least
+`split_rows` rows (kernels/batching/split_prefill_proof.py: every position's KV is then the
+same however the prompt was cut), there is no grid: a prefill resumes where its hit ends, or
+`split_rows` before the prompt's end where fewer would be left, and chunks run a whole chunk
+from wherever they start, the one before the end shortened so the last keeps `split_rows`.
 """
 import mlx.core as mx
 
@@ -59,18 +64,33 @@ def _ends_chunk(point: int, n_tokens: int, chunk: int) -> bool:
     return point == n_tokens or point + SMALLEST_CHUNK <= n_tokens
 
 
-def whole_chunks_are_canonical(chunk: int, canonical: int) -> bool:
+def free_splits(split_rows: int, chunk: int) -> int:
+    """`split_rows` (the fewest rows a chunk of a prompt cut anywhere needs, as proven; 0: not
+    proven) where a chunk has room for two such pieces, else 0: the grid."""
+    return split_rows if 0 < 2 * split_rows <= chunk else 0
+
+
+def whole_chunks_are_canonical(chunk: int, canonical: int, split_rows: int = 0) -> bool:
     """Whether a prefill in whole chunks (`chunk_end(halving=False)`) writes the canonical KV:
-    where rows are canonical, or where the grid has no point below one chunk."""
-    return rows_are_canonical(canonical, chunk) or not _halving_points(chunk)
+    where rows are canonical, where a prompt may be cut anywhere, or where the grid has no
+    point below one chunk."""
+    return (rows_are_canonical(canonical, chunk) or free_splits(split_rows, chunk) > 0
+            or not _halving_points(chunk))
 
 
-def resume_at(cached: int, chunk: int, canonical: int, n_tokens: int) -> int:
+def resume_at(cached: int, chunk: int, canonical: int, n_tokens: int, split_rows: int = 0) -> int:
     """Where a prefill of `n_tokens` resumes over `cached` positions: right there when a chunk's
-    rows are canonical, else at the last grid point at or before `cached` that ends one of its
-    chunks (the chunks after it are recomputed)."""
+    rows are canonical; where a prompt may be cut anywhere, there too unless fewer than
+    `split_rows` tokens would follow (then that many before the end; none of a prompt shorter
+    than that: its one chunk is narrower than any proven); else at the last grid point at or
+    before `cached` that ends one of its chunks (the chunks after it are recomputed)."""
     if rows_are_canonical(canonical, chunk):
         return cached
+    split_rows = free_splits(split_rows, chunk)
+    if split_rows:
+        if n_tokens < split_rows:
+            return 0
+        return cached if cached == n_tokens else min(cached, n_tokens - split_rows)
     start = cached - cached % chunk
     for point in _halving_points(chunk):
         if start < point <= cached and _ends_chunk(point, n_tokens, chunk):
@@ -78,10 +98,16 @@ def resume_at(cached: int, chunk: int, canonical: int, n_tokens: int) -> int:
     return start
 
 
-def chunk_end(pos: int, n_tokens: int, chunk: int, *, halving: bool = True) -> int:
+def chunk_end(pos: int, n_tokens: int, chunk: int, *, halving: bool = True, split_rows: int = 0) -> int:
     """End of the chunk starting at `pos` of an `n_tokens` prefill: the next grid point that
     ends one of its chunks, or the prompt's end. `halving` False: the next multiple of `chunk`
-    (a plain request's chunks: the narrow ones only pay back where bits must match a cold run)."""
+    (a plain request's chunks: the narrow ones only pay back where bits must match a cold run).
+    Where a prompt may be cut anywhere (`split_rows`, see `free_splits`): a whole chunk on from
+    `pos`, ending `split_rows` before the prompt's end where fewer would be left after it."""
+    split_rows = free_splits(split_rows, chunk)
+    if split_rows:
+        end = min(n_tokens, pos + chunk)
+        return n_tokens - split_rows if end < n_tokens < end + split_rows else end
     end = min(n_tokens, (pos // chunk + 1) * chunk)
     for point in _halving_points(chunk) if halving else ():
         if pos < point < end and _ends_chunk(point, n_tokens, chunk):
@@ -89,11 +115,12 @@ def chunk_end(pos: int, n_tokens: int, chunk: int, *, halving: bool = True) -> i
     return end
 
 
-def exact_length(length: int, chunk: int, canonical: int) -> int:
+def exact_length(length: int, chunk: int, canonical: int, split_rows: int = 0) -> int:
     """How many of a `length`-token prefill's positions hold KV that every prompt sharing them
-    computes the same: all where rows are canonical, else up to its last grid point that ends
-    one of its chunks (the chunk after it was cut by this prompt's end)."""
-    return resume_at(length, chunk, canonical, length)
+    computes the same: all where rows are canonical or a prompt may be cut anywhere (none of a
+    prompt narrower than `split_rows`), else up to its last grid point that ends one of its
+    chunks (the chunk after it was cut by this prompt's end)."""
+    return resume_at(length, chunk, canonical, length, split_rows)
 
 
 def aligned_start(cache_offset: int, n_tokens: int, chunk: int, canonical: int) -> int:

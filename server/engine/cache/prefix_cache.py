@@ -23,7 +23,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from lockstep.kernels.batching.kv_pool import is_pooled
-from lockstep.kernels.invariance.prefill import SMALLEST_CHUNK, rows_are_canonical
+from lockstep.kernels.invariance.prefill import SMALLEST_CHUNK, free_splits, rows_are_canonical
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -191,7 +191,7 @@ class PrefixCache:
 
 def namespace(deployment) -> str | None:
     """What a cached prefix's bits depend on besides its tokens: the deployment's fingerprint
-    (weights, kernels, L, prefill chunk, backend...), the chunk grid (kernels/invariance/prefill.py),
+    (weights, kernels, L, prefill chunk, backend...), the chunk grid or the proven cut (kernels/invariance/prefill.py),
     the guarantee in force (rows proven, so KV written while the startup proofs ran is never read
     under the guarantee) and whether rows are canonical now. None where the deployment has no fingerprint (nothing to key a
     disk entry by; the memory tier still serves its own process)."""
@@ -199,7 +199,8 @@ def namespace(deployment) -> str | None:
         return None
     chunk, guarantee = deployment.prefill_chunk, deployment.guarantee
     guaranteed = guarantee.call_rows if guarantee.guaranteed else 0
-    return (f"{deployment.fingerprint}/chunk={chunk}/smallest={SMALLEST_CHUNK}/guaranteed={guaranteed}"
+    return (f"{deployment.fingerprint}/chunk={chunk}/smallest={SMALLEST_CHUNK}"
+            f"/splits={free_splits(guarantee.prefill_split_rows, chunk)}/guaranteed={guaranteed}"
             f"/canonical={int(rows_are_canonical(guarantee.canonical_rows, chunk))}")
 
 

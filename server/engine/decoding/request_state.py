@@ -140,12 +140,14 @@ class RequestState:
         # Rows (of a call) whose bits do not depend on the call's width, as its prompt runs them:
         # none in native forms (a chunk's last, narrower call may run another kernel).
         self._canonical_rows = deployment.guarantee.canonical_rows if deployment and not self.native_prompt else 0
+        # The fewest rows of a chunk where a prompt may be cut anywhere (0: on the grid alone).
+        self._split_rows = deployment.guarantee.prefill_split_rows if deployment and not self.native_prompt else 0
         # A plain prompt goes in whole chunks, without the grid's narrow ones below a chunk (they
         # cost a cold prompt steps and only pay back where bits must match a cold run), so its KV
         # is canonical only where whole chunks are the canonical ones.
         self._halving = not plain
         self._canonical_kv = (self._chunk == canonical_chunk and not self.native_prompt
-                              and (not plain or whole_chunks_are_canonical(self._chunk, self._canonical_rows)))
+                              and (not plain or whole_chunks_are_canonical(self._chunk, self._canonical_rows, self._split_rows)))
         # Set by the scheduler while the kernel audit is partial: the target's next chunk holds
         # at most this many tokens (a width audited); KV so written is never stored for reuse.
         self.chunk_limit: int | None = None
@@ -177,11 +179,13 @@ class RequestState:
         self._prefilled_alone = True  # every prompt chunk so far ran in a pass of its own
         # All but the last prompt token are prefilled; decoding starts by feeding the last one.
         # A plain request resumes where its hit ends; a deterministic one at the last grid point
-        # before it that ends one of its chunks (unless rows are canonical), so a hit gives its cold bits.
+        # before it that ends one of its chunks (unless rows are canonical, or the prompt may be
+        # cut anywhere: kernels/invariance/prefill.py), so a hit gives its cold bits.
         # A hit of its own prompt's whole cold prefill leaves it nothing to prefill.
         done = hit.length if hit else 0
         self._prefill_pos = (done if plain or (hit and hit.whole)
-                             else resume_at(done, self._chunk, self._canonical_rows, len(self.prompt) - 1))
+                             else resume_at(done, self._chunk, self._canonical_rows, len(self.prompt) - 1,
+                                            self._split_rows))
         if self._prefill_pos < done:
             trim_prompt_cache(self.cache, done - self._prefill_pos)
         self.cached_tokens = self._prefill_pos if found else 0
@@ -218,7 +222,7 @@ class RequestState:
     def _resumes_on_grid(self, pos: int) -> bool:
         """A prefill resuming at `pos` computes each later chunk as a cold prefill does: `pos`
         is a chunk boundary, or every row of a chunk gets its solo bits (prefill.py's rule: no rewind)."""
-        return resume_at(pos, self._chunk, self._canonical_rows, len(self.prompt) - 1) == pos
+        return resume_at(pos, self._chunk, self._canonical_rows, len(self.prompt) - 1, self._split_rows) == pos
 
     @property
     def prefilling(self) -> bool:
@@ -256,7 +260,8 @@ class RequestState:
         return min(self._draft_pending(), self._draft_chunk)
 
     def _aligned_stop(self) -> int:
-        return chunk_end(self._prefill_pos, len(self.prompt) - 1, self._chunk, halving=self._halving)
+        return chunk_end(self._prefill_pos, len(self.prompt) - 1, self._chunk, halving=self._halving,
+                         split_rows=self._split_rows)
 
     def _chunk_stop(self) -> int:
         """Where the next target chunk ends: its aligned end, or sooner under `chunk_limit`."""
@@ -319,7 +324,8 @@ class RequestState:
         if not self._target_prefilling and self.prefix_cache and alone and self._prefilled_alone:
             prefilled = len(self.prompt) - 1
             # A cold prefill's KV is what every longer prompt computes up to its last chunk's start
-            canonical = (exact_length(prefilled, self._chunk, self._canonical_rows) if self._canonical_length is None
+            canonical = (exact_length(prefilled, self._chunk, self._canonical_rows, self._split_rows)
+                         if self._canonical_length is None
                          else min(prefilled, self._canonical_length))
             on_disk = prefilled if self._disk_namespace != self._namespace else canonical
             self.prefix_cache.store(self.prompt[:-1], self.cache, self._namespace,

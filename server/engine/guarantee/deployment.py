@@ -115,7 +115,8 @@ def proven_deployment(model, invariance, *, kv_pool: str = "off", proofs=None, p
     from lockstep.kernels.invariance.cache_check import per_request_state
 
     guarantee = decide_guarantee(model, invariance, kv_pool, proofs, pass_rows,
-                                 compiled=settings.get("compiled_passes", Deployment.compiled_passes))
+                                 compiled=settings.get("compiled_passes", Deployment.compiled_passes),
+                                 prefill_chunk=settings.get("prefill_chunk", Deployment.prefill_chunk))
     caches = make_prompt_cache(model)
     if per_request_state(caches) is not None:
         settings["speculation"] = False

@@ -10,6 +10,9 @@ proved the forms on the running backend, or not) and the proofs made here into o
 - whether deterministic requests' prompt chunks (of at least `shared_chunk_rows(L)` rows) may
   share a pass: the shared-prefill proof (kernels/batching/shared_prefill_proof.py), made
   after the ragged one;
+- whether a deterministic prompt may be cut anywhere into chunks of that many rows, so a
+  prefix-cache hit resumes where it ends: the split proof
+  (kernels/batching/split_prefill_proof.py), made with the shared-prefill one;
 - whether deterministic decode passes may run compiled (kernels/batching/compiled_pass.py):
   the ragged proof once more, its passes compiled, where the deployment compiles passes;
 - how many deterministic rows of one sampling group may be sampled as one batch
@@ -56,6 +59,9 @@ class Guarantee:
     shared_passes: bool = False  # requests' deterministic rows may share a pass (the ragged proof)
     pass_rows: int = 0  # the widest pass proven to hold deterministic rows of several requests
     shared_prefill_rows: int = 0  # deterministic prompt chunks of this many rows may share a pass (0: none)
+    # A prompt may be cut anywhere into chunks of at least this many rows, each position's KV the
+    # same (kernels/invariance/prefill.py; 0: chunks end on the grid)
+    prefill_split_rows: int = 0
     compiled_canonical_passes: bool = False  # deterministic decode passes may run compiled
     # Deterministic rows of one sampling group may be sampled as one batch of this many rows or
     # of a power of two below it (sampling.block_widths; server/engine/decoding/sampling_proof.py,
@@ -81,7 +87,8 @@ class Guarantee:
 
 
 def decide_guarantee(model, invariance, kv_pool: str = "off", proofs=None, pass_rows: int | None = None,
-                     shared_prefill: bool = True, compiled: bool = False, on_width=None) -> Guarantee:
+                     shared_prefill: bool = True, compiled: bool = False, on_width=None,
+                     prefill_chunk: int = 0) -> Guarantee:
     """The deployment's guarantee for `model` with the installed `invariance`
     (a kernels.invariance.limit.InstalledInvariance or None); `proofs` a ProofCache to re-use
     a ragged proof made earlier on this machine. `pass_rows`: the widest pass the engine will
@@ -89,7 +96,8 @@ def decide_guarantee(model, invariance, kv_pool: str = "off", proofs=None, pass_
     every width up to it (calls of more than L rows run in blocks of at most L); if that fails,
     passes as wide as the widths it passed (at least L) are proven instead. `shared_prefill` False: no shared-prefill
     proof, deterministic prompt chunks run alone (a distributed deployment: its pipeline
-    hands a prompt chunk on through a KV cache, which a ragged pass does not have). `compiled`:
+    hands a prompt chunk on through a KV cache, which a ragged pass does not have); with it, where
+    `prefill_chunk` is given, the split proof on a prompt of that many tokens. `compiled`:
     the deployment compiles its plain passes over the pool's kernel; deterministic ones then
     too where the ragged proof holds for compiled passes of every width proven. `on_width(w)`:
     called while a first ragged proof goes, once passes of 1..w rows are proven."""
@@ -124,9 +132,10 @@ def decide_guarantee(model, invariance, kv_pool: str = "off", proofs=None, pass_
         return installed
     log.info("ragged passes of 1..%d rows proven bit-identical to solo passes (%.1f s%s)", widest, proof.seconds,
              f"; 1..{proof.resumed} rows kept from an earlier proof" if proof.resumed else "")
+    shared_rows = _shared_prefill(model, limit, kv_pool, proofs) if shared_prefill else 0
     return dataclasses.replace(
-        installed, shared_passes=True, pass_rows=widest,
-        shared_prefill_rows=_shared_prefill(model, limit, kv_pool, proofs) if shared_prefill else 0,
+        installed, shared_passes=True, pass_rows=widest, shared_prefill_rows=shared_rows,
+        prefill_split_rows=_prefill_splits(model, limit, kv_pool, proofs, prefill_chunk) if shared_rows else 0,
         compiled_canonical_passes=compiled and kv_pool == "kernel" and _compiled(model, limit, proofs, widest))
 
 
@@ -159,4 +168,21 @@ def _shared_prefill(model, limit: int, kv_pool: str, proofs) -> int:
                  rows, proof.seconds)
         return rows
     log.info("deterministic prompt chunks are prefilled in passes of their own: %s", proof.reason)
+    return 0
+
+
+def _prefill_splits(model, limit: int, kv_pool: str, proofs, prefill_chunk: int) -> int:
+    """The fewest rows of a chunk where a deterministic prompt may be cut anywhere (0: its
+    chunks end on the grid), proven on a prompt of one whole `prefill_chunk`."""
+    from lockstep.kernels.batching.shared_prefill_proof import shared_chunk_rows
+    from lockstep.kernels.batching.split_prefill_proof import cuts, prove_prefill_splits_cached
+
+    rows = shared_chunk_rows(limit)
+    if not cuts(prefill_chunk, rows):
+        return 0
+    proof = prove_prefill_splits_cached(model, limit, prefill_chunk, proofs, kv_pool=kv_pool)
+    if proof:
+        log.info("prompts may be cut anywhere into chunks of %d rows or more (%.1f s)", rows, proof.seconds)
+        return rows
+    log.info("deterministic prompts are prefilled in chunks on the grid: %s", proof.reason)
     return 0

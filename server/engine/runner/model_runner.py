@@ -142,15 +142,17 @@ class ModelRunner:
         """Feed `tokens` past what `cache` holds, in chunks aligned to absolute positions (a
         generator: yields after each chunk). A prefix reused from the prefix cache then ends
         with the same KV as a cold prefill (kernels/invariance/prefill.py); a cached prefix
-        ending mid-chunk is rewound to the grid point that chunk starts at, unless rows are canonical."""
+        ending mid-chunk is rewound to the grid point that chunk starts at, unless rows are
+        canonical or the prompt may be cut anywhere."""
         chunk = chunk or self.deployment.prefill_chunk
         done = next((layer.offset for layer in cache if isinstance(getattr(layer, "offset", None), int)), 0)
-        start = resume_at(done, chunk, self.deployment.guarantee.canonical_rows, len(tokens))
+        guarantee = self.deployment.guarantee
+        start = resume_at(done, chunk, guarantee.canonical_rows, len(tokens), guarantee.prefill_split_rows)
         if start < done:
             trim_prompt_cache(cache, done - start)
         pos = start
         while pos < len(tokens):
-            end = chunk_end(pos, len(tokens), chunk)
+            end = chunk_end(pos, len(tokens), chunk, split_rows=guarantee.prefill_split_rows)
             prompt_forward(self.model, cache, tokens[pos:end])
             mx.eval([c.state for c in cache])
             pos = end

@@ -32,6 +32,7 @@ import logging
 import time
 
 from lockstep.kernels.audit.widths import AuditedRows
+from lockstep.kernels.invariance.prefill import free_splits
 from lockstep.server.engine.guarantee.decode_plan import Determinism
 from lockstep.server.engine.guarantee.deployment import sampling_only_change
 from lockstep.server.engine.scheduling.errors import GenerationError
@@ -406,6 +407,9 @@ class Scheduler:
                 "deterministic_rows_shared": guarantee.shared_passes and self.runner.batched,
                 # deterministic prompt chunks of at least this many rows share prefill passes
                 "deterministic_prefill_rows": guarantee.shared_prefill_rows if self.runner.batched else 0,
+                # a deterministic prompt may be cut anywhere into chunks of at least this many rows
+                # (0: its chunks end on the grid, and a prefix-cache hit resumes at a grid point)
+                "deterministic_split_rows": free_splits(guarantee.prefill_split_rows, self.deployment.prefill_chunk),
                 **self.audited.describe(),
                 **self.runner.describe()}
 
