@@ -65,6 +65,27 @@ def test_the_proof_passes_on_the_reference_blas(model):
     assert proof, proof.reason
 
 
+@pytest.mark.reference_blas
+def test_every_cut_is_compared(model, monkeypatch):
+    """A prefill that changes one bit only where a piece starts at 35 (the last cut's third
+    piece) fails the proof."""
+    import lockstep.kernels.batching.split_prefill_proof as proof_module
+
+    original = proof_module.call_without_head
+
+    def changing_one_cut(m, inputs, cache):
+        start = cache[0].offset
+        out = original(m, inputs, cache)
+        if start == 2 * MIN_SHARED_CHUNK + 3:
+            cache[0].keys[..., start, :1] = cache[0].keys[..., start, :1] * 1.5
+        return out
+
+    assert cuts(WIDTH, MIN_SHARED_CHUNK)[-1] == (MIN_SHARED_CHUNK + 1, 2 * MIN_SHARED_CHUNK + 3)
+    monkeypatch.setattr(proof_module, "call_without_head", changing_one_cut)
+    proof = prove_prefill_splits(model, L, WIDTH)
+    assert not proof and "cut at 17, 35" in proof.reason
+
+
 def test_the_proof_fails_on_openblas(model):
     proof = prove_prefill_splits(model, L, WIDTH)
     assert not proof and "cut at" in proof.reason
@@ -87,14 +108,15 @@ def test_the_guarantee_carries_the_rows_where_proven(model):
                              prefill_chunk=31).guarantee.prefill_split_rows == 0
 
 
-def test_the_guarantee_carries_no_rows_where_the_proof_fails(model):
-    guarantee = proven_deployment(model, set_batch_invariant_limit(model, L), prefill_chunk=WIDTH).guarantee
-    assert guarantee.shared_passes and guarantee.prefill_split_rows == 0  # OpenBLAS
-    double = dict(dense_rows=32)
+def test_the_guarantee_carries_no_rows_where_the_proof_fails():
+    """Under a double whose multi-row GEMMs all reduce alike (chunks keep their rows in shared
+    passes: that proof passes) but whose attention splits over the keys a call holds, the split
+    proof fails and the guarantee carries no rows."""
+    double = dict(dense_rows=1)
     other = installed(**double)
     with shape_variant_backend(**double):
         guarantee = proven_deployment(other, set_batch_invariant_limit(other, L), prefill_chunk=WIDTH).guarantee
-    assert guarantee.shared_passes and guarantee.prefill_split_rows == 0
+    assert guarantee.shared_prefill_rows == MIN_SHARED_CHUNK and guarantee.prefill_split_rows == 0
 
 
 @pytest.fixture(scope="module")
