@@ -41,6 +41,7 @@ def cuts(width: int, rows: int) -> list[tuple[int, ...]]:
 
 
 def prove_prefill_splits(model, call_rows: int, width: int, *, seed: int = 0, kv_pool: str = "off") -> RaggedProof:
+    """Whether a `width`-token prompt cut at each of `cuts` writes its one call's KV, bit for bit."""
     start = time.perf_counter()
     rows = shared_chunk_rows(call_rows)
     plan = cuts(width, rows)

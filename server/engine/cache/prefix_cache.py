@@ -191,10 +191,11 @@ class PrefixCache:
 
 def namespace(deployment) -> str | None:
     """What a cached prefix's bits depend on besides its tokens: the deployment's fingerprint
-    (weights, kernels, L, prefill chunk, backend...), the chunk grid or the proven cut (kernels/invariance/prefill.py),
-    the guarantee in force (rows proven, so KV written while the startup proofs ran is never read
-    under the guarantee) and whether rows are canonical now. None where the deployment has no fingerprint (nothing to key a
-    disk entry by; the memory tier still serves its own process)."""
+    (weights, kernels, L, prefill chunk, backend...), the chunk grid or the rows a prompt may be
+    cut anywhere into (kernels/invariance/prefill.py), the guarantee in force (rows proven, so
+    KV written while the startup proofs ran is never read under the guarantee) and whether rows
+    are canonical now. None where the deployment has no fingerprint (nothing to key a disk
+    entry by; the memory tier still serves its own process)."""
     if deployment is None or not deployment.fingerprint:
         return None
     chunk, guarantee = deployment.prefill_chunk, deployment.guarantee

@@ -147,7 +147,8 @@ class RequestState:
         # is canonical only where whole chunks are the canonical ones.
         self._halving = not plain
         self._canonical_kv = (self._chunk == canonical_chunk and not self.native_prompt
-                              and (not plain or whole_chunks_are_canonical(self._chunk, self._canonical_rows, self._split_rows)))
+                              and (not plain or whole_chunks_are_canonical(self._chunk, self._canonical_rows,
+                                                                           self._split_rows)))
         # Set by the scheduler while the kernel audit is partial: the target's next chunk holds
         # at most this many tokens (a width audited); KV so written is never stored for reuse.
         self.chunk_limit: int | None = None
