@@ -78,5 +78,9 @@ def test_the_scheduler_describes_call_rows_only_where_proven():
     proven = described(Guarantee(4, proven=True, shared_passes=True, pass_rows=16, shared_prefill_rows=16))
     assert (proven["deterministic_call_rows"], proven["deterministic_pass_rows"]) == (4, 16)
     assert proven["deterministic_rows_shared"] and proven["deterministic_prefill_rows"] == 16
+    assert proven["deterministic_split_rows"] == 0  # the split proof not passed: the grid
+    cut = described(Guarantee(4, proven=True, shared_passes=True, pass_rows=16, shared_prefill_rows=16,
+                              prefill_split_rows=16))
+    assert cut["deterministic_split_rows"] == 16
     refused = described(Guarantee(4, proven=False))
     assert (refused["deterministic_call_rows"], refused["deterministic_pass_rows"]) == (0, 0)
