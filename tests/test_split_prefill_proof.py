@@ -18,7 +18,7 @@ import pytest
 
 from lockstep.kernels.batching.ragged import enable_ragged
 from lockstep.kernels.batching.shared_prefill_proof import MIN_SHARED_CHUNK
-from lockstep.kernels.batching.split_prefill_proof import cuts, prove_prefill_splits
+from lockstep.kernels.batching.split_prefill_proof import cuts, prove_prefill_splits, sweep
 from lockstep.kernels.invariance import set_batch_invariant_limit
 from lockstep.server.engine.guarantee.deployment import Deployment, proven_deployment
 from lockstep.server.engine.guarantee.guarantee import Guarantee
@@ -84,6 +84,35 @@ def test_every_cut_is_compared(model, monkeypatch):
     monkeypatch.setattr(proof_module, "call_without_head", changing_one_cut)
     proof = prove_prefill_splits(model, L, WIDTH)
     assert not proof and "cut at 17, 35" in proof.reason
+
+
+@pytest.mark.reference_blas
+def test_a_width_the_cuts_miss_is_swept(model, monkeypatch):
+    """A backend whose kernel changes a row's bits only in calls of 24 rows (none of the cuts'
+    pieces) fails the proof at the sweep."""
+    import lockstep.kernels.batching.split_prefill_proof as proof_module
+
+    original = proof_module.call_without_head
+
+    def changing_24_rows(m, inputs, cache):
+        out = original(m, inputs, cache)
+        if inputs.shape[-1] == 24:
+            cache[0].keys[..., :1, :1] = cache[0].keys[..., :1, :1] * 1.5
+        return out
+
+    assert 24 in sweep(WIDTH, MIN_SHARED_CHUNK)
+    assert all(24 not in (b - a for a, b in zip((0, *p), (*p, WIDTH))) for p in cuts(WIDTH, MIN_SHARED_CHUNK))
+    monkeypatch.setattr(proof_module, "call_without_head", changing_24_rows)
+    proof = prove_prefill_splits(model, L, WIDTH)
+    assert not proof and "first 24 tokens alone" in proof.reason
+
+
+@pytest.mark.parametrize("width", [32, 64, 128, 512])
+def test_the_sweep_takes_every_narrow_width_and_a_spread_of_wider_ones(width):
+    widths = sweep(width, MIN_SHARED_CHUNK)
+    assert widths == sorted(set(widths)) and widths[0] == MIN_SHARED_CHUNK and widths[-1] < width
+    assert set(range(MIN_SHARED_CHUNK, min(width, 2 * MIN_SHARED_CHUNK + 1))) <= set(widths)
+    assert all(b - a <= 32 for a, b in zip(widths, widths[1:]))
 
 
 def test_the_proof_fails_on_openblas(model):

@@ -10,7 +10,10 @@ holds (a CPU attention in blocks cut from the chunk's first row, a split over th
 cuts are proven on the running backend: one prompt of a whole `--prefill-chunk` prefilled in
 one call, then cut into a narrowest first piece, a narrowest last one and pieces at odd
 offsets, every layer's KV compared as raw bits with the one call's (the engine's own path:
-`call_without_head` on caches as the engine makes them). A chunk in a shared pass keeps the
+`call_without_head` on caches as the engine makes them). A backend may also pick its kernel
+by the call's width (a GEMM's split-K for a few rows, a tile for many), so the prompt's first
+w tokens alone are compared too, for every width w of the narrow ones and a spread of wider
+ones (`sweep`): a prompt's pieces take every width, where the grid ran a few per length. A chunk in a shared pass keeps the
 bits it has alone (kernels/batching/shared_prefill_proof.py), so together the two proofs let
 a deterministic prompt resume anywhere at least that many rows before its end.
 """
@@ -40,6 +43,13 @@ def cuts(width: int, rows: int) -> list[tuple[int, ...]]:
     return found[:3]
 
 
+def sweep(width: int, rows: int) -> list[int]:
+    """The first pieces' widths compared alone: every one from `rows` to twice that, then
+    every 8th to 128 and every 32nd below `width` (a chunk's own width is the one call's)."""
+    widths = set(range(rows, 2 * rows + 1)) | set(range(2 * rows, 129, 8)) | set(range(128, width, 32))
+    return sorted(w for w in widths if rows <= w < width)
+
+
 def prove_prefill_splits(model, call_rows: int, width: int, *, seed: int = 0, kv_pool: str = "off") -> RaggedProof:
     """Whether a `width`-token prompt cut at each of `cuts` writes its one call's KV, bit for bit."""
     start = time.perf_counter()
@@ -60,6 +70,15 @@ def prove_prefill_splits(model, call_rows: int, width: int, *, seed: int = 0, kv
         made.release([cache])
         return kv
 
+    def first(w: int) -> list:
+        """The prompt's first `w` tokens' KV, prefilled alone in one call."""
+        cache = made.new()
+        call_without_head(model, mx.array(tokens[:w])[None], cache)
+        kv = new_state(cache, 0)
+        mx.eval(kv)
+        made.release([cache])
+        return kv
+
     whole = prefill(())
     step_done()
     for points in plan:
@@ -69,6 +88,12 @@ def prove_prefill_splits(model, call_rows: int, width: int, *, seed: int = 0, kv
             return RaggedProof(False, call_rows, (), f"layer {layer} KV of a {width}-token prompt cut at "
                                f"{', '.join(map(str, points))} differs from its one call's",
                                time.perf_counter() - start)
+    for w in sweep(width, rows):
+        layer = differing_layer([[a[..., :w, :] for a in kv] for kv in whole], first(w))
+        step_done()
+        if layer is not None:
+            return RaggedProof(False, call_rows, (), f"layer {layer} KV of a {width}-token prompt's first {w} "
+                               f"tokens alone differs from its one call's", time.perf_counter() - start)
     return RaggedProof(True, call_rows, (), "", time.perf_counter() - start)
 
 
