@@ -108,11 +108,13 @@ def test_a_width_the_cuts_miss_is_swept(model, monkeypatch):
 
 
 @pytest.mark.parametrize("width", [32, 64, 128, 512])
-def test_the_sweep_takes_every_narrow_width_and_a_spread_of_wider_ones(width):
+def test_the_sweep_takes_the_widths_around_every_power_of_two(width):
     widths = sweep(width, MIN_SHARED_CHUNK)
     assert widths == sorted(set(widths)) and widths[0] == MIN_SHARED_CHUNK and widths[-1] < width
-    assert set(range(MIN_SHARED_CHUNK, min(width, 2 * MIN_SHARED_CHUNK + 1))) <= set(widths)
-    assert all(b - a <= 32 for a, b in zip(widths, widths[1:]))
+    powers = [p for p in (16, 32, 64, 128, 256, 512) if p <= width]
+    assert {w for p in powers for w in (p - 1, p, p + 1, p + p // 2) if 16 <= w < width} <= set(widths)
+    assert sweep(512, 16) == [16, 17, 24, 31, 32, 33, 48, 63, 64, 65, 96, 127, 128, 129, 192, 255, 256, 257, 384, 511]
+    assert sweep(128, 21)[:3] == [21, 22, 24]  # the narrowest chunk at L = 20 and one more
 
 
 def test_the_proof_fails_on_openblas(model):

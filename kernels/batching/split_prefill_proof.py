@@ -12,8 +12,8 @@ one call, then cut into a narrowest first piece, a narrowest last one and pieces
 offsets, every layer's KV compared as raw bits with the one call's (the engine's own path:
 `call_without_head` on caches as the engine makes them). A backend may also pick its kernel
 by the call's width (a GEMM's split-K for a few rows, a tile for many), so the prompt's first
-w tokens alone are compared too, for every width w of the narrow ones and a spread of wider
-ones (`sweep`): a prompt's pieces take every width, where the grid ran a few per length. A chunk in a shared pass keeps the
+w tokens alone are compared too, for widths around every power of two (`sweep`): a prompt's
+pieces take every width, where the grid ran a few per length. A chunk in a shared pass keeps the
 bits it has alone (kernels/batching/shared_prefill_proof.py), so together the two proofs let
 a deterministic prompt resume anywhere at least that many rows before its end.
 """
@@ -44,9 +44,13 @@ def cuts(width: int, rows: int) -> list[tuple[int, ...]]:
 
 
 def sweep(width: int, rows: int) -> list[int]:
-    """The first pieces' widths compared alone: every one from `rows` to twice that, then
-    every 8th to 128 and every 32nd below `width` (a chunk's own width is the one call's)."""
-    widths = set(range(rows, 2 * rows + 1)) | set(range(2 * rows, 129, 8)) | set(range(128, width, 32))
+    """The first pieces' widths compared alone: the narrowest and one more, and around every
+    power of two (where kernels switch tiles or paths) one below, it, one above and halfway to
+    the next; all below `width` (a chunk's own width is the one call's)."""
+    widths, p = {rows, rows + 1}, 16
+    while p <= width:
+        widths |= {p - 1, p, p + 1, p + p // 2}
+        p *= 2
     return sorted(w for w in widths if rows <= w < width)
 
 
