@@ -27,6 +27,12 @@ from tests.tiny_models import tiny_llama
 CHUNK = 8
 
 
+def lookup(pc: PrefixCache, tokens: list[int], namespace: str | None = None, **kwargs):
+    """`PrefixCache.find`'s hit as (KV copy, length), or (None, 0)."""
+    hit = pc.find(tokens, namespace, **kwargs)
+    return (hit.cache, hit.length) if hit else (None, 0)
+
+
 def filled_cache(n_layers=2, length=10, seed=0):
     """A KVCache list holding `length` positions of random K/V (B=1, 2 heads, dim 4)."""
     mx.random.seed(seed)
@@ -41,7 +47,7 @@ def filled_cache(n_layers=2, length=10, seed=0):
 
 def test_empty_cache_misses():
     pc = PrefixCache(2)
-    assert pc.lookup([1, 2, 3]) == (None, 0)
+    assert lookup(pc, [1, 2, 3]) == (None, 0)
     assert (pc.hits, pc.misses) == (0, 1)
 
 
@@ -52,7 +58,7 @@ def test_lookup_returns_a_private_copy_of_the_longest_shared_prefix():
     pc.store(tokens, source)
     pc.store([0, 1, 2, 99], filled_cache(length=4, seed=1))
 
-    copy, n = pc.lookup([0, 1, 2, 3, 4, 5, 7, 7])  # shares 6 with the first, 3 with the second
+    copy, n = lookup(pc, [0, 1, 2, 3, 4, 5, 7, 7])  # shares 6 with the first, 3 with the second
     assert n == 6 and (pc.hits, pc.misses) == (1, 0)
     for got, want in zip(copy, source):
         assert type(got) is KVCache and got.offset == 6
@@ -62,20 +68,20 @@ def test_lookup_returns_a_private_copy_of_the_longest_shared_prefix():
 
     # writing into the copy leaves the stored snapshot untouched
     copy[0].keys[..., :6, :] = 0.0
-    again, n2 = pc.lookup(tokens)
+    again, n2 = lookup(pc, tokens)
     assert n2 == 10 and bits_equal(again[0].keys[..., :10, :], source[0].keys[..., :10, :])
 
     # and the snapshot does not alias the cache it was stored from
     source[0].keys[..., :10, :] = 7.0
-    third, _ = pc.lookup(tokens)
+    third, _ = lookup(pc, tokens)
     assert not bits_equal(third[0].keys[..., :10, :], source[0].keys[..., :10, :])
 
 
 def test_lookup_with_nothing_in_common_misses():
     pc = PrefixCache(4)
     pc.store([5, 6, 7], filled_cache(length=3))
-    assert pc.lookup([1, 2, 3]) == (None, 0)
-    copy, n = pc.lookup([5, 6])  # a request shorter than the stored prompt
+    assert lookup(pc, [1, 2, 3]) == (None, 0)
+    copy, n = lookup(pc, [5, 6])  # a request shorter than the stored prompt
     assert n == 2 and copy[0].offset == 2
 
 
@@ -83,10 +89,10 @@ def test_lru_evicts_the_least_recently_used():
     pc = PrefixCache(2)
     pc.store([1, 1], filled_cache(length=2))
     pc.store([2, 2], filled_cache(length=2))
-    pc.lookup([1, 1, 5])  # [1, 1] is now the most recently used
+    lookup(pc, [1, 1, 5])  # [1, 1] is now the most recently used
     pc.store([3, 3], filled_cache(length=2))  # evicts [2, 2]
-    assert pc.lookup([2, 2])[1] == 0
-    assert pc.lookup([1, 1])[1] == 2 and pc.lookup([3, 3])[1] == 2
+    assert lookup(pc, [2, 2])[1] == 0
+    assert lookup(pc, [1, 1])[1] == 2 and lookup(pc, [3, 3])[1] == 2
 
 
 def test_storing_the_same_prompt_again_refreshes_it():
@@ -95,28 +101,28 @@ def test_storing_the_same_prompt_again_refreshes_it():
     pc.store([2], filled_cache(length=1))
     pc.store([1], filled_cache(length=1, seed=3))  # refresh, no growth
     pc.store([3], filled_cache(length=1))  # evicts [2]
-    assert pc.lookup([2])[1] == 0 and pc.lookup([1])[1] == 1
+    assert lookup(pc, [2])[1] == 0 and lookup(pc, [1])[1] == 1
 
 
 def test_what_is_never_stored():
     off = PrefixCache(0)
     off.store([1, 2], filled_cache(length=2))
-    assert off.lookup([1, 2]) == (None, 0)
+    assert lookup(off, [1, 2]) == (None, 0)
     pc = PrefixCache(2)
     pc.store([], filled_cache(length=0))
     rotating = [RotatingKVCache(max_size=8) for _ in range(2)]
     assert not PrefixCache.storable(rotating) and PrefixCache.storable(filled_cache(length=1))
     pc.store([1, 2], rotating)
-    assert pc.lookup([1, 2]) == (None, 0)
+    assert lookup(pc, [1, 2]) == (None, 0)
 
 
 def test_an_entry_not_written_in_canonical_chunks_is_for_plain_requests_only():
     pc = PrefixCache(4)
     pc.store([1, 2, 3], filled_cache(length=3), canonical_length=0)
-    assert pc.lookup([1, 2, 3], canonical_only=True) == (None, 0)
-    assert pc.lookup([1, 2, 3])[1] == 3
+    assert lookup(pc, [1, 2, 3], canonical_only=True) == (None, 0)
+    assert lookup(pc, [1, 2, 3])[1] == 3
     pc.store([1, 2], filled_cache(length=2, seed=4))
-    assert pc.lookup([1, 2, 3], canonical_only=True)[1] == 2  # the canonical one, though shorter
+    assert lookup(pc, [1, 2, 3], canonical_only=True)[1] == 2  # the canonical one, though shorter
 
 
 def test_a_request_that_writes_canonical_kv_reads_only_an_entrys_canonical_positions():
@@ -125,13 +131,13 @@ def test_a_request_that_writes_canonical_kv_reads_only_an_entrys_canonical_posit
     far it is canonical."""
     pc = PrefixCache(4)
     pc.store([1, 2, 3, 4, 5], filled_cache(length=5), canonical_length=3)
-    assert pc.lookup([1, 2, 3, 4, 5, 6], canonical_only=True)[1] == 3
+    assert lookup(pc, [1, 2, 3, 4, 5, 6], canonical_only=True)[1] == 3
     hit = pc.find([1, 2, 3, 4, 5, 6])
     assert (hit.length, hit.canonical_length) == (5, 3)
     assert pc.find([1, 2, 9]).canonical_length == 2  # the common prefix, all of it canonical
     pc.store([1, 2, 3, 4], filled_cache(length=4, seed=4))  # shorter, all canonical: wins the canonical lookup
-    assert pc.lookup([1, 2, 3, 4, 5, 6], canonical_only=True)[1] == 4
-    assert pc.lookup([1, 2, 3, 4, 5, 6])[1] == 5
+    assert lookup(pc, [1, 2, 3, 4, 5, 6], canonical_only=True)[1] == 4
+    assert lookup(pc, [1, 2, 3, 4, 5, 6])[1] == 5
 
 
 def test_a_canonical_entry_is_kept_when_a_plain_request_stores_the_same_prompt():
@@ -139,10 +145,10 @@ def test_a_canonical_entry_is_kept_when_a_plain_request_stores_the_same_prompt()
     canonical = filled_cache(length=3, seed=1)
     pc.store([1, 2, 3], canonical)
     pc.store([1, 2, 3], filled_cache(length=3, seed=2), canonical_length=1)
-    copy, n = pc.lookup([1, 2, 3], canonical_only=True)
+    copy, n = lookup(pc, [1, 2, 3], canonical_only=True)
     assert n == 3 and bits_equal(copy[0].keys[..., :3, :], canonical[0].keys[..., :3, :])
     pc.store([1, 2, 3], filled_cache(length=3, seed=3))  # as canonical: replaces it
-    copy, n = pc.lookup([1, 2, 3], canonical_only=True)
+    copy, n = lookup(pc, [1, 2, 3], canonical_only=True)
     assert n == 3 and not bits_equal(copy[0].keys[..., :3, :], canonical[0].keys[..., :3, :])
 
 
@@ -459,7 +465,7 @@ def test_a_chunk_cut_to_an_audited_width_is_never_stored(tiny):
             tiny.model(mx.array([step.tokens]), cache=step.cache)
             state.chunk_written(len(step.tokens), alone=True)
             chunks += 1
-        return chunks, pc.lookup(PROMPT[:-1])[1]
+        return chunks, lookup(pc, PROMPT[:-1])[1]
 
     assert prefilled(None) == (1, len(PROMPT) - 1)  # control: one aligned chunk, stored
     chunks, stored = prefilled(5)

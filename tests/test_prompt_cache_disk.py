@@ -126,7 +126,7 @@ def test_a_plain_prompts_smaller_chunks_go_to_disk_under_the_plain_namespace(emb
     assert second.disk_hits == 1 and cached == first.disk.blocks_written * BLOCK
     assert (tokens, bits) == cold_plain[:2]
     # the disk hit is in memory now, marked not canonical: a deterministic lookup finds none
-    assert second.lookup(prompts[1][:-1], namespace(plain), canonical_only=True) == (None, 0)
+    assert second.find(prompts[1][:-1], namespace(plain), canonical_only=True) is None
     third = restarted(tmp_path)
     assert run(embedded_model, prompts[1], third)[2] == 0 and third.disk_hits == 0  # the canonical namespace's: none
 

@@ -94,13 +94,6 @@ class PrefixCache:
     def storable(cache: list) -> bool:
         return all(type(layer) is KVCache for layer in cache) or is_pooled(cache)
 
-    def lookup(self, tokens: list[int], namespace: str | None = None, *, layers: int = 0,
-               canonical_only: bool = False, disk_namespace: str | None = None) -> tuple[list | None, int]:
-        """`find`'s hit as (KV copy, length), or (None, 0)."""
-        hit = self.find(tokens, namespace, layers=layers, canonical_only=canonical_only,
-                        disk_namespace=disk_namespace)
-        return (hit.cache, hit.length) if hit else (None, 0)
-
     def find(self, tokens: list[int], namespace: str | None = None, *, layers: int = 0,
              canonical_only: bool = False, disk_namespace: str | None = None) -> PrefixHit | None:
         """A private copy of the cached KV sharing the longest prefix with `tokens`: from
