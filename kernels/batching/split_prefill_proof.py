@@ -55,7 +55,8 @@ def sweep(width: int, rows: int) -> list[int]:
 
 
 def prove_prefill_splits(model, call_rows: int, width: int, *, seed: int = 0, kv_pool: str = "off") -> RaggedProof:
-    """Whether a `width`-token prompt cut at each of `cuts` writes its one call's KV, bit for bit."""
+    """Whether a `width`-token prompt cut at each of `cuts`, and its first w tokens alone for
+    each w of `sweep`, write its one call's KV, bit for bit."""
     start = time.perf_counter()
     rows = shared_chunk_rows(call_rows)
     plan = cuts(width, rows)
@@ -64,20 +65,12 @@ def prove_prefill_splits(model, call_rows: int, width: int, *, seed: int = 0, kv
     made = _Caches(model, kv_pool, width, held=2)
     tokens = mx.random.randint(0, _vocab_size(model), (width,), key=mx.random.key(seed)).tolist()
 
-    def prefill(points: tuple[int, ...]) -> list:
+    def prefill(points: tuple[int, ...], end: int = width) -> list:
+        """The KV of the prompt's first `end` tokens, prefilled in calls cut at `points`."""
         cache = made.new()
-        for a, b in zip((0, *points), (*points, width)):
+        for a, b in zip((0, *points), (*points, end)):
             call_without_head(model, mx.array(tokens[a:b])[None], cache)
             mx.eval([c.state for c in cache])
-        kv = new_state(cache, 0)
-        mx.eval(kv)
-        made.release([cache])
-        return kv
-
-    def first(w: int) -> list:
-        """The prompt's first `w` tokens' KV, prefilled alone in one call."""
-        cache = made.new()
-        call_without_head(model, mx.array(tokens[:w])[None], cache)
         kv = new_state(cache, 0)
         mx.eval(kv)
         made.release([cache])
@@ -93,7 +86,7 @@ def prove_prefill_splits(model, call_rows: int, width: int, *, seed: int = 0, kv
                                f"{', '.join(map(str, points))} differs from its one call's",
                                time.perf_counter() - start)
     for w in sweep(width, rows):
-        layer = differing_layer([[a[..., :w, :] for a in kv] for kv in whole], first(w))
+        layer = differing_layer([[a[..., :w, :] for a in kv] for kv in whole], prefill((), w))
         step_done()
         if layer is not None:
             return RaggedProof(False, call_rows, (), f"layer {layer} KV of a {width}-token prompt's first {w} "
