@@ -34,12 +34,14 @@ def tiny():
 
 
 def decode(tiny, ahead: bool, requests=REQUESTS, deployment=None, deterministic=False,
-           speculative=None, prediction=False) -> tuple[dict, object]:
+           speculative=None, prediction=False, watch=None) -> tuple[dict, object]:
     """Every request's (token ids, logprob bits), all queued before the engine starts (so both
     runs schedule the same passes), and the engine's model runner. `prediction`: the requests
-    draft from their Predicted Outputs."""
+    draft from their Predicted Outputs. `watch(engine)` is called before it starts."""
     deployment = replace(deployment or Deployment(kv_pool="kernel", prefill_chunk=8), decode_ahead=ahead)
     engine = Engine(tiny, max_active=8, deployment=deployment)
+    if watch is not None:
+        watch(engine)
     plan = plan_request(deployment, deterministic=deterministic, speculative=speculative, prediction=prediction,
                         num_draft_tokens=3 if speculative or prediction else None)
     out = {}
@@ -101,6 +103,30 @@ def test_a_pass_built_ahead_is_dropped_when_its_requests_are_not_the_next_pass(t
     want, _ = decode(tiny, ahead=False)
     assert got == want  # every pass built again, over rows the dropped passes also wrote
     assert ahead.ahead_taken == 0 and ahead.ahead_built == ahead.ahead_dropped == 13
+
+
+def _ahead_metrics(metrics) -> dict[str, float]:
+    text = metrics.exposition()[0].decode()
+    prefix = "lockstep_decode_ahead_passes_total{outcome=\""
+    return {line[len(prefix):].split("\"")[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}
+
+
+def test_metrics_count_the_passes_built_ahead_taken_and_dropped(tiny, monkeypatch):
+    """/metrics' `lockstep_decode_ahead_passes_total{outcome}` is the runner's own count: 13
+    built and taken above; the same requests with every pass ahead refused by its next pass,
+    13 built and dropped; without decoding ahead, none."""
+    from lockstep.server.api.metrics import Metrics
+    from lockstep.server.engine.runner.decode_ahead import AheadPass
+
+    taken, dropped, off = Metrics(), Metrics(), Metrics()
+    decode(tiny, ahead=True, watch=taken.watch_engine)
+    decode(tiny, ahead=False, watch=off.watch_engine)
+    monkeypatch.setattr(AheadPass, "rows_for", lambda self, members, canonical: None)
+    decode(tiny, ahead=True, watch=dropped.watch_engine)
+    assert _ahead_metrics(taken) == {"built": 13, "taken": 13, "dropped": 0}
+    assert _ahead_metrics(dropped) == {"built": 13, "taken": 0, "dropped": 13}
+    assert _ahead_metrics(off) == {"built": 0, "taken": 0, "dropped": 0}
 
 
 def test_no_pass_is_built_ahead_of_a_request_at_its_last_token(tiny):

@@ -9,6 +9,19 @@ from tests.http_server import deterministic_server
 L = 6  # as tests/test_sampling_fields.py: the session's cached proofs for this L are re-used
 
 
+def test_each_lockstep_server_reports_its_passes_built_ahead(server, monkeypatch, tmp_path, capsys):
+    """After its rounds the bench prints each lockstep server's decode passes built ahead, from
+    its /metrics (the CPU builds none); a server it cannot read is "unknown", never a crash."""
+    import lockstep.server.commands.bench as bench
+
+    assert bench._decode_ahead(server) == "built 0, taken 0, dropped 0"
+    assert bench._decode_ahead("http://127.0.0.1:9/v1").startswith("unknown (")
+    run_load_without_servers(monkeypatch, tmp_path)
+    printed = capsys.readouterr().out
+    assert "lockstep: decode passes built ahead unknown (" in printed
+    assert "mlx_lm.server: decode passes" not in printed
+
+
 def test_extra_is_one_dict_or_a_function_of_the_client():
     assert extra_for({"deterministic": True}, 3) == {"deterministic": True}
     assert extra_for(None, 0) == {}

@@ -110,6 +110,8 @@ def test_two_models_answer_as_their_own_servers(live_server, tiny_dir):
         assert health["models"]["tiny"]["state"] == LOADED and health["models"]["smol"]["guarantee"] == "off"
         metrics = httpx.get(url + "/metrics").text
         assert 'lockstep_model_state{model="tiny",state="loaded"} 1.0' in metrics
+        # summed over the loaded engines (the CPU builds no pass ahead: the reference pool)
+        assert 'lockstep_decode_ahead_passes_total{outcome="built"} 0.0' in metrics
 
 
 def test_idle_model_unloads_with_its_memory_back_and_reloads_on_demand(tiny_dir):

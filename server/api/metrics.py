@@ -53,6 +53,7 @@ class Metrics:
         self.queue_depth.set_function(lambda: engine.counts()["waiting"])
         self.active.set_function(lambda: engine.counts()["active"])
         self.registry.register(_EngineCancellations(engine))
+        self.registry.register(_DecodeAhead(engine))
         engine.observers.append(self)
 
     def watch_pool(self, pool) -> None:
@@ -62,6 +63,7 @@ class Metrics:
         self.queue_depth.set_function(lambda: pool.counts()["waiting"])
         self.active.set_function(lambda: pool.counts()["active"])
         self.registry.register(_EngineCancellations(pool))
+        self.registry.register(_DecodeAhead(pool))
         pool.on_load.append(lambda service: service.engine.observers.append(self))
         self.registry.register(_ModelStates(pool))
 
@@ -128,6 +130,26 @@ class _EngineCancellations:
 
 
 CANCELLED_HELP = "Generations stopped because the client left"
+
+
+class _DecodeAhead:
+    """`lockstep_decode_ahead_passes_total{outcome}`: decode passes built before the pass
+    ahead of them reached the host, and of those the ones taken over and dropped (the model
+    runner's counts, read at scrape time). Taken ÷ built says how much of a stream's host work
+    overlapped the device's."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def describe(self):
+        return []  # collected at scrape time only
+
+    def collect(self):
+        family = CounterMetricFamily("lockstep_decode_ahead_passes", "Decode passes built ahead, by what became "
+                                     "of them", labels=["outcome"])
+        for outcome, count in self.engine.decode_ahead_counts().items():
+            family.add_metric([outcome], count)
+        yield family
 
 
 class _Startup:

@@ -338,6 +338,15 @@ class ModelPool:
                 total[key] += value
         return total
 
+    def decode_ahead_counts(self) -> dict[str, int]:
+        """Decode passes built ahead, taken over and dropped, over the loaded models' engines
+        (an unloaded model's go with it)."""
+        total: dict[str, int] = {}
+        for engine in self.loaded_engines():
+            for key, value in engine.decode_ahead_counts().items():
+                total[key] = total.get(key, 0) + value
+        return total
+
     def status(self, model: PooledModel) -> dict:
         """A model's state, guarantee and load counts (/health, /v1/models, /metrics)."""
         service = model.service

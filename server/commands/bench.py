@@ -201,12 +201,31 @@ def _measured_servers(plans: list, model_dir, levels: list[int], args) -> tuple[
         for server, proc in zip(servers, procs):
             wait_healthy(server["url"], server["ready"], 600, proc)
             server["url"] += "/v1"
-        return servers, _server_rounds(servers, levels, args)
+        rounds = _server_rounds(servers, levels, args)
+        for server in servers:
+            if server["name"] != "mlx_lm.server":
+                print(f"{server['name']}: decode passes built ahead {_decode_ahead(server['url'])}", flush=True)
+        return servers, rounds
     finally:
         for proc in procs:
             proc.terminate()
         for proc in procs:
             proc.wait(timeout=60)
+
+
+def _decode_ahead(url: str) -> str:
+    """A lockstep server's decode passes built ahead, taken over and dropped in all its rounds
+    (its /metrics): whether its streams' host work overlapped the device's."""
+    import httpx
+
+    prefix = 'lockstep_decode_ahead_passes_total{outcome="'
+    try:
+        text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=10).text
+    except httpx.HTTPError as exc:
+        return f"unknown ({exc})"
+    counts = {line[len(prefix):].split('"')[0]: int(float(line.rsplit(" ", 1)[1]))
+              for line in text.splitlines() if line.startswith(prefix)}
+    return ", ".join(f"{outcome} {count}" for outcome, count in counts.items()) or "unknown (no such metric)"
 
 
 def _ratio(a, b) -> float:

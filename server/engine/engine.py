@@ -32,6 +32,7 @@ from lockstep.server.engine.scheduling.errors import GenerationError, QueueFull,
 from lockstep.server.engine.guarantee.guarantee_state import REFUSED, GuaranteeState, settled_state
 from lockstep.server.engine.scheduling.handle import RequestHandle, post_all
 from lockstep.server.engine.scheduling.kv_budget import KVBudget, device_memory, reservation
+from lockstep.server.engine.runner.decode_ahead import AHEAD_OUTCOMES
 from lockstep.server.engine.runner.model_runner import ModelRunner
 from lockstep.server.engine.scheduling.passes import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_BATCH_ROWS, default_active_per_request
 from lockstep.server.engine.cache.prefix_cache import PrefixCache
@@ -200,6 +201,12 @@ class Engine:
         with self._wake:
             return {"active": len(self.scheduler.active), "waiting": len(self.scheduler.waiting),
                     "cancelled": self.scheduler.cancelled}
+
+    def decode_ahead_counts(self) -> dict[str, int]:
+        """Decode passes built ahead so far, and of them those taken over and those dropped
+        (server/engine/runner/decode_ahead.py; all 0 where passes are not compiled)."""
+        runner = self.runner
+        return {outcome: getattr(runner, f"ahead_{outcome}", 0) for outcome in AHEAD_OUTCOMES}
 
     def cut_off(self, message: str) -> int:
         """End every running and waiting request now with `ShuttingDown(message)`. Returns how many.

@@ -25,6 +25,9 @@ from lockstep.kernels.invariance.layers import calls_in_blocks, native_forms
 
 log = logging.getLogger(__name__)
 
+# What becomes of a pass built ahead (the model runner counts each; /metrics shows them).
+AHEAD_OUTCOMES = ("built", "taken", "dropped")
+
 
 class AheadPass:
     """A decode pass built and submitted before the tokens of the pass before it reached the
