@@ -161,9 +161,13 @@ class StandInEngine:
         self.active = 0
         self.stopped = False
         self.guarantee = type("G", (), {"state": "off"})()
+        self.ahead = {"built": 0, "taken": 0, "dropped": 0}
 
     def counts(self):
         return {"active": self.active, "waiting": 0, "cancelled": 0}
+
+    def decode_ahead_counts(self):
+        return dict(self.ahead)
 
     def stop(self):
         self.stopped = True
@@ -198,6 +202,18 @@ def test_a_model_with_requests_in_flight_is_never_unloaded():
     engines["a"].active = 0  # it finished: now a makes room for b
     asyncio.run(use(pool, "b"))
     assert engines["a"].stopped and pool.models["a"].state == UNLOADED and pool.models["b"].state == LOADED
+
+
+def test_decode_ahead_counts_never_fall_when_a_model_unloads():
+    """/metrics' decode-ahead counters are the pool's sums: an unloaded model's passes stay
+    counted (a Prometheus counter never falls)."""
+    pool, engines = stand_in_pool(["a", "b"], budget=150)
+    asyncio.run(use(pool, "a"))
+    engines["a"].ahead = {"built": 5, "taken": 4, "dropped": 1}
+    asyncio.run(use(pool, "b"))  # a unloads to make room
+    engines["b"].ahead = {"built": 2, "taken": 2, "dropped": 0}
+    assert pool.models["a"].state == UNLOADED
+    assert pool.decode_ahead_counts() == {"built": 7, "taken": 6, "dropped": 1}
 
 
 def test_idle_unload_skips_a_busy_model_and_counts_idle_time_from_its_last_request():

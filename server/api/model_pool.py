@@ -110,6 +110,7 @@ class ModelPool:
         self.make_submissions: Callable[[LoadedService, str], object] = lambda service, name: None
         self.on_load: list[Callable[[LoadedService], None]] = []  # e.g. metrics observe its engine
         self.cancelled_before = 0  # cancellations counted by engines since unloaded (a counter never falls)
+        self.ahead_before: dict[str, int] = {}  # decode passes built ahead by engines since unloaded (the same)
         self._lock = threading.Condition()
         self._closing = False
         self._watcher: threading.Thread | None = None
@@ -278,6 +279,8 @@ class ModelPool:
         for `_release` to stop outside the lock."""
         service, model.service, model.state = model.service, None, UNLOADED
         self.cancelled_before += service.engine.counts()["cancelled"]
+        for key, value in service.engine.decode_ahead_counts().items():
+            self.ahead_before[key] = self.ahead_before.get(key, 0) + value
         log.info("model %s unloaded %s", model.name, why)
         return model, service
 
@@ -339,9 +342,9 @@ class ModelPool:
         return total
 
     def decode_ahead_counts(self) -> dict[str, int]:
-        """Decode passes built ahead, taken over and dropped, over the loaded models' engines
-        (an unloaded model's go with it)."""
-        total: dict[str, int] = {}
+        """Decode passes built ahead, taken over and dropped since start, over every model's
+        engines (an unloaded model's kept)."""
+        total = dict(self.ahead_before)
         for engine in self.loaded_engines():
             for key, value in engine.decode_ahead_counts().items():
                 total[key] = total.get(key, 0) + value
