@@ -12,10 +12,8 @@ L = 6  # as tests/test_sampling_fields.py: the session's cached proofs for this 
 def test_each_lockstep_server_reports_its_passes_built_ahead(server, monkeypatch, tmp_path, capsys):
     """After its rounds the bench prints each lockstep server's decode passes built ahead, from
     its /metrics (the CPU builds none); a server it cannot read is "unknown", never a crash."""
-    import lockstep.server.commands.bench as bench
-
-    assert bench._decode_ahead(server) == "built 0, taken 0, dropped 0"
-    assert bench._decode_ahead("http://127.0.0.1:9/v1").startswith("unknown (")
+    assert http_load.decode_ahead_line(server) == "built 0, taken 0, dropped 0"
+    assert http_load.decode_ahead_line("http://127.0.0.1:9/v1").startswith("unknown (")
     run_load_without_servers(monkeypatch, tmp_path)
     printed = capsys.readouterr().out
     assert "lockstep: decode passes built ahead unknown (" in printed

@@ -188,7 +188,7 @@ def _server_rounds(servers: list[dict], levels: list[int], args) -> dict:
 
 def _measured_servers(plans: list, model_dir, levels: list[int], args) -> tuple[list[dict], dict]:
     """Start the servers of `plans` together, measure them side by side (`_server_rounds`), stop them."""
-    from lockstep.server.tools.http_load import wait_healthy
+    from lockstep.server.tools.http_load import decode_ahead_line, wait_healthy
 
     servers, procs = [], []
     try:
@@ -204,28 +204,13 @@ def _measured_servers(plans: list, model_dir, levels: list[int], args) -> tuple[
         rounds = _server_rounds(servers, levels, args)
         for server in servers:
             if server["name"] != "mlx_lm.server":
-                print(f"{server['name']}: decode passes built ahead {_decode_ahead(server['url'])}", flush=True)
+                print(f"{server['name']}: decode passes built ahead {decode_ahead_line(server['url'])}", flush=True)
         return servers, rounds
     finally:
         for proc in procs:
             proc.terminate()
         for proc in procs:
             proc.wait(timeout=60)
-
-
-def _decode_ahead(url: str) -> str:
-    """A lockstep server's decode passes built ahead, taken over and dropped in all its rounds
-    (its /metrics): whether its streams' host work overlapped the device's."""
-    import httpx
-
-    prefix = 'lockstep_decode_ahead_passes_total{outcome="'
-    try:
-        text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=10).text
-    except httpx.HTTPError as exc:
-        return f"unknown ({exc})"
-    counts = {line[len(prefix):].split('"')[0]: int(float(line.rsplit(" ", 1)[1]))
-              for line in text.splitlines() if line.startswith(prefix)}
-    return ", ".join(f"{outcome} {count}" for outcome, count in counts.items()) or "unknown (no such metric)"
 
 
 def _ratio(a, b) -> float:

@@ -219,6 +219,24 @@ def _starting(body: bytes) -> bool:
     return health.get("guarantee") == "proving" or health.get("starting") is True
 
 
+AHEAD_METRIC = 'lockstep_decode_ahead_passes_total{outcome="'
+
+
+def decode_ahead_line(base_url: str) -> str:
+    """A lockstep server's decode passes built ahead, taken over and dropped so far (its
+    /metrics): "built 90, taken 88, dropped 2", or "unknown (why)"."""
+    url = urllib.parse.urlparse(base_url)
+    try:
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    except OSError as exc:
+        return f"unknown ({exc})"
+    counts = {line[len(AHEAD_METRIC):].split('"')[0]: int(float(line.rsplit(" ", 1)[1]))
+              for line in text.splitlines() if line.startswith(AHEAD_METRIC)}
+    return ", ".join(f"{outcome} {count}" for outcome, count in counts.items()) or "unknown (no such metric)"
+
+
 def wait_healthy(base_url: str, path: str, timeout: float, proc=None) -> None:
     """Until `path` answers 200 (for lockstep's /health: with its start-up work done too, since a
     server proves and audits after serving starts and a measurement wants the deployment it
