@@ -38,9 +38,10 @@ def live_server(embedded_model):
 # first on its xdist workers (--dist loadfile, collection order kept), so that neither worker
 # ends the run alone on one of them.
 SLOW_FILES_FIRST = (
-    "test_deterministic_http.py", "test_distributed.py", "test_quant_modes.py",
-    "test_batching_openblas.py", "test_replay_server.py", "test_structured_outputs.py",
-    "test_prompt_cache_disk.py", "test_replay.py", "test_compiled_pass.py", "test_startup.py",
+    "test_deterministic_http.py", "test_distributed.py", "test_ragged_proof_resume.py",
+    "test_prompt_cache_disk.py", "test_quant_modes.py", "test_structured_outputs.py", "test_startup.py",
+    "test_activation_dtype.py", "test_replay.py", "test_api.py", "test_batching_openblas.py",
+    "test_reliability.py", "test_replay_server.py",
 )
 
 
