@@ -8,8 +8,10 @@ With `--kinds plain,deterministic` the rounds alternate between the kinds in one
 
 Per round: wall time and tok/s; the time until every request has its first token (the prefill
 phase: its prefill steps, its decode steps, the rest); then the decode phase's steps by rows
-(median ms a step). The rest of a round's wall time (not inside a step) is the engine's own
-work between steps and waits for requests. One unmeasured round first, medians of the rounds.
+(median ms a step); and how many decode passes were built ahead and taken over (the host's
+building of a pass overlapped the device's work on the one before: `decode_ahead.py`). The rest
+of a round's wall time (not inside a step) is the engine's own work between steps and waits
+for requests. One unmeasured round first, medians of the rounds.
 
     python bench/round_timeline.py --model DIR [--clients 16,32] [--tokens 96] [--rounds 3]
                                    [--kinds plain,deterministic] [--serve-arg=--batch-invariant-limit=8 ...]
@@ -88,9 +90,11 @@ async def _round(engine, requests, plan) -> tuple[list[float], int]:
 
 def one_round(engine, timeline: Timeline, requests, plan) -> dict:
     timeline.steps.clear()
+    ahead = engine.decode_ahead_counts()
     start = time.perf_counter()
     firsts, tokens = asyncio.run(_round(engine, requests, plan))
     end = time.perf_counter()
+    taken = engine.decode_ahead_counts()["taken"] - ahead["taken"]
     all_first = max(f for f in firsts if f is not None)
     steps = list(timeline.steps)
 
@@ -109,7 +113,7 @@ def one_round(engine, timeline: Timeline, requests, plan) -> dict:
             "prefill_phase": all_first - start, "prefill_steps": len(pre_p), "prefill_tokens": sum(x[3] for x in pre_p),
             "prefill_s": busy(pre_p), "prefill_decode_steps": len(pre_d), "prefill_decode_s": busy(pre_d),
             "decode_phase": end - all_first, "decode_steps": len(dec), "decode_s": busy(dec),
-            "outside": end - start - busy(steps), "by_rows": by_rows}
+            "outside": end - start - busy(steps), "by_rows": by_rows, "taken_ahead": taken}
 
 
 def _row(n: int, kind: str, got: list) -> list:
@@ -125,7 +129,8 @@ def _row(n: int, kind: str, got: list) -> list:
             f"{med('prefill_s') * 1e3:.0f}",
             f"{med('prefill_decode_steps'):.0f}, {med('prefill_decode_s') * 1e3:.0f}",
             f"{med('decode_phase') * 1e3:.0f}", f"{med('decode_steps'):.0f}, {med('decode_s') * 1e3:.0f}",
-            f"{top} rows: {step_ms.get(top, float('nan')):.2f}", f"{med('outside') * 1e3:.0f}"]
+            f"{top} rows: {step_ms.get(top, float('nan')):.2f}", f"{med('outside') * 1e3:.0f}",
+            f"{med('taken_ahead'):.0f}"]
 
 
 def wait_settled(engine, timeout: float = 900) -> None:
@@ -190,7 +195,7 @@ def main() -> int:
         engine.stop()
     print(table(["clients", "kind", "tok/s", "wall ms", "ttft p50 ms", "until all first ms", "prefill steps (ms)",
                  "decode steps then (n, ms)", "decode phase ms", "its steps (n, ms)", "commonest step",
-                 "outside steps ms"], rows))
+                 "outside steps ms", "decode passes taken ahead"], rows))
     return 0
 
 
