@@ -335,18 +335,19 @@ class ModelPool:
 
     def counts(self) -> dict[str, int]:
         """Active, waiting and cancelled requests over every model (cancelled: since start)."""
-        total = {"active": 0, "waiting": 0, "cancelled": self.cancelled_before}
-        for engine in self.loaded_engines():
-            for key, value in engine.counts().items():
-                total[key] += value
-        return total
+        return self._summed(lambda engine: engine.counts(),
+                            {"active": 0, "waiting": 0, "cancelled": self.cancelled_before})
 
     def decode_ahead_counts(self) -> dict[str, int]:
         """Decode passes built ahead, taken over and dropped since start, over every model's
         engines (an unloaded model's kept)."""
-        total = dict(self.ahead_before)
+        return self._summed(lambda engine: engine.decode_ahead_counts(), self.ahead_before)
+
+    def _summed(self, counts_of, start: dict[str, int]) -> dict[str, int]:
+        """`start` plus `counts_of(engine)` of every loaded engine, key by key."""
+        total = dict(start)
         for engine in self.loaded_engines():
-            for key, value in engine.decode_ahead_counts().items():
+            for key, value in counts_of(engine).items():
                 total[key] = total.get(key, 0) + value
         return total
 
