@@ -20,6 +20,33 @@ def test_each_lockstep_server_reports_its_passes_built_ahead(server, monkeypatch
     assert "mlx_lm.server: decode passes" not in printed
 
 
+def test_each_lockstep_server_reports_its_decode_passes_by_kind(server, capsys):
+    """After each concurrency's rounds the bench prints each lockstep server's decode passes
+    of its measured rounds (not the warm one) by kind, from its /metrics: a deterministic
+    client's passes count as deterministic ones, a plain one's as plain, one pass a token (the
+    prompt's last token is the first pass's row)."""
+    import argparse
+    import re
+
+    import lockstep.server.commands.bench as bench
+
+    for kind, extra in (("deterministic", {"deterministic": True}), ("plain", {})):
+        before = http_load.pass_seconds(server)
+        out = bench._server_rounds([{"name": kind, "url": server, "model": "default", "extra": extra}], [1],
+                                   argparse.Namespace(max_tokens=4, rounds=3))
+        after = http_load.pass_seconds(server)
+        passes = sum(r.tokens for r in out[kind][0][1])
+        line = re.search(rf"{kind}: decode passes of the measured rounds at 1 clients: (.*)", capsys.readouterr().out)
+        assert passes > 0 and line is not None
+        assert re.search(rf"{kind} {passes} passes, \d+\.\d\d ms each", line.group(1)), line.group(1)
+        other = "plain" if kind == "deterministic" else "deterministic"
+        assert f"{other} 0" in line.group(1)
+        assert after[kind][0] - before[kind][0] == passes + 4  # and the warm round's (not printed)
+        assert after[kind][1] > before[kind][1]
+    assert http_load.pass_seconds("http://127.0.0.1:9/v1") is None
+    assert http_load.pass_seconds_line(None, after) == "unknown"
+
+
 def test_extra_is_one_dict_or_a_function_of_the_client():
     assert extra_for({"deterministic": True}, 3) == {"deterministic": True}
     assert extra_for(None, 0) == {}

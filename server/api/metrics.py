@@ -16,6 +16,8 @@ TOKENS_PER_SECOND_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60)
 ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+PASS_SECONDS_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1)
+PASS_KINDS = ("deterministic", "plain")  # a pass with any deterministic row runs canonical forms
 
 
 class Metrics:
@@ -44,6 +46,11 @@ class Metrics:
                                    buckets=ROWS_BUCKETS, registry=r)
         self.pass_requests = Histogram("lockstep_forward_pass_requests", "Requests sharing a decode pass",
                                        buckets=ROWS_BUCKETS, registry=r)
+        self.pass_seconds = Histogram("lockstep_decode_pass_seconds", "Seconds a decode pass takes on the engine "
+                                      "thread (with decoding ahead, the step its requests wait for), by kind",
+                                      ["kind"], buckets=PASS_SECONDS_BUCKETS, registry=r)
+        for kind in PASS_KINDS:  # both series from the start (a scrape reads 0, not nothing)
+            self.pass_seconds.labels(kind)
         self.prefill_requests = Histogram("lockstep_prefill_pass_requests", "Requests whose prompt chunks "
                                           "shared a prefill pass", buckets=ROWS_BUCKETS, registry=r)
         self.queue_depth = Gauge("lockstep_queue_depth", "Requests waiting for a generation slot", registry=r)
@@ -77,6 +84,10 @@ class Metrics:
         """Engine observer: one decode pass ran (called on the engine thread)."""
         self.pass_rows.observe(rows)
         self.pass_requests.observe(requests)
+
+    def on_pass_seconds(self, seconds: float, deterministic: bool) -> None:
+        """Engine observer: a decode pass's time, deterministic (canonical forms) or plain."""
+        self.pass_seconds.labels(PASS_KINDS[0] if deterministic else PASS_KINDS[1]).observe(seconds)
 
     def on_prefill(self, rows: int, requests: int) -> None:
         """Engine observer: prompt chunks of several requests shared one pass."""

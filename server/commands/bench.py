@@ -164,13 +164,20 @@ def _server_rounds(servers: list[dict], levels: list[int], args) -> dict:
     measured rounds taken in turn across the servers (tools/http_load.py `interleaved_rounds`),
     the median of each printed. A server: name, url, model and extra (request fields for every
     client, or a function of the client index). Each round's answers are then compared with the
-    same requests sent alone (after the measured rounds: they warm nothing measured). Returns
-    name -> (the median round, every measured round in the order taken) per concurrency."""
-    from lockstep.server.tools.http_load import changed_answers, extra_for, interleaved_rounds, solo_texts, summary_line
+    same requests sent alone (after the measured rounds: they warm nothing measured), and each
+    lockstep server's decode passes of the measured rounds are printed (count and mean seconds
+    by kind, from its /metrics). Returns name -> (the median round, every measured round in the
+    order taken) per concurrency."""
+    from lockstep.server.tools.http_load import (changed_answers, extra_for, interleaved_rounds, pass_seconds,
+                                                 pass_seconds_line, solo_texts, summary_line)
 
+    ours = [s for s in servers if s["name"] != "mlx_lm.server"]
     results = {s["name"]: [] for s in servers}
     for n in levels:
-        both = interleaved_rounds([(s["url"], s["model"], s["extra"]) for s in servers], n, args.max_tokens, args.rounds)
+        before = {}
+        both = interleaved_rounds([(s["url"], s["model"], s["extra"]) for s in servers], n, args.max_tokens, args.rounds,
+                                  after_warm=lambda: before.update({s["name"]: pass_seconds(s["url"]) for s in ours}))
+        after = {s["name"]: pass_seconds(s["url"]) for s in ours}
         for s, (median, rounds) in zip(servers, both):
             extra = s["extra"]
             # With mixed clients only the deterministic ones are promised their solo answer;
@@ -183,6 +190,9 @@ def _server_rounds(servers: list[dict], levels: list[int], args) -> dict:
             print(summary_line(s["name"], median, changed, of) + f"   (median of {len(rounds)}: "
                   + ", ".join(f"{r.tok_per_s:.1f}" for r in rounds) + ")", flush=True)
             results[s["name"]].append((median, rounds))
+        for s in ours:  # each server's own decode step, beside what its clients saw
+            print(f"{s['name']}: decode passes of the measured rounds at {n} clients: "
+                  f"{pass_seconds_line(before.get(s['name']), after[s['name']])}", flush=True)
     return results
 
 

@@ -79,6 +79,8 @@ class EngineObserver:
 
     def on_pass(self, rows: int, requests: int) -> None: ...
 
+    def on_pass_seconds(self, seconds: float, deterministic: bool) -> None: ...
+
     def on_prefill(self, rows: int, requests: int) -> None: ...
 
     def on_admit(self, waited_seconds: float) -> None: ...
@@ -352,9 +354,10 @@ class Engine:
         posts = self.scheduler.update_from_output(output, result)
         if output.prefill_shared and not isinstance(result.prefill_shared, Exception):
             self._notify("on_prefill", sum(result.prefill_shared), len(output.prefill_shared))
-        for done in result.passes:
+        for scheduled, done in zip(output.passes, result.passes):
             if not isinstance(done, Exception) and done.rows:
                 self._notify("on_pass", done.rows, done.requests)
+                self._notify("on_pass_seconds", done.seconds, scheduled.canonical)
         post_all(posts)
 
     def _traces(self) -> int:

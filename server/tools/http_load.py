@@ -166,17 +166,20 @@ def run_round(base_url: str, model: str, concurrency: int, max_tokens: int, extr
 MEASURED_ROUNDS = 3  # the fewest measured rounds a figure is the median of
 
 
-def interleaved_rounds(servers: list[tuple], concurrency: int, max_tokens: int,
-                       rounds: int = MEASURED_ROUNDS) -> list[tuple[RoundResult, list[RoundResult]]]:
+def interleaved_rounds(servers: list[tuple], concurrency: int, max_tokens: int, rounds: int = MEASURED_ROUNDS,
+                       after_warm=None) -> list[tuple[RoundResult, list[RoundResult]]]:
     """Warm with warm, for servers up at once, (base_url, model, extra) each: one unmeasured
     round at `concurrency` on each (a server compiles its batched shapes on first use; that
     belongs to no side's figure), then `rounds` (at least MEASURED_ROUNDS) measured ones taken in
     turn (A, B, A, B, ...), so a machine whose speed drifts over minutes moves every side alike.
     Every round has prompts of its own, the same for every server (a repeated prompt would be
     answered from a prompt cache: the measure of one server's cache, not of its serving).
-    Returns (the median round by aggregate tok/s, all of them) per server."""
+    `after_warm()`, where given, runs between the warm rounds and the measured ones. Returns
+    (the median round by aggregate tok/s, all of them) per server."""
     for base_url, model, extra in servers:
         run_round(base_url, model, concurrency, max_tokens, extra, tag=f"{concurrency} clients, warm-up")
+    if after_warm is not None:
+        after_warm()
     measured = [[] for _ in servers]
     for k in range(max(rounds, MEASURED_ROUNDS)):
         for i, (base_url, model, extra) in enumerate(servers):
@@ -220,21 +223,59 @@ def _starting(body: bytes) -> bool:
 
 
 AHEAD_METRIC = 'lockstep_decode_ahead_passes_total{outcome="'
+PASS_METRIC = "lockstep_decode_pass_seconds"
+
+
+def _metrics(base_url: str) -> str:
+    """A lockstep server's /metrics text (OSError where it does not answer)."""
+    url = urllib.parse.urlparse(base_url)
+    if not url.hostname:
+        raise OSError(f"no server at {base_url!r}")
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    conn.request("GET", "/metrics")
+    return conn.getresponse().read().decode()
 
 
 def decode_ahead_line(base_url: str) -> str:
     """A lockstep server's decode passes built ahead, taken over and dropped so far (its
     /metrics): "built 90, taken 88, dropped 2", or "unknown (why)"."""
-    url = urllib.parse.urlparse(base_url)
     try:
-        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
+        text = _metrics(base_url)
     except OSError as exc:
         return f"unknown ({exc})"
     counts = {line[len(AHEAD_METRIC):].split('"')[0]: int(float(line.rsplit(" ", 1)[1]))
               for line in text.splitlines() if line.startswith(AHEAD_METRIC)}
     return ", ".join(f"{outcome} {count}" for outcome, count in counts.items()) or "unknown (no such metric)"
+
+
+def pass_seconds(base_url: str) -> dict | None:
+    """A lockstep server's decode passes so far by kind, from /metrics: {kind: (passes,
+    seconds)}; None where it does not answer or has no such metric."""
+    try:
+        text = _metrics(base_url)
+    except OSError:
+        return None
+    found: dict = {}
+    for line in text.splitlines():
+        for part, at in (("_count", 0), ("_sum", 1)):
+            head = f'{PASS_METRIC}{part}{{kind="'
+            if line.startswith(head):
+                kind = line[len(head):].split('"')[0]
+                found.setdefault(kind, [0.0, 0.0])[at] = float(line.rsplit(" ", 1)[1])
+    return {kind: (int(count), seconds) for kind, (count, seconds) in found.items()} or None
+
+
+def pass_seconds_line(before: dict | None, after: dict | None) -> str:
+    """The decode passes between two `pass_seconds` readings, by kind: "deterministic 380 passes,
+    9.71 ms each; plain 0", or "unknown"."""
+    if before is None or after is None:
+        return "unknown"
+    parts = []
+    for kind, (count, seconds) in sorted(after.items()):
+        passes = count - before.get(kind, (0, 0.0))[0]
+        spent = seconds - before.get(kind, (0, 0.0))[1]
+        parts.append(f"{kind} {passes} passes, {1e3 * spent / passes:.2f} ms each" if passes else f"{kind} 0")
+    return "; ".join(parts)
 
 
 def wait_healthy(base_url: str, path: str, timeout: float, proc=None) -> None:

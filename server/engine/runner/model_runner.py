@@ -21,8 +21,9 @@ token_steps.drive, the bench and verify) use `forward_rows`, `new_cache` and
 from __future__ import annotations
 
 import contextlib
-
 import logging
+import time
+
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
@@ -186,6 +187,7 @@ class ModelRunner:
         to its k drafts, the pass runs [last token, *drafts] of every member (`decode`), and
         each member's tokens are chosen from its rows. A member whose drafting or sampling
         fails fails alone; one whose client left while drafting does not run."""
+        started = time.perf_counter()
         members = [None] * len(scheduled.members)
         running = []  # (index, slot, rows, drafts)
         for i, member in enumerate(scheduled.members):
@@ -208,7 +210,7 @@ class ModelRunner:
                 members[i] = exc
                 continue
             members[i] = SampledTokens([step.sampled for step in steps], drafts)
-        return PassOutput(sum(len(rows) for _, _, rows, _ in running), members)
+        return PassOutput(sum(len(rows) for _, _, rows, _ in running), members, time.perf_counter() - started)
 
     def set_deployment(self, deployment: Deployment) -> None:
         """Run with `deployment` from now on; passes traced under the model's forms before are

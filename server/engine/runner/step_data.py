@@ -126,10 +126,13 @@ class SampledTokens:
 class PassOutput:
     """A scheduled decode pass that ran: its rows, and per member (in the ScheduledPass's order)
     its SampledTokens, the Exception its drafting or sampling raised, or None where its client
-    left while the pass was drafted (it did not run)."""
+    left while the pass was drafted (it did not run). `seconds`: its time on the engine thread
+    (drafting, running, sampling; a pass decoded ahead also builds the next one meanwhile), the
+    step its requests wait for."""
 
     rows: int
     members: list
+    seconds: float = 0.0
 
     @property
     def requests(self) -> int:
