@@ -16,6 +16,12 @@ local memory. Two tables:
     .venv/bin/python bench/kernel_registers.py --nvrtc /tmp/nvrtc/x/nvidia/cu13/lib/libnvrtc.so.13 \\
         --include /tmp/nvrtc/x/nvidia/cu13/include --unbounded
 
+- with --cubin-bytes, each instance a decode step of the 8B nvfp4 shape launches (a plain
+  row, a deterministic row, 32 plain rows) and its cubin's bytes, summed over a step: MLX's
+  CUDA backend hashes a precompiled kernel's whole cubin at every launch
+  (`CustomKernel::eval_gpu` names the module by `std::hash` of its source), host time a step
+  that grows with the step's cubin bytes.
+
 Prints markdown tables; asserts nothing.
 """
 from __future__ import annotations
@@ -30,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from lockstep.kernels.custom import nvrtc, qmv_mma, qmv_rows, split_attention  # noqa: E402
+from lockstep.kernels.custom import attention, nvrtc, qmv_mma, qmv_mma_parts, qmv_rows, qmv_split  # noqa: E402
+from lockstep.kernels.custom import split_attention  # noqa: E402
 
 REGISTERS_A_BLOCK = 65536
 QMV_FORMATS = (("nvfp4", 4, 16), ("mxfp4", 4, 32), ("affine", 4, 64), ("affine", 8, 64), ("mxfp8", 8, 32))
@@ -117,6 +124,47 @@ def qmv_mma_plans(compiler, options, groups) -> None:
                       f"{by_regs} | {by_shared if shared else '-'} | {blocks * threads // 32} |")
 
 
+def step_launches(layers: int = 32, vocab: int = 128256) -> dict:
+    """(label, (family, template), launches) of one 8B nvfp4 decode step (bfloat16 x, head size
+    128, 8 KV heads of 4 query heads each) of each kind, as kernels/custom/split_rows.py and
+    kernels/batching/kv_pool.py route its calls."""
+    bf, fmt = mx.bfloat16, ("nvfp4", 16, mx.bfloat16)
+    linears = (("q,o", 4096, 4096, 2), ("k,v", 1024, 4096, 2), ("down", 4096, 14336, 1))
+
+    def mma(m):
+        out = [(f"qmv_mma {name}", qmv_mma.instances(m, n, k, *fmt)[0], count * layers) for name, n, k, count in linears]
+        out.append(("qmv_mma_parts gate,up", qmv_mma_parts.instances(m, (14336, 14336), 4096, *fmt)[0], layers))
+        return out + [("qmv_mma head", qmv_mma.instances(m, vocab, 4096, *fmt)[0], 1)]
+
+    plain_row = [(f"qmv_split {name}", qmv_split.instances(1, n, *fmt)[0], count * layers)
+                 for name, n, count in (("q,o", 4096, 2), ("k,v", 1024, 2), ("gate,up", 14336, 2), ("down", 4096, 1))]
+    plain_row.append(("qmv_split head", qmv_split.instances(1, vocab, *fmt)[0], 1))
+    heads = split_attention.instances(bf, 128, 4)
+    return {
+        "plain, 1 row": plain_row + [("split_attention", heads[0], layers)],
+        "deterministic, 1 row": mma(1) + [("pooled_attention", attention.instances(bf, 128)[0], layers)],
+        "plain, 32 rows": mma(32) + [("split_attention", heads[-1], layers)],
+    }
+
+
+def cubin_bytes(compiler, options) -> None:
+    """Each instance of an 8B nvfp4 step of each kind, its cubin's bytes and its launches, and
+    the bytes MLX hashes a step (`step_launches`)."""
+    sizes: dict = {}
+    print("\n| step | instance | launches a step | cubin KB | KB hashed a step |")
+    print("|---|---|---|---|---|")
+    for kind, launches in step_launches().items():
+        total = 0
+        for label, (family, template), count in launches:
+            key = (family.name, tuple(template))
+            if key not in sizes:
+                sizes[key] = len(compiler.compile(family.source(template), options))
+            total += sizes[key] * count
+            print(f"| {kind} | {label} `{family.symbol(template)}` | {count} | {sizes[key] / 1024:.1f} | "
+                  f"{sizes[key] * count / 1024:.0f} |")
+        print(f"| {kind} | **a step** | {sum(c for *_, c in launches)} | | **{total / 1024:.0f}** |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nvrtc", required=True, help="libnvrtc.so path")
@@ -124,11 +172,16 @@ def main() -> None:
     parser.add_argument("--arch", default="sm_90a", help="NVRTC's architecture (default sm_90a: H100, H200)")
     parser.add_argument("--unbounded", action="store_true", help="also compile each bounded instance without its bound")
     parser.add_argument("--qmv-mma-groups", default="0,1,2", help="CG values of the qmv_mma table (default 0,1,2)")
+    parser.add_argument("--cubin-bytes", action="store_true",
+                        help="only the cubin bytes an 8B nvfp4 decode step's launches hash (see above)")
     args = parser.parse_args()
     compiler = nvrtc.Nvrtc(ctypes.CDLL(args.nvrtc))
     options = ["--device-as-default-execution-space", f"--gpu-architecture={args.arch}",
                f"--include-path={args.include}"]
     print(f"NVRTC {'.'.join(map(str, compiler.version()))}, {args.arch}\n")
+    if args.cubin_bytes:
+        cubin_bytes(compiler, options)
+        return
     wide_blocks(compiler, options, args.unbounded)
     qmv_rows_plans(compiler, options)
     qmv_mma_plans(compiler, options, [int(g) for g in args.qmv_mma_groups.split(",")])
