@@ -236,6 +236,13 @@ def _metrics(base_url: str) -> str:
     return conn.getresponse().read().decode()
 
 
+def _labelled(text: str, head: str) -> dict[str, float]:
+    """The samples of /metrics text whose line starts with `head` (a name and its one label's
+    opening quote), by that label's value."""
+    return {line[len(head):].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(head)}
+
+
 def decode_ahead_line(base_url: str) -> str:
     """A lockstep server's decode passes built ahead, taken over and dropped so far (its
     /metrics): "built 90, taken 88, dropped 2", or "unknown (why)"."""
@@ -243,9 +250,8 @@ def decode_ahead_line(base_url: str) -> str:
         text = _metrics(base_url)
     except OSError as exc:
         return f"unknown ({exc})"
-    counts = {line[len(AHEAD_METRIC):].split('"')[0]: int(float(line.rsplit(" ", 1)[1]))
-              for line in text.splitlines() if line.startswith(AHEAD_METRIC)}
-    return ", ".join(f"{outcome} {count}" for outcome, count in counts.items()) or "unknown (no such metric)"
+    counts = _labelled(text, AHEAD_METRIC)
+    return ", ".join(f"{outcome} {int(count)}" for outcome, count in counts.items()) or "unknown (no such metric)"
 
 
 def pass_seconds(base_url: str) -> dict | None:
@@ -255,14 +261,9 @@ def pass_seconds(base_url: str) -> dict | None:
         text = _metrics(base_url)
     except OSError:
         return None
-    found: dict = {}
-    for line in text.splitlines():
-        for part, at in (("_count", 0), ("_sum", 1)):
-            head = f'{PASS_METRIC}{part}{{kind="'
-            if line.startswith(head):
-                kind = line[len(head):].split('"')[0]
-                found.setdefault(kind, [0.0, 0.0])[at] = float(line.rsplit(" ", 1)[1])
-    return {kind: (int(count), seconds) for kind, (count, seconds) in found.items()} or None
+    counts = _labelled(text, f'{PASS_METRIC}_count{{kind="')
+    sums = _labelled(text, f'{PASS_METRIC}_sum{{kind="')
+    return {kind: (int(count), sums.get(kind, 0.0)) for kind, count in counts.items()} or None
 
 
 def pass_seconds_line(before: dict | None, after: dict | None) -> str:
