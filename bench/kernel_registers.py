@@ -88,7 +88,7 @@ def qmv_rows_plans(compiler, options) -> None:
         family = qmv_rows.family(qmv_rows.kind(mode))
         for columns in (1, 2, 4):
             for rows in (2, 4):
-                plan = qmv_rows._launch_plan(8, 4096, mode, bits, group, 0, mx.bfloat16, rows, columns)
+                plan = qmv_rows._launch_plan(8, 4096, 4096, mode, bits, group, 0, mx.bfloat16, rows, columns)
                 regs, stores, loads = report(compiler, family.source(tuple(plan["template"])), options)
                 print(f"| {mode} {bits}-bit g{group} | {columns} | {rows} | {regs} | {stores} / {loads} | "
                       f"{REGISTERS_A_BLOCK // (regs * threads)} |")

@@ -127,12 +127,46 @@ def test_the_order_is_not_a_plain_sum():
 
 # -- the source -----------------------------------------------------------------------------
 
+def kernel_tiles(k: int, ept: int, tiles_ahead: int) -> list:
+    """The idx each lane computes, in order, as qmv_rows.cu's loop runs them: tiles of 32 * EPT,
+    the partial last one where idx < K, TILES at a time."""
+    per_warp = 32 * ept
+    tiles = -(-k // per_warp)
+    lanes = []
+    for lane in range(32):
+        seen = []
+        for t0 in range(0, tiles, tiles_ahead):
+            for u in range(tiles_ahead):
+                idx = lane * ept + (t0 + u) * per_warp
+                if t0 + u < tiles and idx < k:
+                    seen.append(idx)
+        lanes.append(seen)
+    return lanes
+
+
+@pytest.mark.parametrize("k", [64, 384, 576, 640, 1024, 1536, 4096, 4160, 14336])
+@pytest.mark.parametrize("w_bits", [4, 8])
+def test_the_tiles_a_warp_loads_ahead_keep_mlx_order(k, w_bits):
+    ept = qmv_order.elems_per_thread(16, w_bits)
+    ahead = qmv_rows.tiles_ahead(k, w_bits)
+    assert ahead == min(qmv_rows.MAX_TILES_AHEAD, max(1, k // (32 * ept)))  # no unrolled tile K never fills
+    assert kernel_tiles(k, ept, ahead) == qmv_order.lane_tiles(k, ept)
+    assert kernel_tiles(k, ept, qmv_rows.MAX_TILES_AHEAD) == qmv_order.lane_tiles(k, ept)
+
+
+def test_the_tiles_ahead_are_part_of_the_instance():
+    def tiles(k):
+        return dict(qmv_rows._launch_plan(16, 576, k, "nvfp4", 4, 16, 0, mx.bfloat16)["template"])["TILES"]
+    assert (tiles(576), tiles(1536), tiles(4096), tiles(14336)) == (1, 3, 8, 8)
+
+
 def test_the_source_follows_the_model():
     text = qmv_rows.SOURCE.read_text()
     assert "constexpr int EPT = BITS <= 4 ? 16 : 8;" in text
-    assert "for (int t0 = 0; t0 < full; t0 += TILES) {" in text
-    assert "if (t0 + u < full) compute(lane * EPT + (t0 + u) * PER_WARP, v[u]);" in text  # in order
-    assert "const int idx = lane * EPT + K - rest;" in text and "if (idx < K) compute(idx, load(idx));" in text
+    assert "const int tiles = (K + PER_WARP - 1) / PER_WARP;" in text
+    assert "for (int t0 = 0; t0 < tiles; t0 += TILES) {" in text
+    assert "const int idx = lane * EPT + (t0 + u) * PER_WARP;" in text
+    assert "if (t0 + u < tiles && idx < K) compute(idx, v[u]);" in text  # in order, the tail last
     assert "acc_t[m][r][j] = __hfma2(xv[j], wd[r][j], acc_t[m][r][j]);" in text  # T accumulators, 4-bit
     assert "__fmaf_rn(xf.x, wf.x, acc_f[m][r][2 * j])" in text  # float32, 8-bit
     assert "if constexpr (FUSED) return __hfma2(c, s2, b2);" in text
@@ -147,7 +181,7 @@ def test_the_source_follows_the_model():
 @pytest.mark.parametrize("m", [2, 3, 4, 5, 8, 16, 33, 64])
 @pytest.mark.parametrize("n", [9, 576, 4096, 14336])
 def test_launches_cover_every_output(m, n):
-    plan = qmv_rows._launch_plan(m, n, "nvfp4", 4, 16, 0, mx.bfloat16)
+    plan = qmv_rows._launch_plan(m, n, 4096, "nvfp4", 4, 16, 0, mx.bfloat16)
     template = dict(plan["template"])
     rows, columns = template["MR"], template["R"]
     assert rows == qmv_rows.warp_rows(m) and rows in (2, 4)
@@ -162,7 +196,7 @@ def test_launches_cover_every_output(m, n):
     ("mxfp8", 8, 32, 14336, 4), ("affine", 4, 64, 4096, 4), ("nvfp4", 4, 16, 1024, 1)])
 def test_8bit_weights_take_one_column_a_warp_but_mxfp8s_widest_layers(mode, bits, group, n, columns):
     # 4 columns x 4 rows of 8-bit weights spill; one column ran faster on the H200
-    plan = qmv_rows._launch_plan(16, n, mode, bits, group, 0, mx.bfloat16)
+    plan = qmv_rows._launch_plan(16, n, 4096, mode, bits, group, 0, mx.bfloat16)
     assert dict(plan["template"])["R"] == columns
     assert (plan["grid"][0] // 32) * columns >= n
 

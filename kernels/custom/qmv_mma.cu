@@ -419,7 +419,9 @@ __device__ void qmv_mma(const T* x, const uint32_t* w, const T* scales_t, const 
 // Up to three layers that read the same x (an attention block's q, k and v; an MLP's gate and
 // up) in one launch: the column tiles of part 0, then part 1's, then part 2's (N2 = 0: two
 // parts). Each part's outputs are computed exactly as its own qmv_mma call computes them (the
-// same WARPS: kernels/custom/qmv_mma_parts.py launches only parts that share it).
+// same WARPS: kernels/custom/qmv_mma_parts.py launches only parts that share it). The block
+// picks its part's arrays, then runs the one copy of the tile's code: a copy a part made the
+// cubin, whose bytes MLX hashes at every launch, up to three times as large.
 template <typename T, int FMT, int GROUP, int WARPS, int NT, int ROWS, int DEPTH, int CG>
 __device__ void qmv_mma_parts(const T* x, int M, int K,
                               const uint32_t* w0, const T* st0, const uint8_t* su0, const T* b0, T* y0, int N0,
@@ -427,13 +429,13 @@ __device__ void qmv_mma_parts(const T* x, int M, int K,
                               const uint32_t* w2, const T* st2, const uint8_t* su2, const T* b2, T* y2, int N2) {
   constexpr int COLS = 8 * NT * (CG > 0 ? CG : 1);
   const int t0 = (N0 + COLS - 1) / COLS, t1 = (N1 + COLS - 1) / COLS;
-  const int tile = blockIdx.x;
-  if (tile < t0)
-    qmv_mma_any_tile<T, FMT, GROUP, WARPS, NT, ROWS, DEPTH, CG>(x, w0, st0, su0, b0, y0, M, N0, K, tile);
-  else if (tile < t0 + t1)
-    qmv_mma_any_tile<T, FMT, GROUP, WARPS, NT, ROWS, DEPTH, CG>(x, w1, st1, su1, b1, y1, M, N1, K, tile - t0);
-  else if (N2 > 0)
-    qmv_mma_any_tile<T, FMT, GROUP, WARPS, NT, ROWS, DEPTH, CG>(x, w2, st2, su2, b2, y2, M, N2, K, tile - t0 - t1);
+  int tile = blockIdx.x;
+  const bool first = tile < t0, second = !first && tile < t0 + t1;
+  if (!first && !second && N2 == 0) return;
+  tile -= first ? 0 : second ? t0 : t0 + t1;
+  qmv_mma_any_tile<T, FMT, GROUP, WARPS, NT, ROWS, DEPTH, CG>(
+      x, first ? w0 : second ? w1 : w2, first ? st0 : second ? st1 : st2, first ? su0 : second ? su1 : su2,
+      first ? b0 : second ? b1 : b2, first ? y0 : second ? y1 : y2, M, first ? N0 : second ? N1 : N2, K, tile);
 }
 
 }  // namespace lockstep_qmma

@@ -20,7 +20,9 @@
 // 2 mxfp4 (e2m1, a ue8m0 scale per 32), 3 mxfp8 (e4m3 codes, ue8m0 per 32); BITS; GROUP;
 // FUSED (affine: code * scale + bias rounded once, else after each step: MLX's build
 // decides, the loader's smoke test finds which); R output columns and MR rows per warp
-// (which warp computes an output, never the order of its sum).
+// (which warp computes an output, never the order of its sum); TILES, the full tiles a warp
+// loads before computing them (at most K's: each one more copy of the tile's code in the
+// cubin, whose bytes MLX hashes at every launch; never the order of a sum).
 
 namespace lockstep_qmv {
 
@@ -68,7 +70,7 @@ __device__ __forceinline__ typename Pair<T>::type scaled(typename Pair<T>::type 
   }
 }
 
-template <typename T, int FMT, int BITS, int GROUP, int FUSED, int R, int MR>
+template <typename T, int FMT, int BITS, int GROUP, int FUSED, int R, int MR, int TILES>
 __device__ void qmv_rows(const T* x, const uint32_t* w, const T* scales_t, const uint8_t* scales_u8,
                          const T* biases, T* y, int M, int N, int K) {
   using T2 = typename Pair<T>::type;
@@ -153,26 +155,24 @@ __device__ void qmv_rows(const T* x, const uint32_t* w, const T* scales_t, const
     }
   };
 
-  // Full warp tiles in order, their weights loaded TILES at a time before any is computed
-  // (more bytes in flight per warp; loads may go in any order, the sums may not); then the
-  // tail tile where K % (32 * EPT) != 0.
+  // The warp's tiles in order, the tail tile last where K % (32 * EPT) != 0 (a lane takes it
+  // where its idx < K, as MLX's loop does), their weights loaded TILES at a time before any is
+  // computed (more bytes in flight per warp; loads may go in any order, the sums may not).
   constexpr int PER_WARP = 32 * EPT;
-  constexpr int TILES = 8;
-  const int full = K / PER_WARP;
+  const int tiles = (K + PER_WARP - 1) / PER_WARP;
 #pragma unroll 1
-  for (int t0 = 0; t0 < full; t0 += TILES) {
+  for (int t0 = 0; t0 < tiles; t0 += TILES) {
     Weights v[TILES];
 #pragma unroll
-    for (int u = 0; u < TILES; ++u)
-      if (t0 + u < full) v[u] = load(lane * EPT + (t0 + u) * PER_WARP);
+    for (int u = 0; u < TILES; ++u) {
+      const int idx = lane * EPT + (t0 + u) * PER_WARP;
+      if (t0 + u < tiles && idx < K) v[u] = load(idx);
+    }
 #pragma unroll
-    for (int u = 0; u < TILES; ++u)
-      if (t0 + u < full) compute(lane * EPT + (t0 + u) * PER_WARP, v[u]);
-  }
-  const int rest = K % PER_WARP;
-  if (rest) {
-    const int idx = lane * EPT + K - rest;
-    if (idx < K) compute(idx, load(idx));
+    for (int u = 0; u < TILES; ++u) {
+      const int idx = lane * EPT + (t0 + u) * PER_WARP;
+      if (t0 + u < tiles && idx < K) compute(idx, v[u]);
+    }
   }
 
 #pragma unroll

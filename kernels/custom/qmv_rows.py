@@ -33,8 +33,8 @@ FORMAT_CODES = {"affine": 0, "nvfp4": 1, "mxfp4": 2, "mxfp8": 3}
 FP_GROUPS = {"nvfp4": 16, "mxfp4": 32, "mxfp8": 32}
 _ARGS = "y, x_shape[0], w_shape[0], x_shape[1]);"
 _BODIES = {
-    "affine": "lockstep_qmv::qmv_rows<T, 0, BITS, GROUP, FUSED, R, MR>(x, w, scales, nullptr, biases, " + _ARGS,
-    "fp": "lockstep_qmv::qmv_rows<T, FMT, BITS, GROUP, 0, R, MR>(x, w, nullptr, scales, nullptr, " + _ARGS,
+    "affine": "lockstep_qmv::qmv_rows<T, 0, BITS, GROUP, FUSED, R, MR, TILES>(x, w, scales, nullptr, biases, " + _ARGS,
+    "fp": "lockstep_qmv::qmv_rows<T, FMT, BITS, GROUP, 0, R, MR, TILES>(x, w, nullptr, scales, nullptr, " + _ARGS,
 }
 # Both quantized GEMV kernels take these arrays and shapes (qmv_split.py too).
 INPUTS = {"affine": [("x", "T"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")],
@@ -93,8 +93,20 @@ def warp_columns(n: int, mode: str = "nvfp4", bits: int = 4) -> int:
     return 4 if n >= 4096 else 1
 
 
+# The most full tiles a warp loads before computing them (bytes in flight).
+MAX_TILES_AHEAD = 8
+
+
+def tiles_ahead(k: int, w_bits: int) -> int:
+    """Full tiles a warp loads before computing them (TILES): up to MAX_TILES_AHEAD, never more
+    than K holds (each one more unrolled copy of a tile's code: a SmolLM2 layer's K of 576 holds
+    one, and 8 made its cubin ~4x the bytes, which MLX hashes at every launch). Never changes
+    an order, and a launch of K's count loads what one of 8 would."""
+    return min(MAX_TILES_AHEAD, max(1, k // (32 * elems_per_thread(16, w_bits))))
+
+
 @lru_cache(maxsize=4096)
-def _launch_plan(m: int, n: int, mode: str, bits: int, group: int, fused: int, dtype, rows: int | None = None,
+def _launch_plan(m: int, n: int, k: int, mode: str, bits: int, group: int, fused: int, dtype, rows: int | None = None,
                  columns: int | None = None) -> dict:
     rows = rows or warp_rows(m)
     columns = columns or warp_columns(n, mode, bits)
@@ -104,7 +116,7 @@ def _launch_plan(m: int, n: int, mode: str, bits: int, group: int, fused: int, d
     template += [("BITS", weight_bits(mode, bits)), ("GROUP", group)]
     if mode == "affine":
         template.append(("FUSED", fused))
-    template += [("R", columns), ("MR", rows)]
+    template += [("R", columns), ("MR", rows), ("TILES", tiles_ahead(k, weight_bits(mode, bits)))]
     warps = -(-n // columns)
     return dict(
         template=template,
@@ -119,7 +131,7 @@ def _launch_plan(m: int, n: int, mode: str, bits: int, group: int, fused: int, d
 def _launcher(m: int, n: int, k: int, mode: str, bits: int, group: int, fused: int, dtype,
               rows: int | None = None, columns: int | None = None) -> tuple:
     """(call, keyword arguments but inputs) of one launch shape, built once per shape."""
-    plan = _launch_plan(m, n, mode, bits, group, fused, dtype, rows, columns)
+    plan = _launch_plan(m, n, k, mode, bits, group, fused, dtype, rows, columns)
     body = kind(mode)
     return compiled.launcher(family(body), plan, dict(M=m, N=n, K=k), lambda: (_kernel(body), plan))
 
@@ -133,9 +145,9 @@ compiled.on_disable("qmv_rows", _launcher.cache_clear)
 compiled.on_disable("qmv_rows", _traced.cache_clear)
 
 
-def instances(m: int, n: int, mode: str, bits: int, group: int, dtype, fused: int = 0) -> list:
+def instances(m: int, n: int, k: int, mode: str, bits: int, group: int, dtype, fused: int = 0) -> list:
     """The (family, template) instance a launch runs (compiled.precompile)."""
-    return [(family(kind(mode)), tuple(_launch_plan(m, n, mode, bits, group, fused, dtype)["template"]))]
+    return [(family(kind(mode)), tuple(_launch_plan(m, n, k, mode, bits, group, fused, dtype)["template"]))]
 
 
 def _takes(m: int, k: int, mode: str, bits: int, group: int, dtype, weight_dtype, packed: int, scales_dtype,

@@ -1,0 +1,91 @@
+"""What a precompiled kernel's cubin size costs the host at every launch (issue 50): MLX's CUDA
+backend names a precompiled kernel's module by `std::hash` of its whole source at each launch
+(`CustomKernel::eval_gpu`), so a step's submit grows with the bytes of its kernels' cubins.
+
+One tiny kernel (y = x + 1 on 256 floats), compiled here by NVRTC, its cubin padded at the end
+with 0, 16, 32 and 64 KB (the loader reads the ELF by its offsets; each variant's output is
+checked), launched --launches times in one compiled function (as a decode pass is: the
+primitives are built once, then only submitted), each variant's submit (`mx.async_eval`) and
+wait timed, interleaved round after round. Prints each variant's median submit a launch and the
+slope in microseconds per KB against the unpadded cubin. Needs a CUDA device; asserts nothing.
+
+    python bench/launch_bytes.py [--launches 200] [--rounds 30] [--pad-kb 0,16,32,64]
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+
+SOURCE = """
+extern "C" __global__ void lockstep_launch_bytes(const float* x, float* y) {
+  y[threadIdx.x] = x[threadIdx.x] + 1.0f;
+}
+"""
+NAME = "lockstep_launch_bytes"
+
+
+def cubin() -> bytes:
+    from lockstep.kernels.custom import nvrtc
+
+    compiler = nvrtc.load_nvrtc()
+    return bytes(compiler.compile(SOURCE, nvrtc.detect_toolchain(compiler).options))
+
+
+def chain(blob: bytes, launches: int):
+    def run(x):
+        for _ in range(launches):
+            x = mx.fast.precompiled_cuda_kernel(
+                name=NAME, compiled_source=blob, inputs=[x], output_shapes=[x.shape],
+                output_dtypes=[mx.float32], scalars=[], grid=(256, 1, 1), threadgroup=(256, 1, 1))[0]
+        return x
+    return mx.compile(run)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--launches", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--pad-kb", default="0,16,32,64")
+    args = ap.parse_args()
+    base = cubin()
+    pads = [int(p) for p in args.pad_kb.split(",")]
+    variants = {pad: chain(base + b"\0" * (pad << 10), args.launches) for pad in pads}
+    x = mx.zeros((256,), mx.float32)
+    for pad, fn in variants.items():  # trace, load, check
+        y = fn(x)
+        mx.eval(y)
+        if not bool(mx.all(y == float(args.launches)).item()):
+            sys.exit(f"padded by {pad} KB: wrong output")
+    submit: dict = {pad: [] for pad in pads}
+    wait: dict = {pad: [] for pad in pads}
+    for r in range(args.rounds):
+        for pad in pads[r % len(pads):] + pads[:r % len(pads)]:
+            started = time.perf_counter()
+            y = variants[pad](x)
+            mx.async_eval(y)
+            submitted = time.perf_counter()
+            mx.eval(y)
+            submit[pad].append(submitted - started)
+            wait[pad].append(time.perf_counter() - submitted)
+    kb = len(base) / 1024
+    print(f"# {mx.device_info(mx.gpu).get('device_name', 'gpu')}: {args.launches} launches a call, "
+          f"cubin {kb:.1f} KB + padding, medians of {args.rounds} rounds")
+    print("| cubin KB | submit us a launch | wait us a launch |")
+    print("|---|---|---|")
+    per = {pad: statistics.median(submit[pad]) / args.launches * 1e6 for pad in pads}
+    for pad in pads:
+        print(f"| {kb + pad:.1f} | {per[pad]:.2f} | {statistics.median(wait[pad]) / args.launches * 1e6:.2f} |")
+    top = max(pads)
+    if top:
+        slope = (per[top] - per[pads[0]]) / (top - pads[0])
+        rate = f"{1024 / slope / 1e3:.1f} GB/s" if slope > 0 else "no growth"
+        print(f"slope: {slope:.4f} us a launch per KB of cubin ({rate})")
+
+
+if __name__ == "__main__":
+    main()
