@@ -17,7 +17,8 @@ local memory. Two tables:
         --include /tmp/nvrtc/x/nvidia/cu13/include --unbounded
 
 - with --cubin-bytes, each instance a decode step of the 8B nvfp4 shape launches (a plain
-  row, a deterministic row, 32 plain rows) and its cubin's bytes, summed over a step: MLX's
+  row, a deterministic row, 32 plain rows; and SmolLM2's 16 deterministic rows' linears) and
+  its cubin's bytes, summed over a step: MLX's
   CUDA backend hashes a precompiled kernel's whole cubin at every launch
   (`CustomKernel::eval_gpu` names the module by `std::hash` of its source), host time a step
   that grows with the step's cubin bytes.
@@ -147,13 +148,25 @@ def step_launches(layers: int = 32, vocab: int = 128256) -> dict:
     }
 
 
+def small_step_launches(layers: int = 30, vocab: int = 49152) -> dict:
+    """(label, (family, template), launches) of the 4-bit linears of one SmolLM2-135M nvfp4
+    decode step of 16 deterministic rows: each runs qmv_rows (its layers are below qmv_mma's
+    and qmv_split's sizes; a plain step runs MLX's own calls there, no cubin)."""
+    fmt = ("nvfp4", 4, 16, mx.bfloat16)
+    linears = (("q,o", 576, 576, 2), ("k,v", 192, 576, 2), ("gate,up", 1536, 576, 2), ("down", 576, 1536, 1))
+    rows = [(f"qmv_rows {name}", qmv_rows.instances(16, n, k, *fmt)[0], count * layers)
+            for name, n, k, count in linears]
+    return {"SmolLM2 deterministic, 16 rows (linears)":
+            rows + [("qmv_rows head", qmv_rows.instances(16, vocab, 576, *fmt)[0], 1)]}
+
+
 def cubin_bytes(compiler, options) -> None:
     """Each instance of an 8B nvfp4 step of each kind, its cubin's bytes and its launches, and
     the bytes MLX hashes a step (`step_launches`)."""
     sizes: dict = {}
     print("\n| step | instance | launches a step | cubin KB | KB hashed a step |")
     print("|---|---|---|---|---|")
-    for kind, launches in step_launches().items():
+    for kind, launches in {**step_launches(), **small_step_launches()}.items():
         total = 0
         for label, (family, template), count in launches:
             key = (family.name, tuple(template))
@@ -173,7 +186,7 @@ def main() -> None:
     parser.add_argument("--unbounded", action="store_true", help="also compile each bounded instance without its bound")
     parser.add_argument("--qmv-mma-groups", default="0,1,2", help="CG values of the qmv_mma table (default 0,1,2)")
     parser.add_argument("--cubin-bytes", action="store_true",
-                        help="only the cubin bytes an 8B nvfp4 decode step's launches hash (see above)")
+                        help="only the cubin bytes a decode step's launches hash, 8B and SmolLM2 (see above)")
     args = parser.parse_args()
     compiler = nvrtc.Nvrtc(ctypes.CDLL(args.nvrtc))
     options = ["--device-as-default-execution-space", f"--gpu-architecture={args.arch}",
