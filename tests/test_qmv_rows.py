@@ -154,6 +154,24 @@ def test_the_tiles_a_warp_loads_ahead_keep_mlx_order(k, w_bits):
     assert kernel_tiles(k, ept, qmv_rows.MAX_TILES_AHEAD) == qmv_order.lane_tiles(k, ept)
 
 
+def test_the_smoke_test_builds_each_of_its_shapes_instance(monkeypatch):
+    # the smoke test runs on CUDA alone: its list of instances is checked here
+    class Built(Exception):
+        pass
+
+    built = []
+
+    def precompile(items, workers=None):
+        built.extend(items)
+        raise Built
+
+    monkeypatch.setattr(compiled, "precompile", precompile)
+    with pytest.raises(Built):
+        qmv_rows._smoke_test("nvfp4", 4, mx.bfloat16, 0)
+    assert {dict(template)["TILES"] for _, template in built} == {
+        qmv_rows.tiles_ahead(k, 4) for _, _, k in qmv_rows.SMOKE_SHAPES}
+
+
 def test_the_tiles_ahead_are_part_of_the_instance():
     def tiles(k):
         return dict(qmv_rows._launch_plan(16, 576, k, "nvfp4", 4, 16, 0, mx.bfloat16)["template"])["TILES"]

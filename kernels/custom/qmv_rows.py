@@ -242,8 +242,8 @@ def _smoke_groups(mode: str) -> tuple:
 
 def _smoke_test(mode: str, bits: int, dtype, fused: int) -> str | None:
     """Every row of the kernel against MLX's own single-row call, bit for bit; None: equal."""
-    compiled.precompile(i for group in _smoke_groups(mode) for m, n, _ in SMOKE_SHAPES
-                        for i in instances(m, n, mode, bits, group, dtype, fused))
+    compiled.precompile(i for group in _smoke_groups(mode) for m, n, k in SMOKE_SHAPES
+                        for i in instances(m, n, k, mode, bits, group, dtype, fused))
     key = mx.random.key(13)
     for group in _smoke_groups(mode):
         for m, n, k in SMOKE_SHAPES:
