@@ -53,7 +53,8 @@ def instances_for(shapes: Iterable[tuple], widths: Iterable[int], *, attention_s
                 # calls of 2..MLX_GEMV_ROWS rows are MLX's own: what they would launch is
                 # built as the launch of a pass wider than L (from MLX_GEMV_ROWS + 1 rows)
                 launched = {max(m, MLX_GEMV_ROWS + 1) for m in widths if 2 <= m <= GEMV_MAX_ROWS}
-                out += [i for m in sorted(launched) for i in qmv_rows.instances(m, n, k, mode, bits, group, dtype, fused)]
+                out += [i for m in sorted(launched)
+                        for i in qmv_rows.instances(m, n, k, mode, bits, group, dtype, fused)]
             continue
         if kind == "qmv_mma_parts":
             mode, bits = rest[1], rest[2]
