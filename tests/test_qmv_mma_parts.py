@@ -52,6 +52,19 @@ def test_each_instance_calls_the_parts_kernel_with_each_parts_arrays(mode, parts
     assert "__device__ void qmv_mma_parts" in source
 
 
+def test_a_block_runs_its_parts_tile_through_the_one_copy_of_the_tile():
+    # blocks 0 .. t0 - 1 part 0's tiles, then part 1's, then part 2's (the grid above): the GPU
+    # suite proves the bits; this, that the kernel keeps that mapping with one tile call
+    text = qmv_mma.SOURCE.read_text()
+    body = text[text.index("__device__ void qmv_mma_parts("):]
+    body = body[:body.index("\n}\n")]
+    assert "const int t0 = (N0 + COLS - 1) / COLS, t1 = (N1 + COLS - 1) / COLS;" in body
+    assert "const bool first = tile < t0, second = !first && tile < t0 + t1;" in body
+    assert "if (!first && !second && N2 == 0) return;" in body
+    assert "tile -= first ? 0 : second ? t0 : t0 + t1;" in body
+    assert body.count("qmv_mma_any_tile<") == 1
+
+
 def test_the_cpu_has_no_parts_launch():
     assert "CUDA" in qmv_mma_parts.unavailable_reason("nvfp4", mx.bfloat16)
     assert qmv_mma_parts.launch_for((1, 1), (4096, 1024, 1024), 4096, "nvfp4", 4, 16, mx.bfloat16, mx.uint32, 512,
