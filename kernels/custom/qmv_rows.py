@@ -113,10 +113,11 @@ def _launch_plan(m: int, n: int, k: int, mode: str, bits: int, group: int, fused
     template = [("T", dtype)]
     if mode != "affine":
         template.append(("FMT", FORMAT_CODES[mode]))
-    template += [("BITS", weight_bits(mode, bits)), ("GROUP", group)]
+    w_bits = weight_bits(mode, bits)
+    template += [("BITS", w_bits), ("GROUP", group)]
     if mode == "affine":
         template.append(("FUSED", fused))
-    template += [("R", columns), ("MR", rows), ("TILES", tiles_ahead(k, weight_bits(mode, bits)))]
+    template += [("R", columns), ("MR", rows), ("TILES", tiles_ahead(k, w_bits))]
     warps = -(-n // columns)
     return dict(
         template=template,

@@ -159,6 +159,14 @@ def _start(cmd: list[str], log_path: str | None) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 
 
+PEER = "mlx_lm.server"
+
+
+def _is_lockstep(server: dict) -> bool:
+    """Whether a measured server is a lockstep one (its /metrics has lockstep's counters)."""
+    return server["name"] != PEER
+
+
 def _server_rounds(servers: list[dict], levels: list[int], args) -> dict:
     """Each concurrency warmed with an unmeasured round on every server, then at least 3
     measured rounds taken in turn across the servers (tools/http_load.py `interleaved_rounds`),
@@ -171,7 +179,7 @@ def _server_rounds(servers: list[dict], levels: list[int], args) -> dict:
     from lockstep.server.tools.http_load import (changed_answers, extra_for, interleaved_rounds, pass_seconds,
                                                  pass_seconds_line, solo_texts, summary_line)
 
-    ours = [s for s in servers if s["name"] != "mlx_lm.server"]
+    ours = [s for s in servers if _is_lockstep(s)]
     results = {s["name"]: [] for s in servers}
     for n in levels:
         before = {}
@@ -207,13 +215,13 @@ def _measured_servers(plans: list, model_dir, levels: list[int], args) -> tuple[
             log_path = f"{args.out}.{name.replace(' ', '_').replace('=', '')}.log" if args.out else None
             procs.append(_start(make(port, limit), log_path))
             servers.append({"name": name, "url": f"http://127.0.0.1:{port}", "ready": ready, "extra": server_extra,
-                            "model": str(model_dir) if name == "mlx_lm.server" else "default"})
+                            "model": str(model_dir) if name == PEER else "default"})
         for server, proc in zip(servers, procs):
             wait_healthy(server["url"], server["ready"], 600, proc)
             server["url"] += "/v1"
         rounds = _server_rounds(servers, levels, args)
         for server in servers:
-            if server["name"] != "mlx_lm.server":
+            if _is_lockstep(server):
                 print(f"{server['name']}: decode passes built ahead {decode_ahead_line(server['url'])}", flush=True)
         return servers, rounds
     finally:
@@ -309,7 +317,7 @@ def run_load(args: argparse.Namespace) -> int:
     plans += [(name, lambda port, _, extra=extra: lockstep_cmd(port, None, extra=tuple(extra)), None, {}, "/health")
               for name, extra in configs]
     if args.against_mlx_lm:
-        plans.append(("mlx_lm.server", lambda port, _: [sys.executable, "-m", "mlx_lm.server", "--model",
+        plans.append((PEER, lambda port, _: [sys.executable, "-m", "mlx_lm.server", "--model",
                                                          str(model_dir), "--port", str(port)], None, {}, "/v1/models"))
     groups = [[plan] for plan in plans] if args.one_server_at_a_time else [plans]
     servers, rows = [], {}
@@ -318,7 +326,7 @@ def run_load(args: argparse.Namespace) -> int:
         servers += started[0]
         rows.update(started[1])
     for other in [s["name"] for s in servers[1:]]:
-        over_ours = other != "mlx_lm.server"  # deterministic and other configurations: theirs / lockstep
+        over_ours = other != PEER  # deterministic and other configurations: theirs / lockstep
         print(f"ratios {other} / lockstep (aggregate tok/s):" if over_ours
               else f"ratios lockstep / {other} (aggregate tok/s):")
         for (ours, our_rounds), (theirs, their_rounds) in zip(rows["lockstep"], rows[other]):
