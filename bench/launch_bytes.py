@@ -7,9 +7,11 @@ with 0, 16, 32 and 64 KB (the loader reads the ELF by its offsets; each variant'
 checked), launched --launches times in one compiled function (as a decode pass is: the
 primitives are built once, then only submitted), each variant's submit (`mx.async_eval`) and
 wait timed, interleaved round after round. Prints each variant's median submit a launch and the
-slope in microseconds per KB against the unpadded cubin. Needs a CUDA device; asserts nothing.
+slope in microseconds per KB against the unpadded cubin. With --by-name each padded cubin is
+also launched as lockstep's launches are (kernels/custom/module_files.py: a short token whose
+module file holds the cubin) beside its bytes. Needs a CUDA device; asserts nothing.
 
-    python bench/launch_bytes.py [--launches 200] [--rounds 30] [--pad-kb 0,16,32,64]
+    python bench/launch_bytes.py [--launches 200] [--rounds 30] [--pad-kb 0,16,32,64] [--by-name]
 """
 import argparse
 import statistics
@@ -51,10 +53,21 @@ def main() -> None:
     ap.add_argument("--launches", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--pad-kb", default="0,16,32,64")
+    ap.add_argument("--by-name", action="store_true", help="each cubin also launched by its token")
     args = ap.parse_args()
     base = cubin()
-    pads = [int(p) for p in args.pad_kb.split(",")]
-    variants = {pad: chain(base + b"\0" * (pad << 10), args.launches) for pad in pads}
+    sizes = [int(p) for p in args.pad_kb.split(",")]
+    variants = {(pad, "bytes"): chain(base + b"\0" * (pad << 10), args.launches) for pad in sizes}
+    if args.by_name:
+        from lockstep.kernels.custom import module_files, nvrtc
+
+        compiler = nvrtc.load_nvrtc()
+        options = nvrtc.detect_toolchain(compiler).options
+        if not module_files.probe(lambda source: bytes(compiler.compile(source, options))):
+            sys.exit(f"launching by name does not work here: {module_files._verdict.get('why')}")
+        for pad in sizes:
+            short = module_files.write_module(NAME, base + b"\0" * (pad << 10))
+            variants[(pad, "by name")] = chain(short, args.launches)
     x = mx.zeros((256,), mx.float32)
     for pad, fn in list(variants.items()):  # trace, load, check
         try:
@@ -66,7 +79,7 @@ def main() -> None:
         else:
             why = "wrong output"
         if not right:
-            print(f"padded by {pad} KB: {why}; left out")
+            print(f"padded by {pad[0]} KB, {pad[1]}: {why}; left out")
             del variants[pad]
     pads = list(variants)
     if not pads:
@@ -85,16 +98,18 @@ def main() -> None:
     kb = len(base) / 1024
     print(f"# {mx.device_info(mx.gpu).get('device_name', 'gpu')}: {args.launches} launches a call, "
           f"cubin {kb:.1f} KB + padding, medians of {args.rounds} rounds")
-    print("| cubin KB | submit us a launch | wait us a launch |")
-    print("|---|---|---|")
+    print("| cubin KB | launched from | submit us a launch | wait us a launch |")
+    print("|---|---|---|---|")
     per = {pad: statistics.median(submit[pad]) / args.launches * 1e6 for pad in pads}
     for pad in pads:
-        print(f"| {kb + pad:.1f} | {per[pad]:.2f} | {statistics.median(wait[pad]) / args.launches * 1e6:.2f} |")
-    top = max(pads)
-    if top:
-        slope = (per[top] - per[pads[0]]) / (top - pads[0])
-        rate = f"{1024 / slope / 1e3:.1f} GB/s" if slope > 0 else "no growth"
-        print(f"slope: {slope:.4f} us a launch per KB of cubin ({rate})")
+        print(f"| {kb + pad[0]:.1f} | {pad[1]} | {per[pad]:.2f} | "
+              f"{statistics.median(wait[pad]) / args.launches * 1e6:.2f} |")
+    for how in dict.fromkeys(h for _, h in pads):
+        mine = sorted(p for p in pads if p[1] == how)
+        if len(mine) > 1:
+            slope = (per[mine[-1]] - per[mine[0]]) / (mine[-1][0] - mine[0][0])
+            rate = f"{1024 / slope / 1e3:.1f} GB/s" if slope > 0 else "no growth"
+            print(f"{how}: slope {slope:.4f} us a launch per KB of cubin ({rate})")
 
 
 if __name__ == "__main__":

@@ -49,11 +49,10 @@ def pays(backend: str) -> bool:
 
 def kernel_cache_dir() -> Path:
     """Where MLX's CUDA backend reads and writes compiled modules (`MLX_PTX_CACHE_DIR`, else
-    its default under the temporary directory)."""
-    import mlx.core as mx
+    its default under the temporary directory): kernels/custom/module_files.py decides it."""
+    from lockstep.kernels.custom.module_files import module_dir
 
-    given = os.environ.get("MLX_PTX_CACHE_DIR")
-    return Path(given) if given else Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
+    return module_dir()
 
 
 def publish(source: Path, target: Path) -> int:

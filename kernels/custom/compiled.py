@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Sequence
 import mlx.core as mx
 
 from ..verdict_cache import default_root, read_file, write_file
+from . import module_files
 from .nvrtc import SOURCE as NVRTC_SOURCE
 from .nvrtc import Toolchain, detect_toolchain, load_nvrtc
 from .smoke_cache import smoke_verdict
@@ -360,8 +361,9 @@ def launcher(family: Family, launch: dict, scalars: dict, fallback: Callable[[],
     blob = cubin(family, template)
     if blob is None:
         return fallback()
+    name = family.symbol(template)
     return mx.fast.precompiled_cuda_kernel, dict(
-        name=family.symbol(template), compiled_source=blob, scalars=values,
+        name=name, compiled_source=module_files.source_for(name, blob), scalars=values,
         grid=launch["grid"], threadgroup=launch["threadgroup"],
         output_shapes=launch["output_shapes"], output_dtypes=launch["output_dtypes"],
         shared_memory=launch.get("shared_memory", 0),
@@ -407,6 +409,13 @@ def traced_on(which: str, call, launch: dict) -> Callable[..., list]:
     return lambda *inputs: call(inputs=list(inputs), **launch)
 
 
+def probe_module_files() -> bool:
+    """Whether launches pass a short token for their cubin (module_files.py), probed once a
+    process before the first kernels are built, outside any traced function."""
+    cache = default_cache()
+    return cache is not None and mx.cuda.is_available() and module_files.probe(cache.get)
+
+
 def precompile(instances: Iterable[tuple[Family, tuple]], workers: int | None = None) -> int:
     """Compile (or read) every (family, template) instance at once, `workers` at a time
     (default_workers()). Returns how many are ready; 0 where the path is off. A failed
@@ -414,6 +423,7 @@ def precompile(instances: Iterable[tuple[Family, tuple]], workers: int | None = 
     cache = default_cache()
     if cache is None:
         return 0
+    probe_module_files()
     todo = {}
     for family, template in instances:
         if family.group not in _disabled:
@@ -439,6 +449,7 @@ def smoke(name: str, group: str, run, *sources) -> str | None:
     on the precompiled path a failure or crash switches `group` back to mx.fast.cuda_kernel
     (one warning) and the test runs again there; a pass is kept per path."""
     if mode(group) == "precompiled":
+        probe_module_files()
         try:
             problem = smoke_verdict(f"{name} precompiled", run, *sources)
         except Exception as exc:
