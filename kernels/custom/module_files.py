@@ -40,7 +40,6 @@ PROBE_SOURCE = (f'extern "C" __global__ void {PROBE_NAME}(const float* x, float*
 OFF_ENV = "LOCKSTEP_SHORT_KERNEL_SOURCES"  # 0: every launch passes its cubin's bytes (an A/B)
 
 _lock = threading.Lock()
-_written: set[str] = set()  # module names whose files this process wrote or checked
 _verdict: dict[str, object] = {}  # "works": bool, "why": str, once probed
 
 
@@ -99,13 +98,12 @@ def _replace(path: Path, data: bytes) -> None:
 def write_module(name: str, cubin: bytes, directory: Path | None = None) -> bytes | None:
     """Write `cubin` as the module MLX loads for kernel `name` launched from `token(cubin)`
     (its kernel list first, so a reader never finds the image without it); the token, or None
-    where it cannot be written."""
+    where it cannot be written. Checked at every call (a launch shape's plan calls it once, just
+    before its first launch): a file removed since, or changed, is written again."""
     short = token(cubin)
     module = module_name(name, short)
     if module is None or len(module) > MAX_FILE_NAME:
         return None
-    if module in _written:
-        return short
     directory = module_dir() if directory is None else directory
     image, kernels = directory / f"{module}.ptx", directory / f"{module}.txt"
     listing = f"{name}\t{name}\n".encode()
@@ -116,10 +114,12 @@ def write_module(name: str, cubin: bytes, directory: Path | None = None) -> byte
         if not (image.is_file() and image.read_bytes() == cubin):
             _replace(image, cubin)
     except OSError as exc:
-        log.warning("launching %s from its cubin's bytes: %s", name, exc)
+        with _lock:
+            first, _verdict["unwritable"] = "unwritable" not in _verdict, True
+        if first:  # one warning a process: every later kernel would say the same
+            log.warning("launching %s (and any other kernel whose module file cannot be written) from its "
+                        "cubin's bytes: %s", name, exc)
         return None
-    with _lock:
-        _written.add(module)
     return short
 
 
