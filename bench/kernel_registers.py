@@ -19,9 +19,10 @@ local memory. Two tables:
 - with --cubin-bytes, each instance a decode step of the 8B nvfp4 shape launches (a plain
   row, a deterministic row, 32 plain rows; and SmolLM2's 16 deterministic rows' linears) and
   its cubin's bytes, summed over a step: MLX's
-  CUDA backend hashes a precompiled kernel's whole cubin at every launch
-  (`CustomKernel::eval_gpu` names the module by `std::hash` of its source), host time a step
-  that grows with the step's cubin bytes.
+  CUDA backend hashes a precompiled kernel's whole source at every launch
+  (`CustomKernel::eval_gpu` names the module by `std::hash` of it), host time a step that grew
+  with the step's cubin bytes while launches passed the cubin (`LOCKSTEP_SHORT_KERNEL_SOURCES=0`;
+  by default they pass a short token: kernels/custom/module_files.py).
 
 Prints markdown tables; asserts nothing.
 """
