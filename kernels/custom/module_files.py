@@ -2,7 +2,7 @@
 
 MLX's CUDA `CustomKernel` names the module it loads (once a process) by hashing its whole
 source string, and it does so at every launch: for a precompiled kernel that string is the
-cubin, so each launch hashes 15-60 KB (bench/launch_bytes.py measures what a KB costs). Its
+cubin, so each launch hashes tens of KB (bench/launch_bytes.py measures what a KB costs). Its
 JIT loader reads `<ptx cache dir>/<module name>.ptx` (the image) and `.txt` (kernel names)
 before it uses the source at all. So a launch whose source is a short token, with the cubin
 written as that token's module file, loads the same cubin and hashes ~80 bytes a launch: the
@@ -154,11 +154,6 @@ def probe(cubin_of) -> bool:
         _verdict.setdefault("works", works)
         _verdict.setdefault("why", "" if works else why)
         return _verdict["works"]
-
-
-def probed() -> bool | None:
-    """The probe's verdict in this process (None: not run yet)."""
-    return _verdict.get("works")
 
 
 def source_for(name: str, cubin: bytes) -> bytes:
