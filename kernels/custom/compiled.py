@@ -7,7 +7,8 @@ instance is a small translation unit of its own (the kernel's source, then a gen
 are int arguments), compiled by NVRTC through ctypes into a cubin kept under the verdict
 cache root (`<root>/cubin/<sha256>.cubin`, keyed by the whole source, the NVRTC options,
 NVRTC's and MLX's versions and the device) and launched with
-`mx.fast.precompiled_cuda_kernel`. A restart reads the files and compiles nothing; a fresh
+`mx.fast.precompiled_cuda_kernel`, by a short token for its cubin where this process's probe
+showed that works (module_files.py: MLX would hash the whole cubin at every launch). A restart reads the files and compiles nothing; a fresh
 start compiles the instances it is told about at once (`precompile`; one thread by default:
 NVRTC compiles in one process do not overlap:
 bench/results/history/2026-12-01-startup-serve-before-proofs-issue29.md).
