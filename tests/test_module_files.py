@@ -50,17 +50,6 @@ def test_a_token_names_its_cubin_in_a_few_bytes():
     assert a != b and len(a) < 100 and a == module_files.token(b"x" * 60_000)
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({"MLX_PTX_CACHE_DIR": "/cache/ptx", "TMPDIR": "/t"}, "/cache/ptx"),
-    ({"TMPDIR": "/t", "TMP": "/u"}, "/t/mlx/V/ptx"),
-    ({"TEMP": "/w"}, "/w/mlx/V/ptx"),
-    ({}, "/tmp/mlx/V/ptx"),
-])
-def test_the_directory_is_where_mlxs_jit_loader_reads(env, expected, monkeypatch):
-    monkeypatch.setattr(mx, "__version__", "0.32.4.dev20261201+abc123")
-    assert str(module_files.module_dir(env)) == expected.replace("V", "0.32.4")
-
-
 @pytest.fixture
 def clean(monkeypatch, tmp_path):
     monkeypatch.setattr(module_files, "_verdict", {})

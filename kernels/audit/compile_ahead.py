@@ -49,8 +49,8 @@ def pays(backend: str) -> bool:
 
 def kernel_cache_dir() -> Path:
     """Where MLX's CUDA backend reads and writes compiled modules (`MLX_PTX_CACHE_DIR`, else
-    its default under the temporary directory): kernels/custom/module_files.py decides it."""
-    from lockstep.kernels.custom.module_files import module_dir
+    its default under the temporary directory): kernels/mlx_jit_dir.py."""
+    from ..mlx_jit_dir import module_dir
 
     return module_dir()
 

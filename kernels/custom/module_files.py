@@ -19,12 +19,13 @@ import ctypes
 import hashlib
 import logging
 import os
-import re
 import threading
 from functools import lru_cache
 from pathlib import Path
 
 import mlx.core as mx
+
+from ..mlx_jit_dir import module_dir
 
 log = logging.getLogger(__name__)
 
@@ -66,22 +67,6 @@ def module_name(name: str, source: bytes) -> str | None:
     """The name MLX's CustomKernel gives the module of kernel `name` launched from `source`."""
     digest = string_hash(source)
     return None if digest is None else f"{name}_{digest:x}"
-
-
-def mlx_version_dir() -> str:
-    """MLX's C++ version string (major.minor.patch; Python's may carry a .dev suffix)."""
-    match = re.match(r"\d+\.\d+\.\d+", mx.__version__)
-    return match.group(0) if match else mx.__version__
-
-
-def module_dir(environ=os.environ) -> Path:
-    """Where MLX's JIT loader looks for module files: MLX_PTX_CACHE_DIR, else
-    std::filesystem::temp_directory_path() (TMPDIR, TMP, TEMP, TEMPDIR, else /tmp) /
-    mlx / version / ptx, as MLX computes it (once, at its first JIT module)."""
-    if environ.get("MLX_PTX_CACHE_DIR"):
-        return Path(environ["MLX_PTX_CACHE_DIR"])
-    temp = next((environ[v] for v in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if environ.get(v)), "/tmp")
-    return Path(temp) / "mlx" / mlx_version_dir() / "ptx"
 
 
 def token(cubin: bytes) -> bytes:
