@@ -1,7 +1,7 @@
 """A precompiled kernel launched by a short token whose module file holds its cubin
 (kernels/custom/module_files.py). No GPU here: these tests cover the name MLX would give the
-module (libstdc++'s string hash against a port of it), where MLX looks for it, the files
-written, and when a launch passes the token rather than the cubin. That MLX loads the file
+module (libstdc++'s string hash against a port of it), the files written (where MLX looks:
+tests/test_mlx_jit_dir.py), and when a launch passes the token rather than the cubin. That MLX loads the file
 and the kernel's bits are the same is tests/gpu/test_module_files_cuda.py."""
 import mlx.core as mx
 import pytest
