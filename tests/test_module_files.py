@@ -96,7 +96,8 @@ def test_the_token_is_launched_only_after_the_probe_passed(clean, monkeypatch):
     assert module_files.source_for("kern_d", b"cubin") == module_files.token(b"cubin")
 
 
-def test_the_probe_runs_its_kernel_once_a_process(clean, monkeypatch):
+def test_the_probe_runs_its_kernel_once_a_process(clean, monkeypatch, caplog):
+    caplog.set_level("INFO")
     launches = []
 
     def precompiled_cuda_kernel(**kw):
@@ -110,6 +111,7 @@ def test_the_probe_runs_its_kernel_once_a_process(clean, monkeypatch):
     assert module_files.probe(lambda source: sources.append(source) or b"probe cubin") is True
     assert module_files.probe(lambda source: b"never asked") is True
     assert len(launches) == 1 and sources == [module_files.PROBE_SOURCE]
+    assert str(clean) in caplog.text  # the log says where the modules are
     assert launches[0]["compiled_source"] == module_files.token(b"probe cubin")
 
 

@@ -133,7 +133,9 @@ def probe(cubin_of) -> bool:
             works, why = value == 42.0, f"the probe kernel gave {value}, not 42"
     except Exception as exc:  # MLX did not find the file: it loaded the token as an image
         why = f"{type(exc).__name__}: {str(exc)[:300]}"
-    if not works:
+    if works:
+        log.info("custom CUDA kernels launch by name (their cubins as MLX's module files in %s)", module_dir())
+    else:
         log.warning("custom CUDA kernels launch from their cubins' bytes (MLX hashes them at each launch): %s", why)
     with _lock:
         _verdict.setdefault("works", works)
