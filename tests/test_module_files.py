@@ -97,7 +97,7 @@ def test_the_token_is_launched_only_after_the_probe_passed(clean, monkeypatch):
 
 
 def test_the_probe_runs_its_kernel_once_a_process(clean, monkeypatch, caplog):
-    caplog.set_level("INFO")
+    caplog.set_level("INFO", logger=module_files.log.name)
     launches = []
 
     def precompiled_cuda_kernel(**kw):
