@@ -31,11 +31,11 @@ extern "C" __global__ void lockstep_launch_bytes(const float* x, float* y) {
 NAME = "lockstep_launch_bytes"
 
 
-def cubin() -> bytes:
+def compile_source(source: str) -> bytes:
     from lockstep.kernels.custom import nvrtc
 
     compiler = nvrtc.load_nvrtc()
-    return bytes(compiler.compile(SOURCE, nvrtc.detect_toolchain(compiler).options))
+    return bytes(compiler.compile(source, nvrtc.detect_toolchain(compiler).options))
 
 
 def chain(blob: bytes, launches: int):
@@ -55,16 +55,14 @@ def main() -> None:
     ap.add_argument("--pad-kb", default="0,16,32,64")
     ap.add_argument("--by-name", action="store_true", help="each cubin also launched by its token")
     args = ap.parse_args()
-    base = cubin()
+    base = compile_source(SOURCE)
     sizes = [int(p) for p in args.pad_kb.split(",")]
     variants = {(pad, "bytes"): chain(base + b"\0" * (pad << 10), args.launches) for pad in sizes}
     if args.by_name:
-        from lockstep.kernels.custom import module_files, nvrtc
+        from lockstep.kernels.custom import module_files
 
-        compiler = nvrtc.load_nvrtc()
-        options = nvrtc.detect_toolchain(compiler).options
-        if not module_files.probe(lambda source: bytes(compiler.compile(source, options))):
-            sys.exit(f"launching by name does not work here: {module_files._verdict.get('why')}")
+        if not module_files.probe(compile_source):
+            sys.exit("launching by name does not work here (the warning above says why)")
         for pad in sizes:
             short = module_files.write_module(NAME, base + b"\0" * (pad << 10))
             variants[(pad, "by name")] = chain(short, args.launches)

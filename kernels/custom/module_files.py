@@ -115,27 +115,23 @@ def probe(cubin_of) -> bool:
     with _lock:
         if "works" in _verdict:
             return _verdict["works"]
-    works, why = False, ""
-    if os.environ.get(OFF_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        with _lock:
-            _verdict.setdefault("works", False)
-            _verdict.setdefault("why", f"{OFF_ENV} is off")
-            return _verdict["works"]
+    works, why = False, f"{OFF_ENV} is off"
+    switched_off = os.environ.get(OFF_ENV, "1").strip().lower() in ("0", "false", "no", "off")
     try:
-        short = write_module(PROBE_NAME, cubin_of(PROBE_SOURCE))
-        if short is None:
-            why = "its module file could not be written"
-        else:
+        short = None if switched_off else write_module(PROBE_NAME, cubin_of(PROBE_SOURCE))
+        if short is not None:
             out = mx.fast.precompiled_cuda_kernel(
                 name=PROBE_NAME, compiled_source=short, inputs=[mx.array([41.0])], output_shapes=[(1,)],
                 output_dtypes=[mx.float32], scalars=[], grid=(1, 1, 1), threadgroup=(1, 1, 1))[0]
             value = out.item()
             works, why = value == 42.0, f"the probe kernel gave {value}, not 42"
+        elif not switched_off:
+            why = "its module file could not be written"
     except Exception as exc:  # MLX did not find the file: it loaded the token as an image
         why = f"{type(exc).__name__}: {str(exc)[:300]}"
     if works:
         log.info("custom CUDA kernels launch by name (their cubins as MLX's module files in %s)", module_dir())
-    else:
+    elif not switched_off:  # switched off on purpose: nothing to warn of
         log.warning("custom CUDA kernels launch from their cubins' bytes (MLX hashes them at each launch): %s", why)
     with _lock:
         _verdict.setdefault("works", works)

@@ -99,9 +99,9 @@ MAX_TILES_AHEAD = 8
 
 def tiles_ahead(k: int, w_bits: int) -> int:
     """Full tiles a warp loads before computing them (TILES): up to MAX_TILES_AHEAD, never more
-    than K holds (each is one more unrolled copy of a tile's code in the cubin, whose bytes MLX
-    hashes at every launch; a SmolLM2 layer's K of 576 holds one). Never changes an order, and
-    a launch of K's count loads what one of 8 would."""
+    than K holds (each is one more unrolled copy of a tile's code in the cubin; a SmolLM2
+    layer's K of 576 holds one). Never changes an order, and a launch of K's count loads what
+    one of 8 would."""
     return min(MAX_TILES_AHEAD, max(1, k // (32 * elems_per_thread(16, w_bits))))
 
 
