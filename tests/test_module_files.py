@@ -120,7 +120,8 @@ def test_a_failed_probe_keeps_every_launch_on_its_cubin(clean, monkeypatch, capl
     def precompiled_cuda_kernel(**kw):
         if failure == "raises":  # MLX found no file: it loaded the token as an image
             raise RuntimeError("Failed to load compiled kernel: device kernel image is invalid")
-        return [kw["inputs"][0]]
+        # switched off, even a launch that would work is never tried
+        return [kw["inputs"][0] + (1 if failure == "switched off" else 0)]
 
     monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled_cuda_kernel)
     if failure == "switched off":
