@@ -107,6 +107,39 @@ def test_prefix_copies_and_clones_are_bit_exact(model):
     assert all(bits(a.state[0]) == bits(b.state[0]) for a, b in zip(twin, pooled))
 
 
+def test_a_request_in_a_pool_range_takes_a_cached_prefix_and_leaves_the_entry_as_it_was(model):
+    """RequestState given a pool range copies a prefix hit's KV in (bit for bit) straight from the
+    entry; its own prefill and decoding write the range, never the entry."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from lockstep.server.engine.cache.prefix_cache import PrefixCache
+    from lockstep.server.engine.decoding.request_state import GenerationRequest, RequestState
+    from lockstep.server.engine.decoding.sampling import SamplingParams
+    from tests.deterministic_fixtures import TinyLoaded
+
+    loaded = TinyLoaded(model)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    plain = make_prompt_cache(model)
+    model(mx.array([prompt[:5]]), cache=plain)
+    mx.eval([c.state for c in plain])
+    pc = PrefixCache(4)
+    pc.store(prompt[:5], plain)
+    entry = pc.find(prompt[:5], private=False).cache  # the entry's own arrays
+    before = [(bits(c.keys[..., :5, :]), bits(c.values[..., :5, :])) for c in entry]
+    pool = KVPool(model, 64)
+    state = RequestState(loaded, GenerationRequest(prompt_tokens=prompt, max_tokens=2,
+                                                   sampling=SamplingParams(temperature=0.0)),
+                         prefix_cache=pc, cache=pool.allocate(16))
+    assert state.cached_tokens == 5 and state.cache[0].offset == 5
+    for p, c in zip(state.cache, entry):
+        assert bits(p.state[0]) == bits(c.keys[..., :5, :]) and bits(p.state[1]) == bits(c.values[..., :5, :])
+    model(mx.array([prompt[5:]]), cache=state.cache)  # the range grows past the prefix
+    pool.write(0, state.cache[0].span.start, mx.zeros_like(state.cache[0].state[0][0]),
+               mx.zeros_like(state.cache[0].state[1][0]))  # and its start overwritten
+    mx.eval([p.state for p in state.cache])
+    assert [(bits(c.keys[..., :5, :]), bits(c.values[..., :5, :])) for c in entry] == before
+
+
 # ----------------------------------------------------------- the kernel's order of work
 
 @pytest.mark.parametrize("length", [1, 31, 32, 33, 127, 128, 129, 200, 513])

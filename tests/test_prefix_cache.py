@@ -77,6 +77,23 @@ def test_lookup_returns_a_private_copy_of_the_longest_shared_prefix():
     assert not bits_equal(third[0].keys[..., :10, :], source[0].keys[..., :10, :])
 
 
+def test_a_lookup_for_a_caller_that_copies_gets_the_entrys_own_arrays():
+    """find(private=False) is for a KV pool range, which copies the hit in: no copy is made, and
+    the arrays are the entry's, which later lookups still find unchanged."""
+    pc = PrefixCache(4)
+    tokens = list(range(10))
+    source = filled_cache(length=10)
+    pc.store(tokens, source)
+    shared, n = lookup(pc, [0, 1, 2, 3, 4, 5, 7], private=False)
+    private, _ = lookup(pc, [0, 1, 2, 3, 4, 5, 7])
+    assert n == 6 and pc.hits == 2
+    again, _ = lookup(pc, tokens, private=False)
+    assert all(a is b for a, b in zip(shared, again))  # the entry itself, both times
+    assert not any(a is b for a, b in zip(shared, private))  # the default: a copy of its own
+    for got, want in zip(shared, source):
+        assert bits_equal(got.keys[..., :6, :], want.keys[..., :6, :])
+
+
 def test_lookup_with_nothing_in_common_misses():
     pc = PrefixCache(4)
     pc.store([5, 6, 7], filled_cache(length=3))

@@ -55,7 +55,8 @@ def copy_prefix(cache: list, length: int) -> list:
 
 @dataclass
 class PrefixHit:
-    """A private copy of cached KV: `cache` holds `length` positions, the first
+    """Cached KV: `cache` holds `length` positions (a private copy, or with `find(private=False)`
+    the entry's own arrays, to be read and copied from, never written), the first
     `canonical_length` of them canonical (see the module's docstring). `whole`: the entry held
     exactly these tokens and is their own cold prefill throughout (a deterministic request with
     the same prompt resumes at its end)."""
@@ -95,14 +96,18 @@ class PrefixCache:
         return all(type(layer) is KVCache for layer in cache) or is_pooled(cache)
 
     def find(self, tokens: list[int], namespace: str | None = None, *, layers: int = 0,
-             canonical_only: bool = False, disk_namespace: str | None = None) -> PrefixHit | None:
+             canonical_only: bool = False, disk_namespace: str | None = None,
+             private: bool = True) -> PrefixHit | None:
         """A private copy of the cached KV sharing the longest prefix with `tokens`: from
         memory, or from disk where that holds a longer prefix (`layers`: the model's, which a
         disk entry must match). `canonical_only`: only an entry's canonical positions count (a
         request that writes canonical KV must not start from other bits). `disk_namespace`:
         where the disk tier keeps this request's kind of KV (default `namespace`: canonical
         KV; plain requests' under a namespace of their own). An entry of exactly `tokens` that is
-        their own cold prefill (`store(whole=True)`) counts whole."""
+        their own cold prefill (`store(whole=True)`) counts whole. `private=False`: the entry's
+        own arrays, for a caller that copies the KV into storage of its own (a KV pool range),
+        which saves a copy of every layer a hit."""
+        take = copy_prefix if private else (lambda cache, length: cache)
         disk_namespace = disk_namespace or namespace
         with self._lock:
             best, best_len, best_whole = None, 0, False
@@ -128,13 +133,13 @@ class PrefixCache:
                 self.hits += 1
                 # concurrent and later turns find it in memory
                 self._keep(namespace, tokens[:length], found, canonical_length, whole=False)
-                return PrefixHit(copy_prefix(found, length), length, canonical_length)
+                return PrefixHit(take(found, length), length, canonical_length)
         if best is None:
             self.misses += 1
             return None
         self.hits += 1
         canonical = best_len if best_whole else min(best_canonical, best_len)
-        return PrefixHit(copy_prefix(snapshot, best_len), best_len, canonical, whole=best_whole)
+        return PrefixHit(take(snapshot, best_len), best_len, canonical, whole=best_whole)
 
     def store(self, tokens: list[int], cache: list, namespace: str | None = None, *, exact_length: int = 0,
               canonical_length: int | None = None, disk_namespace: str | None = None, whole: bool = False) -> None:

@@ -162,8 +162,10 @@ class RequestState:
         self._disk_namespace = (f"{self._namespace}/plain" if plain and self._namespace is not None
                                 else self._namespace)
         fresh = cache if cache is not None else make_prompt_cache(model)
+        # A pool range given by the engine copies a hit's KV in: the entry's arrays will do.
         hit = (prefix_cache.find(self.prompt[:-1], self._namespace, layers=len(fresh),
-                                 canonical_only=not plain, disk_namespace=self._disk_namespace)
+                                 canonical_only=not plain, disk_namespace=self._disk_namespace,
+                                 private=cache is None)
                if prefix_cache else None)
         found = hit.cache if hit else None
         if cache is not None:  # given by the engine: a range of its KV pool (kernels/batching/kv_pool.py)
