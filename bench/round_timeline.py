@@ -17,6 +17,12 @@ for requests. One unmeasured round first, medians of the rounds.
                                    [--kinds plain,deterministic] [--serve-arg=--batch-invariant-limit=8 ...]
                                    [--log server.log]
 
+--host-profile N adds the engine thread's host work over the measured rounds (cProfile, started
+and stopped on that thread between its iterations): the N functions with the most time of their
+own. Model calls there are the graph's building and the waits for the device (`decode`,
+`prefill_shared`); the rest is the engine's per-request work (admission with its prefix-cache
+copies, request updates, detokenization, posting to the clients).
+
 On the CPU with a small model: --model default --clients 4 --tokens 8 --rounds 1.
 Measures and prints; asserts nothing.
 """
@@ -24,6 +30,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -58,6 +67,29 @@ class Timeline:
                 self.steps.append(("prefill" if prefill else "decode", start, time.perf_counter(), size))
 
         engine._step = step  # this instance only: the bench's probe, not the product's
+
+
+class HostProfile:
+    """cProfile of the engine thread, switched on and off there between iterations (a profiler
+    covers the thread that enables it)."""
+
+    def __init__(self, engine):
+        self.profile, self.wanted, self.on = cProfile.Profile(), False, False
+        inner = engine._iterate
+
+        def iterate():
+            if self.wanted != self.on:
+                (self.profile.enable if self.wanted else self.profile.disable)()
+                self.on = self.wanted
+            return inner()
+
+        engine._iterate = iterate  # this instance only, as Timeline's probe
+
+    def report(self, top: int) -> str:
+        out = io.StringIO()
+        pstats.Stats(self.profile, stream=out).sort_stats("tottime").print_stats(top)
+        text = out.getvalue()
+        return text[text.find("ncalls"):] if "ncalls" in text else text
 
 
 def requests_for(loaded, clients: int, tokens: int, tag: str):
@@ -154,6 +186,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kinds", default="plain", help="plain, deterministic or both (comma-separated, alternating)")
     parser.add_argument("--serve-arg", action="append", default=[], help="one more `serve` argument (repeatable)")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="the engine thread's N functions with the most own time over the measured rounds")
     parser.add_argument("--log", default=None, help="the server's INFO log to this file (its proofs say which passes "
                                                     "run compiled)")
     args = parser.parse_args()
@@ -174,6 +208,7 @@ def main() -> int:
     _, engine = build_app_from_args(serve_args)
     wait_settled(engine)
     timeline = Timeline(engine)
+    host = HostProfile(engine) if args.host_profile else None
     kinds = args.kinds.split(",")
     plans = {kind: plan_request(engine.deployment, deterministic=kind == "deterministic", speculative=None,
                                 num_draft_tokens=None) for kind in kinds}
@@ -186,16 +221,24 @@ def main() -> int:
             for r in range(args.rounds + 1):
                 for kind in kinds:
                     requests = requests_for(engine.loaded, n, args.tokens, f"r{n}.{r}.{kind}")
+                    if host:
+                        host.wanted = r > 0  # the measured rounds
                     result = one_round(engine, timeline, requests, plans[kind])
                     if r:
                         got[kind].append(result)
             for kind in kinds:
                 rows.append(_row(n, kind, got[kind]))
     finally:
+        if host:
+            host.wanted = False
+            one_round(engine, timeline, requests_for(engine.loaded, 1, 1, "end"), plans[kinds[0]])  # switches it off
         engine.stop()
     print(table(["clients", "kind", "tok/s", "wall ms", "ttft p50 ms", "until all first ms", "prefill steps (ms)",
                  "decode steps then (n, ms)", "decode phase ms", "its steps (n, ms)", "commonest step",
                  "outside steps ms", "decode passes taken ahead"], rows))
+    if host:
+        print(f"\n## the engine thread's host work over the measured rounds (cProfile, by own time)\n```\n"
+              f"{host.report(args.host_profile)}```")
     return 0
 
 
