@@ -133,8 +133,8 @@ def one_round(engine, timeline: Timeline, requests, plan) -> dict:
     def within(lo, hi, kind):
         return [s for s in steps if s[0] == kind and lo <= s[1] < hi]
 
-    def busy(parts):
-        return sum(e - s for _, s, e, _ in parts)
+    def busy(parts):  # within the round: a step still running when it began counts from its start
+        return sum(max(0.0, min(e, end) - max(s, start)) for _, s, e, _ in parts)
 
     pre_p, pre_d = within(start, all_first, "prefill"), within(start, all_first, "decode")
     dec = within(all_first, end, "decode")
