@@ -18,8 +18,9 @@ for requests. One unmeasured round first, medians of the rounds.
                                    [--log server.log]
 
 --host-profile N adds the engine thread's host work over the measured rounds (cProfile, started
-and stopped on that thread between its iterations): the N functions with the most time of their
-own. Model calls there are the graph's building and the waits for the device (`decode`,
+and stopped on that thread between its iterations; from Python 3.12 a profiler covers every
+thread, so the report also holds the clients' event loop, `consume`): the N functions with the
+most time of their own. Model calls there are the graph's building and the waits for the device (`decode`,
 `prefill_shared`); the rest is the engine's per-request work (admission with its prefix-cache
 copies, request updates, detokenization, posting to the clients).
 
@@ -70,8 +71,8 @@ class Timeline:
 
 
 class HostProfile:
-    """cProfile of the engine thread, switched on and off there between iterations (a profiler
-    covers the thread that enables it)."""
+    """cProfile of the engine thread, switched on and off there between iterations (before
+    Python 3.12 a profiler covers the thread that enables it; from 3.12, every thread)."""
 
     def __init__(self, engine):
         self.profile, self.wanted, self.on = cProfile.Profile(), False, False
@@ -229,10 +230,7 @@ def main() -> int:
             for kind in kinds:
                 rows.append(_row(n, kind, got[kind]))
     finally:
-        if host:
-            host.wanted = False
-            one_round(engine, timeline, requests_for(engine.loaded, 1, 1, "end"), plans[kinds[0]])  # switches it off
-        engine.stop()
+        engine.stop()  # its thread, and with it the profiler's hook there, ends
     print(table(["clients", "kind", "tok/s", "wall ms", "ttft p50 ms", "until all first ms", "prefill steps (ms)",
                  "decode steps then (n, ms)", "decode phase ms", "its steps (n, ms)", "commonest step",
                  "outside steps ms", "decode passes taken ahead"], rows))
