@@ -8,7 +8,10 @@ inside a profiler range, for Nsight Compute's kernel table (`bench/step_kernels.
     ncu --profile-from-start off --clock-control none --cache-control none \\
         --metrics gpu__time_duration.sum --csv python bench/shared_prompt_pass.py DIR --ncu 16 > ncu.csv
 
-    python bench/shared_prompt_pass.py DIR [--members 16,32] [--tokens 20] [--rounds 10]
+    python bench/shared_prompt_pass.py DIR [--members 16,32] [--tokens 20] [--rounds 10] [--views]
+
+--views evaluates each request's KV as two views a layer (what `prefill_shared` evaluated before
+`kv_pool.written_kv`: 2,048 arrays built at 32 requests of 32 layers) instead of the pool's arrays.
 
 DIR is a model `serve` would load (bench/model_dirs.py writes the 8B shape). On the CPU, a small
 dir: --members 2,4 --tokens 5 --rounds 2. Measures and prints; asserts nothing.
@@ -29,6 +32,7 @@ import mlx.core as mx  # noqa: E402
 
 from invariant_8b import context, trim  # noqa: E402
 from step_rows import served  # noqa: E402
+from lockstep.kernels.batching.kv_pool import written_kv  # noqa: E402
 from lockstep.kernels.batching.ragged import ragged_prompt_forward  # noqa: E402
 from lockstep.kernels.invariance.layers import native_forms  # noqa: E402
 from lockstep.server.engine.runner.model_runner import ModelRunner  # noqa: E402
@@ -42,6 +46,7 @@ def main() -> int:
     ap.add_argument("--members", default="16,32", help="requests in the pass (comma-separated)")
     ap.add_argument("--tokens", type=int, default=20, help="new prompt tokens a request")
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--views", action="store_true", help="evaluate each request's KV views (the way before)")
     ap.add_argument("--ncu", type=int, default=0, metavar="M", help="three passes of M requests in a profiler range")
     a = ap.parse_args()
     widths = [a.ncu] if a.ncu else [int(m) for m in a.members.split(",")]
@@ -54,7 +59,8 @@ def main() -> int:
     def one_pass(m: int) -> None:
         with native_forms():
             out = ragged_prompt_forward(model, [(c, chunk) for c in caches[:m]])
-        mx.eval(out, [layer.state for c in caches[:m] for layer in c])  # as prefill_shared evaluates
+        written = [layer.state for c in caches[:m] for layer in c] if a.views else written_kv(caches[:m])
+        mx.eval(out, written)  # as prefill_shared evaluates (--views: as it did)
         for c in caches[:m]:
             trim(c, a.tokens)
 

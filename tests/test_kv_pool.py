@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from lockstep.kernels.batching.kv_pool import KVPool, fill_prefix
+from lockstep.kernels.batching.kv_pool import KVPool, fill_prefix, written_kv
 from lockstep.kernels.batching.pool_mode import pool_mode
 from lockstep.kernels.batching.ragged import enable_ragged, ragged_forward
 from lockstep.kernels.batching.ragged_selftest import prove_ragged
@@ -138,6 +138,28 @@ def test_a_request_in_a_pool_range_takes_a_cached_prefix_and_leaves_the_entry_as
                mx.zeros_like(state.cache[0].state[1][0]))  # and its start overwritten
     mx.eval([p.state for p in state.cache])
     assert [(bits(c.keys[..., :5, :]), bits(c.values[..., :5, :])) for c in entry] == before
+
+
+def test_what_a_shared_pass_evaluates_is_each_pools_arrays_once_and_other_caches_layers(model):
+    """written_kv: the pool's per-layer arrays once for all its ranges (their writes, not 2 views a
+    layer a request), each layer's state for a cache outside a pool."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    pool, other = KVPool(model, 64), KVPool(model, 64)
+    a, b, c = pool.allocate(8), pool.allocate(8), other.allocate(8)
+    model(mx.array([[5, 6, 7]]), cache=a)
+    model(mx.array([[8, 9]]), cache=b)
+    plain = make_prompt_cache(model)
+    model(mx.array([[5, 6]]), cache=plain)
+    got = written_kv([a, b, c, plain])
+    want = pool.keys + pool.values + other.keys + other.values
+    rest = [x for x in got if isinstance(x, tuple)]  # a layer's state: (keys, values)
+    pooled = [x for x in got if not isinstance(x, tuple)]
+    assert len(pooled) == len(want) and all(x is y for x, y in zip(sorted(pooled, key=id), sorted(want, key=id)))
+    assert len(rest) == len(plain) and all(r[0] is layer.keys and r[1] is layer.values for r, layer in zip(rest, plain))
+    mx.eval(got)
+    for cache, n in ((a, 3), (b, 2)):  # every range holds what its pass wrote
+        assert all(layer.offset == n and layer.state[0].shape[2] == n for layer in cache)
 
 
 # ----------------------------------------------------------- the kernel's order of work

@@ -130,6 +130,22 @@ def fill_prefix(cache: list[PooledLayerCache], source: list, length: int) -> Non
     mx.eval([c.state for c in cache])
 
 
+def written_kv(caches: list[list]) -> list:
+    """What to evaluate so that every one of `caches` holds the KV written into it: each pool's
+    per-layer arrays, once for all its ranges (a range's own views are two arrays a layer, so a
+    pass of 32 requests over 32 layers would build 2,048 of them), and the layers' state of a
+    cache outside a pool. Either way the same writes are evaluated."""
+    pools, arrays = {}, []
+    for cache in caches:
+        if is_pooled(cache):
+            pools[id(cache[0].pool)] = cache[0].pool
+        else:
+            arrays += [layer.state for layer in cache]
+    for pool in pools.values():
+        arrays += pool.keys + pool.values
+    return arrays
+
+
 class KVPool:
     """Per layer, keys and values of shape (HKV, capacity, D) and a first-fit allocator."""
 

@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from lockstep.kernels.batching.compiled_pass import CompiledPasses, NotCompilable, unavailable_reason
-from lockstep.kernels.batching.kv_pool import KVPool, is_pooled
+from lockstep.kernels.batching.kv_pool import KVPool, is_pooled, written_kv
 from lockstep.kernels.batching.ragged import enable_ragged, ragged_logits, ragged_problem, ragged_prompt_forward
 from lockstep.kernels.invariance.layers import call_without_head, calls_in_blocks, native_forms
 from lockstep.kernels.invariance.prefill import chunk_end, resume_at
@@ -253,7 +253,7 @@ class ModelRunner:
         # have no KV array of their own to carry it, as one request's do).
         with prompt_forms(states):
             out = ragged_prompt_forward(self.model, [(state.cache, chunk) for state, chunk in zip(states, chunks)])
-        mx.eval(out, [layer.state for state in states for layer in state.cache])
+        mx.eval(out, written_kv([state.cache for state in states]))
         return [len(chunk) for chunk in chunks]
 
     def decode(self, decode_pass: DecodePass, look_ahead: bool = False) -> PassResult:
