@@ -127,7 +127,7 @@ def fill_prefix(cache: list[PooledLayerCache], source: list, length: int) -> Non
     layers have keys/values of shape (1, HKV, >= length, D)), bit for bit."""
     for dst, src in zip(cache, source):
         dst.load(src.keys[..., :length, :], src.values[..., :length, :])
-    mx.eval([c.state for c in cache])
+    mx.eval(written_kv([cache]))
 
 
 def written_kv(caches: list[list]) -> list:

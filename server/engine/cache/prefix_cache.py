@@ -98,7 +98,7 @@ class PrefixCache:
     def find(self, tokens: list[int], namespace: str | None = None, *, layers: int = 0,
              canonical_only: bool = False, disk_namespace: str | None = None,
              private: bool = True) -> PrefixHit | None:
-        """A private copy of the cached KV sharing the longest prefix with `tokens`: from
+        """The cached KV sharing the longest prefix with `tokens`, as a private copy: from
         memory, or from disk where that holds a longer prefix (`layers`: the model's, which a
         disk entry must match). `canonical_only`: only an entry's canonical positions count (a
         request that writes canonical KV must not start from other bits). `disk_namespace`:
